@@ -1,0 +1,113 @@
+"""`llmstep` / `python -m llmstep`: generate text, inspect a model, and the course's other commands.
+
+    llmstep generate --prompt "ROMEO:"                  stream text from the shipped model
+    llmstep info --preset llama-3.1-8b                  parameters and bytes per token of a shape
+    llmstep train|eval|bench|data ...                   the commands of llmstep.train, .eval, .bench, .data
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import torch
+
+from .config import PRESETS, LlamaConfig
+from .cost import decode_step_cost, kv_bytes_per_token, param_counts
+
+# Subcommands that live in their own module, each with a main(argv).
+MODULE_COMMANDS = {"train": "llmstep.train", "eval": "llmstep.eval", "bench": "llmstep.bench", "data": "llmstep.data"}
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: generation_config.json, else 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json, else 0.95)")
+    p.add_argument("--seed", type=int, default=None, help="makes the run reproducible")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmstep", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a continuation of a prompt, then a speed summary")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the shipped Shakespeare model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the Llama 3 chat format")
+    _add_sampling_args(g)
+    g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+
+    i = sub.add_parser("info", help="parameters and per-token cost of a checkpoint or a preset shape")
+    src = i.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model")
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    i.add_argument("--dtype", default="bfloat16")
+    i.add_argument("--context", type=int, default=0, help="tokens already in the KV cache")
+
+    for name in MODULE_COMMANDS:
+        sub.add_parser(name, help=f"see: python -m {MODULE_COMMANDS[name]} --help", add_help=False)
+    return parser
+
+
+def cmd_generate(args) -> None:
+    from .checkpoint import load
+    from .generate import stream
+
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    defaults = getattr(model, "generation_config", {}) or {}
+    temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
+    top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
+    top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    run = stream(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature,
+                 top_k=top_k, top_p=top_p, seed=args.seed)
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    for event in run:
+        print(event.text, end="", flush=True)
+    print()
+    print(f"\n[{model.device.type} {str(model.dtype).removeprefix('torch.')}] {run.result.summary()}", file=sys.stderr)
+
+
+def cmd_info(args) -> None:
+    if args.preset:
+        config, name = LlamaConfig.preset(args.preset), args.preset
+    else:
+        from .checkpoint import resolve_model_path
+
+        path = resolve_model_path(args.model)
+        config, name = LlamaConfig.from_hf(path), str(path)
+    dtype = getattr(torch, args.dtype)
+    counts = param_counts(config)
+    total = sum(counts.values())
+    print(f"{name}: {total / 1e9:.3f} B parameters")
+    for part, n in counts.items():
+        print(f"  {part:<10} {n:>16,}  {100 * n / total:5.1f}%")
+    cost = decode_step_cost(config, context=args.context, dtype=dtype)
+    print(f"one decode step at {args.dtype}, {args.context} tokens of context: "
+          f"{cost.weight_bytes / 1e9:.3f} GB of weights + {cost.kv_bytes / 1e6:.3f} MB of KV cache, "
+          f"{cost.flops / 1e9:.2f} GFLOP, {cost.arithmetic_intensity:.2f} FLOP/byte")
+    print(f"KV cache per token: {kv_bytes_per_token(config, dtype) / 1024:.1f} KiB")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in MODULE_COMMANDS:
+        try:
+            module = importlib.import_module(MODULE_COMMANDS[argv[0]])
+        except ModuleNotFoundError as e:
+            sys.exit(f"llmstep {argv[0]}: not available in this version ({e})")
+        return module.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
+        sys.exit(f"llmstep {args.command}: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

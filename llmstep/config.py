@@ -1,0 +1,234 @@
+"""The shape of a LLaMA-3 model: one dataclass, read from a Hugging Face config.json or a preset.
+
+Names follow Meta's reference code (dim, n_layers, n_heads, n_kv_heads, hidden_dim); `from_hf` maps
+the Hugging Face names (hidden_size, num_hidden_layers, ...) onto them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+__all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a LLaMA-3 model; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's `llama3` RoPE frequency scaling (meta-llama/Llama-3.1-8B config.json)."""
+
+    factor: float = 8.0  # low frequencies are slowed down by this much
+    low_freq_factor: float = 1.0  # wavelengths above original_max / low_freq_factor are fully scaled
+    high_freq_factor: float = 4.0  # wavelengths below original_max / high_freq_factor are untouched
+    original_max_position_embeddings: int = 8192  # Llama 3's pre-training context
+
+    def __post_init__(self):
+        if not self.factor >= 1.0:
+            raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(
+                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 128256  # Llama 3: 128,000 BPE tokens + 256 special tokens
+    dim: int = 4096  # width of the residual stream (HF: hidden_size)
+    n_layers: int = 32
+    n_heads: int = 32  # query heads
+    n_kv_heads: int = 8  # key/value heads; n_heads // n_kv_heads query heads share one (GQA)
+    hidden_dim: int = 14336  # SwiGLU inner width (HF: intermediate_size)
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0  # Llama 3 raised RoPE's base from Llama 2's 10,000
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 8192  # HF: max_position_embeddings
+    tie_embeddings: bool = False  # Llama 3.2 1B/3B reuse the embedding matrix as the LM head
+    head_dim: int | None = None  # None: dim // n_heads (true for every Llama 3 model)
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str = "bfloat16"  # the dtype the weights were published in
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        self.eos_token_id = list(self.eos_token_id or [])
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}): "
+                "each key/value head serves a whole group of query heads"
+            )
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ConfigError(
+                    f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads}); "
+                    "give head_dim explicitly or fix the sizes"
+                )
+            self.head_dim = self.dim // self.n_heads
+        if self.head_dim <= 0 or self.head_dim % 2:
+            raise ConfigError(f"head_dim must be a positive even number (RoPE rotates pairs), got {self.head_dim}")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        for name, tok in [("bos_token_id", self.bos_token_id)] + [("eos_token_id", t) for t in self.eos_token_id]:
+            if tok is not None and not 0 <= tok < self.vocab_size:
+                raise ConfigError(f"{name} {tok} is outside the vocabulary (size {self.vocab_size})")
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def n_rep(self) -> int:
+        """Query heads per key/value head: 1 is MHA, n_heads is MQA, in between is GQA."""
+        return self.n_heads // self.n_kv_heads
+
+    # ---- Hugging Face config.json ----------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, source: str | os.PathLike | dict) -> LlamaConfig:
+        """Read a Hugging Face Llama config: a dict, a config.json file, or a directory holding one.
+
+        Accepts both the published Llama 3.x files (top-level `rope_theta` and `rope_scaling`) and the
+        newer `rope_parameters` form.
+        """
+        where = "config"
+        if not isinstance(source, dict):
+            path = Path(source)
+            if path.is_dir():
+                path = path / "config.json"
+            where = str(path)
+            if not path.is_file():
+                raise FileNotFoundError(f"no config.json at {path}")
+            try:
+                source = json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        hf = dict(source)
+        model_type = hf.get("model_type", "llama")
+        if model_type != "llama":
+            raise ConfigError(f"{where}: model_type is {model_type!r}; llmstep implements 'llama' only")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ConfigError(f"{where}: {flag}=true is not part of LLaMA 3 and is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act is {act!r}; LLaMA 3's SwiGLU uses 'silu'")
+        required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"]
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ConfigError(f"{where}: missing {', '.join(missing)}")
+
+        rope = dict(hf.get("rope_parameters") or {})  # new form: theta and scaling in one dict
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling") or rope
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if rope_type == "llama3":
+            try:
+                rope_scaling = RopeScaling(
+                    factor=float(scaling["factor"]),
+                    low_freq_factor=float(scaling["low_freq_factor"]),
+                    high_freq_factor=float(scaling["high_freq_factor"]),
+                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+                )
+            except KeyError as e:
+                raise ConfigError(f"{where}: llama3 rope scaling is missing {e.args[0]}") from None
+        elif rope_type == "default":
+            rope_scaling = None
+        else:
+            raise ConfigError(f"{where}: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+
+        try:
+            return cls(
+                vocab_size=hf["vocab_size"],
+                dim=hf["hidden_size"],
+                n_layers=hf["num_hidden_layers"],
+                n_heads=hf["num_attention_heads"],
+                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                hidden_dim=hf["intermediate_size"],
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                rope_scaling=rope_scaling,
+                max_seq_len=hf.get("max_position_embeddings", 2048),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                head_dim=hf.get("head_dim"),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_id=hf.get("eos_token_id") or [],
+                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
+            )
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    def to_hf(self) -> dict:
+        """The config.json that transformers' LlamaForCausalLM reads (published Llama 3.x form)."""
+        hf = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "intermediate_size": self.hidden_dim,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else (self.eos_token_id or None),
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = {"rope_type": "llama3", **asdict(self.rope_scaling)}
+        return hf
+
+    # ---- presets ---------------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
+        """Real Llama 3.x shapes (from meta-llama's config.json files), for arithmetic and random-weight runs."""
+        key = name.lower()
+        if key not in PRESETS:
+            raise KeyError(f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return replace(PRESETS[key], **overrides)
+
+    def replace(self, **changes) -> LlamaConfig:
+        return replace(self, **changes)
+
+
+_LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192)
+_LLAMA32_SCALING = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                               original_max_position_embeddings=8192)
+_LLAMA3_IDS = dict(bos_token_id=128000, eos_token_id=[128001])
+
+PRESETS: dict[str, LlamaConfig] = {
+    "llama-3-8b": LlamaConfig(**_LLAMA3_IDS),
+    "llama-3-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, hidden_dim=28672, **_LLAMA3_IDS),
+    "llama-3.1-8b": LlamaConfig(rope_scaling=_LLAMA31_SCALING, max_seq_len=131072, **_LLAMA3_IDS),
+    "llama-3.1-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, hidden_dim=28672,
+                                 rope_scaling=_LLAMA31_SCALING, max_seq_len=131072, **_LLAMA3_IDS),
+    "llama-3.1-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, hidden_dim=53248,
+                                  rope_scaling=_LLAMA31_SCALING, max_seq_len=131072, **_LLAMA3_IDS),
+    "llama-3.2-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, hidden_dim=8192, tie_embeddings=True,
+                                rope_scaling=_LLAMA32_SCALING, max_seq_len=131072, **_LLAMA3_IDS),
+    "llama-3.2-3b": LlamaConfig(dim=3072, n_layers=28, n_heads=24, hidden_dim=8192, tie_embeddings=True,
+                                rope_scaling=_LLAMA32_SCALING, max_seq_len=131072, **_LLAMA3_IDS),
+}

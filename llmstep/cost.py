@@ -1,0 +1,84 @@
+"""What one token costs: parameters, bytes and FLOPs, from the config alone.
+
+Every figure in the course (the roofline, the trace, the CLI summary, the notebooks) comes from here,
+so they agree. Bytes are per decode step at batch 1: each weight is read once per step, whatever the
+batch, while the KV cache is read once per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import LlamaConfig
+
+__all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token"]
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> float:
+    """Bytes per element of a torch dtype (or its name)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def param_counts(config: LlamaConfig) -> dict[str, int]:
+    """Parameters per component, the whole stack (all layers) for the per-layer parts."""
+    c = config
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    counts = {
+        "embedding": c.vocab_size * c.dim,
+        "attention": c.n_layers * (c.dim * q_dim + 2 * c.dim * kv_dim + q_dim * c.dim),  # wq, wk, wv, wo
+        "mlp": c.n_layers * 3 * c.dim * c.hidden_dim,  # w1 (gate), w3 (up), w2 (down)
+        "norms": (2 * c.n_layers + 1) * c.dim,  # two RMSNorm per block, one final
+        "lm_head": 0 if c.tie_embeddings else c.vocab_size * c.dim,
+    }
+    return counts
+
+
+def n_params(config: LlamaConfig) -> int:
+    return sum(param_counts(config).values())
+
+
+def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloat16) -> float:
+    """KV-cache bytes one token adds: a key and a value vector per KV head per layer."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype_bytes(dtype)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The cost of one decode step at batch 1 with `context` tokens already in the cache."""
+
+    weight_bytes: float  # weights streamed from memory: every matrix once, one embedding row
+    kv_bytes: float  # KV cache read by attention
+    flops: float  # multiply-adds counted as 2 FLOPs
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte moved: ~1 for FP16 decode, far left of every GPU's ridge point."""
+        return self.flops / self.bytes
+
+
+def decode_step_cost(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str = torch.bfloat16,
+                     weight_bytes_per_param: float | None = None) -> StepCost:
+    """Bytes and FLOPs of generating one token after `context` tokens.
+
+    `weight_bytes_per_param` overrides the weights' storage size (1 for int8, ~0.5 for int4) while the
+    KV cache stays in `dtype`.
+    """
+    counts = param_counts(config)
+    wbytes = dtype_bytes(dtype) if weight_bytes_per_param is None else weight_bytes_per_param
+    # The embedding table is not streamed: one row is gathered. A tied LM head streams it all.
+    matmul_params = counts["attention"] + counts["mlp"] + config.vocab_size * config.dim
+    streamed = matmul_params + counts["norms"] + (0 if config.tie_embeddings else config.dim)
+    attn_flops = 4 * config.n_layers * config.n_heads * config.head_dim * (context + 1)  # q.k and p.v
+    return StepCost(
+        weight_bytes=streamed * wbytes,
+        kv_bytes=(context + 1) * kv_bytes_per_token(config, dtype),
+        flops=2 * matmul_params + attn_flops,
+    )

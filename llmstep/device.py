@@ -1,0 +1,57 @@
+"""Pick the device and dtype: CUDA first, then Apple's MPS, then the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["resolve_device", "resolve_dtype", "synchronize"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """None or "auto": the best device here. Otherwise check that the named one exists."""
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N, mps or auto ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this PyTorch sees no CUDA GPU")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r} asked for, but MPS is not available here")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str = "bfloat16") -> torch.dtype:
+    """None: the checkpoint's own dtype on a GPU; float32 on the CPU, where bf16/fp16 matmuls are slow."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported: use float32, bfloat16 or float16")
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        if device.type == "mps":
+            return torch.float16
+        want = _DTYPES.get(str(stored), torch.bfloat16)
+        if want == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return want
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    return _DTYPES[dtype]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer measures the work and not just its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

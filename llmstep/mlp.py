@@ -1,0 +1,22 @@
+"""SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)).
+
+Two thirds of an 8B model's weights live here: three [dim x hidden_dim] matrices per layer.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["FeedForward"]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate, HF: gate_proj   (hidden_dim, dim)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up,   HF: up_proj     (hidden_dim, dim)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down, HF: down_proj   (dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, hidden_dim] in the middle

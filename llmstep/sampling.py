@@ -1,0 +1,84 @@
+"""From logits to one token: temperature, top-k, top-p, softmax, a categorical draw.
+
+Pure, batched functions: logits [B, V] in, a distribution [B, V] or tokens [B] out. `probs` returns the
+exact distribution that `sample` draws from, so tests (and speculative decoding) can use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy"]
+
+
+def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> None:
+    """Raise ValueError naming the bad argument."""
+    if temperature is None or not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
+    if top_p is None or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 means off), got {top_p}")
+
+
+def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Divide by T: T < 1 sharpens the distribution, T > 1 flattens it. Computed in float32."""
+    return logits.float() / temperature
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep exactly the k largest logits of each row (ties broken by index), set the rest to -inf."""
+    if not k or k >= logits.shape[-1]:
+        return logits
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
+    drop_sorted = mass_before >= p  # already reached p without this token; the top token is always kept
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B]: the most likely token (the first one on ties)."""
+    return logits.argmax(dim=-1)
+
+
+def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> the distribution the draw uses [..., V], float32.
+
+    The article's order: temperature, then top-k, then top-p on what is left, then softmax.
+    Temperature 0 is greedy: all the mass on the argmax.
+    """
+    check_params(temperature, top_k, top_p)
+    if temperature == 0:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits)[..., None], 1.0)
+    scaled = apply_temperature(logits, temperature)
+    return top_p_filter(top_k_filter(scaled, top_k), top_p).softmax(dim=-1)
+
+
+def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A categorical draw from p [B, V] -> [B], without a host sync.
+
+    argmax(p_i / E_i) with E_i ~ Exponential(1) picks i with probability exactly p_i (the "exponential
+    race"; the same as torch.multinomial, but it stays on the device).
+    """
+    e = torch.empty_like(p).exponential_(1.0, generator=generator)
+    e.clamp_min_(torch.finfo(e.dtype).tiny)  # an exact 0 would make 0/0 = nan for a filtered-out token
+    return (p / e).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [B, V] -> tokens [B], drawn from `probs(logits, temperature, top_k, top_p)`."""
+    if temperature == 0:
+        check_params(temperature, top_k, top_p)
+        return greedy(logits)
+    return draw(probs(logits, temperature, top_k, top_p), generator)

@@ -1,0 +1,131 @@
+"""Text <-> token ids, through the `tokenizers` library and a model's tokenizer.json.
+
+Llama 3 uses a byte-level BPE of 128,000 merges plus 256 special tokens; the default Shakespeare model
+uses the same scheme with 8,192 tokens. Special tokens (`<|begin_of_text|>`, `<|eot_id|>`, ...) come
+from the file; the chat format is used only when the tokenizer has its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
+
+__all__ = ["Tokenizer", "StreamDecoder"]
+
+BOS = "<|begin_of_text|>"
+EOS_CANDIDATES = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
+CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+class Tokenizer:
+    def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None):
+        self.tok = tok
+        self.bos_id = tok.token_to_id(BOS) if bos_id is None else bos_id
+        if eos_ids is None:
+            eos_ids = [i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None]
+        self.eos_ids: list[int] = list(dict.fromkeys(eos_ids))
+
+    @classmethod
+    def from_file(cls, path: str | Path, bos_id: int | None = None, eos_ids: Iterable[int] | None = None):
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
+        return cls(tok, bos_id, eos_ids)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """tokenizer.json plus the stop tokens of generation_config.json (or config.json) when present."""
+        path = Path(path)
+        eos: list[int] = []
+        bos = None
+        for name in ("generation_config.json", "config.json"):
+            f = path / name
+            if f.is_file():
+                data = json.loads(f.read_text())
+                ids = data.get("eos_token_id")
+                eos += [ids] if isinstance(ids, int) else list(ids or [])
+                bos = data.get("bos_token_id") if bos is None else bos
+        return cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None)
+
+    # ---- the vocabulary --------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(token_id)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    # ---- encode / decode -------------------------------------------------------------------------
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        """Text -> ids. Special tokens written in the text (`<|eot_id|>`) become their ids."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def pieces(self, text: str) -> list[str]:
+        """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""
+        return [self.decode([i]) for i in self.encode(text, bos=False)]
+
+    # ---- Llama 3 chat format ---------------------------------------------------------------------
+    @property
+    def has_chat_format(self) -> bool:
+        return all(self.token_to_id(t) is not None for t in CHAT_TOKENS)
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Messages [{"role": ..., "content": ...}] -> the Llama 3 prompt string (with <|begin_of_text|>)."""
+        if not self.has_chat_format:
+            raise ValueError("this tokenizer has no Llama 3 chat tokens (<|start_header_id|>, ...)")
+        parts = [BOS]
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            parts.append(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>")
+        if add_generation_prompt:
+            parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        return "".join(parts)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat(messages, add_generation_prompt), bos=False)
+
+    def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens)
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save(str(path))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
+
+
+class StreamDecoder:
+    """Ids in one at a time, text out as soon as it is whole: a character split over several byte-level
+    tokens is held back until its last byte arrives, so the stream never shows broken UTF-8."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        """The new text this id completes ('' while a character is still incomplete)."""
+        return self._stream.step(self.tokenizer.tok, int(token_id)) or ""
