@@ -97,3 +97,8 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_file):
     path = tmp_path_factory.mktemp("tiny")
     make_checkpoint(path, tokenizer_file, rope_parameters=LLAMA3_SCALING)
     return path
+
+
+@pytest.fixture(scope="session")
+def sample_text() -> str:
+    return TEXT
