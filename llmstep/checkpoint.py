@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .config import LlamaConfig
+from .cost import n_params
 from .device import resolve_device, resolve_dtype
 from .model import Llama
 from .rope import config_inv_frequencies
@@ -166,6 +167,8 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
     path = resolve_model_path(path)
     config = LlamaConfig.from_hf(path)
     device = resolve_device(device)
+    if dtype is None and device.type == "cpu" and n_params(config) > 4e9:
+        dtype = config.torch_dtype  # a float32 copy of a big model would not fit most machines' memory
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
     found = validate(path, config)
 
@@ -207,7 +210,7 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     """Load (model, tokenizer) from a Hugging Face-layout directory; None loads the shipped default.
 
     `device`: "cuda", "mps", "cpu" or None for the best available. `dtype`: None keeps the checkpoint's
-    dtype on a GPU and uses float32 on the CPU.
+    dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
     """
     path = resolve_model_path(path)
     tokenizer = Tokenizer.from_dir(path)  # fails fast, before any weight is read
