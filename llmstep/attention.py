@@ -50,13 +50,17 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's whole cache [B, n_kv, S, hd]."""
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
-        # Advanced indices on dims 0 and 2 put the broadcast [B, T] first: the target is [B, T, n_kv, hd].
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        return self.k[layer], self.v[layer]
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int | None = None):
+        """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's cache up to kv_len [B, n_kv, S, hd]."""
+        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, n_kv, max_len, hd]
+        if k.shape[0] == 1:  # one sequence: a plain copy into slots positions[0]
+            k_cache.index_copy_(2, positions[0], k)
+            v_cache.index_copy_(2, positions[0], v)
+        else:  # each row at its own positions; advanced indices on dims 0 and 2 address [B, T, n_kv, hd]
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            k_cache[rows, :, positions] = k.transpose(1, 2)
+            v_cache[rows, :, positions] = v.transpose(1, 2)
+        return k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
 
     def rollback(self, lengths: torch.Tensor | int):
         """Forget everything from position `lengths` on (per sequence, or one int for all)."""
@@ -96,15 +100,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: v_proj
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)  # HF: o_proj
 
-    def forward(self, x, cos, sin, positions, mask, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin, positions, mask, cache: KVCache | None = None, layer: int = 0,
+                kv_len: int | None = None):
         """x [B, T, dim] -> [B, T, dim]. With a cache, this step's keys and values are stored at
-        `positions` and the queries attend over the whole cache (mask hides what is not yet written)."""
+        `positions` and the queries attend over the cache's first kv_len slots (the mask hides what
+        is not theirs to see; None means every slot is visible)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, hd]
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.write(layer, positions, k, v)  # [B, n_kv, S, hd]
+            k, v = cache.write(layer, positions, k, v, kv_len)  # [B, n_kv, S, hd]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

@@ -162,10 +162,20 @@ def validate(path: Path, config: LlamaConfig) -> dict[str, tuple[str, tuple[int,
     return found
 
 
+def read_config(path: Path) -> LlamaConfig:
+    """The checkpoint's config.json, refusing quantised checkpoints (they have their own loader)."""
+    config = LlamaConfig.from_hf(path)
+    quantized = _read_json(path / "config.json").get("quantization_config")
+    if quantized:
+        raise CheckpointError(f"{path} holds a quantised checkpoint ({quantized.get('quant_method', '?')}): "
+                              "load it with llmstep.quantize.load_quantized")
+    return config
+
+
 def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, progress: bool | None = None) -> Llama:
     """Build a Llama from a checkpoint directory, straight onto `device` in `dtype`."""
     path = resolve_model_path(path)
-    config = LlamaConfig.from_hf(path)
+    config = read_config(path)
     device = resolve_device(device)
     if dtype is None and device.type == "cpu" and n_params(config) > 4e9:
         dtype = config.torch_dtype  # a float32 copy of a big model would not fit most machines' memory
@@ -213,7 +223,8 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
     """
     path = resolve_model_path(path)
-    tokenizer = Tokenizer.from_dir(path)  # fails fast, before any weight is read
+    read_config(path)  # fail fast on the config and the tokenizer, before any weight is read
+    tokenizer = Tokenizer.from_dir(path)
     model = load_model(path, device=device, dtype=dtype, progress=progress)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "

@@ -28,8 +28,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)  # HF: post_attention_layernorm
         self.feed_forward = FeedForward(config.dim, config.hidden_dim)  # HF: mlp
 
-    def forward(self, x, cos, sin, positions, mask, cache=None, layer=0):
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask, cache, layer)
+    def forward(self, x, cos, sin, positions, mask, cache=None, layer=0, kv_len=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask, cache, layer, kv_len)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -71,18 +71,24 @@ class Llama(nn.Module):
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=tokens.device)
         positions = positions.expand(B, T)  # [B, T]
-        if cache is not None:
-            if not torch.compiler.is_compiling() and int(positions.max()) >= cache.max_len:
-                raise ValueError(f"position {int(positions.max())} is past the KV cache's {cache.max_len} slots")
-            key_positions = torch.arange(cache.max_len, device=tokens.device)  # [S]: slot s holds position s
+        kv_len = None
+        if cache is None:
+            mask = causal_mask(positions, positions)  # [B, 1, T, T]: the keys are these tokens
+        elif torch.compiler.is_compiling():
+            # Compiled: static shapes, attend over every slot; the mask hides the unwritten ones.
+            mask = causal_mask(positions, torch.arange(cache.max_len, device=tokens.device))
         else:
-            key_positions = positions  # [B, T]: the keys are these tokens
-        mask = causal_mask(positions, key_positions)  # [B, 1, T, S]
+            # Eager: attend over the filled slots only. One sequence decoding one token sees all of them.
+            kv_len = int(positions.max()) + 1
+            if kv_len > cache.max_len:
+                raise ValueError(f"position {kv_len - 1} is past the KV cache's {cache.max_len} slots")
+            single_step = B == 1 and T == 1
+            mask = None if single_step else causal_mask(positions, torch.arange(kv_len, device=tokens.device))
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [B, T, head_dim]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, mask, cache, i)
+            x = layer(x, cos, sin, positions, mask, cache, i, kv_len)
         if cache is not None:
             cache.lengths.copy_(positions[:, -1] + 1)
         if last_only:

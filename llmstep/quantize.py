@@ -1,0 +1,596 @@
+"""Weight-only quantization: fewer bytes per weight, so fewer bytes per token at the memory wall.
+
+Decode at batch 1 reads every weight once per token, so its speed is set by bytes, not FLOPs. Storing
+the matrices in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16)
+while activations, norms and the KV cache stay in the model's dtype.
+
+- int8, per output channel (row): w[n, :] ~= q[n, :] * scale[n], q in [-128, 127], symmetric,
+  scale = max|w[n, :]| / 127. Rounding to the nearest step errs by at most scale / 2 per element.
+- int4, per group of `group_size` consecutive inputs in a row (asymmetric, as in gpt-fast and
+  PyTorch's tinygemm kernels): w ~= (q - 8) * scale + zero, q in [0, 15], scale = (max - min) / 15,
+  zero = min + 8 * scale. Error at most scale / 2 per element of the group. Two q values share one
+  byte: even input index in the high nibble, odd in the low one (the layout
+  torch._convert_weight_to_int4pack reads on CUDA).
+
+`quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True)
+for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. `save_quantized` and
+`load_quantized` keep the packed weights, with the settings in config.json and in the safetensors
+header, checked on load.
+
+The matmul either calls PyTorch's packed kernels (torch._weight_int8pack_mm, torch._weight_int4pack_mm
+on CUDA, torch._weight_int4pack_mm_for_cpu) or dequantises and multiplies; under torch.compile the
+latter is fused into one kernel (gpt-fast's int8 path). `kernel="auto"` picks per device (see
+`_auto_kernel`); what each costs on this machine is measured by `python -m llmstep.bench`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .checkpoint import CheckpointError, hf_names, resolve_model_path
+from .config import LlamaConfig
+from .cost import StepCost, decode_step_cost, kv_bytes_per_token
+from .device import resolve_device, resolve_dtype
+from .model import Llama
+from .norm import RMSNorm
+from .rope import config_inv_frequencies
+
+__all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
+           "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize",
+           "linear_names", "weight_bytes", "step_cost", "save_quantized", "load_quantized", "layer_errors"]
+
+MODES = ("int8", "int4")
+KERNELS = ("auto", "packed", "dequant")
+# The packed kernels are matrix-vector kernels: at more rows than this (a prompt, an eval batch) widening the
+# weights once and calling the ordinary matmul is far faster (on the reference CPU, 100x at 512 rows).
+PACKED_MAX_ROWS = 16
+DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
+FORMAT_VERSION = 1  # of the quantised checkpoint layout below; bump when it changes
+
+
+class QuantizationError(ValueError):
+    """Settings that cannot quantise a model (or a checkpoint that does not match them); names the layer."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    mode: str  # "int8" (per output channel) or "int4" (per group, two values per byte)
+    group_size: int | None = None  # int4 only: inputs sharing one scale/zero; None -> DEFAULT_GROUP_SIZE
+    lm_head: bool = False  # also quantise the LM head (tied or not; the embedding lookup stays float)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise QuantizationError(f"unknown quantization mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.mode == "int4":
+            if self.group_size is None:
+                object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
+            g = self.group_size
+            if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+                raise QuantizationError(f"int4 group_size must be an even integer >= 2, got {g!r}")
+        elif self.group_size is not None:
+            raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
+
+    @classmethod
+    def of(cls, spec: QuantConfig | str | dict) -> QuantConfig:
+        """A QuantConfig from itself, a mode name ("int8", "int4", "int4-g32") or a dict."""
+        if isinstance(spec, QuantConfig):
+            return spec
+        if isinstance(spec, dict):
+            known = {"mode", "group_size", "lm_head"}
+            return cls(**{k: v for k, v in spec.items() if k in known})
+        if isinstance(spec, str) and spec.startswith("int4-g") and spec[6:].isdigit():
+            return cls("int4", int(spec[6:]))
+        return cls(str(spec))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}"
+        return name + ("+lm_head" if self.lm_head else "")
+
+
+# ---- the arithmetic ------------------------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> q int8 [N, K], scales [N] (in scale_dtype), with w ~= q * scales[:, None].
+
+    The scale is rounded to scale_dtype first and q computed from the rounded scale, so the bound
+    |w - q * scale| <= scale / 2 holds for the scale that is stored.
+    """
+    w32 = w.detach().float()
+    scales = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12).to(scale_dtype)  # [N]; an all-zero row keeps 1e-12
+    q = torch.round(w32 / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q int8 [N, K], scales [N] -> w [N, K] in dtype."""
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] with values 0..15 -> [N, K/2] uint8: even index in the high nibble, odd in the low."""
+    q = q.to(torch.uint8)
+    return (q[:, ::2] << 4) | q[:, 1::2]
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 -> q [N, K] uint8 with values 0..15 (inverse of pack_int4)."""
+    return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, scale_dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> packed uint8 [N, K/2], scales [N, K/g], zeros [N, K/g] with w ~= (q - 8) * scale + zero.
+
+    Per group of g inputs: scale = (max - min) / 15 and zero = min + 8 * scale, so q = 0 is the group's
+    minimum and q = 15 its maximum. Rounded to scale_dtype before q is computed, as for int8.
+    """
+    N, K = w.shape
+    if K % group_size:
+        raise QuantizationError(f"group_size {group_size} does not divide the input dimension {K}")
+    if K % 2:
+        raise QuantizationError(f"the input dimension {K} is odd; int4 packs two weights per byte along it")
+    wg = w.detach().float().view(N, K // group_size, group_size)  # [N, groups, g]
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, groups]
+    scales = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype)
+    zeros = (lo + 8 * scales.float()).to(scale_dtype)
+    q = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp_(0, 15)
+    return pack_int4(q.view(N, K)), scales, zeros
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed [N, K/2], scales/zeros [N, K/g] -> w [N, K] in dtype."""
+    N, groups = scales.shape
+    q = unpack_int4(packed).view(N, groups, -1).float()  # [N, groups, g]
+    return ((q - 8) * scales.float()[..., None] + zeros.float()[..., None]).view(N, -1).to(dtype)
+
+
+# ---- the modules ---------------------------------------------------------------------------------
+
+def _auto_kernel(mode: str, device: torch.device) -> str:
+    """Which matmul to use when the caller does not say.
+
+    int8: dequantise + matmul everywhere. On CUDA torch.compile fuses the widening into the matmul
+    (gpt-fast's int8 path); on this course's reference CPU (torch 2.13) torch._weight_int8pack_mm was
+    several times slower than dequantise + matmul at batch 1, so it is opt-in (kernel="packed").
+    int4: the packed kernels (tinygemm on CUDA, the _for_cpu variant on the CPU) where the shapes allow;
+    dequantising a whole int4 matrix per token would read more bytes than the float weights.
+    """
+    return "packed" if mode == "int4" else "dequant"
+
+
+def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A packed kernel's output matches dequantise + matmul to within its dtype's rounding (1% of the norm)."""
+    got, want = got.float(), want.float()
+    return got.shape == want.shape and bool((got - want).norm() <= 1e-2 * want.norm() + 1e-6)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale)^T: an nn.Linear (no bias) whose weight is stored as int8 rows and their scales."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=torch.float32, kernel: str = "auto"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))  # [N]
+        self.kernel = kernel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> Int8Linear:
+        w = linear.weight
+        m = cls(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype, kernel=kernel)
+        m.weight, m.scales = quantize_int8(w, scale_dtype=w.dtype)
+        m.prepare()
+        return m
+
+    def prepare(self) -> Int8Linear:
+        """Settle the kernel for the weights' device; check the packed one against the reference once."""
+        if self.kernel == "auto":
+            self.kernel = _auto_kernel("int8", self.weight.device)
+        if self.kernel == "packed":
+            x = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype)
+            try:
+                got = torch._weight_int8pack_mm(x, self.weight, self.scales)
+                ok = _agrees(got, F.linear(x, self.weight.to(x.dtype)) * self.scales)
+            except (RuntimeError, NotImplementedError, AttributeError):
+                ok = False
+            if not ok:
+                self.kernel = "dequant"
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        if self.kernel == "packed" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes streamed per matmul: the int8 weights and one scale per row."""
+        return self.weight.nbytes + self.scales.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int8(self.weight, self.scales, self.scales.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T with W stored as 4-bit codes, two per byte, and a scale and zero per group of inputs."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE, device=None,
+                 dtype=torch.float32, kernel: str = "auto"):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        groups = in_features // group_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
+        self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
+        self.kernel = kernel
+        # The packed kernels want their own layouts: built by prepare(), never saved.
+        self.register_buffer("kernel_weight", None, persistent=False)
+        self.register_buffer("scales_and_zeros", None, persistent=False)  # [K/g, N, 2]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, kernel: str = "auto") -> Int4Linear:
+        w = linear.weight
+        m = cls(w.shape[1], w.shape[0], group_size, device=w.device, dtype=w.dtype, kernel=kernel)
+        m.weight, m.scales, m.zeros = quantize_int4(w, group_size, scale_dtype=w.dtype)
+        m.prepare()
+        return m
+
+    def prepare(self) -> Int4Linear:
+        """Build the packed kernel's layout for the weights' device, check it once, else fall back."""
+        device = self.weight.device
+        if self.kernel == "auto":
+            self.kernel = _auto_kernel("int4", device)
+        self.kernel_weight = self.scales_and_zeros = None
+        if self.kernel != "packed":
+            return self
+        try:
+            sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+            if device.type == "cuda":
+                # tinygemm: bf16 activations, K a multiple of inner_k_tiles * 16, N of 8 (PyTorch's checks).
+                inner_k_tiles = 8 if self.in_features % 128 == 0 else 4 if self.in_features % 64 == 0 else 2
+                packed = torch._convert_weight_to_int4pack(self.weight.contiguous(), inner_k_tiles)
+            else:
+                packed = torch._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).to(torch.int32), 1)
+            self.kernel_weight, self.scales_and_zeros = packed, sz
+            x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
+            ok = _agrees(self._packed_mm(x), F.linear(x, self.dequantized()))
+        except (RuntimeError, NotImplementedError, AttributeError):
+            ok = False
+        if not ok:  # this device, dtype or shape has no packed kernel: dequantise + matmul
+            self.kernel, self.kernel_weight, self.scales_and_zeros = "dequant", None, None
+        return self
+
+    def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        if x2d.device.type == "cuda":
+            return torch._weight_int4pack_mm(x2d, self.kernel_weight, self.group_size, self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(x2d, self.kernel_weight, self.group_size, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]."""
+        if self.kernel == "packed" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
+            y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales.dtype))
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return F.linear(x, self.dequantized().to(x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes streamed per matmul: half a byte per weight plus a scale and a zero per group."""
+        return self.weight.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int4(self.weight, self.scales, self.zeros, self.scales.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+
+QuantLinear = (Int8Linear, Int4Linear)
+
+
+# ---- swapping the layers -------------------------------------------------------------------------
+
+def linear_names(model: Llama, lm_head: bool = False) -> list[str]:
+    """The nn.Linear layers that quantisation replaces, in model order: wq, wk, wv, wo, w1, w3, w2 per block."""
+    names = [name for name, m in model.layers.named_modules(prefix="layers")
+             if isinstance(m, (nn.Linear, *QuantLinear))]
+    return names + (["output"] if lm_head else [])
+
+
+def _check(model: Llama, qc: QuantConfig) -> None:
+    """Every reason this model cannot take these settings, each naming its layer, before anything changes."""
+    problems = []
+    for name in linear_names(model, qc.lm_head):
+        m = model.get_submodule(name)
+        if isinstance(m, QuantLinear):
+            problems.append(f"{name} is already quantised ({type(m).__name__}); start from the float model")
+            continue
+        if m.bias is not None:
+            problems.append(f"{name} has a bias; LLaMA's linear layers have none")
+        if not m.weight.dtype.is_floating_point or m.weight.device.type == "meta":
+            problems.append(f"{name}: needs float weights in memory, has {m.weight.dtype} on {m.weight.device}")
+        K = m.in_features
+        if qc.mode == "int4":
+            if K % 2:
+                problems.append(f"{name}: in_features {K} is odd; int4 packs two weights per byte along it")
+            elif K % qc.group_size:
+                problems.append(f"{name}: group_size {qc.group_size} does not divide in_features {K}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise QuantizationError(f"cannot quantise to {qc}: " + "; ".join(problems[:3]) + more)
+
+
+def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
+    if qc.mode == "int8":
+        return Int8Linear.from_linear(linear, kernel)
+    return Int4Linear.from_linear(linear, qc.group_size, kernel)
+
+
+def _float_copy(model: Llama) -> Llama:
+    """A second Llama that shares every tensor with `model` (no weights copied)."""
+    with torch.device("meta"):
+        twin = Llama(model.config)
+    twin.load_state_dict(model.state_dict(), assign=True)
+    if model.config.tie_embeddings:
+        twin.output.weight = twin.tok_embeddings.weight
+    twin.inv_freq = model.inv_freq
+    twin.generation_config = getattr(model, "generation_config", {})
+    return twin.train(model.training)
+
+
+def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: int | None = None,
+             lm_head: bool | None = None, kernel: str = "auto", inplace: bool = True) -> Llama:
+    """Replace the block matmuls (and the LM head with lm_head=True) by weight-only int8/int4 modules.
+
+    inplace=False quantises a twin that shares the float model's other tensors, leaving `model` as it
+    was (to compare float and quantised side by side without a second copy of the embeddings).
+    Quantise on the device the model will run on: the packed kernels' layouts are device-specific.
+    """
+    qc = QuantConfig.of(spec)
+    if group_size is not None or lm_head is not None:
+        qc = QuantConfig(qc.mode, group_size if group_size is not None else qc.group_size,
+                         qc.lm_head if lm_head is None else lm_head)
+    if kernel not in KERNELS:
+        raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    _check(model, qc)
+    target = model if inplace else _float_copy(model)
+    with torch.no_grad():
+        for name in linear_names(target, qc.lm_head):
+            parent, _, child = name.rpartition(".")
+            owner = target.get_submodule(parent) if parent else target
+            setattr(owner, child, _make(owner.get_submodule(child), qc, kernel))
+    target.quantization = qc
+    return target
+
+
+# ---- what it costs and what it changes -----------------------------------------------------------
+
+def weight_bytes(model: Llama) -> int:
+    """Bytes of weights one decode step streams: every matrix in its stored form, the norms, one embedding row.
+
+    For a float model this equals llmstep.cost.decode_step_cost(...).weight_bytes (tests hold them equal).
+    """
+    total, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.nbytes
+        elif isinstance(m, nn.Linear | RMSNorm):
+            if id(m.weight) not in seen:
+                seen.add(id(m.weight))
+                total += m.weight.nbytes
+    emb = model.tok_embeddings.weight
+    if id(emb) not in seen:  # not streamed by a tied, unquantised LM head: one row is gathered
+        total += emb.shape[1] * emb.element_size()
+    return total
+
+
+def step_cost(model: Llama, context: int = 0) -> StepCost:
+    """llmstep.cost's StepCost of one decode step of this (possibly quantised) model after `context` tokens."""
+    base = decode_step_cost(model.config, context, dtype=model.dtype)
+    kv = (context + 1) * kv_bytes_per_token(model.config, model.dtype)
+    return StepCost(weight_bytes=weight_bytes(model), kv_bytes=kv, flops=base.flops)
+
+
+@torch.no_grad()
+def layer_errors(model: Llama, quantized: Llama) -> dict[str, float]:
+    """Relative weight error ||W_q - W|| / ||W|| of each quantised layer (Frobenius norms)."""
+    errors = {}
+    for name in linear_names(quantized, lm_head=isinstance(quantized.output, QuantLinear)):
+        q = quantized.get_submodule(name)
+        if isinstance(q, QuantLinear):
+            w = model.get_submodule(name).weight.float()
+            errors[name] = float((q.dequantized().float() - w).norm() / w.norm())
+    return errors
+
+
+# ---- quantised checkpoints -----------------------------------------------------------------------
+
+def _hf_of(config: LlamaConfig) -> dict[str, str]:
+    """llmstep module name of each matmul -> its Hugging Face tensor prefix (without .weight)."""
+    out = {}
+    for hf, (ours, _) in hf_names(config).items():
+        if ours.endswith(".weight"):
+            out[ours.removesuffix(".weight")] = hf.removesuffix(".weight")
+    out["output"] = "lm_head"
+    return out
+
+
+def _expected(config: LlamaConfig, qc: QuantConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Tensor name in the file -> (llmstep state name, shape, safetensors dtype kind) of a quantised checkpoint."""
+    hf = _hf_of(config)
+    with torch.device("meta"):
+        meta = Llama(config)
+    quantised = set(linear_names(meta, qc.lm_head))
+    expected = {}
+    for hf_name, (ours, shape) in hf_names(config).items():
+        module = ours.removesuffix(".weight")
+        if module not in quantised:
+            expected[hf_name] = (ours, shape, "float")
+    for module in sorted(quantised):
+        n, k = meta.get_submodule(module).weight.shape
+        p = hf[module]
+        if qc.mode == "int8":
+            expected[f"{p}.qweight"] = (f"{module}.weight", (n, k), "I8")
+            expected[f"{p}.scales"] = (f"{module}.scales", (n,), "float")
+        else:
+            groups = k // qc.group_size
+            expected[f"{p}.qweight"] = (f"{module}.weight", (n, k // 2), "U8")
+            expected[f"{p}.scales"] = (f"{module}.scales", (n, groups), "float")
+            expected[f"{p}.zeros"] = (f"{module}.zeros", (n, groups), "float")
+    return expected
+
+
+def save_quantized(model: Llama, path: str | os.PathLike, tokenizer=None) -> Path:
+    """Write a quantised model: config.json with a `quantization_config`, model.safetensors with each
+    matmul as `<name>.qweight` (int8, or uint8 two-per-byte for int4), `.scales` (and `.zeros`).
+
+    Not loadable by transformers (the packing is llmstep's); `load_quantized` reads it back exactly.
+    """
+    qc = getattr(model, "quantization", None)
+    if qc is None:
+        raise QuantizationError("this model is not quantised: call llmstep.quantize.quantize(model, ...) first, "
+                                "or save it with llmstep.save")
+    path = Path(path)
+    config = model.config
+    state = dict(model.state_dict(keep_vars=False))
+    tensors = {name: state[ours].detach().to("cpu").contiguous()
+               for name, (ours, _, _) in _expected(config, qc).items()}
+    settings = {"quant_method": "llmstep", "format_version": FORMAT_VERSION, **qc.to_dict(),
+                "int4_layout": "w = (q - 8) * scale + zero; two q per byte, even index in the high nibble"}
+    config_json = config.to_hf() | {"torch_dtype": str(model.dtype).removeprefix("torch."),
+                                    "quantization_config": settings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp / "tokenizer.json")
+        gen = getattr(model, "generation_config", None)
+        if gen:
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        save_file(tensors, tmp / "model.safetensors",
+                  metadata={"format": "pt", "llmstep_quantization": json.dumps(qc.to_dict(), sort_keys=True)})
+        path.mkdir(exist_ok=True)
+        for stale in path.glob("model*.safetensors*"):
+            stale.unlink()
+        for f in tmp.iterdir():
+            os.replace(f, path / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
+    """The quantisation settings a checkpoint directory records in config.json, or None for a float one."""
+    path = resolve_model_path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    settings = cfg.get("quantization_config")
+    if settings is None:
+        return None
+    if settings.get("quant_method") != "llmstep":
+        raise QuantizationError(f"{path}/config.json: quantization_config is for {settings.get('quant_method')!r}; "
+                                "llmstep reads only its own ('llmstep')")
+    if settings.get("format_version") != FORMAT_VERSION:
+        raise QuantizationError(f"{path}/config.json: quantised format version {settings.get('format_version')}, "
+                                f"this llmstep reads version {FORMAT_VERSION}")
+    try:
+        return QuantConfig.of(settings)
+    except (QuantizationError, TypeError) as e:
+        raise QuantizationError(f"{path}/config.json: bad quantization_config: {e}") from None
+
+
+def load_quantized(path: str | os.PathLike, device=None, dtype=None, expect: QuantConfig | str | None = None,
+                   kernel: str = "auto") -> Llama:
+    """Load a checkpoint written by `save_quantized` onto `device`; with `expect`, insist on those settings.
+
+    Validates before it allocates: the settings in config.json against the safetensors header (and
+    `expect`), every tensor's presence, shape and dtype. Errors name the file and the tensor.
+    """
+    path = resolve_model_path(path)
+    qc = read_quant_config(path)
+    if qc is None:
+        raise QuantizationError(f"{path} is a float checkpoint (no quantization_config in config.json): load it "
+                                "with llmstep.load_model and quantise it with llmstep.quantize.quantize")
+    if expect is not None and QuantConfig.of(expect) != qc:
+        raise QuantizationError(f"{path} is quantised as {qc}, but {QuantConfig.of(expect)} was asked for")
+    config = LlamaConfig.from_hf(path)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device, config.torch_dtype)
+    file = path / "model.safetensors"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no model.safetensors")
+    expected = _expected(config, qc)
+    problems = []
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            recorded = (f.metadata() or {}).get("llmstep_quantization")
+            if recorded is None or QuantConfig.of(json.loads(recorded)) != qc:
+                raise QuantizationError(f"{file}: its header records quantisation {recorded}, but config.json says "
+                                        f"{qc.to_dict()}; the files do not belong together")
+            names = set(f.keys())
+            for name, (_, shape, kind) in expected.items():
+                if name not in names:
+                    problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+                    continue
+                sl = f.get_slice(name)
+                got_shape, got_dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if got_shape != shape:
+                    problems.append(f"tensor {name} has shape {list(got_shape)}, {qc} implies {list(shape)}")
+                elif got_dtype not in (("F32", "F16", "BF16") if kind == "float" else (kind,)):
+                    problems.append(f"tensor {name} has dtype {got_dtype}, expected {kind}")
+            problems += [f"unexpected tensor {n}" for n in sorted(names - set(expected))]
+            if problems:
+                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+                raise CheckpointError(f"{file}: " + "; ".join(problems[:5]) + more)
+            state = {}
+            for name, (ours, _, kind) in expected.items():
+                t = f.get_tensor(name)
+                state[ours] = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: could not read the weights ({e})") from None
+
+    with torch.device("meta"):
+        model = Llama(config)
+    for name in linear_names(model, qc.lm_head):
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        lin = owner.get_submodule(child)
+        if qc.mode == "int8":
+            new = Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype, kernel=kernel)
+        else:
+            new = Int4Linear(lin.in_features, lin.out_features, qc.group_size, device="meta", dtype=dtype,
+                             kernel=kernel)
+        setattr(owner, child, new)
+    if config.tie_embeddings and not qc.lm_head:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings and not qc.lm_head:
+        model.output.weight = model.tok_embeddings.weight
+    model.inv_freq = config_inv_frequencies(config).to(device)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.prepare()
+    model.quantization = qc
+    gen = path / "generation_config.json"
+    model.generation_config = json.loads(gen.read_text()) if gen.is_file() else {}
+    return model.eval()

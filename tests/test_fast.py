@@ -1,0 +1,78 @@
+"""The fast decode loop (static cache, compiled step, on-device sampling) makes the tokens of the teaching loop."""
+
+import os
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.fast import FastDecoder, fast_generate
+from llmstep.quantize import QuantConfig, quantize
+
+PROMPT = [295, 17, 101, 42, 7, 250, 33]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+
+
+def test_greedy_tokens_equal_the_eager_generate_loop(tiny):
+    model, tok = tiny
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0, stop_ids=[])
+    fast = fast_generate(model, PROMPT, max_new_tokens=40, temperature=0)
+    assert fast.tokens == eager.tokens and len(fast.tokens) == 40
+    assert fast.decode_steps == 39 and fast.stop_reason == "length"
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.9), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_seeded_sampling_draws_the_same_tokens(tiny, kw):
+    model, tok = tiny
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=30, seed=7, stop_ids=[], **kw)
+    fast = fast_generate(model, PROMPT, max_new_tokens=30, seed=7, **kw)
+    assert fast.tokens == eager.tokens
+
+
+def test_stop_tokens_end_the_run_where_the_eager_loop_ends_it(tiny):
+    model, tok = tiny
+    free = fast_generate(model, PROMPT, max_new_tokens=40, temperature=0.9, seed=1).tokens
+    stop = free[12]  # a token the run reaches; the stop check runs only every 4 steps
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0.9, seed=1, stop_ids=[stop])
+    decoder = FastDecoder(model, max_len=len(PROMPT) + 40, compile=False)
+    fast = decoder.generate(PROMPT, 40, temperature=0.9, seed=1, stop_ids=[stop], sync_every=4)
+    assert fast.tokens == eager.tokens and fast.tokens[-1] == stop
+    assert fast.stop_reason == eager.stop_reason == "stop"
+
+
+def test_a_reused_static_cache_and_a_full_context_behave(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    first = decoder.generate(PROMPT, 20)
+    decoder.generate(list(reversed(PROMPT)) * 3, 10)  # leaves other keys and values in the cache
+    assert decoder.generate(PROMPT, 20).tokens == first.tokens  # stale slots are masked, never read
+    full = decoder.generate(PROMPT, 100)
+    assert len(full.tokens) == 32 - len(PROMPT) + 1 and full.stop_reason == "context"
+    with pytest.raises(ValueError, match="cache holds 32"):
+        decoder.generate(list(range(40)), 5)
+
+
+def test_quantised_models_run_through_the_same_loop(tiny):
+    model, _ = tiny
+    qmodel = quantize(model, QuantConfig("int4", 16), inplace=False)
+    eager, cache = [], qmodel.new_cache(1, 32)
+    x = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(10):  # the plainest loop there is: the model's forward, argmax, feed back
+            x = qmodel(x, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            eager.append(int(x))
+    assert fast_generate(qmodel, PROMPT, 10).tokens == eager
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_compiled_step_gives_the_eager_tokens(tiny):
+    model, tok = tiny
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0, stop_ids=[])
+    decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
+    assert decoder.generate(PROMPT, 24).tokens == eager.tokens
+    assert decoder.compile_seconds > 0
