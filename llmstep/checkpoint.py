@@ -270,7 +270,10 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
         path.mkdir(exist_ok=True)
         for stale in path.glob("model*.safetensors*"):  # weights of an earlier save, sharded or not
             stale.unlink()
+        umask = os.umask(0)
+        os.umask(umask)
         for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)  # files made in a private temporary folder start out private (0600)
             os.replace(f, path / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
