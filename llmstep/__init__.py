@@ -11,6 +11,12 @@ The stages, in the order a token meets them:
     generate.py   prefill once, decode token by token
 Around them: config.py (shapes, presets), cost.py (bytes and FLOPs per token), checkpoint.py
 (Hugging Face layout in and out), device.py, cli.py.
+
+Measuring the memory wall: hardware.py (bandwidth, matmul throughput, datasheets, decode ceilings),
+roofline.py, trace.py (the one-token trace), bench.py (`llmstep bench`).
+Answers to it: quantize.py (int8/int4 weight-only), fast.py (static cache, compiled decode step),
+speculative.py (draft-and-verify decoding that keeps the target's distribution).
+The default model: data.py (the Shakespeare corpus, tokenizer), train.py, eval.py.
 """
 
 from . import sampling

@@ -144,3 +144,10 @@ def test_generation_config_defaults_are_read(tiny_checkpoint, tmp_path):
     again, _ = llmstep.load(path)
     assert again.generation_config["temperature"] == 0.6
     assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] in (tok.eos_ids, tok.eos_ids[0])
+
+
+def test_cli_trace_prints_every_stage(tiny_checkpoint, capsys):
+    cli(["trace", "--model", str(tiny_checkpoint), "--context", "16", "--repeats", "1", "--device", "cpu"])
+    out = capsys.readouterr().out
+    for stage in ("embedding", "qkv projection", "attention", "mlp (SwiGLU)", "lm head", "sampling", "traced step"):
+        assert stage in out
