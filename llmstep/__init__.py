@@ -25,11 +25,13 @@ from .checkpoint import CheckpointError, load, load_model, save
 from .config import ConfigError, LlamaConfig, RopeScaling
 from .generate import Generation, generate, stream
 from .model import Llama
+from .speculative import LayerSkipDraft, SpeculativeGeneration, speculative_generate, speculative_stream
 from .tokens import Tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ConfigError", "Generation", "KVCache", "Llama", "LlamaConfig", "RopeScaling", "Tokenizer",
-    "generate", "load", "load_model", "sampling", "save", "stream",
+    "CheckpointError", "ConfigError", "Generation", "KVCache", "LayerSkipDraft", "Llama", "LlamaConfig", "RopeScaling",
+    "SpeculativeGeneration", "Tokenizer", "generate", "load", "load_model", "sampling", "save", "speculative_generate",
+    "speculative_stream", "stream",
 ]

@@ -1,7 +1,9 @@
 """`llmstep` / `python -m llmstep`: generate text, inspect a model, and the course's other commands.
 
     llmstep generate --prompt "ROMEO:"                  stream text from the shipped model
+    llmstep generate --prompt "ROMEO:" --draft draft    the same, with speculative decoding
     llmstep info --preset llama-3.1-8b                  parameters and bytes per token of a shape
+    llmstep trace --context 256                         where one decode step spends its time
     llmstep train|eval|bench|data ...                   the commands of llmstep.train, .eval, .bench, .data
 """
 
@@ -40,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    g.add_argument("--draft", default=None,
+                   help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
+                        "or self-N (the model's own first N layers)")
+    g.add_argument("--speculate-k", type=int, default=4, help="draft tokens proposed per round (with --draft)")
+    g.add_argument("--adaptive-k", action="store_true",
+                   help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
 
     i = sub.add_parser("info", help="parameters and per-token cost of a checkpoint or a preset shape")
     src = i.add_mutually_exclusive_group(required=True)
@@ -47,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=sorted(PRESETS))
     i.add_argument("--dtype", default="bfloat16")
     i.add_argument("--context", type=int, default=0, help="tokens already in the KV cache")
+
+    t = sub.add_parser("trace", help="time one decode step stage by stage, with its bytes and FLOPs")
+    src = t.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a real Llama 3.x shape with random weights")
+    t.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
+    t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--device", default=None)
+    t.add_argument("--dtype", default=None)
 
     for name in MODULE_COMMANDS:
         sub.add_parser(name, help=f"see: python -m {MODULE_COMMANDS[name]} --help", add_help=False)
@@ -63,8 +80,16 @@ def cmd_generate(args) -> None:
     top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    run = stream(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                 top_k=top_k, top_p=top_p, seed=args.seed)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    seed=args.seed)
+    if args.draft is not None:
+        from .speculative import resolve_draft, speculative_stream
+
+        draft = resolve_draft(args.draft, model, tokenizer)
+        run = speculative_stream(model, draft, tokenizer, prompt, k=args.speculate_k, adaptive=args.adaptive_k,
+                                 **sampling)
+    else:
+        run = stream(model, tokenizer, prompt, **sampling)
     if not args.chat:
         print(args.prompt, end="", flush=True)
     for event in run:
@@ -94,6 +119,23 @@ def cmd_info(args) -> None:
     print(f"KV cache per token: {kv_bytes_per_token(config, dtype) / 1024:.1f} KiB")
 
 
+def cmd_trace(args) -> None:
+    from .hardware import measure_matmul, random_model
+    from .trace import trace_step
+
+    if args.preset:
+        model = random_model(LlamaConfig.preset(args.preset), device=args.device, dtype=args.dtype)
+    else:
+        from .checkpoint import load_model
+
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
+    trace = trace_step(model, context=args.context, repeats=args.repeats)
+    peak = measure_matmul(model.device, dtype=model.dtype)
+    print(f"one decode step, {args.context} tokens of context, {model.device.type} {model.dtype}; "
+          f"math-unit busy share against {peak:.2f} TFLOP/s measured here")
+    print(trace.table(peak_tflops=peak))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in MODULE_COMMANDS:
@@ -104,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         return module.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "info": cmd_info}[args.command](args)
+        {"generate": cmd_generate, "info": cmd_info, "trace": cmd_trace}[args.command](args)
     except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
         sys.exit(f"llmstep {args.command}: error: {e}")
 
