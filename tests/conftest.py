@@ -73,12 +73,15 @@ def make_checkpoint(path: Path, tokenizer_file: Path, seed: int = 0, max_shard_s
     return model
 
 
-# name -> transformers overrides: GQA x4 with llama3 scaling, MHA tied, MQA sharded in the legacy form.
+# name -> transformers overrides: GQA x4 with llama3 scaling, MHA tied, MQA sharded in the legacy form, GQA x2
+# with an explicit head_dim.
 CASES = {
     "gqa4-llama3-rope": dict(rope_parameters=LLAMA3_SCALING),
     "mha-tied": dict(num_key_value_heads=8, tie_word_embeddings=True),
     "mqa-sharded-legacy": dict(num_key_value_heads=1, rope_parameters=LLAMA3_SCALING,
                                max_shard_size="40KB", legacy_config=True),
+    # head_dim set apart from hidden_size / heads (transformers allows it): q is 8 x 16 = 128 wide, dim 64
+    "explicit-head-dim": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=16),
 }
 
 
