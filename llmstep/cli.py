@@ -4,7 +4,7 @@
     llmstep generate --prompt "ROMEO:" --draft draft    the same, with speculative decoding
     llmstep info --preset llama-3.1-8b                  parameters and bytes per token of a shape
     llmstep trace --context 256                         where one decode step spends its time
-    llmstep train|eval|bench|data ...                   the commands of llmstep.train, .eval, .bench, .data
+    llmstep train|eval|bench|data|speculative ...       the commands of llmstep.train, .eval, .bench, .data, ...
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from .config import PRESETS, LlamaConfig
 from .cost import decode_step_cost, kv_bytes_per_token, param_counts
 
 # Subcommands that live in their own module, each with a main(argv).
-MODULE_COMMANDS = {"train": "llmstep.train", "eval": "llmstep.eval", "bench": "llmstep.bench", "data": "llmstep.data"}
+MODULE_COMMANDS = {"train": "llmstep.train", "eval": "llmstep.eval", "bench": "llmstep.bench", "data": "llmstep.data",
+                   "speculative": "llmstep.speculative"}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
