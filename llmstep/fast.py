@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import synchronize
+from .generate import check_prompt_ids, make_generator
 from .model import Llama
 from .sampling import check_params, sample
 
@@ -117,14 +118,8 @@ class FastDecoder:
         check_params(temperature, top_k, top_p)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        ids = [int(i) for i in (prompt_ids.flatten().tolist() if torch.is_tensor(prompt_ids) else prompt_ids)]
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token id")
-        if len(ids) >= self.max_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens but the cache holds {self.max_len}: no room to decode")
-        vocab = self.model.config.vocab_size
-        if not all(0 <= i < vocab for i in ids):
-            raise ValueError(f"a prompt token id is outside the vocabulary (size {vocab})")
+        ids = prompt_ids.flatten().tolist() if torch.is_tensor(prompt_ids) else prompt_ids
+        ids = check_prompt_ids(ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
         self.warmup()
         result = FastResult(prompt_ids=ids)
         # The last token is sampled but never written, so max_len slots allow max_len - len(ids) + 1 tokens.
@@ -133,8 +128,7 @@ class FastDecoder:
         if n == 0:
             return result
         device, stops = self.device, sorted(set(int(s) for s in stop_ids))
-        generator = torch.Generator(device=device)  # as llmstep.generate.make_generator
-        generator.manual_seed(int(seed)) if seed is not None else generator.seed()
+        generator = make_generator(device, seed)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(stops, device=device, dtype=torch.long)
         out = torch.empty(n, dtype=torch.long, device=device)  # the new tokens, on the device until the end
 

@@ -18,7 +18,8 @@ from .model import Llama
 from .sampling import check_params, sample
 from .tokens import Tokenizer
 
-__all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate", "encode_prompt", "make_generator"]
+__all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate", "encode_prompt", "check_prompt_ids",
+           "make_generator"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,20 @@ class Generation:
         return self.text
 
 
+def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
+    """Token ids as a list of ints: not empty, inside the vocabulary, and leaving room for one new token."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    if len(ids) >= max_len:
+        raise ValueError(f"the prompt is {len(ids)} tokens, but {room} is {max_len}: "
+                         "no room for a new token; shorten the prompt")
+    return ids
+
+
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_seq_len: int) -> list[int]:
     """A prompt as text (BOS added), as token ids (used as given) or as chat messages -> ids, checked."""
     if isinstance(prompt, str):
@@ -80,16 +95,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], ma
     elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.encode_chat(list(prompt))
     else:
-        ids = [int(i) for i in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token id")
-        bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {tokenizer.vocab_size})")
-    if len(ids) >= max_seq_len:
-        raise ValueError(f"the prompt is {len(ids)} tokens, but the model's context is {max_seq_len}: "
-                         "no room for a new token; shorten the prompt")
-    return ids
+        ids = prompt
+    return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:

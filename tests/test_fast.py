@@ -52,7 +52,7 @@ def test_a_reused_static_cache_and_a_full_context_behave(tiny):
     assert decoder.generate(PROMPT, 20).tokens == first.tokens  # stale slots are masked, never read
     full = decoder.generate(PROMPT, 100)
     assert len(full.tokens) == 32 - len(PROMPT) + 1 and full.stop_reason == "context"
-    with pytest.raises(ValueError, match="cache holds 32"):
+    with pytest.raises(ValueError, match="the cache it may fill is 32"):
         decoder.generate(list(range(40)), 5)
 
 
