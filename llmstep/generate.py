@@ -86,14 +86,20 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     return ids
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | list[dict], max_seq_len: int) -> list[int]:
-    """A prompt as text (BOS added), as token ids (used as given) or as chat messages -> ids, checked."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor | list[dict],
+                  max_seq_len: int) -> list[int]:
+    """A prompt as text (BOS added), as token ids (a list or a tensor, used as given) or as chat messages -> ids,
+    checked."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty: give at least one character")
         ids = tokenizer.encode(prompt, bos=True)
     elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.encode_chat(list(prompt))
+    elif torch.is_tensor(prompt):
+        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
+            raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(prompt.shape)}")
+        ids = prompt.flatten().tolist()
     else:
         ids = prompt
     return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)

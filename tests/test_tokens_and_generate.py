@@ -151,3 +151,14 @@ def test_cli_trace_prints_every_stage(tiny_checkpoint, capsys):
     out = capsys.readouterr().out
     for stage in ("embedding", "qkv projection", "attention", "mlp (SwiGLU)", "lm head", "sampling", "traced step"):
         assert stage in out
+
+
+def test_prompt_as_a_tensor_equals_the_list(loaded):
+    model, tok = loaded
+    ids = tok.encode("Shall I")
+    as_list = llmstep.generate(model, tok, ids, max_new_tokens=6, temperature=0, stop_ids=[])
+    for prompt in (torch.tensor(ids), torch.tensor([ids])):
+        out = llmstep.generate(model, tok, prompt, max_new_tokens=6, temperature=0, stop_ids=[])
+        assert out.tokens == as_list.tokens
+    with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"):
+        llmstep.generate(model, tok, torch.zeros(2, 3, dtype=torch.long))
