@@ -31,34 +31,14 @@ from .config import PRESETS, LlamaConfig
 from .cost import decode_step_cost, kv_bytes_per_token
 from .device import resolve_device, resolve_dtype, synchronize
 from .fast import FastDecoder
+from .hardware import random_model
 from .model import Llama
 from .quantize import QuantConfig, quantize, read_quant_config, weight_bytes
-from .rope import config_inv_frequencies
 
 __all__ = ["main", "random_model", "run_bench", "hf_twin"]
 
 
 # ---- the models ----------------------------------------------------------------------------------
-
-@torch.no_grad()
-def random_model(config: LlamaConfig, device=None, dtype=torch.float32, seed: int = 0) -> Llama:
-    """A Llama of this shape with random weights, built straight on `device` in `dtype` (real sizes fit:
-    nothing is allocated twice). Matrices ~ N(0, 0.02) as in training's init, norms at 1."""
-    device = resolve_device(device)
-    with torch.device("meta"):
-        model = Llama(config)
-    model.to_empty(device=device).to(dtype)
-    if config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    g = torch.Generator(device=device).manual_seed(seed)
-    for p in model.parameters():
-        if p.dim() == 2:
-            p.normal_(0.0, 0.02, generator=g)
-        else:
-            p.fill_(1.0)
-    model.inv_freq = config_inv_frequencies(config).to(device)
-    return model.eval()
-
 
 @torch.no_grad()
 def hf_twin(model: Llama):

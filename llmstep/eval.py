@@ -215,13 +215,9 @@ class KneserNeyTrigram:
 
 def load_tokenizer(path):
     """The raw `tokenizers.Tokenizer` of a model directory (or a tokenizer.json)."""
-    from tokenizers import Tokenizer
+    from .tokens import Tokenizer
 
-    path = Path(path)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {path}")
-    return Tokenizer.from_file(str(path))
+    return Tokenizer.from_file(path).tok
 
 
 def evaluate_model(model_dir, split: str = "val", max_tokens: int | None = None, seq_len: int | None = None,

@@ -40,6 +40,7 @@ from .attention import KVCache
 from .cost import decode_step_cost
 from .device import synchronize
 from .generate import Generation, Stream, TokenEvent, encode_prompt, make_generator
+from .hardware import describe
 from .model import Llama
 from .sampling import check_params, draw, probs
 from .tokens import Tokenizer
@@ -466,16 +467,6 @@ BENCH_PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
                  "First Citizen:\nBefore we proceed any further, hear me speak.\n"]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _load_average() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -553,7 +544,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
         measured_verify_costs=verify_costs, temperature=temperature,
         max_new_tokens=max_new_tokens,
         prompts=prompts, repeats=repeats, results=results,
-        hardware=dict(cpu=_cpu_model(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        hardware=dict(cpu=describe("cpu")["name"], cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                       device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
                       load_average_1min_before_after=[load_before, _load_average()]),
         versions=dict(torch=torch.__version__, python=platform.python_version()),

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import math
 import os
-import platform
 import shlex
 import shutil
 import sys
@@ -36,7 +35,9 @@ from tqdm.auto import tqdm
 
 from . import data
 from .config import LlamaConfig
+from .device import resolve_device
 from .eval import model_nll
+from .hardware import describe
 from .model import Llama
 
 # --------------------------------------------------------------------------------------------------
@@ -143,10 +144,8 @@ def make_optimizer(model: Llama, cfg: TrainConfig) -> torch.optim.AdamW:
 def pick_device(name: str) -> torch.device:
     """"auto": CUDA when present, else the CPU (MPS is not used for training)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this PyTorch sees no CUDA GPU")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name)
 
 
 def autocast(device: torch.device):
@@ -157,15 +156,9 @@ def autocast(device: torch.device):
 
 
 def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA), torch {torch.__version__}"
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu} (CPU, {torch.get_num_threads()} torch threads), torch {torch.__version__}"
+    info = describe(device)
+    kind = "CUDA" if device.type == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
+    return f"{info['name']} ({kind}), torch {torch.__version__}"
 
 
 def make_logger(out: Path) -> logging.Logger:
