@@ -8,8 +8,11 @@ removes what is not the model:
 - the KV cache is allocated once (`model.new_cache`, max_len slots) and written at explicit positions,
   so every decode step has the same shapes: token [1, 1] at position [1, 1];
 - that step (`model(token, position, cache)`, the same forward as everywhere else: nothing here forks
-  the model's math) is compiled whole with torch.compile; on CUDA with mode "reduce-overhead", which
-  records it once as a CUDA graph and replays it with one launch per token;
+  the model's math) is compiled whole with torch.compile (`compile_step`); on CUDA with mode
+  "reduce-overhead", which records it once as a CUDA graph and replays it with one launch per token; on
+  a CPU with the weights frozen into the compiled code (packed for oneDNN, q/k/v and gate/up each
+  concatenated into one matmul) and a C++ wrapper between the kernels instead of Python. Frozen means
+  frozen: change the model's weights and you need a new decoder;
 - the position lives on the device and is advanced there; the sampled token is fed back without
   leaving it (`llmstep.sampling` draws with the exponential race, no torch.multinomial sync); tokens are
   copied to the host once at the end, or every `sync_every` steps when stop tokens are watched;
@@ -33,7 +36,49 @@ from .generate import check_prompt_ids, make_generator
 from .model import Llama
 from .sampling import check_params, sample
 
-__all__ = ["FastResult", "FastDecoder", "fast_generate"]
+__all__ = ["FastResult", "FastDecoder", "fast_generate", "compile_step", "compile_options"]
+
+
+def compile_options(device: torch.device, mode: str | None = None) -> dict:
+    """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
+
+    CUDA: mode "reduce-overhead", i.e. CUDA graphs. CPU: freeze the weights into the compiled code
+    (`freezing`: packed layouts, constant folding), concatenate the linears that read one input
+    (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become one matmul each, so a step makes 4 weight
+    passes per layer instead of 7), and call the kernels from C++ (`cpp_wrapper`), not from Python.
+    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape.
+    """
+    if mode is None:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(mode))
+    if device.type == "cpu":
+        options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
+    return options
+
+
+def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = ()):
+    """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
+    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly."""
+    for t in static:
+        torch._dynamo.mark_static_address(t)
+    options = compile_options(device, mode)
+    compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
+    if not options.get("freezing"):
+        return compiled
+    import torch._inductor.config as inductor_config
+
+    def frozen_step(*args):
+        # Dynamo decides whether parameters become constants from the global `freezing` flag when it
+        # traces, not from compile's options: hold it set while a call may trace (cost: ~1 us a call).
+        before, inductor_config.freezing = inductor_config.freezing, True
+        try:
+            return compiled(*args)
+        finally:
+            inductor_config.freezing = before
+
+    return frozen_step
 
 
 @dataclass
@@ -57,8 +102,10 @@ class FastResult:
 class FastDecoder:
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
-    compile: None compiles on CUDA only (CPU compiles take minutes on small machines and gain little).
-    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere.
+    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
+    long run, not for one short generation).
+    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
+    "max-autotune" also tunes every matmul (slowest to compile, fastest on a CPU). See `compile_options`.
     """
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None):
@@ -72,13 +119,10 @@ class FastDecoder:
         self._warm = not self.compiled
         self._step = self._decode_step
         if self.compiled:
-            if mode is None:
-                mode = "reduce-overhead" if self.device.type == "cuda" else "default"
-            self.cuda_graphs = self.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
-            # The cache is updated in place every step: fixed addresses let a CUDA graph write it directly.
-            for t in (self.cache.k, self.cache.v, self.cache.lengths):
-                torch._dynamo.mark_static_address(t)
-            self._step = torch.compile(self._decode_step, mode=mode, fullgraph=True, dynamic=False)
+            options = compile_options(self.device, mode)
+            self.cuda_graphs = self.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
+            self._step = compile_step(self._decode_step, self.device, mode,
+                                      static=(self.cache.k, self.cache.v, self.cache.lengths))
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""

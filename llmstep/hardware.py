@@ -79,21 +79,28 @@ def _check_positive(name: str, value) -> None:
 
 
 def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | None = None,
-                      repeats: int = 3) -> float:
-    """Memory bandwidth in GB/s (1e9 bytes/s): copy one nbytes buffer into another, on the device.
+                      repeats: int = 3, kind: str = "copy") -> float:
+    """Memory bandwidth in GB/s (1e9 bytes/s) over one nbytes buffer on the device.
 
-    A copy reads nbytes and writes nbytes, so 2 * nbytes move per copy. The default, 1 GiB per buffer,
-    is far above any cache (a GPU's L2 is at most ~100 MiB; a server CPU's last-level cache can reach
-    hundreds of MiB), so this is DRAM/HBM, not cache. It is the ceiling a decode step hits: each step
-    streams the weights once.
+    kind "copy": copy it into another; a copy reads nbytes and writes nbytes, so 2 * nbytes move.
+    kind "read": sum it; nbytes are read and nothing is written, which is what a decode step does to
+    its weights. On a GPU the two agree closely; on a CPU reading is often faster than copying, and a
+    buffer that fits in the last-level cache reads faster still (a small model's weights can).
+    The default size, 1 GiB, is far above any cache (a GPU's L2 is at most ~100 MiB; a server CPU's
+    last-level cache can reach hundreds of MiB), so it measures DRAM/HBM: the ceiling a decode step hits
+    once the weights are larger than every cache.
     """
     dev = resolve_device(device)
     if nbytes is None:
         nbytes = 2**30
     _check_positive("nbytes", nbytes)
     _check_positive("repeats", repeats)
+    if kind not in ("copy", "read"):
+        raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
     n = max(nbytes // 4, 1)  # float32 elements
     src = torch.ones(n, dtype=torch.float32, device=dev)  # written once, so its pages really exist
+    if kind == "read":
+        return n * 4 / _timed(src.sum, dev, repeats) / 1e9
     dst = torch.zeros_like(src)
     seconds = _timed(lambda: dst.copy_(src), dev, repeats)
     return 2 * n * 4 / seconds / 1e9

@@ -39,7 +39,8 @@ import torch
 from .attention import KVCache
 from .cost import decode_step_cost
 from .device import synchronize
-from .generate import Generation, Stream, TokenEvent, encode_prompt, make_generator
+from .fast import FastResult, compile_options, compile_step
+from .generate import Generation, Stream, TokenEvent, check_prompt_ids, encode_prompt, make_generator
 from .hardware import describe
 from .model import Llama
 from .sampling import check_params, draw, probs
@@ -47,7 +48,8 @@ from .tokens import Tokenizer
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
            "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "resolve_draft", "SpeculativeGeneration",
-           "speculative_stream", "speculative_generate", "bench"]
+           "speculative_stream", "speculative_generate", "Rounds", "FastSpeculator", "FastSpeculativeResult", "bench",
+           "bench_compiled"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,19 +220,14 @@ def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, 
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class SpeculativeGeneration(Generation):
-    """A `Generation` plus what the speculation did. `step_seconds` has one entry per new token after
-    the first, as for plain decoding: each round's time shared equally among the tokens it produced."""
+@dataclass(kw_only=True)
+class Rounds:
+    """What a speculative run did, one entry per round (a target forward after the prefill)."""
 
     k: int = 0  # the largest number of draft tokens proposed per round
     proposed: list[int] = field(default_factory=list)  # draft tokens proposed, one entry per round
     accepted: list[int] = field(default_factory=list)  # of which the target accepted (a prefix)
     produced: list[int] = field(default_factory=list)  # tokens each round emitted (accepted + 1, or fewer at a stop)
-    overlap: list[float] = field(default_factory=list)  # sum_x min(p, q) at each examined position: its exact
-    #                                                     acceptance probability
-    draft_seconds: float = 0.0  # time in the draft's forwards and draws (decode rounds)
-    target_seconds: float = 0.0  # time in the target's verification forwards and the acceptance rule
 
     @property
     def rounds(self) -> int:
@@ -252,11 +249,6 @@ class SpeculativeGeneration(Generation):
         return sum(self.accepted) / self.examined if self.examined else float("nan")
 
     @property
-    def expected_acceptance_rate(self) -> float:
-        """The mean of sum_x min(p, q) over the examined positions: what acceptance_rate estimates."""
-        return sum(self.overlap) / len(self.overlap) if self.overlap else float("nan")
-
-    @property
     def tokens_per_target_forward(self) -> float:
         return sum(self.produced) / self.rounds if self.rounds else float("nan")
 
@@ -265,6 +257,27 @@ class SpeculativeGeneration(Generation):
         """(1 - a^(k+1)) / (1 - a) at the measured a, averaged over the rounds' actual k."""
         a = self.acceptance_rate
         return sum(expected_tokens_per_forward(a, k) for k in self.proposed) / self.rounds if self.rounds else a
+
+    def record(self, k: int, n: int, produced: int) -> None:
+        self.proposed.append(k)
+        self.accepted.append(n)
+        self.produced.append(produced)
+
+
+@dataclass
+class SpeculativeGeneration(Generation, Rounds):
+    """A `Generation` plus what the speculation did. `step_seconds` has one entry per new token after
+    the first, as for plain decoding: each round's time shared equally among the tokens it produced."""
+
+    overlap: list[float] = field(default_factory=list)  # sum_x min(p, q) at each examined position: its exact
+    #                                                     acceptance probability
+    draft_seconds: float = 0.0  # time in the draft's forwards and draws (decode rounds)
+    target_seconds: float = 0.0  # time in the target's verification forwards and the acceptance rule
+
+    @property
+    def expected_acceptance_rate(self) -> float:
+        """The mean of sum_x min(p, q) over the examined positions: what acceptance_rate estimates."""
+        return sum(self.overlap) / len(self.overlap) if self.overlap else float("nan")
 
     def summary(self) -> str:
         return (super().summary() + f"\nspeculative: k={self.k}, {self.rounds} target forwards, "
@@ -311,6 +324,17 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     return Stream(events, result)
 
 
+def _picker(sampling: tuple[float, int, float], generator: torch.Generator | None):
+    """pick(logits [1, V]) -> (token [1], the distribution it was drawn from, or None at temperature 0)."""
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if sampling[0] == 0:
+            return logits.argmax(dim=-1), None
+        dist = probs(logits, *sampling)
+        return draw(dist, generator), dist
+
+    return pick
+
+
 @torch.inference_mode()
 def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, stops, result,
          policy) -> Iterator[TokenEvent]:
@@ -341,13 +365,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
     start = time.perf_counter()
     greedy = sampling[0] == 0  # temperature 0: argmax comparisons, no distributions needed
 
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [1, V] -> (token [1], the distribution it was drawn from, or None when greedy)."""
-        if greedy:
-            return logits.argmax(dim=-1), None
-        dist = probs(logits, *sampling)
-        return draw(dist, generator), dist
-
+    pick = _picker(sampling, generator)
     x = torch.tensor([seq], device=device)  # [1, T]
     token, _ = pick(target(x, cache=target_cache, last_only=True)[:, -1])  # [1]
     if len(seq) <= n_ctx_draft:
@@ -421,9 +439,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
             if t in stops:
                 new = new[: i + 1]
                 break
-        result.proposed.append(k)
-        result.accepted.append(n)
-        result.produced.append(len(new))
+        result.record(k, n, len(new))
         result.overlap += overlap
         result.draft_seconds += draft_seconds
         result.target_seconds += seconds - draft_seconds
@@ -456,6 +472,171 @@ def speculative_generate(target: Llama, draft: Llama, tokenizer: Tokenizer, prom
     for _ in s:
         pass
     return s.result
+
+
+# --------------------------------------------------------------------------------------------------
+# The fast loop: static caches, compiled draft step and verification
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FastSpeculativeResult(FastResult, Rounds):
+    """A `FastResult` plus the rounds. decode_steps counts the tokens after the first (as plain decoding
+    does, one per forward), so decode_tokens_per_second compares directly with FastDecoder's."""
+
+
+class FastSpeculator:
+    """Speculative decoding the way `llmstep.fast.FastDecoder` decodes: static KV caches written at
+    explicit positions, fixed shapes, compiled steps (`llmstep.fast.compile_step`).
+
+    Each round the draft first reads two tokens, the one before the pending token and the pending one:
+    when the last round accepted all k proposals the first of them is new to the draft's cache, and
+    otherwise it rewrites a slot with the token already there. Then every round has the same shapes,
+    whatever was accepted. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
+    forward, the greedy rule) is one compiled call and one host sync. With sampling the draft steps and
+    the verification are separate calls, since each draw comes from the host's generator.
+
+    The rule is `verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
+    numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
+    fits the budget.
+    """
+
+    def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
+                 compile: bool | None = None, mode: str | None = None):
+        _check_k(k)
+        _check_pair(target, draft)
+        limit = min(target.config.max_seq_len, draft.config.max_seq_len)
+        if max_len is not None and not (isinstance(max_len, int) and k + 2 <= max_len <= limit):
+            raise ValueError(f"max_len must be an integer in {k + 2}..{limit} (k + 2 .. both models' context), "
+                             f"got {max_len!r}")
+        self.target, self.draft, self.k = target, draft, k
+        self.max_len = limit if max_len is None else max_len
+        self.device = target.device
+        self.target_cache = target.new_cache(batch_size=1, max_len=self.max_len)  # [L, 1, n_kv, max_len, hd]
+        self.draft_cache = draft.new_cache(batch_size=1, max_len=self.max_len)
+        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
+        self.cuda_graphs = self.compiled and self.device.type == "cuda" and bool(
+            compile_options(self.device, mode).get("triton.cudagraphs"))
+        self._draft_step, self._verify_step, self._greedy_step = self._draft, self._verify, self._greedy_round
+        if self.compiled:
+            d, t = self.draft_cache, self.target_cache
+            static = (d.k, d.v, d.lengths, t.k, t.v, t.lengths)
+            self._draft_step = compile_step(self._draft, self.device, mode, static=static[:3])
+            self._verify_step = compile_step(self._verify, self.device, mode, static=static[3:])
+            self._greedy_step = compile_step(self._greedy_round, self.device, mode, static=static)
+        self._warm = {0: not self.compiled, 1: not self.compiled}  # greedy, sampling
+        self.compile_seconds = 0.0
+
+    def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
+        return self.draft(tokens, positions, self.draft_cache, last_only=True)[:, -1].float()
+
+    def _verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [1, k+1] at positions [1, k+1] -> the target's logits [1, k+1, V] (float32)."""
+        return self.target(tokens, positions, self.target_cache).float()
+
+    def _greedy_round(self, pair: torch.Tensor, position: torch.Tensor):
+        """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1])."""
+        x = self._draft(pair, position + torch.arange(-1, 1, device=pair.device)).argmax(-1, keepdim=True)
+        proposed = [x]  # [1, 1] each
+        for i in range(1, self.k):
+            x = self._draft(x, position + i).argmax(-1, keepdim=True)
+            proposed.append(x)
+        drafted = torch.cat(proposed, dim=1)  # [1, k]
+        tokens = torch.cat([pair[:, 1:], drafted], dim=1)  # [1, k+1]: the pending token and the proposals
+        n, token = verify_greedy(self._verify(tokens, position + torch.arange(self.k + 1, device=pair.device)),
+                                 drafted)
+        return drafted, n, token
+
+    def _call(self, step, *args):
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # outputs of earlier replays are consumed by now
+        return step(*args)
+
+    @torch.no_grad()
+    def warmup(self, greedy: bool = True, steps: int = 3) -> float:
+        """Compile the round's steps (on CUDA, record their graphs) before timing anything; returns the seconds."""
+        if self._warm[not greedy]:
+            return 0.0
+        synchronize(self.device)
+        start = time.perf_counter()
+        token = lambda n: torch.zeros(1, n, dtype=torch.long, device=self.device)  # noqa: E731
+        for _ in range(steps):  # the shapes and layouts `generate` passes
+            if greedy:
+                self._call(self._greedy_step, token(2), torch.ones(1, 1, dtype=torch.long, device=self.device))
+            else:
+                self._call(self._draft_step, token(2), torch.arange(2, device=self.device)[None])
+                self._call(self._draft_step, token(1), token(1))
+                self._call(self._verify_step, token(self.k + 1), torch.arange(self.k + 1, device=self.device)[None])
+        synchronize(self.device)
+        self.compile_seconds += time.perf_counter() - start
+        self._warm[not greedy] = True
+        return time.perf_counter() - start
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_ids: Iterable[int] = ()) -> FastSpeculativeResult:
+        """Continue prompt_ids by up to max_new_tokens tokens, distributed as the target's (see `verify`)."""
+        check_params(temperature, top_k, top_p)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        ids = prompt_ids.flatten().tolist() if torch.is_tensor(prompt_ids) else prompt_ids
+        ids = check_prompt_ids(ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
+        greedy = temperature == 0
+        self.warmup(greedy)
+        k, device, stops = self.k, self.device, set(int(s) for s in stop_ids)
+        result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason="length")
+        if max_new_tokens == 0:
+            return result
+        generator = make_generator(device, seed)
+        pick = _picker((temperature, top_k, top_p), generator)
+        for cache in (self.target_cache, self.draft_cache):
+            cache.reset()
+
+        synchronize(device)
+        start = time.perf_counter()
+        prompt, positions = torch.tensor([ids], device=device), torch.arange(len(ids), device=device)  # [1, T], [T]
+        token, _ = pick(self.target(prompt, positions, self.target_cache, last_only=True)[:, -1].float())  # [1]
+        self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
+        seq = ids + [int(token)]
+        result.prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        while len(seq) - len(ids) < max_new_tokens and seq[-1] not in stops:
+            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
+            if L + k > self.max_len:  # the target writes L-1 .. L-1+k
+                result.stop_reason = "context"
+                break
+            pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
+            if greedy:
+                drafted, n, token = self._call(self._greedy_step, pair, torch.full((1, 1), L - 1, device=device))
+            else:
+                x, pos, proposed, q = pair, torch.arange(L - 2, L, device=device)[None], [], []
+                for i in range(k):
+                    t, q_i = pick(self._call(self._draft_step, x, pos))
+                    x, pos = t.view(1, 1), torch.full((1, 1), L + i, device=device)
+                    proposed.append(x)
+                    q.append(q_i)
+                drafted = torch.cat(proposed, dim=1)  # [1, k]
+                logits = self._call(self._verify_step, torch.cat([pair[:, 1:], drafted], dim=1),
+                                    torch.arange(L - 1, L + k, device=device)[None])  # [1, k+1, V]
+                p = probs(logits, temperature, top_k, top_p)
+                n, token = verify(p, torch.stack(q, dim=1), drafted, generator)
+            n = int(n)  # the one host sync of the round
+            # Nothing to roll back: slots past the accepted tokens are rewritten before a query can see them.
+            new = (drafted[0, :n].tolist() + [int(token)])[: max_new_tokens - (len(seq) - len(ids))]
+            hit = next((i for i, t in enumerate(new) if t in stops), None)
+            new = new if hit is None else new[: hit + 1]
+            result.record(k, n, len(new))
+            seq += new
+        synchronize(device)
+        result.decode_seconds = time.perf_counter() - start
+        result.tokens = seq[len(ids):]
+        result.decode_steps = len(result.tokens) - 1
+        if result.tokens[-1] in stops:
+            result.stop_reason = "stop"
+        return result
 
 
 # --------------------------------------------------------------------------------------------------
@@ -529,13 +710,10 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
                     for key in ("draft_seconds_per_forward", "target_seconds_per_forward"):
                         stats[name][key] = min(stats[name][key], earlier[key])
             log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
-    def median(v: list[float]) -> float:
-        return sorted(v)[len(v) // 2]
-
-    results = {"target": {"decode_tokens_per_second": median(rates["target"]), "all_runs": rates["target"]}}
+    results = {"target": {"decode_tokens_per_second": _median(rates["target"]), "all_runs": rates["target"]}}
     for name, _ in configs[1:]:
         paired = [a / b for a, b in zip(rates[name], rates["target"], strict=True)]
-        results[name] = stats[name] | {"decode_tokens_per_second": median(rates[name]), "speedup": median(paired),
+        results[name] = stats[name] | {"decode_tokens_per_second": _median(rates[name]), "speedup": _median(paired),
                                        "all_runs": rates[name]}
     return dict(
         target=dict(n_params=sum(p.numel() for p in target.parameters()), config=target.config.to_hf()),
@@ -551,6 +729,70 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
     )
 
 
+def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4),
+                   prompts: Iterable[str] = BENCH_PROMPTS, max_new_tokens: int = 200, repeats: int = 3,
+                   mode: str | None = None, log=print) -> dict:
+    """`bench` for the fast loops, greedy: `llmstep.fast.FastDecoder` (the target alone) against a
+    `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
+    medians; each run's tokens are compared with the target-alone run's."""
+    from .fast import FastDecoder
+
+    prompts, ks = [tokenizer.encode(p, bos=True) for p in prompts], list(ks)
+    max_len = min(target.config.max_seq_len, draft.config.max_seq_len,
+                  max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1)
+    load_before = _load_average()
+    runners: dict = {"target": FastDecoder(target, max_len=max_len, compile=True, mode=mode)}
+    runners |= {f"k={k}": FastSpeculator(target, draft, k=k, max_len=max_len, compile=True, mode=mode) for k in ks}
+    compile_seconds = {}
+    for name, runner in runners.items():
+        log(f"compiling {name} ...")
+        compile_seconds[name] = runner.warmup()
+        runner.generate(prompts[0], 8)  # first-call allocations out of the timed runs
+    reference = [runners["target"].generate(p, max_new_tokens).tokens for p in prompts]
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    stats: dict[str, dict] = {}
+    for r in range(repeats):
+        for name, runner in runners.items():
+            runs = [runner.generate(p, max_new_tokens) for p in prompts]
+            rates[name].append(sum(g.decode_steps for g in runs) / sum(g.decode_seconds for g in runs))
+            if name != "target":
+                rounds = Rounds(proposed=[n for g in runs for n in g.proposed],
+                                accepted=[n for g in runs for n in g.accepted],
+                                produced=[n for g in runs for n in g.produced])
+                stats[name] = dict(k=runner.k, acceptance_rate=rounds.acceptance_rate,
+                                   tokens_per_target_forward=rounds.tokens_per_target_forward,
+                                   theory_tokens_per_forward=rounds.theory_tokens_per_forward,
+                                   matching_tokens=[_prefix(g.tokens, ref)
+                                                    for g, ref in zip(runs, reference, strict=True)])
+            log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
+    results = {"target": {"decode_tokens_per_second": _median(rates["target"]), "all_runs": rates["target"],
+                          "compile_seconds": compile_seconds["target"]}}
+    for name in list(runners)[1:]:
+        paired = [a / b for a, b in zip(rates[name], rates["target"], strict=True)]
+        results[name] = stats[name] | {"decode_tokens_per_second": _median(rates[name]), "speedup": _median(paired),
+                                       "all_runs": rates[name], "compile_seconds": compile_seconds[name]}
+    return dict(
+        target=dict(n_params=sum(p.numel() for p in target.parameters()), config=target.config.to_hf()),
+        draft=dict(n_params=sum(p.numel() for p in draft.parameters()), config=draft.config.to_hf()),
+        bytes_ratio=draft_cost_ratio(target, draft), temperature=0.0, compiled=True, compile_mode=mode,
+        max_new_tokens=max_new_tokens, new_tokens_compared_with_target_alone=max_new_tokens,
+        prompts=[tokenizer.decode(p) for p in prompts], repeats=repeats, results=results,
+        hardware=dict(cpu=describe("cpu")["name"], cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                      device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
+                      load_average_1min_before_after=[load_before, _load_average()]),
+        versions=dict(torch=torch.__version__, python=platform.python_version()),
+    )
+
+
+def _median(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2]
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m llmstep.speculative",
                                 description="measure speculative decoding against the target alone")
@@ -562,6 +804,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32 on a CPU)")
+    p.add_argument("--compile", action="store_true",
+                   help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune (see llmstep.fast)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)")
     p.add_argument("--out", default="results/speculative_cpu.json")
     args = p.parse_args(argv)
@@ -571,10 +817,17 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target, tokenizer = load(args.target, device=args.device)
+    target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
     draft = resolve_draft(args.draft, target, tokenizer)
-    report = bench(target, draft, tokenizer, ks=[int(k) for k in args.ks.split(",")],
-                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, repeats=args.repeats)
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.compile:
+        if args.temperature != 0:
+            p.error("--compile measures greedy decoding: leave --temperature at 0")
+        report = bench_compiled(target, draft, tokenizer, ks=ks, max_new_tokens=args.max_new_tokens,
+                                repeats=args.repeats, mode=args.compile_mode)
+    else:
+        report = bench(target, draft, tokenizer, ks=ks, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, repeats=args.repeats)
     report["command"] = "python -m llmstep.speculative " + " ".join(sys.argv[1:] if argv is None else argv)
     print(f"\n{'':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'theory':>7}")
     for name, r in report["results"].items():
@@ -582,7 +835,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {1:8.2f}")
         else:
             print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {r['speedup']:8.2f} {r['acceptance_rate']:7.1%} "
-                  f"{r['tokens_per_target_forward']:8.2f} {r['theory_tokens_per_forward']:7.2f}")
+                  f"{r['tokens_per_target_forward']:8.2f} {r['theory_tokens_per_forward']:7.2f}"
+                  + (f"  same tokens as the target alone: {r['matching_tokens']}" if "matching_tokens" in r else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

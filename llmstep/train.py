@@ -3,6 +3,8 @@
     python -m llmstep.train --preset target --out runs/target      # then data/models/... via --export
     python -m llmstep.train --preset tiny --steps 20 --out /tmp/tiny
 
+    python -m llmstep.train --preset draft --init-from draft --teacher target --out runs/distil   # distillation
+
 A plain, readable loop: random windows of the train split, AdamW, linear warm-up then cosine decay,
 gradient clipping, bf16 autocast on CUDA (fp32 on the CPU), a validation loss every `eval_every`
 steps, a checkpoint every `save_every` steps that `--resume` continues from exactly. At the end the
@@ -81,6 +83,8 @@ class TrainConfig:
     eval_tokens: int = 32768  # validation tokens scored at each eval (the val play is ~32k)
     save_every: int = 100
     seed: int = 1337
+    init_from: str = ""  # start from this checkpoint's weights (same shape) instead of the random init
+    teacher: str = ""  # distil: match this checkpoint's next-token distribution instead of the one-hot target
     corpus: str = str(data.CORPUS_DIR)
     tokenizer: str = str(data.TOKENIZER_PATH)
     device: str = "auto"
@@ -299,6 +303,21 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     torch.manual_seed(cfg.seed)
     model = Llama(config)
     init_weights(model, cfg.seed)
+    teacher = None
+    if cfg.init_from or cfg.teacher:
+        from .checkpoint import load_model
+
+        if cfg.init_from:
+            start = load_model(cfg.init_from, device="cpu", dtype=torch.float32)
+            if any(getattr(start.config, f) != getattr(config, f) for f in SHAPE_FIELDS + ("vocab_size",)):
+                raise ValueError(f"--init-from {cfg.init_from}: its shape differs from the preset's; pass the "
+                                 "matching --preset and shape options")
+            model.load_state_dict(start.state_dict())
+        if cfg.teacher:  # read in its stored dtype: it only runs forward
+            teacher = load_model(cfg.teacher, device=device).eval().requires_grad_(False)
+            if teacher.config.vocab_size != config.vocab_size:
+                raise ValueError(f"--teacher {cfg.teacher}: its vocabulary ({teacher.config.vocab_size}) differs "
+                                 f"from the student's ({config.vocab_size})")
     model.to(device).train()
     optimizer = make_optimizer(model, cfg)
 
@@ -346,7 +365,12 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         x, y = x.to(device), y.to(device)
         with autocast(device):
             logits = model(x)  # [B, T, vocab]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if teacher is None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        else:  # cross-entropy against the teacher's distribution: its KL divergence to the student, plus a constant
+            with torch.no_grad(), autocast(device):
+                p_teacher = torch.softmax(teacher(x).float(), dim=-1)  # [B, T, vocab]
+            loss = -(p_teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

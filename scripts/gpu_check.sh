@@ -9,6 +9,8 @@
 # 2. the benchmark (~5 min): Llama-3.1-8B's shape with random weights in bf16, batch 1, prompt 128, 256 new
 #    tokens, bf16 / int8 / int4 (g=64) compiled, next to transformers' generate() on the same bf16 weights.
 #    Targets: bf16 >= 225 tok/s, int8 >= 1.7x bf16, int4 >= 2.5x bf16.
+# 3. speculative decoding (~2 min, issue 6): the shipped pair in bf16, greedy, the compiled loops (CUDA graphs),
+#    target alone against k = 2, 4, 6; writes results/speculative_gpu.json.
 set -euo pipefail
 PY=${PYTHON:-python}
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -62,3 +64,6 @@ for q, target in (("int8", 1.7), ("int4", 2.5)):
     x = rows[q]["decode_tokens_per_s"] / bf16
     print(f"{q} {rows[q]['decode_tokens_per_s']:.0f} tok/s = {x:.2f}x bf16 (target >= {target}x): {'PASS' if x >= target else 'FAIL'}")
 PY
+
+timeout 200 "$PY" -m llmstep.speculative --bench --compile --device cuda --dtype bfloat16 --ks 2,4,6 --repeats 2 \
+    --out results/speculative_gpu.json

@@ -27,6 +27,7 @@ def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
     assert int4_row["weight_bytes_per_step"] < int8_row["weight_bytes_per_step"] < float_row["weight_bytes_per_step"]
     assert hf_row["same_tokens_as_eager_float"]  # transformers, same weights, same greedy tokens
     assert record["bandwidth_gb_per_s"] > 0 and record["settings"]["prompt_len"] == 8
+    assert record["ceiling_gb_per_s"] >= record["read_bandwidth_at_weight_size_gb_per_s"] > 0
     assert record["versions"]["torch"] and record["command"].startswith("python -m llmstep.bench")
 
 
@@ -38,3 +39,15 @@ def test_the_cli_forwards_bench_and_bad_settings_exit_with_a_message(tmp_path):
         main(TINY + ["--no-hf", "--new-tokens", "100"])
     with pytest.raises(SystemExit, match="group_size 48 does not divide"):
         main(TINY + ["--no-hf", "--quantize", "int4", "--group-size", "48"])
+
+
+def test_transformers_can_run_in_another_dtype_on_the_same_weights(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    bf16 = [a if a != "float32" else "bfloat16" for a in TINY]
+    main(bf16 + ["--hf-dtype", "float32", "--no-bandwidth", "--json", str(out)])
+    ours, hf = json.loads(out.read_text())["rows"]
+    assert hf["name"] == "transformers generate() float32"
+    assert hf["weight_bytes_per_step"] == 2 * ours["weight_bytes_per_step"]  # the same weights, widened
+    with pytest.raises(SystemExit, match="int3"):
+        main(TINY + ["--hf-dtype", "int3"])

@@ -76,3 +76,43 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
     assert decoder.generate(PROMPT, 24).tokens == eager.tokens
     assert decoder.compile_seconds > 0
+    # On a CPU the weights are frozen into the compiled step: changing them afterwards changes what the eager
+    # model computes but not what the step computes (proof that freezing took effect). Same cache, same input.
+    decoder.generate(PROMPT, 4)  # the cache holds the prompt and three decode steps
+    token, position = torch.tensor([[5]]), torch.tensor([[len(PROMPT) + 3]])
+    w = model.layers[0].feed_forward.w2.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            before = decoder._call_step(token, position).clone()
+            w.mul_(-3)
+            after = decoder._call_step(token, position)
+            eager_after = model(token, position, decoder.cache, last_only=True)[:, -1]
+        assert torch.equal(after, before)
+        assert not torch.allclose(eager_after, before, atol=1e-3)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_compiled_quantized_step_gives_its_eager_tokens(tiny, quant):
+    """Frozen weights, concatenated matmuls, fused dequantisation: still the function the eager model computes."""
+    model, _ = tiny
+    qmodel = quantize(model, QuantConfig(quant, 16 if quant == "int4" else None), inplace=False)
+    eager = FastDecoder(qmodel, max_len=len(PROMPT) + 24, compile=False)
+    compiled = FastDecoder(qmodel, max_len=len(PROMPT) + 24, compile=True)
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_k=50, seed=3)):
+        assert compiled.generate(PROMPT, 24, **kw).tokens == eager.generate(PROMPT, 24, **kw).tokens
+
+
+def test_compile_options_freeze_and_fuse_on_the_cpu_only():
+    from llmstep.fast import compile_options
+
+    cpu = compile_options(torch.device("cpu"))
+    assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
+    assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
+    cuda = compile_options(torch.device("cuda"))
+    assert cuda["triton.cudagraphs"] and "freezing" not in cuda

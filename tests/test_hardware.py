@@ -74,6 +74,8 @@ def test_bad_arguments_are_rejected_with_the_name():
         measure_bandwidth("cpu", nbytes=0)
     with pytest.raises(ValueError, match="repeats"):
         measure_bandwidth("cpu", nbytes=1024, repeats=0)
+    with pytest.raises(ValueError, match="kind must be 'copy' or 'read', got 'write'"):
+        measure_bandwidth("cpu", nbytes=1024, kind="write")
     with pytest.raises(ValueError, match="n must"):
         measure_matmul("cpu", n=-4)
     with pytest.raises(ValueError, match="dtype"):
@@ -84,6 +86,7 @@ def test_bad_arguments_are_rejected_with_the_name():
 
 def test_probes_return_positive_rates_on_the_cpu():
     assert measure_bandwidth("cpu", nbytes=2**22, repeats=2) > 0
+    assert measure_bandwidth("cpu", nbytes=2**22, repeats=2, kind="read") > 0
     assert measure_matmul("cpu", n=128, repeats=2) > 0
     chip = measured_chip("cpu", bandwidth_gb_per_s=10.0, matmul_tflops=0.5)
     assert isinstance(chip, Chip) and chip.source == "measured"

@@ -12,7 +12,7 @@ import llmstep
 import llmstep.speculative as spec
 from llmstep import Llama, LlamaConfig, Tokenizer
 from llmstep.sampling import draw, probs
-from llmstep.speculative import LayerSkipDraft, speculative_generate, speculative_stream, verify
+from llmstep.speculative import FastSpeculator, LayerSkipDraft, speculative_generate, speculative_stream, verify
 
 PROMPT = [5, 17, 101, 42, 7]  # token ids, so no BOS or tokenizer detail gets in the way
 
@@ -302,12 +302,17 @@ def exact_joint(target: Llama, prompt: list[int], n: int, sampling) -> torch.Ten
     return (joint[:, None] * p[:, n - 1].double()).reshape([V] * n)
 
 
-def sample_speculative(target, draft, tok, sampling, k: int, n_runs: int = N_RUNS) -> tuple[torch.Tensor, list]:
+def sample_speculative(target, draft, tok, sampling, k: int, n_runs: int = N_RUNS,
+                       fast: bool = False) -> tuple[torch.Tensor, list]:
     temperature, top_k, top_p = sampling
     out, runs = [], []
+    speculator = FastSpeculator(target, draft, k=k, compile=False) if fast else None
     for seed in range(n_runs):
-        g = speculative_generate(target, draft, tok, SMALL_PROMPT, k=k, max_new_tokens=N_NEW, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, seed=seed, stop_ids=[])
+        kw = dict(max_new_tokens=N_NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop_ids=[])
+        if fast:
+            g = speculator.generate(SMALL_PROMPT, **kw)
+        else:
+            g = speculative_generate(target, draft, tok, SMALL_PROMPT, k=k, **kw)
         out.append(g.tokens)
         runs.append(g)
     return torch.tensor(out), runs
@@ -330,13 +335,14 @@ def p_values(samples: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
 SAMPLING_CASES = {"temperature-1": (1.0, 0, 1.0), "temperature-0.8-top_k-10-top_p-0.9": (0.8, 10, 0.9)}
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["speculative_generate", "FastSpeculator"])
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
-def test_speculative_samples_follow_the_targets_filtered_distribution(small_pair, tok, case):
+def test_speculative_samples_follow_the_targets_filtered_distribution(small_pair, tok, case, fast):
     target, draft = small_pair
     sampling = SAMPLING_CASES[case]
     joint = exact_joint(target, SMALL_PROMPT, N_NEW, sampling)
     assert torch.isclose(joint.sum(), torch.tensor(1.0, dtype=torch.float64))
-    samples, runs = sample_speculative(target, draft, tok, sampling, k=2)
+    samples, runs = sample_speculative(target, draft, tok, sampling, k=2, fast=fast)
     accepted = [a for g in runs for a in g.accepted]
     assert 0.1 < sum(runs[i].acceptance_rate for i in range(100)) / 100 < 0.9  # rejections are frequent
     assert 2 in accepted  # and so are bonus tokens
@@ -350,12 +356,13 @@ def always_accept(p, q, proposed, generator=None):
     return torch.full((B,), k), draw(p[:, k], generator)
 
 
-def test_the_same_check_catches_a_rule_that_accepts_without_the_ratio(small_pair, tok, monkeypatch):
+@pytest.mark.parametrize("fast", [False, True], ids=["speculative_generate", "FastSpeculator"])
+def test_the_same_check_catches_a_rule_that_accepts_without_the_ratio(small_pair, tok, monkeypatch, fast):
     target, draft = small_pair
     sampling = SAMPLING_CASES["temperature-0.8-top_k-10-top_p-0.9"]
     joint = exact_joint(target, SMALL_PROMPT, N_NEW, sampling)
     monkeypatch.setattr(spec, "verify", always_accept)
-    samples, runs = sample_speculative(target, draft, tok, sampling, k=2, n_runs=N_RUNS)
+    samples, runs = sample_speculative(target, draft, tok, sampling, k=2, n_runs=N_RUNS, fast=fast)
     assert all(g.acceptance_rate == 1 for g in runs)
     pv = p_values(samples, joint)
     assert pv["t0"] > P_VALUE_FLOOR  # the first token comes from the target's prefill either way
@@ -395,3 +402,103 @@ def test_quantized_self_draft_keeps_the_greedy_output(target, tok):
     assert out.tokens == ref.tokens
     assert out.acceptance_rate > 0.8  # int8 weights barely move the argmax
     assert spec.draft_cost_ratio(target, draft) < 0.5  # and read about a quarter of the float32 bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# The fast loop: static caches, fixed k, compiled steps
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7])
+@pytest.mark.parametrize("draft_name", ["noisy-copy", "independent", "layer-skip"])
+def test_fast_speculator_greedy_equals_plain_greedy(target, drafts, tok, k, draft_name):
+    ref = plain_greedy(target, tok, 40, stop_ids=[])
+    out = FastSpeculator(target, drafts[draft_name], k=k, compile=False).generate(PROMPT, 40)
+    assert out.tokens == ref.tokens and out.stop_reason == "length"
+    assert 1 + sum(out.produced) == len(out.tokens) == 40 and out.decode_steps == 39
+    assert all(0 <= a <= p == k for a, p in zip(out.accepted, out.proposed, strict=True))
+
+
+def test_fast_speculator_reuses_its_caches_and_rolls_over_full_acceptance(target, drafts, tok):
+    speculator = FastSpeculator(target, target, k=3, compile=False)  # a perfect draft: every round accepts all
+    ref = plain_greedy(target, tok, 30, stop_ids=[])
+    for _ in range(2):  # a second run on the same caches gives the same tokens
+        out = speculator.generate(PROMPT, 30)
+        assert out.tokens == ref.tokens and set(out.accepted) == {3}
+    noisy = FastSpeculator(target, drafts["noisy-copy"], k=4, compile=False).generate(PROMPT, 40)
+    assert 0 in noisy.accepted and 4 in noisy.accepted  # rejections and full acceptances both happened
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_fast_speculator_draws_what_speculative_generate_draws(target, drafts, tok, k):
+    """Same seed, same k: the same random numbers in the same order, so the same tokens, up to the last
+    round (where speculative_generate lowers k to fit the budget)."""
+    kw = dict(max_new_tokens=40, temperature=0.9, top_k=40, top_p=0.95, seed=5, stop_ids=[])
+    eager = speculative_generate(target, drafts["noisy-copy"], tok, PROMPT, k=k, **kw)
+    fast = FastSpeculator(target, drafts["noisy-copy"], k=k, compile=False).generate(PROMPT, **kw)
+    assert len(fast.tokens) == 40
+    assert fast.tokens[: 40 - k - 1] == eager.tokens[: 40 - k - 1]
+    assert fast.accepted[: len(eager.accepted) - 2] == eager.accepted[: len(eager.accepted) - 2]
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 3, 5, 9])
+def test_fast_speculator_stops_exactly_at_the_budget(target, drafts, tok, max_new_tokens):
+    ref = plain_greedy(target, tok, max_new_tokens, stop_ids=[])
+    out = FastSpeculator(target, drafts["layer-skip"], k=6, compile=False).generate(PROMPT, max_new_tokens)
+    assert out.tokens == ref.tokens and len(out.tokens) == max_new_tokens and out.stop_reason == "length"
+
+
+def test_fast_speculator_stops_at_a_stop_token_inside_a_round(target, tok):
+    ref = plain_greedy(target, tok, 30, stop_ids=[])
+    stop = ref.tokens[6]
+    plain = plain_greedy(target, tok, 30, stop_ids=[stop])
+    out = FastSpeculator(target, target, k=8, compile=False).generate(PROMPT, 30, stop_ids=[stop])
+    assert out.tokens == plain.tokens and out.stop_reason == "stop"
+
+
+def test_fast_speculator_stops_where_its_cache_ends(target, drafts, tok):
+    out = FastSpeculator(target, drafts["noisy-copy"], k=4, max_len=20, compile=False).generate(PROMPT, 40)
+    assert out.stop_reason == "context" and 0 < len(out.tokens) < 40
+    assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[: len(out.tokens)]
+    assert len(PROMPT) + len(out.tokens) + 4 > 20  # one more round would have written past slot 19
+
+
+def test_fast_speculator_names_bad_arguments(target, drafts):
+    draft = drafts["noisy-copy"]
+    with pytest.raises(ValueError, match="k \\(draft tokens per round\\) must be an integer >= 1, got 0"):
+        FastSpeculator(target, draft, k=0)
+    with pytest.raises(ValueError, match="max_len must be an integer in 6..128"):
+        FastSpeculator(target, draft, k=4, max_len=5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        FastSpeculator(target, random_model(1, vocab_size=100), k=2)
+    speculator = FastSpeculator(target, draft, k=2, max_len=16, compile=False)
+    with pytest.raises(ValueError, match="prompt token id 300 is outside the vocabulary"):
+        speculator.generate([1, 300])
+    with pytest.raises(ValueError, match="prompt is 16 tokens, but the cache it may fill is 16"):
+        speculator.generate(list(range(16)))
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
+        speculator.generate(PROMPT, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        speculator.generate(PROMPT, 4, temperature=-1.0)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("LLMSTEP_SLOW_TESTS"),
+                    reason="torch.compile on the CPU takes ~30 s; set LLMSTEP_SLOW_TESTS=1")
+def test_compiled_fast_speculator_keeps_the_greedy_output(target, drafts, tok):
+    ref = plain_greedy(target, tok, 30, stop_ids=[])
+    speculator = FastSpeculator(target, drafts["noisy-copy"], k=3, max_len=48, compile=True)
+    assert speculator.generate(PROMPT, 30).tokens == ref.tokens
+    assert speculator.compile_seconds > 0
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("LLMSTEP_SLOW_TESTS"),
+                    reason="torch.compile on the CPU takes ~30 s; set LLMSTEP_SLOW_TESTS=1")
+def test_compiled_benchmark_runs_and_compares_tokens(tiny_checkpoint, capsys, tmp_path):
+    out = tmp_path / "spec.json"
+    spec.main(["--bench", "--compile", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "2",
+               "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)])
+    report = __import__("json").loads(out.read_text())
+    k2 = report["results"]["k=2"]
+    assert report["compiled"] and k2["decode_tokens_per_second"] > 0 and k2["speedup"] > 0
+    assert k2["matching_tokens"] == [12, 12, 12]  # float32: greedy speculation gives the target's tokens
+    assert "k=2" in capsys.readouterr().out

@@ -120,3 +120,46 @@ def _shapes(config):
     from llmstep.checkpoint import hf_names
 
     return hf_names(config).values()
+
+
+def _kl_to(teacher, student, ids: torch.Tensor) -> float:
+    """Mean KL(teacher || student) of the next-token distributions over ids [B, T]."""
+    with torch.no_grad():
+        p, log_q = torch.softmax(teacher(ids).float(), -1), torch.log_softmax(student(ids).float(), -1)
+        return float((p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean())
+
+
+def test_distillation_starts_from_the_given_weights_and_moves_towards_the_teacher(tmp_path, small_corpus):
+    from llmstep.checkpoint import load_model
+
+    run(tmp_path / "teacher-run", small_corpus, "--seed", "1", "--export", str(tmp_path / "teacher"))
+    run(tmp_path / "start-run", small_corpus, "--seed", "2", "--export", str(tmp_path / "start"))
+    start = load_model(tmp_path / "start", device="cpu", dtype=torch.float32)
+    teacher = load_model(tmp_path / "teacher", device="cpu", dtype=torch.float32)
+    # --init-from: before any step the student is the starting checkpoint, not a fresh init
+    cfg = train.TrainConfig(**train.RECIPES["tiny"] | dict(preset="tiny", corpus=str(small_corpus),
+                                                           init_from=str(tmp_path / "start")))
+    untrained = train.train(cfg, tmp_path / "zero", {}, stop_after=0, quiet=True)
+    assert all(torch.equal(w, start.state_dict()[k]) for k, w in untrained.state_dict().items())
+    # 30 steps against the teacher's distribution bring the student closer to it
+    train.main(["--preset", "tiny", "--steps", "30", "--eval-every", "30", "--eval-tokens", "256", "--corpus",
+                str(small_corpus), "--out", str(tmp_path / "distil"), "--quiet", "--init-from",
+                str(tmp_path / "start"), "--teacher", str(tmp_path / "teacher"), "--export", str(tmp_path / "student")])
+    student = load_model(tmp_path / "student", device="cpu", dtype=torch.float32)
+    from tokenizers import Tokenizer
+
+    text = data.read_split("val", small_corpus)
+    ids = torch.tensor(data.encode_split(Tokenizer.from_file(str(data.TOKENIZER_PATH)), text)[:256]).view(4, 64)
+    before, after = _kl_to(teacher, start, ids), _kl_to(teacher, student, ids)
+    assert after < 0.8 * before, (before, after)
+    assert "--teacher" in (tmp_path / "student" / "README.md").read_text()
+
+
+def test_distillation_refuses_a_mismatched_start_or_teacher(tmp_path, small_corpus):
+    run(tmp_path / "tiny-run", small_corpus, "--export", str(tmp_path / "tiny"))
+    with pytest.raises(ValueError, match="--init-from .*shape differs"):
+        train.main(["--preset", "tiny", "--dim", "64", "--steps", "2", "--corpus", str(small_corpus),
+                    "--out", str(tmp_path / "a"), "--quiet", "--init-from", str(tmp_path / "tiny")])
+    with pytest.raises(FileNotFoundError):
+        train.main(["--preset", "tiny", "--steps", "2", "--corpus", str(small_corpus), "--out", str(tmp_path / "b"),
+                    "--quiet", "--teacher", str(tmp_path / "missing")])
