@@ -36,7 +36,7 @@ from .hardware import random_model
 from .model import Llama
 from .quantize import QuantConfig, quantize, read_quant_config, weight_bytes
 
-__all__ = ["main", "random_model", "run_bench", "hf_twin"]
+__all__ = ["main", "random_model", "run_bench", "hf_twin", "matching_prefix"]
 
 
 # ---- the models ----------------------------------------------------------------------------------
@@ -79,7 +79,8 @@ def _time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, l
     return times[0], times[1], out[0, prompt.shape[1]:].tolist()
 
 
-def _matching_prefix(a: list[int], b: list[int]) -> int:
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -199,7 +200,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
                      "kv_bytes_per_step": r["kv_bytes"], "bytes_per_step": step_bytes,
                      "achieved_gb_per_s": gbs, "share_of_bandwidth": gbs / bw if bw else None,
                      "same_tokens_as_eager_float": r["tokens"] == reference,
-                     "matching_prefix_with_eager_float": _matching_prefix(r["tokens"], reference),
+                     "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
                      "tokens": r["tokens"]})
     if hf_model is not None:
         hf_runs = record.pop("_hf")
@@ -220,7 +221,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
                      "kv_bytes_per_step": kvbytes, "bytes_per_step": wbytes + kvbytes, "achieved_gb_per_s": gbs,
                      "share_of_bandwidth": gbs / bw if bw else None,
                      "same_tokens_as_eager_float": toks == reference,
-                     "matching_prefix_with_eager_float": _matching_prefix(toks, reference), "tokens": toks})
+                     "matching_prefix_with_eager_float": matching_prefix(toks, reference), "tokens": toks})
         for row in rows:
             row["decode_speedup_vs_transformers"] = row["decode_tokens_per_s"] / decode
     record["rows"] = rows

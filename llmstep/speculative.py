@@ -524,7 +524,7 @@ class FastSpeculator:
             self._draft_step = compile_step(self._draft, self.device, mode, static=static[:3])
             self._verify_step = compile_step(self._verify, self.device, mode, static=static[3:])
             self._greedy_step = compile_step(self._greedy_round, self.device, mode, static=static)
-        self._warm = {0: not self.compiled, 1: not self.compiled}  # greedy, sampling
+        self._warm: set[str] = set() if self.compiled else {"greedy", "sampling"}  # the round kinds compiled
         self.compile_seconds = 0.0
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -556,22 +556,27 @@ class FastSpeculator:
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3) -> float:
         """Compile the round's steps (on CUDA, record their graphs) before timing anything; returns the seconds."""
-        if self._warm[not greedy]:
+        kind = "greedy" if greedy else "sampling"
+        if kind in self._warm:
             return 0.0
         synchronize(self.device)
         start = time.perf_counter()
-        token = lambda n: torch.zeros(1, n, dtype=torch.long, device=self.device)  # noqa: E731
-        for _ in range(steps):  # the shapes and layouts `generate` passes
+
+        def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
+            return torch.zeros(1, n, dtype=torch.long, device=self.device)
+
+        for _ in range(steps):
             if greedy:
-                self._call(self._greedy_step, token(2), torch.ones(1, 1, dtype=torch.long, device=self.device))
+                self._call(self._greedy_step, ids(2), ids(1) + 1)
             else:
-                self._call(self._draft_step, token(2), torch.arange(2, device=self.device)[None])
-                self._call(self._draft_step, token(1), token(1))
-                self._call(self._verify_step, token(self.k + 1), torch.arange(self.k + 1, device=self.device)[None])
+                self._call(self._draft_step, ids(2), torch.arange(2, device=self.device)[None])
+                self._call(self._draft_step, ids(1), ids(1))
+                self._call(self._verify_step, ids(self.k + 1), torch.arange(self.k + 1, device=self.device)[None])
         synchronize(self.device)
-        self.compile_seconds += time.perf_counter() - start
-        self._warm[not greedy] = True
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        self._warm.add(kind)
+        return seconds
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -735,6 +740,7 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     """`bench` for the fast loops, greedy: `llmstep.fast.FastDecoder` (the target alone) against a
     `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
     medians; each run's tokens are compared with the target-alone run's."""
+    from .bench import matching_prefix
     from .fast import FastDecoder
 
     prompts, ks = [tokenizer.encode(p, bos=True) for p in prompts], list(ks)
@@ -762,7 +768,7 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
                 stats[name] = dict(k=runner.k, acceptance_rate=rounds.acceptance_rate,
                                    tokens_per_target_forward=rounds.tokens_per_target_forward,
                                    theory_tokens_per_forward=rounds.theory_tokens_per_forward,
-                                   matching_tokens=[_prefix(g.tokens, ref)
+                                   matching_tokens=[matching_prefix(g.tokens, ref)
                                                     for g, ref in zip(runs, reference, strict=True)])
             log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
     results = {"target": {"decode_tokens_per_second": _median(rates["target"]), "all_runs": rates["target"],
@@ -786,11 +792,6 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
 
 def _median(v: list[float]) -> float:
     return sorted(v)[len(v) // 2]
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def main(argv: list[str] | None = None) -> None:
