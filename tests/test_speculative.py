@@ -83,7 +83,7 @@ def test_greedy_speculative_equals_plain_greedy(target, drafts, tok, k, draft_na
     assert out.tokens == ref.tokens
     assert out.text == ref.text
     assert out.stop_reason == ref.stop_reason == "length"
-    assert 1 + sum(out.produced) == len(out.tokens) == 40
+    assert len(out.tokens) == 1 + sum(out.produced) == 40
     assert len(out.step_seconds) == 39  # one per token after the first, as for plain decoding
     assert all(a <= p for a, p in zip(out.accepted, out.proposed, strict=True))
 
@@ -415,7 +415,7 @@ def test_fast_speculator_greedy_equals_plain_greedy(target, drafts, tok, k, draf
     ref = plain_greedy(target, tok, 40, stop_ids=[])
     out = FastSpeculator(target, drafts[draft_name], k=k, compile=False).generate(PROMPT, 40)
     assert out.tokens == ref.tokens and out.stop_reason == "length"
-    assert 1 + sum(out.produced) == len(out.tokens) == 40 and out.decode_steps == 39
+    assert len(out.tokens) == 1 + sum(out.produced) == 40 and out.decode_steps == 39
     assert all(0 <= a <= p == k for a, p in zip(out.accepted, out.proposed, strict=True))
 
 
