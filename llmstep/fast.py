@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import synchronize
-from .generate import check_prompt_ids, make_generator
+from .generate import check_max_new_tokens, check_prompt_ids, make_generator
 from .model import Llama
 from .sampling import check_params, sample
 
@@ -160,10 +160,8 @@ class FastDecoder:
         result is what a loop that checked every token would give). Empty stop_ids: never stop early.
         """
         check_params(temperature, top_k, top_p)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        ids = prompt_ids.flatten().tolist() if torch.is_tensor(prompt_ids) else prompt_ids
-        ids = check_prompt_ids(ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
+        check_max_new_tokens(max_new_tokens)
+        ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
         self.warmup()
         result = FastResult(prompt_ids=ids)
         # The last token is sampled but never written, so max_len slots allow max_len - len(ids) + 1 tokens.

@@ -72,8 +72,18 @@ class Generation:
         return self.text
 
 
+def check_max_new_tokens(max_new_tokens) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+
+
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
-    """Token ids as a list of ints: not empty, inside the vocabulary, and leaving room for one new token."""
+    """Token ids (a list, or a tensor [T] or [1, T]) as a list of ints: not empty, inside the vocabulary,
+    and leaving room for one new token."""
+    if torch.is_tensor(ids):
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
+        ids = ids.flatten().tolist()
     ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("the prompt is empty: give at least one token id")
@@ -96,11 +106,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
         ids = tokenizer.encode(prompt, bos=True)
     elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.encode_chat(list(prompt))
-    elif torch.is_tensor(prompt):
-        if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1):
-            raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(prompt.shape)}")
-        ids = prompt.flatten().tolist()
-    else:
+    else:  # token ids, a list or a tensor
         ids = prompt
     return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
 
@@ -130,8 +136,7 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128
            stop_ids: Iterable[int] | None = None) -> Stream:
     """Start generating; see `generate` for the arguments. Errors in the arguments are raised here."""
     check_params(temperature, top_k, top_p)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     ids = encode_prompt(tokenizer, prompt, model.config.max_seq_len)
     stops = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     result = Generation(prompt_ids=ids)

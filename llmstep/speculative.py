@@ -40,7 +40,15 @@ from .attention import KVCache
 from .cost import decode_step_cost
 from .device import synchronize
 from .fast import FastResult, compile_options, compile_step
-from .generate import Generation, Stream, TokenEvent, check_prompt_ids, encode_prompt, make_generator
+from .generate import (
+    Generation,
+    Stream,
+    TokenEvent,
+    check_max_new_tokens,
+    check_prompt_ids,
+    encode_prompt,
+    make_generator,
+)
 from .hardware import describe
 from .model import Llama
 from .sampling import check_params, draw, probs
@@ -309,8 +317,7 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     check_params(temperature, top_k, top_p)
     _check_k(k)
     _check_pair(target, draft)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     if cost_ratio is not None and not cost_ratio >= 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
     ids = encode_prompt(tokenizer, prompt, target.config.max_seq_len)
@@ -584,10 +591,8 @@ class FastSpeculator:
                  stop_ids: Iterable[int] = ()) -> FastSpeculativeResult:
         """Continue prompt_ids by up to max_new_tokens tokens, distributed as the target's (see `verify`)."""
         check_params(temperature, top_k, top_p)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        ids = prompt_ids.flatten().tolist() if torch.is_tensor(prompt_ids) else prompt_ids
-        ids = check_prompt_ids(ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
+        check_max_new_tokens(max_new_tokens)
+        ids = check_prompt_ids(prompt_ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
         greedy = temperature == 0
         self.warmup(greedy)
         k, device, stops = self.k, self.device, set(int(s) for s in stop_ids)
@@ -720,18 +725,9 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
         paired = [a / b for a, b in zip(rates[name], rates["target"], strict=True)]
         results[name] = stats[name] | {"decode_tokens_per_second": _median(rates[name]), "speedup": _median(paired),
                                        "all_runs": rates[name]}
-    return dict(
-        target=dict(n_params=sum(p.numel() for p in target.parameters()), config=target.config.to_hf()),
-        draft=dict(n_params=sum(p.numel() for p in draft.parameters()), config=draft.config.to_hf()),
-        bytes_ratio=draft_cost_ratio(target, draft), measured_cost_ratio=cost_ratio,
-        measured_verify_costs=verify_costs, temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        prompts=prompts, repeats=repeats, results=results,
-        hardware=dict(cpu=describe("cpu")["name"], cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                      device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
-                      load_average_1min_before_after=[load_before, _load_average()]),
-        versions=dict(torch=torch.__version__, python=platform.python_version()),
-    )
+    return _report(target, draft, load_before) | dict(
+        measured_cost_ratio=cost_ratio, measured_verify_costs=verify_costs, temperature=temperature,
+        max_new_tokens=max_new_tokens, prompts=prompts, repeats=repeats, results=results)
 
 
 def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4),
@@ -777,12 +773,18 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
         paired = [a / b for a, b in zip(rates[name], rates["target"], strict=True)]
         results[name] = stats[name] | {"decode_tokens_per_second": _median(rates[name]), "speedup": _median(paired),
                                        "all_runs": rates[name], "compile_seconds": compile_seconds[name]}
+    return _report(target, draft, load_before) | dict(
+        temperature=0.0, compiled=True, compile_mode=mode, max_new_tokens=max_new_tokens,
+        new_tokens_compared_with_target_alone=max_new_tokens, prompts=[tokenizer.decode(p) for p in prompts],
+        repeats=repeats, results=results)
+
+
+def _report(target: Llama, draft: Llama, load_before: float | None) -> dict:
+    """What both benchmarks record about the models, the machine and the versions."""
     return dict(
         target=dict(n_params=sum(p.numel() for p in target.parameters()), config=target.config.to_hf()),
         draft=dict(n_params=sum(p.numel() for p in draft.parameters()), config=draft.config.to_hf()),
-        bytes_ratio=draft_cost_ratio(target, draft), temperature=0.0, compiled=True, compile_mode=mode,
-        max_new_tokens=max_new_tokens, new_tokens_compared_with_target_alone=max_new_tokens,
-        prompts=[tokenizer.decode(p) for p in prompts], repeats=repeats, results=results,
+        bytes_ratio=draft_cost_ratio(target, draft),
         hardware=dict(cpu=describe("cpu")["name"], cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                       device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
                       load_average_1min_before_after=[load_before, _load_average()]),

@@ -116,3 +116,11 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
+
+
+def test_prompt_tensors_hold_one_sequence(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    assert decoder.generate(torch.tensor([PROMPT]), 5).tokens == decoder.generate(PROMPT, 5).tokens
+    with pytest.raises(ValueError, match=r"got shape \[2, 7\]"):  # not two prompts run as one
+        decoder.generate(torch.tensor([PROMPT, PROMPT]), 5)

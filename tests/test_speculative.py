@@ -478,6 +478,9 @@ def test_fast_speculator_names_bad_arguments(target, drafts):
         speculator.generate(list(range(16)))
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         speculator.generate(PROMPT, -1)
+    with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"):
+        speculator.generate(torch.ones(2, 3, dtype=torch.long))
+    assert speculator.generate(torch.tensor([PROMPT]), 3).tokens == speculator.generate(PROMPT, 3).tokens
     with pytest.raises(ValueError, match="temperature"):
         speculator.generate(PROMPT, 4, temperature=-1.0)
 
