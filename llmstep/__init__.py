@@ -15,7 +15,8 @@ Around them: config.py (shapes, presets), cost.py (bytes and FLOPs per token), c
 Measuring the memory wall: hardware.py (bandwidth, matmul throughput, datasheets, decode ceilings),
 roofline.py, trace.py (the one-token trace), bench.py (`llmstep bench`).
 Answers to it: quantize.py (int8/int4 weight-only), fast.py (static cache, compiled decode step),
-speculative.py (draft-and-verify decoding that keeps the target's distribution).
+speculative.py (draft-and-verify decoding that keeps the target's distribution), batching.py (continuous
+batching: one decode step serves many requests).
 The default model: data.py (the Shakespeare corpus, tokenizer), train.py, eval.py.
 """
 

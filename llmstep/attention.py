@@ -62,6 +62,17 @@ class KVCache:
             v_cache[rows, :, positions] = v.transpose(1, 2)
         return k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
 
+    def slot(self, i: int) -> KVCache:
+        """Row i as a cache of batch 1 that shares this cache's memory: what is written to it lands in row i.
+
+        Continuous batching prefills each newcomer alone into its own row (`llmstep.batching`)."""
+        if not 0 <= i < self.batch_size:
+            raise IndexError(f"KV cache slot {i} does not exist: the cache has {self.batch_size} "
+                             f"(0..{self.batch_size - 1})")
+        view = object.__new__(KVCache)
+        view.k, view.v, view.lengths = self.k[:, i:i + 1], self.v[:, i:i + 1], self.lengths[i:i + 1]
+        return view
+
     def rollback(self, lengths: torch.Tensor | int):
         """Forget everything from position `lengths` on (per sequence, or one int for all)."""
         self.lengths.copy_(torch.as_tensor(lengths, device=self.lengths.device).expand_as(self.lengths))

@@ -43,6 +43,7 @@ _LAYER_NAMES = {  # llmstep name -> Hugging Face name, inside model.layers.{i}.
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes that load_model converts to the dtype asked for
 _OPTIONAL = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed from the config
 
 
@@ -92,8 +93,12 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
         files: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            if not isinstance(file, str) or Path(file).name != file:
+                raise CheckpointError(f"{index}: tensor {name} is mapped to {file!r}, not a shard file name")
             files.setdefault(file, []).append(name)
         for file in files:
             if not (path / file).is_file():
@@ -120,19 +125,19 @@ def _read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, tuple[st
                 if size < 8 or header_len > size - 8:
                     raise CheckpointError(f"{fpath}: truncated or not a safetensors file (header runs past the end)")
                 header = json.loads(fh.read(header_len))
-            data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{fpath}: corrupt safetensors header ({e})") from None
+            tensors = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][1])
+                       for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
+            data_end = max((end for _, _, end in tensors.values()), default=0)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, IndexError) as e:
+            raise CheckpointError(f"{fpath}: corrupt safetensors header ({type(e).__name__}: {e})") from None
         if size != 8 + header_len + data_end:
             raise CheckpointError(
                 f"{fpath}: truncated or corrupt: header describes {8 + header_len + data_end} bytes, file has {size}"
             )
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
+        for name, (shape, dtype, _) in tensors.items():
             if name in found:
                 raise CheckpointError(f"tensor {name} appears in both {found[name][0]} and {file}")
-            found[name] = (file, tuple(meta["shape"]), meta["dtype"])
+            found[name] = (file, shape, dtype)
         missing_listed = [n for n in listed if n not in header]
         if missing_listed:
             raise CheckpointError(f"{fpath}: the index says it holds {missing_listed[0]}, but it does not")
@@ -142,7 +147,7 @@ def _read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, tuple[st
 def validate(path: Path, config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """Check every tensor before anything is allocated; raise one error listing what is wrong."""
     found = _read_headers(path, _weight_files(path))
-    expected = hf_names(config)
+    expected = _expected(config, found)
     problems = []
     for name, (_, shape) in expected.items():
         if name not in found:
@@ -150,11 +155,10 @@ def validate(path: Path, config: LlamaConfig) -> dict[str, tuple[str, tuple[int,
         elif found[name][1] != shape:
             problems.append(f"tensor {name} in {found[name][0]} has shape {list(found[name][1])}, "
                             f"config.json implies {list(shape)}")
-        elif found[name][2] not in ("F32", "F16", "BF16"):
+        elif found[name][2] not in _FLOATS:
             problems.append(f"tensor {name} in {found[name][0]} has dtype {found[name][2]}, expected a float")
-    allowed_extra = {"lm_head.weight"} if config.tie_embeddings else set()
     for name in found:
-        if name not in expected and name not in allowed_extra and not name.endswith(_OPTIONAL):
+        if name not in expected and not name.endswith(_OPTIONAL):
             problems.append(f"unexpected tensor {name} in {found[name][0]}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
@@ -162,12 +166,21 @@ def validate(path: Path, config: LlamaConfig) -> dict[str, tuple[str, tuple[int,
     return found
 
 
+def _expected(config: LlamaConfig, found: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """hf_names, plus lm_head.weight when a tied checkpoint carries one anyway (load_model decides what it means)."""
+    names = hf_names(config)
+    if config.tie_embeddings and "lm_head.weight" in found:
+        names["lm_head.weight"] = ("output.weight", (config.vocab_size, config.dim))
+    return names
+
+
 def read_config(path: Path) -> LlamaConfig:
     """The checkpoint's config.json, refusing quantised checkpoints (they have their own loader)."""
     config = LlamaConfig.from_hf(path)
     quantized = _read_json(path / "config.json").get("quantization_config")
     if quantized:
-        raise CheckpointError(f"{path} holds a quantised checkpoint ({quantized.get('quant_method', '?')}): "
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
+        raise CheckpointError(f"{path} holds a quantised checkpoint ({method}): "
                               "load it with llmstep.quantize.load_quantized")
     return config
 
@@ -182,7 +195,7 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
     found = validate(path, config)
 
-    expected = hf_names(config)
+    expected = _expected(config, found)
     total_bytes = sum(torch.Size(shape).numel() for _, shape in expected.values()) * torch.finfo(dtype).bits // 8
     show = total_bytes > 2**30 if progress is None else progress
     state: dict[str, torch.Tensor] = {}
@@ -203,6 +216,13 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
     finally:
         bar.close()
 
+    if config.tie_embeddings and "output.weight" in state:
+        # A tied config whose checkpoint also holds lm_head.weight: transformers ties them only when the two are
+        # equal, and otherwise keeps the head it was given. Do the same, so the model is the same function.
+        if torch.equal(state["output.weight"], state["tok_embeddings.weight"]):
+            del state["output.weight"]
+        else:
+            config = config.replace(tie_embeddings=False)
     with torch.device("meta"):
         model = Llama(config)
     if config.tie_embeddings:
@@ -224,6 +244,7 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     """
     path = resolve_model_path(path)
     read_config(path)  # fail fast on the config and the tokenizer, before any weight is read
+    _read_json(path / "generation_config.json")
     tokenizer = Tokenizer.from_dir(path)
     model = load_model(path, device=device, dtype=dtype, progress=progress)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -236,9 +257,12 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = None,

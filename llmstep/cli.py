@@ -4,6 +4,7 @@
     llmstep generate --prompt "ROMEO:" --draft draft    the same, with speculative decoding
     llmstep info --preset llama-3.1-8b                  parameters and bytes per token of a shape
     llmstep trace --context 256                         where one decode step spends its time
+    llmstep batch --slots 1,4,8                         static vs continuous batching on a random workload
     llmstep train|eval|bench|data|speculative ...       the commands of llmstep.train, .eval, .bench, .data, ...
 """
 
@@ -20,7 +21,7 @@ from .cost import decode_step_cost, kv_bytes_per_token, param_counts
 
 # Subcommands that live in their own module, each with a main(argv).
 MODULE_COMMANDS = {"train": "llmstep.train", "eval": "llmstep.eval", "bench": "llmstep.bench", "data": "llmstep.data",
-                   "speculative": "llmstep.speculative"}
+                   "speculative": "llmstep.speculative", "batch": "llmstep.batching"}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the Llama 3 chat format")
     _add_sampling_args(g)
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
-    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64 (default: by device)")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers)")
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = i.add_mutually_exclusive_group(required=True)
     src.add_argument("--model")
     src.add_argument("--preset", choices=sorted(PRESETS))
-    i.add_argument("--dtype", default="bfloat16")
+    i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
     i.add_argument("--context", type=int, default=0, help="tokens already in the KV cache")
 
     t = sub.add_parser("trace", help="time one decode step stage by stage, with its bytes and FLOPs")
@@ -107,6 +108,8 @@ def cmd_info(args) -> None:
 
         path = resolve_model_path(args.model)
         config, name = LlamaConfig.from_hf(path), str(path)
+    if args.context < 0:
+        raise ValueError(f"--context must be >= 0, got {args.context}")
     dtype = getattr(torch, args.dtype)
     counts = param_counts(config)
     total = sum(counts.values())

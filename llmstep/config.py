@@ -60,9 +60,11 @@ class LlamaConfig:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
-        if isinstance(self.eos_token_id, int):
-            self.eos_token_id = [self.eos_token_id]
-        self.eos_token_id = list(self.eos_token_id or [])
+        if isinstance(self.eos_token_id, int) or self.eos_token_id is None:  # 0 is a token id too
+            self.eos_token_id = [] if self.eos_token_id is None else [self.eos_token_id]
+        if not isinstance(self.eos_token_id, list | tuple):
+            raise ConfigError(f"eos_token_id must be an integer or a list of them, got {self.eos_token_id!r}")
+        self.eos_token_id = list(self.eos_token_id)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -72,6 +74,8 @@ class LlamaConfig:
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}): "
                 "each key/value head serves a whole group of query heads"
             )
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)):
+            raise ConfigError(f"head_dim must be an integer, got {self.head_dim!r}")
         if self.head_dim is None:
             if self.dim % self.n_heads:
                 raise ConfigError(
@@ -86,6 +90,8 @@ class LlamaConfig:
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
         for name, tok in [("bos_token_id", self.bos_token_id)] + [("eos_token_id", t) for t in self.eos_token_id]:
+            if tok is not None and (not isinstance(tok, int) or isinstance(tok, bool)):
+                raise ConfigError(f"{name} must be an integer token id, got {tok!r}")
             if tok is not None and not 0 <= tok < self.vocab_size:
                 raise ConfigError(f"{name} {tok} is outside the vocabulary (size {self.vocab_size})")
 
@@ -115,39 +121,59 @@ class LlamaConfig:
                 source = json.loads(path.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(source, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(source).__name__}")
         hf = dict(source)
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
             raise ConfigError(f"{where}: model_type is {model_type!r}; llmstep implements 'llama' only")
         for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag):
-                raise ConfigError(f"{where}: {flag}=true is not part of LLaMA 3 and is not supported")
+            if hf.get(flag) not in (None, False):
+                raise ConfigError(f"{where}: {flag}={hf[flag]!r}: biases are not part of LLaMA 3 and are not supported")
         act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers maps both names to the same SiLU
             raise ConfigError(f"{where}: hidden_act is {act!r}; LLaMA 3's SwiGLU uses 'silu'")
         required = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"]
         missing = [k for k in required if k not in hf]
         if missing:
             raise ConfigError(f"{where}: missing {', '.join(missing)}")
 
-        rope = dict(hf.get("rope_parameters") or {})  # new form: theta and scaling in one dict
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling") or rope
-        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        # transformers' precedence: a legacy rope_scaling dict replaces rope_parameters; inside either, rope_theta
+        # beats the top-level one.
+        field = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        rope = hf.get(field) or {}
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{where}: {field} must be an object, got {rope!r}")
+        theta = _number(rope.get("rope_theta", hf.get("rope_theta", 10000.0)), "rope_theta", where)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"{where}: partial_rotary_factor={partial!r} is not supported: "
+                              "LLaMA 3 rotates the whole head")
         if rope_type == "llama3":
+            keys = ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+            absent = [k for k in keys if k not in rope]
+            if absent:
+                raise ConfigError(f"{where}: llama3 rope scaling ({field}) is missing {', '.join(absent)}")
+            values = {k: _number(rope[k], f"{field}.{k}", where) for k in keys[:3]}
+            original = rope["original_max_position_embeddings"]
+            if not isinstance(original, int) or isinstance(original, bool):
+                raise ConfigError(f"{where}: {field}.original_max_position_embeddings must be an integer, "
+                                  f"got {original!r}")
             try:
-                rope_scaling = RopeScaling(
-                    factor=float(scaling["factor"]),
-                    low_freq_factor=float(scaling["low_freq_factor"]),
-                    high_freq_factor=float(scaling["high_freq_factor"]),
-                    original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-                )
-            except KeyError as e:
-                raise ConfigError(f"{where}: llama3 rope scaling is missing {e.args[0]}") from None
+                rope_scaling = RopeScaling(**values, original_max_position_embeddings=original)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
         elif rope_type == "default":
             rope_scaling = None
         else:
-            raise ConfigError(f"{where}: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+            raise ConfigError(f"{where}: {field} has rope type {rope_type!r}, which is not supported "
+                              "(only 'default' and 'llama3')")
+        tie = hf.get("tie_word_embeddings")
+        if tie is not None and not isinstance(tie, bool):
+            raise ConfigError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
+        n_kv_heads = hf.get("num_key_value_heads")
+        norm_eps = _number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where)
 
         try:
             return cls(
@@ -155,16 +181,16 @@ class LlamaConfig:
                 dim=hf["hidden_size"],
                 n_layers=hf["num_hidden_layers"],
                 n_heads=hf["num_attention_heads"],
-                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                n_kv_heads=hf["num_attention_heads"] if n_kv_heads is None else n_kv_heads,
                 hidden_dim=hf["intermediate_size"],
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
+                norm_eps=norm_eps,
+                rope_theta=theta,
                 rope_scaling=rope_scaling,
                 max_seq_len=hf.get("max_position_embeddings", 2048),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                tie_embeddings=bool(tie),
                 head_dim=hf.get("head_dim"),
                 bos_token_id=hf.get("bos_token_id"),
-                eos_token_id=hf.get("eos_token_id") or [],
+                eos_token_id=hf.get("eos_token_id"),
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             )
         except ConfigError as e:
@@ -211,6 +237,13 @@ class LlamaConfig:
 
     def replace(self, **changes) -> LlamaConfig:
         return replace(self, **changes)
+
+
+def _number(value, name: str, where: str) -> float:
+    """A config.json number as a float, or a ConfigError naming the field and the file."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
+    return float(value)
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

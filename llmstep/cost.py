@@ -48,7 +48,7 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype | str = torch.bfl
 
 @dataclass(frozen=True)
 class StepCost:
-    """The cost of one decode step at batch 1 with `context` tokens already in the cache."""
+    """The cost of one decode step with `context` tokens already in the cache (of every sequence in the batch)."""
 
     weight_bytes: float  # weights streamed from memory: every matrix once, one embedding row
     kv_bytes: float  # KV cache read by attention
@@ -65,12 +65,15 @@ class StepCost:
 
 
 def decode_step_cost(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str = torch.bfloat16,
-                     weight_bytes_per_param: float | None = None) -> StepCost:
-    """Bytes and FLOPs of generating one token after `context` tokens.
+                     weight_bytes_per_param: float | None = None, batch: int = 1) -> StepCost:
+    """Bytes and FLOPs of generating one token after `context` tokens, for each of `batch` sequences.
 
     `weight_bytes_per_param` overrides the weights' storage size (1 for int8, ~0.5 for int4) while the
-    KV cache stays in `dtype`.
+    KV cache stays in `dtype`. A batch reads the weights once and its own KV cache per sequence, and
+    does every sequence's arithmetic: its intensity grows ~batch-fold.
     """
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     counts = param_counts(config)
     wbytes = dtype_bytes(dtype) if weight_bytes_per_param is None else weight_bytes_per_param
     # The embedding table is not streamed: one row is gathered. A tied LM head streams it all.
@@ -79,6 +82,6 @@ def decode_step_cost(config: LlamaConfig, context: int = 0, dtype: torch.dtype |
     attn_flops = 4 * config.n_layers * config.n_heads * config.head_dim * (context + 1)  # q.k and p.v
     return StepCost(
         weight_bytes=streamed * wbytes,
-        kv_bytes=(context + 1) * kv_bytes_per_token(config, dtype),
-        flops=2 * matmul_params + attn_flops,
+        kv_bytes=batch * (context + 1) * kv_bytes_per_token(config, dtype),
+        flops=batch * (2 * matmul_params + attn_flops),
     )

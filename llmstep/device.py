@@ -7,7 +7,8 @@ import torch
 __all__ = ["resolve_device", "resolve_dtype", "synchronize"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}  # float64: exact parity checks
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -33,7 +34,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored:
     """None: the checkpoint's own dtype on a GPU; float32 on the CPU, where bf16/fp16 matmuls are slow."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported: use float32, bfloat16 or float16")
+            raise ValueError(f"dtype {dtype} is not supported: use float32, bfloat16, float16 or float64")
         return dtype
     if dtype is None or dtype == "auto":
         if device.type == "cpu":
@@ -45,7 +46,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored:
             return torch.float16
         return want
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16, float16 or float64")
     return _DTYPES[dtype]
 
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -297,7 +298,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="also write MODEL/golden.json: the greedy continuation of this prompt")
     parser.add_argument("--golden-tokens", type=int, default=40)
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
+        sys.exit(f"llmstep eval: error: {e}")
 
+
+def _run(args) -> None:
     scores: list[Score] = []
     settings = {"max_tokens": args.max_tokens, "corpus": Path(args.corpus).name, "dtype": "float32"}
     seq_len = args.seq_len

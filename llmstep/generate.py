@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 
@@ -25,7 +26,8 @@ __all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate", "encode_p
 @dataclass(frozen=True)
 class TokenEvent:
     id: int
-    text: str  # the text this token completes; '' while a character is unfinished, or for a stop token
+    text: str  # the text this token completes; '' while a character is unfinished, or for a stop token. The
+    # last event also carries the bytes still held back (as U+FFFD), so the texts add up to decode(tokens).
     index: int  # 0 for the first new token
     seconds: float  # the prefill for index 0, one decode step after that
     stop: bool = False  # an end-of-sequence / stop token (its id is kept, its text is not)
@@ -73,17 +75,22 @@ class Generation:
 
 
 def check_max_new_tokens(max_new_tokens) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not isinstance(max_new_tokens, Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
 
 
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
     """Token ids (a list, or a tensor [T] or [1, T]) as a list of ints: not empty, inside the vocabulary,
     and leaving room for one new token."""
-    if torch.is_tensor(ids):
+    if torch.is_tensor(ids) or hasattr(ids, "__array__"):  # a tensor or a numpy array
+        ids = torch.as_tensor(ids)
         if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
         ids = ids.flatten().tolist()
+    ids = list(ids)
+    odd = next((i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)), None)
+    if odd is not None:
+        raise ValueError(f"prompt token ids must be integers, got {odd!r}")
     ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("the prompt is empty: give at least one token id")
@@ -138,7 +145,7 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128
     check_params(temperature, top_k, top_p)
     check_max_new_tokens(max_new_tokens)
     ids = encode_prompt(tokenizer, prompt, model.config.max_seq_len)
-    stops = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    stops = {int(i) for i in (tokenizer.eos_ids if stop_ids is None else stop_ids)}
     result = Generation(prompt_ids=ids)
     events = _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, result)
     return Stream(events, result)
@@ -173,6 +180,8 @@ def _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed,
         result.tokens.append(token_id)
         is_stop = token_id in stops
         text = "" if is_stop else detok.step(token_id)
+        if is_stop or index == max_new_tokens - 1 or position + 1 > n_ctx:  # the last token: nothing held back
+            text += detok.flush()
         result.text += text
         yield TokenEvent(token_id, text, index, seconds, is_stop)
         if is_stop:

@@ -67,6 +67,9 @@ class Llama(nn.Module):
         cache, continuing after cache.lengths with one. With no cache this is a plain causal forward.
         """
         B, T = tokens.shape
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"the KV cache holds {cache.batch_size} sequences but the tokens hold {B}: "
+                             "give each sequence its row (cache.slot(i) is row i alone)")
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=tokens.device)

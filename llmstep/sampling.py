@@ -6,6 +6,9 @@ exact distribution that `sample` draws from, so tests (and speculative decoding)
 
 from __future__ import annotations
 
+import math
+from numbers import Integral
+
 import torch
 
 __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy"]
@@ -13,9 +16,9 @@ __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", 
 
 def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> None:
     """Raise ValueError naming the bad argument."""
-    if temperature is None or not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+    if temperature is None or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and (not isinstance(top_k, Integral) or isinstance(top_k, bool) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
     if top_p is None or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 means off), got {top_p}")
@@ -30,7 +33,10 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep exactly the k largest logits of each row (ties broken by index), set the rest to -inf."""
     if not k or k >= logits.shape[-1]:
         return logits
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(k, dim=-1).indices, True)
+    kth = logits.topk(k, dim=-1).values[..., -1:]  # [..., 1]: the k-th largest value
+    above = logits > kth
+    tied = logits == kth  # of these, keep the lowest indices until there are k (topk's own choice varies)
+    keep = above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
     return logits.masked_fill(~keep, float("-inf"))
 
 
@@ -38,7 +44,7 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Nucleus filtering: keep the smallest set of most likely tokens whose probability reaches p."""
     if p >= 1.0:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: the lower index first
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
     drop_sorted = mass_before >= p  # already reached p without this token; the top token is always kept
@@ -60,6 +66,8 @@ def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
     check_params(temperature, top_k, top_p)
     if temperature == 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits)[..., None], 1.0)
+    logits = logits.float()
+    logits = logits - logits.amax(-1, keepdim=True)  # the same softmax; a tiny T then gives -inf, never inf - inf
     scaled = apply_temperature(logits, temperature)
     return top_p_filter(top_k_filter(scaled, top_k), top_p).softmax(dim=-1)
 

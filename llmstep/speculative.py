@@ -321,7 +321,7 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     if cost_ratio is not None and not cost_ratio >= 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
     ids = encode_prompt(tokenizer, prompt, target.config.max_seq_len)
-    stops = set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    stops = {int(i) for i in (tokenizer.eos_ids if stop_ids is None else stop_ids)}
     result = SpeculativeGeneration(prompt_ids=ids, k=k)
     if adaptive and cost_ratio is None:
         cost_ratio = draft_cost_ratio(target, draft)
@@ -362,6 +362,8 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
             result.step_seconds.append(seconds)
         is_stop = token_id in stops
         text = "" if is_stop else detok.step(token_id)
+        if is_stop or index == max_new_tokens - 1 or len(seq) - 1 >= n_ctx:  # the last token: flush the text
+            text += detok.flush()
         result.text += text
         return TokenEvent(token_id, text, index, seconds, is_stop)
 

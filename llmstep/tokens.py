@@ -51,9 +51,19 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             f = path / name
             if f.is_file():
-                data = json.loads(f.read_text())
+                try:
+                    data = json.loads(f.read_text())
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f} is not valid JSON: {e}") from None
+                if not isinstance(data, dict):
+                    raise ValueError(f"{f} must hold a JSON object, got {type(data).__name__}")
                 ids = data.get("eos_token_id")
-                eos += [ids] if isinstance(ids, int) else list(ids or [])
+                ids = [ids] if isinstance(ids, int) else ids or []
+                if not isinstance(ids, list) or not all(_is_id(i) for i in ids):
+                    raise ValueError(f"{f}: eos_token_id must be a token id or a list of them, got {ids!r}")
+                if not (data.get("bos_token_id") is None or _is_id(data["bos_token_id"])):
+                    raise ValueError(f"{f}: bos_token_id must be a token id, got {data['bos_token_id']!r}")
+                eos += ids
                 bos = data.get("bos_token_id") if bos is None else bos
         return cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None)
 
@@ -100,6 +110,8 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {m!r}")
             parts.append(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>")
         if add_generation_prompt:
             parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -118,14 +130,29 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
 
 
+def _is_id(i) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and i >= 0
+
+
 class StreamDecoder:
     """Ids in one at a time, text out as soon as it is whole: a character split over several byte-level
     tokens is held back until its last byte arrives, so the stream never shows broken UTF-8."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters returned so far
 
     def step(self, token_id: int) -> str:
         """The new text this id completes ('' while a character is still incomplete)."""
-        return self._stream.step(self.tokenizer.tok, int(token_id)) or ""
+        self._ids.append(int(token_id))
+        text = self._stream.step(self.tokenizer.tok, int(token_id)) or ""
+        self._emitted += len(text)
+        return text
+
+    def flush(self) -> str:
+        """At the end: the text still held back (bytes that never made a whole character, as decode shows them,
+        U+FFFD), so that everything step() and flush() returned adds up to decode(ids)."""
+        return self.tokenizer.decode(self._ids, self.skip_special_tokens)[self._emitted:]

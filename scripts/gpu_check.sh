@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU half of issue 5, in one go (< 8 minutes on one H200): run from the repository root on a CUDA machine.
+# The GPU half of issue 5, in one go (< 9 minutes on one H200): run from the repository root on a CUDA machine.
 #
 #   bash scripts/gpu_check.sh            # writes results/bench_gpu.json and prints both tables
 #
@@ -11,6 +11,7 @@
 #    Targets: bf16 >= 225 tok/s, int8 >= 1.7x bf16, int4 >= 2.5x bf16.
 # 3. speculative decoding (~2 min, issue 6): the shipped pair in bf16, greedy, the compiled loops (CUDA graphs),
 #    target alone against k = 2, 4, 6; writes results/speculative_gpu.json.
+# 4. continuous batching (~1 min): see the end of this script; writes results/batching_gpu.json.
 set -euo pipefail
 PY=${PYTHON:-python}
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -67,3 +68,8 @@ PY
 
 timeout 200 "$PY" -m llmstep.speculative --bench --compile --device cuda --dtype bfloat16 --ks 2,4,6 --repeats 2 \
     --out results/speculative_gpu.json
+
+# 4. continuous batching (~1 min): the shipped target in bf16 on CUDA, eager, static vs continuous on a random
+#    workload, and one decode step against the batch size; writes results/batching_gpu.json.
+timeout 120 "$PY" -m llmstep batch --device cuda --dtype bfloat16 --no-compile --slots 1,8,32 --requests 64 \
+    --rate 2 --batch-sizes 1,4,16,64,256 --json results/batching_gpu.json

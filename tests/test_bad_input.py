@@ -194,3 +194,84 @@ def test_save_leaves_nothing_half_written(tiny_checkpoint, tmp_path, monkeypatch
         llmstep.save(model, tmp_path / "out", tokenizer=tok)
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == []  # no temporary folder left behind
+
+
+L3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rms_norm_eps=None), "rms_norm_eps must be a number, got None"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), "rope_theta must be a number"),
+    (dict(rope_parameters=L3 | {"factor": "8"}), r"rope_parameters\.factor must be a number"),
+    (dict(rope_parameters=L3 | {"original_max_position_embeddings": 16.5}), "original_max_position_embeddings"),
+    (dict(rope_parameters=[1]), "rope_parameters must be an object"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "'linear'"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling has rope type 'dynamic'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(num_key_value_heads=0), "n_kv_heads must be a positive integer"),
+    (dict(head_dim=8.0), "head_dim must be an integer"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (dict(eos_token_id=[296, "x"]), "eos_token_id must be an integer"),
+    (dict(eos_token_id=2.0), "eos_token_id must be an integer"),
+])
+def test_config_values_of_the_wrong_kind_name_the_field_and_the_file(ckpt, change, message):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(change)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"config\.json: .*{message}"):
+        llmstep.load(ckpt)
+
+
+def test_config_json_that_is_not_an_object(ckpt):
+    (ckpt / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json: expected a JSON object"):
+        llmstep.load(ckpt)
+
+
+def test_eos_token_id_zero_is_kept():
+    hf = LlamaConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=8).to_hf()
+    assert LlamaConfig.from_hf(hf | {"eos_token_id": 0}).eos_token_id == [0]
+    assert LlamaConfig.from_hf(hf | {"eos_token_id": None}).eos_token_id == []
+
+
+def _write_header(path, header: bytes):
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+@pytest.mark.parametrize("header", [
+    b"[1, 2]", b'"text"', b'{"model.norm.weight": {"dtype": "F32", "data_offsets": [0, 4]}}',  # no shape
+    b'{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}',
+])
+def test_malformed_safetensors_header(ckpt, header):
+    _write_header(ckpt / "model.safetensors", header)
+    with pytest.raises(CheckpointError, match="model.safetensors: corrupt safetensors header"):
+        llmstep.load(ckpt)
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ([1, 2], "weight_map must map tensor names to shard files"),
+    ({"model.norm.weight": 3}, "model.norm.weight is mapped to 3"),
+    ({"model.norm.weight": "../model.safetensors"}, "not a shard file name"),
+])
+def test_malformed_index(ckpt, weight_map, message):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"model.safetensors.index.json: .*{message}"):
+        llmstep.load(ckpt)
+
+
+@pytest.mark.parametrize("text, message", [("{oops", "is not valid JSON"), ("[1]", "must hold a JSON object")])
+def test_bad_generation_config_is_named(ckpt, text, message):
+    (ckpt / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"generation_config.json {message}"):
+        llmstep.load(ckpt)
+    with pytest.raises(ValueError, match=f"generation_config.json {message}"):
+        llmstep.Tokenizer.from_dir(ckpt)
+
+
+def test_float64_is_a_dtype_but_float8_is_not(tiny_checkpoint):
+    model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype="float64")
+    assert model.dtype == torch.float64 and model.new_cache(max_len=4).k.dtype == torch.float64
+    with pytest.raises(ValueError, match="float8"):
+        llmstep.load(tiny_checkpoint, dtype="float8")

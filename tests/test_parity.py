@@ -4,6 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import LLAMA3_SCALING, make_checkpoint
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
 import llmstep
 from llmstep.sampling import greedy
@@ -102,8 +105,6 @@ def test_half_precision_tracks_float32(tiny_checkpoint, dtype):
 
 
 def test_saved_checkpoint_reloads_in_transformers_identically(tiny_checkpoint, tmp_path):
-    from transformers import LlamaForCausalLM
-
     model, tok = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
     out = llmstep.save(model, tmp_path / "copy", tokenizer=tok, dtype=torch.float32, max_shard_bytes=60_000)
     assert (out / "model.safetensors.index.json").is_file()
@@ -113,3 +114,63 @@ def test_saved_checkpoint_reloads_in_transformers_identically(tiny_checkpoint, t
     with torch.no_grad():
         torch.testing.assert_close(again(tokens), model(tokens), atol=0, rtol=0)
         torch.testing.assert_close(ref(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_float64_logits_match_reference_to_rounding(hf_checkpoint):
+    """In float64 the two implementations agree to ~1e-15: any real difference in the function shows."""
+    path, _ = hf_checkpoint
+    model, _ = llmstep.load(path, device="cpu", dtype="float64")
+    ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    tokens = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(8))
+    assert model.dtype == torch.float64
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-10, rtol=0)
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+@torch.no_grad()
+def test_tied_config_with_its_own_lm_head_is_what_transformers_computes(tmp_path, tokenizer_file):
+    """tie_word_embeddings=true, yet the checkpoint holds a different lm_head.weight: transformers keeps that
+    head (ties only equal tensors), and so must llmstep; an equal copy is tied as usual."""
+
+    make_checkpoint(tmp_path, tokenizer_file, tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(9))
+    for head, tied in [(tensors["model.embed_tokens.weight"].clone(), True), (torch.randn(300, 64), False)]:
+        save_file(tensors | {"lm_head.weight": head}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+        ref = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-5, rtol=0)
+        assert model.config.tie_embeddings == tied
+        assert (model.output.weight is model.tok_embeddings.weight) == tied
+
+
+@torch.no_grad()
+def test_config_json_read_with_transformers_precedence(tmp_path, tokenizer_file):
+    """rope_theta inside rope_scaling beats the top-level one, and hidden_act 'swish' is SiLU, as in transformers."""
+
+    make_checkpoint(tmp_path, tokenizer_file, rope_parameters=LLAMA3_SCALING, legacy_config=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    _edit_config(tmp_path, rope_scaling=cfg["rope_scaling"] | {"rope_theta": 1000.0}, hidden_act="swish")
+    model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    ref = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert model.config.rope_theta == 1000.0
+    tokens = torch.randint(0, 300, (1, 60), generator=torch.Generator().manual_seed(10))
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_float64_weights_load(tmp_path, tokenizer_file):
+
+    ref = make_checkpoint(tmp_path, tokenizer_file)
+    tensors = {k: v.double() for k, v in load_file(tmp_path / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-5, rtol=0)

@@ -109,3 +109,49 @@ def test_bad_sampling_arguments_are_named(kwargs, message):
         probs(torch.randn(1, 10), **kwargs)
     with pytest.raises(ValueError, match=message):
         sample(torch.randn(1, 10), **kwargs)
+
+
+def test_ties_are_broken_by_index_in_top_k_and_top_p():
+    """Which of several equal logits survives a filter must not depend on the sort the device happens to use."""
+    logits = torch.zeros(3, 1000)
+    logits[:, 500:] = -1.0
+    kept_k = torch.nonzero(top_k_filter(logits, 5)[0] > float("-inf")).flatten().tolist()
+    kept_p = torch.nonzero(top_p_filter(logits, 0.005)[0] > float("-inf")).flatten().tolist()
+    assert kept_k == [0, 1, 2, 3, 4]
+    assert kept_p == [0, 1, 2, 3]  # each of the first 500 holds 1 / (500 (1 + 1/e)) = 0.00146 of the mass
+    mixed = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.0]])
+    assert (top_k_filter(mixed, 4) > float("-inf")).tolist() == [[False, True, True, True, True, False, False]]
+
+
+def test_ties_in_bf16_logits_match_float32():
+    """bf16 logits are full of ties; probs on them equals probs on their float32 values."""
+    logits = (torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+    assert len(logits[0].unique()) < 300
+    for kw in (dict(top_k=17), dict(top_p=0.6), dict(top_k=40, top_p=0.8)):
+        assert torch.equal(probs(logits, 0.9, **kw), probs(logits.float(), 0.9, **kw))
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-45])
+def test_tiny_temperature_tends_to_greedy_not_nan(temperature):
+    logits = torch.tensor([[1.0, 3.0, 2.0], [-5.0, -5.0, -6.0]])
+    p = probs(logits, temperature)
+    torch.testing.assert_close(p, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
+    assert sample(logits, temperature, generator=torch.Generator().manual_seed(0))[0] == 1
+
+
+def test_infinite_logits_and_temperature():
+    logits = torch.tensor([[float("-inf"), 2.0, float("-inf"), 1.0]])
+    p = probs(logits, 0.5, top_k=3, top_p=0.99)
+    assert p[0, 0] == p[0, 2] == 0 and torch.isclose(p.sum(), torch.tensor(1.0))
+    draws = sample(logits.expand(1000, -1), 0.5, top_k=3, generator=torch.Generator().manual_seed(1))
+    assert set(draws.tolist()) <= {1, 3}
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        probs(logits, float("inf"))
+
+
+def test_top_k_may_be_any_integer_type():
+    import numpy as np
+
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(probs(logits, 1.0, top_k=np.int64(3)), probs(logits, 1.0, top_k=3))
+    assert torch.equal(probs(logits, 1.0, top_k=100), probs(logits, 1.0))  # more than the vocabulary: off

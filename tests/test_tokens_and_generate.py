@@ -162,3 +162,100 @@ def test_prompt_as_a_tensor_equals_the_list(loaded):
         assert out.tokens == as_list.tokens
     with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"):
         llmstep.generate(model, tok, torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_stream_flush_returns_what_was_held_back(tok):
+    """A stream that ends inside a character: flush gives the rest, so the pieces add up to decode(ids)."""
+    ids = tok.encode("thy 東京", bos=False)
+    ids = ids[:-1]  # the last byte of 京 never comes
+    for skip in (True, False):
+        stream = tok.stream(skip_special_tokens=skip)
+        pieces = [stream.step(i) for i in [tok.bos_id] + ids]
+        assert all("\ufffd" not in p for p in pieces)
+        rest = stream.flush()
+        assert rest.endswith("\ufffd") and "".join(pieces) + rest == tok.decode([tok.bos_id] + ids, skip)
+
+
+def test_chat_messages_must_hold_strings(tok):
+    with pytest.raises(ValueError, match="message 1: 'role' and 'content' must be strings"):
+        tok.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": 42}])
+
+
+def test_cli_info_refuses_bad_arguments_without_a_traceback(capsys):
+    with pytest.raises(SystemExit):
+        cli(["info", "--preset", "llama-3-8b", "--dtype", "float8"])
+    assert "invalid choice: 'float8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--context must be >= 0"):
+        cli(["info", "--preset", "llama-3-8b", "--context", "-5"])
+
+
+def test_cli_eval_reports_bad_input_without_a_traceback(tiny_checkpoint):
+    with pytest.raises(SystemExit, match="llmstep eval: error: max_tokens must be at least 2"):
+        cli(["eval", str(tiny_checkpoint), "--max-tokens", "-3", "--no-baseline"])
+    with pytest.raises(SystemExit, match="llmstep eval: error: no model directory"):
+        cli(["eval", "/nonexistent/dir", "--no-baseline"])
+
+
+@pytest.mark.parametrize("seed", [3, 0, 7])
+def test_the_text_is_the_decoded_tokens_even_when_a_character_is_cut(loaded, seed):
+    """A generation that ends inside a multi-byte character still hands over the held-back bytes (as U+FFFD):
+    the streamed texts add up to result.text, and that is decode(tokens), for both loops."""
+    model, tok = loaded
+    draft = llmstep.LayerSkipDraft(model, 1)
+    for run in (llmstep.stream(model, tok, "thy", max_new_tokens=30, temperature=1.5, seed=seed, stop_ids=[]),
+                llmstep.speculative_stream(model, draft, tok, "thy", k=3, max_new_tokens=30, temperature=1.5,
+                                           seed=seed, stop_ids=[])):
+        streamed = "".join(event.text for event in run)
+        assert streamed == run.result.text == tok.decode(run.result.tokens, skip_special_tokens=True)
+
+
+def test_the_helper_reproduction_ends_inside_a_character(loaded):
+    model, tok = loaded  # the case that lost its tail: make sure the test above really covers a cut character
+    out = llmstep.generate(model, tok, "thy", max_new_tokens=30, temperature=1.5, seed=3, stop_ids=[])
+    assert out.text.endswith("\ufffd")
+
+
+def test_stop_ids_may_be_a_tensor(loaded):
+    model, tok = loaded
+    free = llmstep.generate(model, tok, "Shall I", max_new_tokens=8, temperature=0, stop_ids=[])
+    stop = free.tokens[3]
+    for stops in (torch.tensor([stop]), [torch.tensor(stop)]):
+        out = llmstep.generate(model, tok, "Shall I", max_new_tokens=8, temperature=0, stop_ids=stops)
+        assert out.stop_reason == "stop" and out.tokens == free.tokens[: free.tokens.index(stop) + 1]
+        spec = llmstep.speculative_generate(model, llmstep.LayerSkipDraft(model, 1), tok, "Shall I", k=2,
+                                            max_new_tokens=8, temperature=0, stop_ids=stops)
+        assert spec.tokens == out.tokens
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([295, 5.7], "prompt token ids must be integers, got 5.7"),
+    ([295, True], "prompt token ids must be integers, got True"),
+    (torch.tensor([295.0, 5.0]), "prompt token ids must be integers"),
+    (__import__("numpy").array([[295, 5, 6], [1, 2, 3]]), r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"),
+])
+def test_prompt_ids_of_the_wrong_kind(loaded, prompt, message):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=message):
+        llmstep.generate(model, tok, prompt, max_new_tokens=2)
+
+
+def test_numpy_prompt_equals_the_list(loaded):
+    import numpy as np
+
+    model, tok = loaded
+    ids = [295, 5, 6, 7]
+    want = llmstep.generate(model, tok, ids, max_new_tokens=5, temperature=0).tokens
+    assert llmstep.generate(model, tok, np.array(ids), max_new_tokens=5, temperature=0).tokens == want
+    assert llmstep.generate(model, tok, np.array([ids]), max_new_tokens=5, temperature=0).tokens == want
+
+
+def test_max_new_tokens_must_be_a_count(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got True"):
+        llmstep.generate(model, tok, "thy", max_new_tokens=True)
+
+
+def test_a_cache_for_another_batch_size_is_named(loaded):
+    model, _ = loaded
+    with pytest.raises(ValueError, match="the KV cache holds 2 sequences but the tokens hold 1"):
+        model(torch.tensor([[1, 2, 3]]), cache=model.new_cache(batch_size=2, max_len=8))
