@@ -22,9 +22,10 @@ __all__ = ["KVCache", "Attention", "attention", "causal_mask"]
 
 
 class KVCache:
-    """Preallocated keys and values for every layer.
+    """Preallocated keys and values, one buffer per layer.
 
-    k, v: [n_layers, batch, n_kv_heads, max_len, head_dim]
+    k[i], v[i]: [batch, n_kv_heads, max_len, head_dim] - layer i's keys and values (lists of n_layers tensors:
+        separate buffers, so a compiled step writes one token in place instead of copying a shared one)
     lengths: [batch] - tokens written so far for each sequence (the next position to write)
     """
 
@@ -33,22 +34,27 @@ class KVCache:
             raise ValueError(f"KVCache needs a positive batch_size and max_len, got {batch_size}, {max_len}")
         if max_len > config.max_seq_len:
             raise ValueError(f"KVCache max_len {max_len} exceeds the model's context ({config.max_seq_len})")
-        shape = (config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.k[0].shape[0]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the model writes: what a compiled step must keep at fixed addresses."""
+        return (*self.k, *self.v, self.lengths)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int | None = None):
         """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's cache up to kv_len [B, n_kv, S, hd]."""
@@ -70,7 +76,8 @@ class KVCache:
             raise IndexError(f"KV cache slot {i} does not exist: the cache has {self.batch_size} "
                              f"(0..{self.batch_size - 1})")
         view = object.__new__(KVCache)
-        view.k, view.v, view.lengths = self.k[:, i:i + 1], self.v[:, i:i + 1], self.lengths[i:i + 1]
+        view.k, view.v = [t[i:i + 1] for t in self.k], [t[i:i + 1] for t in self.v]
+        view.lengths = self.lengths[i:i + 1]
         return view
 
     def rollback(self, lengths: torch.Tensor | int):

@@ -163,13 +163,14 @@ class ContinuousBatcher:
         self._step = self._decode_step
         if self.compiled:
             self._step = compile_step(self._decode_step, self.device, mode,
-                                      static=(self.cache.k, self.cache.v, self.cache.lengths))
+                                      static=self.cache.buffers)
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): one token for every slot."""
         return self.model(tokens, positions, self.cache, last_only=True)[:, -1].float()
 
-    def _call_step(self, tokens, positions):
+    @torch.inference_mode()
+    def _call_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         return self._step(tokens, positions)

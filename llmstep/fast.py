@@ -122,7 +122,7 @@ class FastDecoder:
             options = compile_options(self.device, mode)
             self.cuda_graphs = self.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
             self._step = compile_step(self._decode_step, self.device, mode,
-                                      static=(self.cache.k, self.cache.v, self.cache.lengths))
+                                      static=self.cache.buffers)
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""

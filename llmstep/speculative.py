@@ -528,11 +528,10 @@ class FastSpeculator:
             compile_options(self.device, mode).get("triton.cudagraphs"))
         self._draft_step, self._verify_step, self._greedy_step = self._draft, self._verify, self._greedy_round
         if self.compiled:
-            d, t = self.draft_cache, self.target_cache
-            static = (d.k, d.v, d.lengths, t.k, t.v, t.lengths)
-            self._draft_step = compile_step(self._draft, self.device, mode, static=static[:3])
-            self._verify_step = compile_step(self._verify, self.device, mode, static=static[3:])
-            self._greedy_step = compile_step(self._greedy_round, self.device, mode, static=static)
+            d, t = self.draft_cache.buffers, self.target_cache.buffers
+            self._draft_step = compile_step(self._draft, self.device, mode, static=d)
+            self._verify_step = compile_step(self._verify, self.device, mode, static=t)
+            self._greedy_step = compile_step(self._greedy_round, self.device, mode, static=d + t)
         self._warm: set[str] = set() if self.compiled else {"greedy", "sampling"}  # the round kinds compiled
         self.compile_seconds = 0.0
 

@@ -272,6 +272,6 @@ def test_bad_generation_config_is_named(ckpt, text, message):
 
 def test_float64_is_a_dtype_but_float8_is_not(tiny_checkpoint):
     model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype="float64")
-    assert model.dtype == torch.float64 and model.new_cache(max_len=4).k.dtype == torch.float64
+    assert model.dtype == torch.float64 and model.new_cache(max_len=4).k[0].dtype == torch.float64
     with pytest.raises(ValueError, match="float8"):
         llmstep.load(tiny_checkpoint, dtype="float8")

@@ -185,8 +185,9 @@ def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
     with torch.no_grad():
         model(torch.tensor([[4, 5, 6]]), cache=cache.slot(1))
     assert cache.lengths.tolist() == [0, 3, 0]
-    assert cache.k[:, 1, :, :3].abs().sum() > 0
-    assert cache.k[:, [0, 2]].abs().sum() == 0 and cache.v[:, [0, 2]].abs().sum() == 0
+    k, v = torch.stack(cache.k), torch.stack(cache.v)  # [L, 3, n_kv, max_len, hd]
+    assert k[:, 1, :, :3].abs().sum() > 0 and v[:, 1, :, :3].abs().sum() > 0
+    assert k[:, [0, 2]].abs().sum() == 0 and v[:, [0, 2]].abs().sum() == 0
     with pytest.raises(IndexError, match="slot 3 does not exist"):
         cache.slot(3)
 

@@ -182,7 +182,7 @@ def test_measure_costs_times_the_forwards_of_a_round(target, drafts):
 
 def test_layer_skip_draft_shares_the_targets_weights(target):
     draft = LayerSkipDraft(target, 2)
-    assert draft.config.n_layers == 2 and draft.new_cache().k.shape[0] == 2
+    assert draft.config.n_layers == 2 and len(draft.new_cache().k) == 2
     assert draft.layers[1] is target.layers[1] and draft.output.weight is target.output.weight
     tokens = torch.tensor([PROMPT])
     with torch.no_grad():
