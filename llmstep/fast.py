@@ -63,6 +63,9 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly."""
     for t in static:
         torch._dynamo.mark_static_address(t)
+    # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
+    # this same step anew, and a process that builds more than 8 of them would hit the default limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     options = compile_options(device, mode)
     compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
     if not options.get("freezing"):

@@ -291,3 +291,4 @@ def test_a_batch_reads_the_weights_once():
     assert decode_step_cost(cfg, batch=64).arithmetic_intensity == pytest.approx(64, rel=0.01)
     with pytest.raises(ValueError, match="batch must be an integer >= 1"):
         decode_step_cost(cfg, batch=0)
+

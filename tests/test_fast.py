@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import llmstep
-from llmstep.fast import FastDecoder, fast_generate
+from llmstep.fast import FastDecoder, compile_step, fast_generate
 from llmstep.quantize import QuantConfig, quantize
 
 PROMPT = [295, 17, 101, 42, 7, 250, 33]
@@ -124,3 +124,21 @@ def test_prompt_tensors_hold_one_sequence(tiny):
     assert decoder.generate(torch.tensor([PROMPT]), 5).tokens == decoder.generate(PROMPT, 5).tokens
     with pytest.raises(ValueError, match=r"got shape \[2, 7\]"):  # not two prompts run as one
         decoder.generate(torch.tensor([PROMPT, PROMPT]), 5)
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_more_compiled_steps_than_dynamo_keeps_by_default():
+    """Every decoder, batcher or batch size compiles the same method anew (one code object, new shapes): a
+    process that builds more than dynamo's default 8 must not fail."""
+
+    class Step:
+        def __init__(self, n):
+            self.buf = torch.arange(n, dtype=torch.float32)
+
+        def f(self, x):
+            return x * 2 + self.buf
+
+    for n in range(1, 11):
+        out = compile_step(Step(n).f, torch.device("cpu"))(torch.ones(n))
+        assert torch.equal(out, 2 + torch.arange(n, dtype=torch.float32))
