@@ -37,7 +37,7 @@ import torch
 
 from .device import synchronize
 from .fast import compile_options, compile_step
-from .generate import check_max_new_tokens, check_prompt_ids, make_generator
+from .generate import check_max_new_tokens, check_prompt_ids, make_generator, stop_id_set
 from .model import Llama
 from .sampling import check_params, sample
 
@@ -182,6 +182,7 @@ class ContinuousBatcher:
             check_max_new_tokens(r.max_new_tokens)
             if not isinstance(r.arrival, int) or r.arrival < 0:
                 raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
+            stop_id_set(r.stop_ids)
             return check_prompt_ids(r.prompt_ids, self.model.config.vocab_size, self.max_len,
                                     room="a batch slot's length")
         except ValueError as e:
@@ -212,7 +213,7 @@ class ContinuousBatcher:
             while arrivals and requests[arrivals[0]].arrival <= step:
                 i = arrivals.popleft()
                 r = requests[i]
-                queue.append(_Running(run.completions[i], r, {int(s) for s in r.stop_ids},
+                queue.append(_Running(run.completions[i], r, stop_id_set(r.stop_ids),
                                       make_generator(device, r.seed), step_start))
             free = [s for s in range(self.n_slots) if slots[s] is None]
             if policy == "static" and len(free) < self.n_slots:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import synchronize
-from .generate import check_max_new_tokens, check_prompt_ids, make_generator
+from .generate import check_max_new_tokens, check_prompt_ids, make_generator, stop_id_set
 from .model import Llama
 from .sampling import check_params, sample
 
@@ -172,7 +172,7 @@ class FastDecoder:
         result.stop_reason = "length" if n == max_new_tokens else "context"
         if n == 0:
             return result
-        device, stops = self.device, sorted(set(int(s) for s in stop_ids))
+        device, stops = self.device, sorted(stop_id_set(stop_ids))
         generator = make_generator(device, seed)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(stops, device=device, dtype=torch.long)
         out = torch.empty(n, dtype=torch.long, device=device)  # the new tokens, on the device until the end

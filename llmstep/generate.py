@@ -20,7 +20,7 @@ from .sampling import check_params, sample
 from .tokens import Tokenizer
 
 __all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate", "encode_prompt", "check_prompt_ids",
-           "make_generator"]
+           "make_generator", "stop_id_set"]
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,9 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
             raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
         ids = ids.flatten().tolist()
     ids = list(ids)
-    odd = next((i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)), None)
-    if odd is not None:
-        raise ValueError(f"prompt token ids must be integers, got {odd!r}")
+    odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
+    if odd:
+        raise ValueError(f"prompt token ids must be integers, got {odd[0]!r}")
     ids = [int(i) for i in ids]
     if not ids:
         raise ValueError("the prompt is empty: give at least one token id")
@@ -101,6 +101,19 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
         raise ValueError(f"the prompt is {len(ids)} tokens, but {room} is {max_len}: "
                          "no room for a new token; shorten the prompt")
     return ids
+
+
+def stop_id_set(stop_ids) -> set[int]:
+    """Stop token ids (a list, a set, a tensor, ...) as a set of ints; anything else is refused by name."""
+    if torch.is_tensor(stop_ids):
+        stop_ids = stop_ids.flatten().tolist()
+    if isinstance(stop_ids, str | bytes) or not isinstance(stop_ids, Iterable):
+        raise ValueError(f"stop_ids must be a collection of token ids, got {stop_ids!r}")
+    ids = [i.item() if torch.is_tensor(i) and i.numel() == 1 else i for i in stop_ids]
+    odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
+    if odd:
+        raise ValueError(f"stop_ids must hold integer token ids, got {odd[0]!r}")
+    return {int(i) for i in ids}
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor | list[dict],
@@ -145,7 +158,7 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128
     check_params(temperature, top_k, top_p)
     check_max_new_tokens(max_new_tokens)
     ids = encode_prompt(tokenizer, prompt, model.config.max_seq_len)
-    stops = {int(i) for i in (tokenizer.eos_ids if stop_ids is None else stop_ids)}
+    stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     result = Generation(prompt_ids=ids)
     events = _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, result)
     return Stream(events, result)

@@ -48,6 +48,7 @@ from .generate import (
     check_prompt_ids,
     encode_prompt,
     make_generator,
+    stop_id_set,
 )
 from .hardware import describe
 from .model import Llama
@@ -321,7 +322,7 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     if cost_ratio is not None and not cost_ratio >= 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
     ids = encode_prompt(tokenizer, prompt, target.config.max_seq_len)
-    stops = {int(i) for i in (tokenizer.eos_ids if stop_ids is None else stop_ids)}
+    stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     result = SpeculativeGeneration(prompt_ids=ids, k=k)
     if adaptive and cost_ratio is None:
         cost_ratio = draft_cost_ratio(target, draft)
@@ -596,7 +597,7 @@ class FastSpeculator:
         ids = check_prompt_ids(prompt_ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
         greedy = temperature == 0
         self.warmup(greedy)
-        k, device, stops = self.k, self.device, set(int(s) for s in stop_ids)
+        k, device, stops = self.k, self.device, stop_id_set(stop_ids)
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason="length")
         if max_new_tokens == 0:
             return result

@@ -201,6 +201,8 @@ def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
     (Request([1], -2), "request 1: max_new_tokens"),
     (Request([1], 4, arrival=-1), "request 1: arrival must be an engine step"),
     (Request([1], 4, arrival=1.5), "request 1: arrival must be an engine step"),
+    (Request([1], 4, stop_ids=7), "request 1: stop_ids must be a collection of token ids, got 7"),
+    (Request([1], 4, stop_ids=[7, 2.5]), "request 1: stop_ids must hold integer token ids, got 2.5"),
 ])
 def test_bad_requests_are_named_before_any_work(tiny64, request_, message, monkeypatch):
     model, _ = tiny64

@@ -230,6 +230,7 @@ def test_stop_ids_may_be_a_tensor(loaded):
 @pytest.mark.parametrize(("prompt", "message"), [
     ([295, 5.7], "prompt token ids must be integers, got 5.7"),
     ([295, True], "prompt token ids must be integers, got True"),
+    ([295, None], "prompt token ids must be integers, got None"),
     (torch.tensor([295.0, 5.0]), "prompt token ids must be integers"),
     (__import__("numpy").array([[295, 5, 6], [1, 2, 3]]), r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"),
 ])
@@ -259,3 +260,22 @@ def test_a_cache_for_another_batch_size_is_named(loaded):
     model, _ = loaded
     with pytest.raises(ValueError, match="the KV cache holds 2 sequences but the tokens hold 1"):
         model(torch.tensor([[1, 2, 3]]), cache=model.new_cache(batch_size=2, max_len=8))
+
+
+@pytest.mark.parametrize(("stops", "message"), [
+    (7, "stop_ids must be a collection of token ids, got 7"),
+    ("eos", "stop_ids must be a collection of token ids, got 'eos'"),
+    ([7, None], "stop_ids must hold integer token ids, got None"),
+    ([7.0], "stop_ids must hold integer token ids, got 7.0"),
+])
+def test_bad_stop_ids_are_named(loaded, stops, message):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=message):
+        llmstep.generate(model, tok, "thy", max_new_tokens=2, stop_ids=stops)
+    with pytest.raises(ValueError, match=message):
+        llmstep.speculative_generate(model, llmstep.LayerSkipDraft(model, 1), tok, "thy", k=2, max_new_tokens=2,
+                                     stop_ids=stops)
+    from llmstep.fast import FastDecoder
+
+    with pytest.raises(ValueError, match=message):
+        FastDecoder(model, max_len=16, compile=False).generate([295, 5], 2, stop_ids=stops)
