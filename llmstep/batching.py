@@ -10,7 +10,8 @@ waiting request into a slot the moment one frees. Every engine step:
 
 1. requests that have arrived join the queue;
 2. free slots take requests from the queue (static: only when every slot is free); each newcomer's
-   prompt is prefilled alone into its own row of the cache (`cache.slot(i)`), which gives its first token;
+   prompt is prefilled alone into its own row of the cache (`cache.slot(i)`), which gives its first token
+   (a newcomer done at once, stopped by that token, frees its slot for the next in the queue);
 3. one decode step for all slots: tokens [S, 1] at positions [S, 1], every row at its own position, the
    model's one forward. A free slot rides along with a dummy token at position 0 (fixed shapes, as CUDA
    graphs need): nothing reads it, and the next prompt in that row overwrites it. Keys that an earlier
@@ -32,11 +33,12 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 
 import torch
 
 from .device import synchronize
-from .fast import compile_options, compile_step
+from .fast import compile_step, uses_cuda_graphs
 from .generate import check_max_new_tokens, check_prompt_ids, make_generator, stop_id_set
 from .model import Llama
 from .sampling import check_params, sample
@@ -158,8 +160,7 @@ class ContinuousBatcher:
         self.max_len = model.config.max_seq_len if max_len is None else max_len
         self.cache = model.new_cache(batch_size=n_slots, max_len=self.max_len)  # k, v: [L, S, n_kv, max_len, hd]
         self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
-        self.cuda_graphs = self.compiled and self.device.type == "cuda" and bool(
-            compile_options(self.device, mode).get("triton.cudagraphs"))
+        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
         self._step = self._decode_step
         if self.compiled:
             self._step = compile_step(self._decode_step, self.device, mode,
@@ -169,22 +170,17 @@ class ContinuousBatcher:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): one token for every slot."""
         return self.model(tokens, positions, self.cache, last_only=True)[:, -1].float()
 
-    @torch.inference_mode()
-    def _call_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        return self._step(tokens, positions)
-
-    def _check(self, i: int, r: Request) -> list[int]:
+    def _check(self, i: int, r: Request) -> tuple[list[int], set[int]]:
+        """A request's prompt ids and stop ids, checked (read once: either may be a one-shot iterator)."""
         where = f"request {i}"
         try:
             check_params(r.temperature, r.top_k, r.top_p)
             check_max_new_tokens(r.max_new_tokens)
-            if not isinstance(r.arrival, int) or r.arrival < 0:
+            if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
                 raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
-            stop_id_set(r.stop_ids)
+            stops = stop_id_set(r.stop_ids)
             return check_prompt_ids(r.prompt_ids, self.model.config.vocab_size, self.max_len,
-                                    room="a batch slot's length")
+                                    room="a batch slot's length"), stops
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
@@ -193,10 +189,10 @@ class ContinuousBatcher:
         """Serve every request; returns their completions (in submission order) and the timeline."""
         if policy not in POLICIES:
             raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        prompts = [self._check(i, r) for i, r in enumerate(requests)]  # all checked before any work
+        checked = [self._check(i, r) for i, r in enumerate(requests)]  # all checked before any work
         device = self.device
-        run = BatchRun(policy, self.n_slots, [Completion(i, p, arrival=r.arrival)
-                                              for i, (r, p) in enumerate(zip(requests, prompts, strict=True))])
+        run = BatchRun(policy, self.n_slots, [Completion(i, p, arrival=int(r.arrival))
+                                              for i, (r, (p, _)) in enumerate(zip(requests, checked, strict=True))])
         arrivals = deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival))
         queue: deque[_Running] = deque()
         slots: list[_Running | None] = [None] * self.n_slots
@@ -213,13 +209,13 @@ class ContinuousBatcher:
             while arrivals and requests[arrivals[0]].arrival <= step:
                 i = arrivals.popleft()
                 r = requests[i]
-                queue.append(_Running(run.completions[i], r, stop_id_set(r.stop_ids),
-                                      make_generator(device, r.seed), step_start))
-            free = [s for s in range(self.n_slots) if slots[s] is None]
-            if policy == "static" and len(free) < self.n_slots:
-                free = []  # a static batch takes newcomers only when all of it is done
-            for s in free[:len(queue)]:
-                self._prefill(queue.popleft(), s, slots, run, step)
+                queue.append(_Running(run.completions[i], r, checked[i][1], make_generator(device, r.seed),
+                                      step_start))
+            if policy == "static" and not any(slots):  # a static batch takes newcomers only when all of it is done
+                for s in range(min(self.n_slots, len(queue))):
+                    self._prefill(queue.popleft(), s, slots, run, step)
+            while policy == "continuous" and queue and None in slots:  # also a slot freed by a prefill's token
+                self._prefill(queue.popleft(), slots.index(None), slots, run, step)
             run.timeline.append([-1 if j is None else j.completion.id for j in slots])  # whom the step serves
             if any(slots):
                 self._decode(slots, step)
@@ -249,7 +245,7 @@ class ContinuousBatcher:
         tokens = torch.tensor([[0 if j is None else j.completion.tokens[-1]] for j in slots],
                               device=self.device)  # [S, 1]: a free slot feeds token 0 at position 0
         positions = torch.tensor([[0 if j is None else self._position(j)] for j in slots], device=self.device)
-        logits = self._call_step(tokens, positions)  # [S, vocab]
+        logits = self._step(tokens, positions)  # [S, vocab]
         running = [(s, j) for s, j in enumerate(slots) if j is not None]
         drawn = torch.cat([sample(logits[s:s + 1], j.request.temperature, j.request.top_k, j.request.top_p,
                                   j.generator) for s, j in running])  # [running]: one draw per row, its generator
@@ -294,6 +290,8 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
     """n_requests with prompt lengths and output lengths drawn uniformly from the given (low, high) ranges,
     random prompt ids, no stop tokens (each writes exactly its new tokens), arriving as a Poisson process
     of `rate` requests per engine step (None: all at step 0). Seeded: the same seed, the same workload."""
+    if not isinstance(n_requests, Integral) or n_requests < 0:
+        raise ValueError(f"n_requests must be an integer >= 0, got {n_requests!r}")
     for name, (lo, hi) in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name} range must satisfy 1 <= low <= high, got ({lo}, {hi})")
@@ -316,7 +314,7 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
 
 @torch.inference_mode()
 def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8, 16), context: int = 64,
-                          repeats: int = 10, compile: bool = False) -> list[dict]:
+                          repeats: int = 10, compile: bool | None = False) -> list[dict]:
     """Time one decode step at each batch size, every row `context` tokens in: the weights are read once
     per step whatever the batch, so tokens/s grows with the batch until the step stops being memory-bound."""
     from .cost import decode_step_cost
@@ -327,12 +325,12 @@ def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=batcher.device)
         positions = torch.full((batch, 1), context, dtype=torch.long, device=batcher.device)
         for _ in range(3):  # warm up (and compile)
-            batcher._call_step(tokens, positions)
+            batcher._step(tokens, positions)
         times = []
         for _ in range(repeats):
             synchronize(batcher.device)
             start = time.perf_counter()
-            batcher._call_step(tokens, positions)
+            batcher._step(tokens, positions)
             synchronize(batcher.device)
             times.append(time.perf_counter() - start)
         cost = decode_step_cost(model.config, context, model.dtype, batch=batch)
@@ -401,12 +399,15 @@ def _main(args, argv: list[str]) -> dict:
     from .checkpoint import load_model
     from .hardware import describe
 
+    if args.requests < 1 or (args.threads is not None and args.threads < 1):
+        raise ValueError(f"--requests and --threads must be >= 1, got {args.requests} and {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     requests = random_workload(args.requests, model.config.vocab_size, args.prompt_len, args.new_tokens, args.rate,
                                args.seed, args.temperature)
-    max_len = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    # Room for every request, up to the model's context (a longer request stops there, as generate does).
+    max_len = min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests), model.config.max_seq_len)
     record = {"command": "llmstep batch " + " ".join(argv),
               "model": str(args.model or "target"), "device": describe(model.device)["name"],
               "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
@@ -433,7 +434,7 @@ def _main(args, argv: list[str]) -> dict:
                   f"{summary['mean_first_token_seconds']:>9.2f}s", flush=True)
     print(f"\none decode step, {args.context} tokens of context in every row:")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'MB/token':>9} {'FLOP/byte':>10}")
-    for row in measure_batch_scaling(model, args.batch_sizes, args.context, compile=bool(args.compile)):
+    for row in measure_batch_scaling(model, args.batch_sizes, args.context, compile=args.compile):
         record["batch_scaling"].append(row)
         print(f"{row['batch']:>5} {row['step_ms']:>8.2f} {row['tokens_per_second']:>9,.1f} "
               f"{row['bytes_per_token'] / 1e6:>9.2f} {row['flops_per_byte']:>10.1f}", flush=True)

@@ -36,7 +36,7 @@ from .generate import check_max_new_tokens, check_prompt_ids, make_generator, st
 from .model import Llama
 from .sampling import check_params, sample
 
-__all__ = ["FastResult", "FastDecoder", "fast_generate", "compile_step", "compile_options"]
+__all__ = ["FastResult", "FastDecoder", "fast_generate", "compile_step", "compile_options", "uses_cuda_graphs"]
 
 
 def compile_options(device: torch.device, mode: str | None = None) -> dict:
@@ -58,9 +58,16 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
     return options
 
 
+def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
+    """Whether `compile_step` records the step as a CUDA graph on `device` in `mode`."""
+    return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
+
+
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = ()):
     """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
-    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly."""
+    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
+    With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
+    graph may reuse their memory: use what a step returns before calling it again."""
     for t in static:
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
@@ -68,6 +75,13 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     options = compile_options(device, mode)
     compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
+    if uses_cuda_graphs(device, mode):
+
+        def graphed_step(*args):
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args)
+
+        return graphed_step
     if not options.get("freezing"):
         return compiled
     import torch._inductor.config as inductor_config
@@ -117,15 +131,12 @@ class FastDecoder:
         self.max_len = model.config.max_seq_len if max_len is None else max_len
         self.cache = model.new_cache(batch_size=1, max_len=self.max_len)  # k, v: [layers, 1, n_kv, max_len, hd]
         self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
-        self.cuda_graphs = False
+        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
         self.compile_seconds = 0.0  # spent in the first calls of the compiled step (warmup)
         self._warm = not self.compiled
         self._step = self._decode_step
         if self.compiled:
-            options = compile_options(self.device, mode)
-            self.cuda_graphs = self.device.type == "cuda" and bool(options.get("triton.cudagraphs"))
-            self._step = compile_step(self._decode_step, self.device, mode,
-                                      static=self.cache.buffers)
+            self._step = compile_step(self._decode_step, self.device, mode, static=self.cache.buffers)
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
@@ -141,17 +152,12 @@ class FastDecoder:
         token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         position = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         for _ in range(steps):  # reduce-overhead records on the second or third call
-            self._call_step(token, position)
+            self._step(token, position)
         synchronize(self.device)
         self.cache.reset()
         self.compile_seconds = time.perf_counter() - start
         self._warm = True
         return self.compile_seconds
-
-    def _call_step(self, token, position):
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
-        return self._step(token, position)
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -194,7 +200,7 @@ class FastDecoder:
             if stops and i % sync_every == 0 and bool(torch.isin(out[:i], stop_tensor).any()):  # one sync
                 stopped = True
                 break
-            logits = self._call_step(token.view(1, 1), position)
+            logits = self._step(token.view(1, 1), position)
             token = sample(logits, temperature, top_k, top_p, generator)
             out[i] = token[0]
             position += 1

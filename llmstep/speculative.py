@@ -39,7 +39,7 @@ import torch
 from .attention import KVCache
 from .cost import decode_step_cost
 from .device import synchronize
-from .fast import FastResult, compile_options, compile_step
+from .fast import FastResult, compile_step, uses_cuda_graphs
 from .generate import (
     Generation,
     Stream,
@@ -525,8 +525,7 @@ class FastSpeculator:
         self.target_cache = target.new_cache(batch_size=1, max_len=self.max_len)  # [L, 1, n_kv, max_len, hd]
         self.draft_cache = draft.new_cache(batch_size=1, max_len=self.max_len)
         self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
-        self.cuda_graphs = self.compiled and self.device.type == "cuda" and bool(
-            compile_options(self.device, mode).get("triton.cudagraphs"))
+        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
         self._draft_step, self._verify_step, self._greedy_step = self._draft, self._verify, self._greedy_round
         if self.compiled:
             d, t = self.draft_cache.buffers, self.target_cache.buffers
@@ -557,11 +556,6 @@ class FastSpeculator:
                                  drafted)
         return drafted, n, token
 
-    def _call(self, step, *args):
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # outputs of earlier replays are consumed by now
-        return step(*args)
-
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3) -> float:
         """Compile the round's steps (on CUDA, record their graphs) before timing anything; returns the seconds."""
@@ -576,11 +570,11 @@ class FastSpeculator:
 
         for _ in range(steps):
             if greedy:
-                self._call(self._greedy_step, ids(2), ids(1) + 1)
+                self._greedy_step(ids(2), ids(1) + 1)
             else:
-                self._call(self._draft_step, ids(2), torch.arange(2, device=self.device)[None])
-                self._call(self._draft_step, ids(1), ids(1))
-                self._call(self._verify_step, ids(self.k + 1), torch.arange(self.k + 1, device=self.device)[None])
+                self._draft_step(ids(2), torch.arange(2, device=self.device)[None])
+                self._draft_step(ids(1), ids(1))
+                self._verify_step(ids(self.k + 1), torch.arange(self.k + 1, device=self.device)[None])
         synchronize(self.device)
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
@@ -622,16 +616,16 @@ class FastSpeculator:
                 break
             pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
             if greedy:
-                drafted, n, token = self._call(self._greedy_step, pair, torch.full((1, 1), L - 1, device=device))
+                drafted, n, token = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
             else:
                 x, pos, proposed, q = pair, torch.arange(L - 2, L, device=device)[None], [], []
                 for i in range(k):
-                    t, q_i = pick(self._call(self._draft_step, x, pos))
+                    t, q_i = pick(self._draft_step(x, pos))
                     x, pos = t.view(1, 1), torch.full((1, 1), L + i, device=device)
                     proposed.append(x)
                     q.append(q_i)
                 drafted = torch.cat(proposed, dim=1)  # [1, k]
-                logits = self._call(self._verify_step, torch.cat([pair[:, 1:], drafted], dim=1),
+                logits = self._verify_step(torch.cat([pair[:, 1:], drafted], dim=1),
                                     torch.arange(L - 1, L + k, device=device)[None])  # [1, k+1, V]
                 p = probs(logits, temperature, top_k, top_p)
                 n, token = verify(p, torch.stack(q, dim=1), drafted, generator)

@@ -24,7 +24,7 @@ def main() -> None:
         decoder.warmup()
         decoder.cache.reset()
         bf16(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), decoder.cache)  # the prompt but its last token
-        steps = [decoder._call_step(torch.tensor([[t]]), torch.tensor([[len(ids) - 1 + i]])).clone()
+        steps = [decoder._step(torch.tensor([[t]]), torch.tensor([[len(ids) - 1 + i]])).clone()
                  for i, t in enumerate([ids[-1]] + seq[:-1])]
         o = torch.cat(steps)  # [100, V]
         err = (o - r).abs()

@@ -170,13 +170,44 @@ def test_continuous_admits_as_soon_as_a_slot_is_free(tiny64):
     model, _ = tiny64
     requests = random_workload(30, model.config.vocab_size, prompt_len=(1, 6), new_tokens=(1, 12), rate=0.8, seed=1)
     run = run_batch(model, requests, n_slots=3)
-    prefilled = {(step, slot) for step, slot, _ in run.prefills}  # a slot can be filled and freed in one step
     for c in run.completions:
         for step in range(c.arrival, c.admitted):
-            assert all(r >= 0 or (step, i) in prefilled for i, r in enumerate(run.timeline[step])), (c.id, step)
+            assert all(r >= 0 for r in run.timeline[step]), (c.id, step)
     assert any(c.queued_steps > 0 for c in run.completions)  # the workload does make requests wait
     admitted = sorted(run.completions, key=lambda c: (c.admitted, c.slot))
     assert [c.id for c in admitted] == sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))  # FIFO
+
+
+def test_a_slot_freed_by_a_prefill_takes_the_next_request_in_the_same_step(tiny64):
+    """A request that stops at its first token (or wants none) frees its slot during admission: a queued
+    request takes it before the decode step, which never runs a free row while anyone waits."""
+    model, tok = tiny64
+    first = solo(model, tok, Request([1, 2, 3], 1)).tokens[0]
+    requests = [Request([4, 5], 6), Request([1, 2, 3], 5, stop_ids=[first]), Request([6], 0), Request([7, 8], 3)]
+    run = run_batch(model, requests, n_slots=2)
+    assert [c.admitted for c in run.completions] == [0, 0, 0, 0]
+    assert [c.slot for c in run.completions] == [0, 1, 1, 1]
+    assert run.timeline[0] == [0, 3]
+    assert run.completions[1].tokens == [first] and run.completions[1].stop_reason == "stop"
+    for r, c in zip(requests, run.completions, strict=True):
+        assert c.tokens == solo(model, tok, r).tokens
+    static = run_batch(model, requests, n_slots=2, policy="static")  # a static batch is formed once
+    assert [c.admitted for c in static.completions] == [0, 0, 5, 5]
+
+
+def test_stop_ids_and_arrival_of_other_kinds(tiny64):
+    """stop_ids given as a one-shot iterator still stop the request (the check must not use them up), and
+    an arrival may be any integer type (numpy's), but not a bool."""
+    import numpy as np
+
+    model, tok = tiny64
+    alone = solo(model, tok, Request([1, 2, 3], 10)).tokens
+    c = run_batch(model, [Request([1, 2, 3], 10, stop_ids=iter([alone[4]]))], n_slots=1).completions[0]
+    assert c.tokens == alone[: alone.index(alone[4]) + 1] and c.stop_reason == "stop"
+    c = run_batch(model, [Request([1, 2, 3], 10, arrival=np.int64(2))], n_slots=1).completions[0]
+    assert c.arrival == c.admitted == 2 and type(c.arrival) is int and c.tokens == alone
+    with pytest.raises(ValueError, match="request 0: arrival must be an engine step"):
+        run_batch(model, [Request([1], 2, arrival=True)])
 
 
 def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
@@ -264,6 +295,26 @@ def test_command_writes_both_policies(tmp_path, capsys):
         main(["--slots", "0,2"])
     with pytest.raises(SystemExit):
         main(["--new-tokens", "a:b"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--requests", "0"], "--requests and --threads must be >= 1"),
+    (["--threads", "-1"], "--requests and --threads must be >= 1"),
+    (["--prompt-len", "600:700"], "request 0: the prompt is 6.. tokens, but a batch slot's length is 512"),
+])
+def test_command_refuses_bad_arguments_without_a_traceback(args, message):
+    with pytest.raises(SystemExit, match=f"llmstep batch: error: {message}"):
+        main(["--slots", "1", "--requests", "2", *args])
+
+
+def test_command_lets_long_requests_stop_at_the_models_context(monkeypatch):
+    """A workload whose prompt + new tokens pass the model's context runs (its requests stop there)."""
+    monkeypatch.setattr(llmstep.batching, "measure_batch_scaling", lambda *a, **k: [])
+    record = main(["--requests", "2", "--slots", "1", "--prompt-len", "509:510", "--new-tokens", "5:6",
+                   "--threads", "1"])
+    assert {c["stop_reason"] for c in record["runs"][0]["completions"]} == {"context"}
+    with pytest.raises(ValueError, match="n_requests must be an integer >= 0"):
+        random_workload(-1, 100)
 
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "

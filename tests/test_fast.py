@@ -84,9 +84,9 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     saved = w.detach().clone()
     try:
         with torch.no_grad():
-            before = decoder._call_step(token, position).clone()
+            before = decoder._step(token, position).clone()
             w.mul_(-3)
-            after = decoder._call_step(token, position)
+            after = decoder._step(token, position)
             eager_after = model(token, position, decoder.cache, last_only=True)[:, -1]
         assert torch.equal(after, before)
         assert not torch.allclose(eager_after, before, atol=1e-3)
@@ -116,6 +116,10 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
+    from llmstep.fast import uses_cuda_graphs  # what compile_step marks a new graph step for, before each call
+
+    assert uses_cuda_graphs(torch.device("cuda")) and uses_cuda_graphs(torch.device("cuda"), "max-autotune")
+    assert not uses_cuda_graphs(torch.device("cuda"), "default") and not uses_cuda_graphs(torch.device("cpu"))
 
 
 def test_prompt_tensors_hold_one_sequence(tiny):
