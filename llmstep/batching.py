@@ -37,6 +37,7 @@ from numbers import Integral
 
 import torch
 
+from .cli import exit_on_bad_input
 from .device import synchronize
 from .fast import compile_step, uses_cuda_graphs
 from .generate import check_max_new_tokens, check_prompt_ids, make_generator, stop_id_set
@@ -385,10 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    try:
-        return _main(args, sys.argv[1:] if argv is None else list(argv))
-    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
-        sys.exit(f"llmstep batch: error: {e}")
+    return exit_on_bad_input("batch", _main, args, sys.argv[1:] if argv is None else list(argv))
 
 
 def _main(args, argv: list[str]) -> dict:

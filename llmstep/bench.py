@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
+from .cli import exit_on_bad_input
 from .config import PRESETS, LlamaConfig
 from .cost import decode_step_cost, kv_bytes_per_token
 from .device import resolve_device, resolve_dtype, synchronize
@@ -298,10 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    try:
-        return _main(args, sys.argv[1:] if argv is None else list(argv))
-    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
-        sys.exit(f"llmstep bench: error: {e}")
+    return exit_on_bad_input("bench", _main, args, sys.argv[1:] if argv is None else list(argv))
 
 
 def _main(args, argv: list[str]) -> dict:

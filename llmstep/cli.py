@@ -19,6 +19,16 @@ import torch
 from .config import PRESETS, LlamaConfig
 from .cost import decode_step_cost, kv_bytes_per_token, param_counts
 
+
+def exit_on_bad_input(command: str, run, *args):
+    """run(*args); bad input (a wrong value, a missing file) ends the program with one line naming it, not a
+    traceback. The entry points of generate/info/trace, bench, batch and eval run their work through it."""
+    try:
+        return run(*args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
+        sys.exit(f"llmstep {command}: error: {e}")
+
+
 # Subcommands that live in their own module, each with a main(argv).
 MODULE_COMMANDS = {"train": "llmstep.train", "eval": "llmstep.eval", "bench": "llmstep.bench", "data": "llmstep.data",
                    "speculative": "llmstep.speculative", "batch": "llmstep.batching"}
@@ -149,10 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"llmstep {argv[0]}: not available in this version ({e})")
         return module.main(argv[1:])
     args = build_parser().parse_args(argv)
-    try:
-        {"generate": cmd_generate, "info": cmd_info, "trace": cmd_trace}[args.command](args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
-        sys.exit(f"llmstep {args.command}: error: {e}")
+    exit_on_bad_input(args.command, {"generate": cmd_generate, "info": cmd_info, "trace": cmd_trace}[args.command],
+                      args)
 
 
 if __name__ == "__main__":

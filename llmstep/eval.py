@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import re
-import sys
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import data
+from .cli import exit_on_bad_input
 from .config import LlamaConfig
 
 MODELS_DIR = data.DATA_DIR / "models"
@@ -298,10 +298,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="also write MODEL/golden.json: the greedy continuation of this prompt")
     parser.add_argument("--golden-tokens", type=int, default=40)
     args = parser.parse_args(argv)
-    try:
-        _run(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        sys.exit(f"llmstep eval: error: {e}")
+    exit_on_bad_input("eval", _run, args)
 
 
 def _run(args) -> None:
