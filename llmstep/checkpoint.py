@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .config import LlamaConfig
+from .config import LlamaConfig, read_json_object
 from .cost import n_params
 from .device import resolve_device, resolve_dtype
 from .model import Llama
@@ -254,15 +254,7 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, CheckpointError) if path.is_file() else {}
 
 
 def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = None,

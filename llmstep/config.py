@@ -18,6 +18,17 @@ class ConfigError(ValueError):
     """A config that cannot describe a LLaMA-3 model; the message names the field."""
 
 
+def read_json_object(path: Path, error: type[Exception] = ValueError) -> dict:
+    """The JSON object in `path` (config.json, generation_config.json); `error` naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1's `llama3` RoPE frequency scaling (meta-llama/Llama-3.1-8B config.json)."""

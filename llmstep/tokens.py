@@ -7,12 +7,13 @@ from the file; the chat format is used only when the tokenizer has its tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
+
+from .config import read_json_object
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -51,12 +52,7 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             f = path / name
             if f.is_file():
-                try:
-                    data = json.loads(f.read_text())
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f} is not valid JSON: {e}") from None
-                if not isinstance(data, dict):
-                    raise ValueError(f"{f} must hold a JSON object, got {type(data).__name__}")
+                data = read_json_object(f)
                 ids = data.get("eos_token_id")
                 ids = [ids] if isinstance(ids, int) else ids or []
                 if not isinstance(ids, list) or not all(_is_id(i) for i in ids):

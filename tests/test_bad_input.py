@@ -106,6 +106,13 @@ def test_validation_happens_before_any_weight_is_read(ckpt, monkeypatch):
         llmstep.load(ckpt)
 
 
+def rewrite_config(ckpt, change: dict) -> None:
+    """config.json with `change` applied over its values."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(change)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(hidden_size=60, head_dim=None), "not divisible by n_heads"),
     (dict(num_key_value_heads=3), "multiple of n_kv_heads"),
@@ -116,9 +123,7 @@ def test_validation_happens_before_any_weight_is_read(ckpt, monkeypatch):
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
 ])
 def test_config_values_that_cannot_fit(ckpt, change, message):
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg.update(change)
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    rewrite_config(ckpt, change)
     with pytest.raises(ConfigError, match=message):
         llmstep.load(ckpt)
 
@@ -217,9 +222,7 @@ L3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor"
     (dict(eos_token_id=2.0), "eos_token_id must be an integer"),
 ])
 def test_config_values_of_the_wrong_kind_name_the_field_and_the_file(ckpt, change, message):
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg.update(change)
-    (ckpt / "config.json").write_text(json.dumps(cfg))
+    rewrite_config(ckpt, change)
     with pytest.raises(ConfigError, match=rf"config\.json: .*{message}"):
         llmstep.load(ckpt)
 
