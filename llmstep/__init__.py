@@ -1,38 +1,59 @@
 """llmstep: what happens when a LLaMA-3-class model generates one token.
 
-The stages, in the order a token meets them:
-    tokens.py     text <-> ids (tokenizers, Llama 3 special tokens and chat format)
-    model.py      embedding, the stack of blocks, final norm, LM head   (Llama, Block)
-    rope.py       rotary position embedding with Llama 3.1 scaling
-    norm.py       RMSNorm
-    attention.py  grouped-query attention and the KV cache
-    mlp.py        SwiGLU feed-forward
-    sampling.py   temperature, top-k, top-p, softmax, the categorical draw
-    generate.py   prefill once, decode token by token
-Around them: config.py (shapes, presets), cost.py (bytes and FLOPs per token), checkpoint.py
-(Hugging Face layout in and out), device.py, cli.py.
+The package is laid out in layers; each imports only the layers above it in this list.
 
-Measuring the memory wall: hardware.py (bandwidth, matmul throughput, datasheets, decode ceilings),
-roofline.py, trace.py (the one-token trace), bench.py (`llmstep bench`).
-Answers to it: quantize.py (int8/int4 weight-only), fast.py (static cache, compiled decode step),
-speculative.py (draft-and-verify decoding that keeps the target's distribution), batching.py (continuous
-batching: one decode step serves many requests).
-The default model: data.py (the Shakespeare corpus, tokenizer), train.py, eval.py.
+core/         the model, one module per stage of the token's journey (notebooks 01-07)
+    config.py      shapes: one dataclass, Hugging Face config.json, presets
+    tokens.py      text <-> ids (tokenizers, Llama 3 special tokens and chat format)
+    rope.py        rotary position embedding with Llama 3.1 scaling
+    norm.py        RMSNorm
+    attention.py   grouped-query attention
+    kv_cache.py    the preallocated KV cache, written at explicit positions
+    mlp.py         SwiGLU feed-forward
+    model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
+    sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
+    cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
+    quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
+    checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
+    device.py      the device, the dtype policy, synchronisation
+engines/      loops around the one forward (notebooks 03, 06, 08, 09)
+    decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
+    generate.py    the teaching loop: prefill once, decode token by token
+    compile.py     how a step is compiled for a device, and warmed up
+    fast.py        the decode loop without overhead (static cache, compiled step), plain and speculative
+    speculative.py the acceptance rule, its theory, the drafts, the teaching loop
+    batching.py    continuous batching: a pure-Python scheduler and the runner that owns the cache
+lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
+    hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
+    roofline.py    the roofline picture
+    trace.py       one decode step, stage by stage
+    bench.py, bench_speculative.py, bench_batching.py   the benchmarks
+shakespeare/  the shipped default: corpus and tokenizer (data.py), training, evaluation
+cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only; nothing imports it
 """
-
-from . import sampling
-from .attention import KVCache
-from .checkpoint import CheckpointError, load, load_model, save
-from .config import ConfigError, LlamaConfig, RopeScaling
-from .generate import Generation, generate, stream
-from .model import Llama
-from .speculative import LayerSkipDraft, SpeculativeGeneration, speculative_generate, speculative_stream
-from .tokens import Tokenizer
 
 __version__ = "0.1.0"
 
+import sys
+
+from .core import sampling
+from .core.checkpoint import CheckpointError, load, load_model, save
+from .core.config import ConfigError, LlamaConfig, RopeScaling
+from .core.kv_cache import KVCache
+from .core.model import Llama
+from .core.tokens import Tokenizer
+from .engines import batching, fast
+from .engines.generate import Generation, generate, stream
+from .engines.speculative import LayerSkipDraft, SpeculativeGeneration, speculative_generate, speculative_stream
+
+# The public modules keep their short names: `from llmstep.fast import FastDecoder`,
+# `from llmstep.batching import run_batch`, `llmstep.sampling.probs(...)`.
+for _module in (sampling, fast, batching):
+    sys.modules[f"{__name__}.{_module.__name__.rpartition('.')[2]}"] = _module
+del _module
+
 __all__ = [
     "CheckpointError", "ConfigError", "Generation", "KVCache", "LayerSkipDraft", "Llama", "LlamaConfig", "RopeScaling",
-    "SpeculativeGeneration", "Tokenizer", "generate", "load", "load_model", "sampling", "save", "speculative_generate",
-    "speculative_stream", "stream",
+    "SpeculativeGeneration", "Tokenizer", "batching", "fast", "generate", "load", "load_model", "sampling", "save",
+    "speculative_generate", "speculative_stream", "stream",
 ]

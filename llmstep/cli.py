@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from .config import PRESETS, LlamaConfig
-from .cost import decode_step_cost, kv_bytes_per_token, param_counts
+from .core.config import PRESETS, LlamaConfig
+from .core.cost import decode_step_cost, kv_bytes_per_token, param_counts
 
 
 def exit_on_bad_input(command: str, run, *args):
@@ -30,8 +30,9 @@ def exit_on_bad_input(command: str, run, *args):
 
 
 # Subcommands that live in their own module, each with a main(argv).
-MODULE_COMMANDS = {"train": "llmstep.train", "eval": "llmstep.eval", "bench": "llmstep.bench", "data": "llmstep.data",
-                   "speculative": "llmstep.speculative", "batch": "llmstep.batching"}
+MODULE_COMMANDS = {"train": "llmstep.shakespeare.train", "eval": "llmstep.shakespeare.evaluate",
+                   "data": "llmstep.shakespeare.data", "bench": "llmstep.lab.bench",
+                   "speculative": "llmstep.engines.speculative", "batch": "llmstep.engines.batching"}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -83,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> None:
-    from .checkpoint import load
-    from .generate import stream
+    from .core.checkpoint import load
+    from .engines.generate import stream
 
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     defaults = getattr(model, "generation_config", {}) or {}
@@ -95,7 +96,7 @@ def cmd_generate(args) -> None:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=args.seed)
     if args.draft is not None:
-        from .speculative import resolve_draft, speculative_stream
+        from .engines.speculative import resolve_draft, speculative_stream
 
         draft = resolve_draft(args.draft, model, tokenizer)
         run = speculative_stream(model, draft, tokenizer, prompt, k=args.speculate_k, adaptive=args.adaptive_k,
@@ -114,7 +115,7 @@ def cmd_info(args) -> None:
     if args.preset:
         config, name = LlamaConfig.preset(args.preset), args.preset
     else:
-        from .checkpoint import resolve_model_path
+        from .core.checkpoint import resolve_model_path
 
         path = resolve_model_path(args.model)
         config, name = LlamaConfig.from_hf(path), str(path)
@@ -134,13 +135,13 @@ def cmd_info(args) -> None:
 
 
 def cmd_trace(args) -> None:
-    from .hardware import measure_matmul, random_model
-    from .trace import trace_step
+    from .lab.hardware import measure_matmul, random_model
+    from .lab.trace import trace_step
 
     if args.preset:
         model = random_model(LlamaConfig.preset(args.preset), device=args.device, dtype=args.dtype)
     else:
-        from .checkpoint import load_model
+        from .core.checkpoint import load_model
 
         model = load_model(args.model, device=args.device, dtype=args.dtype)
     trace = trace_step(model, context=args.context, repeats=args.repeats)

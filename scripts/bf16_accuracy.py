@@ -7,9 +7,9 @@ compiled bf16 decode steps are fed exactly those tokens, and their logits at eac
 """
 
 import torch
-
-from llmstep.checkpoint import load_model
 from llmstep.fast import FastDecoder
+
+from llmstep.core.checkpoint import load_model
 
 
 @torch.no_grad()

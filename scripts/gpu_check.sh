@@ -22,9 +22,9 @@ timeout 150 "$PY" - <<'PY'
 import tempfile, time
 import torch
 from llmstep import LlamaConfig
-from llmstep.bench import random_model
+from llmstep.lab.bench import random_model
 from llmstep.fast import FastDecoder
-from llmstep.quantize import Int4Linear, QuantConfig, load_quantized, quantize, save_quantized
+from llmstep.core.quantize import Int4Linear, QuantConfig, load_quantized, quantize, save_quantized
 
 cfg = LlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=1536, max_seq_len=256)
 for dtype in (torch.float32, torch.bfloat16):

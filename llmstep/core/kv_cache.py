@@ -1,0 +1,81 @@
+"""The KV cache: every layer's keys and values, preallocated and written at explicit positions.
+
+Attention masks keys by position (a query at position p sees keys at positions <= p), so anything in
+the cache beyond a sequence's length is never read: rolling back after a rejected speculative token
+is just moving `lengths` back, and a batch slot is reused by writing over it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import LlamaConfig
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Preallocated keys and values, one buffer per layer.
+
+    k[i], v[i]: [batch, n_kv_heads, max_len, head_dim] - layer i's keys and values (lists of n_layers tensors:
+        separate buffers, so a compiled step writes one token in place instead of copying a shared one)
+    lengths: [batch] - tokens written so far for each sequence (the next position to write)
+    """
+
+    def __init__(self, config: LlamaConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
+        if max_len <= 0 or batch_size <= 0:
+            raise ValueError(f"KVCache needs a positive batch_size and max_len, got {batch_size}, {max_len}")
+        if max_len > config.max_seq_len:
+            raise ValueError(f"KVCache max_len {max_len} exceeds the model's context ({config.max_seq_len})")
+        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the model writes: what a compiled step must keep at fixed addresses."""
+        return (*self.k, *self.v, self.lengths)
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int | None = None):
+        """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's cache up to kv_len [B, n_kv, S, hd]."""
+        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, n_kv, max_len, hd]
+        if k.shape[0] == 1:  # one sequence: a plain copy into slots positions[0]
+            k_cache.index_copy_(2, positions[0], k)
+            v_cache.index_copy_(2, positions[0], v)
+        else:  # each row at its own positions; advanced indices on dims 0 and 2 address [B, T, n_kv, hd]
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1]
+            k_cache[rows, :, positions] = k.transpose(1, 2)
+            v_cache[rows, :, positions] = v.transpose(1, 2)
+        return k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+
+    def slot(self, i: int) -> KVCache:
+        """Row i as a cache of batch 1 that shares this cache's memory: what is written to it lands in row i.
+
+        Continuous batching prefills each newcomer alone into its own row (`llmstep.batching`)."""
+        if not 0 <= i < self.batch_size:
+            raise IndexError(f"KV cache slot {i} does not exist: the cache has {self.batch_size} "
+                             f"(0..{self.batch_size - 1})")
+        view = object.__new__(KVCache)
+        view.k, view.v = [t[i:i + 1] for t in self.k], [t[i:i + 1] for t in self.v]
+        view.lengths = self.lengths[i:i + 1]
+        return view
+
+    def rollback(self, lengths: torch.Tensor | int):
+        """Forget everything from position `lengths` on (per sequence, or one int for all)."""
+        self.lengths.copy_(torch.as_tensor(lengths, device=self.lengths.device).expand_as(self.lengths))
+
+    def reset(self):
+        self.lengths.zero_()

@@ -1,0 +1,100 @@
+"""The LLaMA 3 decoder: embedding -> n_layers x (RMSNorm, attention, RMSNorm, SwiGLU) -> RMSNorm -> LM head.
+
+One forward path serves prefill and decode: prefill is T prompt tokens at positions 0..T-1, decode is
+one token at position t. Both write their keys and values into the cache when one is given.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import Attention, causal_mask
+from .config import LlamaConfig
+from .kv_cache import KVCache
+from .mlp import FeedForward
+from .norm import RMSNorm
+from .rope import config_inv_frequencies, rope_cos_sin
+
+__all__ = ["Block", "Llama"]
+
+
+class Block(nn.Module):
+    """A pre-norm residual block: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)  # HF: input_layernorm
+        self.attention = Attention(config)  # HF: self_attn
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)  # HF: post_attention_layernorm
+        self.feed_forward = FeedForward(config.dim, config.hidden_dim)  # HF: mlp
+
+    def forward(self, x, cos, sin, positions, mask, cache=None, layer=0, kv_len=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask, cache, layer, kv_len)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)  # HF: embed_tokens (vocab, dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)  # LM head, HF: lm_head (vocab, dim)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Rotation speeds, derived from the config, never saved: [head_dim/2] float32.
+        self.register_buffer("inv_freq", config_inv_frequencies(config), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        """An empty KV cache on the model's device and dtype, for up to max_len positions."""
+        max_len = self.config.max_seq_len if max_len is None else max_len
+        return KVCache(self.config, batch_size, max_len, device=self.device, dtype=self.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
+
+        positions [B, T] or [T]: where these tokens sit in their sequences. Default: 0..T-1 without a
+        cache, continuing after cache.lengths with one. With no cache this is a plain causal forward.
+        """
+        B, T = tokens.shape
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"the KV cache holds {cache.batch_size} sequences but the tokens hold {B}: "
+                             "give each sequence its row (cache.slot(i) is row i alone)")
+        if positions is None:
+            start = cache.lengths[:, None] if cache is not None else 0
+            positions = start + torch.arange(T, device=tokens.device)
+        positions = positions.expand(B, T)  # [B, T]
+        kv_len = None
+        if cache is None:
+            mask = causal_mask(positions, positions)  # [B, 1, T, T]: the keys are these tokens
+        elif torch.compiler.is_compiling():
+            # Compiled: static shapes, attend over every slot; the mask hides the unwritten ones.
+            mask = causal_mask(positions, torch.arange(cache.max_len, device=tokens.device))
+        else:
+            # Eager: attend over the filled slots only. One sequence decoding one token sees all of them.
+            kv_len = int(positions.max()) + 1
+            if kv_len > cache.max_len:
+                raise ValueError(f"position {kv_len - 1} is past the KV cache's {cache.max_len} slots")
+            single_step = B == 1 and T == 1
+            mask = None if single_step else causal_mask(positions, torch.arange(kv_len, device=tokens.device))
+
+        x = self.tok_embeddings(tokens)  # [B, T, dim]
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [B, T, head_dim]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, mask, cache, i, kv_len)
+        if cache is not None:
+            cache.lengths.copy_(positions[:, -1] + 1)
+        if last_only:
+            x = x[:, -1:]
+        return self.output(self.norm(x))  # [B, T, vocab]

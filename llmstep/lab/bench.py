@@ -1,0 +1,353 @@
+"""Decode at the memory wall, measured: llmstep's fast loop (float, int8, int4) next to transformers' generate().
+
+    python -m llmstep.bench                                         # the shipped model on this machine
+    python -m llmstep.bench --model target --random-weights         # its shape, random weights
+    python -m llmstep.bench --preset llama-3.1-8b --dtype bfloat16 --quantize none int8 int4
+    python -m llmstep.bench --preset llama-3.2-1b --set n_layers=2 dim=64 n_heads=4 n_kv_heads=2 \\
+        hidden_dim=128 vocab_size=512 --prompt-len 8 --new-tokens 8 --json out.json   # a seconds-long smoke run
+
+Batch 1, greedy, one random prompt of --prompt-len tokens, --new-tokens new ones. For each variant it
+reports prefill and decode tokens per second, the bytes one decode step reads (the weights as stored,
+quantised or not, plus the KV cache, from llmstep.cost), the bandwidth that achieves, and its share of
+this device's bandwidth measured in the same run (llmstep.hardware.measure_bandwidth: the faster of a
+DRAM-sized copy and a read of a buffer the size of the weights, which a CPU's cache may hold). transformers'
+LlamaForCausalLM.generate() runs on the same float weights, same prompt, same token count. Every
+variant runs once per repeat, interleaved, and the best repeat counts (what the machine can do, least
+disturbed by everything else on it). Prints a table; --json writes everything, settings included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..cli import exit_on_bad_input
+from ..core.config import PRESETS, LlamaConfig
+from ..core.cost import decode_step_cost, kv_bytes_per_token
+from ..core.device import resolve_device, resolve_dtype, synchronize
+from ..core.model import Llama
+from ..core.quantize import QuantConfig, quantize, read_quant_config, weight_bytes
+from ..engines.fast import FastDecoder
+from .hardware import random_model
+
+__all__ = ["main", "random_model", "run_bench", "hf_twin", "matching_prefix"]
+
+
+# ---- the models ----------------------------------------------------------------------------------
+
+@torch.no_grad()
+def hf_twin(model: Llama, dtype: torch.dtype | None = None):
+    """transformers' LlamaForCausalLM holding a copy of `model`'s float weights (same device; its dtype, or
+    `dtype`: bfloat16 weights widened to float32 are the same numbers)."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    from ..core.checkpoint import hf_names
+
+    hf_config = HFConfig.from_dict(model.config.to_hf())
+    with torch.device(model.device):
+        hf = LlamaForCausalLM(hf_config).to(dtype or model.dtype).eval()
+    ours = dict(model.named_parameters(remove_duplicate=False))
+    state = {hf_name: ours[name].to(dtype or model.dtype) for hf_name, (name, _) in hf_names(model.config).items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"transformers' model does not take llmstep's weights: missing {missing}, "
+                           f"unexpected {unexpected}")
+    if model.config.tie_embeddings:
+        hf.tie_weights()
+    return hf
+
+
+# ---- timing --------------------------------------------------------------------------------------
+
+def _time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
+    """(seconds for prefill + 1 token, seconds for all new_tokens, the tokens) of greedy generate()."""
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    times = []
+    for n in (1, new_tokens):
+        synchronize(prompt.device)
+        start = time.perf_counter()
+        out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+        synchronize(prompt.device)
+        times.append(time.perf_counter() - start)
+    return times[0], times[1], out[0, prompt.shape[1]:].tolist()
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _bytes_per_step(model: Llama, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """(weight bytes, mean KV-cache bytes) of one decode step, averaged over the steps of this run.
+
+    Decode step i (1 <= i < new_tokens) runs with prompt_len + i - 1 tokens already cached and reads
+    context + 1 key/value vectors per layer, as llmstep.cost.decode_step_cost counts them.
+    """
+    steps = max(new_tokens - 1, 1)
+    mean_context = prompt_len + (steps - 1) / 2
+    kv = (mean_context + 1) * kv_bytes_per_token(model.config, model.dtype)
+    return float(weight_bytes(model)), float(kv)
+
+
+def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_tokens: int = 128,
+              compile: bool | None = None, compile_mode: str | None = None, repeats: int = 3,
+              group_size: int | None = None, lm_head: bool = False, eager: bool = True, hf: bool = True,
+              bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
+              hf_dtype: torch.dtype | None = None, log=print) -> dict:
+    """Measure every variant on `model` ("none" = its float weights, "int8", "int4"); return the record.
+    transformers runs on the same weights in `hf_dtype` (default: the model's)."""
+    device, config = model.device, model.config
+    if prompt_len < 1 or new_tokens < 2:
+        raise ValueError("need --prompt-len >= 1 and --new-tokens >= 2 (one prefill token, then decode steps)")
+    if prompt_len + new_tokens > config.max_seq_len:
+        raise ValueError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the model's context "
+                         f"({config.max_seq_len})")
+    compiled = device.type == "cuda" if compile is None else compile
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (1, prompt_len), generator=g)
+    ids = prompt[0].tolist()
+    max_len = prompt_len + new_tokens
+    base_q = getattr(model, "quantization", None)
+
+    record: dict = {"settings": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch": 1, "greedy": True,
+                                 "repeats": repeats, "compile": compiled, "compile_mode": compile_mode,
+                                 "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
+                                 "threads": torch.get_num_threads(), "seed": seed},
+                    "config": {k: v for k, v in vars(config).items() if k != "rope_scaling"}}
+    if bandwidth:
+        try:
+            from .hardware import describe, measure_bandwidth
+        except ImportError:  # llmstep.hardware arrives with issue 3; the bench works without it
+            record["hardware"], record["bandwidth_gb_per_s"] = {"device": str(device)}, None
+        else:
+            record["hardware"] = describe(device)
+            log("measuring memory bandwidth ...")
+            record["bandwidth_gb_per_s"] = measure_bandwidth(device, nbytes=bandwidth_bytes)
+            # Reading (not copying) a buffer the size of the float weights: what a decode step does. On a
+            # CPU whose last-level cache holds the whole model this, not DRAM, is the ceiling decode meets,
+            # and reads run faster than copies there. Capped at 1 GiB, already beyond every cache.
+            nbytes = int(decode_step_cost(config, dtype=model.dtype).weight_bytes)
+            nbytes = min(max(nbytes, 2**20), 2**30 if bandwidth_bytes is None else bandwidth_bytes)
+            record["bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes)
+            record["read_bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes, kind="read")
+    # The share of bandwidth is taken against the larger of the two: the most this device showed it can move.
+    rates = [record.get(k) for k in ("bandwidth_gb_per_s", "read_bandwidth_at_weight_size_gb_per_s")]
+    bw = max((r for r in rates if r), default=None)
+    record["ceiling_gb_per_s"] = bw
+
+    # Build every variant first, then time them in turns.
+    runs: list[dict] = []
+    for v in variants:
+        if v == "none":
+            m, label = model, str(base_q) if base_q else "float"
+        else:
+            if base_q is not None:
+                raise ValueError(f"the model is already quantised ({base_q}); it cannot also be run as {v}")
+            qc = QuantConfig(v, group_size if v == "int4" else None, lm_head)
+            m, label = quantize(model, qc, inplace=False), str(qc)
+        wbytes, kvbytes = _bytes_per_step(m, prompt_len, new_tokens)
+        for c in ([False] if eager and compiled else []) + [compiled]:
+            runs.append({"name": f"llmstep {'compiled' if c else 'eager'} {label}", "model": m, "compiled": c,
+                         "quant": v, "weight_bytes": wbytes, "kv_bytes": kvbytes})
+    for r in runs:
+        r["decoder"] = FastDecoder(r["model"], max_len=max_len, compile=r["compiled"], mode=compile_mode)
+        if r["compiled"]:
+            log(f"compiling {r['name']} ...")
+        r["compile_seconds"] = r["decoder"].warmup()
+        r["decoder"].generate(ids, 2)  # first-call allocations out of the timed runs
+    hf_model = None
+    if hf and base_q is None:
+        try:
+            hf_model = hf_twin(model, hf_dtype)
+        except ImportError:
+            record["transformers"] = "not installed"
+        else:
+            _time_hf(hf_model, prompt.to(device), 2)  # warm-up
+
+    for rep in range(repeats):
+        for r in runs:
+            res = r["decoder"].generate(ids, new_tokens, temperature=0.0)
+            r.setdefault("prefill", []).append(res.prefill_tokens_per_second)
+            r.setdefault("decode", []).append(res.decode_tokens_per_second)
+            r["tokens"] = res.tokens
+        if hf_model is not None:
+            t1, tn, toks = _time_hf(hf_model, prompt.to(device), new_tokens)
+            record.setdefault("_hf", []).append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
+        log(f"repeat {rep + 1}/{repeats} done")
+
+    reference = next((r["tokens"] for r in runs if r["quant"] == "none" and not r["compiled"]), runs[0]["tokens"])
+    rows = []
+    for r in runs:
+        decode = max(r["decode"])
+        step_bytes = r["weight_bytes"] + r["kv_bytes"]
+        gbs = step_bytes * decode / 1e9
+        rows.append({"name": r["name"], "implementation": "llmstep", "quantization": r["quant"],
+                     "compiled": r["compiled"], "compile_seconds": r["compile_seconds"],
+                     "prefill_tokens_per_s": max(r["prefill"]), "decode_tokens_per_s": decode,
+                     "decode_tokens_per_s_all": r["decode"], "weight_bytes_per_step": r["weight_bytes"],
+                     "kv_bytes_per_step": r["kv_bytes"], "bytes_per_step": step_bytes,
+                     "achieved_gb_per_s": gbs, "share_of_bandwidth": gbs / bw if bw else None,
+                     "same_tokens_as_eager_float": r["tokens"] == reference,
+                     "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
+                     "tokens": r["tokens"]})
+    if hf_model is not None:
+        hf_runs = record.pop("_hf")
+        decode = max(d for _, d, _ in hf_runs)
+        widen = hf_model.dtype.itemsize / model.dtype.itemsize  # bytes per weight, its dtype over ours
+        wbytes, kvbytes = (b * widen for b in _bytes_per_step(model, prompt_len, new_tokens))
+        gbs = (wbytes + kvbytes) * decode / 1e9
+        toks = hf_runs[-1][2]
+        import transformers
+
+        record["transformers"] = transformers.__version__
+        hf_name = "transformers generate()" + ("" if hf_model.dtype == model.dtype else
+                                               f" {str(hf_model.dtype).removeprefix('torch.')}")
+        rows.append({"name": hf_name, "implementation": "transformers", "quantization": "none",
+                     "compiled": False, "compile_seconds": 0.0,
+                     "prefill_tokens_per_s": max(p for p, _, _ in hf_runs), "decode_tokens_per_s": decode,
+                     "decode_tokens_per_s_all": [d for _, d, _ in hf_runs], "weight_bytes_per_step": wbytes,
+                     "kv_bytes_per_step": kvbytes, "bytes_per_step": wbytes + kvbytes, "achieved_gb_per_s": gbs,
+                     "share_of_bandwidth": gbs / bw if bw else None,
+                     "same_tokens_as_eager_float": toks == reference,
+                     "matching_prefix_with_eager_float": matching_prefix(toks, reference), "tokens": toks})
+        for row in rows:
+            row["decode_speedup_vs_transformers"] = row["decode_tokens_per_s"] / decode
+    record["rows"] = rows
+    return record
+
+
+def format_table(record: dict) -> str:
+    bw = record.get("ceiling_gb_per_s")
+    head = ["variant", "prefill tok/s", "decode tok/s", "MB/step", "GB/s", "% of bw", "vs HF", "= eager float"]
+    lines = [head]
+    for r in record["rows"]:
+        share = f"{100 * r['share_of_bandwidth']:.0f}%" if r.get("share_of_bandwidth") is not None else "-"
+        vs = r.get("decode_speedup_vs_transformers")
+        lines.append([r["name"], f"{r['prefill_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.1f}",
+                      f"{r['bytes_per_step'] / 1e6:,.2f}", f"{r['achieved_gb_per_s']:,.1f}", share,
+                      f"{vs:.2f}x" if vs is not None else "-",
+                      f"{r['matching_prefix_with_eager_float']}/{len(r['tokens'])}"])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+           for row in lines]
+    out.insert(1, "-" * len(out[0]))
+    s = record["settings"]
+    notes = [f"{s['device']} {s['dtype']}, {s['threads']} threads, prompt {s['prompt_len']}, "
+             f"{s['new_tokens']} new tokens, best of {s['repeats']}"]
+    if bw:
+        notes.append(f"measured bandwidth: copy {record['bandwidth_gb_per_s']:,.1f} GB/s (DRAM-sized buffer); at the "
+                     f"weights' size copy {record['bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s, read "
+                     f"{record['read_bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s; % of bw is of {bw:,.1f} GB/s")
+    return "\n".join(out + notes)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+def _parse_sets(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in LlamaConfig.__dataclass_fields__:
+            raise ValueError(f"--set takes KEY=VALUE with KEY a LlamaConfig field, got {item!r}")
+        out[key] = json.loads(value) if value not in ("true", "false") else value == "true"
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llmstep.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a real Llama 3.x shape with random weights")
+    p.add_argument("--random-weights", action="store_true", help="with --model: its config.json, random weights")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config fields")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, else bf16)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 64)")
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on CUDA only)")
+    p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")
+    p.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager reference rows")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' generate()")
+    p.add_argument("--hf-dtype", default=None, help="run transformers in this dtype (default: --dtype)")
+    p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
+    p.add_argument("--bandwidth-bytes", type=int, default=None, help="buffer size for the bandwidth copy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the whole record here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    return exit_on_bad_input("bench", _main, args, sys.argv[1:] if argv is None else list(argv))
+
+
+def _main(args, argv: list[str]) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    overrides = _parse_sets(args.set)
+    if "vocab_size" in overrides:  # a shrunken vocabulary cannot keep Llama 3's special-token ids
+        overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
+    quantized_ckpt = None
+    if args.preset:
+        config = LlamaConfig.preset(args.preset, **overrides)
+        source = f"preset {args.preset} (random weights)"
+    else:
+        from ..core.checkpoint import resolve_model_path
+
+        path = resolve_model_path(args.model)
+        config = LlamaConfig.from_hf(path).replace(**overrides)
+        quantized_ckpt = None if args.random_weights else read_quant_config(path)
+        source = f"{path}" + (" (its shape, random weights)" if args.random_weights else "")
+    dtype = resolve_dtype(args.dtype, device, "bfloat16" if args.preset else config.torch_dtype)
+    if args.preset or args.random_weights or overrides:
+        model = random_model(config, device, dtype, args.seed)
+    elif quantized_ckpt is not None:
+        from ..core.quantize import load_quantized
+
+        model = load_quantized(path, device=device, dtype=dtype)
+        args.quantize = ["none"]
+    else:
+        from ..core.checkpoint import load_model
+
+        model = load_model(path, device=device, dtype=dtype)
+    print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
+          f"{device} {str(dtype).removeprefix('torch.')}", flush=True)
+    record = run_bench(model, args.quantize, args.prompt_len, args.new_tokens, args.compile, args.compile_mode,
+                       args.repeats, args.group_size, args.quantize_lm_head, args.eager, args.hf, args.bandwidth,
+                       args.seed, args.bandwidth_bytes,
+                       resolve_dtype(args.hf_dtype, device, dtype) if args.hf_dtype else None,
+                       log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    record = {"command": "python -m llmstep.bench " + " ".join(argv), "source": source,
+              "versions": {"llmstep": __version__, "torch": torch.__version__, "python": platform.python_version(),
+                           "transformers": record.get("transformers")}} | record
+    print(format_table(record))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The two ceilings of this machine, and the article's decode arithmetic on any chip.
+
+Generating one token at batch 1 reads every weight once and does about two FLOPs per weight. So a
+chip has two limits that matter: how many bytes per second its memory delivers (the bandwidth) and
+how many FLOPs per second its math units do (the matmul throughput). `measure_bandwidth` and
+`measure_matmul` measure both here; `DATASHEETS` holds the published figures of four GPUs; and
+`decode_ceiling` turns either into the article's table: milliseconds per token, tokens per second,
+TFLOP/s achieved, and the share of the math units that this keeps busy.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.config import LlamaConfig
+from ..core.cost import decode_step_cost, n_params
+from ..core.device import resolve_device, resolve_dtype, synchronize
+from ..core.model import Llama
+from ..core.rope import config_inv_frequencies
+
+__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "measure_matmul",
+           "measured_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
+           "random_model"]
+
+
+# ---- what is here ------------------------------------------------------------------------------
+
+def describe(device: str | torch.device | None = None) -> dict[str, str | int | float | None]:
+    """The device llmstep would use here, in a few fields a learner can read."""
+    dev = resolve_device(device)
+    info: dict[str, str | int | float | None] = {"device": str(dev), "torch": torch.__version__}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info |= {"name": props.name, "memory_gb": props.total_memory / 1e9,
+                 "multiprocessors": props.multi_processor_count,
+                 "compute_capability": f"{props.major}.{props.minor}",
+                 "bf16": torch.cuda.is_bf16_supported()}
+    elif dev.type == "mps":
+        info |= {"name": f"Apple GPU ({platform.machine()})", "memory_gb": None}
+    else:
+        name = platform.processor() or platform.machine()
+        try:  # Linux: the model name is in /proc/cpuinfo; platform.processor() is often empty
+            with open("/proc/cpuinfo") as f:
+                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        try:
+            memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        except (ValueError, OSError, AttributeError):
+            memory_gb = None
+        info |= {"name": name, "memory_gb": memory_gb, "cpu_cores": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads()}
+    return info
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` runs of fn(), in seconds, after one warm-up run (STREAM's convention:
+    the best run is the one least disturbed by everything else the machine is doing)."""
+    fn()
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | None = None,
+                      repeats: int = 3, kind: str = "copy") -> float:
+    """Memory bandwidth in GB/s (1e9 bytes/s) over one nbytes buffer on the device.
+
+    kind "copy": copy it into another; a copy reads nbytes and writes nbytes, so 2 * nbytes move.
+    kind "read": sum it; nbytes are read and nothing is written, which is what a decode step does to
+    its weights. On a GPU the two agree closely; on a CPU reading is often faster than copying, and a
+    buffer that fits in the last-level cache reads faster still (a small model's weights can).
+    The default size, 1 GiB, is far above any cache (a GPU's L2 is at most ~100 MiB; a server CPU's
+    last-level cache can reach hundreds of MiB), so it measures DRAM/HBM: the ceiling a decode step hits
+    once the weights are larger than every cache.
+    """
+    dev = resolve_device(device)
+    if nbytes is None:
+        nbytes = 2**30
+    _check_positive("nbytes", nbytes)
+    _check_positive("repeats", repeats)
+    if kind not in ("copy", "read"):
+        raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
+    n = max(nbytes // 4, 1)  # float32 elements
+    src = torch.ones(n, dtype=torch.float32, device=dev)  # written once, so its pages really exist
+    if kind == "read":
+        return n * 4 / _timed(src.sum, dev, repeats) / 1e9
+    dst = torch.zeros_like(src)
+    seconds = _timed(lambda: dst.copy_(src), dev, repeats)
+    return 2 * n * 4 / seconds / 1e9
+
+
+def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                   n: int | None = None, repeats: int = 3) -> float:
+    """Matrix-multiply throughput in TFLOP/s: an [n x n] @ [n x n] product is 2 n^3 FLOPs.
+
+    dtype None: float32 on the CPU (bf16/fp16 matmuls there are often emulated and slow), bfloat16 on
+    a CUDA GPU that has it (else float16), float16 on MPS. The default n (2048 on a CPU, 8192 on a
+    GPU) is large enough to keep the math units busy: this is the compute ceiling.
+    """
+    dev = resolve_device(device)
+    if dtype is None:
+        if dev.type == "cuda":
+            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dtype = torch.float16 if dev.type == "mps" else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    if n is None:
+        n = 8192 if dev.type == "cuda" else 2048
+    _check_positive("n", n)
+    _check_positive("repeats", repeats)
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    c = torch.empty(n, n, device=dev, dtype=dtype)
+    seconds = _timed(lambda: torch.matmul(a, b, out=c), dev, repeats)
+    return 2 * n**3 / seconds / 1e12
+
+
+def random_model(config: LlamaConfig, device: str | torch.device | None = None,
+                 dtype: torch.dtype | str | None = None, seed: int = 0, std: float = 0.02) -> Llama:
+    """A model of `config`'s shape with random weights, allocated directly on the device in `dtype` (an
+    8B model in bf16 needs 16 GB, never a float32 copy): for measuring speed, not for reading its text.
+
+    Matrices are drawn from N(0, std^2) (GPT-2's init), norm gains are 1."""
+    dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, dev, config.torch_dtype)
+    with torch.device("meta"):
+        model = Llama(config).to(dtype)  # shapes only, no memory
+    model = model.to_empty(device=dev)
+    if config.tie_embeddings:  # to_empty gives each module its own tensor: tie the LM head again
+        model.output.weight = model.tok_embeddings.weight
+    g = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=g)
+        model.inv_freq = config_inv_frequencies(config).to(dev)  # the buffer to_empty left uninitialised
+    return model.eval()
+
+
+# ---- the chips -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    memory_gb_per_s: float  # memory bandwidth, 1e9 bytes/s
+    tensor_tflops: float  # dense FP16/BF16 matrix rate with FP32 accumulate (no 2:4 sparsity)
+    non_tensor_tflops: float | None = None  # FP16 on the ordinary (non-tensor) cores, where published
+    memory_gb: float | None = None
+    source: str = ""
+
+    def ridge_point(self) -> float:
+        """FLOPs per byte at which the two ceilings meet: below it a kernel is memory-bound."""
+        return self.tensor_tflops * 1e12 / (self.memory_gb_per_s * 1e9)
+
+
+# Published figures. "Dense" means without 2:4 structured sparsity; NVIDIA's headline numbers for
+# A100/H100/H200 are the sparse ones, twice these.
+DATASHEETS: dict[str, Chip] = {
+    # NVIDIA Ada GPU Architecture whitepaper (v2.1), Appendix A, GeForce RTX 4090: 1,008 GB/s GDDR6X;
+    # "Peak FP16 Tensor TFLOPS with FP32 Accumulate" 165.2 (330.4 sparse); "Peak FP16 (non-Tensor)
+    # TFLOPS" 82.6 - the figure the article used as "available compute".
+    "RTX 4090": Chip("RTX 4090", 1008.0, 165.2, 82.6, 24.0,
+                     "NVIDIA Ada GPU Architecture whitepaper v2.1, Appendix A"),
+    # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: 2,039 GB/s HBM2e; BF16/FP16 Tensor Core
+    # 312 TFLOPS (624 sparse). A100 whitepaper: peak FP16 non-tensor 78 TFLOPS.
+    "A100 80GB SXM": Chip("A100 80GB SXM", 2039.0, 312.0, 78.0, 80.0,
+                          "NVIDIA A100 datasheet; A100 (Ampere) architecture whitepaper"),
+    # NVIDIA H100 datasheet, H100 SXM: 3.35 TB/s HBM3; BF16/FP16 Tensor Core 1,979 TFLOPS *with
+    # sparsity*, so 989.4 dense. H100 (Hopper) whitepaper: peak FP16 non-tensor 133.8 TFLOPS (SXM5).
+    "H100 SXM": Chip("H100 SXM", 3350.0, 989.4, 133.8, 80.0,
+                     "NVIDIA H100 datasheet; NVIDIA H100 Tensor Core GPU architecture whitepaper"),
+    # NVIDIA H200 datasheet, H200 SXM: 4.8 TB/s HBM3e, 141 GB; BF16/FP16 Tensor Core 1,979 TFLOPS with
+    # sparsity (989.4 dense), the same compute as H100 SXM with more, faster memory.
+    "H200 SXM": Chip("H200 SXM", 4800.0, 989.4, None, 141.0, "NVIDIA H200 datasheet"),
+}
+
+
+def measured_chip(device: str | torch.device | None = None, name: str | None = None,
+                  bandwidth_gb_per_s: float | None = None, matmul_tflops: float | None = None) -> Chip:
+    """This machine as a `Chip`, from measurements (taken now unless given)."""
+    dev = resolve_device(device)
+    bw = measure_bandwidth(dev) if bandwidth_gb_per_s is None else bandwidth_gb_per_s
+    tf = measure_matmul(dev) if matmul_tflops is None else matmul_tflops
+    if not bw > 0 or not tf > 0:
+        raise ValueError(f"bandwidth and throughput must be positive, got {bw} GB/s and {tf} TFLOP/s")
+    return Chip(name or f"this machine ({describe(dev)['name']})", bw, tf, None, None, "measured")
+
+
+# ---- the article's arithmetic -------------------------------------------------------------------
+
+# The article's round figures for Llama 3 8B: "8B parameters", "16 GB" in FP16 (2 bytes each).
+ARTICLE_PARAMS = 8e9
+
+
+@dataclass(frozen=True)
+class DecodeCeiling:
+    """The best a chip can do for one decode step at batch 1, if memory were the only limit."""
+
+    chip: str
+    bytes_per_token: float  # bytes that must stream from memory per token
+    flops_per_token: float
+    memory_gb_per_s: float
+    peak_tflops: float  # the compute ceiling utilisation is measured against
+    basis: str = ""  # "article" (round figures) or the config's name
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.bytes_per_token / (self.memory_gb_per_s * 1e9)
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.seconds_per_token * 1e3
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1.0 / self.seconds_per_token
+
+    @property
+    def achieved_tflops(self) -> float:
+        """The math actually done per second at that token rate."""
+        return self.flops_per_token * self.tokens_per_second / 1e12
+
+    @property
+    def utilisation(self) -> float:
+        """achieved / peak: the share of the time the math units are busy (0..1)."""
+        return self.achieved_tflops / self.peak_tflops
+
+    def row(self) -> dict[str, float | str]:
+        return {"chip": self.chip, "GB/token": self.bytes_per_token / 1e9, "GB/s": self.memory_gb_per_s,
+                "ms/token": self.ms_per_token, "tokens/s": self.tokens_per_second,
+                "TFLOP/s done": self.achieved_tflops, "TFLOP/s peak": self.peak_tflops,
+                "utilisation %": 100 * self.utilisation}
+
+
+def _peak(chip: Chip, peak: str) -> float:
+    if peak == "tensor":
+        return chip.tensor_tflops
+    if peak == "non_tensor":
+        if chip.non_tensor_tflops is None:
+            raise ValueError(f"{chip.name} has no published non-tensor rate; use peak='tensor'")
+        return chip.non_tensor_tflops
+    raise ValueError(f"peak must be 'tensor' or 'non_tensor', got {peak!r}")
+
+
+def _chip(chip: Chip | str) -> Chip:
+    if isinstance(chip, Chip):
+        return chip
+    if chip not in DATASHEETS:
+        raise KeyError(f"unknown chip {chip!r}; choose one of {', '.join(DATASHEETS)} or pass a Chip")
+    return DATASHEETS[chip]
+
+
+def article_ceiling(chip: Chip | str = "RTX 4090", params: float = ARTICLE_PARAMS, bytes_per_param: float = 2.0,
+                    peak: str = "non_tensor") -> DecodeCeiling:
+    """The article's back-of-envelope: every parameter read once (params * bytes_per_param bytes) and
+    2 FLOPs per parameter. For the RTX 4090: 16 GB / 1,008 GB/s = 15.87 ms, 63 tokens/s, 1.008 TFLOP/s
+    done of 82.6, 1.22%."""
+    chip = _chip(chip)
+    if not params > 0 or not bytes_per_param > 0:
+        raise ValueError(f"params and bytes_per_param must be positive, got {params} and {bytes_per_param}")
+    return DecodeCeiling(chip.name, params * bytes_per_param, 2 * params, chip.memory_gb_per_s,
+                         _peak(chip, peak), "article")
+
+
+def decode_ceiling(config: LlamaConfig, chip: Chip | str, dtype: torch.dtype | str = torch.bfloat16,
+                   context: int = 0, peak: str = "tensor", name: str = "") -> DecodeCeiling:
+    """The same arithmetic with the exact figures of `config` (llmstep.cost): the weights actually
+    streamed (the input embedding is gathered, one row, not streamed), the KV cache read at `context`,
+    and the FLOPs of the matmuls and of attention."""
+    if not isinstance(context, int) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    chip = _chip(chip)
+    cost = decode_step_cost(config, context=context, dtype=dtype)
+    basis = name or f"{n_params(config) / 1e9:.2f}B params"
+    return DecodeCeiling(chip.name, cost.bytes, cost.flops, chip.memory_gb_per_s, _peak(chip, peak), basis)
+
+
+def ceiling_table(config: LlamaConfig, chips: list[Chip | str] | None = None,
+                  dtype: torch.dtype | str = torch.bfloat16, context: int = 0,
+                  peak: str = "tensor") -> list[DecodeCeiling]:
+    """decode_ceiling for each chip (default: every datasheet chip)."""
+    chips = list(DATASHEETS) if chips is None else chips
+    return [decode_ceiling(config, c, dtype, context, peak) for c in chips]

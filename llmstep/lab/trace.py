@@ -1,0 +1,321 @@
+"""The one-token trace: where one decode step spends its time, its bytes and its FLOPs.
+
+`trace_step` fills a KV cache to `context` tokens, then runs ordinary decode steps (the model's own
+forward, then `sampling.sample`) and times each stage as it happens. Nothing of the forward is
+rewritten: forward hooks on the model's modules and thin timing wrappers around the functions it calls
+(`rope_cos_sin`, `apply_rope`, `scaled_dot_product_attention`, the cache's `write`) mark the moment a
+stage starts and ends; whatever runs between two marks (residual adds, reshapes, the mask, Python)
+is booked as "other". The stage times therefore add up to the traced step exactly.
+
+Bytes and FLOPs per stage follow llmstep.cost's accounting (weights streamed once, one embedding row
+gathered, the KV cache read by attention, 2 FLOPs per multiply-add of the matmuls and of attention),
+so they sum to `decode_step_cost` - checked every time.
+
+Timing a stage means waiting for it (a GPU sync at every mark), which slows a GPU step down; the
+untraced step time is measured too (`Trace.step_seconds`) so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..core import attention as attention_module
+from ..core import model as model_module
+from ..core.cost import StepCost, decode_step_cost, dtype_bytes
+from ..core.device import synchronize
+from ..core.model import Llama
+from ..core.sampling import check_params, sample
+
+__all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "trace_step", "plot_trace"]
+
+# The stages in the order a token meets them.
+STAGES = ("embedding", "rope tables", "attention norm", "qkv projection", "rope", "kv-cache write",
+          "attention", "o projection", "mlp norm", "mlp (SwiGLU)", "final norm", "lm head", "sampling",
+          "other")
+
+
+def stage_costs(config, context: int, dtype: torch.dtype | str) -> dict[str, tuple[float, float]]:
+    """Stage -> (bytes, FLOPs) of one decode step, split the way llmstep.cost counts the whole."""
+    c, wb, L = config, dtype_bytes(dtype), config.n_layers
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    cost = decode_step_cost(config, context=context, dtype=dtype)
+    costs = dict.fromkeys(STAGES, (0.0, 0.0))  # norms' and sampling's few FLOPs are not counted by cost
+    costs |= {
+        "embedding": (0.0 if c.tie_embeddings else c.dim * wb, 0.0),  # one row; a tied head streams it anyway
+        "attention norm": (L * c.dim * wb, 0.0),
+        "qkv projection": (L * c.dim * (q_dim + 2 * kv_dim) * wb, 2.0 * L * c.dim * (q_dim + 2 * kv_dim)),
+        "attention": (cost.kv_bytes, 4.0 * L * c.n_heads * c.head_dim * (context + 1)),  # q.k and p.v
+        "o projection": (L * q_dim * c.dim * wb, 2.0 * L * q_dim * c.dim),
+        "mlp norm": (L * c.dim * wb, 0.0),
+        "mlp (SwiGLU)": (L * 3 * c.dim * c.hidden_dim * wb, 2.0 * L * 3 * c.dim * c.hidden_dim),
+        "final norm": (c.dim * wb, 0.0),
+        "lm head": (c.vocab_size * c.dim * wb, 2.0 * c.vocab_size * c.dim),
+    }
+    total_bytes, total_flops = (sum(v[i] for v in costs.values()) for i in (0, 1))
+    if abs(total_bytes - cost.bytes) > 1e-6 * cost.bytes or abs(total_flops - cost.flops) > 1e-6 * cost.flops:
+        raise AssertionError("trace.stage_costs no longer matches llmstep.cost.decode_step_cost; update it")
+    return costs
+
+
+@dataclass(frozen=True)
+class StageRow:
+    stage: str
+    calls: int  # how many times the stage ran in one step (n_layers for per-layer stages)
+    seconds: float  # median over the traced steps
+    bytes: float  # read from memory (llmstep.cost accounting)
+    flops: float
+    share: float  # of the traced step's time, 0..1
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.seconds / 1e12
+
+
+@dataclass(frozen=True)
+class Trace:
+    rows: list[StageRow]
+    context: int  # tokens in the cache before the traced step
+    step_seconds: float  # an ordinary, untraced step (forward + sampling), median
+    cost: StepCost  # the whole step's bytes and FLOPs (llmstep.cost)
+    device: str
+    dtype: str
+    repeats: int
+
+    @property
+    def traced_seconds(self) -> float:
+        """The traced step: the sum of the stages (slower than step_seconds by the marks' cost)."""
+        return sum(r.seconds for r in self.rows)
+
+    def row(self, stage: str) -> StageRow:
+        for r in self.rows:
+            if r.stage == stage:
+                return r
+        raise KeyError(f"no stage {stage!r}; stages: {', '.join(r.stage for r in self.rows)}")
+
+    def busy_fraction(self, peak_tflops: float) -> float:
+        """The share of the step the math units are busy: FLOPs done / (step time x peak FLOP/s)."""
+        if not peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
+        return self.cost.flops / (self.step_seconds * peak_tflops * 1e12)
+
+    def achieved_gb_per_s(self) -> float:
+        """Bytes the step had to read over the (untraced) time it took."""
+        return self.cost.bytes / self.step_seconds / 1e9
+
+    def as_dicts(self) -> list[dict[str, float | str | int]]:
+        return [{"stage": r.stage, "calls": r.calls, "ms": r.seconds * 1e3, "share %": 100 * r.share,
+                 "MB read": r.bytes / 1e6, "MFLOP": r.flops / 1e6, "GB/s": r.gb_per_s, "TFLOP/s": r.tflops}
+                for r in self.rows]
+
+    def table(self, peak_tflops: float | None = None) -> str:
+        """The trace as text; with peak_tflops, each stage's math-unit busy share too."""
+        head = f"{'stage':<16}{'calls':>6}{'ms':>9}{'share':>8}{'MB read':>10}{'MFLOP':>10}{'GB/s':>8}"
+        head += f"{'busy':>8}" if peak_tflops else ""
+        lines = [head]
+        for r in self.rows:
+            line = (f"{r.stage:<16}{r.calls:>6}{r.seconds * 1e3:>9.3f}{100 * r.share:>7.1f}%"
+                    f"{r.bytes / 1e6:>10.2f}{r.flops / 1e6:>10.2f}{r.gb_per_s:>8.2f}")
+            if peak_tflops:
+                line += f"{100 * r.tflops / peak_tflops:>7.2f}%"
+            lines.append(line)
+        lines.append(f"{'traced step':<16}{'':>6}{self.traced_seconds * 1e3:>9.3f}{100.0:>7.1f}%"
+                     f"{self.cost.bytes / 1e6:>10.2f}{self.cost.flops / 1e6:>10.2f}"
+                     f"{self.cost.bytes / self.traced_seconds / 1e9:>8.2f}")
+        lines.append(f"{'untraced step':<16}{'':>6}{self.step_seconds * 1e3:>9.3f}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+class _Clock:
+    """Marks: the time since the previous mark goes to 'other' at a stage's start, to the stage at its end."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+        self.calls: dict[str, int] = dict.fromkeys(STAGES, 0)
+        self.last = 0.0
+        self.depth = 0  # a stage called from inside another is part of the outer one
+
+    def _now(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self):
+        self.last = self._now()
+
+    def enter(self):
+        self.depth += 1
+        if self.depth == 1:
+            now = self._now()
+            self.seconds["other"] += now - self.last
+            self.last = now
+
+    def exit(self, stage: str):
+        self.depth -= 1
+        if self.depth == 0:
+            now = self._now()
+            self.seconds[stage] += now - self.last
+            self.calls[stage] += 1
+            self.last = now
+
+    def wrap(self, fn, stage: str):
+        def timed(*args, **kwargs):
+            self.enter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.exit(stage)
+        return timed
+
+
+class _Functional:
+    """torch.nn.functional as llmstep.attention sees it, with scaled_dot_product_attention timed."""
+
+    def __init__(self, sdpa):
+        self.scaled_dot_product_attention = sdpa
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+
+@contextmanager
+def _instrument(model: Llama, cache, clock: _Clock):
+    """Hooks and wrappers on, for the duration; everything restored afterwards."""
+    with ExitStack() as stack:
+        def hook(module, stage):
+            pre = module.register_forward_pre_hook(lambda m, a: clock.enter())
+            post = module.register_forward_hook(lambda m, a, o: clock.exit(stage))
+            stack.callback(pre.remove)
+            stack.callback(post.remove)
+
+        hook(model.tok_embeddings, "embedding")
+        for layer in model.layers:
+            hook(layer.attention_norm, "attention norm")
+            for proj in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                hook(proj, "qkv projection")
+            hook(layer.attention.wo, "o projection")
+            hook(layer.ffn_norm, "mlp norm")
+            hook(layer.feed_forward, "mlp (SwiGLU)")
+        hook(model.norm, "final norm")
+        hook(model.output, "lm head")
+
+        patches = [(model_module, "rope_cos_sin", clock.wrap(model_module.rope_cos_sin, "rope tables")),
+                   (attention_module, "apply_rope", clock.wrap(attention_module.apply_rope, "rope")),
+                   (attention_module, "F", _Functional(clock.wrap(F.scaled_dot_product_attention, "attention")))]
+        for namespace, name, replacement in patches:
+            original = getattr(namespace, name)
+            setattr(namespace, name, replacement)
+            stack.callback(setattr, namespace, name, original)
+        cache.write = clock.wrap(cache.write, "kv-cache write")  # an instance attribute shadows the method
+        stack.callback(delattr, cache, "write")
+        yield
+
+
+def _expected_calls(model: Llama) -> dict[str, int]:
+    L = model.config.n_layers
+    return {"embedding": 1, "rope tables": 1, "attention norm": L, "qkv projection": 3 * L, "rope": 2 * L,
+            "kv-cache write": L, "attention": L, "o projection": L, "mlp norm": L, "mlp (SwiGLU)": L,
+            "final norm": 1, "lm head": 1, "sampling": 1}
+
+
+@torch.inference_mode()
+def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: float = 1.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int = 0, prompt_ids: list[int] | None = None) -> Trace:
+    """Trace one decode step of `model` after `context` tokens (random ids, or the first `context` of
+    prompt_ids), at batch 1. Each of `repeats` steps rewinds the cache to `context` and decodes the same
+    token again; the median time of each stage is reported, and the median of as many untraced steps.
+    """
+    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
+        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    if context + 1 > model.config.max_seq_len:
+        raise ValueError(f"context {context} leaves no room for a new token in the model's "
+                         f"{model.config.max_seq_len}-token window")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    check_params(temperature, top_k, top_p)
+    device, config = model.device, model.config
+    g = torch.Generator(device=device).manual_seed(seed)
+    if prompt_ids is None:
+        ids = torch.randint(0, config.vocab_size, (1, context + 1), device=device, generator=g)
+    else:
+        if len(prompt_ids) < context + 1:
+            raise ValueError(f"prompt_ids has {len(prompt_ids)} tokens; tracing after {context} needs {context + 1}")
+        ids = torch.tensor([list(prompt_ids[:context + 1])], device=device)
+    cache = model.new_cache(batch_size=1, max_len=context + 1)
+    if context:
+        model(ids[:, :context], cache=cache, last_only=True)  # prefill: the cache now holds `context` tokens
+    token = ids[:, context:]  # [1, 1]: the token whose step is traced
+
+    def step():
+        cache.rollback(context)
+        logits = model(token, cache=cache, last_only=True)[:, -1]  # [1, vocab]
+        return sample(logits, temperature, top_k, top_p, g)
+
+    step()  # warm-up (allocator, kernels, lazy inits)
+    untraced = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        untraced.append(time.perf_counter() - start)
+
+    per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
+    clock = _Clock(device)
+    expected = _expected_calls(model)
+    with _instrument(model, cache, clock):
+        sample_timed = clock.wrap(sample, "sampling")
+        for _ in range(repeats):
+            clock.seconds = dict.fromkeys(STAGES, 0.0)
+            clock.calls = dict.fromkeys(STAGES, 0)
+            cache.rollback(context)
+            clock.start()
+            logits = model(token, cache=cache, last_only=True)[:, -1]
+            sample_timed(logits, temperature, top_k, top_p, g)
+            missing = {s: (clock.calls[s], n) for s, n in expected.items() if clock.calls[s] != n}
+            if missing:
+                raise RuntimeError(f"the trace saw an unexpected number of calls (seen, expected): {missing}; "
+                                   "the model's forward has changed, update llmstep.trace")
+            for s in STAGES:
+                per_stage[s].append(clock.seconds[s])
+
+    costs = stage_costs(config, context, model.dtype)
+    seconds = {s: statistics.median(v) for s, v in per_stage.items()}
+    total = sum(seconds.values())
+    calls = dict(expected, other=0)
+    rows = [StageRow(s, calls[s], seconds[s], costs[s][0], costs[s][1], seconds[s] / total) for s in STAGES]
+    return Trace(rows, context, statistics.median(untraced), decode_step_cost(config, context, model.dtype),
+                 str(device), str(model.dtype).removeprefix("torch."), repeats)
+
+
+def plot_trace(trace: Trace, ax=None, peak_tflops: float | None = None):
+    """Horizontal bars: each stage's share of the step's time next to its share of the bytes read.
+    Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.5))
+    rows = trace.rows[::-1]  # first stage on top
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [100 * r.share for r in rows], height=0.4, label="time")
+    ax.barh([i - 0.2 for i in y], [100 * r.bytes / trace.cost.bytes for r in rows], height=0.4, label="bytes read")
+    ax.set_yticks(list(y), [r.stage for r in rows])
+    ax.set_xlabel("% of the decode step")
+    title = f"One decode step after {trace.context} tokens ({trace.device}, {trace.dtype})"
+    if peak_tflops:
+        title += f"\nmath units busy {100 * trace.busy_fraction(peak_tflops):.2f}% of the step"
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    return ax

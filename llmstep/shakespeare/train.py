@@ -1,0 +1,444 @@
+"""Train a small LLaMA-3 on the Shakespeare corpus: how the shipped default models were made.
+
+    python -m llmstep.train --preset target --out runs/target      # then data/models/... via --export
+    python -m llmstep.train --preset tiny --steps 20 --out /tmp/tiny
+
+    python -m llmstep.train --preset draft --init-from draft --teacher target --out runs/distil   # distillation
+
+A plain, readable loop: random windows of the train split, AdamW, linear warm-up then cosine decay,
+gradient clipping, bf16 autocast on CUDA (fp32 on the CPU), a validation loss every `eval_every`
+steps, a checkpoint every `save_every` steps that `--resume` continues from exactly. At the end the
+model is written in Hugging Face layout (bf16 safetensors, config.json, generation_config.json,
+tokenizer.json) with a model card and the training log.
+
+Determinism: the weights come from `seed`, and the batch of step s is drawn from a generator seeded
+with (seed, s), so an interrupted and resumed run sees the same batches as an uninterrupted one and,
+on the CPU, ends with bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+from ..core.config import LlamaConfig
+from ..core.device import resolve_device
+from ..core.model import Llama
+from ..lab.hardware import describe
+from . import data
+from .evaluate import model_nll
+
+# --------------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------------
+
+# Model shapes. All are LLaMA 3 with GQA (n_kv_heads < n_heads), rope_theta 500000 and tied embeddings
+# (as Llama 3.2 1B/3B). Sizes were chosen for a 2-core CPU: alone on it the target trains at ~2,500
+# tokens/s and the draft at ~8,000 tokens/s (both measured).
+SHAPES: dict[str, dict] = {
+    "target": dict(dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=1024, max_seq_len=512),  # 12.6M
+    "draft": dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=1, hidden_dim=384, max_seq_len=512),  # 1.4M
+    "tiny": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=64),  # for tests
+}
+
+SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len")
+
+# Training defaults per preset: 2048 tokens per step for the target (small batches, many updates: the
+# CPU budget allows ~1.5 epochs), 4096 for the cheaper draft.
+RECIPES: dict[str, dict] = {
+    "target": dict(steps=900, batch_size=4, seq_len=512, lr=1e-3, warmup_steps=50),
+    "draft": dict(steps=900, batch_size=8, seq_len=512, lr=2e-3, warmup_steps=50),
+    "tiny": dict(steps=20, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=4),
+}
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "target"
+    steps: int = 900  # optimizer steps in the whole run (the schedule's length)
+    batch_size: int = 4
+    seq_len: int = 512  # tokens per training window (<= max_seq_len)
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 50
+    weight_decay: float = 0.1  # on matrices only, not on norm gains
+    beta1: float = 0.9
+    beta2: float = 0.95  # the LLaMA papers' AdamW betas
+    grad_clip: float = 1.0  # max global grad norm
+    eval_every: int = 100
+    eval_tokens: int = 32768  # validation tokens scored at each eval (the val play is ~32k)
+    save_every: int = 100
+    seed: int = 1337
+    init_from: str = ""  # start from this checkpoint's weights (same shape) instead of the random init
+    teacher: str = ""  # distil: match this checkpoint's next-token distribution instead of the one-hot target
+    corpus: str = str(data.CORPUS_DIR)
+    tokenizer: str = str(data.TOKENIZER_PATH)
+    device: str = "auto"
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces of the loop
+# --------------------------------------------------------------------------------------------------
+
+
+def model_config(preset: str, tokenizer, **overrides) -> LlamaConfig:
+    shape = SHAPES[preset] | {k: v for k, v in overrides.items() if v is not None}
+    return LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        rope_theta=500000.0,  # Llama 3's RoPE base
+        tie_embeddings=True,
+        bos_token_id=tokenizer.token_to_id(data.BOS),
+        eos_token_id=[tokenizer.token_to_id(data.EOS)],  # works end with <|end_of_text|> in training
+        **shape,
+    )
+
+
+def init_weights(model: Llama, seed: int) -> None:
+    """GPT-2-style init: N(0, 0.02) for matrices, scaled by 1/sqrt(2 n_layers) on the two projections
+    that write into the residual stream (wo, w2), so the stream's variance does not grow with depth.
+    RMSNorm gains stay at 1."""
+    gen = torch.Generator().manual_seed(seed)
+    std = 0.02
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            residual = name.endswith(("wo.weight", "w2.weight"))
+            scale = 1 / math.sqrt(2 * model.config.n_layers) if residual else 1.0
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * std * scale)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to cfg.lr over warmup_steps, then cosine decay to lr * min_lr_ratio at cfg.steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def get_batch(ids: torch.Tensor, step: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of the train stream for this step: inputs x and targets y, both [B, T]."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a function of (seed, step) only
+    starts = torch.randint(0, len(ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)  # [B]
+    chunk = torch.stack([ids[s : s + cfg.seq_len + 1] for s in starts.tolist()])  # [B, T+1]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def make_optimizer(model: Llama, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # weight matrices (and the tied embedding)
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # RMSNorm gains
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def pick_device(name: str) -> torch.device:
+    """"auto": CUDA when present, else the CPU (MPS is not used for training)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast where the hardware has fast bf16 matmuls (CUDA); plain fp32 elsewhere."""
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def hardware(device: torch.device) -> str:
+    info = describe(device)
+    kind = "CUDA" if device.type == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
+    return f"{info['name']} ({kind}), torch {torch.__version__}"
+
+
+def make_logger(out: Path) -> logging.Logger:
+    """Log to out/train.log and, through tqdm.write, to the terminal without breaking the bar."""
+
+    class TqdmHandler(logging.Handler):
+        def emit(self, record):
+            tqdm.write(self.format(record), file=sys.stderr)
+
+    log = logging.getLogger(f"llmstep.train.{out.resolve()}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    file = logging.FileHandler(out / "train.log")
+    file.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(file)
+    log.addHandler(TqdmHandler())
+    return log
+
+
+@torch.no_grad()
+def val_loss(model: Llama, val_ids: list[int], cfg: TrainConfig, device: torch.device) -> float:
+    """Mean NLL per token on the first eval_tokens tokens of the val split, windows of seq_len."""
+    with autocast(device):
+        nll, n = model_nll(model, val_ids[: cfg.eval_tokens], cfg.seq_len, batch_size=cfg.batch_size)
+    return nll / n
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints and export
+# --------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # never leave a half-written checkpoint behind
+
+
+def model_card(info: dict) -> str:
+    c = info["config"]
+    n_params = info["n_params"]
+    return f"""# {info['name']}
+
+A {n_params / 1e6:.2f}M-parameter LLaMA-3 decoder trained from scratch on Shakespeare, shipped with
+llmstep as a default model ({info['role']}). Weights are bfloat16 safetensors in Hugging Face layout:
+`llmstep.load("{info['path']}")` reads them, and so does `transformers.LlamaForCausalLM`.
+
+## Architecture
+
+| field | value |
+|---|---|
+| dim (hidden_size) | {c['dim']} |
+| layers | {c['n_layers']} |
+| query heads / key-value heads | {c['n_heads']} / {c['n_kv_heads']} (GQA, {info['n_rep']} per KV head) |
+| head_dim | {c['head_dim']} |
+| SwiGLU hidden_dim | {c['hidden_dim']} |
+| vocabulary | {c['vocab_size']} (byte-level BPE, `tokenizer.json`, shared by both default models) |
+| context (max_seq_len) | {c['max_seq_len']} |
+| RoPE theta | {c['rope_theta']:g}, no scaling |
+| tied embeddings | {c['tie_embeddings']} |
+| parameters | {n_params:,} |
+
+## Training
+
+- Data: `data/corpus/train.txt.gz`, {info['train_tokens']:,} tokens: 40 works of Shakespeare, with
+  {', '.join(data.VAL_WORKS)} (val) and {', '.join(data.TEST_WORKS)} (test) held out; see `data/README.md`.
+- Command: `{info['command']}`
+- Steps: {info['steps']:,} of {info['batch_size']} x {info['seq_len']} tokens; tokens seen:
+  {info['tokens_seen']:,} ({info['tokens_seen'] / info['train_tokens']:.1f} epochs).
+- Optimizer: AdamW, betas {info['betas']}, weight decay {info['weight_decay']}, peak lr {info['lr']:g}
+  after {info['warmup_steps']} linear warm-up steps, cosine decay to {info['lr'] * info['min_lr_ratio']:g},
+  gradient clipping at {info['grad_clip']}, seed {info['seed']}; {info['precision']}.
+- Wall time: {info['wall_seconds'] / 60:.1f} minutes of training on {info['hardware']}
+  (a machine shared with other jobs; validation and checkpoints not counted).
+- Final validation loss, fp32 weights, first {info['eval_tokens']:,} val tokens in windows of
+  {info['seq_len']}: {info['final_val_loss']:.4f} nats/token (perplexity {math.exp(info['final_val_loss']):.2f}).
+- Held-out perplexity of these bf16 weights on the whole val play, windows of {c['max_seq_len']}:
+  {info['export_val_ppl']:.2f}.
+
+The full log is `train.log`.
+
+## Evaluation
+
+<!-- eval:start -->
+Filled in by `python -m llmstep.eval --update-cards`.
+<!-- eval:end -->
+
+## Licence
+
+Shakespeare's text is in the public domain; the corpus comes from the Open Knowledge Foundation's
+`shakespeare` 0.6 package (MIT; its COPYING.txt: CC BY 2.5 for content), see `data/README.md`.
+These weights are distributed with llmstep under the same terms.
+"""
+
+
+def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: Path) -> Path:
+    """Write the Hugging Face layout (bf16), tokenizer.json, model card and training log to out_dir."""
+    from ..core.checkpoint import save
+
+    gen_config = {"do_sample": True, "temperature": 0.8, "top_p": 0.95,
+                  "max_length": model.config.max_seq_len}
+    save(model, out_dir, tokenizer=None, generation_config=gen_config, dtype=torch.bfloat16)
+    shutil.copyfile(cfg.tokenizer, out_dir / "tokenizer.json")  # byte-identical to data/tokenizer.json
+
+    from .evaluate import evaluate_model
+
+    score = evaluate_model(out_dir, "val", corpus=cfg.corpus, seq_len=model.config.max_seq_len)
+    info = info | {"export_val_ppl": score.perplexity, "path": str(out_dir)}
+    (out_dir / "README.md").write_text(model_card(info))
+    shutil.copyfile(log_path, out_dir / "train.log")
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_after: int | None = None,
+          export_dir: Path | None = None, command: str = "", quiet: bool = False) -> Llama:
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "ckpt.pt"
+    log = make_logger(out)
+    device = pick_device(cfg.device)
+    tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    train_ids = torch.tensor(data.encode_split(tokenizer, data.read_split("train", cfg.corpus)))  # [N]
+    val_ids = data.encode_split(tokenizer, data.read_split("val", cfg.corpus))
+    if len(train_ids) <= cfg.seq_len + 1:
+        raise ValueError(f"the train split has {len(train_ids)} tokens, "
+                         f"fewer than one window of {cfg.seq_len}")
+
+    config = model_config(cfg.preset, tokenizer, **shape)
+    if cfg.seq_len > config.max_seq_len:
+        raise ValueError(f"seq_len {cfg.seq_len} is longer than the model's context {config.max_seq_len}")
+    torch.manual_seed(cfg.seed)
+    model = Llama(config)
+    init_weights(model, cfg.seed)
+    teacher = None
+    if cfg.init_from or cfg.teacher:
+        from ..core.checkpoint import load_model
+
+        if cfg.init_from:
+            start = load_model(cfg.init_from, device="cpu", dtype=torch.float32)
+            if any(getattr(start.config, f) != getattr(config, f) for f in SHAPE_FIELDS + ("vocab_size",)):
+                raise ValueError(f"--init-from {cfg.init_from}: its shape differs from the preset's; pass the "
+                                 "matching --preset and shape options")
+            model.load_state_dict(start.state_dict())
+        if cfg.teacher:  # read in its stored dtype: it only runs forward
+            teacher = load_model(cfg.teacher, device=device).eval().requires_grad_(False)
+            if teacher.config.vocab_size != config.vocab_size:
+                raise ValueError(f"--teacher {cfg.teacher}: its vocabulary ({teacher.config.vocab_size}) differs "
+                                 f"from the student's ({config.vocab_size})")
+    model.to(device).train()
+    optimizer = make_optimizer(model, cfg)
+
+    step, elapsed, history = 0, 0.0, []
+    commands = [command]
+    if resume:
+        if not ckpt_path.is_file():
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        saved = TrainConfig(**state["train_config"])
+        changed = [f.name for f in fields(TrainConfig) if f.name != "device" and
+                   getattr(saved, f.name) != getattr(cfg, f.name)]
+        if changed or state["model_config"] != asdict(config):
+            what = ", ".join(f"{n}: {getattr(saved, n)!r} -> {getattr(cfg, n)!r}" for n in changed)
+            what = what or "model shape"
+            raise ValueError(f"--resume: {ckpt_path} was trained with different settings ({what}); "
+                             "resume with the original arguments")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, elapsed, history = state["step"], state["elapsed_seconds"], state["history"]
+        commands = state["commands"] + ([command] if step < cfg.steps else [])  # a pure re-export adds none
+        log.info(f"resumed from {ckpt_path} at step {step}")
+
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    log.info(f"model {config.dim}x{config.n_layers} ({n_params:,} parameters), "
+             f"{len(train_ids):,} train tokens, {tokens_per_step} tokens/step, {cfg.steps} steps, "
+             f"device {device}")
+
+    def checkpoint(at_step: int) -> None:
+        save_checkpoint(ckpt_path, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at_step,
+            "elapsed_seconds": elapsed, "history": history, "commands": commands,
+            "train_config": asdict(cfg), "model_config": asdict(config),
+        })
+
+    last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, disable=quiet, file=sys.stderr)
+    t0 = time.perf_counter()
+    while step < last:
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(train_ids, step, cfg)
+        x, y = x.to(device), y.to(device)
+        with autocast(device):
+            logits = model(x)  # [B, T, vocab]
+        if teacher is None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        else:  # cross-entropy against the teacher's distribution: its KL divergence to the student, plus a constant
+            with torch.no_grad(), autocast(device):
+                p_teacher = torch.softmax(teacher(x).float(), dim=-1)  # [B, T, vocab]
+            loss = -(p_teacher * torch.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        step += 1
+
+        now = time.perf_counter()
+        elapsed, t0 = elapsed + (now - t0), now
+        tok_s = step * tokens_per_step / max(elapsed, 1e-9)
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_s:,.0f}")
+        record = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm)}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            record["val_loss"] = val_loss(model, val_ids, cfg, device)
+        history.append(record)
+        if step % cfg.eval_every == 0 or step == cfg.steps or step == 1:
+            val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            log.info(f"step {step:5d}/{cfg.steps} loss {loss.item():.4f}{val} lr {lr:.2e} "
+                     f"grad_norm {float(grad_norm):.2f} {tok_s:,.0f} tok/s elapsed {elapsed / 60:.1f} min")
+        if step % cfg.save_every == 0 or step == last:
+            checkpoint(step)
+        t0 = time.perf_counter()  # evaluation and checkpointing are not training time
+    bar.close()
+
+    if step < cfg.steps:
+        log.info(f"stopped after step {step} (--stop-after); continue with --resume")
+        return model
+    if export_dir is not None:
+        final_val = next(r["val_loss"] for r in reversed(history) if "val_loss" in r)
+        info = asdict(cfg) | {
+            "name": export_dir.name, "role": "the target" if cfg.preset == "target" else f"the {cfg.preset}",
+            "config": asdict(config), "n_params": n_params, "n_rep": config.n_rep,
+            "train_tokens": len(train_ids),
+            "command": " && ".join(commands), "tokens_seen": step * tokens_per_step, "wall_seconds": elapsed,
+            "hardware": hardware(device), "final_val_loss": final_val, "betas": (cfg.beta1, cfg.beta2),
+            "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
+        }
+        export(model, export_dir, cfg, info, out / "train.log")
+        log.info(f"exported {export_dir} ({elapsed / 60:.1f} min of training)")
+    return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m llmstep.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=sorted(SHAPES), default="target",
+                   help="model shape and training recipe")
+    p.add_argument("--out", required=True, help="run directory: ckpt.pt and train.log")
+    p.add_argument("--export", default=None, help="at the end, write the Hugging Face layout model here")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name in SHAPE_FIELDS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help="override the preset's shape")
+    for f in fields(TrainConfig):
+        if f.name != "preset":
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    args = p.parse_args(argv)
+
+    recipe = asdict(TrainConfig()) | RECIPES[args.preset] | {"preset": args.preset}
+    cfg = TrainConfig(**{k: (getattr(args, k) if getattr(args, k, None) is not None else v)
+                         for k, v in recipe.items()})
+    shape = {k: getattr(args, k) for k in SHAPE_FIELDS}
+    command = "python -m llmstep.train " + shlex.join(argv)
+    train(cfg, Path(args.out), shape, resume=args.resume, stop_after=args.stop_after,
+          export_dir=Path(args.export) if args.export else None, command=command, quiet=args.quiet)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""Bad input gets an error that names what is wrong and where, and never a half-loaded model."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import llmstep
+from llmstep import CheckpointError, ConfigError, LlamaConfig
+
+
+@pytest.fixture
+def ckpt(tiny_checkpoint, tmp_path):
+    """A private copy of the tiny checkpoint that a test may break."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, dst)
+    return dst
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model directory"):
+        llmstep.load(tmp_path / "nope")
+
+
+def test_a_file_instead_of_a_directory(ckpt):
+    with pytest.raises(NotADirectoryError, match="config.json"):
+        llmstep.load(ckpt / "config.json")
+
+
+@pytest.mark.parametrize("name, message", [("config.json", "config.json"), ("tokenizer.json", "tokenizer.json"),
+                                           ("model.safetensors", "no model.safetensors")])
+def test_missing_file(ckpt, name, message):
+    (ckpt / name).unlink()
+    with pytest.raises((FileNotFoundError, CheckpointError), match=message):
+        llmstep.load(ckpt)
+
+
+def test_truncated_safetensors(ckpt):
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match="model.safetensors: truncated"):
+        llmstep.load(ckpt)
+
+
+def test_corrupt_safetensors_header(ckpt):
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[8:40] = b"\x00garbage that is not json\xff" + b" " * 6
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        llmstep.load(ckpt)
+
+
+def test_not_a_safetensors_file_at_all(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"PK\x03\x04 a zip file, say")
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        llmstep.load(ckpt)
+
+
+def test_missing_tensor_is_named(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.1\.mlp\.down_proj\.weight"):
+        llmstep.load(ckpt)
+
+
+def test_wrong_shape_is_named(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight .* shape \[8, 64\], config.json implies \[16, 64\]"):
+        llmstep.load(ckpt)
+
+
+def test_unexpected_tensor_is_named(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected tensor model\.layers\.0\.self_attn\.q_proj\.bias"):
+        llmstep.load(ckpt)
+
+
+def test_missing_shard_is_named(tiny_checkpoint, tmp_path):
+    model, tok = llmstep.load(tiny_checkpoint)
+    out = llmstep.save(model, tmp_path / "sharded", tokenizer=tok, max_shard_bytes=50_000)
+    shard = sorted(out.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
+        llmstep.load(out)
+
+
+def test_validation_happens_before_any_weight_is_read(ckpt, monkeypatch):
+    """A bad tensor in the checkpoint is reported without reading (allocating) any tensor."""
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(3)
+    save_file(tensors, ckpt / "model.safetensors")
+    import llmstep.core.checkpoint as checkpoint
+
+    def no_reading(*a, **k):
+        raise AssertionError("weights were read before validation finished")
+
+    monkeypatch.setattr(checkpoint, "safe_open", no_reading)
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        llmstep.load(ckpt)
+
+
+def rewrite_config(ckpt, change: dict) -> None:
+    """config.json with `change` applied over its values."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(change)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=60, head_dim=None), "not divisible by n_heads"),
+    (dict(num_key_value_heads=3), "multiple of n_kv_heads"),
+    (dict(num_hidden_layers=0), "n_layers must be a positive integer"),
+    (dict(hidden_act="gelu"), "silu"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(model_type="mistral"), "model_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
+])
+def test_config_values_that_cannot_fit(ckpt, change, message):
+    rewrite_config(ckpt, change)
+    with pytest.raises(ConfigError, match=message):
+        llmstep.load(ckpt)
+
+
+def test_config_error_names_the_file(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json is not valid JSON"):
+        LlamaConfig.from_hf(ckpt)
+
+
+def test_direct_config_errors():
+    with pytest.raises(ConfigError, match="n_heads"):
+        LlamaConfig(dim=64, n_heads=6, n_kv_heads=4, hidden_dim=10, vocab_size=10, n_layers=1)
+    with pytest.raises(ConfigError, match="head_dim"):
+        LlamaConfig(dim=63, n_heads=9, n_kv_heads=3, hidden_dim=10, vocab_size=10, n_layers=1)
+    with pytest.raises(KeyError, match="unknown preset"):
+        LlamaConfig.preset("llama-9")
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return llmstep.load(tiny_checkpoint)
+
+
+def test_prompt_longer_than_context(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=r"the prompt is 200 tokens, but the model's context is 128"):
+        llmstep.generate(model, tok, list(range(200)), max_new_tokens=1)
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_empty_prompt(loaded, prompt):
+    model, tok = loaded
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llmstep.generate(model, tok, prompt)
+
+
+def test_prompt_id_outside_vocabulary(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match="token id 5000 is outside the vocabulary"):
+        llmstep.generate(model, tok, [1, 5000])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
+    (dict(top_k=-3), "top_k"), (dict(max_new_tokens=-1), "max_new_tokens"),
+])
+def test_bad_generation_arguments(loaded, kwargs, message):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=message):
+        llmstep.generate(model, tok, "hello", **kwargs)
+
+
+def test_bad_device_and_dtype(tiny_checkpoint):
+    with pytest.raises(ValueError, match="dtype"):
+        llmstep.load(tiny_checkpoint, dtype="float8")
+    with pytest.raises(ValueError, match="device"):
+        llmstep.load(tiny_checkpoint, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            llmstep.load(tiny_checkpoint, device="cuda")
+
+
+def test_save_leaves_nothing_half_written(tiny_checkpoint, tmp_path, monkeypatch):
+    model, tok = llmstep.load(tiny_checkpoint)
+    import llmstep.core.checkpoint as checkpoint
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        llmstep.save(model, tmp_path / "out", tokenizer=tok)
+    assert not (tmp_path / "out").exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary folder left behind
+
+
+L3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rms_norm_eps=None), "rms_norm_eps must be a number, got None"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), "rope_theta must be a number"),
+    (dict(rope_parameters=L3 | {"factor": "8"}), r"rope_parameters\.factor must be a number"),
+    (dict(rope_parameters=L3 | {"original_max_position_embeddings": 16.5}), "original_max_position_embeddings"),
+    (dict(rope_parameters=[1]), "rope_parameters must be an object"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}), "'linear'"),
+    (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling has rope type 'dynamic'"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(num_key_value_heads=0), "n_kv_heads must be a positive integer"),
+    (dict(head_dim=8.0), "head_dim must be an integer"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
+    (dict(eos_token_id=[296, "x"]), "eos_token_id must be an integer"),
+    (dict(eos_token_id=2.0), "eos_token_id must be an integer"),
+])
+def test_config_values_of_the_wrong_kind_name_the_field_and_the_file(ckpt, change, message):
+    rewrite_config(ckpt, change)
+    with pytest.raises(ConfigError, match=rf"config\.json: .*{message}"):
+        llmstep.load(ckpt)
+
+
+def test_config_json_that_is_not_an_object(ckpt):
+    (ckpt / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="config.json: expected a JSON object"):
+        llmstep.load(ckpt)
+
+
+def test_eos_token_id_zero_is_kept():
+    hf = LlamaConfig(vocab_size=10, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=8).to_hf()
+    assert LlamaConfig.from_hf(hf | {"eos_token_id": 0}).eos_token_id == [0]
+    assert LlamaConfig.from_hf(hf | {"eos_token_id": None}).eos_token_id == []
+
+
+def _write_header(path, header: bytes):
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+@pytest.mark.parametrize("header", [
+    b"[1, 2]", b'"text"', b'{"model.norm.weight": {"dtype": "F32", "data_offsets": [0, 4]}}',  # no shape
+    b'{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}',
+])
+def test_malformed_safetensors_header(ckpt, header):
+    _write_header(ckpt / "model.safetensors", header)
+    with pytest.raises(CheckpointError, match="model.safetensors: corrupt safetensors header"):
+        llmstep.load(ckpt)
+
+
+@pytest.mark.parametrize("weight_map, message", [
+    ([1, 2], "weight_map must map tensor names to shard files"),
+    ({"model.norm.weight": 3}, "model.norm.weight is mapped to 3"),
+    ({"model.norm.weight": "../model.safetensors"}, "not a shard file name"),
+])
+def test_malformed_index(ckpt, weight_map, message):
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"model.safetensors.index.json: .*{message}"):
+        llmstep.load(ckpt)
+
+
+@pytest.mark.parametrize("text, message", [("{oops", "is not valid JSON"), ("[1]", "must hold a JSON object")])
+def test_bad_generation_config_is_named(ckpt, text, message):
+    (ckpt / "generation_config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"generation_config.json {message}"):
+        llmstep.load(ckpt)
+    with pytest.raises(ValueError, match=f"generation_config.json {message}"):
+        llmstep.Tokenizer.from_dir(ckpt)
+
+
+def test_float64_is_a_dtype_but_float8_is_not(tiny_checkpoint):
+    model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype="float64")
+    assert model.dtype == torch.float64 and model.new_cache(max_len=4).k[0].dtype == torch.float64
+    with pytest.raises(ValueError, match="float8"):
+        llmstep.load(tiny_checkpoint, dtype="float8")

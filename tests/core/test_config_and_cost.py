@@ -1,0 +1,47 @@
+"""Presets carry the published shapes; the cost model reproduces the article's arithmetic."""
+
+import pytest
+import torch
+
+from llmstep import LlamaConfig
+from llmstep.core.cost import decode_step_cost, kv_bytes_per_token, n_params, param_counts
+
+# Parameter counts of the published checkpoints (sum of tensor sizes in their safetensors).
+PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+             "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-405b": 405_853_388_800}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_presets_have_the_published_parameter_counts(name):
+    assert n_params(LlamaConfig.preset(name)) == PUBLISHED[name]
+
+
+def test_llama3_8b_decode_arithmetic():
+    cfg = LlamaConfig.preset("llama-3-8b")
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 128 * 1024  # the issue's 128 KiB
+    mha = cfg.replace(n_kv_heads=cfg.n_heads)
+    assert kv_bytes_per_token(mha, torch.bfloat16) == 4 * 128 * 1024
+    cost = decode_step_cost(cfg, context=0, dtype=torch.bfloat16)
+    counts = param_counts(cfg)
+    # every weight but the input embedding table is streamed: 16.06 GB - 1.05 GB
+    assert cost.weight_bytes == 2 * (n_params(cfg) - counts["embedding"] + cfg.dim)
+    assert round(cost.weight_bytes / 1e9, 2) == 15.01
+    assert 0.99 < cost.arithmetic_intensity < 1.01  # ~2 FLOPs per 2-byte weight
+
+
+def test_tied_head_streams_the_embedding_once():
+    cfg = LlamaConfig.preset("llama-3.2-1b")
+    cost = decode_step_cost(cfg, dtype=torch.float32)
+    assert cost.weight_bytes == 4 * n_params(cfg)
+
+
+def test_kv_bytes_grow_with_context():
+    cfg = LlamaConfig.preset("llama-3.1-8b")
+    a, b = decode_step_cost(cfg, context=0), decode_step_cost(cfg, context=8191)
+    assert b.kv_bytes == 8192 * a.kv_bytes and b.weight_bytes == a.weight_bytes
+
+
+def test_hf_round_trip_of_every_preset():
+    for name in ("llama-3.1-8b", "llama-3.2-1b"):
+        cfg = LlamaConfig.preset(name)
+        assert LlamaConfig.from_hf(cfg.to_hf()) == cfg

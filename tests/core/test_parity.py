@@ -1,0 +1,176 @@
+"""llmstep computes the same function as transformers' LlamaForCausalLM (the reference)."""
+
+import json
+
+import pytest
+import torch
+from conftest import LLAMA3_SCALING, make_checkpoint
+from llmstep.sampling import greedy
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
+
+import llmstep
+
+
+def test_sharded_case_really_is_sharded(hf_checkpoint):
+    path, _ = hf_checkpoint
+    if "sharded" in path.name:
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1
+
+
+def test_config_is_read_in_both_forms(hf_checkpoint):
+    path, ref = hf_checkpoint
+    cfg = llmstep.LlamaConfig.from_hf(path)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.dim) == (ref.config.num_attention_heads,
+                                                       ref.config.num_key_value_heads, ref.config.hidden_size)
+    assert cfg.rope_theta == 500000.0
+    assert cfg.tie_embeddings == ref.config.tie_word_embeddings
+    rope_type = ref.config.rope_parameters["rope_type"]
+    assert (cfg.rope_scaling is not None) == (rope_type == "llama3")
+
+
+@torch.no_grad()
+def test_logits_match_reference_beyond_original_context(hf_checkpoint):
+    path, ref = hf_checkpoint
+    model, _ = llmstep.load(path, device="cpu", dtype=torch.float32)
+    # 2 sequences of 100 tokens: positions run far past original_max_position_embeddings (16).
+    tokens = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(1))
+    ours = model(tokens)
+    theirs = ref(tokens).logits
+    assert ours.shape == theirs.shape == (2, 100, 300)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_greedy_continuation_with_cache_matches_reference(hf_checkpoint):
+    path, ref = hf_checkpoint
+    model, tok = llmstep.load(path, device="cpu", dtype=torch.float32)
+    prompt = [295, 17, 101, 42, 7, 250, 33]
+    out = llmstep.generate(model, tok, prompt, max_new_tokens=40, temperature=0, stop_ids=[])
+    theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, min_new_tokens=40)
+    assert out.tokens == theirs[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def test_cached_decode_equals_full_recompute_at_every_position(hf_checkpoint):
+    path, _ = hf_checkpoint
+    model, _ = llmstep.load(path, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(2))
+    full = model(tokens)  # [2, 40, V], no cache
+    cache = model.new_cache(batch_size=2, max_len=64)
+    steps = [model(tokens[:, :8], cache=cache)]  # a prefill of 8, then one token at a time
+    steps += [model(tokens[:, t : t + 1], cache=cache) for t in range(8, 40)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [40, 40]
+
+
+@torch.no_grad()
+def test_rollback_then_rewrite_gives_the_same_logits(tiny_checkpoint):
+    model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = model.new_cache(max_len=32)
+    model(tokens[:, :12], cache=cache)
+    model(torch.randint(0, 300, (1, 6)), cache=cache)  # 6 tokens that get rejected
+    cache.rollback(12)
+    resumed = model(tokens[:, 12:], cache=cache)
+    torch.testing.assert_close(resumed, model(tokens)[:, 12:], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_batched_rows_at_different_positions(tiny_checkpoint):
+    """Each row of a batch decodes at its own position, as in continuous batching."""
+    model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    a = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(4))
+    b = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(5))
+    cache = model.new_cache(batch_size=2, max_len=16)
+    model(torch.cat([a[:, :9], b[:, :9]]), cache=cache)
+    cache.rollback(torch.tensor([9, 5]))  # row 1 forgets its last 4 tokens
+    step = model(torch.cat([a[:, 9:10], b[:, 5:6]]), cache=cache)  # [2, 1, V] at positions 9 and 5
+    torch.testing.assert_close(step[0, -1], model(a)[0, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step[1, -1], model(b[:, :6])[0, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()
+def test_half_precision_tracks_float32(tiny_checkpoint, dtype):
+    model32, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    model16, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=dtype)
+    assert model16.dtype == dtype
+    tokens = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(6))
+    a, b = model32(tokens), model16(tokens).float()
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+    assert (greedy(a[0]) == greedy(b[0])).float().mean() > 0.8
+
+
+def test_saved_checkpoint_reloads_in_transformers_identically(tiny_checkpoint, tmp_path):
+    model, tok = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    out = llmstep.save(model, tmp_path / "copy", tokenizer=tok, dtype=torch.float32, max_shard_bytes=60_000)
+    assert (out / "model.safetensors.index.json").is_file()
+    ref = LlamaForCausalLM.from_pretrained(out).eval()
+    again, _ = llmstep.load(out, device="cpu")
+    tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens), model(tokens), atol=0, rtol=0)
+        torch.testing.assert_close(ref(tokens).logits, model(tokens), atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_float64_logits_match_reference_to_rounding(hf_checkpoint):
+    """In float64 the two implementations agree to ~1e-15: any real difference in the function shows."""
+    path, _ = hf_checkpoint
+    model, _ = llmstep.load(path, device="cpu", dtype="float64")
+    ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    tokens = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(8))
+    assert model.dtype == torch.float64
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-10, rtol=0)
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return cfg
+
+
+@torch.no_grad()
+def test_tied_config_with_its_own_lm_head_is_what_transformers_computes(tmp_path, tokenizer_file):
+    """tie_word_embeddings=true, yet the checkpoint holds a different lm_head.weight: transformers keeps that
+    head (ties only equal tensors), and so must llmstep; an equal copy is tied as usual."""
+
+    make_checkpoint(tmp_path, tokenizer_file, tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tokens = torch.randint(0, 300, (1, 30), generator=torch.Generator().manual_seed(9))
+    for head, tied in [(tensors["model.embed_tokens.weight"].clone(), True), (torch.randn(300, 64), False)]:
+        save_file(tensors | {"lm_head.weight": head}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+        ref = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-5, rtol=0)
+        assert model.config.tie_embeddings == tied
+        assert (model.output.weight is model.tok_embeddings.weight) == tied
+
+
+@torch.no_grad()
+def test_config_json_read_with_transformers_precedence(tmp_path, tokenizer_file):
+    """rope_theta inside rope_scaling beats the top-level one, and hidden_act 'swish' is SiLU, as in transformers."""
+
+    make_checkpoint(tmp_path, tokenizer_file, rope_parameters=LLAMA3_SCALING, legacy_config=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    _edit_config(tmp_path, rope_scaling=cfg["rope_scaling"] | {"rope_theta": 1000.0}, hidden_act="swish")
+    model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    ref = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert model.config.rope_theta == 1000.0
+    tokens = torch.randint(0, 300, (1, 60), generator=torch.Generator().manual_seed(10))
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_float64_weights_load(tmp_path, tokenizer_file):
+
+    ref = make_checkpoint(tmp_path, tokenizer_file)
+    tensors = {k: v.double() for k, v in load_file(tmp_path / "model.safetensors").items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-5, rtol=0)

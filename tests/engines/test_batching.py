@@ -1,0 +1,347 @@
+"""Continuous batching: every request gets the tokens it would get alone, the scheduler fills slots as
+it claims, and bad requests are refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import make_checkpoint
+from llmstep.batching import ContinuousBatcher, Request, main, measure_batch_scaling, random_workload, run_batch
+
+import llmstep
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory, tokenizer_file):
+    """A float64 model (batched and single-row matmuls agree to ~1e-15: token equality is exact) with a
+    short context, so requests can run into its end."""
+    path = tmp_path_factory.mktemp("tiny64")
+    make_checkpoint(path, tokenizer_file, seed=3, max_position_embeddings=48, num_hidden_layers=3)
+    model, tok = llmstep.load(path, dtype="float32")
+    return model.double(), tok
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return llmstep.load(None, dtype="float32")
+
+
+def solo(model, tok, r: Request):
+    """What llmstep.generate gives the request alone."""
+    return llmstep.generate(model, tok, r.prompt_ids, r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.seed,
+                            stop_ids=r.stop_ids)
+
+
+def mixed_requests(vocab: int, n: int = 9, seed: int = 0) -> list[Request]:
+    """Greedy and sampled requests of different lengths, arriving over time, some at the same step."""
+    g = torch.Generator().manual_seed(seed)
+    samplers = [dict(temperature=0.0), dict(temperature=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=5),
+                dict(temperature=0.7, top_p=0.8, seed=2)]
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        out.append(Request(prompt, max_new_tokens=int(torch.randint(1, 16, (1,), generator=g)), arrival=(i * 3) // 2,
+                           **samplers[i % len(samplers)]))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+@pytest.mark.parametrize("n_slots", [1, 2, 5])
+def test_every_request_gets_the_tokens_it_gets_alone(tiny64, policy, n_slots):
+    model, tok = tiny64
+    requests = mixed_requests(model.config.vocab_size)
+    run = run_batch(model, requests, n_slots=n_slots, policy=policy)
+    assert [c.id for c in run.completions] == list(range(len(requests)))
+    for r, c in zip(requests, run.completions, strict=True):
+        alone = solo(model, tok, r)
+        assert c.tokens == alone.tokens, f"request {c.id}"
+        assert c.stop_reason == alone.stop_reason
+        assert c.prompt_ids == alone.prompt_ids
+
+
+def test_shipped_model_in_float32_batched_gives_the_solo_tokens(shipped):
+    model, tok = shipped
+    prompts = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak.",
+               "KING HENRY", "To be"]
+    requests = [Request(tok.encode(p, bos=True), max_new_tokens=n, temperature=t, top_k=k, seed=i,
+                        stop_ids=tok.eos_ids, arrival=a)
+                for i, (p, n, t, k, a) in enumerate(zip(prompts, [30, 6, 40, 12, 25], [0, 0.8, 1.0, 0, 0.7],
+                                                         [0, 0, 50, 0, 0], [0, 0, 1, 2, 8], strict=True))]
+    run = run_batch(model, requests, n_slots=3)
+    for r, c in zip(requests, run.completions, strict=True):
+        assert c.tokens == solo(model, tok, r).tokens
+
+
+def test_stop_tokens_end_a_request_inside_the_batch(tiny64):
+    model, tok = tiny64
+    base = Request(list(range(3, 12)), max_new_tokens=20)
+    alone = solo(model, tok, base).tokens
+    stop = alone[6]  # a token it makes on the way: stopping there frees its slot early
+    first = alone.index(stop)
+    requests = [Request(base.prompt_ids, 20, stop_ids=[stop]), Request([7, 8, 9], 12), Request([1, 2], 10, arrival=2)]
+    run = run_batch(model, requests, n_slots=2)
+    c = run.completions[0]
+    assert c.tokens == alone[: first + 1] and c.stop_reason == "stop"
+    for r, c in zip(requests, run.completions, strict=True):
+        assert c.tokens == solo(model, tok, r).tokens
+
+
+def test_a_reused_slot_never_sees_its_previous_occupant(tiny64):
+    """One slot: a long request leaves keys at positions a shorter successor never writes. The causal
+    mask must hide them (a cache that attended over every written slot would not)."""
+    model, tok = tiny64
+    long_req = Request(list(range(1, 31)), max_new_tokens=12)
+    short_req = Request([40, 41, 42], max_new_tokens=12, temperature=1.0, seed=9)
+    run = run_batch(model, [long_req, short_req], n_slots=1)
+    assert run.completions[1].slot == run.completions[0].slot == 0
+    assert run.completions[1].tokens == solo(model, tok, short_req).tokens
+
+
+def test_the_end_of_the_context_stops_a_request_as_generate_does(tiny64):
+    model, tok = tiny64  # 48 positions
+    requests = [Request(list(range(1, 41)), max_new_tokens=30), Request([5] * 45, 10), Request([9, 9], 60)]
+    run = run_batch(model, requests, n_slots=2)
+    for r, c in zip(requests, run.completions, strict=True):
+        alone = solo(model, tok, r)
+        assert (c.tokens, c.stop_reason) == (alone.tokens, alone.stop_reason) == (alone.tokens, "context")
+        assert len(c.prompt_ids) + len(c.tokens) == 48 + 1  # the last token is made but never written
+
+
+def test_continuous_schedule_by_hand(tiny64):
+    """Two slots, four requests of 2, 5, 3 and 1 new tokens arriving together (prefill makes the first
+    token, and a newcomer also decodes in the step it is admitted)."""
+    model, _ = tiny64
+    requests = [Request([1, 2, 3], n) for n in (2, 5, 3, 1)]
+    run = run_batch(model, requests, n_slots=2, policy="continuous")
+    assert [c.admitted for c in run.completions] == [0, 0, 1, 3]
+    assert [c.finished for c in run.completions] == [0, 3, 2, 3]
+    assert [c.slot for c in run.completions] == [0, 1, 0, 0]
+    assert run.timeline == [[0, 1], [2, 1], [2, 1], [-1, 1]]
+    assert run.prefills == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (3, 0, 3)]
+    assert [len(c.tokens) for c in run.completions] == [2, 5, 3, 1]
+    assert run.slot_utilisation == pytest.approx(7 / 8)
+
+
+def test_static_schedule_by_hand(tiny64):
+    """The same requests in static batches: the second batch waits for the slowest of the first."""
+    model, _ = tiny64
+    requests = [Request([1, 2, 3], n) for n in (2, 5, 3, 1)]
+    run = run_batch(model, requests, n_slots=2, policy="static")
+    assert [c.admitted for c in run.completions] == [0, 0, 4, 4]
+    assert [c.finished for c in run.completions] == [0, 3, 5, 4]
+    assert run.timeline == [[0, 1], [-1, 1], [-1, 1], [-1, 1], [2, -1], [2, -1]]
+    assert run.slot_utilisation == pytest.approx(7 / 12)
+    assert [c.latency_steps for c in run.completions] == [1, 4, 6, 5]
+
+
+def test_idle_steps_until_a_late_arrival(tiny64):
+    model, _ = tiny64
+    run = run_batch(model, [Request([1, 2], 2), Request([3, 4], 2, arrival=6)], n_slots=2)
+    assert run.completions[1].admitted == 6 and run.completions[1].queued_steps == 0
+    assert run.timeline[1:6] == [[-1, -1]] * 5 and run.step_seconds[1:6] == [0.0] * 5
+    assert run.timeline[6] == [1, -1] or run.timeline[6] == [-1, 1]
+
+
+def test_zero_new_tokens_and_empty_workload(tiny64):
+    model, _ = tiny64
+    run = run_batch(model, [Request([1, 2], 0), Request([3], 3)], n_slots=1)
+    assert run.completions[0].tokens == [] and run.completions[0].stop_reason == "length"
+    assert len(run.completions[1].tokens) == 3
+    empty = run_batch(model, [], n_slots=2)
+    assert empty.completions == [] and empty.steps == 0 and empty.tokens == 0
+
+
+def test_continuous_beats_static_on_a_mixed_workload(tiny64):
+    """Counted in engine steps (deterministic), not seconds: fewer steps for the same tokens."""
+    model, _ = tiny64
+    requests = random_workload(24, model.config.vocab_size, prompt_len=(2, 8), new_tokens=(1, 30), seed=4)
+    static, continuous = (run_batch(model, requests, n_slots=4, policy=p) for p in ("static", "continuous"))
+    assert static.tokens == continuous.tokens == sum(r.max_new_tokens for r in requests)
+    assert continuous.steps < static.steps
+    assert continuous.slot_utilisation > static.slot_utilisation
+    assert [c.tokens for c in continuous.completions] == [c.tokens for c in static.completions]
+
+
+def test_continuous_admits_as_soon_as_a_slot_is_free(tiny64):
+    """No request waits while a slot sits free: at every step a queued request sees every row busy."""
+    model, _ = tiny64
+    requests = random_workload(30, model.config.vocab_size, prompt_len=(1, 6), new_tokens=(1, 12), rate=0.8, seed=1)
+    run = run_batch(model, requests, n_slots=3)
+    for c in run.completions:
+        for step in range(c.arrival, c.admitted):
+            assert all(r >= 0 for r in run.timeline[step]), (c.id, step)
+    assert any(c.queued_steps > 0 for c in run.completions)  # the workload does make requests wait
+    admitted = sorted(run.completions, key=lambda c: (c.admitted, c.slot))
+    assert [c.id for c in admitted] == sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))  # FIFO
+
+
+def test_a_slot_freed_by_a_prefill_takes_the_next_request_in_the_same_step(tiny64):
+    """A request that stops at its first token (or wants none) frees its slot during admission: a queued
+    request takes it before the decode step, which never runs a free row while anyone waits."""
+    model, tok = tiny64
+    first = solo(model, tok, Request([1, 2, 3], 1)).tokens[0]
+    requests = [Request([4, 5], 6), Request([1, 2, 3], 5, stop_ids=[first]), Request([6], 0), Request([7, 8], 3)]
+    run = run_batch(model, requests, n_slots=2)
+    assert [c.admitted for c in run.completions] == [0, 0, 0, 0]
+    assert [c.slot for c in run.completions] == [0, 1, 1, 1]
+    assert run.timeline[0] == [0, 3]
+    assert run.completions[1].tokens == [first] and run.completions[1].stop_reason == "stop"
+    for r, c in zip(requests, run.completions, strict=True):
+        assert c.tokens == solo(model, tok, r).tokens
+    static = run_batch(model, requests, n_slots=2, policy="static")  # a static batch is formed once
+    assert [c.admitted for c in static.completions] == [0, 0, 5, 5]
+
+
+def test_stop_ids_and_arrival_of_other_kinds(tiny64):
+    """stop_ids given as a one-shot iterator still stop the request (the check must not use them up), and
+    an arrival may be any integer type (numpy's), but not a bool."""
+    import numpy as np
+
+    model, tok = tiny64
+    alone = solo(model, tok, Request([1, 2, 3], 10)).tokens
+    c = run_batch(model, [Request([1, 2, 3], 10, stop_ids=iter([alone[4]]))], n_slots=1).completions[0]
+    assert c.tokens == alone[: alone.index(alone[4]) + 1] and c.stop_reason == "stop"
+    c = run_batch(model, [Request([1, 2, 3], 10, arrival=np.int64(2))], n_slots=1).completions[0]
+    assert c.arrival == c.admitted == 2 and type(c.arrival) is int and c.tokens == alone
+    with pytest.raises(ValueError, match="request 0: arrival must be an engine step"):
+        run_batch(model, [Request([1], 2, arrival=True)])
+
+
+def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
+    model, _ = tiny64
+    cache = model.new_cache(batch_size=3, max_len=16)
+    with torch.no_grad():
+        model(torch.tensor([[4, 5, 6]]), cache=cache.slot(1))
+    assert cache.lengths.tolist() == [0, 3, 0]
+    k, v = torch.stack(cache.k), torch.stack(cache.v)  # [L, 3, n_kv, max_len, hd]
+    assert k[:, 1, :, :3].abs().sum() > 0 and v[:, 1, :, :3].abs().sum() > 0
+    assert k[:, [0, 2]].abs().sum() == 0 and v[:, [0, 2]].abs().sum() == 0
+    with pytest.raises(IndexError, match="slot 3 does not exist"):
+        cache.slot(3)
+
+
+@pytest.mark.parametrize(("request_", "message"), [
+    (Request([1] * 48, 4), "request 1: the prompt is 48 tokens, but a batch slot's length is 48"),
+    (Request([], 4), "request 1: the prompt is empty"),
+    (Request([1, 999], 4), "request 1: prompt token id 999 is outside the vocabulary"),
+    (Request([1], 4, temperature=-1), "request 1: temperature must be"),
+    (Request([1], 4, top_p=0), "request 1: top_p"),
+    (Request([1], -2), "request 1: max_new_tokens"),
+    (Request([1], 4, arrival=-1), "request 1: arrival must be an engine step"),
+    (Request([1], 4, arrival=1.5), "request 1: arrival must be an engine step"),
+    (Request([1], 4, stop_ids=7), "request 1: stop_ids must be a collection of token ids, got 7"),
+    (Request([1], 4, stop_ids=[7, 2.5]), "request 1: stop_ids must hold integer token ids, got 2.5"),
+])
+def test_bad_requests_are_named_before_any_work(tiny64, request_, message, monkeypatch):
+    model, _ = tiny64
+    batcher = ContinuousBatcher(model, n_slots=2)
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError, match=message):
+        batcher.run([Request([1, 2], 3), request_])
+    assert calls == []
+
+
+def test_bad_batcher_arguments(tiny64):
+    model, _ = tiny64
+    with pytest.raises(ValueError, match="n_slots must be an integer >= 1"):
+        ContinuousBatcher(model, n_slots=0)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        ContinuousBatcher(model, n_slots=2, max_len=49)
+    with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
+        run_batch(model, [Request([1], 1)], policy="fifo")
+
+
+def test_random_workload_is_seeded_and_in_range():
+    a = random_workload(50, 100, prompt_len=(3, 7), new_tokens=(2, 9), rate=0.5, seed=7)
+    b = random_workload(50, 100, prompt_len=(3, 7), new_tokens=(2, 9), rate=0.5, seed=7)
+    assert [(r.prompt_ids, r.max_new_tokens, r.arrival) for r in a] == [(r.prompt_ids, r.max_new_tokens, r.arrival)
+                                                                        for r in b]
+    assert all(3 <= len(r.prompt_ids) <= 7 and 2 <= r.max_new_tokens <= 9 for r in a)
+    assert all(0 <= t < 100 for r in a for t in r.prompt_ids)
+    arrivals = [r.arrival for r in a]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0 and 40 < arrivals[-1] < 200  # ~ 49 / 0.5 steps
+    assert {r.arrival for r in random_workload(5, 100)} == {0}
+    with pytest.raises(ValueError, match="prompt_len range"):
+        random_workload(3, 100, prompt_len=(5, 2))
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        random_workload(3, 100, rate=0)
+
+
+def test_batch_scaling_rows(tiny64):
+    model, _ = tiny64
+    rows = measure_batch_scaling(model, [1, 4], context=8, repeats=2)
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["tokens_per_second"] == pytest.approx(r["batch"] / (r["step_ms"] / 1e3))
+    assert rows[1]["bytes_per_token"] < rows[0]["bytes_per_token"] / 3  # the weights are shared by 4 rows
+    assert rows[1]["flops_per_byte"] > 3 * rows[0]["flops_per_byte"]
+
+
+def test_command_writes_both_policies(tmp_path, capsys):
+    out = tmp_path / "batch.json"
+    record = main(["--requests", "6", "--slots", "1,3", "--new-tokens", "2:6", "--prompt-len", "2:5",
+                   "--batch-sizes", "1,2", "--context", "8", "--threads", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["runs"] == json.loads(json.dumps(record["runs"]))
+    assert [(r["policy"], r["slots"]) for r in record["runs"]] == [("continuous", 1), ("continuous", 3),
+                                                                   ("static", 3)]
+    assert all(r["same_tokens_as_first_run"] for r in record["runs"])
+    assert all(r["tokens"] == record["runs"][0]["tokens"] for r in record["runs"])
+    assert "static" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--slots", "0,2"])
+    with pytest.raises(SystemExit):
+        main(["--new-tokens", "a:b"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--requests", "0"], "--requests and --threads must be >= 1"),
+    (["--threads", "-1"], "--requests and --threads must be >= 1"),
+    (["--prompt-len", "600:700"], "request 0: the prompt is 6.. tokens, but a batch slot's length is 512"),
+])
+def test_command_refuses_bad_arguments_without_a_traceback(args, message):
+    with pytest.raises(SystemExit, match=f"llmstep batch: error: {message}"):
+        main(["--slots", "1", "--requests", "2", *args])
+
+
+def test_command_lets_long_requests_stop_at_the_models_context(monkeypatch):
+    """A workload whose prompt + new tokens pass the model's context runs (its requests stop there)."""
+    monkeypatch.setattr(llmstep.batching, "measure_batch_scaling", lambda *a, **k: [])
+    record = main(["--requests", "2", "--slots", "1", "--prompt-len", "509:510", "--new-tokens", "5:6",
+                   "--threads", "1"])
+    assert {c["stop_reason"] for c in record["runs"][0]["completions"]} == {"context"}
+    with pytest.raises(ValueError, match="n_requests must be an integer >= 0"):
+        random_workload(-1, 100)
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_compiled_batcher_gives_the_eager_tokens(shipped):
+    model, _ = shipped
+    requests = random_workload(10, model.config.vocab_size, prompt_len=(2, 12), new_tokens=(1, 20), rate=1.0,
+                               seed=2)
+    requests[3].temperature, requests[3].seed = 0.8, 1
+    eager = run_batch(model, requests, n_slots=3, max_len=40, compile=False)
+    compiled = run_batch(model, requests, n_slots=3, max_len=40, compile=True)
+    assert [c.tokens for c in compiled.completions] == [c.tokens for c in eager.completions]
+    assert compiled.timeline == eager.timeline
+
+
+def test_a_batch_reads_the_weights_once():
+    from llmstep.core.config import LlamaConfig
+    from llmstep.core.cost import decode_step_cost
+
+    cfg = LlamaConfig.preset("llama-3.1-8b")
+    one, many = decode_step_cost(cfg, context=1023), decode_step_cost(cfg, context=1023, batch=64)
+    assert many.weight_bytes == one.weight_bytes
+    assert many.kv_bytes == 64 * one.kv_bytes == 64 * 1024 * 128 * 1024
+    assert many.flops == 64 * one.flops
+    assert 0.99 < one.arithmetic_intensity < 1.05
+    assert 40 < many.arithmetic_intensity < 64  # 64x the FLOPs, but the KV cache (~8.6 GB) now rivals the weights
+    assert decode_step_cost(cfg, batch=64).arithmetic_intensity == pytest.approx(64, rel=0.01)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+        decode_step_cost(cfg, batch=0)
+

@@ -1,0 +1,148 @@
+"""The fast decode loop (static cache, compiled step, on-device sampling) makes the tokens of the teaching loop."""
+
+import os
+
+import pytest
+import torch
+from llmstep.fast import FastDecoder, compile_step, fast_generate
+
+import llmstep
+from llmstep.core.quantize import QuantConfig, quantize
+
+PROMPT = [295, 17, 101, 42, 7, 250, 33]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+
+
+def test_greedy_tokens_equal_the_eager_generate_loop(tiny):
+    model, tok = tiny
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0, stop_ids=[])
+    fast = fast_generate(model, PROMPT, max_new_tokens=40, temperature=0)
+    assert fast.tokens == eager.tokens and len(fast.tokens) == 40
+    assert fast.decode_steps == 39 and fast.stop_reason == "length"
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.9), dict(temperature=0.7, top_k=20, top_p=0.9)])
+def test_seeded_sampling_draws_the_same_tokens(tiny, kw):
+    model, tok = tiny
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=30, seed=7, stop_ids=[], **kw)
+    fast = fast_generate(model, PROMPT, max_new_tokens=30, seed=7, **kw)
+    assert fast.tokens == eager.tokens
+
+
+def test_stop_tokens_end_the_run_where_the_eager_loop_ends_it(tiny):
+    model, tok = tiny
+    free = fast_generate(model, PROMPT, max_new_tokens=40, temperature=0.9, seed=1).tokens
+    stop = free[12]  # a token the run reaches; the stop check runs only every 4 steps
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0.9, seed=1, stop_ids=[stop])
+    decoder = FastDecoder(model, max_len=len(PROMPT) + 40, compile=False)
+    fast = decoder.generate(PROMPT, 40, temperature=0.9, seed=1, stop_ids=[stop], sync_every=4)
+    assert fast.tokens == eager.tokens and fast.tokens[-1] == stop
+    assert fast.stop_reason == eager.stop_reason == "stop"
+
+
+def test_a_reused_static_cache_and_a_full_context_behave(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    first = decoder.generate(PROMPT, 20)
+    decoder.generate(list(reversed(PROMPT)) * 3, 10)  # leaves other keys and values in the cache
+    assert decoder.generate(PROMPT, 20).tokens == first.tokens  # stale slots are masked, never read
+    full = decoder.generate(PROMPT, 100)
+    assert len(full.tokens) == 32 - len(PROMPT) + 1 and full.stop_reason == "context"
+    with pytest.raises(ValueError, match="the cache it may fill is 32"):
+        decoder.generate(list(range(40)), 5)
+
+
+def test_quantised_models_run_through_the_same_loop(tiny):
+    model, _ = tiny
+    qmodel = quantize(model, QuantConfig("int4", 16), inplace=False)
+    eager, cache = [], qmodel.new_cache(1, 32)
+    x = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(10):  # the plainest loop there is: the model's forward, argmax, feed back
+            x = qmodel(x, cache=cache)[:, -1].argmax(-1, keepdim=True)
+            eager.append(int(x))
+    assert fast_generate(qmodel, PROMPT, 10).tokens == eager
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_compiled_step_gives_the_eager_tokens(tiny):
+    model, tok = tiny
+    eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0, stop_ids=[])
+    decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
+    assert decoder.generate(PROMPT, 24).tokens == eager.tokens
+    assert decoder.compile_seconds > 0
+    # On a CPU the weights are frozen into the compiled step: changing them afterwards changes what the eager
+    # model computes but not what the step computes (proof that freezing took effect). Same cache, same input.
+    decoder.generate(PROMPT, 4)  # the cache holds the prompt and three decode steps
+    token, position = torch.tensor([[5]]), torch.tensor([[len(PROMPT) + 3]])
+    w = model.layers[0].feed_forward.w2.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            before = decoder._step(token, position).clone()
+            w.mul_(-3)
+            after = decoder._step(token, position)
+            eager_after = model(token, position, decoder.cache, last_only=True)[:, -1]
+        assert torch.equal(after, before)
+        assert not torch.allclose(eager_after, before, atol=1e-3)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_compiled_quantized_step_gives_its_eager_tokens(tiny, quant):
+    """Frozen weights, concatenated matmuls, fused dequantisation: still the function the eager model computes."""
+    model, _ = tiny
+    qmodel = quantize(model, QuantConfig(quant, 16 if quant == "int4" else None), inplace=False)
+    eager = FastDecoder(qmodel, max_len=len(PROMPT) + 24, compile=False)
+    compiled = FastDecoder(qmodel, max_len=len(PROMPT) + 24, compile=True)
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_k=50, seed=3)):
+        assert compiled.generate(PROMPT, 24, **kw).tokens == eager.generate(PROMPT, 24, **kw).tokens
+
+
+def test_compile_options_freeze_and_fuse_on_the_cpu_only():
+    from llmstep.fast import compile_options
+
+    cpu = compile_options(torch.device("cpu"))
+    assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
+    assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
+    cuda = compile_options(torch.device("cuda"))
+    assert cuda["triton.cudagraphs"] and "freezing" not in cuda
+    from llmstep.fast import uses_cuda_graphs  # what compile_step marks a new graph step for, before each call
+
+    assert uses_cuda_graphs(torch.device("cuda")) and uses_cuda_graphs(torch.device("cuda"), "max-autotune")
+    assert not uses_cuda_graphs(torch.device("cuda"), "default") and not uses_cuda_graphs(torch.device("cpu"))
+
+
+def test_prompt_tensors_hold_one_sequence(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    assert decoder.generate(torch.tensor([PROMPT]), 5).tokens == decoder.generate(PROMPT, 5).tokens
+    with pytest.raises(ValueError, match=r"got shape \[2, 7\]"):  # not two prompts run as one
+        decoder.generate(torch.tensor([PROMPT, PROMPT]), 5)
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_more_compiled_steps_than_dynamo_keeps_by_default():
+    """Every decoder, batcher or batch size compiles the same method anew (one code object, new shapes): a
+    process that builds more than dynamo's default 8 must not fail."""
+
+    class Step:
+        def __init__(self, n):
+            self.buf = torch.arange(n, dtype=torch.float32)
+
+        def f(self, x):
+            return x * 2 + self.buf
+
+    for n in range(1, 11):
+        out = compile_step(Step(n).f, torch.device("cpu"))(torch.ones(n))
+        assert torch.equal(out, 2 + torch.arange(n, dtype=torch.float32))

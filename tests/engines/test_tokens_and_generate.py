@@ -1,0 +1,281 @@
+"""Tokenizer, streaming detokenisation, the generation loop and the CLI."""
+
+import json
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.cli import main as cli
+from llmstep.core.tokens import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_file):
+    return Tokenizer.from_file(tokenizer_file)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return llmstep.load(tiny_checkpoint)
+
+
+def test_special_tokens_come_from_the_file(tok):
+    assert tok.bos_id == tok.token_to_id("<|begin_of_text|>") == 295
+    assert tok.eos_ids == [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]
+    assert set(tok.special_tokens) >= {"<|begin_of_text|>", "<|eot_id|>"}
+
+
+def test_round_trip_and_bos(tok, sample_text):
+    TEXT = sample_text
+    ids = tok.encode(TEXT)
+    assert ids[0] == tok.bos_id and tok.bos_id not in ids[1:]
+    assert tok.decode(ids[1:]) == TEXT
+    assert tok.encode(TEXT, bos=False) == ids[1:]
+
+
+def test_special_tokens_in_text_become_ids(tok):
+    ids = tok.encode("hi<|eot_id|>", bos=False)
+    assert ids[-1] == tok.token_to_id("<|eot_id|>")
+
+
+def test_chat_format(tok):
+    prompt = tok.chat([{"role": "user", "content": "Shall I compare thee?"}])
+    assert prompt == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nShall I compare thee?"
+                      "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    ids = tok.encode_chat([{"role": "user", "content": "Shall I compare thee?"}])
+    assert ids[0] == tok.bos_id and ids.count(tok.token_to_id("<|start_header_id|>")) == 2
+    with pytest.raises(ValueError, match="message 0"):
+        tok.chat([{"content": "no role"}])
+
+
+def test_streaming_never_emits_broken_utf8(tok):
+    """Multi-byte characters (東京, 🙂) span several byte-level tokens: pieces must stay valid text."""
+    text = "Naïve café 東京 🙂 thy beauty's field"
+    ids = tok.encode(text, bos=False)
+    single = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in s for s in single), "test text should split a character across tokens"
+    stream = tok.stream()
+    pieces = [stream.step(i) for i in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+
+
+def test_stream_events_add_up_to_the_generation(loaded):
+    model, tok = loaded
+    run = llmstep.stream(model, tok, "thy beauty", max_new_tokens=25, temperature=1.0, seed=3, stop_ids=[])
+    events = list(run)
+    assert [e.index for e in events] == list(range(25))
+    assert [e.id for e in events] == run.result.tokens
+    assert "".join(e.text for e in events) == run.result.text == tok.decode(run.result.tokens, True)
+    assert all(e.seconds > 0 for e in events)
+    assert len(run.result.step_seconds) == 24 and run.result.prefill_seconds > 0
+    assert run.result.stop_reason == "length"
+    assert run.result.decode_tokens_per_second > 0 and run.result.bandwidth_gb_per_second > 0
+
+
+def test_seeded_runs_reproduce_and_seeds_differ(loaded):
+    model, tok = loaded
+    kw = dict(max_new_tokens=30, temperature=1.2, top_k=50, top_p=0.95, stop_ids=[])
+    a = llmstep.generate(model, tok, "When forty", seed=11, **kw)
+    b = llmstep.generate(model, tok, "When forty", seed=11, **kw)
+    c = llmstep.generate(model, tok, "When forty", seed=12, **kw)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+
+
+def test_greedy_generation_equals_argmax_of_full_forward(loaded):
+    model, tok = loaded
+    out = llmstep.generate(model, tok, "Shall I", max_new_tokens=12, temperature=0, stop_ids=[])
+    ids = out.prompt_ids + out.tokens
+    with torch.no_grad():
+        full = model(torch.tensor([ids[:-1]]))[0].argmax(-1)
+    assert full[len(out.prompt_ids) - 1 :].tolist() == out.tokens
+
+
+def test_stops_on_a_stop_token(loaded):
+    model, tok = loaded
+    free = llmstep.generate(model, tok, "Shall I", max_new_tokens=10, temperature=0, stop_ids=[])
+    stop = free.tokens[4]
+    out = llmstep.generate(model, tok, "Shall I", max_new_tokens=10, temperature=0, stop_ids=[stop])
+    first = free.tokens.index(stop)
+    assert out.tokens == free.tokens[: first + 1] and out.stop_reason == "stop"
+
+
+def test_stops_when_the_context_is_full(loaded):
+    model, tok = loaded
+    prompt = list(range(120))
+    out = llmstep.generate(model, tok, prompt, max_new_tokens=50, temperature=0, stop_ids=[])
+    assert out.stop_reason == "context" and len(out.tokens) == 128 - 120 + 1
+
+
+def test_max_new_tokens_zero_generates_nothing(loaded):
+    model, tok = loaded
+    assert llmstep.generate(model, tok, "x", max_new_tokens=0).tokens == []
+
+
+def test_cli_generate_streams_and_summarises(tiny_checkpoint, capsys):
+    cli(["generate", "--model", str(tiny_checkpoint), "--prompt", "Shall I", "--max-new-tokens", "8",
+         "--temperature", "0", "--seed", "1"])
+    out, err = capsys.readouterr()
+    assert out.startswith("Shall I")
+    for field in ("prefill", "tok/s", "MB read per token", "GB/s achieved"):
+        assert field in err
+
+
+def test_cli_reports_bad_input_without_a_traceback(tiny_checkpoint, capsys):
+    with pytest.raises(SystemExit, match="top_p must be in"):
+        cli(["generate", "--model", str(tiny_checkpoint), "--prompt", "x", "--top-p", "2"])
+    with pytest.raises(SystemExit, match="no model directory"):
+        cli(["generate", "--model", "/nonexistent/dir", "--prompt", "x"])
+
+
+def test_cli_info_for_a_preset(capsys):
+    cli(["info", "--preset", "llama-3-8b"])
+    out = capsys.readouterr().out
+    assert "8.030 B parameters" in out and "KV cache per token: 128.0 KiB" in out
+
+
+def test_generation_config_defaults_are_read(tiny_checkpoint, tmp_path):
+    model, _ = llmstep.load(tiny_checkpoint)
+    assert isinstance(model.generation_config, dict)
+    path = tmp_path / "g"
+    model2, tok = llmstep.load(tiny_checkpoint)
+    llmstep.save(model2, path, tokenizer=tok, generation_config={"temperature": 0.6, "top_p": 0.9})
+    again, _ = llmstep.load(path)
+    assert again.generation_config["temperature"] == 0.6
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] in (tok.eos_ids, tok.eos_ids[0])
+
+
+def test_cli_trace_prints_every_stage(tiny_checkpoint, capsys):
+    cli(["trace", "--model", str(tiny_checkpoint), "--context", "16", "--repeats", "1", "--device", "cpu"])
+    out = capsys.readouterr().out
+    for stage in ("embedding", "qkv projection", "attention", "mlp (SwiGLU)", "lm head", "sampling", "traced step"):
+        assert stage in out
+
+
+def test_prompt_as_a_tensor_equals_the_list(loaded):
+    model, tok = loaded
+    ids = tok.encode("Shall I")
+    as_list = llmstep.generate(model, tok, ids, max_new_tokens=6, temperature=0, stop_ids=[])
+    for prompt in (torch.tensor(ids), torch.tensor([ids])):
+        out = llmstep.generate(model, tok, prompt, max_new_tokens=6, temperature=0, stop_ids=[])
+        assert out.tokens == as_list.tokens
+    with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"):
+        llmstep.generate(model, tok, torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_stream_flush_returns_what_was_held_back(tok):
+    """A stream that ends inside a character: flush gives the rest, so the pieces add up to decode(ids)."""
+    ids = tok.encode("thy 東京", bos=False)
+    ids = ids[:-1]  # the last byte of 京 never comes
+    for skip in (True, False):
+        stream = tok.stream(skip_special_tokens=skip)
+        pieces = [stream.step(i) for i in [tok.bos_id] + ids]
+        assert all("\ufffd" not in p for p in pieces)
+        rest = stream.flush()
+        assert rest.endswith("\ufffd") and "".join(pieces) + rest == tok.decode([tok.bos_id] + ids, skip)
+
+
+def test_chat_messages_must_hold_strings(tok):
+    with pytest.raises(ValueError, match="message 1: 'role' and 'content' must be strings"):
+        tok.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": 42}])
+
+
+def test_cli_info_refuses_bad_arguments_without_a_traceback(capsys):
+    with pytest.raises(SystemExit):
+        cli(["info", "--preset", "llama-3-8b", "--dtype", "float8"])
+    assert "invalid choice: 'float8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--context must be >= 0"):
+        cli(["info", "--preset", "llama-3-8b", "--context", "-5"])
+
+
+def test_cli_eval_reports_bad_input_without_a_traceback(tiny_checkpoint):
+    with pytest.raises(SystemExit, match="llmstep eval: error: max_tokens must be at least 2"):
+        cli(["eval", str(tiny_checkpoint), "--max-tokens", "-3", "--no-baseline"])
+    with pytest.raises(SystemExit, match="llmstep eval: error: no model directory"):
+        cli(["eval", "/nonexistent/dir", "--no-baseline"])
+
+
+@pytest.mark.parametrize("seed", [3, 0, 7])
+def test_the_text_is_the_decoded_tokens_even_when_a_character_is_cut(loaded, seed):
+    """A generation that ends inside a multi-byte character still hands over the held-back bytes (as U+FFFD):
+    the streamed texts add up to result.text, and that is decode(tokens), for both loops."""
+    model, tok = loaded
+    draft = llmstep.LayerSkipDraft(model, 1)
+    for run in (llmstep.stream(model, tok, "thy", max_new_tokens=30, temperature=1.5, seed=seed, stop_ids=[]),
+                llmstep.speculative_stream(model, draft, tok, "thy", k=3, max_new_tokens=30, temperature=1.5,
+                                           seed=seed, stop_ids=[])):
+        streamed = "".join(event.text for event in run)
+        assert streamed == run.result.text == tok.decode(run.result.tokens, skip_special_tokens=True)
+
+
+def test_the_helper_reproduction_ends_inside_a_character(loaded):
+    model, tok = loaded  # the case that lost its tail: make sure the test above really covers a cut character
+    out = llmstep.generate(model, tok, "thy", max_new_tokens=30, temperature=1.5, seed=3, stop_ids=[])
+    assert out.text.endswith("\ufffd")
+
+
+def test_stop_ids_may_be_a_tensor(loaded):
+    model, tok = loaded
+    free = llmstep.generate(model, tok, "Shall I", max_new_tokens=8, temperature=0, stop_ids=[])
+    stop = free.tokens[3]
+    for stops in (torch.tensor([stop]), [torch.tensor(stop)]):
+        out = llmstep.generate(model, tok, "Shall I", max_new_tokens=8, temperature=0, stop_ids=stops)
+        assert out.stop_reason == "stop" and out.tokens == free.tokens[: free.tokens.index(stop) + 1]
+        spec = llmstep.speculative_generate(model, llmstep.LayerSkipDraft(model, 1), tok, "Shall I", k=2,
+                                            max_new_tokens=8, temperature=0, stop_ids=stops)
+        assert spec.tokens == out.tokens
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([295, 5.7], "prompt token ids must be integers, got 5.7"),
+    ([295, True], "prompt token ids must be integers, got True"),
+    ([295, None], "prompt token ids must be integers, got None"),
+    (torch.tensor([295.0, 5.0]), "prompt token ids must be integers"),
+    (__import__("numpy").array([[295, 5, 6], [1, 2, 3]]), r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"),
+])
+def test_prompt_ids_of_the_wrong_kind(loaded, prompt, message):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=message):
+        llmstep.generate(model, tok, prompt, max_new_tokens=2)
+
+
+def test_numpy_prompt_equals_the_list(loaded):
+    import numpy as np
+
+    model, tok = loaded
+    ids = [295, 5, 6, 7]
+    want = llmstep.generate(model, tok, ids, max_new_tokens=5, temperature=0).tokens
+    assert llmstep.generate(model, tok, np.array(ids), max_new_tokens=5, temperature=0).tokens == want
+    assert llmstep.generate(model, tok, np.array([ids]), max_new_tokens=5, temperature=0).tokens == want
+
+
+def test_max_new_tokens_must_be_a_count(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got True"):
+        llmstep.generate(model, tok, "thy", max_new_tokens=True)
+
+
+def test_a_cache_for_another_batch_size_is_named(loaded):
+    model, _ = loaded
+    with pytest.raises(ValueError, match="the KV cache holds 2 sequences but the tokens hold 1"):
+        model(torch.tensor([[1, 2, 3]]), cache=model.new_cache(batch_size=2, max_len=8))
+
+
+@pytest.mark.parametrize(("stops", "message"), [
+    (7, "stop_ids must be a collection of token ids, got 7"),
+    ("eos", "stop_ids must be a collection of token ids, got 'eos'"),
+    ([7, None], "stop_ids must hold integer token ids, got None"),
+    ([7.0], "stop_ids must hold integer token ids, got 7.0"),
+])
+def test_bad_stop_ids_are_named(loaded, stops, message):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=message):
+        llmstep.generate(model, tok, "thy", max_new_tokens=2, stop_ids=stops)
+    with pytest.raises(ValueError, match=message):
+        llmstep.speculative_generate(model, llmstep.LayerSkipDraft(model, 1), tok, "thy", k=2, max_new_tokens=2,
+                                     stop_ids=stops)
+    from llmstep.fast import FastDecoder
+
+    with pytest.raises(ValueError, match=message):
+        FastDecoder(model, max_len=16, compile=False).generate([295, 5], 2, stop_ids=stops)

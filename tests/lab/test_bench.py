@@ -1,0 +1,53 @@
+"""`llmstep bench` runs end to end on a tiny random model and writes a complete JSON record."""
+
+import json
+
+import pytest
+
+from llmstep import cli
+from llmstep.lab.bench import main
+
+TINY = ["--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=64", "n_heads=4", "n_kv_heads=2", "hidden_dim=128",
+        "vocab_size=512", "max_seq_len=64", "--dtype", "float32", "--device", "cpu", "--threads", "1",
+        "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1", "--bandwidth-bytes", "1048576"]
+
+
+def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    main(TINY + ["--quantize", "none", "int8", "int4", "--group-size", "32", "--json", str(out)])
+    record = json.loads(out.read_text())
+    names = [r["name"] for r in record["rows"]]
+    assert names == ["llmstep eager float", "llmstep eager int8", "llmstep eager int4-g32", "transformers generate()"]
+    for row in record["rows"]:
+        assert row["decode_tokens_per_s"] > 0 and row["prefill_tokens_per_s"] > 0
+        assert row["bytes_per_step"] == row["weight_bytes_per_step"] + row["kv_bytes_per_step"]
+        assert row["share_of_bandwidth"] > 0 and len(row["tokens"]) == 6
+    float_row, int8_row, int4_row, hf_row = record["rows"]
+    assert int4_row["weight_bytes_per_step"] < int8_row["weight_bytes_per_step"] < float_row["weight_bytes_per_step"]
+    assert hf_row["same_tokens_as_eager_float"]  # transformers, same weights, same greedy tokens
+    assert record["bandwidth_gb_per_s"] > 0 and record["settings"]["prompt_len"] == 8
+    assert record["ceiling_gb_per_s"] >= record["read_bandwidth_at_weight_size_gb_per_s"] > 0
+    assert record["versions"]["torch"] and record["command"].startswith("python -m llmstep.bench")
+
+
+def test_the_cli_forwards_bench_and_bad_settings_exit_with_a_message(tmp_path):
+    out = tmp_path / "b.json"
+    cli.main(["bench"] + TINY + ["--no-hf", "--no-bandwidth", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"][0]["name"] == "llmstep eager float"
+    with pytest.raises(SystemExit, match="exceeds the model's context"):
+        main(TINY + ["--no-hf", "--new-tokens", "100"])
+    with pytest.raises(SystemExit, match="group_size 48 does not divide"):
+        main(TINY + ["--no-hf", "--quantize", "int4", "--group-size", "48"])
+
+
+def test_transformers_can_run_in_another_dtype_on_the_same_weights(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    bf16 = [a if a != "float32" else "bfloat16" for a in TINY]
+    main(bf16 + ["--hf-dtype", "float32", "--no-bandwidth", "--json", str(out)])
+    ours, hf = json.loads(out.read_text())["rows"]
+    assert hf["name"] == "transformers generate() float32"
+    assert hf["weight_bytes_per_step"] == 2 * ours["weight_bytes_per_step"]  # the same weights, widened
+    with pytest.raises(SystemExit, match="int3"):
+        main(TINY + ["--hf-dtype", "int3"])

@@ -1,0 +1,165 @@
+"""The training command (llmstep.train): a tiny model for a few steps on the CPU, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmstep.shakespeare import data, train
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory) -> Path:
+    """A few kB of each split of the shipped corpus, so a run tokenizes in milliseconds."""
+    out = tmp_path_factory.mktemp("corpus")
+    for split, n_bytes in [("train", 60_000), ("val", 6_000), ("test", 6_000)]:
+        text = data.read_split(split)[:n_bytes]
+        data.write_gzip(out / f"{split}.txt.gz", text.encode())
+    return out
+
+
+def run(out: Path, corpus: Path, *extra: str) -> None:
+    train.main(["--preset", "tiny", "--steps", "6", "--eval-every", "3", "--save-every", "2",
+                "--eval-tokens", "256", "--corpus", str(corpus), "--out", str(out), "--quiet", *extra])
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "ckpt.pt", weights_only=False)["model"]
+
+
+def test_tiny_run_writes_a_loadable_hugging_face_checkpoint(tmp_path, small_corpus):
+    from llmstep.core.checkpoint import load
+
+    run(tmp_path / "run", small_corpus, "--export", str(tmp_path / "model"))
+    model_dir = tmp_path / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+                 "README.md", "train.log"):
+        assert (model_dir / name).is_file(), name
+    model, tokenizer = load(model_dir, device="cpu")
+    c = model.config
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads) == (32, 2, 4, 2)
+    assert c.rope_theta == 500000.0 and c.tie_embeddings and c.vocab_size == 8192
+    assert json.loads((model_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert tokenizer.bos_id == 7936 and tokenizer.eos_ids == [7937]
+    # the exported bf16 weights are the trained ones, rounded
+    trained = weights(tmp_path / "run")["layers.0.attention.wq.weight"]
+    assert torch.equal(model.layers[0].attention.wq.weight, trained.to(torch.bfloat16).float())
+    card = (model_dir / "README.md").read_text()
+    assert "python -m llmstep.train --preset tiny --steps 6" in card and "Steps: 6 of 4 x 32 tokens" in card
+    log = (model_dir / "train.log").read_text()
+    assert "step     6/6" in log and "val" in log
+
+
+def test_resume_continues_from_the_saved_step_with_identical_results(tmp_path, small_corpus):
+    run(tmp_path / "whole", small_corpus)
+    run(tmp_path / "split", small_corpus, "--stop-after", "3")
+    assert torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["step"] == 3
+    run(tmp_path / "split", small_corpus, "--resume")
+
+    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)
+    split = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)
+    assert whole["step"] == split["step"] == 6
+    for name, w in whole["model"].items():
+        assert torch.equal(w, split["model"][name]), name
+    assert [r["loss"] for r in whole["history"]] == [r["loss"] for r in split["history"]]
+    assert "resumed from" in (tmp_path / "split" / "train.log").read_text()
+
+
+def test_resume_refuses_different_settings(tmp_path, small_corpus):
+    run(tmp_path / "run", small_corpus, "--stop-after", "2")
+    with pytest.raises(ValueError, match="lr"):
+        run(tmp_path / "run", small_corpus, "--resume", "--lr", "0.5")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run(tmp_path / "fresh", small_corpus, "--resume")
+
+
+def test_same_seed_same_model_different_seed_different_model(tmp_path, small_corpus):
+    run(tmp_path / "a", small_corpus, "--steps", "2")
+    run(tmp_path / "b", small_corpus, "--steps", "2")
+    run(tmp_path / "c", small_corpus, "--steps", "2", "--seed", "7")
+    a, b, c = weights(tmp_path / "a"), weights(tmp_path / "b"), weights(tmp_path / "c")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["tok_embeddings.weight"], c["tok_embeddings.weight"])
+
+
+def test_learning_rate_warms_up_linearly_then_follows_a_cosine():
+    cfg = train.TrainConfig(steps=110, lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert train.lr_at(0, cfg) == pytest.approx(1e-4)
+    assert train.lr_at(9, cfg) == pytest.approx(1e-3)
+    assert train.lr_at(60, cfg) == pytest.approx(0.55e-3)  # half way down the cosine
+    assert train.lr_at(110, cfg) == pytest.approx(1e-4)
+    lrs = [train.lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_batches_depend_only_on_seed_and_step():
+    ids = torch.arange(1000)
+    cfg = train.TrainConfig(batch_size=3, seq_len=8, seed=1)
+    x, y = train.get_batch(ids, 5, cfg)
+    assert x.shape == y.shape == (3, 8) and torch.equal(y, x + 1)  # targets are the next tokens
+    assert torch.equal(x, train.get_batch(ids, 5, cfg)[0])
+    assert not torch.equal(x, train.get_batch(ids, 6, cfg)[0])
+
+
+def test_presets_have_llama3_shapes_with_gqa():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(data.TOKENIZER_PATH))
+    for preset in ("target", "draft"):
+        c = train.model_config(preset, tok)
+        assert c.n_kv_heads < c.n_heads and c.rope_theta == 500000.0 and c.vocab_size == 8192
+    n = {p: sum(math.prod(s) for _, s in _shapes(train.model_config(p, tok))) for p in ("target", "draft")}
+    assert 8e6 <= n["target"] <= 15e6 and n["draft"] < n["target"] / 5
+
+
+def _shapes(config):
+    from llmstep.core.checkpoint import hf_names
+
+    return hf_names(config).values()
+
+
+def _kl_to(teacher, student, ids: torch.Tensor) -> float:
+    """Mean KL(teacher || student) of the next-token distributions over ids [B, T]."""
+    with torch.no_grad():
+        p, log_q = torch.softmax(teacher(ids).float(), -1), torch.log_softmax(student(ids).float(), -1)
+        return float((p * (p.clamp_min(1e-30).log() - log_q)).sum(-1).mean())
+
+
+def test_distillation_starts_from_the_given_weights_and_moves_towards_the_teacher(tmp_path, small_corpus):
+    from llmstep.core.checkpoint import load_model
+
+    run(tmp_path / "teacher-run", small_corpus, "--seed", "1", "--export", str(tmp_path / "teacher"))
+    run(tmp_path / "start-run", small_corpus, "--seed", "2", "--export", str(tmp_path / "start"))
+    start = load_model(tmp_path / "start", device="cpu", dtype=torch.float32)
+    teacher = load_model(tmp_path / "teacher", device="cpu", dtype=torch.float32)
+    # --init-from: before any step the student is the starting checkpoint, not a fresh init
+    cfg = train.TrainConfig(**train.RECIPES["tiny"] | dict(preset="tiny", corpus=str(small_corpus),
+                                                           init_from=str(tmp_path / "start")))
+    untrained = train.train(cfg, tmp_path / "zero", {}, stop_after=0, quiet=True)
+    assert all(torch.equal(w, start.state_dict()[k]) for k, w in untrained.state_dict().items())
+    # 30 steps against the teacher's distribution bring the student closer to it
+    train.main(["--preset", "tiny", "--steps", "30", "--eval-every", "30", "--eval-tokens", "256", "--corpus",
+                str(small_corpus), "--out", str(tmp_path / "distil"), "--quiet", "--init-from",
+                str(tmp_path / "start"), "--teacher", str(tmp_path / "teacher"), "--export", str(tmp_path / "student")])
+    student = load_model(tmp_path / "student", device="cpu", dtype=torch.float32)
+    from tokenizers import Tokenizer
+
+    text = data.read_split("val", small_corpus)
+    ids = torch.tensor(data.encode_split(Tokenizer.from_file(str(data.TOKENIZER_PATH)), text)[:256]).view(4, 64)
+    before, after = _kl_to(teacher, start, ids), _kl_to(teacher, student, ids)
+    assert after < 0.8 * before, (before, after)
+    assert "--teacher" in (tmp_path / "student" / "README.md").read_text()
+
+
+def test_distillation_refuses_a_mismatched_start_or_teacher(tmp_path, small_corpus):
+    run(tmp_path / "tiny-run", small_corpus, "--export", str(tmp_path / "tiny"))
+    with pytest.raises(ValueError, match="--init-from .*shape differs"):
+        train.main(["--preset", "tiny", "--dim", "64", "--steps", "2", "--corpus", str(small_corpus),
+                    "--out", str(tmp_path / "a"), "--quiet", "--init-from", str(tmp_path / "tiny")])
+    with pytest.raises(FileNotFoundError):
+        train.main(["--preset", "tiny", "--steps", "2", "--corpus", str(small_corpus), "--out", str(tmp_path / "b"),
+                    "--quiet", "--teacher", str(tmp_path / "missing")])
