@@ -32,7 +32,7 @@ def exit_on_bad_input(command: str, run, *args):
 # Subcommands that live in their own module, each with a main(argv).
 MODULE_COMMANDS = {"train": "llmstep.shakespeare.train", "eval": "llmstep.shakespeare.evaluate",
                    "data": "llmstep.shakespeare.data", "bench": "llmstep.lab.bench",
-                   "speculative": "llmstep.engines.speculative", "batch": "llmstep.engines.batching"}
+                   "speculative": "llmstep.lab.bench_speculative", "batch": "llmstep.lab.bench_batching"}
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -9,9 +9,11 @@ import os
 import pytest
 import torch
 from conftest import make_checkpoint
-from llmstep.batching import ContinuousBatcher, Request, main, measure_batch_scaling, random_workload, run_batch
+from llmstep.batching import ContinuousBatcher, Request, run_batch
 
 import llmstep
+from llmstep.lab import bench_batching
+from llmstep.lab.bench_batching import main, measure_batch_scaling, random_workload
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +311,7 @@ def test_command_refuses_bad_arguments_without_a_traceback(args, message):
 
 def test_command_lets_long_requests_stop_at_the_models_context(monkeypatch):
     """A workload whose prompt + new tokens pass the model's context runs (its requests stop there)."""
-    monkeypatch.setattr(llmstep.batching, "measure_batch_scaling", lambda *a, **k: [])
+    monkeypatch.setattr(bench_batching, "measure_batch_scaling", lambda *a, **k: [])
     record = main(["--requests", "2", "--slots", "1", "--prompt-len", "509:510", "--new-tokens", "5:6",
                    "--threads", "1"])
     assert {c["stop_reason"] for c in record["runs"][0]["completions"]} == {"context"}

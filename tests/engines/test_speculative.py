@@ -13,6 +13,7 @@ import llmstep
 import llmstep.engines.speculative as spec
 from llmstep import Llama, LlamaConfig, Tokenizer
 from llmstep.engines.speculative import FastSpeculator, LayerSkipDraft, speculative_generate, speculative_stream, verify
+from llmstep.lab import bench_speculative
 
 PROMPT = [5, 17, 101, 42, 7]  # token ids, so no BOS or tokenizer detail gets in the way
 
@@ -394,7 +395,6 @@ def test_cli_generate_with_a_draft_prints_the_plain_greedy_text(tiny_checkpoint,
 
 
 def test_quantized_self_draft_keeps_the_greedy_output(target, tok):
-    pytest.importorskip("llmstep.quantize")
     draft = spec.resolve_draft("self-int8", target)
     assert draft.output is not target.output  # a quantized twin; the target itself is left as it was
     ref = plain_greedy(target, tok, 30, stop_ids=[])
@@ -498,7 +498,7 @@ def test_compiled_fast_speculator_keeps_the_greedy_output(target, drafts, tok):
                     reason="torch.compile on the CPU takes ~30 s; set LLMSTEP_SLOW_TESTS=1")
 def test_compiled_benchmark_runs_and_compares_tokens(tiny_checkpoint, capsys, tmp_path):
     out = tmp_path / "spec.json"
-    spec.main(["--bench", "--compile", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "2",
+    bench_speculative.main(["--bench", "--compile", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "2",
                "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)])
     report = __import__("json").loads(out.read_text())
     k2 = report["results"]["k=2"]
