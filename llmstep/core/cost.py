@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .config import LlamaConfig
+from .norm import RMSNorm
 
-__all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token"]
+__all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
+           "weight_bytes", "model_step_cost"]
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> float:
@@ -85,3 +88,28 @@ def decode_step_cost(config: LlamaConfig, context: int = 0, dtype: torch.dtype |
         kv_bytes=batch * (context + 1) * kv_bytes_per_token(config, dtype),
         flops=batch * (2 * matmul_params + attn_flops),
     )
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights one decode step of this model streams, as it is held in memory: every matrix in its
+    stored form, the norms, one embedding row. A quantized linear (llmstep.core.quantize) reports its stored
+    bytes (codes, scales, zeros) as `.nbytes`; a float model gives decode_step_cost(...).weight_bytes exactly.
+    """
+    total, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, nn.Linear | RMSNorm):
+            if id(m.weight) not in seen:
+                seen.add(id(m.weight))
+                total += m.weight.nbytes
+        elif hasattr(m, "nbytes") and hasattr(m, "in_features"):  # a quantized linear
+            total += m.nbytes
+    emb = model.tok_embeddings.weight
+    if id(emb) not in seen:  # not streamed by a tied, unquantized LM head: one row is gathered
+        total += emb.shape[1] * emb.element_size()
+    return total
+
+
+def model_step_cost(model: nn.Module, context: int = 0, batch: int = 1) -> StepCost:
+    """`decode_step_cost` of a model in memory: its weights as stored (float or quantized), its KV cache's dtype."""
+    base = decode_step_cost(model.config, context, dtype=model.dtype, batch=batch)
+    return StepCost(weight_bytes=weight_bytes(model), kv_bytes=base.kv_bytes, flops=base.flops)

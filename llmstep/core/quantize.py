@@ -40,15 +40,13 @@ from torch import nn
 
 from .checkpoint import CheckpointError, hf_names, resolve_model_path
 from .config import LlamaConfig
-from .cost import StepCost, decode_step_cost, kv_bytes_per_token
 from .device import resolve_device, resolve_dtype
 from .model import Llama
-from .norm import RMSNorm
 from .rope import config_inv_frequencies
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize",
-           "linear_names", "weight_bytes", "step_cost", "save_quantized", "load_quantized", "layer_errors"]
+           "linear_names", "save_quantized", "load_quantized", "layer_errors"]
 
 MODES = ("int8", "int4")
 KERNELS = ("auto", "packed", "dequant")
@@ -384,32 +382,6 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
 
 
 # ---- what it costs and what it changes -----------------------------------------------------------
-
-def weight_bytes(model: Llama) -> int:
-    """Bytes of weights one decode step streams: every matrix in its stored form, the norms, one embedding row.
-
-    For a float model this equals llmstep.cost.decode_step_cost(...).weight_bytes (tests hold them equal).
-    """
-    total, seen = 0, set()
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            total += m.nbytes
-        elif isinstance(m, nn.Linear | RMSNorm):
-            if id(m.weight) not in seen:
-                seen.add(id(m.weight))
-                total += m.weight.nbytes
-    emb = model.tok_embeddings.weight
-    if id(emb) not in seen:  # not streamed by a tied, unquantised LM head: one row is gathered
-        total += emb.shape[1] * emb.element_size()
-    return total
-
-
-def step_cost(model: Llama, context: int = 0) -> StepCost:
-    """llmstep.cost's StepCost of one decode step of this (possibly quantised) model after `context` tokens."""
-    base = decode_step_cost(model.config, context, dtype=model.dtype)
-    kv = (context + 1) * kv_bytes_per_token(model.config, model.dtype)
-    return StepCost(weight_bytes=weight_bytes(model), kv_bytes=kv, flops=base.flops)
-
 
 @torch.no_grad()
 def layer_errors(model: Llama, quantized: Llama) -> dict[str, float]:

@@ -13,7 +13,7 @@ from numbers import Integral
 
 import torch
 
-from ..core.cost import decode_step_cost
+from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.sampling import check_params, sample
@@ -188,7 +188,7 @@ def _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed,
             result.prefill_seconds = seconds
         else:
             result.step_seconds.append(seconds)
-            result.decode_bytes += decode_step_cost(config, context=position, dtype=model.dtype).bytes
+            result.decode_bytes += model_step_cost(model, context=position).bytes
         position += x.shape[1]
         result.tokens.append(token_id)
         is_stop = token_id in stops

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.cost import decode_step_cost
+from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
 from ..core.model import Llama
@@ -145,11 +145,7 @@ def measure_costs(target: Llama, draft: Llama, k_max: int = 8, context: int = 64
 
 def step_bytes(model: Llama, context: int = 0) -> float:
     """Bytes one decode forward reads (llmstep.cost; llmstep.quantize's count for quantized weights)."""
-    if getattr(model, "quantization", None) is not None:
-        from ..core.quantize import step_cost
-
-        return step_cost(model, context=context).bytes
-    return decode_step_cost(model.config, context=context, dtype=model.dtype).bytes
+    return model_step_cost(model, context=context).bytes
 
 
 def draft_cost_ratio(target: Llama, draft: Llama) -> float:

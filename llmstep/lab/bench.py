@@ -30,10 +30,10 @@ import torch
 from .. import __version__
 from ..cli import exit_on_bad_input
 from ..core.config import PRESETS, LlamaConfig
-from ..core.cost import decode_step_cost, kv_bytes_per_token
+from ..core.cost import decode_step_cost, kv_bytes_per_token, weight_bytes
 from ..core.device import resolve_device, resolve_dtype, synchronize
 from ..core.model import Llama
-from ..core.quantize import QuantConfig, quantize, read_quant_config, weight_bytes
+from ..core.quantize import QuantConfig, quantize, read_quant_config
 from ..engines.fast import FastDecoder
 from .hardware import random_model
 

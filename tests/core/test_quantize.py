@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import llmstep
-from llmstep.core.cost import decode_step_cost
+from llmstep.core.cost import decode_step_cost, weight_bytes
 from llmstep.core.quantize import (
     Int4Linear,
     Int8Linear,
@@ -24,7 +24,6 @@ from llmstep.core.quantize import (
     quantize_int8,
     save_quantized,
     unpack_int4,
-    weight_bytes,
 )
 
 G = 16  # the tiny test model's widths are 64 and 112: 16 divides both
@@ -90,6 +89,22 @@ def test_quantised_logits_stay_within_stated_tolerance_of_float(tiny, spec, tole
     ref, got = model(tokens), qmodel(tokens)
     assert float((got - ref).norm() / ref.norm()) < tolerance
     assert isinstance(model.layers[0].attention.wq, torch.nn.Linear)  # inplace=False left the float model alone
+
+
+def test_a_quantized_generation_reports_the_bytes_its_steps_really_read(tiny):
+    model, tok = tiny
+    q4 = quantize(model, QuantConfig("int4", G, lm_head=True), inplace=False)
+    stored = sum(m.nbytes for m in q4.modules() if isinstance(m, Int4Linear))  # the quantized layers' own count
+    assert stored > 0 and weight_bytes(q4) < weight_bytes(model)
+    for m, name in ((model, "float"), (q4, "int4")):
+        g = llmstep.generate(m, tok, "hello", max_new_tokens=4, temperature=0, stop_ids=[])
+        steps = len(g.step_seconds)
+        contexts = range(len(g.prompt_ids), len(g.prompt_ids) + steps)
+        kv = sum(decode_step_cost(m.config, context=c, dtype=m.dtype).kv_bytes for c in contexts)
+        assert g.decode_bytes == pytest.approx(steps * weight_bytes(m) + kv), name
+    # the int4 model's count holds the packed layers' bytes, not the float matrices they replaced
+    float_matrices = sum(model.get_submodule(n).weight.nbytes for n in linear_names(model, lm_head=True))
+    assert weight_bytes(model) - weight_bytes(q4) == float_matrices - stored
 
 
 def test_every_matmul_is_swapped_and_bytes_shrink(tiny):
