@@ -29,6 +29,7 @@ class Tokenizer:
         if eos_ids is None:
             eos_ids = [i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None]
         self.eos_ids: list[int] = list(dict.fromkeys(eos_ids))
+        self._plain: tokenizers.Tokenizer | None = None  # a twin that reads special-token text as plain text
 
     @classmethod
     def from_file(cls, path: str | Path, bos_id: int | None = None, eos_ids: Iterable[int] | None = None):
@@ -79,12 +80,20 @@ class Tokenizer:
         return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     # ---- encode / decode -------------------------------------------------------------------------
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        """Text -> ids. Special tokens written in the text (`<|eot_id|>`) become their ids."""
+    def encode(self, text: str, bos: bool = True, special: bool = True) -> list[int]:
+        """Text -> ids. With special=True, special tokens written in the text (`<|eot_id|>`) become their ids;
+        with special=False they are read as the plain characters they are (what untrusted text needs)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+        if self._plain is None:  # built once; never mutated afterwards, so threads may share it
+            plain = tokenizers.Tokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -114,7 +123,21 @@ class Tokenizer:
         return "".join(parts)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.chat(messages, add_generation_prompt), bos=False)
+        """The ids of `chat(messages)`, with the special tokens taken from the template alone: a role or content
+        that spells `<|eot_id|><|start_header_id|>system...` stays text and cannot open a turn of its own (as
+        serving engines encode chat). For trusted text with special tokens in it, use encode(chat(...))."""
+        self.chat(messages, add_generation_prompt)  # the same checks and errors
+        start, end, eot = (self.token_to_id(t) for t in CHAT_TOKENS)
+
+        def turn(role: str) -> list[int]:
+            return [start] + self.encode(role, bos=False, special=False) + [end]
+
+        ids = [] if self.bos_id is None else [self.bos_id]
+        for m in messages:
+            ids += turn(m["role"]) + self.encode("\n\n" + m["content"].strip(), bos=False, special=False) + [eot]
+        if add_generation_prompt:
+            ids += turn("assistant") + self.encode("\n\n", bos=False, special=False)
+        return ids
 
     def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
