@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "synchronize"]
+__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -30,8 +30,15 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     return dev
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether this CUDA GPU does bfloat16 in hardware (compute capability 8.0 on: A100, H100, RTX 30xx/40xx).
+    T4- and V100-class GPUs only emulate it, slowly: torch.cuda.is_bf16_supported() says yes for them too."""
+    return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str = "bfloat16") -> torch.dtype:
-    """None: the checkpoint's own dtype on a GPU; float32 on the CPU, where bf16/fp16 matmuls are slow."""
+    """The dtype policy. None: float32 on the CPU, where bf16/fp16 matmuls are slow; float16 on MPS; on a CUDA GPU
+    the checkpoint's own dtype, except that bfloat16 becomes float16 where the GPU only emulates bfloat16."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype} is not supported: use float32, bfloat16, float16 or float64")
@@ -42,7 +49,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored:
         if device.type == "mps":
             return torch.float16
         want = _DTYPES.get(str(stored), torch.bfloat16)
-        if want == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        if want == torch.bfloat16 and not native_bf16(device):
             return torch.float16
         return want
     if dtype not in _DTYPES:

@@ -1,0 +1,31 @@
+"""The dtype policy, checked on a CPU by telling PyTorch what GPU it has."""
+
+import pytest
+import torch
+
+from llmstep.core import device as dev
+
+
+def gpu(monkeypatch, major: int):
+    """A CUDA GPU of compute capability major.0, as torch.cuda.is_bf16_supported sees it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"major": major})())
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda i: True)  # emulation works everywhere
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
+@pytest.mark.parametrize("major, expected", [(9, torch.bfloat16), (8, torch.bfloat16), (7, torch.float16)])
+def test_bfloat16_only_where_the_gpu_has_it(monkeypatch, major, expected):
+    gpu(monkeypatch, major)
+    cuda = torch.device("cuda")
+    assert dev.native_bf16(cuda) == (major >= 8)
+    assert dev.resolve_dtype(None, cuda, stored="bfloat16") == expected
+    assert dev.resolve_dtype(None, cuda, stored="float16") == torch.float16
+    assert dev.resolve_dtype("bfloat16", cuda) == torch.bfloat16  # asked for by name: given, emulated or not
+
+
+def test_the_cpu_gets_float32_and_mps_float16():
+    assert dev.resolve_dtype(None, torch.device("cpu"), stored="bfloat16") == torch.float32
+    assert dev.resolve_dtype(None, torch.device("mps"), stored="bfloat16") == torch.float16
+    assert not dev.native_bf16(torch.device("cpu"))
