@@ -39,3 +39,11 @@ def test_the_command_is_the_cli_package():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["scripts"] == {"llmstep": "llmstep.cli:main"}
     assert (ROOT / "llmstep" / "cli" / "__init__.py").is_file()
+
+
+def test_the_version_is_written_once_for_python_and_once_for_pip():
+    import llmstep
+    from llmstep._version import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__ == llmstep.__version__

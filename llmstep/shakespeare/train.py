@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from ..core.config import LlamaConfig
 from ..core.device import resolve_device
 from ..core.model import Llama
-from ..lab.hardware import describe
+from ..lab import runinfo
 from . import data
 from .evaluate import model_nll
 
@@ -158,9 +158,10 @@ def autocast(device: torch.device):
 
 
 def hardware(device: torch.device) -> str:
-    info = describe(device)
-    kind = "CUDA" if device.type == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
-    return f"{info['name']} ({kind}), torch {torch.__version__}"
+    """The machine and torch version, one line for the model card (from llmstep.lab.runinfo)."""
+    info = runinfo.machine(device)
+    kind = "CUDA" if device.type == "cuda" else f"CPU, {info['torch_threads']} torch threads"
+    return f"{info.get('device_name', info['cpu'])} ({kind}), torch {runinfo.versions()['torch']}"
 
 
 def make_logger(out: Path) -> logging.Logger:

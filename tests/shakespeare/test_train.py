@@ -165,3 +165,12 @@ def test_distillation_refuses_a_mismatched_start_or_teacher(tmp_path, small_corp
     with pytest.raises(SystemExit, match="llmstep train: error: .*missing"):
         llmstep_main(["train", "--preset", "tiny", "--steps", "2", "--corpus", str(small_corpus),
                       "--out", str(tmp_path / "b"), "--quiet", "--teacher", str(tmp_path / "missing")])
+
+
+def test_train_config_is_the_recipe_with_overrides():
+    cfg = train.train_config("tiny", steps=3, lr=None)
+    assert cfg.preset == "tiny" and cfg.steps == 3 and cfg.lr == train.RECIPES["tiny"]["lr"]
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        train.train_config("huge")
+    with pytest.raises(ValueError, match=r"not TrainConfig fields: \['dim'\]"):
+        train.train_config("tiny", dim=64)
