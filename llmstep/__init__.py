@@ -28,14 +28,14 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
+    runinfo.py     what every measurement records: machine, versions, load, command; median and spread
 shakespeare/  the shipped default: corpus and tokenizer (data.py), training, evaluation
 cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only; nothing imports it
 """
 
-__version__ = "0.1.0"
-
 import sys
 
+from ._version import __version__ as __version__
 from .core import sampling
 from .core.checkpoint import CheckpointError, load, load_model, save
 from .core.config import ConfigError, LlamaConfig, RopeScaling

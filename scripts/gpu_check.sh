@@ -22,7 +22,7 @@ timeout 150 "$PY" - <<'PY'
 import tempfile, time
 import torch
 from llmstep import LlamaConfig
-from llmstep.lab.bench import random_model
+from llmstep.lab.hardware import random_model
 from llmstep.fast import FastDecoder
 from llmstep.core.quantize import Int4Linear, QuantConfig, load_quantized, quantize, save_quantized
 
@@ -53,7 +53,7 @@ with tempfile.TemporaryDirectory() as d:
 print("correctness checks passed")
 PY
 
-timeout 420 "$PY" -m llmstep.bench --preset llama-3.1-8b --set max_seq_len=4096 --dtype bfloat16 --device cuda \
+timeout 420 "$PY" -m llmstep bench --preset llama-3.1-8b --set max_seq_len=4096 --dtype bfloat16 --device cuda \
     --prompt-len 128 --new-tokens 256 --repeats 2 --quantize none int8 int4 --group-size 64 --compile --no-eager \
     --json results/bench_gpu.json
 "$PY" - <<'PY'
@@ -66,7 +66,7 @@ for q, target in (("int8", 1.7), ("int4", 2.5)):
     print(f"{q} {rows[q]['decode_tokens_per_s']:.0f} tok/s = {x:.2f}x bf16 (target >= {target}x): {'PASS' if x >= target else 'FAIL'}")
 PY
 
-timeout 200 "$PY" -m llmstep.speculative --bench --compile --device cuda --dtype bfloat16 --ks 2,4,6 --repeats 2 \
+timeout 200 "$PY" -m llmstep speculative --bench --compile --device cuda --dtype bfloat16 --ks 2,4,6 --repeats 2 \
     --out results/speculative_gpu.json
 
 # 4. continuous batching (~1 min): the shipped target in bf16 on CUDA, eager, static vs continuous on a random

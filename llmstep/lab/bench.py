@@ -1,9 +1,9 @@
 """Decode at the memory wall, measured: llmstep's fast loop (float, int8, int4) next to transformers' generate().
 
-    python -m llmstep.bench                                         # the shipped model on this machine
-    python -m llmstep.bench --model target --random-weights         # its shape, random weights
-    python -m llmstep.bench --preset llama-3.1-8b --dtype bfloat16 --quantize none int8 int4
-    python -m llmstep.bench --preset llama-3.2-1b --set n_layers=2 dim=64 n_heads=4 n_kv_heads=2 \\
+    llmstep bench                                         # the shipped model on this machine
+    llmstep bench --model target --random-weights         # its shape, random weights
+    llmstep bench --preset llama-3.1-8b --dtype bfloat16 --quantize none int8 int4
+    llmstep bench --preset llama-3.2-1b --set n_layers=2 dim=64 n_heads=4 n_kv_heads=2 \\
         hidden_dim=128 vocab_size=512 --prompt-len 8 --new-tokens 8 --json out.json   # a seconds-long smoke run
 
 Batch 1, greedy, one random prompt of --prompt-len tokens, --new-tokens new ones. For each variant it
@@ -13,31 +13,57 @@ this device's bandwidth measured in the same run (llmstep.hardware.measure_bandw
 DRAM-sized copy and a read of a buffer the size of the weights, which a CPU's cache may hold). transformers'
 LlamaForCausalLM.generate() runs on the same float weights, same prompt, same token count. Every
 variant runs once per repeat, interleaved, and the best repeat counts (what the machine can do, least
-disturbed by everything else on it). Prints a table; --json writes everything, settings included.
+disturbed by everything else on it). `run_bench` returns the record (settings, machine, versions included);
+`format_table` renders it; the command (llmstep.cli.bench) prints it and writes it as JSON.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .. import __version__
-from ..cli import exit_on_bad_input
-from ..core.config import PRESETS, LlamaConfig
-from ..core.cost import decode_step_cost, kv_bytes_per_token, weight_bytes
+from ..core.config import LlamaConfig
+from ..core.cost import StepCost, decode_step_cost, model_step_cost
 from ..core.device import resolve_device, resolve_dtype, synchronize
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, quantize, read_quant_config
 from ..engines.fast import FastDecoder
-from .hardware import random_model
+from . import runinfo
+from .hardware import describe, measure_bandwidth, random_model
 
-__all__ = ["main", "random_model", "run_bench", "hf_twin", "matching_prefix"]
+__all__ = ["bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "matching_prefix"]
+
+
+def bench_model(model: str | None = None, preset: str | None = None, random_weights: bool = False,
+                overrides: dict | None = None, device: str | torch.device | None = None, dtype: str | None = None,
+                seed: int = 0) -> tuple[Llama, str]:
+    """(the model to measure, a line saying what it is): a preset's shape or a checkpoint (plain or quantized),
+    with random weights for a preset, with `random_weights`, or when `overrides` change the config's fields."""
+    device = resolve_device(device)
+    overrides = dict(overrides or {})
+    if "vocab_size" in overrides:  # a shrunken vocabulary cannot keep Llama 3's special-token ids
+        overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
+    if preset:
+        config = LlamaConfig.preset(preset, **overrides)
+        source, quantized = f"preset {preset} (random weights)", None
+    else:
+        from ..core.checkpoint import resolve_model_path
+
+        path = resolve_model_path(model)
+        config = LlamaConfig.from_hf(path).replace(**overrides)
+        quantized = None if random_weights else read_quant_config(path)
+        source = f"{path}" + (" (its shape, random weights)" if random_weights else "")
+    dtype = resolve_dtype(dtype, device, "bfloat16" if preset else config.torch_dtype)
+    if preset or random_weights or overrides:
+        return random_model(config, device, dtype, seed), source
+    if quantized is not None:
+        from ..core.quantize import load_quantized
+
+        return load_quantized(path, device=device, dtype=dtype), source
+    from ..core.checkpoint import load_model
+
+    return load_model(path, device=device, dtype=dtype), source
 
 
 # ---- the models ----------------------------------------------------------------------------------
@@ -90,16 +116,11 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _bytes_per_step(model: Llama, prompt_len: int, new_tokens: int) -> tuple[float, float]:
-    """(weight bytes, mean KV-cache bytes) of one decode step, averaged over the steps of this run.
-
-    Decode step i (1 <= i < new_tokens) runs with prompt_len + i - 1 tokens already cached and reads
-    context + 1 key/value vectors per layer, as llmstep.cost.decode_step_cost counts them.
-    """
+def mean_step_cost(model: Llama, prompt_len: int, new_tokens: int) -> StepCost:
+    """llmstep.cost.model_step_cost of the mean decode step of this run: step i (1 <= i < new_tokens) runs
+    with prompt_len + i - 1 tokens cached, so the KV-cache bytes are those of the mean context."""
     steps = max(new_tokens - 1, 1)
-    mean_context = prompt_len + (steps - 1) / 2
-    kv = (mean_context + 1) * kv_bytes_per_token(model.config, model.dtype)
-    return float(weight_bytes(model)), float(kv)
+    return model_step_cost(model, context=prompt_len + (steps - 1) / 2)
 
 
 def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_tokens: int = 128,
@@ -127,22 +148,18 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
                                  "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
                                  "threads": torch.get_num_threads(), "seed": seed},
                     "config": {k: v for k, v in vars(config).items() if k != "rope_scaling"}}
+    load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
     if bandwidth:
-        try:
-            from .hardware import describe, measure_bandwidth
-        except ImportError:  # llmstep.hardware arrives with issue 3; the bench works without it
-            record["hardware"], record["bandwidth_gb_per_s"] = {"device": str(device)}, None
-        else:
-            record["hardware"] = describe(device)
-            log("measuring memory bandwidth ...")
-            record["bandwidth_gb_per_s"] = measure_bandwidth(device, nbytes=bandwidth_bytes)
-            # Reading (not copying) a buffer the size of the float weights: what a decode step does. On a
-            # CPU whose last-level cache holds the whole model this, not DRAM, is the ceiling decode meets,
-            # and reads run faster than copies there. Capped at 1 GiB, already beyond every cache.
-            nbytes = int(decode_step_cost(config, dtype=model.dtype).weight_bytes)
-            nbytes = min(max(nbytes, 2**20), 2**30 if bandwidth_bytes is None else bandwidth_bytes)
-            record["bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes)
-            record["read_bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes, kind="read")
+        record["hardware"] = describe(device)
+        log("measuring memory bandwidth ...")
+        record["bandwidth_gb_per_s"] = measure_bandwidth(device, nbytes=bandwidth_bytes)
+        # Reading (not copying) a buffer the size of the float weights: what a decode step does. On a
+        # CPU whose last-level cache holds the whole model this, not DRAM, is the ceiling decode meets,
+        # and reads run faster than copies there. Capped at 1 GiB, already beyond every cache.
+        nbytes = int(decode_step_cost(config, dtype=model.dtype).weight_bytes)
+        nbytes = min(max(nbytes, 2**20), 2**30 if bandwidth_bytes is None else bandwidth_bytes)
+        record["bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes)
+        record["read_bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes, kind="read")
     # The share of bandwidth is taken against the larger of the two: the most this device showed it can move.
     rates = [record.get(k) for k in ("bandwidth_gb_per_s", "read_bandwidth_at_weight_size_gb_per_s")]
     bw = max((r for r in rates if r), default=None)
@@ -158,7 +175,8 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
                 raise ValueError(f"the model is already quantised ({base_q}); it cannot also be run as {v}")
             qc = QuantConfig(v, group_size if v == "int4" else None, lm_head)
             m, label = quantize(model, qc, inplace=False), str(qc)
-        wbytes, kvbytes = _bytes_per_step(m, prompt_len, new_tokens)
+        cost = mean_step_cost(m, prompt_len, new_tokens)
+        wbytes, kvbytes = float(cost.weight_bytes), float(cost.kv_bytes)
         for c in ([False] if eager and compiled else []) + [compiled]:
             runs.append({"name": f"llmstep {'compiled' if c else 'eager'} {label}", "model": m, "compiled": c,
                          "quant": v, "weight_bytes": wbytes, "kv_bytes": kvbytes})
@@ -207,7 +225,8 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         hf_runs = record.pop("_hf")
         decode = max(d for _, d, _ in hf_runs)
         widen = hf_model.dtype.itemsize / model.dtype.itemsize  # bytes per weight, its dtype over ours
-        wbytes, kvbytes = (b * widen for b in _bytes_per_step(model, prompt_len, new_tokens))
+        cost = mean_step_cost(model, prompt_len, new_tokens)
+        wbytes, kvbytes = cost.weight_bytes * widen, cost.kv_bytes * widen
         gbs = (wbytes + kvbytes) * decode / 1e9
         toks = hf_runs[-1][2]
         import transformers
@@ -226,6 +245,9 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         for row in rows:
             row["decode_speedup_vs_transformers"] = row["decode_tokens_per_s"] / decode
     record["rows"] = rows
+    record["machine"] = runinfo.machine(device, model.dtype)
+    record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
+    record["versions"] = runinfo.versions(transformers=record.get("transformers"))
     return record
 
 
@@ -252,102 +274,3 @@ def format_table(record: dict) -> str:
                      f"weights' size copy {record['bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s, read "
                      f"{record['read_bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s; % of bw is of {bw:,.1f} GB/s")
     return "\n".join(out + notes)
-
-
-# ---- the command ---------------------------------------------------------------------------------
-
-def _parse_sets(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in LlamaConfig.__dataclass_fields__:
-            raise ValueError(f"--set takes KEY=VALUE with KEY a LlamaConfig field, got {item!r}")
-        out[key] = json.loads(value) if value not in ("true", "false") else value == "true"
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m llmstep.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a real Llama 3.x shape with random weights")
-    p.add_argument("--random-weights", action="store_true", help="with --model: its config.json, random weights")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config fields")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, else bf16)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
-    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 64)")
-    p.add_argument("--quantize-lm-head", action="store_true")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decode step (default: on CUDA only)")
-    p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")
-    p.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager reference rows")
-    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' generate()")
-    p.add_argument("--hf-dtype", default=None, help="run transformers in this dtype (default: --dtype)")
-    p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
-    p.add_argument("--bandwidth-bytes", type=int, default=None, help="buffer size for the bandwidth copy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the whole record here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    return exit_on_bad_input("bench", _main, args, sys.argv[1:] if argv is None else list(argv))
-
-
-def _main(args, argv: list[str]) -> dict:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    overrides = _parse_sets(args.set)
-    if "vocab_size" in overrides:  # a shrunken vocabulary cannot keep Llama 3's special-token ids
-        overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
-    quantized_ckpt = None
-    if args.preset:
-        config = LlamaConfig.preset(args.preset, **overrides)
-        source = f"preset {args.preset} (random weights)"
-    else:
-        from ..core.checkpoint import resolve_model_path
-
-        path = resolve_model_path(args.model)
-        config = LlamaConfig.from_hf(path).replace(**overrides)
-        quantized_ckpt = None if args.random_weights else read_quant_config(path)
-        source = f"{path}" + (" (its shape, random weights)" if args.random_weights else "")
-    dtype = resolve_dtype(args.dtype, device, "bfloat16" if args.preset else config.torch_dtype)
-    if args.preset or args.random_weights or overrides:
-        model = random_model(config, device, dtype, args.seed)
-    elif quantized_ckpt is not None:
-        from ..core.quantize import load_quantized
-
-        model = load_quantized(path, device=device, dtype=dtype)
-        args.quantize = ["none"]
-    else:
-        from ..core.checkpoint import load_model
-
-        model = load_model(path, device=device, dtype=dtype)
-    print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
-          f"{device} {str(dtype).removeprefix('torch.')}", flush=True)
-    record = run_bench(model, args.quantize, args.prompt_len, args.new_tokens, args.compile, args.compile_mode,
-                       args.repeats, args.group_size, args.quantize_lm_head, args.eager, args.hf, args.bandwidth,
-                       args.seed, args.bandwidth_bytes,
-                       resolve_dtype(args.hf_dtype, device, dtype) if args.hf_dtype else None,
-                       log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    record = {"command": "python -m llmstep.bench " + " ".join(argv), "source": source,
-              "versions": {"llmstep": __version__, "torch": torch.__version__, "python": platform.python_version(),
-                           "transformers": record.get("transformers")}} | record
-    print(format_table(record))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return record
-
-
-if __name__ == "__main__":
-    main()

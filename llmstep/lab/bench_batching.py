@@ -1,24 +1,23 @@
-"""Continuous batching, measured: a random workload served both ways, and a decode step timed at each batch size."""
+"""Continuous batching, measured: a random workload served both ways, and a decode step timed at each batch size.
+
+The command is `llmstep batch` (llmstep.cli.bench).
+"""
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from numbers import Integral
 
 import torch
 
-from ..cli import exit_on_bad_input
 from ..core.device import synchronize
 from ..core.model import Llama
 from ..engines.batching import POLICIES, ContinuousBatcher, Request
 
-__all__ = ["random_workload", "measure_batch_scaling"]
+__all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling"]
 
 
 def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int] = (16, 64),
@@ -49,6 +48,25 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
     return requests
 
 
+def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] = (1, 4, 8),
+                    compile: bool | None = None) -> Iterator[dict]:
+    """Serve `requests` with each number of slots under every policy (one slot: continuous only, the policies
+    coincide); yield each run's summary as it ends, with its completions and whether its tokens are the first
+    run's (they must be: batching changes when a request runs, not what it writes)."""
+    # Room for every request, up to the model's context (a longer request stops there, as generate does).
+    max_len = min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests), model.config.max_seq_len)
+    reference = None
+    for n_slots in slots:
+        batcher = ContinuousBatcher(model, n_slots, max_len, compile=compile)
+        batcher.run(requests[:1], "continuous")  # warm up (and compile) before timing
+        for policy in POLICIES if n_slots > 1 else POLICIES[:1]:
+            run = batcher.run(requests, policy)
+            tokens = [c.tokens for c in run.completions]
+            reference = tokens if reference is None else reference
+            yield run.summary() | {"same_tokens_as_first_run": tokens == reference,
+                                   "completions": [asdict(c) for c in run.completions]}
+
+
 @torch.inference_mode()
 def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8, 16), context: int = 64,
                           repeats: int = 10, compile: bool | None = False) -> list[dict]:
@@ -77,106 +95,3 @@ def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8
                      "flops_per_byte": cost.arithmetic_intensity,
                      "gb_per_second": cost.bytes / seconds / 1e9, "tflops": cost.flops / seconds / 1e12})
     return rows
-
-
-def _parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        return int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {text!r}") from None
-
-
-def _parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
-    return values
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmstep batch", description="Serve a random workload with static and "
-                                "continuous batching, side by side, and time a decode step at each batch size.")
-    p.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--slots", type=_parse_ints, default=[1, 4, 8], help="batch slots to try, e.g. 1,4,8")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--prompt-len", type=_parse_range, default=(16, 64), help="LOW:HIGH tokens")
-    p.add_argument("--new-tokens", type=_parse_range, default=(8, 128), help="LOW:HIGH tokens")
-    p.add_argument("--rate", type=float, default=None, help="arrivals per engine step (default: all at once)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--batch-sizes", type=_parse_ints, default=[1, 2, 4, 8, 16, 32],
-                   help="batch sizes for the decode-step timing")
-    p.add_argument("--context", type=int, default=64, help="context of the decode-step timing")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on CUDA only)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the whole record here")
-    return p
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
-    return exit_on_bad_input("batch", _main, args, sys.argv[1:] if argv is None else list(argv))
-
-
-def _main(args, argv: list[str]) -> dict:
-    import platform
-    from pathlib import Path
-
-    from .. import __version__
-    from ..core.checkpoint import load_model
-    from ..lab.hardware import describe
-
-    if args.requests < 1 or (args.threads is not None and args.threads < 1):
-        raise ValueError(f"--requests and --threads must be >= 1, got {args.requests} and {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = random_workload(args.requests, model.config.vocab_size, args.prompt_len, args.new_tokens, args.rate,
-                               args.seed, args.temperature)
-    # Room for every request, up to the model's context (a longer request stops there, as generate does).
-    max_len = min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests), model.config.max_seq_len)
-    record = {"command": "llmstep batch " + " ".join(argv),
-              "model": str(args.model or "target"), "device": describe(model.device)["name"],
-              "dtype": str(model.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-              "versions": {"llmstep": __version__, "torch": torch.__version__, "python": platform.python_version()},
-              "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                           "rate": args.rate, "temperature": args.temperature, "seed": args.seed},
-              "runs": [], "batch_scaling": []}
-    print(f"llmstep batch: {record['model']} on {record['device']} {record['dtype']}, {args.requests} requests",
-          flush=True)
-    print(f"{'policy':<11} {'slots':>5} {'steps':>6} {'busy':>6} {'tok/s':>9} {'latency':>9} {'first tok':>10}")
-    reference = None
-    for n_slots in args.slots:
-        batcher = ContinuousBatcher(model, n_slots, max_len, compile=args.compile)
-        batcher.run(requests[:1], "continuous")  # warm up (and compile) before timing
-        for policy in POLICIES if n_slots > 1 else POLICIES[:1]:
-            run = batcher.run(requests, policy)
-            tokens = [c.tokens for c in run.completions]
-            reference = tokens if reference is None else reference
-            summary = run.summary() | {"same_tokens_as_first_run": tokens == reference,
-                                       "completions": [asdict(c) for c in run.completions]}
-            record["runs"].append(summary)
-            print(f"{policy:<11} {n_slots:>5} {run.steps:>6} {run.slot_utilisation:>6.0%} "
-                  f"{run.tokens_per_second:>9,.1f} {summary['mean_latency_seconds']:>8.2f}s "
-                  f"{summary['mean_first_token_seconds']:>9.2f}s", flush=True)
-    print(f"\none decode step, {args.context} tokens of context in every row:")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'MB/token':>9} {'FLOP/byte':>10}")
-    for row in measure_batch_scaling(model, args.batch_sizes, args.context, compile=args.compile):
-        record["batch_scaling"].append(row)
-        print(f"{row['batch']:>5} {row['step_ms']:>8.2f} {row['tokens_per_second']:>9,.1f} "
-              f"{row['bytes_per_token'] / 1e6:>9.2f} {row['flops_per_byte']:>10.1f}", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=2, default=str) + "\n")
-    return record
-
-
-if __name__ == "__main__":
-    main()

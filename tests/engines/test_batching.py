@@ -12,8 +12,14 @@ from conftest import make_checkpoint
 from llmstep.batching import ContinuousBatcher, Request, run_batch
 
 import llmstep
+from llmstep.cli import main as llmstep_main
 from llmstep.lab import bench_batching
-from llmstep.lab.bench_batching import main, measure_batch_scaling, random_workload
+from llmstep.lab.bench_batching import measure_batch_scaling, random_workload
+
+
+def main(argv: list[str]) -> dict:
+    """`llmstep batch ...`: the command lives in llmstep.cli."""
+    return llmstep_main(["batch", *argv])
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from llmstep.sampling import draw, probs
 import llmstep
 import llmstep.engines.speculative as spec
 from llmstep import Llama, LlamaConfig, Tokenizer
+from llmstep.cli import main as llmstep_main
 from llmstep.engines.speculative import FastSpeculator, LayerSkipDraft, speculative_generate, speculative_stream, verify
-from llmstep.lab import bench_speculative
 
 PROMPT = [5, 17, 101, 42, 7]  # token ids, so no BOS or tokenizer detail gets in the way
 
@@ -498,8 +498,8 @@ def test_compiled_fast_speculator_keeps_the_greedy_output(target, drafts, tok):
                     reason="torch.compile on the CPU takes ~30 s; set LLMSTEP_SLOW_TESTS=1")
 def test_compiled_benchmark_runs_and_compares_tokens(tiny_checkpoint, capsys, tmp_path):
     out = tmp_path / "spec.json"
-    bench_speculative.main(["--bench", "--compile", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "2",
-               "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)])
+    llmstep_main(["speculative", "--bench", "--compile", "--target", str(tiny_checkpoint), "--draft", "self-1",
+                  "--ks", "2", "--max-new-tokens", "12", "--repeats", "1", "--out", str(out)])
     report = __import__("json").loads(out.read_text())
     k2 = report["results"]["k=2"]
     assert report["compiled"] and k2["decode_tokens_per_second"] > 0 and k2["speedup"] > 0

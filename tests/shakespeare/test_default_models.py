@@ -104,7 +104,7 @@ def test_target_beats_draft_and_the_ngram_baseline_on_held_out_plays():
             assert f"{target['perplexity']:.2f}" in card and f"{baseline['perplexity']:.2f}" in card
 
 
-# ---- the measuring stick itself (llmstep.eval) --------------------------------------------------
+# ---- the measuring stick itself (llmstep eval) ---------------------------------------------------
 
 
 def test_windows_predict_every_token_exactly_once():

@@ -1,4 +1,4 @@
-"""The training command (llmstep.train): a tiny model for a few steps on the CPU, checkpoints and resume."""
+"""The training command (`llmstep train`): a tiny model for a few steps on the CPU, checkpoints and resume."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmstep.cli import main as llmstep_main
 from llmstep.shakespeare import data, train
 
 
@@ -23,8 +24,8 @@ def small_corpus(tmp_path_factory) -> Path:
 
 
 def run(out: Path, corpus: Path, *extra: str) -> None:
-    train.main(["--preset", "tiny", "--steps", "6", "--eval-every", "3", "--save-every", "2",
-                "--eval-tokens", "256", "--corpus", str(corpus), "--out", str(out), "--quiet", *extra])
+    llmstep_main(["train", "--preset", "tiny", "--steps", "6", "--eval-every", "3", "--save-every", "2",
+                  "--eval-tokens", "256", "--corpus", str(corpus), "--out", str(out), "--quiet", *extra])
 
 
 def weights(out: Path) -> dict[str, torch.Tensor]:
@@ -49,7 +50,7 @@ def test_tiny_run_writes_a_loadable_hugging_face_checkpoint(tmp_path, small_corp
     trained = weights(tmp_path / "run")["layers.0.attention.wq.weight"]
     assert torch.equal(model.layers[0].attention.wq.weight, trained.to(torch.bfloat16).float())
     card = (model_dir / "README.md").read_text()
-    assert "python -m llmstep.train --preset tiny --steps 6" in card and "Steps: 6 of 4 x 32 tokens" in card
+    assert "llmstep train --preset tiny --steps 6" in card and "Steps: 6 of 4 x 32 tokens" in card
     log = (model_dir / "train.log").read_text()
     assert "step     6/6" in log and "val" in log
 
@@ -71,9 +72,9 @@ def test_resume_continues_from_the_saved_step_with_identical_results(tmp_path, s
 
 def test_resume_refuses_different_settings(tmp_path, small_corpus):
     run(tmp_path / "run", small_corpus, "--stop-after", "2")
-    with pytest.raises(ValueError, match="lr"):
+    with pytest.raises(SystemExit, match=r"llmstep train: error: --resume: .* different settings \(lr: 0.003 -> 0.5\)"):
         run(tmp_path / "run", small_corpus, "--resume", "--lr", "0.5")
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(SystemExit, match="llmstep train: error: --resume: no checkpoint"):
         run(tmp_path / "fresh", small_corpus, "--resume")
 
 
@@ -142,9 +143,10 @@ def test_distillation_starts_from_the_given_weights_and_moves_towards_the_teache
     untrained = train.train(cfg, tmp_path / "zero", {}, stop_after=0, quiet=True)
     assert all(torch.equal(w, start.state_dict()[k]) for k, w in untrained.state_dict().items())
     # 30 steps against the teacher's distribution bring the student closer to it
-    train.main(["--preset", "tiny", "--steps", "30", "--eval-every", "30", "--eval-tokens", "256", "--corpus",
-                str(small_corpus), "--out", str(tmp_path / "distil"), "--quiet", "--init-from",
-                str(tmp_path / "start"), "--teacher", str(tmp_path / "teacher"), "--export", str(tmp_path / "student")])
+    llmstep_main(["train", "--preset", "tiny", "--steps", "30", "--eval-every", "30", "--eval-tokens", "256",
+                  "--corpus", str(small_corpus), "--out", str(tmp_path / "distil"), "--quiet", "--init-from",
+                  str(tmp_path / "start"), "--teacher", str(tmp_path / "teacher"), "--export",
+                  str(tmp_path / "student")])
     student = load_model(tmp_path / "student", device="cpu", dtype=torch.float32)
     from tokenizers import Tokenizer
 
@@ -157,9 +159,18 @@ def test_distillation_starts_from_the_given_weights_and_moves_towards_the_teache
 
 def test_distillation_refuses_a_mismatched_start_or_teacher(tmp_path, small_corpus):
     run(tmp_path / "tiny-run", small_corpus, "--export", str(tmp_path / "tiny"))
-    with pytest.raises(ValueError, match="--init-from .*shape differs"):
-        train.main(["--preset", "tiny", "--dim", "64", "--steps", "2", "--corpus", str(small_corpus),
-                    "--out", str(tmp_path / "a"), "--quiet", "--init-from", str(tmp_path / "tiny")])
-    with pytest.raises(FileNotFoundError):
-        train.main(["--preset", "tiny", "--steps", "2", "--corpus", str(small_corpus), "--out", str(tmp_path / "b"),
-                    "--quiet", "--teacher", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="llmstep train: error: --init-from .*shape differs"):
+        llmstep_main(["train", "--preset", "tiny", "--dim", "64", "--steps", "2", "--corpus", str(small_corpus),
+                      "--out", str(tmp_path / "a"), "--quiet", "--init-from", str(tmp_path / "tiny")])
+    with pytest.raises(SystemExit, match="llmstep train: error: .*missing"):
+        llmstep_main(["train", "--preset", "tiny", "--steps", "2", "--corpus", str(small_corpus),
+                      "--out", str(tmp_path / "b"), "--quiet", "--teacher", str(tmp_path / "missing")])
+
+
+def test_train_config_is_the_recipe_with_overrides():
+    cfg = train.train_config("tiny", steps=3, lr=None)
+    assert cfg.preset == "tiny" and cfg.steps == 3 and cfg.lr == train.RECIPES["tiny"]["lr"]
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        train.train_config("huge")
+    with pytest.raises(ValueError, match=r"not TrainConfig fields: \['dim'\]"):
+        train.train_config("tiny", dim=64)

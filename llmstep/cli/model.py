@@ -1,38 +1,14 @@
-"""`llmstep` / `python -m llmstep`: generate text, inspect a model, and the course's other commands.
-
-    llmstep generate --prompt "ROMEO:"                  stream text from the shipped model
-    llmstep generate --prompt "ROMEO:" --draft draft    the same, with speculative decoding
-    llmstep info --preset llama-3.1-8b                  parameters and bytes per token of a shape
-    llmstep trace --context 256                         where one decode step spends its time
-    llmstep batch --slots 1,4,8                         static vs continuous batching on a random workload
-    llmstep train|eval|bench|data|speculative ...       the commands of llmstep.train, .eval, .bench, .data, ...
-"""
+"""`llmstep generate`, `info` and `trace`: a model's text, its size and cost, one decode step timed."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
 import torch
 
-from .core.config import PRESETS, LlamaConfig
-from .core.cost import decode_step_cost, kv_bytes_per_token, param_counts
-
-
-def exit_on_bad_input(command: str, run, *args):
-    """run(*args); bad input (a wrong value, a missing file) ends the program with one line naming it, not a
-    traceback. The entry points of generate/info/trace, bench, batch and eval run their work through it."""
-    try:
-        return run(*args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, KeyError) as e:
-        sys.exit(f"llmstep {command}: error: {e}")
-
-
-# Subcommands that live in their own module, each with a main(argv).
-MODULE_COMMANDS = {"train": "llmstep.shakespeare.train", "eval": "llmstep.shakespeare.evaluate",
-                   "data": "llmstep.shakespeare.data", "bench": "llmstep.lab.bench",
-                   "speculative": "llmstep.lab.bench_speculative", "batch": "llmstep.lab.bench_batching"}
+from ..core.config import PRESETS, LlamaConfig
+from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,10 +20,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes the run reproducible")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmstep", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_commands(sub) -> None:
     g = sub.add_parser("generate", help="stream a continuation of a prompt, then a speed summary")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the shipped Shakespeare model)")
     g.add_argument("--prompt", required=True)
@@ -61,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculate-k", type=int, default=4, help="draft tokens proposed per round (with --draft)")
     g.add_argument("--adaptive-k", action="store_true",
                    help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
+    g.set_defaults(run=run_generate)
 
     i = sub.add_parser("info", help="parameters and per-token cost of a checkpoint or a preset shape")
     src = i.add_mutually_exclusive_group(required=True)
@@ -68,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=sorted(PRESETS))
     i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
     i.add_argument("--context", type=int, default=0, help="tokens already in the KV cache")
+    i.set_defaults(run=run_info)
 
     t = sub.add_parser("trace", help="time one decode step stage by stage, with its bytes and FLOPs")
     src = t.add_mutually_exclusive_group()
@@ -77,15 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeats", type=int, default=5)
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None)
-
-    for name in MODULE_COMMANDS:
-        sub.add_parser(name, help=f"see: python -m {MODULE_COMMANDS[name]} --help", add_help=False)
-    return parser
+    t.set_defaults(run=run_trace)
 
 
-def cmd_generate(args) -> None:
-    from .core.checkpoint import load
-    from .engines.generate import stream
+def run_generate(args, argv) -> None:
+    from ..core.checkpoint import load
+    from ..engines.generate import stream
 
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     defaults = getattr(model, "generation_config", {}) or {}
@@ -96,7 +68,7 @@ def cmd_generate(args) -> None:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=args.seed)
     if args.draft is not None:
-        from .engines.speculative import resolve_draft, speculative_stream
+        from ..engines.speculative import resolve_draft, speculative_stream
 
         draft = resolve_draft(args.draft, model, tokenizer)
         run = speculative_stream(model, draft, tokenizer, prompt, k=args.speculate_k, adaptive=args.adaptive_k,
@@ -111,11 +83,11 @@ def cmd_generate(args) -> None:
     print(f"\n[{model.device.type} {str(model.dtype).removeprefix('torch.')}] {run.result.summary()}", file=sys.stderr)
 
 
-def cmd_info(args) -> None:
+def run_info(args, argv) -> None:
     if args.preset:
         config, name = LlamaConfig.preset(args.preset), args.preset
     else:
-        from .core.checkpoint import resolve_model_path
+        from ..core.checkpoint import resolve_model_path
 
         path = resolve_model_path(args.model)
         config, name = LlamaConfig.from_hf(path), str(path)
@@ -134,14 +106,14 @@ def cmd_info(args) -> None:
     print(f"KV cache per token: {kv_bytes_per_token(config, dtype) / 1024:.1f} KiB")
 
 
-def cmd_trace(args) -> None:
-    from .lab.hardware import measure_matmul, random_model
-    from .lab.trace import trace_step
+def run_trace(args, argv) -> None:
+    from ..lab.hardware import measure_matmul, random_model
+    from ..lab.trace import trace_step
 
     if args.preset:
         model = random_model(LlamaConfig.preset(args.preset), device=args.device, dtype=args.dtype)
     else:
-        from .core.checkpoint import load_model
+        from ..core.checkpoint import load_model
 
         model = load_model(args.model, device=args.device, dtype=args.dtype)
     trace = trace_step(model, context=args.context, repeats=args.repeats)
@@ -149,20 +121,3 @@ def cmd_trace(args) -> None:
     print(f"one decode step, {args.context} tokens of context, {model.device.type} {model.dtype}; "
           f"math-unit busy share against {peak:.2f} TFLOP/s measured here")
     print(trace.table(peak_tflops=peak))
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in MODULE_COMMANDS:
-        try:
-            module = importlib.import_module(MODULE_COMMANDS[argv[0]])
-        except ModuleNotFoundError as e:
-            sys.exit(f"llmstep {argv[0]}: not available in this version ({e})")
-        return module.main(argv[1:])
-    args = build_parser().parse_args(argv)
-    exit_on_bad_input(args.command, {"generate": cmd_generate, "info": cmd_info, "trace": cmd_trace}[args.command],
-                      args)
-
-
-if __name__ == "__main__":
-    main()

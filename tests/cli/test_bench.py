@@ -4,8 +4,12 @@ import json
 
 import pytest
 
+import llmstep
 from llmstep import cli
-from llmstep.lab.bench import main
+
+
+def main(argv: list[str]) -> dict:
+    return cli.main(["bench", *argv])
 
 TINY = ["--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=64", "n_heads=4", "n_kv_heads=2", "hidden_dim=128",
         "vocab_size=512", "max_seq_len=64", "--dtype", "float32", "--device", "cpu", "--threads", "1",
@@ -28,13 +32,15 @@ def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
     assert hf_row["same_tokens_as_eager_float"]  # transformers, same weights, same greedy tokens
     assert record["bandwidth_gb_per_s"] > 0 and record["settings"]["prompt_len"] == 8
     assert record["ceiling_gb_per_s"] >= record["read_bandwidth_at_weight_size_gb_per_s"] > 0
-    assert record["versions"]["torch"] and record["command"].startswith("python -m llmstep.bench")
+    assert record["versions"]["torch"] and record["command"].startswith("llmstep bench --preset")
 
 
-def test_the_cli_forwards_bench_and_bad_settings_exit_with_a_message(tmp_path):
+def test_bench_without_transformers_or_bandwidth_and_bad_settings_exit_with_a_message(tmp_path):
     out = tmp_path / "b.json"
-    cli.main(["bench"] + TINY + ["--no-hf", "--no-bandwidth", "--json", str(out)])
+    record = main(TINY + ["--no-hf", "--no-bandwidth", "--json", str(out)])
     assert json.loads(out.read_text())["rows"][0]["name"] == "llmstep eager float"
+    assert record["versions"]["llmstep"] == llmstep.__version__ and record["machine"]["dtype"] == "float32"
+    assert len(record["load_average_1min_before_after"]) == 2
     with pytest.raises(SystemExit, match="exceeds the model's context"):
         main(TINY + ["--no-hf", "--new-tokens", "100"])
     with pytest.raises(SystemExit, match="group_size 48 does not divide"):

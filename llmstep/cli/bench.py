@@ -1,0 +1,222 @@
+"""`llmstep bench`, `speculative` and `batch`: the benchmarks of llmstep.lab, their flags and their tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..core.config import PRESETS, LlamaConfig
+from ..lab import bench as decode_bench
+from ..lab import bench_batching, runinfo
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _write_json(path: str | Path, record: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def parse_sets(items: list[str]) -> dict:
+    """--set KEY=VALUE ... as LlamaConfig overrides (VALUE in JSON; true/false as booleans)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in LlamaConfig.__dataclass_fields__:
+            raise ValueError(f"--set takes KEY=VALUE with KEY a LlamaConfig field, got {item!r}")
+        out[key] = json.loads(value) if value not in ("true", "false") else value == "true"
+    return out
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {text!r}") from None
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
+    return values
+
+
+def add_commands(sub) -> None:
+    doc = decode_bench.__doc__
+    p = sub.add_parser("bench", help="decode tokens/s, float and quantized, next to transformers",
+                       description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a real Llama 3.x shape with random weights")
+    p.add_argument("--random-weights", action="store_true", help="with --model: its config.json, random weights")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config fields")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, else bf16)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 64)")
+    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on CUDA only)")
+    p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")
+    p.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager reference rows")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' generate()")
+    p.add_argument("--hf-dtype", default=None, help="run transformers in this dtype (default: --dtype)")
+    p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
+    p.add_argument("--bandwidth-bytes", type=int, default=None, help="buffer size for the bandwidth copy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the whole record here")
+    p.set_defaults(run=run_bench)
+
+    s = sub.add_parser("speculative", help="measure speculative decoding against the target alone",
+                       description="measure speculative decoding against the target alone")
+    s.add_argument("--bench", action="store_true", help="run the benchmark (the only action)")
+    s.add_argument("--target", default="target", help="target checkpoint (default: the shipped one)")
+    s.add_argument("--draft", default="draft", help="draft checkpoint or self-N (default: the shipped draft)")
+    s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
+    s.add_argument("--max-new-tokens", type=int, default=200)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32 on a CPU)")
+    s.add_argument("--compile", action="store_true",
+                   help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")
+    s.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune (see llmstep.fast)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)")
+    s.add_argument("--out", default="results/speculative_cpu.json")
+    s.set_defaults(run=run_speculative)
+
+    b = sub.add_parser("batch", help="static vs continuous batching on a random workload",
+                       description="Serve a random workload with static and continuous batching, side by side, "
+                                   "and time a decode step at each batch size.")
+    b.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
+    b.add_argument("--device", default=None)
+    b.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    b.add_argument("--slots", type=parse_ints, default=[1, 4, 8], help="batch slots to try, e.g. 1,4,8")
+    b.add_argument("--requests", type=int, default=32)
+    b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
+    b.add_argument("--new-tokens", type=parse_range, default=(8, 128), help="LOW:HIGH tokens")
+    b.add_argument("--rate", type=float, default=None, help="arrivals per engine step (default: all at once)")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--batch-sizes", type=parse_ints, default=[1, 2, 4, 8, 16, 32],
+                   help="batch sizes for the decode-step timing")
+    b.add_argument("--context", type=int, default=64, help="context of the decode-step timing")
+    b.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decode step (default: on CUDA only)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", default=None, help="write the whole record here")
+    b.set_defaults(run=run_batch)
+
+
+def run_bench(args, argv) -> dict:
+    from ..core.device import resolve_dtype
+
+    _set_threads(args.threads)
+    model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
+                                             args.device, args.dtype, args.seed)
+    variants = ["none"] if getattr(model, "quantization", None) is not None else args.quantize
+    print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
+          f"{model.device} {str(model.dtype).removeprefix('torch.')}", flush=True)
+    hf_dtype = resolve_dtype(args.hf_dtype, model.device, model.dtype) if args.hf_dtype else None
+    record = decode_bench.run_bench(model, variants, args.prompt_len, args.new_tokens, args.compile,
+                                    args.compile_mode, args.repeats, args.group_size, args.quantize_lm_head,
+                                    args.eager, args.hf, args.bandwidth, args.seed, args.bandwidth_bytes, hf_dtype,
+                                    log=_log)
+    record = {"command": runinfo.command_line(argv), "source": source} | record
+    print(decode_bench.format_table(record))
+    if args.json:
+        _write_json(args.json, record)
+    return record
+
+
+def run_speculative(args, argv) -> dict:
+    from ..core.checkpoint import load
+    from ..engines.speculative import resolve_draft
+    from ..lab.bench_speculative import bench, bench_compiled
+
+    if not args.bench:
+        raise ValueError("nothing to do: pass --bench")
+    if args.compile and args.temperature != 0:
+        raise ValueError("--compile measures greedy decoding: leave --temperature at 0")
+    _set_threads(args.threads)
+    target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
+    draft = resolve_draft(args.draft, target, tokenizer)
+    if args.compile:
+        report = bench_compiled(target, draft, tokenizer, ks=args.ks, max_new_tokens=args.max_new_tokens,
+                                repeats=args.repeats, mode=args.compile_mode)
+    else:
+        report = bench(target, draft, tokenizer, ks=args.ks, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, repeats=args.repeats)
+    report["command"] = runinfo.command_line(argv)
+    print(f"\n{'':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'theory':>7}")
+    for name, r in report["results"].items():
+        if name == "target":
+            print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {1:8.2f}")
+        else:
+            print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {r['speedup']:8.2f} {r['acceptance_rate']:7.1%} "
+                  f"{r['tokens_per_target_forward']:8.2f} {r['theory_tokens_per_forward']:7.2f}"
+                  + (f"  same tokens as the target alone: {r['matching_tokens']}" if "matching_tokens" in r else ""))
+    _write_json(args.out, report)
+    print(f"wrote {args.out}")
+    return report
+
+
+def run_batch(args, argv) -> dict:
+    from ..core.checkpoint import load_model
+
+    if args.requests < 1 or (args.threads is not None and args.threads < 1):
+        raise ValueError(f"--requests and --threads must be >= 1, got {args.requests} and {args.threads}")
+    _set_threads(args.threads)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    requests = bench_batching.random_workload(args.requests, model.config.vocab_size, args.prompt_len,
+                                              args.new_tokens, args.rate, args.seed, args.temperature)
+    machine = runinfo.machine(model.device, model.dtype)
+    record = {"command": runinfo.command_line(argv), "model": str(args.model or "target"),
+              "device": machine.get("device_name", machine["cpu"]), "dtype": machine["dtype"],
+              "threads": machine["torch_threads"], "machine": machine, "versions": runinfo.versions(),
+              "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                           "rate": args.rate, "temperature": args.temperature, "seed": args.seed},
+              "runs": [], "batch_scaling": []}
+    load_before = runinfo.load_average()
+    print(f"llmstep batch: {record['model']} on {record['device']} {record['dtype']}, {args.requests} requests",
+          flush=True)
+    print(f"{'policy':<11} {'slots':>5} {'steps':>6} {'busy':>6} {'tok/s':>9} {'latency':>9} {'first tok':>10}")
+    for run in bench_batching.serve_both_ways(model, requests, args.slots, compile=args.compile):
+        record["runs"].append(run)
+        print(f"{run['policy']:<11} {run['slots']:>5} {run['engine_steps']:>6} {run['slot_utilisation']:>6.0%} "
+              f"{run['tokens_per_second']:>9,.1f} {run['mean_latency_seconds']:>8.2f}s "
+              f"{run['mean_first_token_seconds']:>9.2f}s", flush=True)
+    print(f"\none decode step, {args.context} tokens of context in every row:")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'MB/token':>9} {'FLOP/byte':>10}")
+    for row in bench_batching.measure_batch_scaling(model, args.batch_sizes, args.context, compile=args.compile):
+        record["batch_scaling"].append(row)
+        print(f"{row['batch']:>5} {row['step_ms']:>8.2f} {row['tokens_per_second']:>9,.1f} "
+              f"{row['bytes_per_token'] / 1e6:>9.2f} {row['flops_per_byte']:>10.1f}", flush=True)
+    record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
+    if args.json:
+        _write_json(args.json, record)
+    return record

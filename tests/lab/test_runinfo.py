@@ -1,0 +1,50 @@
+"""Run metadata and timing statistics (llmstep.lab.runinfo): the one place the benchmarks take them from."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.core.config import LlamaConfig
+from llmstep.core.cost import decode_step_cost, model_step_cost
+from llmstep.core.model import Llama
+from llmstep.lab import bench, runinfo
+
+
+def test_median_is_a_measured_run_and_spread_is_relative():
+    assert runinfo.median([3.0, 1.0, 2.0]) == 2.0
+    assert runinfo.median([4.0, 1.0, 2.0, 3.0]) == 3.0  # the upper middle: a run that happened
+    assert runinfo.spread([9.0, 10.0, 11.0]) == pytest.approx(0.2)
+    assert runinfo.timing([2.0, 2.0]) == {"median": 2.0, "spread": 0.0, "all_runs": [2.0, 2.0]}
+    with pytest.raises(ValueError, match="no timings"):
+        runinfo.median([])
+
+
+def test_versions_and_machine():
+    v = runinfo.versions(transformers=None)
+    assert v == {"llmstep": llmstep.__version__, "torch": torch.__version__, "python": platform.python_version(),
+                 "transformers": None}
+    m = runinfo.machine("cpu", torch.bfloat16)
+    assert m["device"] == "cpu" and m["dtype"] == "bfloat16" and m["cores"] >= 1 and m["torch_threads"] >= 1
+    assert isinstance(m["cpu"], str) and "device_name" not in m
+    load = runinfo.load_average()
+    assert load is None or load >= 0
+
+
+def test_command_line_quotes_what_a_shell_would_need():
+    assert runinfo.command_line(["bench", "--set", "a b"]) == "llmstep bench --set 'a b'"
+    assert runinfo.command_line([]) == "llmstep"
+
+
+def test_the_bench_counts_bytes_with_llmstep_cost():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=300,
+                              max_seq_len=64, rope_theta=500000.0)).eval()
+    cost = bench.mean_step_cost(model, prompt_len=8, new_tokens=7)  # steps at contexts 8..13: mean 10.5
+    assert cost == model_step_cost(model, context=10.5)
+    assert cost.weight_bytes == decode_step_cost(model.config, dtype=model.dtype).weight_bytes
+    assert cost.kv_bytes == pytest.approx((8 + 13) / 2 * decode_step_cost(model.config, 0, model.dtype).kv_bytes
+                                          + decode_step_cost(model.config, 0, model.dtype).kv_bytes)
