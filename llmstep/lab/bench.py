@@ -33,7 +33,7 @@ from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, weight_bytes
 from ..core.device import resolve_device, resolve_dtype, synchronize
 from ..core.model import Llama
-from ..core.quantize import QuantConfig, quantize, read_quant_config
+from ..core.quantize import QuantConfig, quantize
 from ..engines.fast import FastDecoder
 from .hardware import random_model
 
@@ -309,7 +309,6 @@ def _main(args, argv: list[str]) -> dict:
     overrides = _parse_sets(args.set)
     if "vocab_size" in overrides:  # a shrunken vocabulary cannot keep Llama 3's special-token ids
         overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
-    quantized_ckpt = None
     if args.preset:
         config = LlamaConfig.preset(args.preset, **overrides)
         source = f"preset {args.preset} (random weights)"
@@ -318,20 +317,16 @@ def _main(args, argv: list[str]) -> dict:
 
         path = resolve_model_path(args.model)
         config = LlamaConfig.from_hf(path).replace(**overrides)
-        quantized_ckpt = None if args.random_weights else read_quant_config(path)
         source = f"{path}" + (" (its shape, random weights)" if args.random_weights else "")
     dtype = resolve_dtype(args.dtype, device, "bfloat16" if args.preset else config.torch_dtype)
     if args.preset or args.random_weights or overrides:
         model = random_model(config, device, dtype, args.seed)
-    elif quantized_ckpt is not None:
-        from ..core.quantize import load_quantized
-
-        model = load_quantized(path, device=device, dtype=dtype)
-        args.quantize = ["none"]
     else:
         from ..core.checkpoint import load_model
 
         model = load_model(path, device=device, dtype=dtype)
+        if getattr(model, "quantization", None) is not None:
+            args.quantize = ["none"]  # a quantised checkpoint is measured as it was saved
     print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
           f"{device} {str(dtype).removeprefix('torch.')}", flush=True)
     record = run_bench(model, args.quantize, args.prompt_len, args.new_tokens, args.compile, args.compile_mode,
