@@ -227,7 +227,9 @@ def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
     settings = _read_json(file).get("quantization_config")
     if settings is None:
         return None
-    method = settings.get("quant_method") if isinstance(settings, dict) else settings
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{file}: quantization_config must be an object, got {settings!r}")
+    method = settings.get("quant_method")
     if method != "llmstep":
         raise CheckpointError(f"{file}: quantization_config is for {method!r}; llmstep reads only its own ('llmstep')")
     if settings.get("format_version") != FORMAT_VERSION:

@@ -152,6 +152,18 @@ def test_quantised_checkpoint_saves_and_loads_to_identical_logits(request, tmp_p
     assert weight_bytes(loaded) == weight_bytes(qmodel)
 
 
+@torch.no_grad()
+def test_a_bfloat16_quantised_checkpoint_round_trips_bit_identically(tiny_checkpoint, tmp_path):
+    """In the dtype GPUs run: prompt (dequantise + matmul) and one-token decode (the packed kernel, if any)."""
+    model, tok = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.bfloat16)
+    qmodel = quantize(model, QuantConfig("int4", G, lm_head=True))
+    loaded, _ = llmstep.load(llmstep.save(qmodel, tmp_path / "q", tokenizer=tok), device="cpu", dtype=torch.bfloat16)
+    assert loaded.layers[0].attention.wq.kernel == qmodel.layers[0].attention.wq.kernel
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(loaded(tokens), qmodel(tokens))
+    assert torch.equal(loaded(tokens[:1, :1]), qmodel(tokens[:1, :1]))
+
+
 def test_a_quantised_checkpoint_can_be_sharded(tiny, tmp_path):
     model, tok = tiny
     qmodel = quantize(model, QuantConfig("int4", G), inplace=False)
@@ -194,6 +206,9 @@ def test_loading_refuses_a_quantised_checkpoint_whose_files_disagree(tiny, tmp_p
         llmstep.load(path, device="cpu")
     _rewrite(path, "quantization_config", lambda q: None)  # a float config.json over quantised weights
     with pytest.raises(llmstep.CheckpointError, match="config.json says none"):
+        llmstep.load(path, device="cpu")
+    _rewrite(path, "quantization_config", lambda q: "llmstep")
+    with pytest.raises(llmstep.CheckpointError, match=r"config\.json: quantization_config must be an object"):
         llmstep.load(path, device="cpu")
     _rewrite(path, "quantization_config", lambda q: {"quant_method": "gptq"})
     with pytest.raises(llmstep.CheckpointError, match=r"config\.json: quantization_config is for 'gptq'"):
