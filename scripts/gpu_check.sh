@@ -24,7 +24,8 @@ import torch
 from llmstep import LlamaConfig
 from llmstep.lab.hardware import random_model
 from llmstep.fast import FastDecoder
-from llmstep.core.quantize import Int4Linear, QuantConfig, load_quantized, quantize, save_quantized
+import llmstep
+from llmstep.core.quantize import Int4Linear, QuantConfig, quantize
 
 cfg = LlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=2, hidden_dim=1536, max_seq_len=256)
 for dtype in (torch.float32, torch.bfloat16):
@@ -46,8 +47,9 @@ kernels = {m.kernel for m in q4.modules() if isinstance(m, Int4Linear)}
 print("int4 kernels on CUDA:", kernels)
 assert kernels == {"packed"}, "torch._weight_int4pack_mm was not usable: int4 falls back to dequantise+matmul"
 with tempfile.TemporaryDirectory() as d:
-    save_quantized(q4, d)
-    back = load_quantized(d, device="cuda", dtype=torch.bfloat16, expect="int4")
+    llmstep.save(q4, d)
+    back = llmstep.load_model(d, device="cuda", dtype=torch.bfloat16)
+    assert back.quantization == QuantConfig("int4", 64), back.quantization
     x = torch.randint(0, 2048, (1, 32), device="cuda")
     assert torch.equal(back(x), q4(x)), "quantised checkpoint round trip changed the logits"
 print("correctness checks passed")

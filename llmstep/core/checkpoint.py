@@ -1,9 +1,14 @@
 """Read and write Hugging Face-layout checkpoints: config.json, safetensors (one file or shards),
-tokenizer.json, generation_config.json.
+tokenizer.json, generation_config.json. One loader reads float and quantised checkpoints alike.
+
+A quantised checkpoint (`llmstep.save` of a model from llmstep.core.quantize) is the same layout with
+a `quantization_config` in config.json, repeated in each safetensors header. Each quantised matmul is
+stored as `<name>.qweight` (int8, or uint8 holding two int4 codes), `<name>.scales` (and `.zeros`);
+transformers cannot read it (the packing is llmstep's), `llmstep.load` reads it back exactly.
 
 Loading validates before it allocates: the config, every expected tensor present with the right shape
-and a floating dtype, nothing unexpected. Only then is the model built on the meta device and each
-tensor read straight to its device and dtype (no second copy of the model in memory).
+and dtype, nothing unexpected. Only then is each tensor read straight to its device and dtype (no
+second copy of the model in memory) and the model made from them by `materialize`.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from tqdm.auto import tqdm
 from .config import LlamaConfig, read_json_object
 from .cost import n_params
 from .device import resolve_device, resolve_dtype
-from .model import Llama
-from .rope import config_inv_frequencies
+from .model import Llama, materialize
+from .quantize import QuantConfig, QuantizationError, QuantLinear, empty_quantized, linear_names
 from .tokens import Tokenizer
 
-__all__ = ["CheckpointError", "load", "load_model", "save", "resolve_model_path", "hf_names", "DATA_DIR"]
+__all__ = ["CheckpointError", "load", "load_model", "save", "resolve_model_path", "hf_names", "tensor_table",
+           "read_quant_config", "DATA_DIR"]
 
 # The shipped models live in the repository's data/ folder (override with LLMSTEP_DATA).
 DATA_DIR = Path(os.environ.get("LLMSTEP_DATA", Path(__file__).resolve().parents[2] / "data"))
@@ -45,6 +51,8 @@ _LAYER_NAMES = {  # llmstep name -> Hugging Face name, inside model.layers.{i}.
 }
 _FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes that load_model converts to the dtype asked for
 _OPTIONAL = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed from the config
+FORMAT_VERSION = 1  # of the quantised layout; bump when it changes
+_QUANT_KEY = "llmstep_quantization"  # the safetensors header's copy of the quantisation settings
 
 
 class CheckpointError(ValueError):
@@ -67,6 +75,33 @@ def hf_names(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     if not c.tie_embeddings:
         names["lm_head.weight"] = ("output.weight", (c.vocab_size, c.dim))
     return names
+
+
+def tensor_table(config: LlamaConfig, qc: QuantConfig | None = None) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Tensor name in the file -> (llmstep state name, shape, safetensors dtype: "float", "I8" or "U8").
+
+    Float checkpoints: hf_names. Quantised ones: each matmul `qc` quantises is stored as
+    `<hf>.qweight` [N, K] int8 (int4: [N, K/2] uint8) and `<hf>.scales` [N] (int4: [N, K/g], and `.zeros`).
+    """
+    table = {hf: (ours, shape, "float") for hf, (ours, shape) in hf_names(config).items()}
+    if qc is None:
+        return table
+    with torch.device("meta"):
+        meta = Llama(config)
+    prefix = {ours.removesuffix(".weight"): hf.removesuffix(".weight") for hf, (ours, _) in hf_names(config).items()}
+    prefix["output"] = "lm_head"  # also when tied: a quantised head has its own tensors
+    for module in linear_names(meta, qc.lm_head):
+        p = prefix[module]
+        table.pop(f"{p}.weight", None)
+        n, k = meta.get_submodule(module).weight.shape
+        if qc.mode == "int8":
+            table[f"{p}.qweight"] = (f"{module}.weight", (n, k), "I8")
+            table[f"{p}.scales"] = (f"{module}.scales", (n,), "float")
+        else:
+            table[f"{p}.qweight"] = (f"{module}.weight", (n, k // 2), "U8")
+            table[f"{p}.scales"] = (f"{module}.scales", (n, k // qc.group_size), "float")
+            table[f"{p}.zeros"] = (f"{module}.zeros", (n, k // qc.group_size), "float")
+    return table
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
@@ -113,9 +148,12 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
     )
 
 
-def _read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """Tensor name -> (file, shape, dtype), checking each file's header and size without reading data."""
+def _read_headers(path: Path, files: dict[str, list[str]]
+                  ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], dict[str, dict]]:
+    """Tensor name -> (file, shape, dtype), and file -> its header's metadata, checking each file's header and
+    size without reading data."""
     found: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    metadata: dict[str, dict] = {}
     for file, listed in files.items():
         fpath = path / file
         size = fpath.stat().st_size
@@ -128,6 +166,8 @@ def _read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, tuple[st
             tensors = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][1])
                        for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
             data_end = max((end for _, _, end in tensors.values()), default=0)
+            meta = header.get("__metadata__")
+            metadata[file] = meta if isinstance(meta, dict) else {}
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{fpath}: corrupt safetensors header ({type(e).__name__}: {e})") from None
         if size != 8 + header_len + data_end:
@@ -141,63 +181,83 @@ def _read_headers(path: Path, files: dict[str, list[str]]) -> dict[str, tuple[st
         missing_listed = [n for n in listed if n not in header]
         if missing_listed:
             raise CheckpointError(f"{fpath}: the index says it holds {missing_listed[0]}, but it does not")
-    return found
+    return found, metadata
 
 
-def validate(path: Path, config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """Check every tensor before anything is allocated; raise one error listing what is wrong."""
-    found = _read_headers(path, _weight_files(path))
-    expected = _expected(config, found)
+def validate(path: Path, config: LlamaConfig, qc: QuantConfig | None = None
+             ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], dict[str, tuple[str, tuple[int, ...], str]]]:
+    """Check every tensor before anything is allocated; raise one error listing what is wrong.
+
+    Returns what the headers hold (name -> (file, shape, dtype)) and what to load (tensor_table's rows)."""
+    found, metadata = _read_headers(path, _weight_files(path))
+    for file, meta in metadata.items():  # each file's header must record the settings config.json gives
+        recorded = meta.get(_QUANT_KEY)
+        try:
+            theirs = None if recorded is None else QuantConfig.of(json.loads(recorded))
+        except (json.JSONDecodeError, QuantizationError, TypeError) as e:
+            raise CheckpointError(f"{path / file}: bad {_QUANT_KEY} in its header ({e})") from None
+        if theirs != qc:
+            raise CheckpointError(f"{path / file}: its header records quantisation {theirs or 'none'}, but "
+                                  f"config.json says {qc or 'none'}; the files do not belong together")
+    expected = tensor_table(config, qc)
+    if qc is None and config.tie_embeddings and "lm_head.weight" in found:
+        expected["lm_head.weight"] = ("output.weight", (config.vocab_size, config.dim), "float")  # see load_model
     problems = []
-    for name, (_, shape) in expected.items():
+    for name, (_, shape, kind) in expected.items():
         if name not in found:
             problems.append(f"missing tensor {name} (expected shape {list(shape)})")
         elif found[name][1] != shape:
             problems.append(f"tensor {name} in {found[name][0]} has shape {list(found[name][1])}, "
-                            f"config.json implies {list(shape)}")
-        elif found[name][2] not in _FLOATS:
-            problems.append(f"tensor {name} in {found[name][0]} has dtype {found[name][2]}, expected a float")
+                            f"{'config.json' if qc is None else qc} implies {list(shape)}")
+        elif found[name][2] not in (_FLOATS if kind == "float" else (kind,)):
+            problems.append(f"tensor {name} in {found[name][0]} has dtype {found[name][2]}, "
+                            f"expected {'a float' if kind == 'float' else kind}")
     for name in found:
         if name not in expected and not name.endswith(_OPTIONAL):
             problems.append(f"unexpected tensor {name} in {found[name][0]}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(f"{path}: " + "; ".join(problems[:5]) + more)
-    return found
+    return found, expected
 
 
-def _expected(config: LlamaConfig, found: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """hf_names, plus lm_head.weight when a tied checkpoint carries one anyway (load_model decides what it means)."""
-    names = hf_names(config)
-    if config.tie_embeddings and "lm_head.weight" in found:
-        names["lm_head.weight"] = ("output.weight", (config.vocab_size, config.dim))
-    return names
-
-
-def read_config(path: Path) -> LlamaConfig:
-    """The checkpoint's config.json, refusing quantised checkpoints (they have their own loader)."""
-    config = LlamaConfig.from_hf(path)
-    quantized = _read_json(path / "config.json").get("quantization_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else quantized
-        raise CheckpointError(f"{path} holds a quantised checkpoint ({method}): "
-                              "load it with llmstep.quantize.load_quantized")
-    return config
+def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
+    """The quantisation settings a checkpoint directory records in config.json, or None for a float one."""
+    file = resolve_model_path(path) / "config.json"
+    settings = _read_json(file).get("quantization_config")
+    if settings is None:
+        return None
+    if not isinstance(settings, dict):
+        raise CheckpointError(f"{file}: quantization_config must be an object, got {settings!r}")
+    method = settings.get("quant_method")
+    if method != "llmstep":
+        raise CheckpointError(f"{file}: quantization_config is for {method!r}; llmstep reads only its own ('llmstep')")
+    if settings.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: quantised format version {settings.get('format_version')}, "
+                              f"this llmstep reads version {FORMAT_VERSION}")
+    try:
+        return QuantConfig.of(settings)
+    except (QuantizationError, TypeError) as e:
+        raise CheckpointError(f"{file}: bad quantization_config: {e}") from None
 
 
 def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, progress: bool | None = None) -> Llama:
-    """Build a Llama from a checkpoint directory, straight onto `device` in `dtype`."""
+    """Build a Llama from a checkpoint directory, float or quantised, straight onto `device` in `dtype`.
+
+    A quantised checkpoint comes back quantised (`model.quantization` holds its settings); `dtype` is then
+    that of its activations, scales, norms and embedding."""
     path = resolve_model_path(path)
-    config = read_config(path)
+    config = LlamaConfig.from_hf(path)
+    qc = read_quant_config(path)
     device = resolve_device(device)
     if dtype is None and device.type == "cpu" and n_params(config) > 4e9:
         dtype = config.torch_dtype  # a float32 copy of a big model would not fit most machines' memory
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
-    found = validate(path, config)
+    found, expected = validate(path, config, qc)
+    generation_config = _read_json(path / "generation_config.json")
 
-    expected = _expected(config, found)
-    total_bytes = sum(torch.Size(shape).numel() for _, shape in expected.values()) * torch.finfo(dtype).bits // 8
-    show = total_bytes > 2**30 if progress is None else progress
+    files = {file for file, _, _ in found.values()}
+    show = sum((path / f).stat().st_size for f in files) > 2**30 if progress is None else progress
     state: dict[str, torch.Tensor] = {}
     by_file: dict[str, list[str]] = {}
     for name in expected:
@@ -209,13 +269,22 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
         for file, names in by_file.items():
             with safe_open(path / file, framework="pt", device=read_on) as f:
                 for name in names:
-                    state[expected[name][0]] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    ours, _, kind = expected[name]
+                    t = f.get_tensor(name)  # quantised codes keep their integer dtype
+                    state[ours] = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)
                     bar.update()
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: could not read the weights ({e})") from None
     finally:
         bar.close()
 
+    if qc is not None:
+        model = materialize(config, state, generation_config, swap=lambda meta: empty_quantized(meta, qc, dtype))
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.prepare()  # the packed kernels' layouts for this device
+        model.quantization = qc
+        return model
     if config.tie_embeddings and "output.weight" in state:
         # A tied config whose checkpoint also holds lm_head.weight: transformers ties them only when the two are
         # equal, and otherwise keeps the head it was given. Do the same, so the model is the same function.
@@ -223,27 +292,20 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
             del state["output.weight"]
         else:
             config = config.replace(tie_embeddings=False)
-    with torch.device("meta"):
-        model = Llama(config)
-    if config.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    model.inv_freq = config_inv_frequencies(config).to(device)
-    model.generation_config = _read_json(path / "generation_config.json")
-    return model.eval()
+    return materialize(config, state, generation_config)
 
 
 def load(path: str | os.PathLike | None = None, device=None, dtype=None,
          progress: bool | None = None) -> tuple[Llama, Tokenizer]:
-    """Load (model, tokenizer) from a Hugging Face-layout directory; None loads the shipped default.
+    """Load (model, tokenizer) from a Hugging Face-layout directory, float or quantised; None loads the
+    shipped default.
 
     `device`: "cuda", "mps", "cpu" or None for the best available. `dtype`: None keeps the checkpoint's
     dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
     """
     path = resolve_model_path(path)
-    read_config(path)  # fail fast on the config and the tokenizer, before any weight is read
+    LlamaConfig.from_hf(path)  # fail fast on the config and the tokenizer, before any weight is read
+    read_quant_config(path)
     _read_json(path / "generation_config.json")
     tokenizer = Tokenizer.from_dir(path)
     model = load_model(path, device=device, dtype=dtype, progress=progress)
@@ -260,29 +322,39 @@ def _read_json(path: Path) -> dict:
 def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = None,
          generation_config: dict | None = None, dtype: torch.dtype | None = None,
          max_shard_bytes: int | None = None) -> Path:
-    """Write `model` in Hugging Face layout, loadable by llmstep and by transformers.
+    """Write `model` in Hugging Face layout, loadable by llmstep (and by transformers, unless quantised).
 
-    Files are written to a temporary folder beside `path` and moved in only when all are complete.
+    A quantised model is written in its packed form (see the module's docstring); `dtype` then applies to
+    its float tensors only. `generation_config` defaults to the model's own. Files are written to a
+    temporary folder beside `path` and moved in only when all are complete.
     """
     path = Path(path)
     config = model.config
+    qc = getattr(model, "quantization", None)
     dtype = dtype or model.dtype
     config_json = config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tensors = {hf: params[ours].detach().to("cpu", dtype).contiguous() for hf, (ours, _) in hf_names(config).items()}
+    metadata = {"format": "pt"}
+    if qc is not None:
+        config_json["quantization_config"] = {
+            "quant_method": "llmstep", "format_version": FORMAT_VERSION, **qc.to_dict(),
+            "int4_layout": "w = (q - 8) * scale + zero; two q per byte, even index in the high nibble"}
+        metadata[_QUANT_KEY] = json.dumps(qc.to_dict(), sort_keys=True)
+    state = model.state_dict()
+    tensors = {name: state[ours].detach().to("cpu", dtype if kind == "float" else state[ours].dtype).contiguous()
+               for name, (ours, _, kind) in tensor_table(config, qc).items()}
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-        gen = dict(generation_config or {})
+        gen = dict(getattr(model, "generation_config", {}) if generation_config is None else generation_config)
         gen.setdefault("bos_token_id", config.bos_token_id if tokenizer is None else tokenizer.bos_id)
         eos = config.eos_token_id if tokenizer is None else tokenizer.eos_ids
         gen.setdefault("eos_token_id", eos[0] if len(eos) == 1 else eos)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
-        _write_weights(tmp, tensors, max_shard_bytes)
+        _write_weights(tmp, tensors, max_shard_bytes, metadata)
         path.mkdir(exist_ok=True)
         for stale in path.glob("model*.safetensors*"):  # weights of an earlier save, sharded or not
             stale.unlink()
@@ -296,10 +368,11 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     return path
 
 
-def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None) -> None:
-    total = sum(t.nbytes for t in tensors.values())
+def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None,
+                   metadata: dict[str, str]) -> None:
+    total = sum(t.nbytes for t in tensors.values())  # the files' size, for the index (not a cost: see cost.py)
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+        save_file(tensors, folder / "model.safetensors", metadata=metadata)
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -312,7 +385,7 @@ def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_byt
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file, metadata={"format": "pt"})
+        save_file(shard, folder / file, metadata=metadata)
         weight_map.update(dict.fromkeys(shard, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

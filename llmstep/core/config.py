@@ -128,12 +128,7 @@ class LlamaConfig:
             where = str(path)
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}")
-            try:
-                source = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(source, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {type(source).__name__}")
+            source = read_json_object(path, ConfigError)
         hf = dict(source)
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":

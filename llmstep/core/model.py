@@ -2,9 +2,14 @@
 
 One forward path serves prefill and decode: prefill is T prompt tokens at positions 0..T-1, decode is
 one token at position t. Both write their keys and values into the cache when one is given.
+
+`materialize` is the one way a Llama is made from tensors that already exist (a checkpoint's, random
+ones, a quantised twin's): every builder in the package goes through it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -16,7 +21,7 @@ from .mlp import FeedForward
 from .norm import RMSNorm
 from .rope import config_inv_frequencies, rope_cos_sin
 
-__all__ = ["Block", "Llama"]
+__all__ = ["Block", "Llama", "materialize"]
 
 
 class Block(nn.Module):
@@ -98,3 +103,27 @@ class Llama(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.output(self.norm(x))  # [B, T, vocab]
+
+
+def materialize(config: LlamaConfig, state: dict[str, torch.Tensor], generation_config: dict | None = None,
+                swap: Callable[[Llama], None] | None = None) -> Llama:
+    """A Llama for inference that holds `state`'s tensors themselves (no copy, nothing allocated twice).
+
+    The model is built on the meta device (shapes only); `swap(model)` may replace modules there first
+    (quantised linears). The state dict is then assigned, not copied; a tied LM head is made the
+    embedding's own tensor again; inv_freq is recomputed from the config on the weights' device. The
+    model comes back in eval mode with requires_grad off: inference never builds an autograd graph.
+    """
+    with torch.device("meta"):
+        model = Llama(config)
+    if swap is not None:
+        swap(model)
+    tied = config.tie_embeddings and isinstance(model.output, nn.Linear)  # a quantised head has its own tensors
+    if tied:
+        state = state | {"output.weight": state["tok_embeddings.weight"]}
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    model.inv_freq = config_inv_frequencies(config).to(model.device)
+    model.generation_config = dict(generation_config or {})
+    return model.eval().requires_grad_(False)

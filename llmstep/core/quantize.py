@@ -13,40 +13,31 @@ while activations, norms and the KV cache stay in the model's dtype.
   torch._convert_weight_to_int4pack reads on CUDA).
 
 `quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True)
-for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. `save_quantized` and
-`load_quantized` keep the packed weights, with the settings in config.json and in the safetensors
-header, checked on load.
+for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. This module does no file I/O:
+`llmstep.save` writes a quantised model in its packed form and `llmstep.load` reads it back
+(llmstep.core.checkpoint).
 
 The matmul either calls PyTorch's packed kernels (torch._weight_int8pack_mm, torch._weight_int4pack_mm
 on CUDA, torch._weight_int4pack_mm_for_cpu) or dequantises and multiplies; under torch.compile the
-latter is fused into one kernel (gpt-fast's int8 path). `kernel="auto"` picks per device (see
-`_auto_kernel`); what each costs on this machine is measured by `python -m llmstep.bench`.
+latter is fused into one kernel (gpt-fast's int8 path). `kernel="auto"` picks per mode (see
+`_auto_kernel`) and falls back where this device has no packed kernel; what each costs on this machine
+is measured by `llmstep bench --quantize none int8 int4`.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import CheckpointError, hf_names, resolve_model_path
-from .config import LlamaConfig
-from .device import resolve_device, resolve_dtype
-from .model import Llama
-from .rope import config_inv_frequencies
+from .model import Llama, materialize
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize",
-           "linear_names", "save_quantized", "load_quantized", "layer_errors"]
+           "linear_names", "swap_linears", "empty_quantized", "layer_errors"]
 
 MODES = ("int8", "int4")
 KERNELS = ("auto", "packed", "dequant")
@@ -54,11 +45,10 @@ KERNELS = ("auto", "packed", "dequant")
 # weights once and calling the ordinary matmul is far faster (on the reference CPU, 100x at 512 rows).
 PACKED_MAX_ROWS = 16
 DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
-FORMAT_VERSION = 1  # of the quantised checkpoint layout below; bump when it changes
 
 
 class QuantizationError(ValueError):
-    """Settings that cannot quantise a model (or a checkpoint that does not match them); names the layer."""
+    """Settings that cannot quantise a model; the message names the layer."""
 
 
 @dataclass(frozen=True)
@@ -159,14 +149,15 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 # ---- the modules ---------------------------------------------------------------------------------
 
-def _auto_kernel(mode: str, device: torch.device) -> str:
+def _auto_kernel(mode: str) -> str:
     """Which matmul to use when the caller does not say.
 
     int8: dequantise + matmul everywhere. On CUDA torch.compile fuses the widening into the matmul
     (gpt-fast's int8 path); on this course's reference CPU (torch 2.13) torch._weight_int8pack_mm was
     several times slower than dequantise + matmul at batch 1, so it is opt-in (kernel="packed").
     int4: the packed kernels (tinygemm on CUDA, the _for_cpu variant on the CPU) where the shapes allow;
-    dequantising a whole int4 matrix per token would read more bytes than the float weights.
+    dequantising a whole int4 matrix per token would read more bytes than the float weights. Where the
+    device has no packed kernel, prepare() finds out and falls back to dequantise + matmul.
     """
     return "packed" if mode == "int4" else "dequant"
 
@@ -198,7 +189,7 @@ class Int8Linear(nn.Module):
     def prepare(self) -> Int8Linear:
         """Settle the kernel for the weights' device; check the packed one against the reference once."""
         if self.kernel == "auto":
-            self.kernel = _auto_kernel("int8", self.weight.device)
+            self.kernel = _auto_kernel("int8")
         if self.kernel == "packed":
             x = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype)
             try:
@@ -257,7 +248,7 @@ class Int4Linear(nn.Module):
         """Build the packed kernel's layout for the weights' device, check it once, else fall back."""
         device = self.weight.device
         if self.kernel == "auto":
-            self.kernel = _auto_kernel("int4", device)
+            self.kernel = _auto_kernel("int4")
         self.kernel_weight = self.scales_and_zeros = None
         if self.kernel != "packed":
             return self
@@ -338,21 +329,34 @@ def _check(model: Llama, qc: QuantConfig) -> None:
         raise QuantizationError(f"cannot quantise to {qc}: " + "; ".join(problems[:3]) + more)
 
 
+def swap_linears(model: Llama, names: list[str], make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace each named nn.Linear of `model` by make(linear), in place."""
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, make(owner.get_submodule(child)))
+
+
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
     if qc.mode == "int8":
         return Int8Linear.from_linear(linear, kernel)
     return Int4Linear.from_linear(linear, qc.group_size, kernel)
 
 
+def empty_quantized(model: Llama, qc: QuantConfig, dtype: torch.dtype) -> None:
+    """Swap the linears `qc` quantises for quantised modules of the same shape on the meta device, to be
+    filled from a checkpoint (llmstep.core.checkpoint) and then `prepare()`d on their device."""
+    def make(lin: nn.Linear) -> nn.Module:
+        if qc.mode == "int8":
+            return Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype)
+        return Int4Linear(lin.in_features, lin.out_features, qc.group_size, device="meta", dtype=dtype)
+
+    swap_linears(model, linear_names(model, qc.lm_head), make)
+
+
 def _float_copy(model: Llama) -> Llama:
     """A second Llama that shares every tensor with `model` (no weights copied)."""
-    with torch.device("meta"):
-        twin = Llama(model.config)
-    twin.load_state_dict(model.state_dict(), assign=True)
-    if model.config.tie_embeddings:
-        twin.output.weight = twin.tok_embeddings.weight
-    twin.inv_freq = model.inv_freq
-    twin.generation_config = getattr(model, "generation_config", {})
+    twin = materialize(model.config, model.state_dict(), getattr(model, "generation_config", {}))
     return twin.train(model.training)
 
 
@@ -373,10 +377,7 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     _check(model, qc)
     target = model if inplace else _float_copy(model)
     with torch.no_grad():
-        for name in linear_names(target, qc.lm_head):
-            parent, _, child = name.rpartition(".")
-            owner = target.get_submodule(parent) if parent else target
-            setattr(owner, child, _make(owner.get_submodule(child), qc, kernel))
+        swap_linears(target, linear_names(target, qc.lm_head), lambda linear: _make(linear, qc, kernel))
     target.quantization = qc
     return target
 
@@ -393,176 +394,3 @@ def layer_errors(model: Llama, quantized: Llama) -> dict[str, float]:
             w = model.get_submodule(name).weight.float()
             errors[name] = float((q.dequantized().float() - w).norm() / w.norm())
     return errors
-
-
-# ---- quantised checkpoints -----------------------------------------------------------------------
-
-def _hf_of(config: LlamaConfig) -> dict[str, str]:
-    """llmstep module name of each matmul -> its Hugging Face tensor prefix (without .weight)."""
-    out = {}
-    for hf, (ours, _) in hf_names(config).items():
-        if ours.endswith(".weight"):
-            out[ours.removesuffix(".weight")] = hf.removesuffix(".weight")
-    out["output"] = "lm_head"
-    return out
-
-
-def _expected(config: LlamaConfig, qc: QuantConfig) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """Tensor name in the file -> (llmstep state name, shape, safetensors dtype kind) of a quantised checkpoint."""
-    hf = _hf_of(config)
-    with torch.device("meta"):
-        meta = Llama(config)
-    quantised = set(linear_names(meta, qc.lm_head))
-    expected = {}
-    for hf_name, (ours, shape) in hf_names(config).items():
-        module = ours.removesuffix(".weight")
-        if module not in quantised:
-            expected[hf_name] = (ours, shape, "float")
-    for module in sorted(quantised):
-        n, k = meta.get_submodule(module).weight.shape
-        p = hf[module]
-        if qc.mode == "int8":
-            expected[f"{p}.qweight"] = (f"{module}.weight", (n, k), "I8")
-            expected[f"{p}.scales"] = (f"{module}.scales", (n,), "float")
-        else:
-            groups = k // qc.group_size
-            expected[f"{p}.qweight"] = (f"{module}.weight", (n, k // 2), "U8")
-            expected[f"{p}.scales"] = (f"{module}.scales", (n, groups), "float")
-            expected[f"{p}.zeros"] = (f"{module}.zeros", (n, groups), "float")
-    return expected
-
-
-def save_quantized(model: Llama, path: str | os.PathLike, tokenizer=None) -> Path:
-    """Write a quantised model: config.json with a `quantization_config`, model.safetensors with each
-    matmul as `<name>.qweight` (int8, or uint8 two-per-byte for int4), `.scales` (and `.zeros`).
-
-    Not loadable by transformers (the packing is llmstep's); `load_quantized` reads it back exactly.
-    """
-    qc = getattr(model, "quantization", None)
-    if qc is None:
-        raise QuantizationError("this model is not quantised: call llmstep.quantize.quantize(model, ...) first, "
-                                "or save it with llmstep.save")
-    path = Path(path)
-    config = model.config
-    state = dict(model.state_dict(keep_vars=False))
-    tensors = {name: state[ours].detach().to("cpu").contiguous()
-               for name, (ours, _, _) in _expected(config, qc).items()}
-    settings = {"quant_method": "llmstep", "format_version": FORMAT_VERSION, **qc.to_dict(),
-                "int4_layout": "w = (q - 8) * scale + zero; two q per byte, even index in the high nibble"}
-    config_json = config.to_hf() | {"torch_dtype": str(model.dtype).removeprefix("torch."),
-                                    "quantization_config": settings}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizer.save(tmp / "tokenizer.json")
-        gen = getattr(model, "generation_config", None)
-        if gen:
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        save_file(tensors, tmp / "model.safetensors",
-                  metadata={"format": "pt", "llmstep_quantization": json.dumps(qc.to_dict(), sort_keys=True)})
-        path.mkdir(exist_ok=True)
-        for stale in path.glob("model*.safetensors*"):
-            stale.unlink()
-        for f in tmp.iterdir():
-            os.replace(f, path / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
-
-
-def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
-    """The quantisation settings a checkpoint directory records in config.json, or None for a float one."""
-    path = resolve_model_path(path)
-    cfg = json.loads((path / "config.json").read_text())
-    settings = cfg.get("quantization_config")
-    if settings is None:
-        return None
-    if settings.get("quant_method") != "llmstep":
-        raise QuantizationError(f"{path}/config.json: quantization_config is for {settings.get('quant_method')!r}; "
-                                "llmstep reads only its own ('llmstep')")
-    if settings.get("format_version") != FORMAT_VERSION:
-        raise QuantizationError(f"{path}/config.json: quantised format version {settings.get('format_version')}, "
-                                f"this llmstep reads version {FORMAT_VERSION}")
-    try:
-        return QuantConfig.of(settings)
-    except (QuantizationError, TypeError) as e:
-        raise QuantizationError(f"{path}/config.json: bad quantization_config: {e}") from None
-
-
-def load_quantized(path: str | os.PathLike, device=None, dtype=None, expect: QuantConfig | str | None = None,
-                   kernel: str = "auto") -> Llama:
-    """Load a checkpoint written by `save_quantized` onto `device`; with `expect`, insist on those settings.
-
-    Validates before it allocates: the settings in config.json against the safetensors header (and
-    `expect`), every tensor's presence, shape and dtype. Errors name the file and the tensor.
-    """
-    path = resolve_model_path(path)
-    qc = read_quant_config(path)
-    if qc is None:
-        raise QuantizationError(f"{path} is a float checkpoint (no quantization_config in config.json): load it "
-                                "with llmstep.load_model and quantise it with llmstep.quantize.quantize")
-    if expect is not None and QuantConfig.of(expect) != qc:
-        raise QuantizationError(f"{path} is quantised as {qc}, but {QuantConfig.of(expect)} was asked for")
-    config = LlamaConfig.from_hf(path)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device, config.torch_dtype)
-    file = path / "model.safetensors"
-    if not file.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors")
-    expected = _expected(config, qc)
-    problems = []
-    try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            recorded = (f.metadata() or {}).get("llmstep_quantization")
-            if recorded is None or QuantConfig.of(json.loads(recorded)) != qc:
-                raise QuantizationError(f"{file}: its header records quantisation {recorded}, but config.json says "
-                                        f"{qc.to_dict()}; the files do not belong together")
-            names = set(f.keys())
-            for name, (_, shape, kind) in expected.items():
-                if name not in names:
-                    problems.append(f"missing tensor {name} (expected shape {list(shape)})")
-                    continue
-                sl = f.get_slice(name)
-                got_shape, got_dtype = tuple(sl.get_shape()), sl.get_dtype()
-                if got_shape != shape:
-                    problems.append(f"tensor {name} has shape {list(got_shape)}, {qc} implies {list(shape)}")
-                elif got_dtype not in (("F32", "F16", "BF16") if kind == "float" else (kind,)):
-                    problems.append(f"tensor {name} has dtype {got_dtype}, expected {kind}")
-            problems += [f"unexpected tensor {n}" for n in sorted(names - set(expected))]
-            if problems:
-                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-                raise CheckpointError(f"{file}: " + "; ".join(problems[:5]) + more)
-            state = {}
-            for name, (ours, _, kind) in expected.items():
-                t = f.get_tensor(name)
-                state[ours] = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{file}: could not read the weights ({e})") from None
-
-    with torch.device("meta"):
-        model = Llama(config)
-    for name in linear_names(model, qc.lm_head):
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        lin = owner.get_submodule(child)
-        if qc.mode == "int8":
-            new = Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype, kernel=kernel)
-        else:
-            new = Int4Linear(lin.in_features, lin.out_features, qc.group_size, device="meta", dtype=dtype,
-                             kernel=kernel)
-        setattr(owner, child, new)
-    if config.tie_embeddings and not qc.lm_head:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings and not qc.lm_head:
-        model.output.weight = model.tok_embeddings.weight
-    model.inv_freq = config_inv_frequencies(config).to(device)
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.prepare()
-    model.quantization = qc
-    gen = path / "generation_config.json"
-    model.generation_config = json.loads(gen.read_text()) if gen.is_file() else {}
-    return model.eval()

@@ -185,13 +185,11 @@ class LayerSkipDraft(Llama):
 
 def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, device=None, dtype=None) -> Llama:
     """A draft from a command-line word: "self-N" (the target's first N layers), "self-int8" /
-    "self-int4" (a quantized copy, when llmstep.quantize is available), or a checkpoint path ("draft"
+    "self-int4" (a quantized copy), or a checkpoint path ("draft"
     is the shipped one). A loaded checkpoint must share the target's tokenizer."""
     if spec.startswith("self-int"):
-        try:
-            from ..core import quantize
-        except ImportError:
-            raise ValueError(f"--draft {spec}: llmstep.quantize is not available in this version") from None
+        from ..core import quantize
+
         mode = spec.removeprefix("self-")
         if mode not in ("int8", "int4"):
             raise ValueError(f"--draft {spec}: the quantized self-drafts are self-int8 and self-int4")

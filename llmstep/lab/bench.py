@@ -27,7 +27,7 @@ from ..core.config import LlamaConfig
 from ..core.cost import StepCost, decode_step_cost, model_step_cost
 from ..core.device import resolve_device, resolve_dtype, synchronize
 from ..core.model import Llama
-from ..core.quantize import QuantConfig, quantize, read_quant_config
+from ..core.quantize import QuantConfig, quantize
 from ..engines.fast import FastDecoder
 from . import runinfo
 from .hardware import describe, measure_bandwidth, random_model
@@ -46,22 +46,17 @@ def bench_model(model: str | None = None, preset: str | None = None, random_weig
         overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
     if preset:
         config = LlamaConfig.preset(preset, **overrides)
-        source, quantized = f"preset {preset} (random weights)", None
+        source = f"preset {preset} (random weights)"
     else:
         from ..core.checkpoint import resolve_model_path
 
         path = resolve_model_path(model)
         config = LlamaConfig.from_hf(path).replace(**overrides)
-        quantized = None if random_weights else read_quant_config(path)
         source = f"{path}" + (" (its shape, random weights)" if random_weights else "")
     dtype = resolve_dtype(dtype, device, "bfloat16" if preset else config.torch_dtype)
     if preset or random_weights or overrides:
         return random_model(config, device, dtype, seed), source
-    if quantized is not None:
-        from ..core.quantize import load_quantized
-
-        return load_quantized(path, device=device, dtype=dtype), source
-    from ..core.checkpoint import load_model
+    from ..core.checkpoint import load_model  # a plain or a quantized checkpoint
 
     return load_model(path, device=device, dtype=dtype), source
 

@@ -20,8 +20,7 @@ import torch
 from ..core.config import LlamaConfig
 from ..core.cost import decode_step_cost, n_params
 from ..core.device import resolve_device, resolve_dtype, synchronize
-from ..core.model import Llama
-from ..core.rope import config_inv_frequencies
+from ..core.model import Llama, materialize
 
 __all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "measure_matmul",
            "measured_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
@@ -143,19 +142,13 @@ def random_model(config: LlamaConfig, device: str | torch.device | None = None,
     dev = resolve_device(device)
     dtype = resolve_dtype(dtype, dev, config.torch_dtype)
     with torch.device("meta"):
-        model = Llama(config).to(dtype)  # shapes only, no memory
-    model = model.to_empty(device=dev)
-    if config.tie_embeddings:  # to_empty gives each module its own tensor: tie the LM head again
-        model.output.weight = model.tok_embeddings.weight
+        shapes = Llama(config)  # names and shapes only, no memory; a tied head is named once
     g = torch.Generator(device=dev).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, std, generator=g)
-        model.inv_freq = config_inv_frequencies(config).to(dev)  # the buffer to_empty left uninitialised
-    return model.eval()
+    state = {}
+    for name, p in shapes.named_parameters():
+        w = torch.empty(p.shape, device=dev, dtype=dtype)
+        state[name] = w.fill_(1.0) if name.endswith("norm.weight") else w.normal_(0.0, std, generator=g)
+    return materialize(config, state)
 
 
 # ---- the chips -----------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ def test_config_values_of_the_wrong_kind_name_the_field_and_the_file(ckpt, chang
 
 def test_config_json_that_is_not_an_object(ckpt):
     (ckpt / "config.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="config.json: expected a JSON object"):
+    with pytest.raises(ConfigError, match="config.json must hold a JSON object, got list"):
         llmstep.load(ckpt)
 
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import make_checkpoint
 
 import llmstep
 from llmstep.core.cost import decode_step_cost, weight_bytes
@@ -17,12 +18,10 @@ from llmstep.core.quantize import (
     dequantize_int8,
     layer_errors,
     linear_names,
-    load_quantized,
     pack_int4,
     quantize,
     quantize_int4,
     quantize_int8,
-    save_quantized,
     unpack_int4,
 )
 
@@ -33,6 +32,14 @@ G = 16  # the tiny test model's widths are 64 and 112: 16 divides both
 def tiny(tiny_checkpoint):
     model, tok = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
     return model, tok
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory, tokenizer_file):
+    """A model whose LM head is its embedding (Llama 3.2 1B/3B)."""
+    path = tmp_path_factory.mktemp("tied")
+    make_checkpoint(path, tokenizer_file, tie_word_embeddings=True)
+    return llmstep.load(path, device="cpu", dtype=torch.float32)
 
 
 def test_int8_round_trip_error_is_at_most_half_a_step_per_element():
@@ -125,15 +132,45 @@ def test_every_matmul_is_swapped_and_bytes_shrink(tiny):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("spec", ["int8", QuantConfig("int4", G, lm_head=True)])
-def test_quantised_checkpoint_saves_and_loads_to_identical_logits(tiny, tmp_path, spec):
-    model, tok = tiny
+@pytest.mark.parametrize("spec", ["int8", QuantConfig("int4", G, lm_head=True), QuantConfig("int8", lm_head=True)])
+@pytest.mark.parametrize("which", ["tiny", "tied"])
+def test_quantised_checkpoint_saves_and_loads_to_identical_logits(request, tmp_path, spec, which):
+    """llmstep.save of a quantised model, then llmstep.load: the same model, bit for bit, with its tokenizer."""
+    model, tok = request.getfixturevalue(which)
     qmodel = quantize(model, spec, inplace=False)
-    save_quantized(qmodel, tmp_path / "q", tokenizer=tok)
+    llmstep.save(qmodel, tmp_path / "q", tokenizer=tok)
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert cfg["mode"] == QuantConfig.of(spec).mode and cfg["quant_method"] == "llmstep"
-    loaded = load_quantized(tmp_path / "q", device="cpu", dtype=torch.float32, expect=spec)
+    loaded, loaded_tok = llmstep.load(tmp_path / "q", device="cpu", dtype=torch.float32)
+    assert loaded.quantization == QuantConfig.of(spec) and loaded_tok.tok.get_vocab() == tok.tok.get_vocab()
+    assert [type(loaded.get_submodule(n)) for n in linear_names(loaded, lm_head=True)] == \
+        [type(qmodel.get_submodule(n)) for n in linear_names(qmodel, lm_head=True)]
+    tied = qmodel.output.weight is qmodel.tok_embeddings.weight
+    assert (loaded.output.weight is loaded.tok_embeddings.weight) == tied
     tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(loaded(tokens), qmodel(tokens))
+    assert weight_bytes(loaded) == weight_bytes(qmodel)
+
+
+@torch.no_grad()
+def test_a_bfloat16_quantised_checkpoint_round_trips_bit_identically(tiny_checkpoint, tmp_path):
+    """In the dtype GPUs run: prompt (dequantise + matmul) and one-token decode (the packed kernel, if any)."""
+    model, tok = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.bfloat16)
+    qmodel = quantize(model, QuantConfig("int4", G, lm_head=True))
+    loaded, _ = llmstep.load(llmstep.save(qmodel, tmp_path / "q", tokenizer=tok), device="cpu", dtype=torch.bfloat16)
+    assert loaded.layers[0].attention.wq.kernel == qmodel.layers[0].attention.wq.kernel
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(loaded(tokens), qmodel(tokens))
+    assert torch.equal(loaded(tokens[:1, :1]), qmodel(tokens[:1, :1]))
+
+
+def test_a_quantised_checkpoint_can_be_sharded(tiny, tmp_path):
+    model, tok = tiny
+    qmodel = quantize(model, QuantConfig("int4", G), inplace=False)
+    llmstep.save(qmodel, tmp_path / "q", tokenizer=tok, max_shard_bytes=20_000)
+    assert len(list((tmp_path / "q").glob("model-*.safetensors"))) > 1
+    loaded, _ = llmstep.load(tmp_path / "q", device="cpu", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(5))
     assert torch.equal(loaded(tokens), qmodel(tokens))
 
 
@@ -152,22 +189,64 @@ def test_bad_settings_are_refused_naming_the_layer(tiny):
     assert isinstance(model.layers[0].feed_forward.w2, torch.nn.Linear)  # nothing changed on refusal
 
 
-def test_loading_refuses_a_checkpoint_that_does_not_match_its_settings(tiny, tmp_path, tiny_checkpoint):
-    model, _ = tiny
-    path = save_quantized(quantize(model, "int8", inplace=False), tmp_path / "q8")
-    with pytest.raises(QuantizationError, match="quantised as int8, but int4-g64 was asked for"):
-        load_quantized(path, device="cpu", expect="int4")
-    with pytest.raises(QuantizationError, match="float checkpoint"):
-        load_quantized(tiny_checkpoint, device="cpu")
+def _rewrite(path, key, change):
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] |= {"mode": "int4", "group_size": G}  # config.json no longer matches the weights
+    cfg[key] = change(cfg.get(key))
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(QuantizationError, match="do not belong together"):
-        load_quantized(path, device="cpu")
 
 
-def test_plain_load_of_a_quantised_checkpoint_points_to_load_quantized(tiny, tmp_path):
-    model, _ = tiny
-    path = save_quantized(quantize(model, "int8", inplace=False), tmp_path / "q8")
-    with pytest.raises(llmstep.CheckpointError, match="quantised checkpoint .*load_quantized"):
-        llmstep.load(path)
+def test_loading_refuses_a_quantised_checkpoint_whose_files_disagree(tiny, tmp_path):
+    """Settings, shapes and dtypes are checked from config.json and the headers before any tensor is read;
+    each error names the file and the tensor."""
+    model, tok = tiny
+    path = llmstep.save(quantize(model, "int8", inplace=False), tmp_path / "q8", tokenizer=tok)
+    _rewrite(path, "quantization_config", lambda q: q | {"mode": "int4", "group_size": G})  # weights are int8
+    with pytest.raises(llmstep.CheckpointError, match=r"model\.safetensors: .*int8.*config\.json says int4-g16; "
+                                                      "the files do not belong together"):
+        llmstep.load(path, device="cpu")
+    _rewrite(path, "quantization_config", lambda q: None)  # a float config.json over quantised weights
+    with pytest.raises(llmstep.CheckpointError, match="config.json says none"):
+        llmstep.load(path, device="cpu")
+    _rewrite(path, "quantization_config", lambda q: "llmstep")
+    with pytest.raises(llmstep.CheckpointError, match=r"config\.json: quantization_config must be an object"):
+        llmstep.load(path, device="cpu")
+    _rewrite(path, "quantization_config", lambda q: {"quant_method": "gptq"})
+    with pytest.raises(llmstep.CheckpointError, match=r"config\.json: quantization_config is for 'gptq'"):
+        llmstep.load(path, device="cpu")
+    _rewrite(path, "quantization_config", lambda q: {"quant_method": "llmstep", "format_version": 99, "mode": "int8"})
+    with pytest.raises(llmstep.CheckpointError, match="format version 99"):
+        llmstep.load(path, device="cpu")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("model.layers.1.mlp.down_proj.scales"),
+     r"missing tensor model\.layers\.1\.mlp\.down_proj\.scales"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.qweight": torch.zeros(64, 64, dtype=torch.uint8)}),
+     r"q_proj\.qweight in model\.safetensors has dtype U8, expected I8"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.scales": torch.ones(3)}),
+     r"k_proj\.scales in model\.safetensors has shape \[3\], int8 implies \[16\]"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.ones(16, 64)}),
+     r"unexpected tensor model\.layers\.0\.self_attn\.k_proj\.weight"),
+])
+def test_a_bad_tensor_in_a_quantised_checkpoint_is_named_before_any_is_read(tiny, tmp_path, monkeypatch, change,
+                                                                             message):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    import llmstep.core.checkpoint as checkpoint
+
+    model, tok = tiny
+    path = llmstep.save(quantize(model, "int8", inplace=False), tmp_path / "q8", tokenizer=tok)
+    file = path / "model.safetensors"
+    with safe_open(file, framework="pt") as f:
+        metadata = f.metadata()  # the header's quantisation settings stay as they were
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata=metadata)
+
+    def no_reading(*a, **k):
+        raise AssertionError("weights were read before validation finished")
+
+    monkeypatch.setattr(checkpoint, "safe_open", no_reading)
+    with pytest.raises(llmstep.CheckpointError, match=message):
+        llmstep.load(path, device="cpu")
