@@ -8,11 +8,9 @@ removes what is not the model:
 - the KV cache is allocated once (`model.new_cache`, max_len slots) and written at explicit positions,
   so every decode step has the same shapes: token [1, 1] at position [1, 1];
 - that step (`model(token, position, cache)`, the same forward as everywhere else: nothing here forks
-  the model's math) is compiled whole with torch.compile (`compile_step`); on CUDA with mode
-  "reduce-overhead", which records it once as a CUDA graph and replays it with one launch per token; on
-  a CPU with the weights frozen into the compiled code (packed for oneDNN, q/k/v and gate/up each
-  concatenated into one matmul) and a C++ wrapper between the kernels instead of Python. Frozen means
-  frozen: change the model's weights and you need a new decoder;
+  the model's math) is compiled whole with torch.compile (llmstep/engines/compile.py): on CUDA as a CUDA
+  graph, replayed with one launch per token; on a CPU with the weights frozen into the compiled code.
+  Frozen means frozen: change the model's weights and you need a new decoder;
 - the position lives on the device and is advanced there; the sampled token is fed back without
   leaving it (`llmstep.sampling` draws with the exponential race, no torch.multinomial sync); tokens are
   copied to the host once at the end, or every `sync_every` steps when stop tokens are watched;
@@ -20,100 +18,49 @@ removes what is not the model:
 
 With compile=False it is the plain eager model in the same loop, and it gives the tokens
 `llmstep.generate` gives: greedy, and seeded sampling (the same generator, the same draws in the same
-order). tests/test_fast.py holds both to that.
+order). tests/engines/test_fast.py holds both to that.
+
+`FastSpeculator` runs speculative decoding the same way: static caches, fixed shapes, compiled rounds,
+with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..core.sampling import check_params, sample
-from .generate import check_max_new_tokens, check_prompt_ids, make_generator, stop_id_set
+from ..core.sampling import check_params, probs, sample
+from . import speculative
+from .compile import Step, warm_up
+from .decoding import (
+    DecodeResult,
+    budget,
+    cache_len,
+    check_max_new_tokens,
+    check_prompt_ids,
+    cut_at_stop,
+    end_reason,
+    make_generator,
+    room,
+    step_bytes_by_context,
+    stop_id_set,
+)
+from .speculative import Rounds
 
-__all__ = ["FastResult", "FastDecoder", "fast_generate", "compile_step", "compile_options", "uses_cuda_graphs"]
-
-
-def compile_options(device: torch.device, mode: str | None = None) -> dict:
-    """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
-
-    CUDA: mode "reduce-overhead", i.e. CUDA graphs. CPU: freeze the weights into the compiled code
-    (`freezing`: packed layouts, constant folding), concatenate the linears that read one input
-    (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become one matmul each, so a step makes 4 weight
-    passes per layer instead of 7), and call the kernels from C++ (`cpp_wrapper`), not from Python.
-    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape.
-    """
-    if mode is None:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-    import torch._inductor
-
-    options = dict(torch._inductor.list_mode_options(mode))
-    if device.type == "cpu":
-        options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
-    return options
-
-
-def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
-    """Whether `compile_step` records the step as a CUDA graph on `device` in `mode`."""
-    return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
-
-
-def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = ()):
-    """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
-    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
-    With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
-    graph may reuse their memory: use what a step returns before calling it again."""
-    for t in static:
-        torch._dynamo.mark_static_address(t)
-    # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
-    # this same step anew, and a process that builds more than 8 of them would hit the default limit.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    options = compile_options(device, mode)
-    compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
-    if uses_cuda_graphs(device, mode):
-
-        def graphed_step(*args):
-            torch.compiler.cudagraph_mark_step_begin()
-            return compiled(*args)
-
-        return graphed_step
-    if not options.get("freezing"):
-        return compiled
-    import torch._inductor.config as inductor_config
-
-    def frozen_step(*args):
-        # Dynamo decides whether parameters become constants from the global `freezing` flag when it
-        # traces, not from compile's options: hold it set while a call may trace (cost: ~1 us a call).
-        before, inductor_config.freezing = inductor_config.freezing, True
-        try:
-            return compiled(*args)
-        finally:
-            inductor_config.freezing = before
-
-    return frozen_step
+__all__ = ["FastResult", "FastDecoder", "fast_generate", "FastSpeculativeResult", "FastSpeculator"]
 
 
 @dataclass
-class FastResult:
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)  # new tokens, a final stop token included
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0  # all decode steps together (one timer, synchronised at the end)
-    decode_steps: int = 0  # forward passes after the prefill: len(tokens) - 1 when nothing stopped early
-    stop_reason: str = ""  # "stop", "length" or "context", as in llmstep.generate
+class FastResult(DecodeResult):
+    """A `DecodeResult` timed with one timer for all the decode steps (synchronised at the end)."""
 
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else float("nan")
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        return self.decode_steps / self.decode_seconds if self.decode_seconds else float("nan")
+    decode_seconds: float = 0.0  # all decode steps together
+    decode_steps: int = 0  # forwards after the prefill: len(tokens) - 1 when nothing stopped early
 
 
 class FastDecoder:
@@ -122,21 +69,18 @@ class FastDecoder:
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation).
     mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
-    "max-autotune" also tunes every matmul (slowest to compile, fastest on a CPU). See `compile_options`.
+    "max-autotune" also tunes every matmul (slowest to compile, fastest on a CPU). See llmstep.engines.compile.
     """
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None):
         self.model = model
         self.device = model.device
         self.max_len = model.config.max_seq_len if max_len is None else max_len
-        self.cache = model.new_cache(batch_size=1, max_len=self.max_len)  # k, v: [layers, 1, n_kv, max_len, hd]
-        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
-        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
+        self.cache = model.new_cache(batch_size=1, max_len=self.max_len)  # per layer k, v: [1, n_kv, max_len, hd]
+        self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
+        self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
         self.compile_seconds = 0.0  # spent in the first calls of the compiled step (warmup)
         self._warm = not self.compiled
-        self._step = self._decode_step
-        if self.compiled:
-            self._step = compile_step(self._decode_step, self.device, mode, static=self.cache.buffers)
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
@@ -147,15 +91,10 @@ class FastDecoder:
         """Compile (and on CUDA record the graph) before timing anything; returns the seconds it took."""
         if self._warm:
             return 0.0
-        synchronize(self.device)
-        start = time.perf_counter()
-        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        position = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        for _ in range(steps):  # reduce-overhead records on the second or third call
-            self._step(token, position)
-        synchronize(self.device)
+        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+        position = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
+        self.compile_seconds = warm_up(self.device, lambda: self._step(token, position), steps=steps)
         self.cache.reset()
-        self.compile_seconds = time.perf_counter() - start
         self._warm = True
         return self.compile_seconds
 
@@ -172,15 +111,14 @@ class FastDecoder:
         check_max_new_tokens(max_new_tokens)
         ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
         self.warmup()
-        result = FastResult(prompt_ids=ids)
-        # The last token is sampled but never written, so max_len slots allow max_len - len(ids) + 1 tokens.
-        n = min(max_new_tokens, self.max_len - len(ids) + 1)
-        result.stop_reason = "length" if n == max_new_tokens else "context"
+        plan = budget(len(ids), max_new_tokens, self.max_len)
+        result = FastResult(prompt_ids=ids, stop_reason=plan.stop_reason)
+        n = plan.tokens
         if n == 0:
             return result
-        device, stops = self.device, sorted(stop_id_set(stop_ids))
+        device, stops = self.device, stop_id_set(stop_ids)
         generator = make_generator(device, seed)  # the generator llmstep.generate uses: the same draws
-        stop_tensor = torch.tensor(stops, device=device, dtype=torch.long)
+        stop_tensor = torch.tensor(sorted(stops), device=device, dtype=torch.long)
         out = torch.empty(n, dtype=torch.long, device=device)  # the new tokens, on the device until the end
 
         self.cache.reset()
@@ -194,11 +132,10 @@ class FastDecoder:
         result.prefill_seconds = time.perf_counter() - start
 
         position = torch.full((1, 1), len(ids), dtype=torch.long, device=device)  # advanced on the device
-        steps, stopped = 0, False
+        steps = 0
         start = time.perf_counter()
         for i in range(1, n):
             if stops and i % sync_every == 0 and bool(torch.isin(out[:i], stop_tensor).any()):  # one sync
-                stopped = True
                 break
             logits = self._step(token.view(1, 1), position)
             token = sample(logits, temperature, top_k, top_p, generator)
@@ -208,13 +145,11 @@ class FastDecoder:
         tokens = out[: steps + 1].tolist()  # waits for the device: the end of the timed region
         result.decode_seconds = time.perf_counter() - start
         result.decode_steps = steps
-        if stops:
-            hit = next((j for j, t in enumerate(tokens) if t in stops), None)
-            if hit is not None:
-                tokens, result.stop_reason = tokens[: hit + 1], "stop"
-            elif stopped:  # cannot happen: the sync found a stop token
-                raise RuntimeError("stop token seen on the device but not on the host")
-        result.tokens = tokens
+        step_bytes = step_bytes_by_context(self.model, context=len(ids))
+        result.decode_bytes = sum(step_bytes(len(ids) + i) for i in range(steps))
+        result.tokens, stopped = cut_at_stop(tokens, stops)
+        if stopped:
+            result.stop_reason = "stop"
         return result
 
 
@@ -222,6 +157,164 @@ def fast_generate(model: Llama, prompt_ids: list[int], max_new_tokens: int = 128
                   top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids: Iterable[int] = (),
                   compile: bool | None = None) -> FastResult:
     """One-shot: a FastDecoder sized for this prompt (the cache llmstep.generate would allocate)."""
-    n_ctx = min(model.config.max_seq_len, len(prompt_ids) + max_new_tokens)
+    n_ctx = cache_len(len(prompt_ids), max_new_tokens, model.config.max_seq_len)
     decoder = FastDecoder(model, max_len=max(n_ctx, len(prompt_ids) + 1), compile=compile)
     return decoder.generate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
+
+
+# --------------------------------------------------------------------------------------------------
+# Speculative decoding, the fast way: static caches, compiled draft steps and verification
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FastSpeculativeResult(FastResult, Rounds):
+    """A `FastResult` plus the rounds. decode_steps counts the tokens after the first (as plain decoding
+    does, one per forward), so decode_tokens_per_second compares directly with FastDecoder's."""
+
+
+class FastSpeculator:
+    """Speculative decoding the way `FastDecoder` decodes: static KV caches written at explicit positions,
+    fixed shapes, compiled steps (llmstep.engines.compile).
+
+    Each round the draft first reads two tokens, the one before the pending token and the pending one:
+    when the last round accepted all k proposals the first of them is new to the draft's cache, and
+    otherwise it rewrites a slot with the token already there. Then every round has the same shapes,
+    whatever was accepted. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
+    forward, the greedy rule) is one compiled call and one host sync. With sampling the draft steps and
+    the verification are separate calls, since each draw comes from the host's generator.
+
+    The rule is `speculative.verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
+    numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
+    fits the budget. A round needs room for all k + 1 of its tokens: the run ends ("context") when fewer
+    slots are left.
+    """
+
+    def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
+                 compile: bool | None = None, mode: str | None = None):
+        speculative.check_k(k)
+        speculative.check_pair(target, draft)
+        limit = min(target.config.max_seq_len, draft.config.max_seq_len)
+        if max_len is not None and not (isinstance(max_len, int) and k + 2 <= max_len <= limit):
+            raise ValueError(f"max_len must be an integer in {k + 2}..{limit} (k + 2 .. both models' context), "
+                             f"got {max_len!r}")
+        self.target, self.draft, self.k = target, draft, k
+        self.max_len = limit if max_len is None else max_len
+        self.device = target.device
+        # per layer k, v: [1, n_kv, max_len, hd], each model its own
+        self.target_cache = target.new_cache(batch_size=1, max_len=self.max_len)
+        self.draft_cache = draft.new_cache(batch_size=1, max_len=self.max_len)
+        d, t = self.draft_cache.buffers, self.target_cache.buffers
+        self._draft_step = Step(self._draft, self.device, compile, mode, static=d)
+        self._verify_step = Step(self._verify, self.device, compile, mode, static=t)
+        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t)
+        self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
+        self._warm: set[str] = set() if self.compiled else {"greedy", "sampling"}  # the round kinds compiled
+        self.compile_seconds = 0.0
+
+    def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
+        return self.draft(tokens, positions, self.draft_cache, last_only=True)[:, -1].float()
+
+    def _verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [1, k+1] at positions [1, k+1] -> the target's logits [1, k+1, V] (float32)."""
+        return self.target(tokens, positions, self.target_cache).float()
+
+    def _greedy_round(self, pair: torch.Tensor, position: torch.Tensor):
+        """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1])."""
+        x = self._draft(pair, position + torch.arange(-1, 1, device=pair.device)).argmax(-1, keepdim=True)
+        proposed = [x]  # [1, 1] each
+        for i in range(1, self.k):
+            x = self._draft(x, position + i).argmax(-1, keepdim=True)
+            proposed.append(x)
+        drafted = torch.cat(proposed, dim=1)  # [1, k]
+        tokens = torch.cat([pair[:, 1:], drafted], dim=1)  # [1, k+1]: the pending token and the proposals
+        logits = self._verify(tokens, position + torch.arange(self.k + 1, device=pair.device))  # [1, k+1, V]
+        n, token = speculative.verify_greedy(logits, drafted)
+        return drafted, n, token
+
+    @torch.no_grad()
+    def warmup(self, greedy: bool = True, steps: int = 3) -> float:
+        """Compile the round's steps (on CUDA, record their graphs) before timing anything; returns the seconds."""
+        kind = "greedy" if greedy else "sampling"
+        if kind in self._warm:
+            return 0.0
+
+        def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
+            return torch.zeros(1, n, dtype=torch.long, device=self.device)
+
+        def arange(n: int) -> torch.Tensor:  # [1, n]: positions 0 .. n-1
+            return torch.arange(n, device=self.device)[None]
+
+        if greedy:
+            calls = [lambda: self._greedy_step(ids(2), ids(1) + 1)]
+        else:
+            calls = [lambda: self._draft_step(ids(2), arange(2)), lambda: self._draft_step(ids(1), ids(1)),
+                     lambda: self._verify_step(ids(self.k + 1), arange(self.k + 1))]
+        seconds = warm_up(self.device, *calls, steps=steps)
+        self.compile_seconds += seconds
+        self._warm.add(kind)
+        return seconds
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop_ids: Iterable[int] = ()) -> FastSpeculativeResult:
+        """Continue prompt_ids by up to max_new_tokens tokens, distributed as the target's (see `verify`)."""
+        check_params(temperature, top_k, top_p)
+        check_max_new_tokens(max_new_tokens)
+        ids = check_prompt_ids(prompt_ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
+        greedy = temperature == 0
+        self.warmup(greedy)
+        k, device, stops = self.k, self.device, stop_id_set(stop_ids)
+        plan = budget(len(ids), max_new_tokens, self.max_len)
+        result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
+        if plan.tokens == 0:
+            return result
+        generator = make_generator(device, seed)
+        pick = speculative.picker((temperature, top_k, top_p), generator)
+        for cache in (self.target_cache, self.draft_cache):
+            cache.reset()
+
+        synchronize(device)
+        start = time.perf_counter()
+        prompt, positions = torch.tensor([ids], device=device), torch.arange(len(ids), device=device)  # [1, T], [T]
+        token, _ = pick(self.target(prompt, positions, self.target_cache, last_only=True)[:, -1].float())  # [1]
+        self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
+        seq = ids + [int(token)]
+        result.tokens = seq[len(ids):]
+        result.prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        while (reason := end_reason(result.tokens, stops, plan)) is None:
+            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
+            if room(L, self.max_len) < k + 1:  # a round writes L-1 .. L-1+k: all of it must fit
+                reason = "context"
+                break
+            pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
+            if greedy:
+                drafted, n, token = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
+            else:
+                x, pos, proposed, q = pair, torch.arange(L - 2, L, device=device)[None], [], []
+                for i in range(k):
+                    t, q_i = pick(self._draft_step(x, pos))
+                    x, pos = t.view(1, 1), torch.full((1, 1), L + i, device=device)
+                    proposed.append(x)
+                    q.append(q_i)
+                drafted = torch.cat(proposed, dim=1)  # [1, k]
+                logits = self._verify_step(torch.cat([pair[:, 1:], drafted], dim=1),
+                                           torch.arange(L - 1, L + k, device=device)[None])  # [1, k+1, V]
+                p = probs(logits, temperature, top_k, top_p)
+                n, token = speculative.verify(p, torch.stack(q, dim=1), drafted, generator)
+            n = int(n)  # the one host sync of the round
+            # Nothing to roll back: slots past the accepted tokens are rewritten before a query can see them.
+            new = (drafted[0, :n].tolist() + [int(token)])[: plan.tokens - len(result.tokens)]
+            new, _ = cut_at_stop(new, stops)
+            result.record(k, n, len(new))
+            seq += new
+            result.tokens += new
+        synchronize(device)
+        result.decode_seconds = time.perf_counter() - start
+        result.decode_steps = len(result.tokens) - 1
+        result.stop_reason = reason
+        return result

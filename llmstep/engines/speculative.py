@@ -18,8 +18,9 @@ the target's argmax": the output is plain greedy decoding's, token for token.
 With a per-token acceptance probability a, one target forward yields on average (1 - a^(k+1)) / (1 - a)
 tokens (Leviathan et al., eq. 1). Both KV caches roll back after a rejection by moving their lengths back.
 
-Layout: the acceptance rule (pure, batched), the theory, a layer-skipping self-draft, the generation
-loop, the benchmark.
+Layout: the acceptance rule (pure, batched), the theory, the drafts (a layer-skipping self-draft, a
+quantized twin, a checkpoint), the teaching loop. The compiled loop (`FastSpeculator`) is in
+llmstep/engines/fast.py, the benchmarks in llmstep/lab/bench_speculative.py.
 """
 
 from __future__ import annotations
@@ -36,21 +37,22 @@ from ..core.kv_cache import KVCache
 from ..core.model import Llama
 from ..core.sampling import check_params, draw, probs
 from ..core.tokens import Tokenizer
-from .fast import FastResult, compile_step, uses_cuda_graphs
-from .generate import (
-    Generation,
-    Stream,
-    TokenEvent,
+from .decoding import (
+    budget,
+    cache_len,
     check_max_new_tokens,
-    check_prompt_ids,
+    cut_at_stop,
     encode_prompt,
+    end_reason,
     make_generator,
+    step_bytes_by_context,
     stop_id_set,
 )
+from .generate import Generation, Stream, TokenEvent
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
            "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "resolve_draft", "SpeculativeGeneration",
-           "speculative_stream", "speculative_generate", "Rounds", "FastSpeculator", "FastSpeculativeResult"]
+           "speculative_stream", "speculative_generate", "Rounds", "check_k", "check_pair", "picker"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,7 +146,7 @@ def measure_costs(target: Llama, draft: Llama, k_max: int = 8, context: int = 64
 
 
 def step_bytes(model: Llama, context: int = 0) -> float:
-    """Bytes one decode forward reads (llmstep.cost; llmstep.quantize's count for quantized weights)."""
+    """Bytes one decode forward reads, float or quantized (llmstep.core.cost.model_step_cost)."""
     return model_step_cost(model, context=context).bytes
 
 
@@ -281,12 +283,12 @@ class SpeculativeGeneration(Generation, Rounds):
                 f"per target forward (theory {self.theory_tokens_per_forward:.2f})")
 
 
-def _check_k(k) -> None:
+def check_k(k) -> None:
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k (draft tokens per round) must be an integer >= 1, got {k!r}")
 
 
-def _check_pair(target: Llama, draft: Llama) -> None:
+def check_pair(target: Llama, draft: Llama) -> None:
     if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
         raise ValueError(f"the draft must be a llmstep Llama (or a LayerSkipDraft), got {type(draft).__name__}")
     if draft.config.vocab_size != target.config.vocab_size:
@@ -302,8 +304,8 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
                        cost_ratio: float | None = None, verify_costs: Sequence[float] | None = None) -> Stream:
     """Start speculative generation; see `speculative_generate`. Errors in the arguments are raised here."""
     check_params(temperature, top_k, top_p)
-    _check_k(k)
-    _check_pair(target, draft)
+    check_k(k)
+    check_pair(target, draft)
     check_max_new_tokens(max_new_tokens)
     if cost_ratio is not None and not cost_ratio >= 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
@@ -318,7 +320,7 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     return Stream(events, result)
 
 
-def _picker(sampling: tuple[float, int, float], generator: torch.Generator | None):
+def picker(sampling: tuple[float, int, float], generator: torch.Generator | None):
     """pick(logits [1, V]) -> (token [1], the distribution it was drawn from, or None at temperature 0)."""
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if sampling[0] == 0:
@@ -333,60 +335,57 @@ def _picker(sampling: tuple[float, int, float], generator: torch.Generator | Non
 def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, stops, result,
          policy) -> Iterator[TokenEvent]:
     device = target.device
-    n_ctx = min(target.config.max_seq_len, len(ids) + max_new_tokens)  # target cache slots
+    n_ctx = cache_len(len(ids), max_new_tokens, target.config.max_seq_len)  # target cache slots
     n_ctx_draft = min(draft.config.max_seq_len, n_ctx)  # a draft with a shorter context stops proposing
+    plan = budget(len(ids), max_new_tokens, n_ctx)
     target_cache = target.new_cache(batch_size=1, max_len=n_ctx)
     draft_cache: KVCache = draft.new_cache(batch_size=1, max_len=n_ctx_draft)
+    target_bytes, draft_bytes = step_bytes_by_context(target), step_bytes_by_context(draft)  # weights counted once
     generator = make_generator(device, seed)
     detok = tokenizer.stream(skip_special_tokens=True)
     seq = list(ids)  # every token so far; the last one is not yet in either cache
-    result.stop_reason = "length"
+    result.stop_reason = plan.stop_reason
 
     def emit(token_id: int, seconds: float) -> TokenEvent:
         index = len(result.tokens)
         result.tokens.append(token_id)
         if index:
             result.step_seconds.append(seconds)
-        is_stop = token_id in stops
-        text = "" if is_stop else detok.step(token_id)
-        if is_stop or index == max_new_tokens - 1 or len(seq) - 1 >= n_ctx:  # the last token: flush the text
+        reason = end_reason(result.tokens, stops, plan)
+        text = "" if reason == "stop" else detok.step(token_id)
+        if reason:  # the last token: flush the text
             text += detok.flush()
+            result.stop_reason = reason
         result.text += text
-        return TokenEvent(token_id, text, index, seconds, is_stop)
+        return TokenEvent(token_id, text, index, seconds, reason == "stop")
 
-    if max_new_tokens == 0:
+    if plan.tokens == 0:
         return
     # Prefill both models on the prompt; the target's last logits give the first token.
     synchronize(device)
     start = time.perf_counter()
     greedy = sampling[0] == 0  # temperature 0: argmax comparisons, no distributions needed
 
-    pick = _picker(sampling, generator)
+    pick = picker(sampling, generator)
     x = torch.tensor([seq], device=device)  # [1, T]
     token, _ = pick(target(x, cache=target_cache, last_only=True)[:, -1])  # [1]
     if len(seq) <= n_ctx_draft:
         draft(x, cache=draft_cache, last_only=True)  # only its cache is wanted
     seq.append(int(token))
     result.prefill_seconds = time.perf_counter() - start
-    event = emit(seq[-1], result.prefill_seconds)
-    yield event
-    if event.stop:
-        result.stop_reason = "stop"
-        return
+    yield emit(seq[-1], result.prefill_seconds)
 
     target_len, draft_len = len(seq) - 1, int(draft_cache.lengths[0])  # positions held by each cache
     k = k_max
-    while len(result.tokens) < max_new_tokens:
+    while end_reason(result.tokens, stops, plan) is None:
         L = len(seq)  # the pending token sits at position L - 1
-        if L - 1 >= n_ctx:  # the context is full: nowhere to write the pending token
-            result.stop_reason = "context"
-            break
         if policy is not None:  # adaptive: the best k for the acceptance seen so far (Laplace estimate)
             cost_ratio, verify_costs = policy
             k = best_k((sum(result.accepted) + 1) / (result.examined + 2), cost_ratio, k_max, verify_costs)
-        # Propose no more than the budget can use (a round always adds one token of its own) or the
-        # caches can hold: the target writes positions L-1 .. L-1+k, the draft L-1 .. L+k-2.
-        k = max(0, min(k, max_new_tokens - len(result.tokens) - 1, n_ctx - L, n_ctx_draft - L + 1))
+        # A round adds one token of its own after its accepted proposals, so it proposes at most one less than
+        # the budget has left (which also keeps the target's writes, L-1 .. L-1+k, inside its cache); the draft,
+        # proposing from the L tokens so far, writes L-1 .. L+k-2, inside its own cache.
+        k = max(0, min(k, plan.tokens - len(result.tokens) - 1, budget(L, k, n_ctx_draft).tokens))
 
         synchronize(device)
         start = time.perf_counter()
@@ -430,23 +429,15 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         synchronize(device)
         seconds = time.perf_counter() - start
 
-        # Keep the new tokens up to a stop token (the budget was already respected by the choice of k).
-        for i, t in enumerate(new):
-            if t in stops:
-                new = new[: i + 1]
-                break
+        new, _ = cut_at_stop(new, stops)  # the budget was already respected by the choice of k
         result.record(k, n, len(new))
         result.overlap += overlap
         result.draft_seconds += draft_seconds
         result.target_seconds += seconds - draft_seconds
-        result.decode_bytes += step_bytes(target, L - 1) + sum(step_bytes(draft, L - 1 + i) for i in range(k))
+        result.decode_bytes += target_bytes(L - 1) + sum(draft_bytes(L - 1 + i) for i in range(k))
         for t in new:
             seq.append(t)
-            event = emit(t, seconds / len(new))
-            yield event
-            if event.stop:
-                result.stop_reason = "stop"
-                return
+            yield emit(t, seconds / len(new))
 
 
 def speculative_generate(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt, k: int = 4,
@@ -468,164 +459,3 @@ def speculative_generate(target: Llama, draft: Llama, tokenizer: Tokenizer, prom
     for _ in s:
         pass
     return s.result
-
-
-# --------------------------------------------------------------------------------------------------
-# The fast loop: static caches, compiled draft step and verification
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class FastSpeculativeResult(FastResult, Rounds):
-    """A `FastResult` plus the rounds. decode_steps counts the tokens after the first (as plain decoding
-    does, one per forward), so decode_tokens_per_second compares directly with FastDecoder's."""
-
-
-class FastSpeculator:
-    """Speculative decoding the way `llmstep.fast.FastDecoder` decodes: static KV caches written at
-    explicit positions, fixed shapes, compiled steps (`llmstep.fast.compile_step`).
-
-    Each round the draft first reads two tokens, the one before the pending token and the pending one:
-    when the last round accepted all k proposals the first of them is new to the draft's cache, and
-    otherwise it rewrites a slot with the token already there. Then every round has the same shapes,
-    whatever was accepted. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
-    forward, the greedy rule) is one compiled call and one host sync. With sampling the draft steps and
-    the verification are separate calls, since each draw comes from the host's generator.
-
-    The rule is `verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
-    numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
-    fits the budget.
-    """
-
-    def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
-                 compile: bool | None = None, mode: str | None = None):
-        _check_k(k)
-        _check_pair(target, draft)
-        limit = min(target.config.max_seq_len, draft.config.max_seq_len)
-        if max_len is not None and not (isinstance(max_len, int) and k + 2 <= max_len <= limit):
-            raise ValueError(f"max_len must be an integer in {k + 2}..{limit} (k + 2 .. both models' context), "
-                             f"got {max_len!r}")
-        self.target, self.draft, self.k = target, draft, k
-        self.max_len = limit if max_len is None else max_len
-        self.device = target.device
-        self.target_cache = target.new_cache(batch_size=1, max_len=self.max_len)  # [L, 1, n_kv, max_len, hd]
-        self.draft_cache = draft.new_cache(batch_size=1, max_len=self.max_len)
-        self.compiled = self.device.type == "cuda" if compile is None else bool(compile)
-        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
-        self._draft_step, self._verify_step, self._greedy_step = self._draft, self._verify, self._greedy_round
-        if self.compiled:
-            d, t = self.draft_cache.buffers, self.target_cache.buffers
-            self._draft_step = compile_step(self._draft, self.device, mode, static=d)
-            self._verify_step = compile_step(self._verify, self.device, mode, static=t)
-            self._greedy_step = compile_step(self._greedy_round, self.device, mode, static=d + t)
-        self._warm: set[str] = set() if self.compiled else {"greedy", "sampling"}  # the round kinds compiled
-        self.compile_seconds = 0.0
-
-    def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
-        return self.draft(tokens, positions, self.draft_cache, last_only=True)[:, -1].float()
-
-    def _verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [1, k+1] at positions [1, k+1] -> the target's logits [1, k+1, V] (float32)."""
-        return self.target(tokens, positions, self.target_cache).float()
-
-    def _greedy_round(self, pair: torch.Tensor, position: torch.Tensor):
-        """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1])."""
-        x = self._draft(pair, position + torch.arange(-1, 1, device=pair.device)).argmax(-1, keepdim=True)
-        proposed = [x]  # [1, 1] each
-        for i in range(1, self.k):
-            x = self._draft(x, position + i).argmax(-1, keepdim=True)
-            proposed.append(x)
-        drafted = torch.cat(proposed, dim=1)  # [1, k]
-        tokens = torch.cat([pair[:, 1:], drafted], dim=1)  # [1, k+1]: the pending token and the proposals
-        n, token = verify_greedy(self._verify(tokens, position + torch.arange(self.k + 1, device=pair.device)),
-                                 drafted)
-        return drafted, n, token
-
-    @torch.no_grad()
-    def warmup(self, greedy: bool = True, steps: int = 3) -> float:
-        """Compile the round's steps (on CUDA, record their graphs) before timing anything; returns the seconds."""
-        kind = "greedy" if greedy else "sampling"
-        if kind in self._warm:
-            return 0.0
-        synchronize(self.device)
-        start = time.perf_counter()
-
-        def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
-            return torch.zeros(1, n, dtype=torch.long, device=self.device)
-
-        for _ in range(steps):
-            if greedy:
-                self._greedy_step(ids(2), ids(1) + 1)
-            else:
-                self._draft_step(ids(2), torch.arange(2, device=self.device)[None])
-                self._draft_step(ids(1), ids(1))
-                self._verify_step(ids(self.k + 1), torch.arange(self.k + 1, device=self.device)[None])
-        synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.compile_seconds += seconds
-        self._warm.add(kind)
-        return seconds
-
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_ids: Iterable[int] = ()) -> FastSpeculativeResult:
-        """Continue prompt_ids by up to max_new_tokens tokens, distributed as the target's (see `verify`)."""
-        check_params(temperature, top_k, top_p)
-        check_max_new_tokens(max_new_tokens)
-        ids = check_prompt_ids(prompt_ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
-        greedy = temperature == 0
-        self.warmup(greedy)
-        k, device, stops = self.k, self.device, stop_id_set(stop_ids)
-        result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason="length")
-        if max_new_tokens == 0:
-            return result
-        generator = make_generator(device, seed)
-        pick = _picker((temperature, top_k, top_p), generator)
-        for cache in (self.target_cache, self.draft_cache):
-            cache.reset()
-
-        synchronize(device)
-        start = time.perf_counter()
-        prompt, positions = torch.tensor([ids], device=device), torch.arange(len(ids), device=device)  # [1, T], [T]
-        token, _ = pick(self.target(prompt, positions, self.target_cache, last_only=True)[:, -1].float())  # [1]
-        self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
-        seq = ids + [int(token)]
-        result.prefill_seconds = time.perf_counter() - start
-
-        start = time.perf_counter()
-        while len(seq) - len(ids) < max_new_tokens and seq[-1] not in stops:
-            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
-            if L + k > self.max_len:  # the target writes L-1 .. L-1+k
-                result.stop_reason = "context"
-                break
-            pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
-            if greedy:
-                drafted, n, token = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
-            else:
-                x, pos, proposed, q = pair, torch.arange(L - 2, L, device=device)[None], [], []
-                for i in range(k):
-                    t, q_i = pick(self._draft_step(x, pos))
-                    x, pos = t.view(1, 1), torch.full((1, 1), L + i, device=device)
-                    proposed.append(x)
-                    q.append(q_i)
-                drafted = torch.cat(proposed, dim=1)  # [1, k]
-                logits = self._verify_step(torch.cat([pair[:, 1:], drafted], dim=1),
-                                    torch.arange(L - 1, L + k, device=device)[None])  # [1, k+1, V]
-                p = probs(logits, temperature, top_k, top_p)
-                n, token = verify(p, torch.stack(q, dim=1), drafted, generator)
-            n = int(n)  # the one host sync of the round
-            # Nothing to roll back: slots past the accepted tokens are rewritten before a query can see them.
-            new = (drafted[0, :n].tolist() + [int(token)])[: max_new_tokens - (len(seq) - len(ids))]
-            hit = next((i for i, t in enumerate(new) if t in stops), None)
-            new = new if hit is None else new[: hit + 1]
-            result.record(k, n, len(new))
-            seq += new
-        synchronize(device)
-        result.decode_seconds = time.perf_counter() - start
-        result.tokens = seq[len(ids):]
-        result.decode_steps = len(result.tokens) - 1
-        if result.tokens[-1] in stops:
-            result.stop_reason = "stop"
-        return result

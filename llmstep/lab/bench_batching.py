@@ -15,7 +15,7 @@ import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..engines.batching import POLICIES, ContinuousBatcher, Request
+from ..engines.batching import POLICIES, BatchRunner, ContinuousBatcher, Request
 
 __all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling"]
 
@@ -76,17 +76,16 @@ def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8
 
     rows = []
     for batch in batch_sizes:
-        batcher = ContinuousBatcher(model, batch, max_len=context + 1, compile=compile)
-        tokens = torch.zeros(batch, 1, dtype=torch.long, device=batcher.device)
-        positions = torch.full((batch, 1), context, dtype=torch.long, device=batcher.device)
-        for _ in range(3):  # warm up (and compile)
-            batcher._step(tokens, positions)
+        runner = BatchRunner(model, batch, max_len=context + 1, compile=compile)
+        runner.warmup()  # compile (on CUDA, record the graph) before timing
+        tokens = torch.zeros(batch, 1, dtype=torch.long, device=runner.device)
+        positions = torch.full((batch, 1), context, dtype=torch.long, device=runner.device)
         times = []
         for _ in range(repeats):
-            synchronize(batcher.device)
+            synchronize(runner.device)
             start = time.perf_counter()
-            batcher._step(tokens, positions)
-            synchronize(batcher.device)
+            runner.step(tokens, positions)
+            synchronize(runner.device)
             times.append(time.perf_counter() - start)
         cost = decode_step_cost(model.config, context, model.dtype, batch=batch)
         seconds = statistics.median(times)

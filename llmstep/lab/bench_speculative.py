@@ -11,10 +11,9 @@ from collections.abc import Iterable
 
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
-from ..engines.fast import FastDecoder
+from ..engines.fast import FastDecoder, FastSpeculator
 from ..engines.generate import generate
 from ..engines.speculative import (
-    FastSpeculator,
     Rounds,
     draft_cost_ratio,
     expected_tokens_per_forward,

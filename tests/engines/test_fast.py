@@ -4,10 +4,11 @@ import os
 
 import pytest
 import torch
-from llmstep.fast import FastDecoder, compile_step, fast_generate
+from llmstep.fast import FastDecoder, fast_generate
 
 import llmstep
 from llmstep.core.quantize import QuantConfig, quantize
+from llmstep.engines.compile import compile_step
 
 PROMPT = [295, 17, 101, 42, 7, 250, 33]
 
@@ -109,14 +110,14 @@ def test_compiled_quantized_step_gives_its_eager_tokens(tiny, quant):
 
 
 def test_compile_options_freeze_and_fuse_on_the_cpu_only():
-    from llmstep.fast import compile_options
+    from llmstep.engines.compile import compile_options
 
     cpu = compile_options(torch.device("cpu"))
     assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
-    from llmstep.fast import uses_cuda_graphs  # what compile_step marks a new graph step for, before each call
+    from llmstep.engines.compile import uses_cuda_graphs  # what compile_step marks a graph step for, each call
 
     assert uses_cuda_graphs(torch.device("cuda")) and uses_cuda_graphs(torch.device("cuda"), "max-autotune")
     assert not uses_cuda_graphs(torch.device("cuda"), "default") and not uses_cuda_graphs(torch.device("cpu"))

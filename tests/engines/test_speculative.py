@@ -7,13 +7,14 @@ import copy
 
 import pytest
 import torch
+from llmstep.fast import FastSpeculator
 from llmstep.sampling import draw, probs
 
 import llmstep
 import llmstep.engines.speculative as spec
 from llmstep import Llama, LlamaConfig, Tokenizer
 from llmstep.cli import main as llmstep_main
-from llmstep.engines.speculative import FastSpeculator, LayerSkipDraft, speculative_generate, speculative_stream, verify
+from llmstep.engines.speculative import LayerSkipDraft, speculative_generate, speculative_stream, verify
 
 PROMPT = [5, 17, 101, 42, 7]  # token ids, so no BOS or tokenizer detail gets in the way
 

@@ -1,0 +1,117 @@
+"""How a decode step is compiled for a device, and warmed up before anything is timed.
+
+FastDecoder, FastSpeculator and the batcher each run a small step (one token through the model, a
+speculative round, one token for every slot) thousands of times with the same shapes. `Step` is that
+function, eager or compiled whole with torch.compile (`compile_step`):
+
+- on CUDA with mode "reduce-overhead", which records it once as a CUDA graph and replays it with one
+  launch per token;
+- on a CPU with the weights frozen into the compiled code (packed for oneDNN, q/k/v and gate/up each
+  concatenated into one matmul) and a C++ wrapper between the kernels instead of Python. Frozen means
+  frozen: change the model's weights and you need a new step.
+
+`warm_up` runs the steps before timing: compiling takes seconds (tens on a CPU), and a CUDA graph is
+recorded on the second or third call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..core.device import synchronize
+
+__all__ = ["compile_options", "uses_cuda_graphs", "compile_step", "Step", "warm_up"]
+
+
+def compile_options(device: torch.device, mode: str | None = None) -> dict:
+    """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
+
+    CUDA: mode "reduce-overhead", i.e. CUDA graphs. CPU: freeze the weights into the compiled code
+    (`freezing`: packed layouts, constant folding), concatenate the linears that read one input
+    (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become one matmul each, so a step makes 4 weight
+    passes per layer instead of 7), and call the kernels from C++ (`cpp_wrapper`), not from Python.
+    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape.
+    """
+    if mode is None:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+    import torch._inductor
+
+    options = dict(torch._inductor.list_mode_options(mode))
+    if device.type == "cpu":
+        options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
+    return options
+
+
+def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
+    """Whether `compile_step` records the step as a CUDA graph on `device` in `mode`."""
+    return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
+
+
+def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = ()):
+    """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
+    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
+    With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
+    graph may reuse their memory: use what a step returns before calling it again."""
+    for t in static:
+        torch._dynamo.mark_static_address(t)
+    # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
+    # this same step anew, and a process that builds more than 8 of them would hit the default limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    options = compile_options(device, mode)
+    compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
+    if uses_cuda_graphs(device, mode):
+
+        def graphed_step(*args):
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*args)
+
+        return graphed_step
+    if not options.get("freezing"):
+        return compiled
+    import torch._inductor.config as inductor_config
+
+    def frozen_step(*args):
+        # Dynamo decides whether parameters become constants from the global `freezing` flag when it
+        # traces, not from compile's options: hold it set while a call may trace (cost: ~1 us a call).
+        before, inductor_config.freezing = inductor_config.freezing, True
+        try:
+            return compiled(*args)
+        finally:
+            inductor_config.freezing = before
+
+    return frozen_step
+
+
+class Step:
+    """A loop's step: `fn` itself, or fn compiled for `device` (`compile_step`).
+
+    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
+    long run, not for one short generation). mode: torch.compile's mode; None is "reduce-overhead" (CUDA
+    graphs) on CUDA, the default elsewhere; "max-autotune" also tunes every matmul. static: the tensors fn
+    writes in place (`KVCache.buffers`).
+    """
+
+    def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
+                 static: Iterable[torch.Tensor] = ()):
+        self.compiled = device.type == "cuda" if compile is None else bool(compile)
+        self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
+        self.fn = compile_step(fn, device, mode, static) if self.compiled else fn
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+
+def warm_up(device: torch.device, *calls: Callable[[], object], steps: int = 3) -> float:
+    """Run every call `steps` times and wait for the device: each step it calls is compiled (and on CUDA
+    its graph recorded: reduce-overhead records on the second or third call) before anything is timed.
+    Returns the seconds it took. A call writes dummy tokens into its cache: reset the cache afterwards."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        for call in calls:
+            call()
+    synchronize(device)
+    return time.perf_counter() - start

@@ -1,0 +1,210 @@
+"""The rules every decode loop shares, in one place: the prompt, the budget, the stop, the seed, the result.
+
+generate, FastDecoder, the speculative loops and the batcher all ask the same questions, and each asks
+them here:
+
+- is the input usable? `check_prompt_ids`, `check_max_new_tokens`, `stop_id_set`, `encode_prompt`;
+- how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
+  the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
+  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`);
+- has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
+  budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
+- which random numbers? `make_generator`: a seeded generator on the model's device;
+- what does a run report? `DecodeResult`, which every loop's result extends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from numbers import Integral
+
+import torch
+
+from ..core.cost import model_step_cost
+from ..core.tokens import Tokenizer
+
+__all__ = ["check_max_new_tokens", "check_prompt_ids", "stop_id_set", "encode_prompt", "make_generator", "room",
+           "cache_len", "Budget", "budget", "end_reason", "cut_at_stop", "step_bytes_by_context", "DecodeResult"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The input
+# --------------------------------------------------------------------------------------------------
+
+
+def check_max_new_tokens(max_new_tokens) -> None:
+    if not isinstance(max_new_tokens, Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+
+
+def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
+    """Token ids (a list, or a tensor [T] or [1, T]) as a list of ints: not empty, inside the vocabulary,
+    and leaving room for one new token."""
+    if torch.is_tensor(ids) or hasattr(ids, "__array__"):  # a tensor or a numpy array
+        ids = torch.as_tensor(ids)
+        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+            raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
+        ids = ids.flatten().tolist()
+    ids = list(ids)
+    odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
+    if odd:
+        raise ValueError(f"prompt token ids must be integers, got {odd[0]!r}")
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token id")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    if len(ids) >= max_len:
+        raise ValueError(f"the prompt is {len(ids)} tokens, but {room} is {max_len}: "
+                         "no room for a new token; shorten the prompt")
+    return ids
+
+
+def stop_id_set(stop_ids) -> set[int]:
+    """Stop token ids (a list, a set, a tensor, ...) as a set of ints; anything else is refused by name."""
+    if torch.is_tensor(stop_ids):
+        stop_ids = stop_ids.flatten().tolist()
+    if isinstance(stop_ids, str | bytes) or not isinstance(stop_ids, Iterable):
+        raise ValueError(f"stop_ids must be a collection of token ids, got {stop_ids!r}")
+    ids = [i.item() if torch.is_tensor(i) and i.numel() == 1 else i for i in stop_ids]
+    odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
+    if odd:
+        raise ValueError(f"stop_ids must hold integer token ids, got {odd[0]!r}")
+    return {int(i) for i in ids}
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor | list[dict],
+                  max_seq_len: int) -> list[int]:
+    """A prompt as text (BOS added), as token ids (a list or a tensor, used as given) or as chat messages -> ids,
+    checked."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one character")
+        ids = tokenizer.encode(prompt, bos=True)
+    elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = tokenizer.encode_chat(list(prompt))
+    else:  # token ids, a list or a tensor
+        ids = prompt
+    return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
+
+
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """A generator on the model's device: seeded runs reproduce exactly, None draws a fresh seed."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed))
+    return g
+
+
+# --------------------------------------------------------------------------------------------------
+# The budget: how many new tokens fit, and why a run ends
+# --------------------------------------------------------------------------------------------------
+
+
+def room(prefix_len: int, max_len: int) -> int:
+    """New tokens a cache of max_len slots allows after prefix_len tokens: prefix_len - 1 + n slots are written
+    (the last token sampled is never fed back), so n = max_len - prefix_len + 1 (0 when nothing fits)."""
+    return max(0, max_len - prefix_len + 1)
+
+
+def cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """The cache a one-shot run allocates: the prompt and its new tokens, at most the model's context."""
+    return min(max_seq_len, prompt_len + max_new_tokens)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What a run may make: `tokens` new tokens, and the stop_reason if no stop token ends it first."""
+
+    tokens: int
+    stop_reason: str  # "length" (max_new_tokens) or "context" (the cache is full first)
+
+
+def budget(prompt_len: int, max_new_tokens: int, max_len: int) -> Budget:
+    """The budget of a run of a prompt_len-token prompt for max_new_tokens in a cache of max_len slots."""
+    n = min(max_new_tokens, room(prompt_len, max_len))
+    return Budget(n, "length" if n == max_new_tokens else "context")
+
+
+def end_reason(tokens: list[int], stops: set[int], plan: Budget) -> str | None:
+    """Why a sequence that has made `tokens` ends now, or None: "stop" when its last token is a stop token
+    (kept as the last token), the budget's reason once it has made plan.tokens."""
+    if tokens and tokens[-1] in stops:
+        return "stop"
+    return plan.stop_reason if len(tokens) >= plan.tokens else None
+
+
+def cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
+    """Tokens made ahead (a round of speculation, steps run between host syncs) up to and including the first
+    stop token; and whether there was one."""
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def step_bytes_by_context(model: torch.nn.Module, context: int = 0) -> Callable[[int], float]:
+    """bytes(c): what one decode step of `model` reads with c tokens in its cache (llmstep.core.cost's
+    model_step_cost), its weights counted once per run rather than once per step: the count is linear in c
+    (the weights, plus the same KV bytes per cached token), so two evaluations give every step."""
+    at = model_step_cost(model, context=context).bytes
+    per_token = model_step_cost(model, context=context + 1).bytes - at
+    return lambda c: at + (c - context) * per_token
+
+
+# --------------------------------------------------------------------------------------------------
+# The result every loop returns
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeResult:
+    """A prompt, the tokens made after it, why they ended, and how long it took.
+
+    Every loop's result extends it and gives `decode_steps` (the forwards after the prefill: one per token
+    after the first) and `decode_seconds` (their time), as fields or from its own timings.
+    """
+
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)  # new tokens, a final stop token included
+    stop_reason: str = ""  # "stop" (a stop token), "length" (max_new_tokens) or "context" (the cache is full)
+    prefill_seconds: float = 0.0  # the prompt's forward, which makes the first token
+    decode_bytes: float = 0.0  # weights + KV cache the decode steps read (llmstep.core.cost); 0: not counted
+
+    @property
+    def decode_steps(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must say how many decode steps it ran")
+
+    @property
+    def decode_seconds(self) -> float:
+        raise NotImplementedError(f"{type(self).__name__} must say how long its decode steps took")
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else math.nan
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_steps / self.decode_seconds if self.decode_steps and self.decode_seconds else math.nan
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.decode_bytes / self.decode_steps if self.decode_steps and self.decode_bytes else math.nan
+
+    @property
+    def bandwidth_gb_per_second(self) -> float:
+        """Bytes the decode steps had to read over the time they took: the memory bandwidth achieved."""
+        if not (self.decode_steps and self.decode_bytes and self.decode_seconds):
+            return math.nan
+        return self.decode_bytes / self.decode_seconds / 1e9
+
+    def summary(self) -> str:
+        return (f"prompt {len(self.prompt_ids)} tokens, prefill {self.prefill_seconds * 1e3:.1f} ms "
+                f"({self.prefill_tokens_per_second:,.0f} tok/s) | decode {self.decode_steps} tokens at "
+                f"{self.decode_tokens_per_second:,.1f} tok/s | {self.bytes_per_token / 1e6:,.2f} MB read per token, "
+                f"{self.bandwidth_gb_per_second:,.2f} GB/s achieved | stop: {self.stop_reason}")

@@ -1,0 +1,218 @@
+"""Continuous batching's scheduler: which request runs in which slot at every engine step. Pure Python.
+
+The scheduler owns the queues and the policy and touches no tensor (vLLM v1 splits a serving engine the
+same way: scheduler, KV-cache manager, model runner). An engine step, as `ContinuousBatcher.run` drives it
+(llmstep/engines/batching.py):
+
+1. `begin_step`: requests that have arrived join the queue (static batching also opens its next batch
+   here, but only when every slot is free);
+2. `admit`, until it returns None: the next queued request and the slot it gets; the runner prefills
+   its prompt into that slot and `take` records the token that gives (a request done at once, stopped by
+   that token or wanting none, frees its slot for the next in the queue, in the same step);
+3. `running`: whom the step's batched decode serves, one entry per slot (None: a free slot); the runner
+   makes one token for each and `take` records them;
+4. `end_step`. A request leaves when `decoding.end_reason` says so: a stop token, its max_new_tokens, or
+   the end of its slot (`decoding.budget`).
+
+What a slot is stays inside `admit` (`_free_slot`): one row of max_len positions, reserved whole. A
+paged KV cache would replace that with a block pool ("are there blocks for this prompt?", and a block
+more as a sequence grows), and chunked prefill would hand out a prompt in pieces across steps; the
+steps above stay as they are. Tests drive it with made-up tokens (tests/engines/test_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .decoding import Budget, DecodeResult, end_reason
+
+__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler"]
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass(kw_only=True)
+class Completion(DecodeResult):
+    """What became of a request: its tokens, and when (in engine steps and in seconds) things happened.
+    Its decode steps were shared with the batch: decode_seconds is the time from its first token to its last,
+    and its bytes are not counted per request."""
+
+    id: int  # the request's index in the order it was submitted
+    slot: int = -1
+    arrival: int = 0  # engine step it arrived at
+    admitted: int = -1  # engine step its prompt was prefilled in
+    finished: int = -1  # engine step its last token was made in
+    first_token_seconds: float = math.nan  # from the start of its arrival step to its first token
+    latency_seconds: float = math.nan  # from the start of its arrival step to its last token
+
+    @property
+    def queued_steps(self) -> int:
+        return self.admitted - self.arrival
+
+    @property
+    def latency_steps(self) -> int:
+        """Engine steps from arrival to the last token, both counted."""
+        return self.finished - self.arrival + 1
+
+    @property
+    def decode_steps(self) -> int:
+        return max(0, len(self.tokens) - 1)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.latency_seconds - self.first_token_seconds
+
+
+@dataclass
+class BatchRun:
+    """A finished run: every request's completion, and the slots' timeline for plotting.
+
+    timeline[s][i]: the request id slot i decoded for in engine step s, or -1 when the slot was free.
+    prefills: (engine step, slot, request id) for every prompt prefilled.
+    """
+
+    policy: str
+    n_slots: int
+    completions: list[Completion]
+    timeline: list[list[int]] = field(default_factory=list)
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # per engine step: its prefills and decode step
+    seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.timeline)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.completions)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else math.nan
+
+    @property
+    def slot_utilisation(self) -> float:
+        """The share of decode-step rows that served a request rather than a free slot."""
+        rows = [i for step in self.timeline for i in step]
+        return sum(i >= 0 for i in rows) / len(rows) if rows else math.nan
+
+    def summary(self) -> dict:
+        lat = [c.latency_steps for c in self.completions]
+        served = [c for c in self.completions if c.tokens]  # a request for 0 tokens has no first token
+        return {"policy": self.policy, "slots": self.n_slots, "requests": len(self.completions),
+                "tokens": self.tokens, "engine_steps": self.steps, "slot_utilisation": self.slot_utilisation,
+                "mean_latency_steps": statistics.fmean(lat) if lat else math.nan,
+                "max_latency_steps": max(lat, default=0),
+                "seconds": self.seconds, "tokens_per_second": self.tokens_per_second,
+                "mean_first_token_seconds": statistics.fmean(c.first_token_seconds for c in served)
+                if served else math.nan,
+                "mean_latency_seconds": statistics.fmean(c.latency_seconds for c in self.completions)
+                if self.completions else math.nan}
+
+
+@dataclass
+class Job:
+    """One request as the scheduler sees it: its record, its budget and its stop tokens (no tensors)."""
+
+    completion: Completion
+    plan: Budget  # decoding.budget(prompt length, max_new_tokens, a slot's length)
+    stops: set[int]
+    arrived_at: float = math.nan  # clock time at the start of its arrival step
+
+    @property
+    def id(self) -> int:
+        return self.completion.id
+
+    @property
+    def position(self) -> int:
+        """Where its newest token goes in its slot: after its prompt and the tokens before it."""
+        return len(self.completion.prompt_ids) + len(self.completion.tokens) - 1
+
+
+class Scheduler:
+    """The queue, the slots and the policy for one run over `jobs` (in submission order).
+
+    clock: the wall clock for the per-request seconds (a test may pass its own).
+    """
+
+    def __init__(self, jobs: list[Job], n_slots: int, policy: str = "continuous",
+                 clock: Callable[[], float] = time.perf_counter):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.jobs, self.policy, self.clock = jobs, policy, clock
+        self.run = BatchRun(policy, n_slots, [j.completion for j in jobs])
+        self.arrivals = deque(sorted(jobs, key=lambda j: j.completion.arrival))  # stable: FIFO within a step
+        self.queue: deque[Job] = deque()
+        self.slots: list[Job | None] = [None] * n_slots
+        self.step = 0
+        self._static_batch: deque[int] = deque()  # the slots a static batch still has to fill this step
+        self._step_start = math.nan
+
+    @property
+    def done(self) -> bool:
+        return not (self.arrivals or self.queue or any(self.slots))
+
+    def begin_step(self) -> None:
+        """Skip the steps in which nothing runs and nobody arrives (recorded idle), then let arrivals in."""
+        while not self.queue and not any(self.slots) and self.arrivals[0].completion.arrival > self.step:
+            self.run.timeline.append([-1] * len(self.slots))  # nothing to do until the next request arrives
+            self.run.step_seconds.append(0.0)
+            self.step += 1
+        self._step_start = self.clock()
+        while self.arrivals and self.arrivals[0].completion.arrival <= self.step:
+            job = self.arrivals.popleft()
+            job.arrived_at = self._step_start
+            self.queue.append(job)
+        if self.policy == "static" and not any(self.slots):  # a static batch forms only when all of it is done
+            self._static_batch = deque(range(min(len(self.slots), len(self.queue))))
+
+    def _free_slot(self) -> int | None:
+        """The slot the next queued request may take now, or None (the policy's one decision)."""
+        if self.policy == "static":
+            return self._static_batch.popleft() if self._static_batch else None
+        return self.slots.index(None) if None in self.slots else None
+
+    def admit(self) -> Job | None:
+        """The next request to prefill, now in its slot; None when the policy admits nobody more this step.
+        A request for 0 tokens is admitted and finished here, without a prefill."""
+        while self.queue and (slot := self._free_slot()) is not None:
+            job = self.queue.popleft()
+            c = job.completion
+            self.slots[slot], c.slot, c.admitted = job, slot, self.step
+            self.run.prefills.append((self.step, slot, c.id))
+            if job.plan.tokens == 0:
+                self._finish(job, job.plan.stop_reason)
+                continue
+            return job
+        return None
+
+    def running(self) -> list[Job | None]:
+        """Whom this step's batched decode serves, one entry per slot (None: free); recorded in the timeline."""
+        self.run.timeline.append([-1 if j is None else j.id for j in self.slots])
+        return list(self.slots)
+
+    def take(self, job: Job, token_id: int) -> None:
+        """Record a request's new token; free its slot if that ends it."""
+        c = job.completion
+        if not c.tokens:
+            c.first_token_seconds = self.clock() - job.arrived_at
+        c.tokens.append(token_id)
+        reason = end_reason(c.tokens, job.stops, job.plan)
+        if reason:
+            self._finish(job, reason)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        c = job.completion
+        c.stop_reason, c.finished = reason, self.step
+        c.latency_seconds = self.clock() - job.arrived_at
+        self.slots[c.slot] = None
+
+    def end_step(self) -> None:
+        self.run.step_seconds.append(self.clock() - self._step_start)
+        self.step += 1
