@@ -37,17 +37,7 @@ from ..core.kv_cache import KVCache
 from ..core.model import Llama
 from ..core.sampling import check_params, draw, probs
 from ..core.tokens import Tokenizer
-from .decoding import (
-    budget,
-    cache_len,
-    check_max_new_tokens,
-    cut_at_stop,
-    encode_prompt,
-    end_reason,
-    make_generator,
-    step_bytes_by_context,
-    stop_id_set,
-)
+from . import decoding
 from .generate import Generation, Stream, TokenEvent
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
@@ -213,7 +203,7 @@ def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, 
 
 
 # --------------------------------------------------------------------------------------------------
-# Generation
+# The teaching loop
 # --------------------------------------------------------------------------------------------------
 
 
@@ -306,11 +296,11 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     check_params(temperature, top_k, top_p)
     check_k(k)
     check_pair(target, draft)
-    check_max_new_tokens(max_new_tokens)
+    decoding.check_max_new_tokens(max_new_tokens)
     if cost_ratio is not None and not cost_ratio >= 0:
         raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
-    ids = encode_prompt(tokenizer, prompt, target.config.max_seq_len)
-    stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    ids = decoding.encode_prompt(tokenizer, prompt, target.config.max_seq_len)
+    stops = decoding.stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     result = SpeculativeGeneration(prompt_ids=ids, k=k)
     if adaptive and cost_ratio is None:
         cost_ratio = draft_cost_ratio(target, draft)
@@ -335,13 +325,14 @@ def picker(sampling: tuple[float, int, float], generator: torch.Generator | None
 def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, stops, result,
          policy) -> Iterator[TokenEvent]:
     device = target.device
-    n_ctx = cache_len(len(ids), max_new_tokens, target.config.max_seq_len)  # target cache slots
+    n_ctx = decoding.cache_len(len(ids), max_new_tokens, target.config.max_seq_len)  # target cache slots
     n_ctx_draft = min(draft.config.max_seq_len, n_ctx)  # a draft with a shorter context stops proposing
-    plan = budget(len(ids), max_new_tokens, n_ctx)
+    plan = decoding.budget(len(ids), max_new_tokens, n_ctx)
     target_cache = target.new_cache(batch_size=1, max_len=n_ctx)
     draft_cache: KVCache = draft.new_cache(batch_size=1, max_len=n_ctx_draft)
-    target_bytes, draft_bytes = step_bytes_by_context(target), step_bytes_by_context(draft)  # weights counted once
-    generator = make_generator(device, seed)
+    target_bytes = decoding.step_bytes_by_context(target)  # bytes(context) of a step; weights counted once
+    draft_bytes = decoding.step_bytes_by_context(draft)
+    generator = decoding.make_generator(device, seed)
     detok = tokenizer.stream(skip_special_tokens=True)
     seq = list(ids)  # every token so far; the last one is not yet in either cache
     result.stop_reason = plan.stop_reason
@@ -351,7 +342,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         result.tokens.append(token_id)
         if index:
             result.step_seconds.append(seconds)
-        reason = end_reason(result.tokens, stops, plan)
+        reason = decoding.end_reason(result.tokens, stops, plan)
         text = "" if reason == "stop" else detok.step(token_id)
         if reason:  # the last token: flush the text
             text += detok.flush()
@@ -377,7 +368,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
 
     target_len, draft_len = len(seq) - 1, int(draft_cache.lengths[0])  # positions held by each cache
     k = k_max
-    while end_reason(result.tokens, stops, plan) is None:
+    while decoding.end_reason(result.tokens, stops, plan) is None:
         L = len(seq)  # the pending token sits at position L - 1
         if policy is not None:  # adaptive: the best k for the acceptance seen so far (Laplace estimate)
             cost_ratio, verify_costs = policy
@@ -385,7 +376,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         # A round adds one token of its own after its accepted proposals, so it proposes at most one less than
         # the budget has left (which also keeps the target's writes, L-1 .. L-1+k, inside its cache); the draft,
         # proposing from the L tokens so far, writes L-1 .. L+k-2, inside its own cache.
-        k = max(0, min(k, plan.tokens - len(result.tokens) - 1, budget(L, k, n_ctx_draft).tokens))
+        k = max(0, min(k, plan.tokens - len(result.tokens) - 1, decoding.budget(L, k, n_ctx_draft).tokens))
 
         synchronize(device)
         start = time.perf_counter()
@@ -408,19 +399,17 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         logits = target(x, cache=target_cache)[:, -(k + 1):]  # [1, k+1, V]
         if not k:
             n, new, overlap = 0, [int(pick(logits[:, 0])[0])], []
-        elif greedy:
-            drafted = torch.cat(proposed, dim=1)  # [1, k]
-            n, token = verify_greedy(logits, drafted)
-            n = int(n)
-            new = drafted[0, :n].tolist() + [int(token)]
-            overlap = [1.0] * n + [0.0] * (n < k)  # one-hot p and q overlap fully or not at all
         else:
-            p = probs(logits, *sampling)  # [1, k+1, V]
-            drafted, q = torch.cat(proposed, dim=1), torch.stack(q, dim=1)  # [1, k], [1, k, V]
-            n, token = verify(p, q, drafted, generator)
+            drafted = torch.cat(proposed, dim=1)  # [1, k]
+            if greedy:
+                n, token = verify_greedy(logits, drafted)
+            else:
+                p, q = probs(logits, *sampling), torch.stack(q, dim=1)  # [1, k+1, V], [1, k, V]
+                n, token = verify(p, q, drafted, generator)
             n = int(n)
             new = drafted[0, :n].tolist() + [int(token)]
-            overlap = torch.minimum(p[0, :k], q[0]).sum(-1)[: min(n + 1, k)].tolist()  # the examined positions
+            overlap = ([1.0] * n + [0.0] * (n < k) if greedy  # one-hot p and q overlap fully or not at all
+                       else torch.minimum(p[0, :k], q[0]).sum(-1)[: min(n + 1, k)].tolist())  # the examined ones
         # 3. Roll both caches back to the accepted prefix: what lies beyond their lengths is never read.
         target_len = L + n
         target_cache.rollback(target_len)
@@ -429,7 +418,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         synchronize(device)
         seconds = time.perf_counter() - start
 
-        new, _ = cut_at_stop(new, stops)  # the budget was already respected by the choice of k
+        new, _ = decoding.cut_at_stop(new, stops)  # the budget was already respected by the choice of k
         result.record(k, n, len(new))
         result.overlap += overlap
         result.draft_seconds += draft_seconds
