@@ -95,8 +95,9 @@ class BatchRunner:
         """Compile the step (on CUDA, record its graph) before timing anything; returns the seconds it took."""
         if self._warm:
             return 0.0
-        zeros = torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device)  # [S, 1]
-        self.compile_seconds = warm_up(self.device, lambda: self.step(zeros, zeros), steps=steps)
+        # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
+        tokens, positions = (torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device) for _ in range(2))
+        self.compile_seconds = warm_up(self.device, lambda: self.step(tokens, positions), steps=steps)
         self.cache.reset()
         self._warm = True
         return self.compile_seconds
