@@ -176,9 +176,9 @@ class LayerSkipDraft(Llama):
 
 
 def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, device=None, dtype=None) -> Llama:
-    """A draft from a command-line word: "self-N" (the target's first N layers), "self-int8" /
-    "self-int4" (a quantized copy), or a checkpoint path ("draft"
-    is the shipped one). A loaded checkpoint must share the target's tokenizer."""
+    """A draft from a command-line word: "self-N" (the target's first N layers), "self-int8" / "self-int4"
+    (a quantized copy), or a checkpoint path ("draft" is the shipped one). A loaded checkpoint must share
+    the target's tokenizer."""
     if spec.startswith("self-int"):
         from ..core import quantize
 
