@@ -1,0 +1,73 @@
+"""Atomic writes: interrupted at any step, a write leaves the old file or the new one, complete, and no debris."""
+
+import os
+
+import pytest
+
+from llmstep.core import files
+
+
+class Boom(Exception):
+    pass
+
+
+STEPS = [("os.fsync", os, "fsync"), ("os.replace", os, "replace"), ("os.chmod", os, "chmod")]
+
+
+@pytest.mark.parametrize("name, module, attr", STEPS, ids=[s[0] for s in STEPS])
+def test_an_interrupted_write_leaves_the_old_file_whole(tmp_path, monkeypatch, name, module, attr):
+    target = tmp_path / "record.json"
+    files.atomic_write_json(target, {"old": True})
+    real = getattr(module, attr)
+    calls = {"n": 0}
+
+    def fail(*args, **kwargs):
+        calls["n"] += 1
+        raise Boom(name)
+
+    monkeypatch.setattr(module, attr, fail)
+    with pytest.raises(Boom):
+        files.atomic_write_json(target, {"new": True})
+    monkeypatch.setattr(module, attr, real)
+    assert calls["n"] >= 1
+    assert target.read_text() == '{\n  "old": true\n}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["record.json"]  # no temporary file left behind
+
+
+def test_an_exception_inside_the_block_leaves_nothing(tmp_path):
+    target = tmp_path / "weights.bin"
+    with pytest.raises(Boom), files.atomic_write(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise Boom("interrupted")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_complete_write_replaces_the_file_with_the_usual_mode(tmp_path):
+    target = tmp_path / "sub" / "out.txt"
+    files.atomic_write_text(target, "one")
+    files.atomic_write_text(target, "two")
+    assert target.read_text() == "two"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.txt"]
+
+
+def test_output_paths_are_refused_before_any_work(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a directory"):
+        files.check_output_path(tmp_path, "--json")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        files.check_output_path(tmp_path / "afile" / "out.json", "--json")
+    with pytest.raises(IsADirectoryError):
+        files.atomic_write_text(tmp_path, "x")
+    assert files.check_output_path(tmp_path / "new" / "out.json") == tmp_path / "new" / "out.json"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_a_read_only_directory_is_refused(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    with pytest.raises(ValueError, match="not writable"):
+        files.check_output_path(ro / "out.json")
