@@ -16,20 +16,22 @@ core/         the model, one module per stage of the token's journey (notebooks 
     quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
     device.py      the device, the dtype policy, synchronisation
+    files.py       atomic writes: nothing the package writes is ever left half-written
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
     generate.py    the teaching loop: prefill once, decode token by token
     compile.py     how a step is compiled for a device, and warmed up
-    fast.py        the decode loop without overhead (static cache, compiled step), plain and speculative
+    fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
     speculative.py the acceptance rule, its theory, the drafts, the teaching loop
-    batching.py    continuous batching: a pure-Python scheduler and the runner that owns the cache
+    scheduler.py   continuous batching's scheduler: queues, policy, admission (pure Python, no tensors)
+    batching.py    continuous batching's runner (the KV cache, the batched step) and ContinuousBatcher
 lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     runinfo.py     what every measurement records: machine, versions, load, command; median and spread
-shakespeare/  the shipped default: corpus and tokenizer (data.py), training, evaluation
+shakespeare/  the shipped default: corpus and tokenizer (data.py), training (train.py), evaluation (evaluate.py)
 cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only; nothing imports it
 """
 

@@ -161,3 +161,20 @@ def test_relative_imports_resolve_to_modules(source, expected):
     modules = {"llmstep", "llmstep._version", "llmstep.core", "llmstep.core.cost", "llmstep.lab",
                "llmstep.lab.bench", "llmstep.lab.runinfo"}
     assert imports("llmstep.lab.bench", source, modules) == expected
+
+
+def test_the_package_map_and_the_readme_table_name_every_module_of_the_tree():
+    """llmstep/__init__.py's map and README.md's module table list exactly the modules there are (the command
+    line is named as a package)."""
+    tree = {p.relative_to(PACKAGE) for p in PACKAGE.rglob("*.py")}
+    listed = {p for p in tree if p.parts[0] not in ("cli",) and p.name not in ("__init__.py", "__main__.py")
+              and not p.name.startswith("_")}
+    doc = (PACKAGE / "__init__.py").read_text().split('"""')[1]
+    readme = (ROOT / "README.md").read_text()
+    for path in sorted(listed):
+        assert f"{path.parts[0]}/" in doc and path.name in doc, f"llmstep/__init__.py's map lacks {path}"
+        assert f"`{path.parts[0]}/`" in readme and f"`{path.name}`" in readme, f"README's module table lacks {path}"
+    import re
+
+    named = set(re.findall(r"\b(\w+\.py)\b", doc)) | set(re.findall(r"`(\w+\.py)`", readme))
+    assert named <= {p.name for p in tree}, f"named but not in the tree: {sorted(named - {p.name for p in tree})}"
