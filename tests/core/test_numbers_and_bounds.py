@@ -212,3 +212,13 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_any_weight_is_read(ckpt,
     monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(cost.MemoryBudgetError, match=r"ckpt in float32 needs about 0.00 GB, but cpu has 0.00 GB"):
         llmstep.load(ckpt, device="cpu", dtype="float32")
+
+
+def test_a_llama_too_large_for_the_device_is_refused_before_its_weights_are_made(monkeypatch):
+    from llmstep.core.model import Llama
+
+    _free(monkeypatch, 24e9)
+    with pytest.raises(cost.MemoryBudgetError, match=r"a Llama of 4096x32 in float32 needs about 32.12 GB"):
+        Llama(LlamaConfig.preset("llama-3-8b"))
+    with torch.device("meta"):
+        Llama(LlamaConfig.preset("llama-3.1-405b"))  # shapes only: nothing to refuse
