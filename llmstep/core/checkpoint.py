@@ -6,9 +6,14 @@ a `quantization_config` in config.json, repeated in each safetensors header. Eac
 stored as `<name>.qweight` (int8, or uint8 holding two int4 codes), `<name>.scales` (and `.zeros`);
 transformers cannot read it (the packing is llmstep's), `llmstep.load` reads it back exactly.
 
-Loading validates before it allocates: the config, every expected tensor present with the right shape
-and dtype, nothing unexpected. Only then is each tensor read straight to its device and dtype (no
-second copy of the model in memory) and the model made from them by `materialize`.
+Loading validates before it allocates: the config (its sizes bounded, its numbers finite), every expected
+tensor present with the right shape and dtype, nothing unexpected, and the whole estimate against the
+device's free memory (llmstep.core.cost.check_fits). Only then is each tensor read straight to its device
+and dtype (no second copy of the model in memory), checked finite as it arrives (one NaN would otherwise
+turn every later token into the argmax of NaNs), and the model made from them by `materialize`.
+
+Saving writes every file into a new folder beside the target, which then takes its place
+(llmstep.core.files.replace_dir): an interrupted save leaves the old checkpoint or the new one, whole.
 """
 
 from __future__ import annotations
