@@ -17,9 +17,9 @@ def add_commands(sub) -> None:
                        description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--preset", choices=sorted(train.SHAPES), default="target", help="model shape and training recipe")
-    t.add_argument("--out", required=True, help="run directory: ckpt.pt and train.log")
+    t.add_argument("--out", required=True, help="run directory: ckpt.safetensors and train.log")
     t.add_argument("--export", default=None, help="at the end, write the Hugging Face layout model here")
-    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.safetensors")
     t.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     for name in train.SHAPE_FIELDS:

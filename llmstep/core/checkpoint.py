@@ -6,15 +6,22 @@ a `quantization_config` in config.json, repeated in each safetensors header. Eac
 stored as `<name>.qweight` (int8, or uint8 holding two int4 codes), `<name>.scales` (and `.zeros`);
 transformers cannot read it (the packing is llmstep's), `llmstep.load` reads it back exactly.
 
-Loading validates before it allocates: the config, every expected tensor present with the right shape
-and dtype, nothing unexpected. Only then is each tensor read straight to its device and dtype (no
-second copy of the model in memory) and the model made from them by `materialize`.
+Loading validates before it allocates: the config (its sizes bounded, its numbers finite), every expected
+tensor present with the right shape and dtype, nothing unexpected, and the whole estimate against the
+device's free memory (llmstep.core.cost.check_fits). Only then is each tensor read straight to its device
+and dtype (no second copy of the model in memory), checked finite as it arrives (one NaN would otherwise
+turn every later token into the argmax of NaNs), and the model made from them by `materialize`.
+
+Saving writes every file into a new folder beside the target, which then takes its place
+(llmstep.core.files.replace_dir): an interrupted save leaves the old checkpoint or the new one, whole.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,9 +31,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .config import LlamaConfig, read_json_object
-from .cost import n_params
+from .config import ConfigError, LlamaConfig, check_generation_config, read_json_object
+from .cost import check_fits, dtype_bytes, n_params
 from .device import resolve_device, resolve_dtype
+from .files import default_mode, fsync_dir, replace_dir
 from .model import Llama, materialize
 from .quantize import QuantConfig, QuantizationError, QuantLinear, empty_quantized, linear_names
 from .tokens import Tokenizer
@@ -50,7 +58,8 @@ _LAYER_NAMES = {  # llmstep name -> Hugging Face name, inside model.layers.{i}.
     "ffn_norm": "post_attention_layernorm",
 }
 _FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes that load_model converts to the dtype asked for
-_OPTIONAL = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; recomputed from the config
+# Buffers some old checkpoints carry, recomputed from the config: only these exact names may be skipped.
+_OPTIONAL = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 FORMAT_VERSION = 1  # of the quantised layout; bump when it changes
 _QUANT_KEY = "llmstep_quantization"  # the safetensors header's copy of the quantisation settings
 
@@ -213,7 +222,7 @@ def validate(path: Path, config: LlamaConfig, qc: QuantConfig | None = None
             problems.append(f"tensor {name} in {found[name][0]} has dtype {found[name][2]}, "
                             f"expected {'a float' if kind == 'float' else kind}")
     for name in found:
-        if name not in expected and not name.endswith(_OPTIONAL):
+        if name not in expected and not _OPTIONAL.fullmatch(name):
             problems.append(f"unexpected tensor {name} in {found[name][0]}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
@@ -254,7 +263,10 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
         dtype = config.torch_dtype  # a float32 copy of a big model would not fit most machines' memory
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
     found, expected = validate(path, config, qc)
-    generation_config = _read_json(path / "generation_config.json")
+    generation_config = _read_generation_config(path)
+    nbytes = sum(math.prod(shape) * (dtype_bytes(dtype) if kind == "float" else 1)  # codes are 1 byte per element
+                 for _, shape, kind in expected.values())
+    check_fits(nbytes, device, f"{path.name} in {str(dtype).removeprefix('torch.')}")
 
     files = {file for file, _, _ in found.values()}
     show = sum((path / f).stat().st_size for f in files) > 2**30 if progress is None else progress
@@ -271,7 +283,12 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
                 for name in names:
                     ours, _, kind = expected[name]
                     t = f.get_tensor(name)  # quantised codes keep their integer dtype
-                    state[ours] = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)
+                    t = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)
+                    if kind == "float" and not torch.isfinite(t).all():  # one pass, before the model is built
+                        raise CheckpointError(f"{path / file}: tensor {name} holds NaN or Inf values in "
+                                              f"{str(dtype).removeprefix('torch.')}; the checkpoint is damaged"
+                                              + (" (or too large for float16)" if dtype == torch.float16 else ""))
+                    state[ours] = t
                     bar.update()
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: could not read the weights ({e})") from None
@@ -304,19 +321,27 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
     """
     path = resolve_model_path(path)
-    LlamaConfig.from_hf(path)  # fail fast on the config and the tokenizer, before any weight is read
+    config = LlamaConfig.from_hf(path)  # fail fast on the config and the tokenizer, before any weight is read
     read_quant_config(path)
-    _read_json(path / "generation_config.json")
+    _read_generation_config(path)
     tokenizer = Tokenizer.from_dir(path)
-    model = load_model(path, device=device, dtype=dtype, progress=progress)
-    if tokenizer.vocab_size > model.config.vocab_size:
+    if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
-                              f"but the model's vocabulary is {model.config.vocab_size}")
+                              f"but the model's vocabulary is {config.vocab_size}")
+    model = load_model(path, device=device, dtype=dtype, progress=progress)
     return model, tokenizer
 
 
 def _read_json(path: Path) -> dict:
     return read_json_object(path, CheckpointError) if path.is_file() else {}
+
+
+def _read_generation_config(path: Path) -> dict:
+    gen = _read_json(path / "generation_config.json")
+    try:
+        return check_generation_config(gen, str(path / "generation_config.json"))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = None,
@@ -325,10 +350,14 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     """Write `model` in Hugging Face layout, loadable by llmstep (and by transformers, unless quantised).
 
     A quantised model is written in its packed form (see the module's docstring); `dtype` then applies to
-    its float tensors only. `generation_config` defaults to the model's own. Files are written to a
-    temporary folder beside `path` and moved in only when all are complete.
+    its float tensors only. `generation_config` defaults to the model's own. Every file is written to a
+    temporary folder beside `path`, which then takes `path`'s place (llmstep.core.files.replace_dir, carrying
+    over the files this save does not write, but not an earlier save's weights): at every instant `path`
+    holds the complete old checkpoint or the complete new one.
     """
-    path = Path(path)
+    path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # the folder is made beside the target
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
     config = model.config
     qc = getattr(model, "quantization", None)
     dtype = dtype or model.dtype
@@ -355,14 +384,13 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
         _write_weights(tmp, tensors, max_shard_bytes, metadata)
-        path.mkdir(exist_ok=True)
-        for stale in path.glob("model*.safetensors*"):  # weights of an earlier save, sharded or not
-            stale.unlink()
-        umask = os.umask(0)
-        os.umask(umask)
         for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)  # files made in a private temporary folder start out private (0600)
-            os.replace(f, path / f.name)
+            f.chmod(default_mode())  # files made in a private temporary folder start out private (0600)
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())  # on the disk before the folder is swapped in
+        fsync_dir(tmp)
+        stale = re.compile(r"model.*\.safetensors.*")  # an earlier save's weights, sharded or not: never carried
+        replace_dir(tmp, path, carry=lambda name: not stale.fullmatch(name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -7,11 +7,21 @@ the Hugging Face names (hidden_size, num_hidden_layers, ...) onto them.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS"]
+__all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "MAX_LAYERS",
+           "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH"]
+
+# Sanity bounds, checked before anything is built from a config (a per-layer table, a cache). Far above every
+# published Llama (405B: 126 layers, dim 16384, hidden 53248, context 131072, vocabulary 128256); they only stop
+# a typo or a hostile config.json from asking for a million layers or a 10^12-token cache.
+MAX_LAYERS = 1024
+MAX_CONTEXT = 2**24  # 16.8M positions
+MAX_VOCAB = 2**24
+MAX_WIDTH = 2**20  # dim, hidden_dim, and heads x head_dim
 
 
 class ConfigError(ValueError):
@@ -21,9 +31,11 @@ class ConfigError(ValueError):
 def read_json_object(path: Path, error: type[Exception] = ValueError) -> dict:
     """The JSON object in `path` (config.json, generation_config.json); `error` naming the file otherwise."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise error(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); JSON files must be UTF-8") from None
     if not isinstance(data, dict):
         raise error(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -39,6 +51,10 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192  # Llama 3's pre-training context
 
     def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise ConfigError(f"rope_scaling.{name} must be a finite number, got {value!r}")
         if not self.factor >= 1.0:
             raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
         if not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -46,8 +62,9 @@ class RopeScaling:
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
                 f"{self.low_freq_factor} and {self.high_freq_factor}"
             )
-        if self.original_max_position_embeddings <= 0:
-            raise ConfigError("rope_scaling.original_max_position_embeddings must be positive")
+        if not 0 < self.original_max_position_embeddings <= MAX_CONTEXT:
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings must be in 1..{MAX_CONTEXT}, "
+                              f"got {self.original_max_position_embeddings}")
 
 
 @dataclass
@@ -80,6 +97,13 @@ class LlamaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        # Bounds first: nothing below (nor any caller) builds a per-layer structure from an absurd count.
+        bounds = {"n_layers": MAX_LAYERS, "max_seq_len": MAX_CONTEXT, "vocab_size": MAX_VOCAB, "dim": MAX_WIDTH,
+                  "hidden_dim": MAX_WIDTH, "n_heads": MAX_WIDTH}
+        for name, bound in bounds.items():
+            if getattr(self, name) > bound:
+                raise ConfigError(f"{name} is {getattr(self, name):,}, above llmstep's bound of {bound:,} "
+                                  "(far beyond any published Llama): a mistake in the config?")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}): "
@@ -94,12 +118,16 @@ class LlamaConfig:
                     "give head_dim explicitly or fix the sizes"
                 )
             self.head_dim = self.dim // self.n_heads
-        if self.head_dim <= 0 or self.head_dim % 2:
-            raise ConfigError(f"head_dim must be a positive even number (RoPE rotates pairs), got {self.head_dim}")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.head_dim <= 0 or self.head_dim % 2 or self.head_dim * self.n_heads > MAX_WIDTH:
+            raise ConfigError(f"head_dim must be a positive even number (RoPE rotates pairs) with n_heads x head_dim "
+                              f"<= {MAX_WIDTH:,}, got {self.head_dim}")
+        for name, value in (("norm_eps", self.norm_eps), ("rope_theta", self.rope_theta)):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+        if not 0 < self.norm_eps < 1:  # added to a mean square before its root: 1e-5 or 1e-6 in every Llama
+            raise ConfigError(f"norm_eps must be between 0 and 1, got {self.norm_eps}")
+        if not self.rope_theta > 1:  # theta^(-2i/d) must fall from 1 towards 0; Llama 3 uses 500000
+            raise ConfigError(f"rope_theta must be greater than 1, got {self.rope_theta}")
         for name, tok in [("bos_token_id", self.bos_token_id)] + [("eos_token_id", t) for t in self.eos_token_id]:
             if tok is not None and (not isinstance(tok, int) or isinstance(tok, bool)):
                 raise ConfigError(f"{name} must be an integer token id, got {tok!r}")
@@ -246,10 +274,36 @@ class LlamaConfig:
 
 
 def _number(value, name: str, where: str) -> float:
-    """A config.json number as a float, or a ConfigError naming the field and the file."""
+    """A config.json number as a finite float, or a ConfigError naming the field and the file."""
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: {name} must be a finite number, got {value!r}")
     return float(value)
+
+
+# generation_config.json fields llmstep reads, and what each must hold (transformers' GenerationConfig names).
+_GENERATION_FIELDS = {
+    "temperature": (lambda v: v >= 0, "a number >= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "max_length": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
+    "max_new_tokens": (lambda v: isinstance(v, int) and v > 0, "a positive integer"),
+    "repetition_penalty": (lambda v: v > 0, "a number > 0"),
+}
+
+
+def check_generation_config(gen: dict, where: str) -> dict:
+    """Refuse a generation_config.json field of the wrong kind ("temperature": "hot"), naming the file and field."""
+    for name, (ok, what) in _GENERATION_FIELDS.items():
+        value = gen.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not ok(value):
+            raise ConfigError(f"{where}: {name} must be {what}, got {value!r}")
+    if "do_sample" in gen and not isinstance(gen["do_sample"], bool):
+        raise ConfigError(f"{where}: do_sample must be true or false, got {gen['do_sample']!r}")
+    return gen
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

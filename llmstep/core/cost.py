@@ -7,7 +7,9 @@ batch, while the KV cache is read once per sequence.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,7 +18,8 @@ from .config import LlamaConfig
 from .norm import RMSNorm
 
 __all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
-           "weight_bytes", "model_step_cost"]
+           "weight_bytes", "model_step_cost", "model_bytes", "kv_cache_bytes", "free_memory_bytes", "check_fits",
+           "MemoryBudgetError"]
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> float:
@@ -47,6 +50,75 @@ def n_params(config: LlamaConfig) -> int:
 def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloat16) -> float:
     """KV-cache bytes one token adds: a key and a value vector per KV head per layer."""
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * dtype_bytes(dtype)
+
+
+def model_bytes(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloat16) -> int:
+    """Bytes of a float model's weights in memory (a tied head counted once)."""
+    return int(n_params(config) * dtype_bytes(dtype))
+
+
+def kv_cache_bytes(config: LlamaConfig, batch_size: int, max_len: int, dtype: torch.dtype | str = torch.bfloat16
+                   ) -> int:
+    """Bytes of a preallocated KV cache of batch_size sequences x max_len positions (llmstep.core.kv_cache)."""
+    return int(batch_size * max_len * kv_bytes_per_token(config, dtype))
+
+
+# ---- does it fit? ------------------------------------------------------------------------------------
+
+class MemoryBudgetError(ValueError):
+    """An allocation refused before it is made: the estimate is larger than the device's free memory."""
+
+
+def _cgroup_free_bytes() -> int | None:
+    """What a container's memory limit (cgroup v2) still allows, or None where there is no limit."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+    except OSError:
+        return None
+    return int(limit) - int(used) if limit.isdigit() and used.isdigit() else None
+
+
+def free_memory_bytes(device: torch.device | str) -> int | None:
+    """Memory a new allocation can take on `device`: CUDA's free memory (torch.cuda.mem_get_info), the CPU's
+    available RAM (MemAvailable, and a container's limit), MPS's recommended budget; None where unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    if dev.type == "mps":
+        try:
+            return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+        except (AttributeError, RuntimeError):
+            return None
+    if dev.type != "cpu":
+        return None  # meta and other devices: nothing is allocated, or nothing is known
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        pass
+    if free is None and hasattr(os, "sysconf"):
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            free = None
+    limit = _cgroup_free_bytes()
+    return limit if free is None else free if limit is None else min(free, limit)
+
+
+def check_fits(nbytes: float, device: torch.device | str, what: str) -> None:
+    """Refuse, before allocating, `what` of about `nbytes` bytes that the device's free memory cannot hold.
+
+    The one memory check of the package: model builders, KV caches and the benchmarks' presets call it. Where
+    the free memory is unknown it lets the allocation go ahead."""
+    if torch.device(device).type == "meta":
+        return  # shapes only: nothing is allocated
+    free = free_memory_bytes(device)
+    if free is not None and nbytes > free:
+        raise MemoryBudgetError(f"{what} needs about {nbytes / 1e9:,.2f} GB, but {torch.device(device)} has "
+                                f"{free / 1e9:,.2f} GB free: choose a smaller model, dtype, batch or context")
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,34 @@
 A write goes to a temporary file in the destination's own directory, is flushed to the disk (fsync), and
 is then renamed over the destination (`os.replace`, atomic on POSIX and Windows within one filesystem):
 a reader, or a program interrupted at any point, sees the old file or the new one, complete.
+
+A set of files that must change together (a checkpoint: config.json and its weights) is written whole into a
+new sibling directory that then takes the old one's place (`replace_dir`): in one atomic exchange where the
+system has one (Linux's renameat2), else in two renames undone if the second fails.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "check_output_path",
-           "fsync_dir"]
+           "fsync_dir", "replace_dir", "default_mode"]
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode a new file (0o666) or directory (0o777) gets under this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -47,9 +62,7 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # mkstemp makes files private (0600); a written file gets the usual mode
+        tmp.chmod(default_mode())  # mkstemp makes files private (0600); a written file gets the usual mode
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
@@ -93,4 +106,68 @@ def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
         raise ValueError(f"{what} path {path}: cannot create {parent} ({e.strerror})") from None
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{what} path {path}: {parent} is not writable")
+    return path
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2 with RENAME_EXCHANGE); False where unsupported."""
+    if sys.platform != "linux":
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a C library without it (glibc < 2.28, musl)
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2  # <fcntl.h>, <linux/fs.h>
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # an old kernel, or a filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # same filesystem: no bytes copied, and the old file stays as it was
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def replace_dir(new: str | os.PathLike, path: str | os.PathLike, carry: Callable[[str], bool] = lambda name: True
+                ) -> Path:
+    """Make the complete directory `new` (a sibling of `path`) take `path`'s place; at every instant `path` is
+    the old directory or the new one. Entries of the old directory that `new` lacks and `carry(name)` accepts
+    are carried over first (hard links where possible). The old directory is then deleted. Returns `path`."""
+    new, path = Path(new), Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    if not path.exists():
+        new.chmod(default_mode(directory=True))
+        os.rename(new, path)
+        fsync_dir(path.parent)
+        return path
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
+    for entry in path.iterdir():
+        if not (new / entry.name).exists() and carry(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=_link_or_copy)
+            elif entry.is_symlink():
+                os.symlink(os.readlink(entry), new / entry.name)
+            else:
+                _link_or_copy(str(entry), str(new / entry.name))
+    new.chmod(path.stat().st_mode & 0o7777)
+    if _exchange(new, path):  # `new` now holds the old directory
+        old = new
+    else:
+        old = new.with_name(new.name + ".old")
+        os.rename(path, old)
+        try:
+            os.rename(new, path)
+        except BaseException:
+            os.rename(old, path)  # put the old directory back
+            raise
+    fsync_dir(path.parent)
+    shutil.rmtree(old)
     return path

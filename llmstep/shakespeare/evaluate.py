@@ -19,7 +19,6 @@ split and scored on the same windows (so it, too, sees no context across a windo
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter, defaultdict
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.config import LlamaConfig
+from ..core.files import atomic_write_json, atomic_write_text
 from . import data
 
 MODELS_DIR = data.DATA_DIR / "models"
@@ -265,7 +265,7 @@ def update_card(model_dir, table: str, note: str) -> None:
         text = f"{head}\n## Evaluation\n\n{section}\n\n{tail.lstrip()}"
     else:
         text = text.rstrip() + "\n\n## Evaluation\n\n" + section + "\n"
-    card.write_text(text)
+    atomic_write_text(card, text)
 
 
 def golden(model_dir, prompt: str, max_new_tokens: int) -> dict:
@@ -297,10 +297,10 @@ def evaluate_models(models=SHIPPED, splits=("val", "test"), corpus=data.CORPUS_D
         if write_eval_json:
             own_settings = settings | {"seq_len": seq_len or LlamaConfig.from_hf(model_dir).max_seq_len}
             record = {"settings": own_settings, "scores": [s.to_dict() for s in own]}
-            (Path(model_dir) / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
+            atomic_write_json(Path(model_dir) / "eval.json", record)
         if golden_prompt is not None:
             record = golden(model_dir, golden_prompt, golden_tokens)
-            (Path(model_dir) / "golden.json").write_text(json.dumps(record, indent=2) + "\n")
+            atomic_write_json(Path(model_dir) / "golden.json", record)
     if baseline:
         tokenizer = load_tokenizer(models[0])
         kn = KneserNeyTrigram(tokenizer.get_vocab_size()).fit(split_ids(tokenizer, "train", corpus))

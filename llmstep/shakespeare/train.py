@@ -7,7 +7,8 @@
 
 A plain, readable loop: random windows of the train split, AdamW, linear warm-up then cosine decay,
 gradient clipping, bf16 autocast on CUDA (fp32 on the CPU), a validation loss every `eval_every`
-steps, a checkpoint every `save_every` steps that `--resume` continues from exactly. At the end the
+steps, a checkpoint every `save_every` steps (safetensors, no pickle: llmstep.shakespeare.train_state) that
+`--resume` continues from exactly. At the end the
 model is written in Hugging Face layout (bf16 safetensors, config.json, generation_config.json,
 tokenizer.json) with a model card and the training log.
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
@@ -35,10 +34,12 @@ from tqdm.auto import tqdm
 
 from ..core.config import LlamaConfig
 from ..core.device import resolve_device
+from ..core.files import atomic_write_bytes, atomic_write_text
 from ..core.model import Llama
 from ..lab import runinfo
 from . import data
 from .evaluate import model_nll
+from .train_state import CHECKPOINT, load_train_state, save_train_state
 
 # --------------------------------------------------------------------------------------------------
 # Settings
@@ -197,12 +198,6 @@ def val_loss(model: Llama, val_ids: list[int], cfg: TrainConfig, device: torch.d
 # --------------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # never leave a half-written checkpoint behind
-
-
 def model_card(info: dict) -> str:
     c = info["config"]
     n_params = info["n_params"]
@@ -267,14 +262,14 @@ def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: 
     gen_config = {"do_sample": True, "temperature": 0.8, "top_p": 0.95,
                   "max_length": model.config.max_seq_len}
     save(model, out_dir, tokenizer=None, generation_config=gen_config, dtype=torch.bfloat16)
-    shutil.copyfile(cfg.tokenizer, out_dir / "tokenizer.json")  # byte-identical to data/tokenizer.json
+    atomic_write_bytes(out_dir / "tokenizer.json", Path(cfg.tokenizer).read_bytes())  # byte-identical to data/'s
 
     from .evaluate import evaluate_model
 
     score = evaluate_model(out_dir, "val", corpus=cfg.corpus, seq_len=model.config.max_seq_len)
     info = info | {"export_val_ppl": score.perplexity, "path": str(out_dir)}
-    (out_dir / "README.md").write_text(model_card(info))
-    shutil.copyfile(log_path, out_dir / "train.log")
+    atomic_write_text(out_dir / "README.md", model_card(info))
+    atomic_write_bytes(out_dir / "train.log", log_path.read_bytes())
     return out_dir
 
 
@@ -286,7 +281,7 @@ def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: 
 def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_after: int | None = None,
           export_dir: Path | None = None, command: str = "", quiet: bool = False) -> Llama:
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out / "ckpt.pt"
+    ckpt_path = out / CHECKPOINT
     log = make_logger(out)
     device = pick_device(cfg.device)
     tokenizer = Tokenizer.from_file(cfg.tokenizer)
@@ -323,19 +318,22 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     step, elapsed, history = 0, 0.0, []
     commands = [command]
     if resume:
-        if not ckpt_path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}")
-        state = torch.load(ckpt_path, map_location=device, weights_only=False)
-        saved = TrainConfig(**state["train_config"])
-        changed = [f.name for f in fields(TrainConfig) if f.name != "device" and
-                   getattr(saved, f.name) != getattr(cfg, f.name)]
-        if changed or state["model_config"] != asdict(config):
-            what = ", ".join(f"{n}: {getattr(saved, n)!r} -> {getattr(cfg, n)!r}" for n in changed)
-            what = what or "model shape"
-            raise ValueError(f"--resume: {ckpt_path} was trained with different settings ({what}); "
-                             "resume with the original arguments")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+
+        def same_settings(state: dict) -> None:  # checked before any tensor is put into the model
+            saved = TrainConfig(**state["train_config"])
+            changed = [f.name for f in fields(TrainConfig) if f.name != "device" and
+                       getattr(saved, f.name) != getattr(cfg, f.name)]
+            if changed or state["model_config"] != asdict(config):
+                what = ", ".join(f"{n}: {getattr(saved, n)!r} -> {getattr(cfg, n)!r}" for n in changed)
+                raise ValueError(f"{ckpt_path} was trained with different settings ({what or 'model shape'}); "
+                                 "resume with the original arguments")
+
+        try:
+            state = load_train_state(ckpt_path, model, optimizer, check=same_settings)  # never a pickle
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}") from None
+        except ValueError as e:
+            raise ValueError(f"--resume: {e}") from None
         step, elapsed, history = state["step"], state["elapsed_seconds"], state["history"]
         commands = state["commands"] + ([command] if step < cfg.steps else [])  # a pure re-export adds none
         log.info(f"resumed from {ckpt_path} at step {step}")
@@ -347,9 +345,8 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
              f"device {device}")
 
     def checkpoint(at_step: int) -> None:
-        save_checkpoint(ckpt_path, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at_step,
-            "elapsed_seconds": elapsed, "history": history, "commands": commands,
+        save_train_state(ckpt_path, model, optimizer, {
+            "step": at_step, "elapsed_seconds": elapsed, "history": history, "commands": commands,
             "train_config": asdict(cfg), "model_config": asdict(config),
         })
 

@@ -28,8 +28,18 @@ def run(out: Path, corpus: Path, *extra: str) -> None:
                   "--eval-tokens", "256", "--corpus", str(corpus), "--out", str(out), "--quiet", *extra])
 
 
+def checkpoint(out: Path) -> dict:
+    """The run's checkpoint as {"model": state dict, **its JSON state} (read as data: safetensors, no pickle)."""
+    from safetensors import safe_open
+
+    with safe_open(out / "ckpt.safetensors", framework="pt") as f:
+        header = json.loads(f.metadata()["llmstep_train_state"])
+        model = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
+    return header["state"] | {"model": model | {a: model[s] for a, s in header["aliases"].items()}}
+
+
 def weights(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "ckpt.pt", weights_only=False)["model"]
+    return checkpoint(out)["model"]
 
 
 def test_tiny_run_writes_a_loadable_hugging_face_checkpoint(tmp_path, small_corpus):
@@ -58,16 +68,38 @@ def test_tiny_run_writes_a_loadable_hugging_face_checkpoint(tmp_path, small_corp
 def test_resume_continues_from_the_saved_step_with_identical_results(tmp_path, small_corpus):
     run(tmp_path / "whole", small_corpus)
     run(tmp_path / "split", small_corpus, "--stop-after", "3")
-    assert torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["step"] == 3
+    assert checkpoint(tmp_path / "split")["step"] == 3
     run(tmp_path / "split", small_corpus, "--resume")
 
-    whole = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)
-    split = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)
+    whole = checkpoint(tmp_path / "whole")
+    split = checkpoint(tmp_path / "split")
     assert whole["step"] == split["step"] == 6
     for name, w in whole["model"].items():
         assert torch.equal(w, split["model"][name]), name
     assert [r["loss"] for r in whole["history"]] == [r["loss"] for r in split["history"]]
     assert "resumed from" in (tmp_path / "split" / "train.log").read_text()
+
+
+class RunsCode:
+    """A pickle that would touch a file when unpickled: what a crafted ckpt.pt does to torch.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("name", ["ckpt.pt", "ckpt.safetensors"])
+def test_resume_refuses_a_pickle_without_running_it(tmp_path, small_corpus, name):
+    marker = tmp_path / "code-ran"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    torch.save({"model": RunsCode(marker), "step": 3}, run_dir / name)  # the format torch.load reads
+    with pytest.raises(SystemExit, match=r"llmstep train: error: --resume: .*ckpt\.(pt is a pickle|safetensors is not "
+                                         r"a training checkpoint)"):
+        run(run_dir, small_corpus, "--resume")
+    assert not marker.exists()  # the pickle was never unpickled
 
 
 def test_resume_refuses_different_settings(tmp_path, small_corpus):

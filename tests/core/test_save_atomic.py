@@ -1,0 +1,120 @@
+"""`llmstep.save` over an existing checkpoint, interrupted at any file operation, leaves the directory loading as
+exactly the old model or exactly the new one: never a directory without weights, never a mix."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmstep
+import llmstep.core.checkpoint as checkpoint
+from llmstep.core import files
+from llmstep.core.quantize import quantize
+
+
+class Boom(Exception):
+    pass
+
+
+# Every file operation a save may make, by (owner, attribute name).
+OPERATIONS = [(os, "replace"), (os, "rename"), (os, "unlink"), (os, "link"), (os, "symlink"), (os, "fsync"),
+              (os, "chmod"), (shutil, "copy2"), (shutil, "rmtree"), (checkpoint, "save_file"),
+              (files, "_exchange"), (Path, "write_text"), (Path, "write_bytes")]
+
+
+class FailAt:
+    """Patch every operation to count its calls and raise Boom from call number k (0-based)."""
+
+    def __init__(self, monkeypatch, k: int):
+        self.k, self.n = k, 0
+        for owner, name in OPERATIONS:
+            monkeypatch.setattr(owner, name, self.wrap(getattr(owner, name), name))
+
+    def wrap(self, real, name):
+        def op(*args, **kwargs):
+            self.n += 1
+            if self.n - 1 == self.k:
+                raise Boom(f"{name} (operation {self.k})")
+            return real(*args, **kwargs)
+        return op
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+CASES = {
+    "single file over single file": (None, None, False),
+    "shards over a single file": (None, 20_000, False),
+    "a single file over shards": (20_000, None, False),
+    "quantized shards over float": (None, 20_000, True),
+}
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_save_interrupted_at_each_file_operation_leaves_the_old_or_the_new_checkpoint(
+        tiny_checkpoint, tmp_path, monkeypatch, case, exchange):
+    old_shards, new_shards, quantized = CASES[case]
+    old, tok = llmstep.load(tiny_checkpoint)
+    new = llmstep.load(tiny_checkpoint)[0]
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(-1)  # a different model of the same shape
+    if quantized:
+        new = quantize(new, "int8")
+    template = tmp_path / "template"
+    llmstep.save(old, template, tokenizer=tok, max_shard_bytes=old_shards)
+    (template / "README.md").write_text("the model card\n")  # a file save does not write: kept either way
+    old_state, new_state = state(llmstep.load(template)[0]), state(new)
+    if not exchange:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+
+    outcomes = []
+    for k in range(200):
+        target = tmp_path / "ckpt"
+        for p in tmp_path.iterdir():
+            if p.name != "template":
+                shutil.rmtree(p)
+        shutil.copytree(template, target)
+        with monkeypatch.context() as m:
+            FailAt(m, k)
+            try:
+                llmstep.save(new, target, tokenizer=tok, max_shard_bytes=new_shards)
+                interrupted = False
+            except Boom:
+                interrupted = True
+        loaded = state(llmstep.load(target)[0])
+        assert same(loaded, old_state) or same(loaded, new_state), f"operation {k}: neither old nor new"
+        assert (target / "README.md").read_text() == "the model card\n"
+        outcomes.append("new" if same(loaded, new_state) else "old")
+        if outcomes[-1] == "old":  # once the new folder is in place, a failed clean-up may leave the old one behind
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "template"], f"operation {k}: debris"
+        if not interrupted:
+            break
+    else:
+        pytest.fail("the save never completed")
+    assert outcomes[0] == "old" and outcomes[-1] == "new" and len(outcomes) > 5, outcomes
+    shards = sorted(p.name for p in (tmp_path / "ckpt").glob("model*.safetensors*"))
+    assert (len(shards) > 1) == (new_shards is not None), shards  # no stale shards of the old save
+
+
+def test_save_refuses_a_file_as_its_directory(tiny_checkpoint, tmp_path):
+    model, _ = llmstep.load(tiny_checkpoint)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError, match="afile is a file"):
+        llmstep.save(model, tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_save_into_a_new_directory_gives_it_the_usual_mode(tiny_checkpoint, tmp_path):
+    model, _ = llmstep.load(tiny_checkpoint)
+    out = llmstep.save(model, tmp_path / "new")
+    assert out.stat().st_mode & 0o777 == files.default_mode(directory=True)
+    assert (out / "config.json").stat().st_mode & 0o777 == files.default_mode()
