@@ -224,12 +224,12 @@ def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llam
         rows.append({"name": r["name"], "implementation": "llmstep", "quantization": r["quant"],
                      "compiled": r["compiled"], "compile_seconds": r["compile_seconds"],
                      "prefill_tokens_per_s": max(r["prefill"]), "decode_tokens_per_s": decode,
-                     "decode_tokens_per_s_all": r["decode"], "weight_bytes_per_step": r["weight_bytes"],
+                     "decode_tokens_per_s_all": list(r["decode"]), "weight_bytes_per_step": r["weight_bytes"],
                      "kv_bytes_per_step": r["kv_bytes"], "bytes_per_step": step_bytes,
                      "achieved_gb_per_s": gbs, "share_of_bandwidth": gbs / bw if bw else None,
                      "same_tokens_as_eager_float": r["tokens"] == reference,
                      "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
-                     "tokens": r["tokens"]})
+                     "tokens": list(r["tokens"])})
     if hf_model is not None and hf_runs:
         decode = max(d for _, d, _ in hf_runs)
         widen = hf_model.dtype.itemsize / model.dtype.itemsize  # bytes per weight, its dtype over ours

@@ -162,7 +162,7 @@ def _summary(rates: dict[str, list[float]], name: str) -> dict:
     """One configuration's decode rate over the repeats: median, spread, every run, and (beside the target
     alone) its speedup, the median over repeats of its rate over the target's in the same repeat."""
     out = {"decode_tokens_per_second": runinfo.median(rates[name]), "spread": runinfo.spread(rates[name]),
-           "all_runs": rates[name]}
+           "all_runs": list(rates[name])}
     if name != "target":
         out["speedup"] = runinfo.median([a / b for a, b in zip(rates[name], rates["target"], strict=True)])
     return out
