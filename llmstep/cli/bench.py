@@ -121,10 +121,12 @@ def add_commands(sub) -> None:
 
 
 def run_bench(args, argv) -> dict:
-    from ..core.device import resolve_dtype
+    from ..core.device import resolve_device, resolve_dtype
 
     if args.json:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
+    if args.hf_dtype:
+        resolve_dtype(args.hf_dtype, resolve_device(args.device))  # a bad name is refused before the model is built
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed)

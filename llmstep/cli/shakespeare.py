@@ -77,6 +77,10 @@ def run_train(args, argv) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: give the run's directory (it holds ckpt.pt and train.log)")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
+    if args.corpus and not Path(args.corpus).is_dir():
+        raise FileNotFoundError(f"--corpus {args.corpus}: no such directory (train/val/test.txt.gz)")
     if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
         raise ValueError(f"--export {args.export} is a file: give a directory for the exported model")
     cfg = train.train_config(args.preset, **{f.name: getattr(args, f.name) for f in fields(train.TrainConfig)
@@ -92,6 +96,8 @@ def run_eval(args, argv) -> None:
 
     if args.json:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the scores
+    if not Path(args.corpus).is_dir():
+        raise ValueError(f"--corpus {args.corpus} is not a directory: give the corpus (train/val/test.txt.gz)")
     models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
     scores, settings = evaluate.evaluate_models(
         models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,

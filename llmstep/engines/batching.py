@@ -48,6 +48,7 @@ from .compile import Step, warm_up
 from .decoding import (
     NonFiniteLogitsError,
     budget,
+    check_max_len,
     check_max_new_tokens,
     check_prompt_ids,
     check_seed,
@@ -87,7 +88,7 @@ class BatchRunner:
         if not isinstance(n_slots, int) or isinstance(n_slots, bool) or n_slots < 1:
             raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
         self.model, self.device, self.n_slots = model, model.device, n_slots
-        self.max_len = model.config.max_seq_len if max_len is None else max_len
+        self.max_len = check_max_len(max_len, model.config.max_seq_len, low=1)  # 1: a step at position 0
         # per layer k, v: [S, n_kv, max_len, hd]: row s is slot s
         self.cache = model.new_cache(batch_size=n_slots, max_len=self.max_len)
         self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)

@@ -33,10 +33,10 @@ import torch
 from ..core.cost import model_step_cost
 from ..core.tokens import Tokenizer
 
-__all__ = ["check_max_new_tokens", "check_seed", "check_prompt_ids", "NonFiniteLogitsError", "check_finite",
-           "NonFiniteLogits", "ConcurrentUseError", "exclusive", "stop_id_set", "encode_prompt", "make_generator",
-           "room", "cache_len", "Budget", "budget", "end_reason", "cut_at_stop", "step_bytes_by_context",
-           "DecodeResult"]
+__all__ = ["check_max_new_tokens", "check_seed", "check_max_len", "check_prompt_ids", "NonFiniteLogitsError",
+           "check_finite", "NonFiniteLogits", "ConcurrentUseError", "exclusive", "stop_id_set", "encode_prompt",
+           "make_generator", "room", "cache_len", "Budget", "budget", "end_reason", "cut_at_stop",
+           "step_bytes_by_context", "DecodeResult"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,6 +60,17 @@ def check_seed(seed, name: str = "seed") -> None:
         raise ValueError(f"{name} must be an integer (or None), got {seed!r}")
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"{name} must be in 0 .. 2**64 - 1, got {seed}")
+
+
+def check_max_len(max_len, limit: int, low: int = 2) -> int:
+    """A static cache's slots per sequence: an integer in low .. limit (the model's context), before anything is
+    allocated. None means the model's context."""
+    if max_len is None:
+        return limit
+    if not isinstance(max_len, Integral) or isinstance(max_len, bool) or not low <= max_len <= limit:
+        beyond = f": {max_len} exceeds the model's context" if isinstance(max_len, int) and max_len > limit else ""
+        raise ValueError(f"max_len must be an integer in {low}..{limit} (the model's context), got {max_len!r}{beyond}")
+    return int(max_len)
 
 
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:

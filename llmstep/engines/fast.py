@@ -48,6 +48,7 @@ from .decoding import (
     NonFiniteLogits,
     budget,
     cache_len,
+    check_max_len,
     check_max_new_tokens,
     check_prompt_ids,
     check_seed,
@@ -84,7 +85,8 @@ class FastDecoder:
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None):
         self.model = model
         self.device = model.device
-        self.max_len = model.config.max_seq_len if max_len is None else max_len
+        self.max_len = check_max_len(max_len, model.config.max_seq_len)
+        # TODO(issue 14, item 6): refuse a cache larger than the device's free memory (core.cost's check, once it lands)
         self.cache = model.new_cache(batch_size=1, max_len=self.max_len)  # per layer k, v: [1, n_kv, max_len, hd]
         self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs

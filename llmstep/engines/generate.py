@@ -1,7 +1,8 @@
 """The generation loop: prefill the prompt once, then decode one token at a time through the KV cache.
 
 `stream` yields each token as it is made, with its text and how long it took; `generate` runs it to
-the end and returns the whole `Generation`.
+the end and returns the whole `Generation`. Each run allocates its own KV cache, so many threads may generate with one
+model at once (the fast loops, which own one cache each, refuse that: llmstep.engines.decoding.exclusive).
 """
 
 from __future__ import annotations

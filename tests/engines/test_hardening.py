@@ -230,3 +230,13 @@ def test_a_stream_broken_off_says_it_was_interrupted(tiny):
     done = llmstep.stream(model, tok, PROMPT, max_new_tokens=3, stop_ids=[])
     list(done)
     assert done.result.stop_reason == "length"
+
+
+@pytest.mark.parametrize("max_len", [0, 1, 10**12, 2.5, True, "16"])
+def test_a_static_cache_size_outside_the_models_context_is_refused_before_it_is_allocated(tiny, max_len):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"max_len must be an integer in 2\.\.128"):
+        FastDecoder(model, max_len=max_len, compile=False)
+    if max_len != 1:  # a batch runner may time a step at position 0 in a 1-slot cache
+        with pytest.raises(ValueError, match=r"max_len must be an integer in 1\.\.128"):
+            ContinuousBatcher(model, n_slots=2, max_len=max_len, compile=False)
