@@ -240,3 +240,12 @@ def test_a_static_cache_size_outside_the_models_context_is_refused_before_it_is_
     if max_len != 1:  # a batch runner may time a step at position 0 in a 1-slot cache
         with pytest.raises(ValueError, match=r"max_len must be an integer in 1\.\.128"):
             ContinuousBatcher(model, n_slots=2, max_len=max_len, compile=False)
+
+
+def test_a_speculative_stream_broken_off_says_it_was_interrupted(tiny):
+    model, tok = tiny
+    s = llmstep.speculative_stream(model, LayerSkipDraft(model, 1), tok, PROMPT, k=2, max_new_tokens=10, stop_ids=[])
+    for event in s:
+        if event.index == 1:
+            break
+    assert s.result.stop_reason == "interrupted"
