@@ -11,25 +11,35 @@
 
 The command line is argparse and printing only: one module per group of commands (model.py: generate,
 info, trace; bench.py: bench, speculative, batch; shakespeare.py: train, eval, data), each registering
-its parsers and a `run(args, argv)`. The library raises its own errors; `main` is the one place that
-turns bad input into one line on stderr, `llmstep <command>: error: ...`, and exit status 2 (as argparse
-does for a bad flag), and Ctrl-C into one line and exit status 130. Nothing in llmstep imports this package.
+its parsers and a `run(args, argv)`; the flags' value types are in args.py. The library raises its own
+errors; `main` is the one place that turns them into one line on stderr and an exit status:
+
+- bad input (a bad flag value, a library ValueError, a missing or unwritable file): `llmstep <command>: error:
+  ...`, exit status 2. Flag values are checked while parsing, paths to write before any work starts;
+- Ctrl-C: `llmstep <command>: interrupted`, exit status 130;
+- anything else is a bug: one line naming the exception and where to report it, exit status 1; set
+  LLMSTEP_DEBUG=1 to get the whole traceback instead.
+
+Nothing in llmstep imports this package.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import bench, model, shakespeare
 
-__all__ = ["main", "build_parser", "CommandFailed", "BAD_INPUT"]
+__all__ = ["main", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
 
 GROUPS = (model, bench, shakespeare)
 
-# What the library raises for bad input: a wrong value (ConfigError, CheckpointError and the like are
-# ValueErrors), a missing file or directory, an unknown name.
-BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, KeyError)
+# What the library raises for bad input: a wrong value (ConfigError, CheckpointError, NonFiniteLogitsError and
+# the like are ValueErrors), a file that is missing, is a directory or cannot be written (OSError), an unknown name.
+BAD_INPUT = (ValueError, OSError, KeyError)
+DEBUG_ENV = "LLMSTEP_DEBUG"  # set to 1: an unexpected exception shows its whole traceback
+REPORT_TO = "the llmstep repository's issue tracker"
 
 
 class CommandFailed(SystemExit):
@@ -44,8 +54,18 @@ class CommandFailed(SystemExit):
         return self.message
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported as one line (`llmstep <command>: error: ...`, exit 2) rather than the
+    usage block and the error; --help still prints the usage. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        line = f"{self.prog}: error: {message} (see {self.prog} --help)"
+        print(line, file=sys.stderr)
+        raise CommandFailed(line)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llmstep", description=__doc__.splitlines()[0],
+    parser = Parser(prog="llmstep", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.split("\n\n")[1].splitlines()))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -65,6 +85,15 @@ def main(argv: list[str] | None = None):
         raise CommandFailed(f"llmstep {args.command}: interrupted", 130) from None
     except BAD_INPUT as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
+        message = " ".join(part.strip() for part in str(message).splitlines())  # one line, whatever the message
         line = f"llmstep {args.command}: error: {message}"
         print(line, file=sys.stderr)
         raise CommandFailed(line) from None
+    except Exception as e:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        line = (f"llmstep {args.command}: internal error: {type(e).__name__}: {first} -- a bug in llmstep; please "
+                f"report it with the command to {REPORT_TO} ({DEBUG_ENV}=1 shows the traceback)")
+        print(line, file=sys.stderr)
+        raise CommandFailed(line, 1) from None

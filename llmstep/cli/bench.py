@@ -5,30 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
 from ..core.config import PRESETS, LlamaConfig
+from ..core.files import atomic_write_json, check_output_path
 from ..lab import bench as decode_bench
 from ..lab import bench_batching, runinfo
+from .args import int_at_most, nonneg_float, nonneg_int, parse_ints, parse_range, positive_float, positive_int, seed
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _write_json(path: str | Path, record: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
-
-
 def _set_threads(threads: int | None) -> None:
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
-    if threads:
+    if threads is not None:  # >= 1: checked by its type (args.positive_int), for every command alike
         torch.set_num_threads(threads)
+
+
+def _write_json(path: str | None, record: dict) -> None:
+    """The record as JSON, atomically (a run interrupted mid-write keeps the last complete record)."""
+    if path:
+        atomic_write_json(path, record, default=str)
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -38,26 +37,15 @@ def parse_sets(items: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep or key not in LlamaConfig.__dataclass_fields__:
             raise ValueError(f"--set takes KEY=VALUE with KEY a LlamaConfig field, got {item!r}")
-        out[key] = json.loads(value) if value not in ("true", "false") else value == "true"
+        try:
+            out[key] = json.loads(value) if value not in ("true", "false") else value == "true"
+        except ValueError:
+            raise ValueError(f"--set {item}: the value must be JSON (a number, a string in quotes, ...)") from None
     return out
 
 
-def parse_range(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        return int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {text!r}") from None
-
-
-def parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"every value must be >= 1, got {text!r}")
-    return values
+int_at_least_2 = int_at_most(2)  # bench's --new-tokens: the prefill's token, then at least one decode step
+bandwidth_bytes = int_at_most(2**20, 2**40)  # the bandwidth copy's buffer: 1 MiB .. 1 TiB
 
 
 def add_commands(sub) -> None:
@@ -72,12 +60,12 @@ def add_commands(sub) -> None:
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config fields")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, else bf16)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--new-tokens", type=int_at_least_2, default=128)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
-    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 64)")
+    p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
     p.add_argument("--quantize-lm-head", action="store_true")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on CUDA only)")
@@ -86,8 +74,8 @@ def add_commands(sub) -> None:
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' generate()")
     p.add_argument("--hf-dtype", default=None, help="run transformers in this dtype (default: --dtype)")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
-    p.add_argument("--bandwidth-bytes", type=int, default=None, help="buffer size for the bandwidth copy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth-bytes", type=bandwidth_bytes, default=None, help="buffer size for the bandwidth copy")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", default=None, help="write the whole record here")
     p.set_defaults(run=run_bench)
 
@@ -97,15 +85,15 @@ def add_commands(sub) -> None:
     s.add_argument("--target", default="target", help="target checkpoint (default: the shipped one)")
     s.add_argument("--draft", default="draft", help="draft checkpoint or self-N (default: the shipped draft)")
     s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
-    s.add_argument("--max-new-tokens", type=int, default=200)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--max-new-tokens", type=int_at_least_2, default=200)
+    s.add_argument("--temperature", type=nonneg_float, default=0.0)
+    s.add_argument("--repeats", type=positive_int, default=3)
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32 on a CPU)")
     s.add_argument("--compile", action="store_true",
                    help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")
     s.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune (see llmstep.fast)")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: PyTorch's choice)")
+    s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's choice)")
     s.add_argument("--out", default="results/speculative_cpu.json")
     s.set_defaults(run=run_speculative)
 
@@ -115,26 +103,30 @@ def add_commands(sub) -> None:
     b.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
     b.add_argument("--device", default=None)
     b.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    b.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     b.add_argument("--slots", type=parse_ints, default=[1, 4, 8], help="batch slots to try, e.g. 1,4,8")
-    b.add_argument("--requests", type=int, default=32)
+    b.add_argument("--requests", type=positive_int, default=32)
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(8, 128), help="LOW:HIGH tokens")
-    b.add_argument("--rate", type=float, default=None, help="arrivals per engine step (default: all at once)")
-    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--rate", type=positive_float, default=None, help="arrivals per engine step (default: all at once)")
+    b.add_argument("--temperature", type=nonneg_float, default=0.0)
     b.add_argument("--batch-sizes", type=parse_ints, default=[1, 2, 4, 8, 16, 32],
                    help="batch sizes for the decode-step timing")
-    b.add_argument("--context", type=int, default=64, help="context of the decode-step timing")
+    b.add_argument("--context", type=nonneg_int, default=64, help="context of the decode-step timing")
     b.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on CUDA only)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=seed, default=0)
     b.add_argument("--json", default=None, help="write the whole record here")
     b.set_defaults(run=run_batch)
 
 
 def run_bench(args, argv) -> dict:
-    from ..core.device import resolve_dtype
+    from ..core.device import resolve_device, resolve_dtype
 
+    if args.json:
+        check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
+    if args.hf_dtype:
+        resolve_dtype(args.hf_dtype, resolve_device(args.device))  # a bad name is refused before the model is built
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed)
@@ -142,19 +134,23 @@ def run_bench(args, argv) -> dict:
     print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}", flush=True)
     hf_dtype = resolve_dtype(args.hf_dtype, model.device, model.dtype) if args.hf_dtype else None
+    head = {"command": runinfo.command_line(argv), "source": source}
+
+    def write(partial: dict) -> None:  # after every repeat: an interrupted run keeps the repeats that finished
+        _write_json(args.json, head | partial)
+
     record = decode_bench.run_bench(model, variants, args.prompt_len, args.new_tokens, args.compile,
                                     args.compile_mode, args.repeats, args.group_size, args.quantize_lm_head,
                                     args.eager, args.hf, args.bandwidth, args.seed, args.bandwidth_bytes, hf_dtype,
-                                    log=_log)
-    record = {"command": runinfo.command_line(argv), "source": source} | record
+                                    log=_log, on_repeat=write)
+    record = head | record
     print(decode_bench.format_table(record))
-    if args.json:
-        _write_json(args.json, record)
+    _write_json(args.json, record)
     return record
 
 
 def run_speculative(args, argv) -> dict:
-    from ..core.checkpoint import load
+    from ..core.checkpoint import load, resolve_model_path
     from ..engines.speculative import resolve_draft
     from ..lab.bench_speculative import bench, bench_compiled
 
@@ -162,16 +158,24 @@ def run_speculative(args, argv) -> dict:
         raise ValueError("nothing to do: pass --bench")
     if args.compile and args.temperature != 0:
         raise ValueError("--compile measures greedy decoding: leave --temperature at 0")
+    check_output_path(args.out, "--out")  # before any work: a late failure would lose the run
+    if not args.draft.startswith("self-"):
+        resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
     _set_threads(args.threads)
     target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
     draft = resolve_draft(args.draft, target, tokenizer)
+    command = runinfo.command_line(argv)
+
+    def write(partial: dict) -> None:  # after every repeat: an interrupted run keeps the repeats that finished
+        _write_json(args.out, partial | {"command": command})
+
     if args.compile:
         report = bench_compiled(target, draft, tokenizer, ks=args.ks, max_new_tokens=args.max_new_tokens,
-                                repeats=args.repeats, mode=args.compile_mode)
+                                repeats=args.repeats, mode=args.compile_mode, on_repeat=write)
     else:
         report = bench(target, draft, tokenizer, ks=args.ks, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, repeats=args.repeats)
-    report["command"] = runinfo.command_line(argv)
+                       temperature=args.temperature, repeats=args.repeats, on_repeat=write)
+    report["command"] = command
     print(f"\n{'':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'theory':>7}")
     for name, r in report["results"].items():
         if name == "target":
@@ -188,8 +192,8 @@ def run_speculative(args, argv) -> dict:
 def run_batch(args, argv) -> dict:
     from ..core.checkpoint import load_model
 
-    if args.requests < 1 or (args.threads is not None and args.threads < 1):
-        raise ValueError(f"--requests and --threads must be >= 1, got {args.requests} and {args.threads}")
+    if args.json:
+        check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
     _set_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     requests = bench_batching.random_workload(args.requests, model.config.vocab_size, args.prompt_len,
@@ -200,13 +204,14 @@ def run_batch(args, argv) -> dict:
               "threads": machine["torch_threads"], "machine": machine, "versions": runinfo.versions(),
               "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                            "rate": args.rate, "temperature": args.temperature, "seed": args.seed},
-              "runs": [], "batch_scaling": []}
+              "runs": [], "batch_scaling": [], "finished": False}
     load_before = runinfo.load_average()
     print(f"llmstep batch: {record['model']} on {record['device']} {record['dtype']}, {args.requests} requests",
           flush=True)
     print(f"{'policy':<11} {'slots':>5} {'steps':>6} {'busy':>6} {'tok/s':>9} {'latency':>9} {'first tok':>10}")
     for run in bench_batching.serve_both_ways(model, requests, args.slots, compile=args.compile):
         record["runs"].append(run)
+        _write_json(args.json, record)  # after every run: an interrupt keeps the runs that finished
         print(f"{run['policy']:<11} {run['slots']:>5} {run['engine_steps']:>6} {run['slot_utilisation']:>6.0%} "
               f"{run['tokens_per_second']:>9,.1f} {run['mean_latency_seconds']:>8.2f}s "
               f"{run['mean_first_token_seconds']:>9.2f}s", flush=True)
@@ -217,6 +222,6 @@ def run_batch(args, argv) -> dict:
         print(f"{row['batch']:>5} {row['step_ms']:>8.2f} {row['tokens_per_second']:>9,.1f} "
               f"{row['bytes_per_token'] / 1e6:>9.2f} {row['flops_per_byte']:>10.1f}", flush=True)
     record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
-    if args.json:
-        _write_json(args.json, record)
+    record["finished"] = True
+    _write_json(args.json, record)
     return record

@@ -9,15 +9,17 @@ import torch
 
 from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
+from .args import nonneg_float, nonneg_int, positive_int, probability, seed
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--max-new-tokens", type=nonneg_int, default=200)
+    p.add_argument("--temperature", type=nonneg_float, default=None,
                    help="0 = greedy (default: generation_config.json, else 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json, else 0)")
-    p.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json, else 0.95)")
-    p.add_argument("--seed", type=int, default=None, help="makes the run reproducible")
+    p.add_argument("--top-k", type=nonneg_int, default=None, help="0 = off (default: generation_config.json, else 0)")
+    p.add_argument("--top-p", type=probability, default=None,
+                   help="1 = off (default: generation_config.json, else 0.95)")
+    p.add_argument("--seed", type=seed, default=None, help="makes the run reproducible")
 
 
 def add_commands(sub) -> None:
@@ -31,7 +33,7 @@ def add_commands(sub) -> None:
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers)")
-    g.add_argument("--speculate-k", type=int, default=4, help="draft tokens proposed per round (with --draft)")
+    g.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens proposed per round (with --draft)")
     g.add_argument("--adaptive-k", action="store_true",
                    help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
     g.set_defaults(run=run_generate)
@@ -41,24 +43,28 @@ def add_commands(sub) -> None:
     src.add_argument("--model")
     src.add_argument("--preset", choices=sorted(PRESETS))
     i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
-    i.add_argument("--context", type=int, default=0, help="tokens already in the KV cache")
+    i.add_argument("--context", type=nonneg_int, default=0, help="tokens already in the KV cache")
     i.set_defaults(run=run_info)
 
     t = sub.add_parser("trace", help="time one decode step stage by stage, with its bytes and FLOPs")
     src = t.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a real Llama 3.x shape with random weights")
-    t.add_argument("--context", type=int, default=256, help="tokens already in the KV cache")
-    t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--context", type=nonneg_int, default=256, help="tokens already in the KV cache")
+    t.add_argument("--repeats", type=positive_int, default=5)
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None)
     t.set_defaults(run=run_trace)
 
 
 def run_generate(args, argv) -> None:
-    from ..core.checkpoint import load
+    from ..core.checkpoint import load, resolve_model_path
     from ..engines.generate import stream
 
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give at least one character")
+    if args.draft is not None and not args.draft.startswith("self-"):
+        resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     defaults = getattr(model, "generation_config", {}) or {}
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
@@ -75,11 +81,13 @@ def run_generate(args, argv) -> None:
                                  **sampling)
     else:
         run = stream(model, tokenizer, prompt, **sampling)
-    if not args.chat:
+    if not args.chat:  # every argument was checked above: an error never lands after the echoed prompt
         print(args.prompt, end="", flush=True)
-    for event in run:
-        print(event.text, end="", flush=True)
-    print()
+    try:
+        for event in run:
+            print(event.text, end="", flush=True)
+    finally:
+        print(flush=True)  # end the text's line, whatever ended the stream (Ctrl-C, an error)
     print(f"\n[{model.device.type} {str(model.dtype).removeprefix('torch.')}] {run.result.summary()}", file=sys.stderr)
 
 

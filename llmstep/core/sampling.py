@@ -7,20 +7,24 @@ exact distribution that `sample` draws from, so tests (and speculative decoding)
 from __future__ import annotations
 
 import math
-from numbers import Integral
+from numbers import Integral, Real
 
 import torch
 
-__all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy"]
+__all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy",
+           "draw", "picker"]
 
 
 def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> None:
-    """Raise ValueError naming the bad argument."""
-    if temperature is None or not 0 <= temperature < math.inf:
+    """Raise ValueError naming the bad argument (a bool or a string is not a number)."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not isinstance(value, Real) or isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and (not isinstance(top_k, Integral) or isinstance(top_k, bool) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
-    if top_p is None or not 0 < top_p <= 1:
+    if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 means off), got {top_p}")
 
 
@@ -90,3 +94,15 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0
         check_params(temperature, top_k, top_p)
         return greedy(logits)
     return draw(probs(logits, temperature, top_k, top_p), generator)
+
+
+def picker(sampling: tuple[float, int, float], generator: torch.Generator | None):
+    """pick(logits [1, V]) -> (token [1], the distribution it was drawn from, or None at temperature 0), for
+    speculative decoding, which needs the draft's distribution q beside its token."""
+    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if sampling[0] == 0:
+            return logits.argmax(dim=-1), None
+        dist = probs(logits, *sampling)
+        return draw(dist, generator), dist
+
+    return pick

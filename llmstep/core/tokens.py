@@ -85,6 +85,7 @@ class Tokenizer:
         with special=False they are read as the plain characters they are (what untrusted text needs)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
+        _check_encodable(text)
         ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
 
@@ -147,6 +148,15 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
+
+
+def _check_encodable(text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, e.g. from a bad decode): it has no UTF-8 bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode: {text[e.start]!r} at character {e.start} is a lone "
+                         "surrogate; decode the input with errors='replace'") from None
 
 
 def _is_id(i) -> bool:

@@ -25,10 +25,15 @@ both and samples each row.
 Each request samples with its own generator, one draw per row, from `llmstep.sampling`: its tokens are
 the ones `llmstep.generate` gives it alone with the same seed and the same cache size. Batching changes
 when a token is made, not which token (up to the float rounding of a batched matmul; exact in float64).
+
+Every request is checked before any work (a bad one is refused with its index, and nothing runs). A
+batcher owns its cache: one `run` at a time (a second thread gets `decoding.ConcurrentUseError`). Logits
+that are NaN or Inf are flagged per request on the device and reported at the end of the run.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -40,7 +45,17 @@ from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.sampling import check_params, sample
 from .compile import Step, warm_up
-from .decoding import budget, check_max_new_tokens, check_prompt_ids, make_generator, stop_id_set
+from .decoding import (
+    NonFiniteLogitsError,
+    budget,
+    check_max_len,
+    check_max_new_tokens,
+    check_prompt_ids,
+    check_seed,
+    exclusive,
+    make_generator,
+    stop_id_set,
+)
 from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "run_batch", "POLICIES"]
@@ -73,7 +88,7 @@ class BatchRunner:
         if not isinstance(n_slots, int) or isinstance(n_slots, bool) or n_slots < 1:
             raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
         self.model, self.device, self.n_slots = model, model.device, n_slots
-        self.max_len = model.config.max_seq_len if max_len is None else max_len
+        self.max_len = check_max_len(max_len, model.config.max_seq_len, low=1)  # 1: a step at position 0
         # per layer k, v: [S, n_kv, max_len, hd]: row s is slot s
         self.cache = model.new_cache(batch_size=n_slots, max_len=self.max_len)
         self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
@@ -128,6 +143,7 @@ class ContinuousBatcher:
         self.runner = BatchRunner(model, n_slots, max_len, compile, mode)
         self.model, self.device, self.n_slots, self.max_len = model, model.device, n_slots, self.runner.max_len
         self.cache, self.compiled, self.cuda_graphs = self.runner.cache, self.runner.compiled, self.runner.cuda_graphs
+        self._lock = threading.Lock()  # one run at a time: the cache is this batcher's only one
 
     def warmup(self) -> float:
         return self.runner.warmup()
@@ -138,6 +154,7 @@ class ContinuousBatcher:
         try:
             check_params(r.temperature, r.top_k, r.top_p)
             check_max_new_tokens(r.max_new_tokens)
+            check_seed(r.seed)
             if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
                 raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
             stops = stop_id_set(r.stop_ids)
@@ -148,15 +165,20 @@ class ContinuousBatcher:
         return Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)),
                    budget(len(ids), r.max_new_tokens, self.max_len), stops)
 
-    @torch.inference_mode()
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""
         jobs = [self._check(i, r) for i, r in enumerate(requests)]  # all checked before any work
         scheduler = Scheduler(jobs, self.n_slots, policy)  # refuses an unknown policy
+        with exclusive(self._lock, self):
+            return self._run(requests, scheduler)
+
+    @torch.inference_mode()
+    def _run(self, requests: Sequence[Request], scheduler: Scheduler) -> BatchRun:
         self.warmup()
         generators = {}  # request id -> its generator: one draw per token, as generate makes them
         runner, device = self.runner, self.device
         runner.cache.reset()
+        bad = torch.zeros(len(requests), dtype=torch.bool, device=device)  # non-finite logits seen, per request
         start = time.perf_counter()
         while not scheduler.done:
             synchronize(device)
@@ -165,8 +187,9 @@ class ContinuousBatcher:
                 r = requests[job.id]
                 generators[job.id] = make_generator(device, r.seed)
                 prefill_start = time.perf_counter()
-                token = sample(runner.prefill(job.completion.slot, job.completion.prompt_ids), r.temperature,
-                               r.top_k, r.top_p, generators[job.id])  # [1]
+                logits = runner.prefill(job.completion.slot, job.completion.prompt_ids)  # [1, vocab]
+                bad[job.id] |= ~torch.isfinite(logits).all()
+                token = sample(logits, r.temperature, r.top_k, r.top_p, generators[job.id])  # [1]
                 scheduler.take(job, int(token))  # waits for the device: the scheduler needs the token
                 job.completion.prefill_seconds = time.perf_counter() - prefill_start
             running = scheduler.running()
@@ -174,6 +197,8 @@ class ContinuousBatcher:
                 logits = runner.decode([None if j is None else (j.completion.tokens[-1], j.position)
                                         for j in running])  # [S, vocab]
                 served = [(s, j) for s, j in enumerate(running) if j is not None]
+                rows, ids = (torch.tensor(v, device=device) for v in zip(*[(s, j.id) for s, j in served], strict=True))
+                bad[ids] |= ~torch.isfinite(logits[rows]).all(-1)  # on the device: no sync
                 drawn = torch.cat([sample(logits[s:s + 1], requests[j.id].temperature, requests[j.id].top_k,
                                           requests[j.id].top_p, generators[j.id])
                                    for s, j in served])  # [served]: one draw per row, with its own generator
@@ -182,6 +207,11 @@ class ContinuousBatcher:
             synchronize(device)
             scheduler.end_step()
         scheduler.run.seconds = time.perf_counter() - start
+        if bool(bad.any()):
+            ids = bad.nonzero()[:, 0].tolist()
+            listed = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or Inf) for request(s) {listed}: "
+                                       "their tokens are meaningless; check the model's weights and config")
         return scheduler.run
 
 

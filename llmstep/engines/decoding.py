@@ -3,20 +3,28 @@
 generate, FastDecoder, the speculative loops and the batcher all ask the same questions, and each asks
 them here:
 
-- is the input usable? `check_prompt_ids`, `check_max_new_tokens`, `stop_id_set`, `encode_prompt`;
+- is the input usable? `check_prompt_ids`, `check_max_new_tokens`, `check_seed`, `stop_id_set`, `encode_prompt`
+  (types are checked here, once: bytes are not a prompt, a bool or a float is not a seed);
 - how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
   the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
   slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`);
 - has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
   budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
 - which random numbers? `make_generator`: a seeded generator on the model's device;
+- are the numbers finite? `check_finite` (the teaching loops, every step) and `NonFiniteLogits` (the fast
+  loops and the batcher keep a flag on the device and look at it once, at the end: no per-token sync);
+- may this object run now? `exclusive`: FastDecoder, FastSpeculator and ContinuousBatcher own one cache each
+  and refuse a second caller while a run is in progress (`ConcurrentUseError`); generate and
+  speculative_generate allocate their own caches, so many threads may call them on one model;
 - what does a run report? `DecodeResult`, which every loop's result extends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -25,8 +33,10 @@ import torch
 from ..core.cost import model_step_cost
 from ..core.tokens import Tokenizer
 
-__all__ = ["check_max_new_tokens", "check_prompt_ids", "stop_id_set", "encode_prompt", "make_generator", "room",
-           "cache_len", "Budget", "budget", "end_reason", "cut_at_stop", "step_bytes_by_context", "DecodeResult"]
+__all__ = ["check_max_new_tokens", "check_seed", "check_max_len", "check_prompt_ids", "NonFiniteLogitsError",
+           "check_finite", "NonFiniteLogits", "ConcurrentUseError", "exclusive", "stop_id_set", "encode_prompt",
+           "make_generator", "room", "cache_len", "Budget", "budget", "end_reason", "cut_at_stop",
+           "step_bytes_by_context", "DecodeResult"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -39,6 +49,30 @@ def check_max_new_tokens(max_new_tokens) -> None:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
 
 
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """None (a fresh seed) or an integer in 0 .. 2**64 - 1; a bool, a float or a string is refused by name."""
+    if seed is None:
+        return
+    if not isinstance(seed, Integral) or isinstance(seed, bool):
+        raise ValueError(f"{name} must be an integer (or None), got {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{name} must be in 0 .. 2**64 - 1, got {seed}")
+
+
+def check_max_len(max_len, limit: int, low: int = 2) -> int:
+    """A static cache's slots per sequence: an integer in low .. limit (the model's context), before anything is
+    allocated. None means the model's context."""
+    if max_len is None:
+        return limit
+    if not isinstance(max_len, Integral) or isinstance(max_len, bool) or not low <= max_len <= limit:
+        beyond = f": {max_len} exceeds the model's context" if isinstance(max_len, int) and max_len > limit else ""
+        raise ValueError(f"max_len must be an integer in {low}..{limit} (the model's context), got {max_len!r}{beyond}")
+    return int(max_len)
+
+
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
     """Token ids (a list, or a tensor [T] or [1, T]) as a list of ints: not empty, inside the vocabulary,
     and leaving room for one new token."""
@@ -47,6 +81,8 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
         if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
         ids = ids.flatten().tolist()
+    if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Iterable):
+        raise ValueError(f"a prompt must be text, token ids or chat messages, got {type(ids).__name__}")
     ids = list(ids)
     odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
     if odd:
@@ -80,6 +116,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
                   max_seq_len: int) -> list[int]:
     """A prompt as text (BOS added), as token ids (a list or a tensor, used as given) or as chat messages -> ids,
     checked."""
+    if isinstance(prompt, bytes | bytearray):  # iterating bytes would give integers: read as token ids
+        raise ValueError("the prompt is bytes: give text (decode it first, e.g. prompt.decode('utf-8')) or token ids")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty: give at least one character")
@@ -93,12 +131,65 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     """A generator on the model's device: seeded runs reproduce exactly, None draws a fresh seed."""
+    check_seed(seed)
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
         g.manual_seed(int(seed))
     return g
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite numbers, and one run at a time
+# --------------------------------------------------------------------------------------------------
+
+
+class NonFiniteLogitsError(ValueError):
+    """A forward produced NaN or Inf logits: a bad weight, scale or config; sampling them would give token 0."""
+
+
+def check_finite(logits: torch.Tensor, step: int, what: str = "the model") -> None:
+    """Raise NonFiniteLogitsError naming the step (0: the prompt's forward) if logits hold a NaN or an Inf."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogitsError(f"{what} produced non-finite logits (NaN or Inf) at step {step} "
+                                   "(0 = the prompt's forward): check its weights and config")
+
+
+class NonFiniteLogits:
+    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end."""
+
+    def __init__(self, device: torch.device):
+        self.seen = torch.zeros((), dtype=torch.bool, device=device)
+
+    def update(self, logits: torch.Tensor) -> None:
+        self.record(torch.isfinite(logits).all())
+
+    def record(self, finite: torch.Tensor) -> None:
+        """finite: a bool tensor [] computed elsewhere (inside a compiled step)."""
+        self.seen |= ~finite
+
+    def check(self, where: str = "") -> None:
+        if bool(self.seen):
+            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or Inf){where}: "
+                                       "its tokens are meaningless; check its weights and config")
+
+
+class ConcurrentUseError(RuntimeError):
+    """An engine that owns one cache was called while it was already running (from another thread)."""
+
+
+@contextlib.contextmanager
+def exclusive(lock: threading.Lock, owner: object) -> Iterator[None]:
+    """Hold `lock` for one run, or refuse at once: a second caller would write the same cache."""
+    if not lock.acquire(blocking=False):
+        raise ConcurrentUseError(f"this {type(owner).__name__} is already running (in another thread): it owns one "
+                                 "KV cache, so give each thread its own, or call llmstep.generate, which may be "
+                                 "shared")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,7 +263,8 @@ class DecodeResult:
 
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)  # new tokens, a final stop token included
-    stop_reason: str = ""  # "stop" (a stop token), "length" (max_new_tokens) or "context" (the cache is full)
+    stop_reason: str = ""  # "stop" (a stop token), "length" (max_new_tokens), "context" (the cache is full), or
+    #                        "interrupted" (a stream broken off, or not yet run, before its end)
     prefill_seconds: float = 0.0  # the prompt's forward, which makes the first token
     decode_bytes: float = 0.0  # weights + KV cache the decode steps read (llmstep.core.cost); 0: not counted
 

@@ -16,6 +16,11 @@ removes what is not the model:
   copied to the host once at the end, or every `sync_every` steps when stop tokens are watched;
 - the prompt goes through the model's one forward (PyTorch's fused scaled_dot_product_attention) once.
 
+A FastDecoder or FastSpeculator owns its cache: one run at a time. A second thread calling `generate` while
+a run is in progress gets `decoding.ConcurrentUseError` (give each thread its own decoder). Logits that
+are NaN or Inf are flagged on the device each step and reported at the end of the run
+(`decoding.NonFiniteLogitsError`), without a host sync per token.
+
 With compile=False it is the plain eager model in the same loop, and it gives the tokens
 `llmstep.generate` gives: greedy, and seeded sampling (the same generator, the same draws in the same
 order). tests/engines/test_fast.py holds both to that.
@@ -26,6 +31,7 @@ with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,17 +40,21 @@ import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..core.sampling import check_params, probs, sample
+from ..core.sampling import check_params, picker, probs, sample
 from . import speculative
 from .compile import Step, warm_up
 from .decoding import (
     DecodeResult,
+    NonFiniteLogits,
     budget,
     cache_len,
+    check_max_len,
     check_max_new_tokens,
     check_prompt_ids,
+    check_seed,
     cut_at_stop,
     end_reason,
+    exclusive,
     make_generator,
     room,
     step_bytes_by_context,
@@ -75,12 +85,14 @@ class FastDecoder:
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None):
         self.model = model
         self.device = model.device
-        self.max_len = model.config.max_seq_len if max_len is None else max_len
+        self.max_len = check_max_len(max_len, model.config.max_seq_len)
+        # TODO(issue 14, item 6): refuse a cache larger than the device's free memory (core.cost's check, once it lands)
         self.cache = model.new_cache(batch_size=1, max_len=self.max_len)  # per layer k, v: [1, n_kv, max_len, hd]
         self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
         self.compile_seconds = 0.0  # spent in the first calls of the compiled step (warmup)
         self._warm = not self.compiled
+        self._lock = threading.Lock()  # one run at a time: the cache is this decoder's only one
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
@@ -109,14 +121,22 @@ class FastDecoder:
         """
         check_params(temperature, top_k, top_p)
         check_max_new_tokens(max_new_tokens)
+        check_seed(seed)
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
         ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
+        stops = stop_id_set(stop_ids)
+        with exclusive(self._lock, self):
+            return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every)
+
+    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every) -> FastResult:
         self.warmup()
         plan = budget(len(ids), max_new_tokens, self.max_len)
         result = FastResult(prompt_ids=ids, stop_reason=plan.stop_reason)
         n = plan.tokens
         if n == 0:
             return result
-        device, stops = self.device, stop_id_set(stop_ids)
+        device = self.device
         generator = make_generator(device, seed)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(sorted(stops), device=device, dtype=torch.long)
         out = torch.empty(n, dtype=torch.long, device=device)  # the new tokens, on the device until the end
@@ -126,6 +146,8 @@ class FastDecoder:
         synchronize(device)
         start = time.perf_counter()
         logits = self.model(prompt, torch.arange(len(ids), device=device), self.cache, last_only=True)[:, -1]
+        nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
+        nonfinite.update(logits)
         token = sample(logits.float(), temperature, top_k, top_p, generator)  # [1]
         out[0] = token[0]
         synchronize(device)
@@ -138,12 +160,14 @@ class FastDecoder:
             if stops and i % sync_every == 0 and bool(torch.isin(out[:i], stop_tensor).any()):  # one sync
                 break
             logits = self._step(token.view(1, 1), position)
+            nonfinite.update(logits)
             token = sample(logits, temperature, top_k, top_p, generator)
             out[i] = token[0]
             position += 1
             steps += 1
         tokens = out[: steps + 1].tolist()  # waits for the device: the end of the timed region
         result.decode_seconds = time.perf_counter() - start
+        nonfinite.check(f" in a run of {steps + 1} tokens")
         result.decode_steps = steps
         step_bytes = step_bytes_by_context(self.model, context=len(ids))
         result.decode_bytes = sum(step_bytes(len(ids) + i) for i in range(steps))
@@ -211,6 +235,7 @@ class FastSpeculator:
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
         self._warm: set[str] = set() if self.compiled else {"greedy", "sampling"}  # the round kinds compiled
         self.compile_seconds = 0.0
+        self._lock = threading.Lock()  # one run at a time: the caches are this speculator's only ones
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
@@ -221,17 +246,22 @@ class FastSpeculator:
         return self.target(tokens, positions, self.target_cache).float()
 
     def _greedy_round(self, pair: torch.Tensor, position: torch.Tensor):
-        """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1])."""
-        x = self._draft(pair, position + torch.arange(-1, 1, device=pair.device)).argmax(-1, keepdim=True)
+        """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1],
+        whether every logit of the round, the draft's and the target's, was finite [])."""
+        logits = self._draft(pair, position + torch.arange(-1, 1, device=pair.device))  # [1, V]
+        finite = torch.isfinite(logits).all()
+        x = logits.argmax(-1, keepdim=True)
         proposed = [x]  # [1, 1] each
         for i in range(1, self.k):
-            x = self._draft(x, position + i).argmax(-1, keepdim=True)
+            logits = self._draft(x, position + i)
+            finite &= torch.isfinite(logits).all()
+            x = logits.argmax(-1, keepdim=True)
             proposed.append(x)
         drafted = torch.cat(proposed, dim=1)  # [1, k]
         tokens = torch.cat([pair[:, 1:], drafted], dim=1)  # [1, k+1]: the pending token and the proposals
         logits = self._verify(tokens, position + torch.arange(self.k + 1, device=pair.device))  # [1, k+1, V]
         n, token = speculative.verify_greedy(logits, drafted)
-        return drafted, n, token
+        return drafted, n, token, finite & torch.isfinite(logits).all()
 
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3) -> float:
@@ -263,23 +293,32 @@ class FastSpeculator:
         """Continue prompt_ids by up to max_new_tokens tokens, distributed as the target's (see `verify`)."""
         check_params(temperature, top_k, top_p)
         check_max_new_tokens(max_new_tokens)
+        check_seed(seed)
         ids = check_prompt_ids(prompt_ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
+        stops = stop_id_set(stop_ids)
+        with exclusive(self._lock, self):
+            return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
+
+    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops) -> FastSpeculativeResult:
         greedy = temperature == 0
         self.warmup(greedy)
-        k, device, stops = self.k, self.device, stop_id_set(stop_ids)
+        k, device = self.k, self.device
         plan = budget(len(ids), max_new_tokens, self.max_len)
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
         if plan.tokens == 0:
             return result
         generator = make_generator(device, seed)
-        pick = speculative.picker((temperature, top_k, top_p), generator)
+        pick = picker((temperature, top_k, top_p), generator)
         for cache in (self.target_cache, self.draft_cache):
             cache.reset()
 
         synchronize(device)
         start = time.perf_counter()
         prompt, positions = torch.tensor([ids], device=device), torch.arange(len(ids), device=device)  # [1, T], [T]
-        token, _ = pick(self.target(prompt, positions, self.target_cache, last_only=True)[:, -1].float())  # [1]
+        logits = self.target(prompt, positions, self.target_cache, last_only=True)[:, -1].float()  # [1, V]
+        nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
+        nonfinite.update(logits)
+        token, _ = pick(logits)  # [1]
         self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
         seq = ids + [int(token)]
         result.tokens = seq[len(ids):]
@@ -293,11 +332,14 @@ class FastSpeculator:
                 break
             pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
             if greedy:
-                drafted, n, token = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
+                drafted, n, token, finite = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
+                nonfinite.record(finite)
             else:
                 x, pos, proposed, q = pair, torch.arange(L - 2, L, device=device)[None], [], []
                 for i in range(k):
-                    t, q_i = pick(self._draft_step(x, pos))
+                    draft_logits = self._draft_step(x, pos)  # [1, V]
+                    nonfinite.update(draft_logits)
+                    t, q_i = pick(draft_logits)
                     x, pos = t.view(1, 1), torch.full((1, 1), L + i, device=device)
                     proposed.append(x)
                     q.append(q_i)
@@ -306,6 +348,7 @@ class FastSpeculator:
                                            torch.arange(L - 1, L + k, device=device)[None])  # [1, k+1, V]
                 p = probs(logits, temperature, top_k, top_p)
                 n, token = speculative.verify(p, torch.stack(q, dim=1), drafted, generator)
+                nonfinite.update(logits)
             n = int(n)  # the one host sync of the round
             # Nothing to roll back: slots past the accepted tokens are rewritten before a query can see them.
             new = (drafted[0, :n].tolist() + [int(token)])[: plan.tokens - len(result.tokens)]
@@ -315,6 +358,7 @@ class FastSpeculator:
             result.tokens += new
         synchronize(device)
         result.decode_seconds = time.perf_counter() - start
+        nonfinite.check(f" in a run of {len(result.tokens)} tokens")
         result.decode_steps = len(result.tokens) - 1
         result.stop_reason = reason
         return result

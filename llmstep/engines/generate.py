@@ -1,7 +1,8 @@
 """The generation loop: prefill the prompt once, then decode one token at a time through the KV cache.
 
 `stream` yields each token as it is made, with its text and how long it took; `generate` runs it to
-the end and returns the whole `Generation`.
+the end and returns the whole `Generation`. Each run allocates its own KV cache, so many threads may generate with one
+model at once (the fast loops, which own one cache each, refuse that: llmstep.engines.decoding.exclusive).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from .decoding import (
     DecodeResult,
     budget,
     cache_len,
+    check_finite,
     check_max_new_tokens,
+    check_seed,
     encode_prompt,
     end_reason,
     make_generator,
@@ -73,9 +76,11 @@ class Stream:
 def stream(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128, temperature: float = 1.0,
            top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            stop_ids: Iterable[int] | None = None) -> Stream:
-    """Start generating; see `generate` for the arguments. Errors in the arguments are raised here."""
+    """Start generating; see `generate` for the arguments. Errors in the arguments are raised here; a forward
+    that produces NaN or Inf logits raises `decoding.NonFiniteLogitsError` naming its step."""
     check_params(temperature, top_k, top_p)
     check_max_new_tokens(max_new_tokens)
+    check_seed(seed)
     ids = encode_prompt(tokenizer, prompt, model.config.max_seq_len)
     stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     result = Generation(prompt_ids=ids)
@@ -94,11 +99,13 @@ def _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed,
     detok = tokenizer.stream(skip_special_tokens=True)
     x = torch.tensor([ids], device=device)  # [1, T]: the whole prompt, then one token at a time
     position = 0  # where x's first token goes in the cache
-    result.stop_reason = plan.stop_reason
+    # Until the last token is made the run is unfinished: a stream broken off early says so.
+    result.stop_reason = "interrupted" if plan.tokens else plan.stop_reason
     for index in range(plan.tokens):
         synchronize(device)
         start = time.perf_counter()
         logits = model(x, cache=cache, last_only=True)[:, -1]  # [1, vocab]
+        check_finite(logits, index)  # NaN logits would sample token 0 forever, in silence
         token = sample(logits, temperature, top_k, top_p, generator)  # [1]
         token_id = int(token)  # waits for the device
         seconds = time.perf_counter() - start

@@ -35,14 +35,14 @@ from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
 from ..core.model import Llama
-from ..core.sampling import check_params, draw, probs
+from ..core.sampling import check_params, draw, picker, probs
 from ..core.tokens import Tokenizer
 from . import decoding
 from .generate import Generation, Stream, TokenEvent
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
            "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "resolve_draft", "SpeculativeGeneration",
-           "speculative_stream", "speculative_generate", "Rounds", "check_k", "check_pair", "picker"]
+           "speculative_stream", "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,8 +168,7 @@ class LayerSkipDraft(Llama):
         self.config = target.config.replace(n_layers=n_layers)
         self.tok_embeddings = target.tok_embeddings  # the same modules: no weight is copied
         self.layers = torch.nn.ModuleList(target.layers[:n_layers])
-        self.norm = target.norm
-        self.output = target.output
+        self.norm, self.output = target.norm, target.output
         self.register_buffer("inv_freq", target.inv_freq, persistent=False)
         self.generation_config = getattr(target, "generation_config", {})
         self.train(target.training)
@@ -278,6 +277,15 @@ def check_k(k) -> None:
         raise ValueError(f"k (draft tokens per round) must be an integer >= 1, got {k!r}")
 
 
+def check_costs(cost_ratio, verify_costs) -> None:
+    """cost_ratio None or a number >= 0; verify_costs None or a non-empty list of numbers > 0 (see best_k)."""
+    if cost_ratio is not None and not (isinstance(cost_ratio, int | float) and cost_ratio >= 0):
+        raise ValueError(f"cost_ratio must be a number >= 0, got {cost_ratio!r}")
+    if verify_costs is not None and not (isinstance(verify_costs, list | tuple) and verify_costs and all(
+            isinstance(v, int | float) and v > 0 for v in verify_costs)):
+        raise ValueError(f"verify_costs must be a non-empty list of numbers > 0, got {verify_costs!r}")
+
+
 def check_pair(target: Llama, draft: Llama) -> None:
     if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
         raise ValueError(f"the draft must be a llmstep Llama (or a LayerSkipDraft), got {type(draft).__name__}")
@@ -297,28 +305,15 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     check_k(k)
     check_pair(target, draft)
     decoding.check_max_new_tokens(max_new_tokens)
-    if cost_ratio is not None and not cost_ratio >= 0:
-        raise ValueError(f"cost_ratio must be >= 0, got {cost_ratio}")
+    decoding.check_seed(seed)
+    check_costs(cost_ratio, verify_costs)
     ids = decoding.encode_prompt(tokenizer, prompt, target.config.max_seq_len)
     stops = decoding.stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
     result = SpeculativeGeneration(prompt_ids=ids, k=k)
-    if adaptive and cost_ratio is None:
-        cost_ratio = draft_cost_ratio(target, draft)
     sampling = (temperature, top_k, top_p)
-    policy = (cost_ratio, verify_costs) if adaptive else None
+    policy = (draft_cost_ratio(target, draft) if cost_ratio is None else cost_ratio, verify_costs) if adaptive else None
     events = _run(target, draft, tokenizer, ids, k, max_new_tokens, sampling, seed, stops, result, policy)
     return Stream(events, result)
-
-
-def picker(sampling: tuple[float, int, float], generator: torch.Generator | None):
-    """pick(logits [1, V]) -> (token [1], the distribution it was drawn from, or None at temperature 0)."""
-    def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if sampling[0] == 0:
-            return logits.argmax(dim=-1), None
-        dist = probs(logits, *sampling)
-        return draw(dist, generator), dist
-
-    return pick
 
 
 @torch.inference_mode()
@@ -335,7 +330,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
     generator = decoding.make_generator(device, seed)
     detok = tokenizer.stream(skip_special_tokens=True)
     seq = list(ids)  # every token so far; the last one is not yet in either cache
-    result.stop_reason = plan.stop_reason
+    result.stop_reason = "interrupted" if plan.tokens else plan.stop_reason  # until the last token is made
 
     def emit(token_id: int, seconds: float) -> TokenEvent:
         index = len(result.tokens)
@@ -359,7 +354,9 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
 
     pick = picker(sampling, generator)
     x = torch.tensor([seq], device=device)  # [1, T]
-    token, _ = pick(target(x, cache=target_cache, last_only=True)[:, -1])  # [1]
+    logits = target(x, cache=target_cache, last_only=True)[:, -1]  # [1, V]
+    decoding.check_finite(logits, 0)
+    token, _ = pick(logits)  # [1]
     if len(seq) <= n_ctx_draft:
         draft(x, cache=draft_cache, last_only=True)  # only its cache is wanted
     seq.append(int(token))
@@ -384,8 +381,10 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         #    seen: the pending one, and after a round with all k accepted also the last proposal.
         proposed, q = [], []
         x = torch.tensor([seq[draft_len:L]], device=device) if k else None
-        for _ in range(k):
-            token, q_i = pick(draft(x, cache=draft_cache, last_only=True)[:, -1])  # [1], [1, V]
+        for i in range(k):
+            draft_logits = draft(x, cache=draft_cache, last_only=True)[:, -1]  # [1, V]
+            decoding.check_finite(draft_logits, len(result.tokens) + i, "the draft")
+            token, q_i = pick(draft_logits)  # [1], [1, V]
             x = token[:, None]  # [1, 1]
             proposed.append(x)
             q.append(q_i)
@@ -397,6 +396,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         # 2. The target scores the pending token and all k proposals in one forward: k+1 distributions.
         x = torch.cat([torch.tensor([seq[target_len:L]], device=device), *proposed], dim=1)  # [1, L-target_len+k]
         logits = target(x, cache=target_cache)[:, -(k + 1):]  # [1, k+1, V]
+        decoding.check_finite(logits, len(result.tokens), "the target")  # the step of the round's first token
         if not k:
             n, new, overlap = 0, [int(pick(logits[:, 0])[0])], []
         else:

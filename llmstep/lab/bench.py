@@ -122,10 +122,13 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
               compile: bool | None = None, compile_mode: str | None = None, repeats: int = 3,
               group_size: int | None = None, lm_head: bool = False, eager: bool = True, hf: bool = True,
               bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
-              hf_dtype: torch.dtype | None = None, log=print) -> dict:
+              hf_dtype: torch.dtype | None = None, log=print, on_repeat=None) -> dict:
     """Measure every variant on `model` ("none" = its float weights, "int8", "int4"); return the record.
-    transformers runs on the same weights in `hf_dtype` (default: the model's)."""
+    transformers runs on the same weights in `hf_dtype` (default: the model's). on_repeat(record), if given, gets
+    the record of the repeats so far after each one (with "repeats_done"), to be written as the run goes."""
     device, config = model.device, model.config
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
     if prompt_len < 1 or new_tokens < 2:
         raise ValueError("need --prompt-len >= 1 and --new-tokens >= 2 (one prefill token, then decode steps)")
     if prompt_len + new_tokens > config.max_seq_len:
@@ -190,6 +193,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         else:
             _time_hf(hf_model, prompt.to(device), 2)  # warm-up
 
+    hf_runs: list[tuple[float, float, list[int]]] = []  # (prefill tok/s, decode tok/s, tokens) per repeat
     for rep in range(repeats):
         for r in runs:
             res = r["decoder"].generate(ids, new_tokens, temperature=0.0)
@@ -198,8 +202,18 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
             r["tokens"] = res.tokens
         if hf_model is not None:
             t1, tn, toks = _time_hf(hf_model, prompt.to(device), new_tokens)
-            record.setdefault("_hf", []).append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
+            hf_runs.append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
         log(f"repeat {rep + 1}/{repeats} done")
+        if on_repeat is not None and rep + 1 < repeats:
+            partial = _finish(dict(record), runs, hf_model, hf_runs, model, bw, load_before)
+            on_repeat(partial | {"repeats_done": rep + 1})
+    return _finish(record, runs, hf_model, hf_runs, model, bw, load_before)
+
+
+def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llama, bw: float | None,
+            load_before: float | None) -> dict:
+    """The record of the repeats run so far: a row per variant (its best repeat), transformers' row, the machine."""
+    prompt_len, new_tokens = record["settings"]["prompt_len"], record["settings"]["new_tokens"]
 
     reference = next((r["tokens"] for r in runs if r["quant"] == "none" and not r["compiled"]), runs[0]["tokens"])
     rows = []
@@ -210,14 +224,13 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         rows.append({"name": r["name"], "implementation": "llmstep", "quantization": r["quant"],
                      "compiled": r["compiled"], "compile_seconds": r["compile_seconds"],
                      "prefill_tokens_per_s": max(r["prefill"]), "decode_tokens_per_s": decode,
-                     "decode_tokens_per_s_all": r["decode"], "weight_bytes_per_step": r["weight_bytes"],
+                     "decode_tokens_per_s_all": list(r["decode"]), "weight_bytes_per_step": r["weight_bytes"],
                      "kv_bytes_per_step": r["kv_bytes"], "bytes_per_step": step_bytes,
                      "achieved_gb_per_s": gbs, "share_of_bandwidth": gbs / bw if bw else None,
                      "same_tokens_as_eager_float": r["tokens"] == reference,
                      "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
-                     "tokens": r["tokens"]})
-    if hf_model is not None:
-        hf_runs = record.pop("_hf")
+                     "tokens": list(r["tokens"])})
+    if hf_model is not None and hf_runs:
         decode = max(d for _, d, _ in hf_runs)
         widen = hf_model.dtype.itemsize / model.dtype.itemsize  # bytes per weight, its dtype over ours
         cost = mean_step_cost(model, prompt_len, new_tokens)
@@ -240,7 +253,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         for row in rows:
             row["decode_speedup_vs_transformers"] = row["decode_tokens_per_s"] / decode
     record["rows"] = rows
-    record["machine"] = runinfo.machine(device, model.dtype)
+    record["machine"] = runinfo.machine(model.device, model.dtype)
     record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
     record["versions"] = runinfo.versions(transformers=record.get("transformers"))
     return record

@@ -15,6 +15,7 @@ from ..engines.fast import FastDecoder, FastSpeculator
 from ..engines.generate import generate
 from ..engines.speculative import (
     Rounds,
+    check_k,
     draft_cost_ratio,
     expected_tokens_per_forward,
     measure_costs,
@@ -32,15 +33,16 @@ BENCH_PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
 
 def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4, 6, 8),
           prompts: Iterable[str] = BENCH_PROMPTS, max_new_tokens: int = 200, temperature: float = 0.0,
-          repeats: int = 3, log=print) -> dict:
+          repeats: int = 3, log=print, on_repeat=None) -> dict:
     """Decode tokens/s of the target alone and with the draft at each k (and adaptive), same prompts.
 
     Runs are interleaved (target, then each k, repeated) so slow drift of the machine hits all alike;
     a rate is the median over repeats of the total decode rate over the prompts, a speedup the median
     over repeats of the rate over the target's rate in the same repeat. Adaptive k uses the draft's
-    forward costs measured by `measure_costs` before the runs.
+    forward costs measured by `measure_costs` before the runs. on_repeat(report), if given, gets the report of
+    the repeats so far after each one (with "repeats_done"), to be written as the run goes.
     """
-    prompts, ks = list(prompts), list(ks)
+    prompts, ks = _check(prompts, ks, max_new_tokens, repeats)
     load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
     configs = [("target", None)] + [(f"k={k}", k) for k in ks] + [("adaptive", max(ks))]
     rates: dict[str, list[float]] = {name: [] for name, _ in configs}
@@ -51,6 +53,12 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
     cost_ratio, verify_costs = measure_costs(target, draft, k_max=max(ks))
     log(f"a draft forward costs {cost_ratio:.3f} target forwards; verifying k+1 tokens costs "
         + ", ".join(f"{v:.2f}" for v in verify_costs[1:]) + f" one-token forwards for k = 1..{max(ks)}")
+    def report() -> dict:
+        results = {name: stats.get(name, {}) | _summary(rates, name) for name, _ in configs}
+        return _report(target, draft, load_before) | dict(
+            measured_cost_ratio=cost_ratio, measured_verify_costs=verify_costs, temperature=temperature,
+            max_new_tokens=max_new_tokens, prompts=prompts, repeats=repeats, results=results)
+
     for r in range(repeats):
         for name, k in configs:
             tokens = seconds = 0.0
@@ -83,19 +91,19 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
                     for key in ("draft_seconds_per_forward", "target_seconds_per_forward"):
                         stats[name][key] = min(stats[name][key], earlier[key])
             log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
-    results = {name: stats.get(name, {}) | _summary(rates, name) for name, _ in configs}
-    return _report(target, draft, load_before) | dict(
-        measured_cost_ratio=cost_ratio, measured_verify_costs=verify_costs, temperature=temperature,
-        max_new_tokens=max_new_tokens, prompts=prompts, repeats=repeats, results=results)
+        if on_repeat is not None and r + 1 < repeats:
+            on_repeat(report() | {"repeats_done": r + 1})
+    return report()
 
 
 def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4),
                    prompts: Iterable[str] = BENCH_PROMPTS, max_new_tokens: int = 200, repeats: int = 3,
-                   mode: str | None = None, log=print) -> dict:
+                   mode: str | None = None, log=print, on_repeat=None) -> dict:
     """`bench` for the fast loops, greedy: `llmstep.fast.FastDecoder` (the target alone) against a
     `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
-    medians; each run's tokens are compared with the target-alone run's."""
-    prompts, ks = [tokenizer.encode(p, bos=True) for p in prompts], list(ks)
+    medians; each run's tokens are compared with the target-alone run's. on_repeat: as for `bench`."""
+    prompts, ks = _check(prompts, ks, max_new_tokens, repeats)
+    prompts = [tokenizer.encode(p, bos=True) for p in prompts]
     max_len = min(target.config.max_seq_len, draft.config.max_seq_len,
                   max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1)
     load_before = runinfo.load_average()
@@ -109,6 +117,15 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     reference = [runners["target"].generate(p, max_new_tokens).tokens for p in prompts]
     rates: dict[str, list[float]] = {name: [] for name in runners}
     stats: dict[str, dict] = {}
+
+    def report() -> dict:
+        results = {name: stats.get(name, {}) | _summary(rates, name) | {"compile_seconds": compile_seconds[name]}
+                   for name in runners}
+        return _report(target, draft, load_before) | dict(
+            temperature=0.0, compiled=True, compile_mode=mode, max_new_tokens=max_new_tokens,
+            new_tokens_compared_with_target_alone=max_new_tokens, prompts=[tokenizer.decode(p) for p in prompts],
+            repeats=repeats, results=results)
+
     for r in range(repeats):
         for name, runner in runners.items():
             runs = [runner.generate(p, max_new_tokens) for p in prompts]
@@ -123,19 +140,29 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
                                    matching_tokens=[matching_prefix(g.tokens, ref)
                                                     for g, ref in zip(runs, reference, strict=True)])
             log(f"repeat {r + 1}/{repeats} {name:>9}: {rates[name][-1]:7.1f} tok/s")
-    results = {name: stats.get(name, {}) | _summary(rates, name) | {"compile_seconds": compile_seconds[name]}
-               for name in runners}
-    return _report(target, draft, load_before) | dict(
-        temperature=0.0, compiled=True, compile_mode=mode, max_new_tokens=max_new_tokens,
-        new_tokens_compared_with_target_alone=max_new_tokens, prompts=[tokenizer.decode(p) for p in prompts],
-        repeats=repeats, results=results)
+        if on_repeat is not None and r + 1 < repeats:
+            on_repeat(report() | {"repeats_done": r + 1})
+    return report()
+
+
+def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repeats: int) -> tuple[list, list]:
+    """The benchmarks' settings as lists, refused by name before anything runs (a rate needs decode steps)."""
+    prompts, ks = list(prompts), list(ks)
+    if not prompts or not ks:
+        raise ValueError("give at least one prompt and one k")
+    for name, value, low in (("max_new_tokens", max_new_tokens, 2), ("repeats", repeats, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    for k in ks:
+        check_k(k)
+    return prompts, ks
 
 
 def _summary(rates: dict[str, list[float]], name: str) -> dict:
     """One configuration's decode rate over the repeats: median, spread, every run, and (beside the target
     alone) its speedup, the median over repeats of its rate over the target's in the same repeat."""
     out = {"decode_tokens_per_second": runinfo.median(rates[name]), "spread": runinfo.spread(rates[name]),
-           "all_runs": rates[name]}
+           "all_runs": list(rates[name])}
     if name != "target":
         out["speedup"] = runinfo.median([a / b for a, b in zip(rates[name], rates["target"], strict=True)])
     return out

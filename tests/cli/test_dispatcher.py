@@ -43,11 +43,19 @@ def test_a_library_error_becomes_one_line_and_exit_status_2(monkeypatch, capsys,
     assert capsys.readouterr().err == f"llmstep info: error: {message}\n"
 
 
-def test_other_exceptions_are_bugs_and_keep_their_traceback(monkeypatch):
+def test_other_exceptions_are_bugs_one_line_and_exit_1_with_the_traceback_kept_for_llmstep_debug(monkeypatch, capsys):
     def fail(args, argv):
-        raise RuntimeError("a bug")
+        raise RuntimeError("a bug\nwith a second line")
 
     monkeypatch.setattr(cli.model, "run_info", fail)
+    monkeypatch.delenv("LLMSTEP_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--preset", "llama-3-8b"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("llmstep info: internal error: RuntimeError: a bug -- a bug in llmstep; please report it")
+    assert "LLMSTEP_DEBUG=1 shows the traceback" in err
+    monkeypatch.setenv("LLMSTEP_DEBUG", "1")
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["info", "--preset", "llama-3-8b"])
 
@@ -66,7 +74,8 @@ def test_python_dash_m_llmstep_exits_2_with_one_line_on_stderr():
     done = subprocess.run([sys.executable, "-m", "llmstep", "info", "--preset", "llama-3-8b", "--context", "-5"],
                           capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert done.returncode == 2
-    assert done.stderr == "llmstep info: error: --context must be >= 0, got -5\n" and done.stdout == ""
+    assert done.stderr == ("llmstep info: error: argument --context: must be an integer in 0 .. 2147483647, got -5 "
+                           "(see llmstep info --help)\n") and done.stdout == ""
 
 
 def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, capsys):

@@ -306,8 +306,8 @@ def test_command_writes_both_policies(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--requests", "0"], "--requests and --threads must be >= 1"),
-    (["--threads", "-1"], "--requests and --threads must be >= 1"),
+    (["--requests", "0"], "argument --requests: must be an integer in 1 .."),
+    (["--threads", "-1"], "argument --threads: must be an integer in 1 .."),
     (["--prompt-len", "600:700"], "request 0: the prompt is 6.. tokens, but a batch slot's length is 512"),
 ])
 def test_command_refuses_bad_arguments_without_a_traceback(args, message):

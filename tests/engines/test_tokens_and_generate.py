@@ -123,7 +123,7 @@ def test_cli_generate_streams_and_summarises(tiny_checkpoint, capsys):
 
 
 def test_cli_reports_bad_input_without_a_traceback(tiny_checkpoint, capsys):
-    with pytest.raises(SystemExit, match="top_p must be in"):
+    with pytest.raises(SystemExit, match=r"argument --top-p: must be in \(0, 1\]"):
         cli(["generate", "--model", str(tiny_checkpoint), "--prompt", "x", "--top-p", "2"])
     with pytest.raises(SystemExit, match="no model directory"):
         cli(["generate", "--model", "/nonexistent/dir", "--prompt", "x"])
@@ -185,13 +185,15 @@ def test_cli_info_refuses_bad_arguments_without_a_traceback(capsys):
     with pytest.raises(SystemExit):
         cli(["info", "--preset", "llama-3-8b", "--dtype", "float8"])
     assert "invalid choice: 'float8'" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--context must be >= 0"):
+    with pytest.raises(SystemExit, match="argument --context: must be an integer in 0 .."):
         cli(["info", "--preset", "llama-3-8b", "--context", "-5"])
 
 
 def test_cli_eval_reports_bad_input_without_a_traceback(tiny_checkpoint):
-    with pytest.raises(SystemExit, match="llmstep eval: error: max_tokens must be at least 2"):
+    with pytest.raises(SystemExit, match="llmstep eval: error: argument --max-tokens: must be an integer in 1 .."):
         cli(["eval", str(tiny_checkpoint), "--max-tokens", "-3", "--no-baseline"])
+    with pytest.raises(SystemExit, match="llmstep eval: error: max_tokens must be at least 2"):
+        cli(["eval", str(tiny_checkpoint), "--max-tokens", "1", "--no-baseline"])
     with pytest.raises(SystemExit, match="llmstep eval: error: no model directory"):
         cli(["eval", "/nonexistent/dir", "--no-baseline"])
 

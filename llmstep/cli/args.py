@@ -1,0 +1,117 @@
+"""The command line's value types: every number and list a flag takes is checked here, while the arguments
+are parsed, so a bad value ends the command with one line before anything is loaded or written.
+
+One rule per kind of value, shared by every command: `--threads 0` is refused by all of them alike. Each
+type raises argparse.ArgumentTypeError, which `llmstep.cli`'s parser turns into
+`llmstep <command>: error: argument --flag: ...` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..engines.decoding import check_seed
+
+__all__ = ["COUNT_LIMIT", "positive_int", "nonneg_int", "seed", "nonneg_float", "positive_float", "probability",
+           "fraction", "parse_ints", "parse_range", "int_at_most"]
+
+# The largest count a flag takes (tokens, repeats, requests, threads, ...): far beyond any context or machine
+# here, and small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
+COUNT_LIMIT = 2**31 - 1
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def int_at_most(low: int, high: int = COUNT_LIMIT):
+    """A type: an integer in low .. high."""
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in {low} .. {high}, got {text}")
+        return value
+
+    parse.__name__ = f"int_{low}_{high}"  # argparse names the type in some messages
+    return parse
+
+
+positive_int = int_at_most(1)
+nonneg_int = int_at_most(0)
+
+
+def seed(text: str) -> int:
+    """A seed: an integer in 0 .. 2**64 - 1 (llmstep.engines.decoding.check_seed, the library's own rule)."""
+    value = _int(text)
+    try:
+        check_seed(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("seed must be", "must be")) from None
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A probability mass in (0, 1] (top-p)."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1] (a ratio, an Adam beta)."""
+    value = _float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def parse_ints(text: str) -> list[int]:
+    """Comma-separated integers, each in 1 .. COUNT_LIMIT: --ks 1,2,4."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not all(1 <= v <= COUNT_LIMIT for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be an integer in 1 .. {COUNT_LIMIT}, got {text!r}")
+    return values
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """N or LOW:HIGH, 1 <= LOW <= HIGH <= COUNT_LIMIT."""
+    lo, _, hi = text.partition(":")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {text!r}") from None
+    if not 1 <= low <= high <= COUNT_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH <= {COUNT_LIMIT}, got {text!r}")
+    return low, high

@@ -1,0 +1,251 @@
+"""What the engines refuse and report: wrong types at the public boundary (once, by name), non-finite logits
+(raised by the teaching loops at their step, reported by the fast loops and the batcher at the end), and a
+decoder, speculator or batcher used from two threads at once."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.core.sampling import check_params
+from llmstep.engines.batching import ContinuousBatcher, Request
+from llmstep.engines.decoding import ConcurrentUseError, NonFiniteLogitsError, check_seed
+from llmstep.engines.fast import FastDecoder, FastSpeculator
+from llmstep.engines.speculative import LayerSkipDraft, speculative_generate
+
+PROMPT = [295, 17, 101, 42, 7, 250, 33]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+
+
+# ---- types at the boundary ------------------------------------------------------------------------
+
+def test_a_bytes_prompt_is_refused_not_read_as_token_ids(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="the prompt is bytes"):
+        llmstep.generate(model, tok, b"thy", max_new_tokens=2)
+    with pytest.raises(ValueError, match="prompt must be text, token ids"):
+        FastDecoder(model, max_len=16, compile=False).generate(b"thy", 2)
+
+
+@pytest.mark.parametrize("seed", [1.5, "42", True, -1, 2**64, 2**70])
+def test_a_seed_that_is_not_a_64_bit_integer_is_refused_by_name_before_any_work(tiny, seed):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="seed must be"):
+        llmstep.stream(model, tok, "thy", max_new_tokens=2, seed=seed)  # raised before the first token
+    with pytest.raises(ValueError, match="seed must be"):
+        speculative_generate(model, LayerSkipDraft(model, 1), tok, "thy", k=2, max_new_tokens=2, seed=seed)
+    with pytest.raises(ValueError, match="seed must be"):
+        FastDecoder(model, max_len=16, compile=False).generate(PROMPT, 2, seed=seed)
+
+
+def test_numpy_and_large_valid_seeds_are_accepted():
+    np = pytest.importorskip("numpy")
+    for seed in (None, 0, 2**64 - 1, np.int64(7)):
+        check_seed(seed)
+
+
+@pytest.mark.parametrize("kw, name", [(dict(temperature=True), "temperature"), (dict(temperature="0.7"), "temperature"),
+                                      (dict(top_p="0.9"), "top_p"), (dict(top_p=True), "top_p"),
+                                      (dict(top_k=2.0), "top_k"), (dict(temperature=float("nan")), "temperature")])
+def test_sampling_parameters_of_the_wrong_type_are_refused_by_name(tiny, kw, name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        check_params(**kw)
+    model, tok = tiny
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        llmstep.generate(model, tok, "thy", max_new_tokens=2, **kw)
+
+
+def test_a_lone_surrogate_in_the_prompt_is_a_clear_value_error(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llmstep.generate(model, tok, "thy \udc80 brow", max_new_tokens=2)
+
+
+def test_fast_decoder_refuses_sync_every_0_and_speculation_refuses_empty_verify_costs(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
+        FastDecoder(model, max_len=16, compile=False).generate(PROMPT, 4, stop_ids=[1], sync_every=0)
+    with pytest.raises(ValueError, match="verify_costs must be a non-empty list"):
+        speculative_generate(model, LayerSkipDraft(model, 1), tok, "thy", k=2, max_new_tokens=4, adaptive=True,
+                             verify_costs=[])
+
+
+def test_a_batch_with_one_bad_seed_late_in_the_list_is_refused_up_front_with_its_index(tiny):
+    model, _ = tiny
+    batcher = ContinuousBatcher(model, n_slots=2, max_len=32, compile=False)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        requests = [Request(PROMPT, 3, seed=i) for i in range(5)] + [Request(PROMPT, 3, seed=2**70, arrival=9)]
+        with pytest.raises(ValueError, match=r"request 5: seed must be in 0 \.\. 2\*\*64 - 1"):
+            batcher.run(requests)
+    finally:
+        handle.remove()
+    assert calls == []  # nothing ran: no partial results
+    assert [len(c.tokens) for c in batcher.run(requests[:5]).completions] == [3] * 5  # the batcher is unharmed
+
+
+# ---- non-finite logits ----------------------------------------------------------------------------
+
+def nan_after(model, calls: int):
+    """Make the LM head's output NaN from its (calls+1)-th call on; returns the hook's handle."""
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(1)
+        return out if len(seen) <= calls else torch.full_like(out, float("nan"))
+
+    return model.output.register_forward_hook(hook)
+
+
+def test_the_teaching_loop_raises_at_the_step_whose_logits_are_nan(tiny):
+    model, tok = tiny
+    handle = nan_after(model, 3)
+    try:
+        s = llmstep.stream(model, tok, PROMPT, max_new_tokens=10, stop_ids=[])
+        got = []
+        with pytest.raises(NonFiniteLogitsError, match="non-finite logits .* at step 3"):
+            for event in s:
+                got.append(event.id)
+        assert len(got) == 3  # the tokens before it, never a run of token 0
+    finally:
+        handle.remove()
+
+
+def test_every_loop_reports_nan_weights_instead_of_token_0(tiny):
+    model, tok = tiny
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.norm.weight[0] = float("nan")
+    draft = LayerSkipDraft(broken, 1)
+    with pytest.raises(NonFiniteLogitsError, match="at step 0"):
+        llmstep.generate(broken, tok, "thy", max_new_tokens=5)
+    with pytest.raises(NonFiniteLogitsError, match="at step 0"):
+        speculative_generate(broken, draft, tok, "thy", k=2, max_new_tokens=5)
+    with pytest.raises(NonFiniteLogitsError, match="in a run of"):
+        FastDecoder(broken, max_len=32, compile=False).generate(PROMPT, 8, temperature=0.8, seed=0)
+    for temperature in (0.0, 0.8):
+        with pytest.raises(NonFiniteLogitsError, match="in a run of"):
+            FastSpeculator(broken, draft, k=2, max_len=32, compile=False).generate(PROMPT, 8, temperature, seed=0)
+    requests = [Request(PROMPT, 4), Request(PROMPT[:3], 4, temperature=0.5, seed=1)]
+    with pytest.raises(NonFiniteLogitsError, match=r"request\(s\) 0, 1"):
+        ContinuousBatcher(broken, n_slots=2, max_len=32, compile=False).run(requests)
+
+
+def test_nan_logits_late_in_a_fast_run_are_reported_at_its_end(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    handle = nan_after(model, 5)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match="in a run of 10 tokens"):
+            decoder.generate(PROMPT, 10)
+    finally:
+        handle.remove()
+    assert len(decoder.generate(PROMPT, 10).tokens) == 10  # the decoder itself is fine afterwards
+
+
+# ---- one run at a time ----------------------------------------------------------------------------
+
+def run_two_threads(model, first, second):
+    """Start `first` in a thread and hold it inside the model's forward; call `second` from another thread
+    meanwhile; return what each did (a result or the exception it raised)."""
+    inside, tried = threading.Event(), threading.Event()
+    outcome: dict = {}
+
+    def hold(module, args):
+        if threading.current_thread().name == "first" and not inside.is_set():
+            inside.set()
+            tried.wait(timeout=30)
+
+    def call(name, fn, before=None):
+        if before is not None:
+            before.wait(timeout=30)
+        try:
+            outcome[name] = fn()
+        except Exception as e:  # what the test looks at
+            outcome[name] = e
+        finally:
+            if name == "second":
+                tried.set()
+
+    handle = model.register_forward_pre_hook(hold)
+    try:
+        threads = [threading.Thread(target=call, args=("first", first), name="first"),
+                   threading.Thread(target=call, args=("second", second, inside), name="second")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        handle.remove()
+    return outcome["first"], outcome["second"]
+
+
+def test_a_shared_fast_decoder_refuses_a_second_thread_and_the_first_keeps_its_tokens(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    alone = decoder.generate(PROMPT, 12).tokens
+    first, second = run_two_threads(model, lambda: decoder.generate(PROMPT, 12),
+                                    lambda: decoder.generate(list(reversed(PROMPT)), 12))
+    assert isinstance(second, ConcurrentUseError) and "already running" in str(second)
+    assert first.tokens == alone
+
+
+def test_a_shared_speculator_and_batcher_refuse_a_second_thread(tiny):
+    model, _ = tiny
+    spec = FastSpeculator(model, LayerSkipDraft(model, 1), k=2, max_len=32, compile=False)
+    alone = spec.generate(PROMPT, 10).tokens
+    first, second = run_two_threads(model, lambda: spec.generate(PROMPT, 10), lambda: spec.generate(PROMPT, 10))
+    assert isinstance(second, ConcurrentUseError) and first.tokens == alone
+    batcher = ContinuousBatcher(model, n_slots=2, max_len=32, compile=False)
+    requests = [Request(PROMPT, 6), Request(PROMPT[:4], 6)]
+    alone = [c.tokens for c in batcher.run(requests).completions]
+    first, second = run_two_threads(model, lambda: batcher.run(requests), lambda: batcher.run(requests))
+    assert isinstance(second, ConcurrentUseError) and [c.tokens for c in first.completions] == alone
+
+
+def test_generate_on_one_model_from_two_threads_is_fine(tiny):
+    model, tok = tiny
+    alone = llmstep.generate(model, tok, PROMPT, max_new_tokens=8, temperature=0).tokens
+    first, second = run_two_threads(model, lambda: llmstep.generate(model, tok, PROMPT, 8, temperature=0),
+                                    lambda: llmstep.generate(model, tok, PROMPT, 8, temperature=0))
+    assert first.tokens == second.tokens == alone
+
+
+def test_a_stream_broken_off_says_it_was_interrupted(tiny):
+    model, tok = tiny
+    s = llmstep.stream(model, tok, PROMPT, max_new_tokens=10, stop_ids=[])
+    for event in s:
+        if event.index == 2:
+            break
+    assert s.result.stop_reason == "interrupted" and len(s.result.tokens) == 3
+    done = llmstep.stream(model, tok, PROMPT, max_new_tokens=3, stop_ids=[])
+    list(done)
+    assert done.result.stop_reason == "length"
+
+
+@pytest.mark.parametrize("max_len", [0, 1, 10**12, 2.5, True, "16"])
+def test_a_static_cache_size_outside_the_models_context_is_refused_before_it_is_allocated(tiny, max_len):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"max_len must be an integer in 2\.\.128"):
+        FastDecoder(model, max_len=max_len, compile=False)
+    if max_len != 1:  # a batch runner may time a step at position 0 in a 1-slot cache
+        with pytest.raises(ValueError, match=r"max_len must be an integer in 1\.\.128"):
+            ContinuousBatcher(model, n_slots=2, max_len=max_len, compile=False)
+
+
+def test_a_speculative_stream_broken_off_says_it_was_interrupted(tiny):
+    model, tok = tiny
+    s = llmstep.speculative_stream(model, LayerSkipDraft(model, 1), tok, PROMPT, k=2, max_new_tokens=10, stop_ids=[])
+    for event in s:
+        if event.index == 1:
+            break
+    assert s.result.stop_reason == "interrupted"

@@ -1,0 +1,42 @@
+"""A long benchmark hands out its record after every repeat, so the command can write it as the run goes and an
+interrupt keeps the repeats that finished."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmstep.core.config import LlamaConfig
+from llmstep.lab import bench as decode_bench
+from llmstep.lab.hardware import random_model
+
+
+@pytest.fixture(scope="module")
+def small():
+    config = LlamaConfig.preset("llama-3.2-1b", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, hidden_dim=64,
+                                vocab_size=128, max_seq_len=32, bos_token_id=None, eos_token_id=[])
+    return random_model(config, "cpu", torch.float32, 0)
+
+
+def test_run_bench_hands_out_the_record_after_each_repeat_but_the_last(small):
+    partial = []
+    record = decode_bench.run_bench(small, ["none"], prompt_len=4, new_tokens=4, compile=False, repeats=3,
+                                    hf=False, bandwidth=False, log=lambda _: None, on_repeat=partial.append)
+    assert [p["repeats_done"] for p in partial] == [1, 2]
+    assert [len(p["rows"][0]["decode_tokens_per_s_all"]) for p in partial] == [1, 2]
+    assert "repeats_done" not in record and len(record["rows"][0]["decode_tokens_per_s_all"]) == 3
+    assert partial[0]["rows"][0]["tokens"] == record["rows"][0]["tokens"]
+
+
+def test_run_bench_refuses_zero_repeats_before_any_work(small):
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        decode_bench.run_bench(small, ["none"], 4, 4, compile=False, repeats=0, hf=False, bandwidth=False)
+
+
+def test_the_speculative_benchmarks_refuse_settings_that_give_no_rate(small):
+    from llmstep.lab.bench_speculative import bench
+
+    for kw, name in ((dict(max_new_tokens=1), "max_new_tokens"), (dict(repeats=0), "repeats"),
+                     (dict(ks=[0]), "k")):
+        with pytest.raises(ValueError, match=name):
+            bench(small, small, None, **kw)
