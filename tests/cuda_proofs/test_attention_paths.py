@@ -14,19 +14,15 @@ import torch.nn.functional as F
 
 from llmstep.core.attention import attention, causal_mask, sdpa
 from llmstep.core.config import LlamaConfig
-from llmstep.core.model import Llama, materialize
+from llmstep.core.model import Llama
 from llmstep.engines.fast import FastDecoder
+from llmstep.lab.hardware import random_model
 
 CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab_size=97, max_seq_len=64)
 
 
-def random_llama(config: LlamaConfig = CONFIG, seed: int = 0) -> Llama:
-    with torch.device("meta"):
-        shapes = Llama(config)
-    g = torch.Generator().manual_seed(seed)
-    state = {n: (torch.ones(p.shape) if n.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.1)
-             for n, p in shapes.named_parameters()}
-    return materialize(config, state)
+def random_llama(config: LlamaConfig = CONFIG) -> Llama:
+    return random_model(config, device="cpu", dtype=torch.float32, std=0.1)
 
 
 @pytest.fixture
