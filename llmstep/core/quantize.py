@@ -162,6 +162,10 @@ def _auto_kernel(mode: str) -> str:
     return "packed" if mode == "int4" else "dequant"
 
 
+CHECK_ROWS = 64  # output rows a packed kernel is checked on in prepare(): a float copy of every row would be
+# a whole layer's weights in float while a checkpoint loads
+
+
 def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     """A packed kernel's output matches dequantise + matmul to within its dtype's rounding (1% of the norm)."""
     got, want = got.float(), want.float()
@@ -193,8 +197,9 @@ class Int8Linear(nn.Module):
         if self.kernel == "packed":
             x = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype)
             try:
-                got = torch._weight_int8pack_mm(x, self.weight, self.scales)
-                ok = _agrees(got, F.linear(x, self.weight.to(x.dtype)) * self.scales)
+                got = torch._weight_int8pack_mm(x, self.weight, self.scales)[:, :CHECK_ROWS]
+                r = got.shape[1]
+                ok = _agrees(got, F.linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
             except (RuntimeError, NotImplementedError, AttributeError):
                 ok = False
             if not ok:
@@ -262,11 +267,15 @@ class Int4Linear(nn.Module):
                 packed = torch._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).to(torch.int32), 1)
             self.kernel_weight, self.scales_and_zeros = packed, sz
             x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
-            ok = _agrees(self._packed_mm(x), F.linear(x, self.dequantized()))
+            r = min(CHECK_ROWS, self.out_features)
+            want = F.linear(x, dequantize_int4(self.weight[:r], self.scales[:r], self.zeros[:r], x.dtype))
+            ok = _agrees(self._packed_mm(x)[:, :r], want)
         except (RuntimeError, NotImplementedError, AttributeError):
             ok = False
         if not ok:  # this device, dtype or shape has no packed kernel: dequantise + matmul
             self.kernel, self.kernel_weight, self.scales_and_zeros = "dequant", None, None
+        else:  # scales and zeros held once: views of the kernel's [K/g, N, 2] table
+            self.scales, self.zeros = self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()  # [N, K/g]
         return self
 
     def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
