@@ -6,6 +6,13 @@ heads over 8 KV heads, so its cache is 4x smaller than MHA's.
 
 Keys are masked by position (a query at position p sees keys at positions <= p): what the cache holds
 beyond a sequence's length is never read.
+
+The mask is the slow part on a GPU: PyTorch's flash kernel takes no mask, and the kernels that take one
+do not broadcast KV heads (`enable_gqa`), so a mask with GQA falls to the math path, which expands K/V to
+every query head and builds the scores in float32. So the model passes a mask only where one is needed:
+CAUSAL (no mask: `is_causal`) when the keys are exactly the T queries' own tokens from position 0, None
+when every key is visible (one token decoding over its filled cache), and a boolean mask otherwise, with
+each KV head's n_rep query heads folded into its rows so that no K/V is expanded (`sdpa`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from .config import LlamaConfig
 from .kv_cache import KVCache
 from .rope import apply_rope
 
-__all__ = ["Attention", "attention", "causal_mask"]
+__all__ = ["Attention", "attention", "causal_mask", "sdpa", "CAUSAL"]
+
+CAUSAL = "causal"  # mask sentinel: query i sees keys 0..i, the keys being these T tokens at positions 0..T-1
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -42,6 +51,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | None) -> torch.Tensor:
+    """`attention` by PyTorch's fused kernels, choosing the arguments that keep them fast.
+
+    q [B, n_heads, T, hd], k/v [B, n_kv, S, hd], mask [B, 1, T, S], CAUSAL or None -> [B, n_heads, T, hd].
+    With a mask, the n_rep query heads that share a KV head are stacked as n_rep * T rows of that head
+    (they see the same keys), so SDPA needs neither GQA broadcast nor expanded K/V.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None or isinstance(mask, str):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask == CAUSAL, enable_gqa=gqa)
+    if not gqa:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    B, H, T, hd = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    q = q.reshape(B, n_kv, (H // n_kv) * T, hd)  # [B, n_kv, n_rep*T, hd]: head h = g*n_rep + r, row r*T + t
+    mask = mask.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, n_kv, n_rep*T, hd]
+    return out.view(B, H, T, hd)
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -55,7 +84,8 @@ class Attention(nn.Module):
                 kv_len: int | None = None):
         """x [B, T, dim] -> [B, T, dim]. With a cache, this step's keys and values are stored at
         `positions` and the queries attend over the cache's first kv_len slots (the mask hides what
-        is not theirs to see; None means every slot is visible)."""
+        is not theirs to see; None means every slot is visible; CAUSAL means the keys are these tokens at
+        positions 0..T-1)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, hd]
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
@@ -63,5 +93,5 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, positions, k, v, kv_len)  # [B, n_kv, S, hd]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+        out = sdpa(q, k, v, mask)  # [B, n_heads, T, hd]
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

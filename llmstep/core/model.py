@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .attention import Attention, causal_mask
+from .attention import CAUSAL, Attention, causal_mask
 from .config import LlamaConfig
 from .cost import check_fits, model_bytes
 from .kv_cache import KVCache
@@ -80,13 +80,15 @@ class Llama(nn.Module):
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the KV cache holds {cache.batch_size} sequences but the tokens hold {B}: "
                              "give each sequence its row (cache.slot(i) is row i alone)")
+        default_positions = positions is None
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=tokens.device)
         positions = positions.expand(B, T)  # [B, T]
         kv_len = None
         if cache is None:
-            mask = causal_mask(positions, positions)  # [B, 1, T, T]: the keys are these tokens
+            # The keys are these tokens: at 0..T-1 a causal mask needs no tensor (SDPA's is_causal).
+            mask = CAUSAL if default_positions else causal_mask(positions, positions)  # [B, 1, T, T]
         elif torch.compiler.is_compiling():
             # Compiled: static shapes, attend over every slot; the mask hides the unwritten ones.
             mask = causal_mask(positions, torch.arange(cache.max_len, device=tokens.device))
@@ -95,8 +97,12 @@ class Llama(nn.Module):
             kv_len = int(positions.max()) + 1
             if kv_len > cache.max_len:
                 raise ValueError(f"position {kv_len - 1} is past the KV cache's {cache.max_len} slots")
-            single_step = B == 1 and T == 1
-            mask = None if single_step else causal_mask(positions, torch.arange(kv_len, device=tokens.device))
+            if B == 1 and T == 1:  # one token sees every filled slot
+                mask = None
+            elif B == 1 and kv_len == T and bool((positions[0] == torch.arange(T, device=tokens.device)).all()):
+                mask = CAUSAL  # one sequence's prefill into an empty cache: the keys are these tokens
+            else:
+                mask = causal_mask(positions, torch.arange(kv_len, device=tokens.device))
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [B, T, head_dim]

@@ -162,6 +162,16 @@ def _auto_kernel(mode: str) -> str:
     return "packed" if mode == "int4" else "dequant"
 
 
+CHECK_ROWS = 64  # output rows a packed kernel is checked on in prepare(): a float copy of every row would be
+# a whole layer's weights in float while a checkpoint loads
+
+
+def _nibbles(t: torch.Tensor) -> torch.Tensor:
+    """Any tensor's bytes as a flat stream of 4-bit values, low nibble first."""
+    b = t.contiguous().view(torch.uint8).flatten()
+    return torch.stack([b & 15, b >> 4], dim=-1).flatten()
+
+
 def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
     """A packed kernel's output matches dequantise + matmul to within its dtype's rounding (1% of the norm)."""
     got, want = got.float(), want.float()
@@ -193,8 +203,9 @@ class Int8Linear(nn.Module):
         if self.kernel == "packed":
             x = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype)
             try:
-                got = torch._weight_int8pack_mm(x, self.weight, self.scales)
-                ok = _agrees(got, F.linear(x, self.weight.to(x.dtype)) * self.scales)
+                got = torch._weight_int8pack_mm(x, self.weight, self.scales)[:, :CHECK_ROWS]
+                r = got.shape[1]
+                ok = _agrees(got, F.linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
             except (RuntimeError, NotImplementedError, AttributeError):
                 ok = False
             if not ok:
@@ -245,8 +256,13 @@ class Int4Linear(nn.Module):
         return m
 
     def prepare(self) -> Int4Linear:
-        """Build the packed kernel's layout for the weights' device, check it once, else fall back."""
-        device = self.weight.device
+        """Build the packed kernel's layout for the weights' device, check it once, else fall back.
+
+        One layout at a time where the kernel serves every row count (tinygemm on CUDA, a GEMM): the plain
+        codes are dropped and recovered from the kernel's layout when asked for (`codes`, a checkpoint save).
+        The CPU kernel is a matrix-vector kernel: a prompt widens the plain codes, so they are kept there."""
+        codes = self.codes()
+        device = codes.device
         if self.kernel == "auto":
             self.kernel = _auto_kernel("int4")
         self.kernel_weight = self.scales_and_zeros = None
@@ -254,20 +270,51 @@ class Int4Linear(nn.Module):
             return self
         try:
             sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-            if device.type == "cuda":
-                # tinygemm: bf16 activations, K a multiple of inner_k_tiles * 16, N of 8 (PyTorch's checks).
-                inner_k_tiles = 8 if self.in_features % 128 == 0 else 4 if self.in_features % 64 == 0 else 2
-                packed = torch._convert_weight_to_int4pack(self.weight.contiguous(), inner_k_tiles)
-            else:
-                packed = torch._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).to(torch.int32), 1)
-            self.kernel_weight, self.scales_and_zeros = packed, sz
+            self.kernel_weight, self.scales_and_zeros = self._convert(unpack_int4(codes)), sz
             x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
-            ok = _agrees(self._packed_mm(x), F.linear(x, self.dequantized()))
+            r = min(CHECK_ROWS, self.out_features)
+            want = F.linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
+            ok = _agrees(self._packed_mm(x)[:, :r], want)
         except (RuntimeError, NotImplementedError, AttributeError):
             ok = False
         if not ok:  # this device, dtype or shape has no packed kernel: dequantise + matmul
-            self.kernel, self.kernel_weight, self.scales_and_zeros = "dequant", None, None
+            self.kernel, self.kernel_weight, self.scales_and_zeros, self.weight = "dequant", None, None, codes
+            return self
+        # scales and zeros held once: views of the kernel's [K/g, N, 2] table
+        self.scales, self.zeros = self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()  # [N, K/g]
+        self.weight = codes if device.type == "cpu" else None
         return self
+
+    def _convert(self, q: torch.Tensor) -> torch.Tensor:
+        """Codes [N, K] (0..15) -> the packed kernel's layout on their device."""
+        if q.device.type == "cuda":
+            # tinygemm: bf16 activations, K a multiple of inner_k_tiles * 16, N of 8 (PyTorch's checks).
+            inner_k_tiles = 8 if self.in_features % 128 == 0 else 4 if self.in_features % 64 == 0 else 2
+            return torch._convert_weight_to_int4pack(pack_int4(q).contiguous(), inner_k_tiles)
+        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+    def codes(self) -> torch.Tensor:
+        """The plain codes [N, K/2] (pack_int4's layout): held, or recovered from the kernel's layout.
+
+        The kernel's packing only moves 4-bit codes about, so packing codes that spell each position's
+        index, 4 bits at a time, shows where every code went; the result is checked by packing it again."""
+        if self.weight is not None:
+            return self.weight
+        N, K, packed = self.out_features, self.in_features, self.kernel_weight
+        index = torch.arange(N * K, device=packed.device)
+        where = torch.zeros(N * K, dtype=torch.long, device=packed.device)  # nibble j holds code where[j]
+        for shift in range(0, max(1, (N * K - 1).bit_length()), 4):
+            where |= _nibbles(self._convert(((index >> shift) & 15).view(N, K))).long() << shift
+        flat = torch.empty(N * K, dtype=torch.uint8, device=packed.device)
+        flat[where] = _nibbles(packed)
+        codes = pack_int4(flat.view(N, K))
+        if not torch.equal(self._convert(unpack_int4(codes)), packed):
+            raise QuantizationError(f"Int4Linear [{N}, {K}]: the kernel's layout does not unpack to plain codes")
+        return codes
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.codes()  # a checkpoint holds the plain codes, whatever is held
 
     def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
         if x2d.device.type == "cuda":
@@ -276,7 +323,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self.kernel == "packed" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
+        if self.kernel == "packed" and (self.weight is None or x.numel() <= PACKED_MAX_ROWS * self.in_features):
             y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales.dtype))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return F.linear(x, self.dequantized().to(x.dtype))
@@ -284,10 +331,10 @@ class Int4Linear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes streamed per matmul: half a byte per weight plus a scale and a zero per group."""
-        return self.weight.nbytes + self.scales.nbytes + self.zeros.nbytes
+        return self.in_features * self.out_features // 2 + self.scales.nbytes + self.zeros.nbytes
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int4(self.weight, self.scales, self.zeros, self.scales.dtype)
+        return dequantize_int4(self.codes(), self.scales, self.zeros, self.scales.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

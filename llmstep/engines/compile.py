@@ -29,10 +29,15 @@ __all__ = ["compile_options", "uses_cuda_graphs", "compile_step", "Step", "warm_
 def compile_options(device: torch.device, mode: str | None = None) -> dict:
     """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
-    CUDA: mode "reduce-overhead", i.e. CUDA graphs. CPU: freeze the weights into the compiled code
-    (`freezing`: packed layouts, constant folding), concatenate the linears that read one input
-    (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become one matmul each, so a step makes 4 weight
-    passes per layer instead of 7), and call the kernels from C++ (`cpp_wrapper`), not from Python.
+    CUDA: mode "reduce-overhead", i.e. CUDA graphs, plus gpt-fast's `coordinate_descent_tuning`: with it
+    inductor turns every 1-row matmul (a decode step's) into a fused multiply-and-sum that it tunes to
+    bandwidth, int8's widening fused in; without it, 1-row bf16 matmuls go to cuBLAS and int8's
+    `F.linear(x, w.to(x.dtype)) * scales` is rewritten to the extern torch._weight_int8pack_mm, slow at one
+    row (tests/cuda_proofs/test_compile_trace.py traces both with fake CUDA tensors).
+    CPU: freeze the weights into the compiled code (`freezing`: packed layouts, constant folding),
+    concatenate the linears that read one input (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become
+    one matmul each, so a step makes 4 weight passes per layer instead of 7), and call the kernels from
+    C++ (`cpp_wrapper`), not from Python.
     "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape.
     """
     if mode is None:
@@ -40,6 +45,8 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
     import torch._inductor
 
     options = dict(torch._inductor.list_mode_options(mode))
+    if device.type == "cuda":
+        options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
     return options

@@ -5,8 +5,8 @@ bytes before the next step starts. At batch 1 a step of a small model is mostly 
 a GPU the hundreds of kernel launches per step cost more than the weights take to stream. This loop
 removes what is not the model:
 
-- the KV cache is allocated once (`model.new_cache`, max_len slots) and written at explicit positions,
-  so every decode step has the same shapes: token [1, 1] at position [1, 1];
+- the KV cache is allocated once (`model.new_cache`, max_len slots; by default sized for the request) and
+  written at explicit positions, so every decode step has the same shapes: token [1, 1] at position [1, 1];
 - that step (`model(token, position, cache)`, the same forward as everywhere else: nothing here forks
   the model's math) is compiled whole with torch.compile (llmstep/engines/compile.py): on CUDA as a CUDA
   graph, replayed with one launch per token; on a CPU with the weights frozen into the compiled code.
@@ -62,7 +62,17 @@ from .decoding import (
 )
 from .speculative import Rounds
 
-__all__ = ["FastResult", "FastDecoder", "fast_generate", "FastSpeculativeResult", "FastSpeculator"]
+__all__ = ["FastResult", "FastDecoder", "request_cache_len", "fast_generate", "FastSpeculativeResult", "FastSpeculator"]
+
+
+CACHE_ROUNDING = 256  # slots: a cache sized per request is rounded up to this, so nearby lengths share one
+
+
+def request_cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
+    """The slots FastDecoder allocates for a request by default: what a one-shot run needs (`cache_len`, and
+    at least one slot past the prompt), rounded up to CACHE_ROUNDING, at most the model's context."""
+    need = max(cache_len(prompt_len, max_new_tokens, max_seq_len), prompt_len + 1)
+    return min(max_seq_len, -(-need // CACHE_ROUNDING) * CACHE_ROUNDING)
 
 
 @dataclass
@@ -76,6 +86,7 @@ class FastResult(DecodeResult):
 class FastDecoder:
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
+    max_len: the cache's slots; None sizes it for each request (`request_cache_len`), growing it when needed.
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation).
     mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
@@ -85,14 +96,23 @@ class FastDecoder:
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None):
         self.model = model
         self.device = model.device
-        self.max_len = check_max_len(max_len, model.config.max_seq_len)
-        # TODO(issue 14, item 6): refuse a cache larger than the device's free memory (core.cost's check, once it lands)
-        self.cache = model.new_cache(batch_size=1, max_len=self.max_len)  # per layer k, v: [1, n_kv, max_len, hd]
-        self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
+        self._compile, self._mode = compile, mode
+        # max_len None: the cache is sized for each request (prompt + new tokens, rounded up to CACHE_ROUNDING
+        # slots so that similar requests reuse it), grown (a new cache, a new compiled step) only when a longer
+        # request comes. Never the model's whole context unless asked: 131,072 slots are 17 GB for Llama 3.1 8B.
+        # Either way the cache is checked against the device's free memory before it is allocated (KVCache).
+        self.sized_per_request = max_len is None
+        self._lock = threading.Lock()  # one run at a time: the cache is this decoder's only one
+        self._allocate(min(CACHE_ROUNDING, model.config.max_seq_len) if max_len is None
+                       else check_max_len(max_len, model.config.max_seq_len))
+
+    def _allocate(self, max_len: int) -> None:
+        self.max_len = max_len
+        self.cache = self.model.new_cache(batch_size=1, max_len=max_len)  # per layer k, v: [1, n_kv, max_len, hd]
+        self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
         self.compile_seconds = 0.0  # spent in the first calls of the compiled step (warmup)
         self._warm = not self.compiled
-        self._lock = threading.Lock()  # one run at a time: the cache is this decoder's only one
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
@@ -124,9 +144,15 @@ class FastDecoder:
         check_seed(seed)
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-        ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
+        if self.sized_per_request:
+            ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.model.config.max_seq_len)
+        else:
+            ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
         stops = stop_id_set(stop_ids)
         with exclusive(self._lock, self):
+            if self.sized_per_request and request_cache_len(len(ids), max_new_tokens,
+                                                           self.model.config.max_seq_len) > self.max_len:
+                self._allocate(request_cache_len(len(ids), max_new_tokens, self.model.config.max_seq_len))
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every)
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every) -> FastResult:
