@@ -196,32 +196,28 @@ def run_batch(args, argv) -> dict:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
     _set_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = bench_batching.random_workload(args.requests, model.config.vocab_size, args.prompt_len,
-                                              args.new_tokens, args.rate, args.seed, args.temperature)
+    workload = {"n_requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                "rate": args.rate, "seed": args.seed, "temperature": args.temperature}
     machine = runinfo.machine(model.device, model.dtype)
-    record = {"command": runinfo.command_line(argv), "model": str(args.model or "target"),
-              "device": machine.get("device_name", machine["cpu"]), "dtype": machine["dtype"],
-              "threads": machine["torch_threads"], "machine": machine, "versions": runinfo.versions(),
-              "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                           "rate": args.rate, "temperature": args.temperature, "seed": args.seed},
-              "runs": [], "batch_scaling": [], "finished": False}
-    load_before = runinfo.load_average()
-    print(f"llmstep batch: {record['model']} on {record['device']} {record['dtype']}, {args.requests} requests",
-          flush=True)
+    print(f"llmstep batch: {args.model or 'target'} on {machine.get('device_name', machine['cpu'])} "
+          f"{machine['dtype']}, {args.requests} requests", flush=True)
     print(f"{'policy':<11} {'slots':>5} {'steps':>6} {'busy':>6} {'tok/s':>9} {'latency':>9} {'first tok':>10}")
-    for run in bench_batching.serve_both_ways(model, requests, args.slots, compile=args.compile):
-        record["runs"].append(run)
+
+    def on_run(record: dict, run: dict) -> None:
         _write_json(args.json, record)  # after every run: an interrupt keeps the runs that finished
         print(f"{run['policy']:<11} {run['slots']:>5} {run['engine_steps']:>6} {run['slot_utilisation']:>6.0%} "
               f"{run['tokens_per_second']:>9,.1f} {run['mean_latency_seconds']:>8.2f}s "
               f"{run['mean_first_token_seconds']:>9.2f}s", flush=True)
-    print(f"\none decode step, {args.context} tokens of context in every row:")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'MB/token':>9} {'FLOP/byte':>10}")
-    for row in bench_batching.measure_batch_scaling(model, args.batch_sizes, args.context, compile=args.compile):
-        record["batch_scaling"].append(row)
+
+    def on_row(record: dict, row: dict) -> None:
+        if len(record["batch_scaling"]) == 1:
+            print(f"\none decode step, {args.context} tokens of context in every row:")
+            print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'MB/token':>9} {'FLOP/byte':>10}")
         print(f"{row['batch']:>5} {row['step_ms']:>8.2f} {row['tokens_per_second']:>9,.1f} "
               f"{row['bytes_per_token'] / 1e6:>9.2f} {row['flops_per_byte']:>10.1f}", flush=True)
-    record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
-    record["finished"] = True
+
+    record = bench_batching.run_batch_bench(model, str(args.model or "target"), workload, args.slots,
+                                            args.batch_sizes, args.context, compile=args.compile, argv=argv,
+                                            on_run=on_run, on_row=on_row)
     _write_json(args.json, record)
     return record

@@ -5,19 +5,19 @@ The command is `llmstep batch` (llmstep.cli.bench).
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
+from functools import partial
 from numbers import Integral
 
 import torch
 
-from ..core.device import synchronize
+from ..core.cost import model_step_cost
 from ..core.model import Llama
 from ..engines.batching import POLICIES, BatchRunner, ContinuousBatcher, Request
+from . import runinfo
 
-__all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling"]
+__all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench"]
 
 
 def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int] = (16, 64),
@@ -71,26 +71,46 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
 def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8, 16), context: int = 64,
                           repeats: int = 10, compile: bool | None = False) -> list[dict]:
     """Time one decode step at each batch size, every row `context` tokens in: the weights are read once
-    per step whatever the batch, so tokens/s grows with the batch until the step stops being memory-bound."""
-    from ..core.cost import decode_step_cost
-
+    per step whatever the batch, so tokens/s grows with the batch until the step stops being memory-bound.
+    Bytes are the model's as it holds them (float or quantized, llmstep.core.cost.model_step_cost); the step
+    time is the median of `repeats` after one untimed step."""
     rows = []
     for batch in batch_sizes:
         runner = BatchRunner(model, batch, max_len=context + 1, compile=compile)
         runner.warmup()  # compile (on CUDA, record the graph) before timing
         tokens = torch.zeros(batch, 1, dtype=torch.long, device=runner.device)
         positions = torch.full((batch, 1), context, dtype=torch.long, device=runner.device)
-        times = []
-        for _ in range(repeats):
-            synchronize(runner.device)
-            start = time.perf_counter()
-            runner.step(tokens, positions)
-            synchronize(runner.device)
-            times.append(time.perf_counter() - start)
-        cost = decode_step_cost(model.config, context, model.dtype, batch=batch)
-        seconds = statistics.median(times)
+        step = partial(runner.step, tokens, positions)
+        seconds = runinfo.median(runinfo.time_repeats(step, runner.device, repeats, warmup=1))
+        cost = model_step_cost(model, context, batch=batch)
         rows.append({"batch": batch, "step_ms": seconds * 1e3, "tokens_per_second": batch / seconds,
                      "bytes_per_step": cost.bytes, "bytes_per_token": cost.bytes / batch,
                      "flops_per_byte": cost.arithmetic_intensity,
                      "gb_per_second": cost.bytes / seconds / 1e9, "tflops": cost.flops / seconds / 1e12})
     return rows
+
+
+def run_batch_bench(model: Llama, model_name: str, workload: dict, slots: Iterable[int], batch_sizes: Iterable[int],
+                    context: int, compile: bool | None = None, argv: list[str] | None = None,
+                    on_run: Callable[[dict, dict], None] | None = None,
+                    on_row: Callable[[dict, dict], None] | None = None) -> dict:
+    """The batch benchmark's record: a random workload (`workload`: random_workload's arguments by name)
+    served both ways with each number of slots, then a decode step timed at each batch size, under the one
+    run-metadata header (llmstep.lab.runinfo.header). on_run(record, run) and on_row(record, row), if given,
+    are called as each run and each row is added (to print it, to write the record so far)."""
+    requests = random_workload(vocab_size=model.config.vocab_size, **workload)
+    load_before = runinfo.load_average()
+    record = runinfo.header(model.device, model.dtype, argv, load_before) | {
+        "model": model_name, "workload": {("requests" if k == "n_requests" else k): v for k, v in workload.items()},
+        "runs": [], "batch_scaling": [], "finished": False}
+    for run in serve_both_ways(model, requests, slots, compile=compile):
+        record["runs"].append(run)
+        if on_run is not None:
+            on_run(record, run)
+    for row in measure_batch_scaling(model, batch_sizes, context, compile=compile):
+        record["batch_scaling"].append(row)
+        if on_row is not None:
+            on_row(record, row)
+    record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
+    record["finished"] = True
+    return record

@@ -10,71 +10,19 @@ TFLOP/s achieved, and the share of the math units that this keeps busy.
 
 from __future__ import annotations
 
-import os
-import platform
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ..core.config import LlamaConfig
 from ..core.cost import check_fits, decode_step_cost, model_bytes, n_params
-from ..core.device import resolve_device, resolve_dtype, synchronize
+from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama, materialize
+from .runinfo import check_positive_int, describe, time_repeats
 
 __all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "measure_matmul",
            "measured_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
            "random_model"]
-
-
-# ---- what is here ------------------------------------------------------------------------------
-
-def describe(device: str | torch.device | None = None) -> dict[str, str | int | float | None]:
-    """The device llmstep would use here, in a few fields a learner can read."""
-    dev = resolve_device(device)
-    info: dict[str, str | int | float | None] = {"device": str(dev), "torch": torch.__version__}
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        info |= {"name": props.name, "memory_gb": props.total_memory / 1e9,
-                 "multiprocessors": props.multi_processor_count,
-                 "compute_capability": f"{props.major}.{props.minor}",
-                 "bf16": torch.cuda.is_bf16_supported()}
-    elif dev.type == "mps":
-        info |= {"name": f"Apple GPU ({platform.machine()})", "memory_gb": None}
-    else:
-        name = platform.processor() or platform.machine()
-        try:  # Linux: the model name is in /proc/cpuinfo; platform.processor() is often empty
-            with open("/proc/cpuinfo") as f:
-                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        try:
-            memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-        except (ValueError, OSError, AttributeError):
-            memory_gb = None
-        info |= {"name": name, "memory_gb": memory_gb, "cpu_cores": os.cpu_count(),
-                 "torch_threads": torch.get_num_threads()}
-    return info
-
-
-def _timed(fn, device: torch.device, repeats: int) -> float:
-    """The fastest of `repeats` runs of fn(), in seconds, after one warm-up run (STREAM's convention:
-    the best run is the one least disturbed by everything else the machine is doing)."""
-    fn()
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def _check_positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | None = None,
@@ -87,21 +35,23 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | No
     buffer that fits in the last-level cache reads faster still (a small model's weights can).
     The default size, 1 GiB, is far above any cache (a GPU's L2 is at most ~100 MiB; a server CPU's
     last-level cache can reach hundreds of MiB), so it measures DRAM/HBM: the ceiling a decode step hits
-    once the weights are larger than every cache.
+    once the weights are larger than every cache. The fastest of `repeats` runs counts, after one warm-up
+    (runinfo.time_repeats; STREAM's convention: the best run is the one least disturbed by everything else
+    the machine is doing).
     """
     dev = resolve_device(device)
     if nbytes is None:
         nbytes = 2**30
-    _check_positive("nbytes", nbytes)
-    _check_positive("repeats", repeats)
+    check_positive_int("nbytes", nbytes)
+    check_positive_int("repeats", repeats)
     if kind not in ("copy", "read"):
         raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
     n = max(nbytes // 4, 1)  # float32 elements
     src = torch.ones(n, dtype=torch.float32, device=dev)  # written once, so its pages really exist
     if kind == "read":
-        return n * 4 / _timed(src.sum, dev, repeats) / 1e9
+        return n * 4 / min(time_repeats(src.sum, dev, repeats)) / 1e9
     dst = torch.zeros_like(src)
-    seconds = _timed(lambda: dst.copy_(src), dev, repeats)
+    seconds = min(time_repeats(lambda: dst.copy_(src), dev, repeats))
     return 2 * n * 4 / seconds / 1e9
 
 
@@ -111,7 +61,8 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
 
     dtype None: float32 on the CPU (bf16/fp16 matmuls there are often emulated and slow), bfloat16 on
     a CUDA GPU that has it (else float16), float16 on MPS. The default n (2048 on a CPU, 8192 on a
-    GPU) is large enough to keep the math units busy: this is the compute ceiling.
+    GPU) is large enough to keep the math units busy: this is the compute ceiling. The fastest of `repeats`
+    runs counts, after one warm-up (as for measure_bandwidth).
     """
     dev = resolve_device(device)
     if dtype is None:
@@ -123,13 +74,13 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
         raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
     if n is None:
         n = 8192 if dev.type == "cuda" else 2048
-    _check_positive("n", n)
-    _check_positive("repeats", repeats)
+    check_positive_int("n", n)
+    check_positive_int("repeats", repeats)
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     c = torch.empty(n, n, device=dev, dtype=dtype)
-    seconds = _timed(lambda: torch.matmul(a, b, out=c), dev, repeats)
+    seconds = min(time_repeats(lambda: torch.matmul(a, b, out=c), dev, repeats))
     return 2 * n**3 / seconds / 1e12
 
 

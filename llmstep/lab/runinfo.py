@@ -1,10 +1,14 @@
-"""What every measurement records beside its numbers, and how it summarises repeated timings.
+"""What every measurement records beside its numbers, and how it times and summarises repeated runs.
 
 A figure without its machine, its versions and its command cannot be compared with another; a single
-timing says little on a machine that other processes share. The benchmarks (bench, bench_speculative,
-bench_batching) take all of that from here, so their records read alike:
+timing says little on a machine that other processes share. The measuring tools (hardware, trace, bench,
+bench_speculative, bench_batching) take all of that from here, so their records read alike:
 
+- `describe(device)`: the device llmstep would use, in a few fields a learner can read;
 - `machine(device, dtype)`: the CPU, its cores, torch's threads, the device and the dtype;
+- `header(device, dtype, argv, load_before)`: the one run-metadata block of every benchmark's record;
+- `time_repeats(fn, device, repeats, warmup)`: fn() timed `repeats` times after `warmup` untimed runs;
+- `check_positive_int(name, value)`: the measuring tools' counts (repeats, sizes), refused by name;
 - `versions()`: llmstep, torch and python (and whatever else a record names);
 - `load_average()`: the 1-minute load average, recorded before and after a run (other work skews timings);
 - `command_line(argv)`: the command that made a record, as one could type it again;
@@ -16,14 +20,44 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .._version import __version__
-from .hardware import describe
+from ..core.device import resolve_device, synchronize
 
-__all__ = ["machine", "versions", "load_average", "command_line", "median", "spread", "timing"]
+__all__ = ["describe", "machine", "header", "time_repeats", "check_positive_int", "versions", "load_average",
+           "command_line", "median", "spread", "timing"]
+
+
+def describe(device: str | torch.device | None = None) -> dict[str, str | int | float | None]:
+    """The device llmstep would use here, in a few fields a learner can read."""
+    dev = resolve_device(device)
+    info: dict[str, str | int | float | None] = {"device": str(dev), "torch": torch.__version__}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info |= {"name": props.name, "memory_gb": props.total_memory / 1e9,
+                 "multiprocessors": props.multi_processor_count,
+                 "compute_capability": f"{props.major}.{props.minor}",
+                 "bf16": torch.cuda.is_bf16_supported()}
+    elif dev.type == "mps":
+        info |= {"name": f"Apple GPU ({platform.machine()})", "memory_gb": None}
+    else:
+        name = platform.processor() or platform.machine()
+        try:  # Linux: the model name is in /proc/cpuinfo; platform.processor() is often empty
+            with open("/proc/cpuinfo") as f:
+                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        try:
+            memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        except (ValueError, OSError, AttributeError):
+            memory_gb = None
+        info |= {"name": name, "memory_gb": memory_gb, "cpu_cores": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads()}
+    return info
 
 
 def machine(device: str | torch.device, dtype: torch.dtype | None = None) -> dict:
@@ -55,6 +89,40 @@ def load_average() -> float | None:
 def command_line(argv: Sequence[str], prog: str = "llmstep") -> str:
     """The command as a shell would take it again: `llmstep bench --preset llama-3.2-1b ...`."""
     return " ".join([prog, shlex.join(argv)]) if argv else prog
+
+
+def header(device: str | torch.device, dtype: torch.dtype | None, argv: Sequence[str] | None,
+           load_before: float | None, **versions_extra: str | None) -> dict:
+    """The run metadata every benchmark's record starts with: the command, the machine, the versions and the
+    1-minute load average before the run and now (taken when the record is finished)."""
+    return {"command": None if argv is None else command_line(argv), "machine": machine(device, dtype),
+            "versions": versions(**versions_extra), "load_average_1min_before_after": [load_before, load_average()]}
+
+
+def check_positive_int(name: str, value) -> None:
+    """Refuse a count that is not an integer >= 1 (a bool is not a count)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def time_repeats(fn: Callable[[], object], device: str | torch.device, repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of `repeats` runs of fn(), after `warmup` untimed runs (allocator, kernels, lazy
+    inits, compilation), the device synchronised around each. Callers summarise: the fastest run (STREAM's
+    convention, the least disturbed by everything else the machine does) or the `median`."""
+    check_positive_int("repeats", repeats)
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def median(values: Sequence[float]) -> float:

@@ -7,9 +7,9 @@ rewritten: forward hooks on the model's modules and thin timing wrappers around 
 stage starts and ends; whatever runs between two marks (residual adds, reshapes, the mask, Python)
 is booked as "other". The stage times therefore add up to the traced step exactly.
 
-Bytes and FLOPs per stage follow llmstep.cost's accounting (weights streamed once, one embedding row
-gathered, the KV cache read by attention, 2 FLOPs per multiply-add of the matmuls and of attention),
-so they sum to `decode_step_cost` - checked every time.
+Bytes and FLOPs per stage follow llmstep.core.cost's accounting (weights streamed once as the model holds
+them, float or quantized, one embedding row gathered, the KV cache read by attention, 2 FLOPs per
+multiply-add of the matmuls and of attention), so they sum to `model_step_cost` - checked every time.
 
 Timing a stage means waiting for it (a GPU sync at every mark), which slows a GPU step down; the
 untraced step time is measured too (`Trace.step_seconds`) so the two can be compared.
@@ -17,20 +17,21 @@ untraced step time is measured too (`Trace.step_seconds`) so the two can be comp
 
 from __future__ import annotations
 
-import statistics
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..core import attention as attention_module
 from ..core import model as model_module
-from ..core.cost import StepCost, decode_step_cost, dtype_bytes
+from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.sampling import check_params, sample
+from .runinfo import check_positive_int, median, time_repeats
 
 __all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "trace_step", "plot_trace"]
 
@@ -40,26 +41,41 @@ STAGES = ("embedding", "rope tables", "attention norm", "qkv projection", "rope"
           "other")
 
 
-def stage_costs(config, context: int, dtype: torch.dtype | str) -> dict[str, tuple[float, float]]:
-    """Stage -> (bytes, FLOPs) of one decode step, split the way llmstep.cost counts the whole."""
-    c, wb, L = config, dtype_bytes(dtype), config.n_layers
+def _stored_bytes(*modules: nn.Module) -> float:
+    """Bytes the modules' weights take as stored: a float linear's or a norm's weight, a quantized linear's
+    codes, scales and zeros (its `.nbytes`, llmstep.core.quantize)."""
+    return float(sum(m.nbytes if hasattr(m, "nbytes") else m.weight.nbytes for m in modules))
+
+
+def stage_costs(model: Llama, context: int) -> dict[str, tuple[float, float]]:
+    """Stage -> (bytes, FLOPs) of one decode step of `model`, split the way llmstep.core.cost counts the whole:
+    each stage's weight bytes as its modules hold them (float or quantized), FLOPs from the config."""
+    c, L = model.config, model.config.n_layers
     q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    cost = decode_step_cost(config, context=context, dtype=dtype)
+    cost = model_step_cost(model, context=context)
+    blocks = list(model.layers)
+    emb = model.tok_embeddings.weight
+    head_weight = getattr(model.output, "weight", None)
+    tied = head_weight is emb  # a tied float head streams the whole table; otherwise one row is gathered
     costs = dict.fromkeys(STAGES, (0.0, 0.0))  # norms' and sampling's few FLOPs are not counted by cost
     costs |= {
-        "embedding": (0.0 if c.tie_embeddings else c.dim * wb, 0.0),  # one row; a tied head streams it anyway
-        "attention norm": (L * c.dim * wb, 0.0),
-        "qkv projection": (L * c.dim * (q_dim + 2 * kv_dim) * wb, 2.0 * L * c.dim * (q_dim + 2 * kv_dim)),
+        "embedding": (0.0 if tied else float(emb.shape[1] * emb.element_size()), 0.0),
+        "attention norm": (_stored_bytes(*(b.attention_norm for b in blocks)), 0.0),
+        "qkv projection": (_stored_bytes(*(m for b in blocks for m in (b.attention.wq, b.attention.wk,
+                                                                          b.attention.wv))),
+                           2.0 * L * c.dim * (q_dim + 2 * kv_dim)),
         "attention": (cost.kv_bytes, 4.0 * L * c.n_heads * c.head_dim * (context + 1)),  # q.k and p.v
-        "o projection": (L * q_dim * c.dim * wb, 2.0 * L * q_dim * c.dim),
-        "mlp norm": (L * c.dim * wb, 0.0),
-        "mlp (SwiGLU)": (L * 3 * c.dim * c.hidden_dim * wb, 2.0 * L * 3 * c.dim * c.hidden_dim),
-        "final norm": (c.dim * wb, 0.0),
-        "lm head": (c.vocab_size * c.dim * wb, 2.0 * c.vocab_size * c.dim),
+        "o projection": (_stored_bytes(*(b.attention.wo for b in blocks)), 2.0 * L * q_dim * c.dim),
+        "mlp norm": (_stored_bytes(*(b.ffn_norm for b in blocks)), 0.0),
+        "mlp (SwiGLU)": (_stored_bytes(*(m for b in blocks for m in (b.feed_forward.w1, b.feed_forward.w3,
+                                                                        b.feed_forward.w2))),
+                         2.0 * L * 3 * c.dim * c.hidden_dim),
+        "final norm": (_stored_bytes(model.norm), 0.0),
+        "lm head": (_stored_bytes(model.output), 2.0 * c.vocab_size * c.dim),
     }
     total_bytes, total_flops = (sum(v[i] for v in costs.values()) for i in (0, 1))
     if abs(total_bytes - cost.bytes) > 1e-6 * cost.bytes or abs(total_flops - cost.flops) > 1e-6 * cost.flops:
-        raise AssertionError("trace.stage_costs no longer matches llmstep.cost.decode_step_cost; update it")
+        raise AssertionError("trace.stage_costs no longer matches llmstep.core.cost.model_step_cost; update it")
     return costs
 
 
@@ -68,7 +84,7 @@ class StageRow:
     stage: str
     calls: int  # how many times the stage ran in one step (n_layers for per-layer stages)
     seconds: float  # median over the traced steps
-    bytes: float  # read from memory (llmstep.cost accounting)
+    bytes: float  # read from memory (llmstep.core.cost accounting)
     flops: float
     share: float  # of the traced step's time, 0..1
 
@@ -86,7 +102,7 @@ class Trace:
     rows: list[StageRow]
     context: int  # tokens in the cache before the traced step
     step_seconds: float  # an ordinary, untraced step (forward + sampling), median
-    cost: StepCost  # the whole step's bytes and FLOPs (llmstep.cost)
+    cost: StepCost  # the whole step's bytes and FLOPs (llmstep.core.cost.model_step_cost)
     device: str
     dtype: str
     repeats: int
@@ -181,7 +197,7 @@ class _Clock:
 
 
 class _Functional:
-    """torch.nn.functional as llmstep.attention sees it, with scaled_dot_product_attention timed."""
+    """torch.nn.functional as llmstep.core.attention sees it, with scaled_dot_product_attention timed."""
 
     def __init__(self, sdpa):
         self.scaled_dot_product_attention = sdpa
@@ -235,15 +251,15 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
                top_p: float = 1.0, seed: int = 0, prompt_ids: list[int] | None = None) -> Trace:
     """Trace one decode step of `model` after `context` tokens (random ids, or the first `context` of
     prompt_ids), at batch 1. Each of `repeats` steps rewinds the cache to `context` and decodes the same
-    token again; the median time of each stage is reported, and the median of as many untraced steps.
+    token again; the median time of each stage is reported, and the median of as many untraced steps (after one
+    untraced warm-up step).
     """
     if not isinstance(context, int) or isinstance(context, bool) or context < 0:
         raise ValueError(f"context must be an integer >= 0, got {context!r}")
     if context + 1 > model.config.max_seq_len:
         raise ValueError(f"context {context} leaves no room for a new token in the model's "
                          f"{model.config.max_seq_len}-token window")
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    check_positive_int("repeats", repeats)
     check_params(temperature, top_k, top_p)
     device, config = model.device, model.config
     g = torch.Generator(device=device).manual_seed(seed)
@@ -263,14 +279,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
         logits = model(token, cache=cache, last_only=True)[:, -1]  # [1, vocab]
         return sample(logits, temperature, top_k, top_p, g)
 
-    step()  # warm-up (allocator, kernels, lazy inits)
-    untraced = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        untraced.append(time.perf_counter() - start)
+    untraced = time_repeats(step, device, repeats, warmup=1)  # the ordinary step, no marks
 
     per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
     clock = _Clock(device)
@@ -287,16 +296,16 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
             missing = {s: (clock.calls[s], n) for s, n in expected.items() if clock.calls[s] != n}
             if missing:
                 raise RuntimeError(f"the trace saw an unexpected number of calls (seen, expected): {missing}; "
-                                   "the model's forward has changed, update llmstep.trace")
+                                   "the model's forward has changed, update llmstep.lab.trace")
             for s in STAGES:
                 per_stage[s].append(clock.seconds[s])
 
-    costs = stage_costs(config, context, model.dtype)
-    seconds = {s: statistics.median(v) for s, v in per_stage.items()}
+    costs = stage_costs(model, context)
+    seconds = {s: median(v) for s, v in per_stage.items()}
     total = sum(seconds.values())
     calls = dict(expected, other=0)
     rows = [StageRow(s, calls[s], seconds[s], costs[s][0], costs[s][1], seconds[s] / total) for s in STAGES]
-    return Trace(rows, context, statistics.median(untraced), decode_step_cost(config, context, model.dtype),
+    return Trace(rows, context, median(untraced), model_step_cost(model, context),
                  str(device), str(model.dtype).removeprefix("torch."), repeats)
 
 

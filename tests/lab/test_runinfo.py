@@ -48,3 +48,33 @@ def test_the_bench_counts_bytes_with_llmstep_cost():
     assert cost.weight_bytes == decode_step_cost(model.config, dtype=model.dtype).weight_bytes
     assert cost.kv_bytes == pytest.approx((8 + 13) / 2 * decode_step_cost(model.config, 0, model.dtype).kv_bytes
                                           + decode_step_cost(model.config, 0, model.dtype).kv_bytes)
+
+
+def test_time_repeats_runs_the_warm_ups_untimed_then_times_each_repeat():
+    calls = []
+    seconds = runinfo.time_repeats(lambda: calls.append(1), "cpu", repeats=3, warmup=2)
+    assert len(calls) == 5 and len(seconds) == 3 and all(s >= 0 for s in seconds)
+    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+        runinfo.time_repeats(lambda: None, "cpu", repeats=0)
+    with pytest.raises(ValueError, match="warmup must be an integer >= 0"):
+        runinfo.time_repeats(lambda: None, "cpu", repeats=1, warmup=-1)
+
+
+def test_hardware_reports_the_fastest_of_its_repeats(monkeypatch):
+    """measure_bandwidth keeps STREAM's convention: the best run, timed by runinfo.time_repeats."""
+    from llmstep.lab import hardware
+
+    monkeypatch.setattr(hardware, "time_repeats", lambda fn, device, repeats, warmup=1: [4.0, 1.0, 2.0])
+    assert hardware.measure_bandwidth("cpu", nbytes=4096, repeats=3) == pytest.approx(2 * 4096 / 1.0 / 1e9)
+
+
+def test_header_is_the_one_run_metadata_block():
+    h = runinfo.header("cpu", torch.float32, ["bench", "--x"], 0.5)
+    assert h["command"] == "llmstep bench --x" and h["machine"]["dtype"] == "float32"
+    assert h["versions"]["llmstep"] and h["load_average_1min_before_after"][0] == 0.5
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
+def test_check_positive_int_refuses_what_is_not_a_count(bad):
+    with pytest.raises(ValueError, match="n must be a positive integer"):
+        runinfo.check_positive_int("n", bad)

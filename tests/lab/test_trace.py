@@ -5,7 +5,8 @@ import torch
 
 import llmstep
 from llmstep import Llama, LlamaConfig
-from llmstep.core.cost import decode_step_cost
+from llmstep.core.cost import decode_step_cost, model_step_cost
+from llmstep.core.quantize import QuantConfig, quantize
 from llmstep.lab.trace import STAGES, plot_trace, stage_costs, trace_step
 
 CFG = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=112, max_seq_len=64)
@@ -39,8 +40,24 @@ def test_trace_bytes_and_flops_equal_llmstep_cost(model):
 @pytest.mark.parametrize("tied", [False, True])
 def test_stage_costs_match_cost_for_tied_and_untied_heads(tied):
     cfg = CFG.replace(tie_embeddings=tied)
-    costs = stage_costs(cfg, 5, torch.bfloat16)
+    torch.manual_seed(0)
+    costs = stage_costs(Llama(cfg).to(torch.bfloat16).eval(), 5)
     assert sum(b for b, _ in costs.values()) == pytest.approx(decode_step_cost(cfg, 5).bytes)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_trace_of_a_quantized_model_counts_the_bytes_it_holds(model, mode):
+    """The step of a quantized model reads its codes and scales, not float weights: the trace says so."""
+    q = quantize(model, QuantConfig(mode, 16 if mode == "int4" else None), inplace=False)
+    t = trace_step(q, context=6, repeats=1)
+    assert t.cost.bytes == pytest.approx(model_step_cost(q, 6).bytes)
+    assert sum(r.bytes for r in t.rows) == pytest.approx(model_step_cost(q, 6).bytes)
+    assert t.cost.bytes < decode_step_cost(CFG, 6, model.dtype).bytes
+    wq = q.layers[0].attention.wq
+    assert t.row("o projection").bytes == pytest.approx(CFG.n_layers * q.layers[0].attention.wo.nbytes)
+    assert t.row("qkv projection").bytes < trace_step(model, context=6, repeats=1).row("qkv projection").bytes
+    assert wq.nbytes < model.layers[0].attention.wq.weight.nbytes
+    assert sum(r.flops for r in t.rows) == pytest.approx(decode_step_cost(CFG, 6).flops)
 
 
 def test_trace_leaves_the_model_untouched(model):
