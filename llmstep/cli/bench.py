@@ -134,7 +134,7 @@ def run_bench(args, argv) -> dict:
     print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}", flush=True)
     hf_dtype = resolve_dtype(args.hf_dtype, model.device, model.dtype) if args.hf_dtype else None
-    head = {"command": runinfo.command_line(argv), "source": source}
+    head = {"source": source}
 
     def write(partial: dict) -> None:  # after every repeat: an interrupted run keeps the repeats that finished
         _write_json(args.json, head | partial)
@@ -142,7 +142,7 @@ def run_bench(args, argv) -> dict:
     record = decode_bench.run_bench(model, variants, args.prompt_len, args.new_tokens, args.compile,
                                     args.compile_mode, args.repeats, args.group_size, args.quantize_lm_head,
                                     args.eager, args.hf, args.bandwidth, args.seed, args.bandwidth_bytes, hf_dtype,
-                                    log=_log, on_repeat=write)
+                                    log=_log, on_repeat=write, argv=argv)
     record = head | record
     print(decode_bench.format_table(record))
     _write_json(args.json, record)
@@ -164,18 +164,15 @@ def run_speculative(args, argv) -> dict:
     _set_threads(args.threads)
     target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
     draft = resolve_draft(args.draft, target, tokenizer)
-    command = runinfo.command_line(argv)
-
     def write(partial: dict) -> None:  # after every repeat: an interrupted run keeps the repeats that finished
-        _write_json(args.out, partial | {"command": command})
+        _write_json(args.out, partial)
 
     if args.compile:
         report = bench_compiled(target, draft, tokenizer, ks=args.ks, max_new_tokens=args.max_new_tokens,
-                                repeats=args.repeats, mode=args.compile_mode, on_repeat=write)
+                                repeats=args.repeats, mode=args.compile_mode, on_repeat=write, argv=argv)
     else:
         report = bench(target, draft, tokenizer, ks=args.ks, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, repeats=args.repeats, on_repeat=write)
-    report["command"] = command
+                       temperature=args.temperature, repeats=args.repeats, on_repeat=write, argv=argv)
     print(f"\n{'':>9} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'theory':>7}")
     for name, r in report["results"].items():
         if name == "target":

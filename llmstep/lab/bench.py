@@ -8,8 +8,8 @@
 
 Batch 1, greedy, one random prompt of --prompt-len tokens, --new-tokens new ones. For each variant it
 reports prefill and decode tokens per second, the bytes one decode step reads (the weights as stored,
-quantised or not, plus the KV cache, from llmstep.cost), the bandwidth that achieves, and its share of
-this device's bandwidth measured in the same run (llmstep.hardware.measure_bandwidth: the faster of a
+quantised or not, plus the KV cache, from llmstep.core.cost), the bandwidth that achieves, and its share of
+this device's bandwidth measured in the same run (llmstep.lab.hardware.measure_bandwidth: the faster of a
 DRAM-sized copy and a read of a buffer the size of the weights, which a CPU's cache may hold). transformers'
 LlamaForCausalLM.generate() runs on the same float weights, same prompt, same token count. Every
 variant runs once per repeat, interleaved, and the best repeat counts (what the machine can do, least
@@ -19,18 +19,20 @@ disturbed by everything else on it). `run_bench` returns the record (settings, m
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import torch
 
+from ..core.checkpoint import hf_names, load_model, resolve_model_path
 from ..core.config import LlamaConfig
 from ..core.cost import StepCost, decode_step_cost, model_step_cost
-from ..core.device import resolve_device, resolve_dtype, synchronize
+from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, quantize
 from ..engines.fast import FastDecoder
 from . import runinfo
 from .hardware import describe, measure_bandwidth, random_model
+from .runinfo import check_positive_int
 
 __all__ = ["bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "matching_prefix"]
 
@@ -48,16 +50,12 @@ def bench_model(model: str | None = None, preset: str | None = None, random_weig
         config = LlamaConfig.preset(preset, **overrides)
         source = f"preset {preset} (random weights)"
     else:
-        from ..core.checkpoint import resolve_model_path
-
         path = resolve_model_path(model)
         config = LlamaConfig.from_hf(path).replace(**overrides)
         source = f"{path}" + (" (its shape, random weights)" if random_weights else "")
     dtype = resolve_dtype(dtype, device, "bfloat16" if preset else config.torch_dtype)
     if preset or random_weights or overrides:
         return random_model(config, device, dtype, seed), source
-    from ..core.checkpoint import load_model  # a plain or a quantized checkpoint
-
     return load_model(path, device=device, dtype=dtype), source
 
 
@@ -68,9 +66,7 @@ def hf_twin(model: Llama, dtype: torch.dtype | None = None):
     """transformers' LlamaForCausalLM holding a copy of `model`'s float weights (same device; its dtype, or
     `dtype`: bfloat16 weights widened to float32 are the same numbers)."""
     from transformers import LlamaConfig as HFConfig
-    from transformers import LlamaForCausalLM
-
-    from ..core.checkpoint import hf_names
+    from transformers import LlamaForCausalLM  # optional: imported only when transformers runs
 
     hf_config = HFConfig.from_dict(model.config.to_hf())
     with torch.device(model.device):
@@ -91,14 +87,14 @@ def hf_twin(model: Llama, dtype: torch.dtype | None = None):
 def _time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
     """(seconds for prefill + 1 token, seconds for all new_tokens, the tokens) of greedy generate()."""
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt))
-    times = []
-    for n in (1, new_tokens):
-        synchronize(prompt.device)
-        start = time.perf_counter()
-        out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-        synchronize(prompt.device)
-        times.append(time.perf_counter() - start)
-    return times[0], times[1], out[0, prompt.shape[1]:].tolist()
+    outs: list[torch.Tensor] = []
+    times = [runinfo.time_repeats(partial(_hf_generate, hf, prompt, n, kw, outs), prompt.device, 1, warmup=0)[0]
+             for n in (1, new_tokens)]
+    return times[0], times[1], outs[-1][0, prompt.shape[1]:].tolist()
+
+
+def _hf_generate(hf, prompt: torch.Tensor, n: int, kw: dict, outs: list) -> None:
+    outs.append(hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw))
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -112,7 +108,7 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 
 
 def mean_step_cost(model: Llama, prompt_len: int, new_tokens: int) -> StepCost:
-    """llmstep.cost.model_step_cost of the mean decode step of this run: step i (1 <= i < new_tokens) runs
+    """llmstep.core.cost.model_step_cost of the mean decode step of this run: step i (1 <= i < new_tokens) runs
     with prompt_len + i - 1 tokens cached, so the KV-cache bytes are those of the mean context."""
     steps = max(new_tokens - 1, 1)
     return model_step_cost(model, context=prompt_len + (steps - 1) / 2)
@@ -122,15 +118,18 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
               compile: bool | None = None, compile_mode: str | None = None, repeats: int = 3,
               group_size: int | None = None, lm_head: bool = False, eager: bool = True, hf: bool = True,
               bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
-              hf_dtype: torch.dtype | None = None, log=print, on_repeat=None) -> dict:
+              hf_dtype: torch.dtype | None = None, log=print, on_repeat=None, argv: list[str] | None = None
+              ) -> dict:
     """Measure every variant on `model` ("none" = its float weights, "int8", "int4"); return the record.
     transformers runs on the same weights in `hf_dtype` (default: the model's). on_repeat(record), if given, gets
-    the record of the repeats so far after each one (with "repeats_done"), to be written as the run goes."""
+    the record of the repeats so far after each one (with "repeats_done"), to be written as the run goes.
+    The record carries runinfo.header's run metadata (argv: the command that ran it, if any)."""
     device, config = model.device, model.config
-    if not (isinstance(repeats, int) and repeats >= 1):
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
-    if prompt_len < 1 or new_tokens < 2:
-        raise ValueError("need --prompt-len >= 1 and --new-tokens >= 2 (one prefill token, then decode steps)")
+    check_positive_int("repeats", repeats)
+    check_positive_int("prompt_len", prompt_len)
+    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 2:
+        raise ValueError(f"new_tokens must be an integer >= 2 (one token from the prefill, then decode steps), "
+                         f"got {new_tokens!r}")
     if prompt_len + new_tokens > config.max_seq_len:
         raise ValueError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the model's context "
                          f"({config.max_seq_len})")
@@ -143,8 +142,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
 
     record: dict = {"settings": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch": 1, "greedy": True,
                                  "repeats": repeats, "compile": compiled, "compile_mode": compile_mode,
-                                 "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
-                                 "threads": torch.get_num_threads(), "seed": seed},
+                                 "seed": seed},  # device, dtype and threads: record["machine"] (runinfo.header)
                     "config": {k: v for k, v in vars(config).items() if k != "rope_scaling"}}
     load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
     if bandwidth:
@@ -205,13 +203,13 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
             hf_runs.append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
         log(f"repeat {rep + 1}/{repeats} done")
         if on_repeat is not None and rep + 1 < repeats:
-            partial = _finish(dict(record), runs, hf_model, hf_runs, model, bw, load_before)
+            partial = _finish(dict(record), runs, hf_model, hf_runs, model, bw, load_before, argv)
             on_repeat(partial | {"repeats_done": rep + 1})
-    return _finish(record, runs, hf_model, hf_runs, model, bw, load_before)
+    return _finish(record, runs, hf_model, hf_runs, model, bw, load_before, argv)
 
 
 def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llama, bw: float | None,
-            load_before: float | None) -> dict:
+            load_before: float | None, argv: list[str] | None) -> dict:
     """The record of the repeats run so far: a row per variant (its best repeat), transformers' row, the machine."""
     prompt_len, new_tokens = record["settings"]["prompt_len"], record["settings"]["new_tokens"]
 
@@ -253,10 +251,8 @@ def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llam
         for row in rows:
             row["decode_speedup_vs_transformers"] = row["decode_tokens_per_s"] / decode
     record["rows"] = rows
-    record["machine"] = runinfo.machine(model.device, model.dtype)
-    record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
-    record["versions"] = runinfo.versions(transformers=record.get("transformers"))
-    return record
+    return runinfo.header(model.device, model.dtype, argv, load_before,
+                          transformers=record.get("transformers")) | record
 
 
 def format_table(record: dict) -> str:
@@ -274,8 +270,8 @@ def format_table(record: dict) -> str:
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
            for row in lines]
     out.insert(1, "-" * len(out[0]))
-    s = record["settings"]
-    notes = [f"{s['device']} {s['dtype']}, {s['threads']} threads, prompt {s['prompt_len']}, "
+    s, m = record["settings"], record["machine"]
+    notes = [f"{m['device']} {m['dtype']}, {m['torch_threads']} threads, prompt {s['prompt_len']}, "
              f"{s['new_tokens']} new tokens, best of {s['repeats']}"]
     if bw:
         notes.append(f"measured bandwidth: copy {record['bandwidth_gb_per_s']:,.1f} GB/s (DRAM-sized buffer); at the "

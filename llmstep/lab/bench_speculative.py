@@ -33,14 +33,15 @@ BENCH_PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
 
 def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4, 6, 8),
           prompts: Iterable[str] = BENCH_PROMPTS, max_new_tokens: int = 200, temperature: float = 0.0,
-          repeats: int = 3, log=print, on_repeat=None) -> dict:
+          repeats: int = 3, log=print, on_repeat=None, argv: list[str] | None = None) -> dict:
     """Decode tokens/s of the target alone and with the draft at each k (and adaptive), same prompts.
 
     Runs are interleaved (target, then each k, repeated) so slow drift of the machine hits all alike;
     a rate is the median over repeats of the total decode rate over the prompts, a speedup the median
     over repeats of the rate over the target's rate in the same repeat. Adaptive k uses the draft's
     forward costs measured by `measure_costs` before the runs. on_repeat(report), if given, gets the report of
-    the repeats so far after each one (with "repeats_done"), to be written as the run goes.
+    the repeats so far after each one (with "repeats_done"), to be written as the run goes. The report carries
+    runinfo.header's run metadata (argv: the command that ran it, if any).
     """
     prompts, ks = _check(prompts, ks, max_new_tokens, repeats)
     load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
@@ -55,7 +56,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
         + ", ".join(f"{v:.2f}" for v in verify_costs[1:]) + f" one-token forwards for k = 1..{max(ks)}")
     def report() -> dict:
         results = {name: stats.get(name, {}) | _summary(rates, name) for name, _ in configs}
-        return _report(target, draft, load_before) | dict(
+        return _report(target, draft, load_before, argv) | dict(
             measured_cost_ratio=cost_ratio, measured_verify_costs=verify_costs, temperature=temperature,
             max_new_tokens=max_new_tokens, prompts=prompts, repeats=repeats, results=results)
 
@@ -98,7 +99,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
 
 def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] = (1, 2, 3, 4),
                    prompts: Iterable[str] = BENCH_PROMPTS, max_new_tokens: int = 200, repeats: int = 3,
-                   mode: str | None = None, log=print, on_repeat=None) -> dict:
+                   mode: str | None = None, log=print, on_repeat=None, argv: list[str] | None = None) -> dict:
     """`bench` for the fast loops, greedy: `llmstep.fast.FastDecoder` (the target alone) against a
     `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
     medians; each run's tokens are compared with the target-alone run's. on_repeat: as for `bench`."""
@@ -121,7 +122,7 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     def report() -> dict:
         results = {name: stats.get(name, {}) | _summary(rates, name) | {"compile_seconds": compile_seconds[name]}
                    for name in runners}
-        return _report(target, draft, load_before) | dict(
+        return _report(target, draft, load_before, argv) | dict(
             temperature=0.0, compiled=True, compile_mode=mode, max_new_tokens=max_new_tokens,
             new_tokens_compared_with_target_alone=max_new_tokens, prompts=[tokenizer.decode(p) for p in prompts],
             repeats=repeats, results=results)
@@ -150,9 +151,9 @@ def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repea
     prompts, ks = list(prompts), list(ks)
     if not prompts or not ks:
         raise ValueError("give at least one prompt and one k")
-    for name, value, low in (("max_new_tokens", max_new_tokens, 2), ("repeats", repeats, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 2:
+        raise ValueError(f"max_new_tokens must be an integer >= 2, got {max_new_tokens!r}")
+    runinfo.check_positive_int("repeats", repeats)
     for k in ks:
         check_k(k)
     return prompts, ks
@@ -168,13 +169,13 @@ def _summary(rates: dict[str, list[float]], name: str) -> dict:
     return out
 
 
-def _report(target: Llama, draft: Llama, load_before: float | None) -> dict:
-    """What both benchmarks record about the models, the machine and the versions."""
-    return dict(
+def _report(target: Llama, draft: Llama, load_before: float | None, argv: list[str] | None) -> dict:
+    """What both benchmarks record: runinfo.header's run metadata, and the models. "hardware" repeats the
+    header's machine and load average in the layout notebook 08 and the stored results read."""
+    head = runinfo.header(target.device, target.dtype, argv, load_before)
+    return head | dict(
         target=dict(n_params=sum(p.numel() for p in target.parameters()), config=target.config.to_hf()),
         draft=dict(n_params=sum(p.numel() for p in draft.parameters()), config=draft.config.to_hf()),
         bytes_ratio=draft_cost_ratio(target, draft),
-        hardware=runinfo.machine(target.device, target.dtype)
-        | dict(load_average_1min_before_after=[load_before, runinfo.load_average()]),
-        versions=runinfo.versions(),
+        hardware=head["machine"] | {"load_average_1min_before_after": head["load_average_1min_before_after"]},
     )

@@ -102,7 +102,7 @@ def header(device: str | torch.device, dtype: torch.dtype | None, argv: Sequence
 def check_positive_int(name: str, value) -> None:
     """Refuse a count that is not an integer >= 1 (a bool is not a count)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def time_repeats(fn: Callable[[], object], device: str | torch.device, repeats: int, warmup: int = 1) -> list[float]:

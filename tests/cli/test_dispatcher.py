@@ -87,6 +87,8 @@ def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, cap
     assert set(report["results"]) == {"target", "k=1", "k=2", "adaptive"}
     assert report["hardware"]["cores"] and report["hardware"]["dtype"] == "float32"
     assert len(report["hardware"]["load_average_1min_before_after"]) == 2
+    assert report["machine"] == {k: v for k, v in report["hardware"].items() if k != "load_average_1min_before_after"}
+    assert report["load_average_1min_before_after"] == report["hardware"]["load_average_1min_before_after"]
     assert report["versions"]["llmstep"] and "wrote" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="llmstep speculative: error: nothing to do: pass --bench"):
         cli.main(["speculative"])

@@ -40,3 +40,21 @@ def test_the_speculative_benchmarks_refuse_settings_that_give_no_rate(small):
                      (dict(ks=[0]), "k")):
         with pytest.raises(ValueError, match=name):
             bench(small, small, None, **kw)
+
+
+def test_run_bench_names_its_own_arguments_not_the_commands_flags(small):
+    for kw, message in ((dict(prompt_len=0), "prompt_len must be an integer >= 1"),
+                        (dict(new_tokens=1), "new_tokens must be an integer >= 2")):
+        args = dict(prompt_len=4, new_tokens=4) | kw
+        with pytest.raises(ValueError, match=message) as e:
+            decode_bench.run_bench(small, ["none"], compile=False, hf=False, bandwidth=False, **args)
+        assert "--" not in str(e.value)
+
+
+def test_every_benchmark_record_starts_with_the_one_header(small):
+    record = decode_bench.run_bench(small, ["none"], prompt_len=4, new_tokens=4, compile=False, repeats=1, hf=False,
+                                    bandwidth=False, log=lambda _: None, argv=["bench", "--x"])
+    assert record["command"] == "llmstep bench --x" and record["machine"]["dtype"] == "float32"
+    assert {"device", "dtype", "threads"}.isdisjoint(record["settings"])  # said once, in record["machine"]
+    assert len(record["load_average_1min_before_after"]) == 2 and record["versions"]["llmstep"]
+    assert "float32" in decode_bench.format_table(record)

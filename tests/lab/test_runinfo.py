@@ -54,7 +54,7 @@ def test_time_repeats_runs_the_warm_ups_untimed_then_times_each_repeat():
     calls = []
     seconds = runinfo.time_repeats(lambda: calls.append(1), "cpu", repeats=3, warmup=2)
     assert len(calls) == 5 and len(seconds) == 3 and all(s >= 0 for s in seconds)
-    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
         runinfo.time_repeats(lambda: None, "cpu", repeats=0)
     with pytest.raises(ValueError, match="warmup must be an integer >= 0"):
         runinfo.time_repeats(lambda: None, "cpu", repeats=1, warmup=-1)
@@ -76,5 +76,5 @@ def test_header_is_the_one_run_metadata_block():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
 def test_check_positive_int_refuses_what_is_not_a_count(bad):
-    with pytest.raises(ValueError, match="n must be a positive integer"):
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
         runinfo.check_positive_int("n", bad)
