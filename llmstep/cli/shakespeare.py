@@ -40,7 +40,8 @@ def add_commands(sub) -> None:
     e = sub.add_parser("eval", help="held-out perplexity and bits per byte, next to an n-gram baseline",
                        description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("models", nargs="*", default=[str(p) for p in evaluate.SHIPPED], help="model directories")
+    e.add_argument("models", nargs="*", default=list(evaluate.SHIPPED),
+                   help="model directories, or target/draft (default: both shipped models)")
     e.add_argument("--split", nargs="+", default=["val", "test"], choices=["val", "test", "train"])
     e.add_argument("--corpus", default=str(data.CORPUS_DIR))
     e.add_argument("--max-tokens", type=positive_int, default=None, help="score only a split's first N tokens")
@@ -76,7 +77,8 @@ def add_commands(sub) -> None:
 def run_train(args, argv) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file: give the run's directory (it holds ckpt.pt and train.log)")
+        raise ValueError(f"--out {out} is a file: give the run's directory (it holds "
+                         f"{train.CHECKPOINT} and train.log)")
     if args.tokenizer and not Path(args.tokenizer).is_file():
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     if args.corpus and not Path(args.corpus).is_dir():
@@ -86,9 +88,18 @@ def run_train(args, argv) -> None:
     cfg = train.train_config(args.preset, **{f.name: getattr(args, f.name) for f in fields(train.TrainConfig)
                                              if f.name != "preset"})
     shape = {k: getattr(args, k) for k in train.SHAPE_FIELDS}
-    train.train(cfg, Path(args.out), shape, resume=args.resume, stop_after=args.stop_after,
-                export_dir=Path(args.export) if args.export else None, command=runinfo.command_line(argv),
-                quiet=args.quiet)
+    try:
+        train.train(cfg, Path(args.out), shape, resume=args.resume, stop_after=args.stop_after,
+                    export_dir=Path(args.export) if args.export else None, command=runinfo.command_line(argv),
+                    quiet=args.quiet)
+    except (ValueError, FileNotFoundError) as e:  # the library names its arguments; here they are flags
+        for name, flag in TRAIN_FLAGS.items():
+            if str(e).startswith(name):
+                raise type(e)(flag + str(e)[len(name):]) from None
+        raise
+
+
+TRAIN_FLAGS = {"resume:": "--resume:", "init_from ": "--init-from ", "teacher ": "--teacher "}
 
 
 def run_eval(args, argv) -> None:

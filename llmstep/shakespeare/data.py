@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..core.checkpoint import DATA_DIR
 from ..core.files import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
-from ..core.tokens import BOS
+from ..core.tokens import BOS, EOS_CANDIDATES
 
 CORPUS_DIR = DATA_DIR / "corpus"
 TOKENIZER_PATH = DATA_DIR / "tokenizer.json"
@@ -233,7 +233,7 @@ def special_tokens(n: int = N_SPECIAL) -> list[str]:
     return named + reserved
 
 
-EOS = "<|end_of_text|>"  # the first of tokens.EOS_CANDIDATES: what ends a document here
+EOS = EOS_CANDIDATES[0]  # <|end_of_text|>: what ends a document here
 
 
 @dataclass

@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..core.checkpoint import SHIPPED, load, load_model, resolve_model_path
 from ..core.config import LlamaConfig
 from ..core.files import atomic_write_json, atomic_write_text
+from ..core.tokens import Tokenizer
+from ..engines.generate import generate
 from . import data
 
-MODELS_DIR = data.DATA_DIR / "models"
-SHIPPED = (MODELS_DIR / "shakespeare-target", MODELS_DIR / "shakespeare-draft")
 CARD_START, CARD_END = "<!-- eval:start -->", "<!-- eval:end -->"
 
 
@@ -214,16 +215,14 @@ class KneserNeyTrigram:
 
 def load_tokenizer(path):
     """The raw `tokenizers.Tokenizer` of a model directory (or a tokenizer.json)."""
-    from ..core.tokens import Tokenizer
-
     return Tokenizer.from_file(path).tok
 
 
 def evaluate_model(model_dir, split: str = "val", max_tokens: int | None = None, seq_len: int | None = None,
                    corpus=data.CORPUS_DIR, device: str | None = "cpu", batch_size: int = 8) -> Score:
-    """Load a model directory in float32 and score it on a split (or its first max_tokens tokens)."""
-    from ..core.checkpoint import load_model
-
+    """Load a model directory (or "target"/"draft", the shipped models) in float32 and score it on a split
+    (or its first max_tokens tokens)."""
+    model_dir = resolve_model_path(model_dir)
     model = load_model(model_dir, device=device, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     seq_len = seq_len or model.config.max_seq_len
@@ -270,25 +269,23 @@ def update_card(model_dir, table: str, note: str) -> None:
 
 def golden(model_dir, prompt: str, max_new_tokens: int) -> dict:
     """Greedy continuation of `prompt` by the float32 model on the CPU, via `llmstep.generate`."""
-    from ..core.checkpoint import load
-    from ..engines.generate import generate
-
     model, tokenizer = load(model_dir, device="cpu", dtype=torch.float32)
     out = generate(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=0.0)
     return {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0.0, "dtype": "float32",
             "tokens": [int(t) for t in out.tokens], "text": out.text}
 
 
-def evaluate_models(models=SHIPPED, splits=("val", "test"), corpus=data.CORPUS_DIR, max_tokens: int | None = None,
-                    seq_len: int | None = None, batch_size: int = 8, baseline: bool = True,
-                    write_eval_json: bool = False, golden_prompt: str | None = None,
+def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.CORPUS_DIR,
+                    max_tokens: int | None = None, seq_len: int | None = None, batch_size: int = 8,
+                    baseline: bool = True, write_eval_json: bool = False, golden_prompt: str | None = None,
                     golden_tokens: int = 40) -> tuple[list[Score], dict]:
-    """(scores, settings): every model directory on every split, then the n-gram baseline (fitted once, on the
-    first model's tokenizer). With write_eval_json each model's own scores go to MODEL/eval.json; with a
-    golden_prompt its greedy continuation goes to MODEL/golden.json."""
+    """(scores, settings): every model directory (or shipped name: "target", "draft", the default both) on every
+    split, then the n-gram baseline (fitted once, on the first model's tokenizer). With write_eval_json each
+    model's own scores go to MODEL/eval.json; with a golden_prompt its greedy continuation goes to MODEL/golden.json."""
     scores: list[Score] = []
     settings = {"max_tokens": max_tokens, "corpus": Path(corpus).name, "dtype": "float32"}
     window = seq_len
+    models = [resolve_model_path(m) for m in models]  # a missing model is refused before any scoring
     for model_dir in models:
         own = [evaluate_model(model_dir, split, max_tokens, seq_len, corpus, "cpu", batch_size) for split in splits]
         scores += own

@@ -32,13 +32,14 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from ..core.checkpoint import load_model, save
 from ..core.config import LlamaConfig
 from ..core.device import resolve_device
 from ..core.files import atomic_write_bytes, atomic_write_text
 from ..core.model import Llama
 from ..lab import runinfo
 from . import data
-from .evaluate import model_nll
+from .evaluate import evaluate_model, model_nll
 from .train_state import CHECKPOINT, load_train_state, save_train_state
 
 # --------------------------------------------------------------------------------------------------
@@ -257,15 +258,10 @@ These weights are distributed with llmstep under the same terms.
 
 def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: Path) -> Path:
     """Write the Hugging Face layout (bf16), tokenizer.json, model card and training log to out_dir."""
-    from ..core.checkpoint import save
-
     gen_config = {"do_sample": True, "temperature": 0.8, "top_p": 0.95,
                   "max_length": model.config.max_seq_len}
     save(model, out_dir, tokenizer=None, generation_config=gen_config, dtype=torch.bfloat16)
     atomic_write_bytes(out_dir / "tokenizer.json", Path(cfg.tokenizer).read_bytes())  # byte-identical to data/'s
-
-    from .evaluate import evaluate_model
-
     score = evaluate_model(out_dir, "val", corpus=cfg.corpus, seq_len=model.config.max_seq_len)
     info = info | {"export_val_ppl": score.perplexity, "path": str(out_dir)}
     atomic_write_text(out_dir / "README.md", model_card(info))
@@ -299,18 +295,16 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     init_weights(model, cfg.seed)
     teacher = None
     if cfg.init_from or cfg.teacher:
-        from ..core.checkpoint import load_model
-
         if cfg.init_from:
             start = load_model(cfg.init_from, device="cpu", dtype=torch.float32)
             if any(getattr(start.config, f) != getattr(config, f) for f in SHAPE_FIELDS + ("vocab_size",)):
-                raise ValueError(f"--init-from {cfg.init_from}: its shape differs from the preset's; pass the "
-                                 "matching --preset and shape options")
+                raise ValueError(f"init_from {cfg.init_from}: its shape differs from the preset's; pass the "
+                                 "matching preset and shape")
             model.load_state_dict(start.state_dict())
         if cfg.teacher:  # read in its stored dtype: it only runs forward
             teacher = load_model(cfg.teacher, device=device).eval().requires_grad_(False)
             if teacher.config.vocab_size != config.vocab_size:
-                raise ValueError(f"--teacher {cfg.teacher}: its vocabulary ({teacher.config.vocab_size}) differs "
+                raise ValueError(f"teacher {cfg.teacher}: its vocabulary ({teacher.config.vocab_size}) differs "
                                  f"from the student's ({config.vocab_size})")
     model.to(device).train()
     optimizer = make_optimizer(model, cfg)
@@ -331,9 +325,9 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         try:
             state = load_train_state(ckpt_path, model, optimizer, check=same_settings)  # never a pickle
         except FileNotFoundError:
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}") from None
+            raise FileNotFoundError(f"resume: no checkpoint at {ckpt_path}") from None
         except ValueError as e:
-            raise ValueError(f"--resume: {e}") from None
+            raise ValueError(f"resume: {e}") from None
         step, elapsed, history = state["step"], state["elapsed_seconds"], state["history"]
         commands = state["commands"] + ([command] if step < cfg.steps else [])  # a pure re-export adds none
         log.info(f"resumed from {ckpt_path} at step {step}")
