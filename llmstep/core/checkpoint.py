@@ -19,7 +19,6 @@ Saving writes every file into a new folder beside the target, which then takes i
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shutil
@@ -32,7 +31,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .config import ConfigError, LlamaConfig, check_generation_config, read_json_object
-from .cost import check_fits, dtype_bytes, n_params
+from .cost import check_fits, checkpoint_bytes, n_params
 from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
 from .model import Llama, materialize
@@ -264,9 +263,7 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
     found, expected = validate(path, config, qc)
     generation_config = _read_generation_config(path)
-    nbytes = sum(math.prod(shape) * (dtype_bytes(dtype) if kind == "float" else 1)  # codes are 1 byte per element
-                 for _, shape, kind in expected.values())
-    check_fits(nbytes, device, f"{path.name} in {str(dtype).removeprefix('torch.')}")
+    check_fits(checkpoint_bytes(config, dtype, qc), device, f"{path.name} in {str(dtype).removeprefix('torch.')}")
 
     files = {file for file, _, _ in found.values()}
     show = sum((path / f).stat().st_size for f in files) > 2**30 if progress is None else progress

@@ -18,8 +18,8 @@ from .config import LlamaConfig
 from .norm import RMSNorm
 
 __all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
-           "weight_bytes", "model_step_cost", "model_bytes", "kv_cache_bytes", "free_memory_bytes", "check_fits",
-           "MemoryBudgetError"]
+           "weight_bytes", "model_step_cost", "model_bytes", "checkpoint_bytes", "kv_cache_bytes",
+           "free_memory_bytes", "check_fits", "MemoryBudgetError"]
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> float:
@@ -55,6 +55,29 @@ def kv_bytes_per_token(config: LlamaConfig, dtype: torch.dtype | str = torch.bfl
 def model_bytes(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloat16) -> int:
     """Bytes of a float model's weights in memory (a tied head counted once)."""
     return int(n_params(config) * dtype_bytes(dtype))
+
+
+def checkpoint_bytes(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloat16, qc=None) -> int:
+    """Bytes of a checkpoint's model in memory: float (`qc` None, = model_bytes) or quantized by `qc`
+    (llmstep.core.quantize.QuantConfig: its mode, group_size, lm_head). A quantized matmul [N, K] holds int8
+    codes N*K bytes and N scales, or int4 codes N*K/2 bytes and N*K/g scales and zeros; scales, zeros,
+    norms and the embedding in `dtype`. A quantized head has its own tensors, also when tied."""
+    float_bytes = model_bytes(config, dtype)
+    if qc is None:
+        return float_bytes
+    c, db = config, dtype_bytes(dtype)
+    q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    matmuls = c.n_layers * [(q_dim, c.dim), (kv_dim, c.dim), (kv_dim, c.dim), (c.dim, q_dim),  # wq wk wv wo
+                            (c.hidden_dim, c.dim), (c.hidden_dim, c.dim), (c.dim, c.hidden_dim)]  # w1 w3 w2
+    replaced = sum(n * k for n, k in matmuls)  # float elements the codes replace
+    if qc.lm_head:
+        matmuls.append((c.vocab_size, c.dim))
+        replaced += 0 if c.tie_embeddings else c.vocab_size * c.dim  # a tied table stays for the embedding
+    if qc.mode == "int8":
+        quantized = sum(n * k + n * db for n, k in matmuls)
+    else:
+        quantized = sum(n * k // 2 + 2 * n * (k // qc.group_size) * db for n, k in matmuls)
+    return int(float_bytes - replaced * db + quantized)
 
 
 def kv_cache_bytes(config: LlamaConfig, batch_size: int, max_len: int, dtype: torch.dtype | str = torch.bfloat16

@@ -45,3 +45,22 @@ def test_hf_round_trip_of_every_preset():
     for name in ("llama-3.1-8b", "llama-3.2-1b"):
         cfg = LlamaConfig.preset(name)
         assert LlamaConfig.from_hf(cfg.to_hf()) == cfg
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("spec", [None, ("int8", False), ("int4", False), ("int8", True), ("int4", True)])
+def test_checkpoint_bytes_is_the_sum_over_the_checkpoints_tensors(spec, tied):
+    """cost.checkpoint_bytes (the loader's memory estimate) = every tensor of the checkpoint's table, floats in
+    the dtype, int8/uint8 codes one byte each: one estimate, in cost.py."""
+    import math
+
+    from llmstep.core.checkpoint import tensor_table
+    from llmstep.core.cost import checkpoint_bytes, dtype_bytes
+    from llmstep.core.quantize import QuantConfig
+
+    cfg = LlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                      tie_embeddings=tied)
+    qc = None if spec is None else QuantConfig(spec[0], 32 if spec[0] == "int4" else None, spec[1])
+    want = sum(math.prod(shape) * (dtype_bytes(torch.bfloat16) if kind == "float" else 1)
+               for _, shape, kind in tensor_table(cfg, qc).values())
+    assert checkpoint_bytes(cfg, torch.bfloat16, qc) == want
