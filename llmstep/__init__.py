@@ -30,9 +30,19 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
-    runinfo.py     what every measurement records: machine, versions, load, command; median and spread
-shakespeare/  the shipped default: corpus and tokenizer (data.py), training (train.py), evaluation (evaluate.py)
+    runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
+                   it times repeats (warm-up, fastest or median)
+shakespeare/  the shipped default: how the two shipped models were made and scored
+    data.py        the corpus and the tokenizer
+    train.py       training the shipped models
+    train_state.py a training run's checkpoint as safetensors (never a pickle)
+    evaluate.py    held-out perplexity and bits per byte, next to an n-gram baseline
 cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only; nothing imports it
+    __init__.py    the dispatcher: library errors -> one line, exit 2; Ctrl-C -> 130
+    args.py        the flags' value types
+    model.py       generate, info, trace
+    bench.py       bench, speculative, batch
+    shakespeare.py train, eval, data
 """
 
 import sys

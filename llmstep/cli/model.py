@@ -61,8 +61,8 @@ def run_generate(args, argv) -> None:
     from ..core.checkpoint import load, resolve_model_path
     from ..engines.generate import stream
 
-    if not args.prompt:
-        raise ValueError("--prompt is empty: give at least one character")
+    if args.chat and not args.prompt:  # stream() refuses an empty plain prompt; a chat's empty message it takes
+        raise ValueError("the prompt is empty: give at least one character")
     if args.draft is not None and not args.draft.startswith("self-"):
         resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
@@ -81,7 +81,7 @@ def run_generate(args, argv) -> None:
                                  **sampling)
     else:
         run = stream(model, tokenizer, prompt, **sampling)
-    if not args.chat:  # every argument was checked above: an error never lands after the echoed prompt
+    if not args.chat:  # stream() checked every argument (an empty prompt too): no error lands after the echo
         print(args.prompt, end="", flush=True)
     try:
         for event in run:
@@ -99,8 +99,6 @@ def run_info(args, argv) -> None:
 
         path = resolve_model_path(args.model)
         config, name = LlamaConfig.from_hf(path), str(path)
-    if args.context < 0:
-        raise ValueError(f"--context must be >= 0, got {args.context}")
     dtype = getattr(torch, args.dtype)
     counts = param_counts(config)
     total = sum(counts.values())

@@ -94,3 +94,11 @@ def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, cap
         cli.main(["speculative"])
     with pytest.raises(SystemExit, match="--compile measures greedy decoding"):
         cli.main(["speculative", "--bench", "--compile", "--temperature", "0.5"])
+
+
+@pytest.mark.parametrize("chat", [[], ["--chat"]])
+def test_an_empty_prompt_is_refused_by_the_library_before_any_text(tiny_checkpoint, capsys, chat):
+    """The empty-prompt rule is stream()'s (engines.decoding.encode_prompt); the command adds no copy of it."""
+    with pytest.raises(SystemExit, match="llmstep generate: error: the prompt is empty"):
+        cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "", *chat])
+    assert capsys.readouterr().out == ""
