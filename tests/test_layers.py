@@ -178,3 +178,40 @@ def test_the_package_map_and_the_readme_table_name_every_module_of_the_tree():
 
     named = set(re.findall(r"\b(\w+\.py)\b", doc)) | set(re.findall(r"`(\w+\.py)`", readme))
     assert named <= {p.name for p in tree}, f"named but not in the tree: {sorted(named - {p.name for p in tree})}"
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_the_names_and_test_files_the_docs_cite_exist():
+    """Every `llmstep.x.y` a document or a docstring cites imports, and every tests/... file it cites is there
+    (the re-layout in layers left old names such as llmstep.cost and tests/test_fast.py behind)."""
+    import re
+
+    docs = [ROOT / "README.md", ROOT / "data" / "README.md", *sorted((ROOT / "results").glob("*.md")),
+            *sorted(PACKAGE.rglob("*.py"))]
+    stale = []
+    for doc in docs:
+        text = doc.read_text()
+        for name in re.findall(r"\bllmstep(?:\.[A-Za-z_]\w*)+", text):
+            name = name.rstrip(".")
+            if not _resolves(name):
+                stale.append(f"{doc.relative_to(ROOT)}: {name}")
+        for path in re.findall(r"\btests/[\w/]+\.py\b", text):
+            if not (ROOT / path).is_file():
+                stale.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert not stale, stale

@@ -231,7 +231,7 @@ def article_ceiling(chip: Chip | str = "RTX 4090", params: float = ARTICLE_PARAM
 
 def decode_ceiling(config: LlamaConfig, chip: Chip | str, dtype: torch.dtype | str = torch.bfloat16,
                    context: int = 0, peak: str = "tensor", name: str = "") -> DecodeCeiling:
-    """The same arithmetic with the exact figures of `config` (llmstep.cost): the weights actually
+    """The same arithmetic with the exact figures of `config` (llmstep.core.cost): the weights actually
     streamed (the input embedding is gathered, one row, not streamed), the KV cache read at `context`,
     and the FLOPs of the matmuls and of attention."""
     if not isinstance(context, int) or context < 0:

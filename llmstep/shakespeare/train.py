@@ -173,7 +173,7 @@ def make_logger(out: Path) -> logging.Logger:
         def emit(self, record):
             tqdm.write(self.format(record), file=sys.stderr)
 
-    log = logging.getLogger(f"llmstep.train.{out.resolve()}")
+    log = logging.getLogger(f"llmstep.shakespeare.train.{out.resolve()}")
     log.setLevel(logging.INFO)
     log.propagate = False
     for h in list(log.handlers):
