@@ -28,6 +28,9 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, processors, trainers
+from tokenizers import pre_tokenizers as pre
+
 from ..core.checkpoint import DATA_DIR
 from ..core.files import atomic_write, atomic_write_bytes, atomic_write_json, atomic_write_text
 from ..core.tokens import BOS, EOS_CANDIDATES
@@ -243,14 +246,11 @@ class TokenizerSpec:
     min_frequency: int = 2  # a pair seen once is not worth a merge
 
 
-def train_tokenizer(texts: list[str], spec: TokenizerSpec | None = None):
+def train_tokenizer(texts: list[str], spec: TokenizerSpec | None = None) -> Tokenizer:
     """Train the byte-level BPE on `texts`; returns a `tokenizers.Tokenizer` with exactly spec.vocab_size ids.
 
     Deterministic: the BPE trainer breaks count ties by pair order, and the input order is fixed.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, processors, trainers
-    from tokenizers import pre_tokenizers as pre
-
     spec = spec or TokenizerSpec()
     n_ordinary = spec.vocab_size - spec.n_special
     if n_ordinary < 256:
