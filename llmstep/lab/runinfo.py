@@ -1,8 +1,12 @@
 """What every measurement records beside its numbers, and how it times and summarises repeated runs.
 
 A figure without its machine, its versions and its command cannot be compared with another; a single
-timing says little on a machine that other processes share. The measuring tools (hardware, trace, bench,
-bench_speculative, bench_batching) take all of that from here, so their records read alike:
+timing says little on a machine that other processes share. The measuring tools take these from here, so
+their records read alike and their timings mean the same: hardware and trace time with `time_repeats`
+(hardware keeps the fastest run, trace the median), bench times transformers' generate() with it and
+bench_batching its batched step (the median); bench, bench_speculative and bench_batching start their records
+with `header`; the loops' own rates (FastDecoder, the speculative loops) are timed by the engines and
+summarised here with `median` and `spread`.
 
 - `describe(device)`: the device llmstep would use, in a few fields a learner can read;
 - `machine(device, dtype)`: the CPU, its cores, torch's threads, the device and the dtype;
@@ -12,7 +16,7 @@ bench_speculative, bench_batching) take all of that from here, so their records 
 - `versions()`: llmstep, torch and python (and whatever else a record names);
 - `load_average()`: the 1-minute load average, recorded before and after a run (other work skews timings);
 - `command_line(argv)`: the command that made a record, as one could type it again;
-- `median(values)` and `spread(values)`: the summary of repeated timings.
+- `median(values)` and `spread(values)`: the summary of repeated timings (`timing`: both and every run).
 """
 
 from __future__ import annotations
