@@ -61,7 +61,7 @@ def run_generate(args, argv) -> None:
     from ..core.checkpoint import load, resolve_model_path
     from ..engines.generate import stream
 
-    if args.chat and not args.prompt:  # stream() refuses an empty plain prompt; a chat's empty message it takes
+    if not args.prompt:  # stream() refuses it too, but only once the model is loaded; a chat's empty message it takes
         raise ValueError("the prompt is empty: give at least one character")
     if args.draft is not None and not args.draft.startswith("self-"):
         resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
@@ -81,7 +81,7 @@ def run_generate(args, argv) -> None:
                                  **sampling)
     else:
         run = stream(model, tokenizer, prompt, **sampling)
-    if not args.chat:  # stream() checked every argument (an empty prompt too): no error lands after the echo
+    if not args.chat:  # every argument was checked above: an error never lands after the echoed prompt
         print(args.prompt, end="", flush=True)
     try:
         for event in run:

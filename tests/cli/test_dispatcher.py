@@ -97,8 +97,8 @@ def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, cap
 
 
 @pytest.mark.parametrize("chat", [[], ["--chat"]])
-def test_an_empty_prompt_is_refused_by_the_library_before_any_text(tiny_checkpoint, capsys, chat):
-    """The empty-prompt rule is stream()'s (engines.decoding.encode_prompt); the command adds no copy of it."""
+def test_an_empty_prompt_is_refused_before_any_text(tiny_checkpoint, capsys, chat):
+    """An empty prompt, plain or as a chat message, ends the command with one line and prints no text."""
     with pytest.raises(SystemExit, match="llmstep generate: error: the prompt is empty"):
         cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "", *chat])
     assert capsys.readouterr().out == ""
