@@ -31,7 +31,7 @@ import sys
 
 from . import bench, model, shakespeare
 
-__all__ = ["main", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
+__all__ = ["main", "console", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
 
 GROUPS = (model, bench, shakespeare)
 
@@ -97,3 +97,10 @@ def main(argv: list[str] | None = None):
                 f"report it with the command to {REPORT_TO} ({DEBUG_ENV}=1 shows the traceback)")
         print(line, file=sys.stderr)
         raise CommandFailed(line, 1) from None
+
+
+def console() -> None:
+    """The `llmstep` program and `python -m llmstep`: `main` run for its effect, exit status 0 when it returns.
+    (A console script hands what its function returns to sys.exit, which would print a benchmark's record on
+    stderr and exit 1.)"""
+    main()

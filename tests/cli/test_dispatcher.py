@@ -102,3 +102,22 @@ def test_an_empty_prompt_is_refused_before_any_text(tiny_checkpoint, capsys, cha
     with pytest.raises(SystemExit, match="llmstep generate: error: the prompt is empty"):
         cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "", *chat])
     assert capsys.readouterr().out == ""
+
+
+def test_the_console_script_exits_0_after_a_command_that_returns_a_record():
+    """The installed `llmstep` program hands its function's return value to sys.exit, as every console script does:
+    a benchmark's record must not become exit status 1 and a dump on stderr."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tomllib
+
+    target = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, function = target["llmstep"].partition(":")
+    argv = ["llmstep", "batch", "--slots", "1", "--requests", "2", "--prompt-len", "2:3", "--new-tokens", "2:2",
+            "--batch-sizes", "1", "--context", "8"]
+    code = f"import sys; sys.argv = {argv!r}; from {module} import {function}; sys.exit({function}())"  # the wrapper
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr == ""
