@@ -110,7 +110,7 @@ class BatchRunner:
     @torch.no_grad()
     def warmup(self, steps: int = 3) -> float:
         """Run the step before timing anything: compiled, `steps` times (compile, and on CUDA record its graph);
-        eager, once (the first call's one-off costs). Returns the seconds it took (compile_seconds: 0 eager)."""
+        eager, once (the first call's one-off costs). Returns the seconds spent compiling: 0 when eager."""
         if self._warm:
             return 0.0
         # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
@@ -119,7 +119,7 @@ class BatchRunner:
         self.compile_seconds = seconds if self.compiled else 0.0
         self.cache.reset()
         self._warm = True
-        return seconds
+        return self.compile_seconds
 
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
         """One prompt alone through the model into row `slot`, at positions 0..T-1 -> its last logits [1, vocab]."""

@@ -125,7 +125,7 @@ class FastDecoder:
     @torch.no_grad()
     def warmup(self, steps: int = 3) -> float:
         """Run the step before timing anything: compiled, `steps` times (compile, and on CUDA record the graph);
-        eager, once (the first call's one-off costs). Returns the seconds it took (compile_seconds: 0 eager)."""
+        eager, once (the first call's one-off costs). Returns the seconds spent compiling: 0 when eager."""
         if self._warm:
             return 0.0
         token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
@@ -134,7 +134,7 @@ class FastDecoder:
         self.compile_seconds = seconds if self.compiled else 0.0
         self.cache.reset()
         self._warm = True
-        return seconds
+        return self.compile_seconds
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -295,7 +295,7 @@ class FastSpeculator:
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3) -> float:
         """Run a round's steps before timing anything: compiled, `steps` times (compile, and on CUDA record their
-        graphs); eager, once. Returns the seconds it took (compile_seconds counts only compiling)."""
+        graphs); eager, once. Returns the seconds spent compiling: 0 when eager."""
         kind = "greedy" if greedy else "sampling"
         if kind in self._warm:
             return 0.0
@@ -312,8 +312,8 @@ class FastSpeculator:
             calls = [lambda: self._draft_step(ids(2), arange(2)), lambda: self._draft_step(ids(1), ids(1)),
                      lambda: self._verify_step(ids(self.k + 1), arange(self.k + 1))]
         seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
-        if self.compiled:
-            self.compile_seconds += seconds
+        seconds = seconds if self.compiled else 0.0
+        self.compile_seconds += seconds
         self._warm.add(kind)
         return seconds
 

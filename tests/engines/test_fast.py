@@ -89,7 +89,7 @@ def test_the_warmup_runs_the_step_even_when_eager(tiny):
     handle = model.output.register_forward_hook(lambda *_: calls.append(1))
     try:
         decoder = FastDecoder(model, max_len=32, compile=False)
-        assert decoder.warmup() > 0 and len(calls) == 1 and decoder.compile_seconds == 0
+        assert decoder.warmup() == 0 and len(calls) == 1 and decoder.compile_seconds == 0  # nothing compiled
         assert decoder.warmup() == 0 and len(calls) == 1  # once
         assert int(decoder.cache.lengths[0]) == 0  # and its dummy token is gone from the cache
     finally:
