@@ -7,9 +7,9 @@ compiled bf16 decode steps are fed exactly those tokens, and their logits at eac
 """
 
 import torch
-from llmstep.fast import FastDecoder
 
 from llmstep.core.checkpoint import load_model
+from llmstep.engines.fast import FastDecoder
 
 
 @torch.no_grad()
@@ -24,7 +24,7 @@ def main() -> None:
         decoder.warmup()
         decoder.cache.reset()
         bf16(torch.tensor([ids[:-1]]), torch.arange(len(ids) - 1), decoder.cache)  # the prompt but its last token
-        steps = [decoder._step(torch.tensor([[t]]), torch.tensor([[len(ids) - 1 + i]])).clone()
+        steps = [decoder.step(torch.tensor([[t]]), torch.tensor([[len(ids) - 1 + i]])).clone()
                  for i, t in enumerate([ids[-1]] + seq[:-1])]
         o = torch.cat(steps)  # [100, V]
         err = (o - r).abs()

@@ -46,8 +46,11 @@ from ..core.model import Llama
 from ..core.sampling import check_params, sample
 from .compile import Step, warm_up
 from .decoding import (
-    NonFiniteLogitsError,
+    CACHE_ROUNDING,
+    NonFiniteLogits,
     budget,
+    cache_len,
+    check_int,
     check_max_len,
     check_max_new_tokens,
     check_prompt_ids,
@@ -85,8 +88,7 @@ class BatchRunner:
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
-        if not isinstance(n_slots, int) or isinstance(n_slots, bool) or n_slots < 1:
-            raise ValueError(f"n_slots must be an integer >= 1, got {n_slots!r}")
+        check_int(n_slots, "n_slots", low=1)
         self.model, self.device, self.n_slots = model, model.device, n_slots
         self.max_len = check_max_len(max_len, model.config.max_seq_len, low=1)  # 1: a step at position 0
         # per layer k, v: [S, n_kv, max_len, hd]: row s is slot s
@@ -94,7 +96,7 @@ class BatchRunner:
         self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
         self.compile_seconds = 0.0
-        self._warm = not self.compiled
+        self._warm = False  # run once (eager too) before anything is timed
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
@@ -107,12 +109,14 @@ class BatchRunner:
 
     @torch.no_grad()
     def warmup(self, steps: int = 3) -> float:
-        """Compile the step (on CUDA, record its graph) before timing anything; returns the seconds it took."""
+        """Run the step before timing anything: compiled, `steps` times (compile, and on CUDA record its graph);
+        eager, once (the first call's one-off costs). Returns the seconds spent compiling: 0 when eager."""
         if self._warm:
             return 0.0
         # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
         tokens, positions = (torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device) for _ in range(2))
-        self.compile_seconds = warm_up(self.device, lambda: self.step(tokens, positions), steps=steps)
+        seconds = warm_up(self.device, lambda: self.step(tokens, positions), steps=steps if self.compiled else 1)
+        self.compile_seconds = seconds if self.compiled else 0.0
         self.cache.reset()
         self._warm = True
         return self.compile_seconds
@@ -134,23 +138,32 @@ class BatchRunner:
 class ContinuousBatcher:
     """A scheduler and a runner: serves requests in n_slots slots of max_len positions each.
 
+    max_len: the slots' length; None sizes them for the requests of each run (`decoding.cache_len` of the
+    longest, rounded to CACHE_ROUNDING), growing the cache (a new runner) only when a run needs more: never
+    the model's whole context for every slot unless a request needs it.
     compile: compile the decode step (see llmstep.engines.compile; on CUDA with CUDA graphs). None compiles
     on CUDA only. Frozen weights on a CPU: change the model's weights and you need a new batcher.
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
-        self.runner = BatchRunner(model, n_slots, max_len, compile, mode)
-        self.model, self.device, self.n_slots, self.max_len = model, model.device, n_slots, self.runner.max_len
-        self.cache, self.compiled, self.cuda_graphs = self.runner.cache, self.runner.compiled, self.runner.cuda_graphs
+        self.model, self.device = model, model.device
+        self._compile, self._mode = compile, mode
+        self.sized_per_request = max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this batcher's only one
+        self._use_runner(BatchRunner(model, n_slots, cache_len(1, 0, model.config.max_seq_len, rounding=CACHE_ROUNDING)
+                                     if max_len is None else max_len, compile, mode))
+
+    def _use_runner(self, runner: BatchRunner) -> None:
+        self.runner, self.n_slots, self.max_len = runner, runner.n_slots, runner.max_len
+        self.cache, self.compiled, self.cuda_graphs = runner.cache, runner.compiled, runner.cuda_graphs
 
     def warmup(self) -> float:
         return self.runner.warmup()
 
-    def _check(self, i: int, r: Request) -> Job:
-        """A request checked, as the scheduler's job (prompt and stop ids read once: either may be a one-shot
-        iterator)."""
+    def _check(self, i: int, r: Request, limit: int) -> tuple[list[int], set[int]]:
+        """A request checked against slots of `limit` positions: its prompt ids and stop ids (each read once:
+        either may be a one-shot iterator)."""
         try:
             check_params(r.temperature, r.top_k, r.top_p)
             check_max_new_tokens(r.max_new_tokens)
@@ -158,18 +171,27 @@ class ContinuousBatcher:
             if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
                 raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
             stops = stop_id_set(r.stop_ids)
-            ids = check_prompt_ids(r.prompt_ids, self.model.config.vocab_size, self.max_len,
-                                   room="a batch slot's length")
+            ids = check_prompt_ids(r.prompt_ids, self.model.config.vocab_size, limit, room="a batch slot's length")
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None
-        return Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)),
-                   budget(len(ids), r.max_new_tokens, self.max_len), stops)
+        return ids, stops
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""
-        jobs = [self._check(i, r) for i, r in enumerate(requests)]  # all checked before any work
+        context = self.model.config.max_seq_len
+        checked = [self._check(i, r, context if self.sized_per_request else self.max_len)
+                   for i, r in enumerate(requests)]  # all checked before any work
+        slot_len = self.max_len
+        if self.sized_per_request:  # the slots the longest request needs, if more than the cache has
+            slot_len = max([slot_len] + [cache_len(len(ids), r.max_new_tokens, context, rounding=CACHE_ROUNDING)
+                                         for (ids, _), r in zip(checked, requests, strict=True)])
+        jobs = [Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)),
+                    budget(len(ids), r.max_new_tokens, slot_len), stops)
+                for i, ((ids, stops), r) in enumerate(zip(checked, requests, strict=True))]
         scheduler = Scheduler(jobs, self.n_slots, policy)  # refuses an unknown policy
         with exclusive(self._lock, self):
+            if slot_len > self.max_len:  # a new, longer cache (and step) before any work
+                self._use_runner(BatchRunner(self.model, self.n_slots, slot_len, self._compile, self._mode))
             return self._run(requests, scheduler)
 
     @torch.inference_mode()
@@ -178,7 +200,7 @@ class ContinuousBatcher:
         generators = {}  # request id -> its generator: one draw per token, as generate makes them
         runner, device = self.runner, self.device
         runner.cache.reset()
-        bad = torch.zeros(len(requests), dtype=torch.bool, device=device)  # non-finite logits seen, per request
+        nonfinite = NonFiniteLogits(device, requests=len(requests))  # a flag per request, on the device
         start = time.perf_counter()
         while not scheduler.done:
             synchronize(device)
@@ -188,7 +210,7 @@ class ContinuousBatcher:
                 generators[job.id] = make_generator(device, r.seed)
                 prefill_start = time.perf_counter()
                 logits = runner.prefill(job.completion.slot, job.completion.prompt_ids)  # [1, vocab]
-                bad[job.id] |= ~torch.isfinite(logits).all()
+                nonfinite.update(logits, torch.tensor([job.id], device=device))
                 token = sample(logits, r.temperature, r.top_k, r.top_p, generators[job.id])  # [1]
                 scheduler.take(job, int(token))  # waits for the device: the scheduler needs the token
                 job.completion.prefill_seconds = time.perf_counter() - prefill_start
@@ -198,7 +220,7 @@ class ContinuousBatcher:
                                         for j in running])  # [S, vocab]
                 served = [(s, j) for s, j in enumerate(running) if j is not None]
                 rows, ids = (torch.tensor(v, device=device) for v in zip(*[(s, j.id) for s, j in served], strict=True))
-                bad[ids] |= ~torch.isfinite(logits[rows]).all(-1)  # on the device: no sync
+                nonfinite.update(logits[rows], ids)  # on the device: no sync
                 drawn = torch.cat([sample(logits[s:s + 1], requests[j.id].temperature, requests[j.id].top_k,
                                           requests[j.id].top_p, generators[j.id])
                                    for s, j in served])  # [served]: one draw per row, with its own generator
@@ -207,11 +229,7 @@ class ContinuousBatcher:
             synchronize(device)
             scheduler.end_step()
         scheduler.run.seconds = time.perf_counter() - start
-        if bool(bad.any()):
-            ids = bad.nonzero()[:, 0].tolist()
-            listed = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
-            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or Inf) for request(s) {listed}: "
-                                       "their tokens are meaningless; check the model's weights and config")
+        nonfinite.check()
         return scheduler.run
 
 

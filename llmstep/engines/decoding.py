@@ -7,12 +7,17 @@ them here:
   (types are checked here, once: bytes are not a prompt, a bool or a float is not a seed);
 - how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
   the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
-  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`);
+  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`); a speculative round writes k
+  slots past the last token it keeps, so `round_budget` reserves them, once, up front;
+- how big a cache does a run need? `cache_len`, the one sizing rule (generate, FastDecoder, FastSpeculator and
+  the batcher all ask it);
 - has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
   budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
 - which random numbers? `make_generator`: a seeded generator on the model's device;
 - are the numbers finite? `check_finite` (the teaching loops, every step) and `NonFiniteLogits` (the fast
-  loops and the batcher keep a flag on the device and look at it once, at the end: no per-token sync);
+  loops and the batcher keep a flag on the device, one per request in the batcher, and look at it once, at
+  the end: no per-token sync);
+- what does a decode read? `step_bytes_by_context` (one step) and `round_bytes` (a speculative round);
 - may this object run now? `exclusive`: FastDecoder, FastSpeculator and ContinuousBatcher own one cache each
   and refuse a second caller while a run is in progress (`ConcurrentUseError`); generate and
   speculative_generate allocate their own caches, so many threads may call them on one model;
@@ -33,10 +38,10 @@ import torch
 from ..core.cost import model_step_cost
 from ..core.tokens import Tokenizer
 
-__all__ = ["check_max_new_tokens", "check_seed", "check_max_len", "check_prompt_ids", "NonFiniteLogitsError",
-           "check_finite", "NonFiniteLogits", "ConcurrentUseError", "exclusive", "stop_id_set", "encode_prompt",
-           "make_generator", "room", "cache_len", "Budget", "budget", "end_reason", "cut_at_stop",
-           "step_bytes_by_context", "DecodeResult"]
+__all__ = ["check_int", "check_max_new_tokens", "check_seed", "check_max_len", "check_prompt_ids",
+           "NonFiniteLogitsError", "check_finite", "NonFiniteLogits", "ConcurrentUseError", "exclusive", "stop_id_set",
+           "encode_prompt", "make_generator", "room", "CACHE_ROUNDING", "cache_len", "Budget", "budget",
+           "round_budget", "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -44,9 +49,14 @@ __all__ = ["check_max_new_tokens", "check_seed", "check_max_len", "check_prompt_
 # --------------------------------------------------------------------------------------------------
 
 
+def check_int(value, name: str, low: int = 0) -> None:
+    """An integer (not a bool, not a float) >= low, or a ValueError that names it."""
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def check_max_new_tokens(max_new_tokens) -> None:
-    if not isinstance(max_new_tokens, Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    check_int(max_new_tokens, "max_new_tokens")
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
@@ -157,22 +167,35 @@ def check_finite(logits: torch.Tensor, step: int, what: str = "the model") -> No
 
 
 class NonFiniteLogits:
-    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end."""
+    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end.
 
-    def __init__(self, device: torch.device):
-        self.seen = torch.zeros((), dtype=torch.bool, device=device)
+    requests: None, one flag for the run; n, one flag per request (the batcher: `update(logits, ids)` with
+    logits [B, V] of requests ids [B])."""
 
-    def update(self, logits: torch.Tensor) -> None:
-        self.record(torch.isfinite(logits).all())
+    def __init__(self, device: torch.device, requests: int | None = None):
+        self.per_request = requests is not None
+        self.seen = torch.zeros(() if requests is None else (requests,), dtype=torch.bool, device=device)
+
+    def update(self, logits: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        if ids is None:
+            self.record(torch.isfinite(logits).all())
+        else:
+            self.seen[ids] |= ~torch.isfinite(logits).flatten(1).all(-1)  # on the device: no sync
 
     def record(self, finite: torch.Tensor) -> None:
         """finite: a bool tensor [] computed elsewhere (inside a compiled step)."""
         self.seen |= ~finite
 
     def check(self, where: str = "") -> None:
-        if bool(self.seen):
-            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or Inf){where}: "
-                                       "its tokens are meaningless; check its weights and config")
+        if not bool(self.seen.any()):
+            return
+        if self.per_request:
+            ids = self.seen.nonzero()[:, 0].tolist()
+            listed = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+            raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or Inf) for request(s) {listed}"
+                                       f"{where}: their tokens are meaningless; check the model's weights and config")
+        raise NonFiniteLogitsError(f"the model produced non-finite logits (NaN or Inf){where}: "
+                                   "its tokens are meaningless; check its weights and config")
 
 
 class ConcurrentUseError(RuntimeError):
@@ -203,9 +226,17 @@ def room(prefix_len: int, max_len: int) -> int:
     return max(0, max_len - prefix_len + 1)
 
 
-def cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
-    """The cache a one-shot run allocates: the prompt and its new tokens, at most the model's context."""
-    return min(max_seq_len, prompt_len + max_new_tokens)
+CACHE_ROUNDING = 256  # slots: an engine's cache sized per request is rounded up to this, so nearby lengths share one
+
+
+def cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int, reserve: int = 0, rounding: int = 1) -> int:
+    """The slots a run needs, the one sizing rule: the prompt, its new tokens and `reserve` more (a speculative
+    round's k slots written past the last token it keeps), at least one past the prompt, rounded up to
+    `rounding` (an engine that keeps its cache across runs uses CACHE_ROUNDING), at most the model's context.
+    A one-shot loop (generate) takes rounding 1; never the whole context unless a run needs it: 131,072 slots
+    are 17 GB for Llama 3.1 8B."""
+    need = max(prompt_len + max_new_tokens + reserve, prompt_len + 1)
+    return min(max_seq_len, -(-need // rounding) * rounding)
 
 
 @dataclass(frozen=True)
@@ -220,6 +251,16 @@ def budget(prompt_len: int, max_new_tokens: int, max_len: int) -> Budget:
     """The budget of a run of a prompt_len-token prompt for max_new_tokens in a cache of max_len slots."""
     n = min(max_new_tokens, room(prompt_len, max_len))
     return Budget(n, "length" if n == max_new_tokens else "context")
+
+
+def round_budget(prompt_len: int, max_new_tokens: int, max_len: int, k: int) -> Budget:
+    """The budget of a speculative run whose rounds each write k + 1 slots: the pending token's and k proposals',
+    k of them past the last token a round may keep. So the rounds' tokens fit a cache k slots shorter; the
+    first token, the prefill's, needs no round."""
+    plan = budget(prompt_len, max_new_tokens, max_len - k)
+    if plan.tokens == 0 and max_new_tokens > 0 and room(prompt_len, max_len) > 0:
+        return Budget(1, "length" if max_new_tokens == 1 else "context")  # the prefill's token alone
+    return plan
 
 
 def end_reason(tokens: list[int], stops: set[int], plan: Budget) -> str | None:
@@ -241,11 +282,19 @@ def cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
 
 def step_bytes_by_context(model: torch.nn.Module, context: int = 0) -> Callable[[int], float]:
     """bytes(c): what one decode step of `model` reads with c tokens in its cache (llmstep.core.cost's
-    model_step_cost), its weights counted once per run rather than once per step: the count is linear in c
-    (the weights, plus the same KV bytes per cached token), so two evaluations give every step."""
+    model_step_cost). Every step reads all the weights; what happens once per run is the walk over the
+    modules that counts them: the count is linear in c (the weights, plus the same KV bytes per cached
+    token), so two evaluations give every step."""
     at = model_step_cost(model, context=context).bytes
     per_token = model_step_cost(model, context=context + 1).bytes - at
     return lambda c: at + (c - context) * per_token
+
+
+def round_bytes(target_bytes: Callable[[int], float], draft_bytes: Callable[[int], float], L: int, k: int) -> float:
+    """What one speculative round reads (both speculative loops count it so), its pending token at position L - 1:
+    the target's verifying forward over a cache of L - 1 tokens (its weights once for all k + 1 tokens), and k
+    draft steps over L - 1, L, ..., L + k - 2. target_bytes, draft_bytes: `step_bytes_by_context` of each."""
+    return target_bytes(L - 1) + sum(draft_bytes(L - 1 + i) for i in range(k))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,10 +44,12 @@ from ..core.sampling import check_params, picker, probs, sample
 from . import speculative
 from .compile import Step, warm_up
 from .decoding import (
+    CACHE_ROUNDING,
     DecodeResult,
     NonFiniteLogits,
     budget,
     cache_len,
+    check_int,
     check_max_len,
     check_max_new_tokens,
     check_prompt_ids,
@@ -56,23 +58,19 @@ from .decoding import (
     end_reason,
     exclusive,
     make_generator,
-    room,
+    round_budget,
+    round_bytes,
     step_bytes_by_context,
     stop_id_set,
 )
 from .speculative import Rounds
 
-__all__ = ["FastResult", "FastDecoder", "request_cache_len", "fast_generate", "FastSpeculativeResult", "FastSpeculator"]
-
-
-CACHE_ROUNDING = 256  # slots: a cache sized per request is rounded up to this, so nearby lengths share one
+__all__ = ["FastResult", "FastDecoder", "request_cache_len", "FastSpeculativeResult", "FastSpeculator"]
 
 
 def request_cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
-    """The slots FastDecoder allocates for a request by default: what a one-shot run needs (`cache_len`, and
-    at least one slot past the prompt), rounded up to CACHE_ROUNDING, at most the model's context."""
-    need = max(cache_len(prompt_len, max_new_tokens, max_seq_len), prompt_len + 1)
-    return min(max_seq_len, -(-need // CACHE_ROUNDING) * CACHE_ROUNDING)
+    """The slots FastDecoder allocates for a request by default: `decoding.cache_len` rounded to CACHE_ROUNDING."""
+    return cache_len(prompt_len, max_new_tokens, max_seq_len, rounding=CACHE_ROUNDING)
 
 
 @dataclass
@@ -86,7 +84,8 @@ class FastResult(DecodeResult):
 class FastDecoder:
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
-    max_len: the cache's slots; None sizes it for each request (`request_cache_len`), growing it when needed.
+    max_len: the cache's slots; None sizes it for each request (`decoding.cache_len`, rounded to CACHE_ROUNDING),
+    growing it when needed.
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation).
     mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
@@ -103,7 +102,7 @@ class FastDecoder:
         # Either way the cache is checked against the device's free memory before it is allocated (KVCache).
         self.sized_per_request = max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this decoder's only one
-        self._allocate(min(CACHE_ROUNDING, model.config.max_seq_len) if max_len is None
+        self._allocate(cache_len(1, 0, model.config.max_seq_len, rounding=CACHE_ROUNDING) if max_len is None
                        else check_max_len(max_len, model.config.max_seq_len))
 
     def _allocate(self, max_len: int) -> None:
@@ -112,20 +111,27 @@ class FastDecoder:
         self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
         self.compile_seconds = 0.0  # spent in the first calls of the compiled step (warmup)
-        self._warm = not self.compiled
+        self._warm = False  # run once (eager too) before anything is timed
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
         return self.model(token, position, self.cache, last_only=True)[:, -1].float()
 
+    def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
+        decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
+        return self._step(token, position)
+
     @torch.no_grad()
     def warmup(self, steps: int = 3) -> float:
-        """Compile (and on CUDA record the graph) before timing anything; returns the seconds it took."""
+        """Run the step before timing anything: compiled, `steps` times (compile, and on CUDA record the graph);
+        eager, once (the first call's one-off costs). Returns the seconds spent compiling: 0 when eager."""
         if self._warm:
             return 0.0
         token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
         position = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
-        self.compile_seconds = warm_up(self.device, lambda: self._step(token, position), steps=steps)
+        seconds = warm_up(self.device, lambda: self.step(token, position), steps=steps if self.compiled else 1)
+        self.compile_seconds = seconds if self.compiled else 0.0
         self.cache.reset()
         self._warm = True
         return self.compile_seconds
@@ -142,17 +148,16 @@ class FastDecoder:
         check_params(temperature, top_k, top_p)
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+        check_int(sync_every, "sync_every", low=1)
         if self.sized_per_request:
             ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.model.config.max_seq_len)
         else:
             ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
         stops = stop_id_set(stop_ids)
         with exclusive(self._lock, self):
-            if self.sized_per_request and request_cache_len(len(ids), max_new_tokens,
-                                                           self.model.config.max_seq_len) > self.max_len:
-                self._allocate(request_cache_len(len(ids), max_new_tokens, self.model.config.max_seq_len))
+            need = cache_len(len(ids), max_new_tokens, self.model.config.max_seq_len, rounding=CACHE_ROUNDING)
+            if self.sized_per_request and need > self.max_len:
+                self._allocate(need)
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every)
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every) -> FastResult:
@@ -185,7 +190,7 @@ class FastDecoder:
         for i in range(1, n):
             if stops and i % sync_every == 0 and bool(torch.isin(out[:i], stop_tensor).any()):  # one sync
                 break
-            logits = self._step(token.view(1, 1), position)
+            logits = self.step(token.view(1, 1), position)
             nonfinite.update(logits)
             token = sample(logits, temperature, top_k, top_p, generator)
             out[i] = token[0]
@@ -201,15 +206,6 @@ class FastDecoder:
         if stopped:
             result.stop_reason = "stop"
         return result
-
-
-def fast_generate(model: Llama, prompt_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids: Iterable[int] = (),
-                  compile: bool | None = None) -> FastResult:
-    """One-shot: a FastDecoder sized for this prompt (the cache llmstep.generate would allocate)."""
-    n_ctx = cache_len(len(prompt_ids), max_new_tokens, model.config.max_seq_len)
-    decoder = FastDecoder(model, max_len=max(n_ctx, len(prompt_ids) + 1), compile=compile)
-    return decoder.generate(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,32 +232,39 @@ class FastSpeculator:
 
     The rule is `speculative.verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
     numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
-    fits the budget. A round needs room for all k + 1 of its tokens: the run ends ("context") when fewer
-    slots are left.
+    fits the budget. A round writes all k + 1 of its tokens, so the budget (`decoding.round_budget`, decided
+    once, up front) reserves k slots: a run ends ("context") where that budget says.
+
+    max_len: both caches' slots; None sizes them for each request (`decoding.cache_len` with the k reserved
+    slots, rounded to CACHE_ROUNDING), growing them when a longer request comes, as FastDecoder does.
     """
 
     def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
                  compile: bool | None = None, mode: str | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
-        limit = min(target.config.max_seq_len, draft.config.max_seq_len)
-        if max_len is not None and not (isinstance(max_len, int) and k + 2 <= max_len <= limit):
-            raise ValueError(f"max_len must be an integer in {k + 2}..{limit} (k + 2 .. both models' context), "
-                             f"got {max_len!r}")
+        self.limit = min(target.config.max_seq_len, draft.config.max_seq_len)  # both models' context
         self.target, self.draft, self.k = target, draft, k
-        self.max_len = limit if max_len is None else max_len
         self.device = target.device
+        self._compile, self._mode = compile, mode
+        self.sized_per_request = max_len is None
+        self.compile_seconds = 0.0
+        self._lock = threading.Lock()  # one run at a time: the caches are this speculator's only ones
+        self._allocate(cache_len(1, 1, self.limit, reserve=k, rounding=CACHE_ROUNDING) if max_len is None
+                       else check_max_len(max_len, self.limit, low=k + 2))
+
+    def _allocate(self, max_len: int) -> None:
+        self.max_len = max_len
         # per layer k, v: [1, n_kv, max_len, hd], each model its own
-        self.target_cache = target.new_cache(batch_size=1, max_len=self.max_len)
-        self.draft_cache = draft.new_cache(batch_size=1, max_len=self.max_len)
+        self.target_cache = self.target.new_cache(batch_size=1, max_len=max_len)
+        self.draft_cache = self.draft.new_cache(batch_size=1, max_len=max_len)
         d, t = self.draft_cache.buffers, self.target_cache.buffers
+        compile, mode = self._compile, self._mode
         self._draft_step = Step(self._draft, self.device, compile, mode, static=d)
         self._verify_step = Step(self._verify, self.device, compile, mode, static=t)
         self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
-        self._warm: set[str] = set() if self.compiled else {"greedy", "sampling"}  # the round kinds compiled
-        self.compile_seconds = 0.0
-        self._lock = threading.Lock()  # one run at a time: the caches are this speculator's only ones
+        self._warm: set[str] = set()  # the round kinds run once (eager) or compiled
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
@@ -291,7 +294,8 @@ class FastSpeculator:
 
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3) -> float:
-        """Compile the round's steps (on CUDA, record their graphs) before timing anything; returns the seconds."""
+        """Run a round's steps before timing anything: compiled, `steps` times (compile, and on CUDA record their
+        graphs); eager, once. Returns the seconds spent compiling: 0 when eager."""
         kind = "greedy" if greedy else "sampling"
         if kind in self._warm:
             return 0.0
@@ -307,7 +311,8 @@ class FastSpeculator:
         else:
             calls = [lambda: self._draft_step(ids(2), arange(2)), lambda: self._draft_step(ids(1), ids(1)),
                      lambda: self._verify_step(ids(self.k + 1), arange(self.k + 1))]
-        seconds = warm_up(self.device, *calls, steps=steps)
+        seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
+        seconds = seconds if self.compiled else 0.0
         self.compile_seconds += seconds
         self._warm.add(kind)
         return seconds
@@ -320,16 +325,23 @@ class FastSpeculator:
         check_params(temperature, top_k, top_p)
         check_max_new_tokens(max_new_tokens)
         check_seed(seed)
-        ids = check_prompt_ids(prompt_ids, self.target.config.vocab_size, self.max_len, room="the cache it may fill")
+        vocab = self.target.config.vocab_size
+        if self.sized_per_request:
+            ids = check_prompt_ids(prompt_ids, vocab, self.limit, room="both models' context")
+        else:
+            ids = check_prompt_ids(prompt_ids, vocab, self.max_len, room="the cache it may fill")
         stops = stop_id_set(stop_ids)
         with exclusive(self._lock, self):
+            need = cache_len(len(ids), max_new_tokens, self.limit, reserve=self.k, rounding=CACHE_ROUNDING)
+            if self.sized_per_request and need > self.max_len:
+                self._allocate(need)
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops) -> FastSpeculativeResult:
         greedy = temperature == 0
         self.warmup(greedy)
         k, device = self.k, self.device
-        plan = budget(len(ids), max_new_tokens, self.max_len)
+        plan = round_budget(len(ids), max_new_tokens, self.max_len, k)  # the rounds' writes fit: no check per round
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
         if plan.tokens == 0:
             return result
@@ -350,12 +362,10 @@ class FastSpeculator:
         result.tokens = seq[len(ids):]
         result.prefill_seconds = time.perf_counter() - start
 
+        target_bytes, draft_bytes = step_bytes_by_context(self.target), step_bytes_by_context(self.draft)
         start = time.perf_counter()
         while (reason := end_reason(result.tokens, stops, plan)) is None:
-            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
-            if room(L, self.max_len) < k + 1:  # a round writes L-1 .. L-1+k: all of it must fit
-                reason = "context"
-                break
+            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet; L + k <= max_len
             pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
             if greedy:
                 drafted, n, token, finite = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
@@ -380,6 +390,7 @@ class FastSpeculator:
             new = (drafted[0, :n].tolist() + [int(token)])[: plan.tokens - len(result.tokens)]
             new, _ = cut_at_stop(new, stops)
             result.record(k, n, len(new))
+            result.decode_bytes += round_bytes(target_bytes, draft_bytes, L, k)
             seq += new
             result.tokens += new
         synchronize(device)

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core import quantize
+from ..core.checkpoint import load
 from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
@@ -179,21 +181,17 @@ def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, 
     (a quantized copy), or a checkpoint path ("draft" is the shipped one). A loaded checkpoint must share
     the target's tokenizer."""
     if spec.startswith("self-int"):
-        from ..core import quantize
-
         mode = spec.removeprefix("self-")
         if mode not in ("int8", "int4"):
-            raise ValueError(f"--draft {spec}: the quantized self-drafts are self-int8 and self-int4")
+            raise ValueError(f"draft {spec!r}: the quantized self-drafts are self-int8 and self-int4")
         # A twin sharing the float model's embeddings and norms, with its matmuls (LM head included) quantized.
         return quantize.quantize(target, mode, lm_head=True, inplace=False)
     if spec.startswith("self-"):
         try:
             n = int(spec.removeprefix("self-"))
         except ValueError:
-            raise ValueError(f"--draft {spec}: write self-N with N the number of layers to keep") from None
+            raise ValueError(f"draft {spec!r}: write self-N with N the number of layers to keep") from None
         return LayerSkipDraft(target, n)
-    from ..core.checkpoint import load
-
     draft, draft_tokenizer = load(spec, device=device or target.device, dtype=dtype or target.dtype)
     if tokenizer is not None and draft_tokenizer.tok.get_vocab() != tokenizer.tok.get_vocab():
         raise ValueError(f"the draft at {spec} uses a different tokenizer from the target's: speculative "
@@ -423,7 +421,7 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
         result.overlap += overlap
         result.draft_seconds += draft_seconds
         result.target_seconds += seconds - draft_seconds
-        result.decode_bytes += target_bytes(L - 1) + sum(draft_bytes(L - 1 + i) for i in range(k))
+        result.decode_bytes += decoding.round_bytes(target_bytes, draft_bytes, L, k)
         for t in new:
             seq.append(t)
             yield emit(t, seconds / len(new))

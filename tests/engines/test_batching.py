@@ -9,10 +9,11 @@ import os
 import pytest
 import torch
 from conftest import make_checkpoint
-from llmstep.batching import ContinuousBatcher, Request, run_batch
+from llmstep.batching import BatchRunner, ContinuousBatcher, Request, run_batch
 
 import llmstep
 from llmstep.cli import main as llmstep_main
+from llmstep.engines.decoding import NonFiniteLogitsError
 from llmstep.lab import bench_batching
 from llmstep.lab.bench_batching import measure_batch_scaling, random_workload
 
@@ -353,3 +354,64 @@ def test_a_batch_reads_the_weights_once():
     with pytest.raises(ValueError, match="batch must be an integer >= 1"):
         decode_step_cost(cfg, batch=0)
 
+
+
+@pytest.fixture(scope="module")
+def long64():
+    """A random float64 model with a 1,024-token context: room to see a cache sized for its requests."""
+    torch.manual_seed(0)
+    config = llmstep.LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                                 max_seq_len=1024, rope_theta=500000.0)
+    return llmstep.Llama(config).eval().double()
+
+
+def test_a_batcher_sizes_its_slots_for_its_requests_not_the_whole_context(long64):
+    """max_len None: every slot holds what the longest request needs (decoding.cache_len, rounded), grown when a
+    run needs more; the tokens are those of slots the whole context long."""
+    requests = [Request([5, 17, 101], 20), Request([7] * 30, 12, temperature=0.8, seed=3), Request([9], 5, arrival=2)]
+    batcher = ContinuousBatcher(long64, n_slots=2, compile=False)
+    assert batcher.max_len == 256 and batcher.cache.k[0].shape[2] == 256
+    sized = batcher.run(requests)
+    assert batcher.max_len == 256
+    whole = run_batch(long64, requests, n_slots=2, max_len=1024, compile=False)
+    assert [c.tokens for c in sized.completions] == [c.tokens for c in whole.completions]
+    assert [c.stop_reason for c in sized.completions] == ["length"] * 3
+    batcher.run([Request([5] * 300, 4)])  # 304 slots: the cache grows to 512
+    assert batcher.max_len == 512 and batcher.runner.cache.k[0].shape[2] == 512
+    assert batcher.cache is batcher.runner.cache
+
+
+def test_an_eager_runner_runs_its_step_once_in_the_warmup(tiny64):
+    """Nothing times a never-run step: BatchRunner.warmup runs the step once when eager (compile_seconds 0)."""
+    model, _ = tiny64
+    calls = []
+    handle = model.output.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        runner = BatchRunner(model, 3, max_len=16, compile=False)
+        assert runner.warmup() == 0 and len(calls) == 1 and runner.compile_seconds == 0  # nothing compiled
+        assert runner.warmup() == 0 and len(calls) == 1
+        assert runner.cache.lengths.tolist() == [0, 0, 0]
+    finally:
+        handle.remove()
+
+
+def test_non_finite_logits_are_named_per_request(tiny64):
+    """The batcher flags non-finite logits with decoding.NonFiniteLogits, one flag per request: only the broken
+    request is named."""
+    model, _ = tiny64
+    calls = []
+
+    def hook(module, args, out):  # NaN logits in the first row of the fourth forward (request 1's prefill)
+        calls.append(1)
+        if len(calls) == 4:
+            out = out.clone()
+            out[0] = float("nan")
+        return out
+
+    handle = model.output.register_forward_hook(hook)
+    try:
+        with pytest.raises(NonFiniteLogitsError, match=r"request\(s\) 1: their tokens"):
+            run_batch(model, [Request([1, 2], 2), Request([3, 4], 2, arrival=5)], n_slots=1, max_len=16,
+                      compile=False)
+    finally:
+        handle.remove()

@@ -15,13 +15,19 @@ import llmstep
 from llmstep.core.cost import model_step_cost
 from llmstep.core.quantize import QuantConfig, quantize
 from llmstep.engines.decoding import (
+    CACHE_ROUNDING,
     Budget,
     DecodeResult,
+    NonFiniteLogits,
+    NonFiniteLogitsError,
     budget,
     cache_len,
+    check_int,
     cut_at_stop,
     end_reason,
     room,
+    round_budget,
+    round_bytes,
     step_bytes_by_context,
 )
 from llmstep.engines.generate import Generation
@@ -46,6 +52,56 @@ def test_a_cache_of_max_len_slots_allows_max_len_minus_the_prompt_plus_one_new_t
     assert budget(31, 3, 32) == Budget(2, "context")
     assert budget(5, 0, 32) == Budget(0, "length")
     assert cache_len(5, 10, 32) == 15 and cache_len(30, 10, 32) == 32
+
+
+def test_one_sizing_rule_gives_every_engines_cache():
+    # a one-shot loop: the prompt and its new tokens; at least a slot past the prompt; never past the context
+    assert cache_len(5, 0, 32) == 6 and cache_len(31, 5, 32) == 32
+    # an engine that keeps its cache: rounded up, so nearby requests share one; never the whole context unasked
+    assert CACHE_ROUNDING == 256
+    assert cache_len(100, 200, 131072, rounding=CACHE_ROUNDING) == 512
+    assert cache_len(131000, 200, 131072, rounding=CACHE_ROUNDING) == 131072
+    assert cache_len(1, 0, 131072, rounding=CACHE_ROUNDING) == 256
+    # a speculative run: k more slots, written by its rounds past the last token kept
+    assert cache_len(10, 10, 1024, reserve=4) == 24 and cache_len(10, 10, 1024, reserve=4, rounding=256) == 256
+
+
+def test_a_speculative_round_reserves_its_k_slots_in_the_budget_up_front():
+    # a round with its pending token at L - 1 writes L - 1 .. L - 1 + k: the rounds' tokens fit max_len - k slots
+    assert round_budget(10, 10, 20, 4) == budget(10, 10, 16) == Budget(7, "context")
+    assert round_budget(10, 7, 20, 4) == Budget(7, "length")
+    assert round_budget(10, 10, 30, 4) == Budget(10, "length")
+    assert round_budget(18, 5, 20, 4) == Budget(1, "context")  # the prefill's token needs no round
+    assert round_budget(18, 1, 20, 4) == Budget(1, "length")
+    assert round_budget(18, 0, 20, 4) == Budget(0, "length")
+
+
+def test_a_speculative_round_reads_one_target_forward_and_k_draft_steps():
+    target, draft = (lambda c: 1000 + 10 * c), (lambda c: 100 + c)
+    assert round_bytes(target, draft, 8, 3) == (1000 + 70) + (107 + 108 + 109)
+    assert round_bytes(target, draft, 8, 0) == 1070
+
+
+def test_integer_arguments_are_checked_in_one_place():
+    check_int(3, "n_slots", low=1)
+    for bad in (0, True, 1.0, "2", None):
+        with pytest.raises(ValueError, match=f"n_slots must be an integer >= 1, got {bad!r}"):
+            check_int(bad, "n_slots", low=1)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got -1"):
+        check_int(-1, "max_new_tokens")
+
+
+def test_non_finite_logits_are_flagged_per_request_on_the_device():
+    flag = NonFiniteLogits(torch.device("cpu"), requests=4)
+    logits = torch.zeros(3, 5)
+    logits[1, 2] = float("nan")
+    flag.update(logits, torch.tensor([0, 3, 2]))  # rows of requests 0, 3 and 2: request 3's is NaN
+    flag.update(torch.full((1, 5), float("inf")), torch.tensor([1]))
+    with pytest.raises(NonFiniteLogitsError, match=r"for request\(s\) 1, 3: their tokens are meaningless"):
+        flag.check()
+    fine = NonFiniteLogits(torch.device("cpu"), requests=2)
+    fine.update(torch.zeros(2, 5), torch.tensor([0, 1]))
+    fine.check()
 
 
 def test_a_stop_token_ends_a_sequence_and_is_kept():
@@ -117,6 +173,8 @@ def test_every_loop_ends_where_the_budget_says(loaded, T, max_new_tokens, max_le
     assert out.tokens == runs["generate"].tokens[: len(out.tokens)]
     assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) or (
         out.stop_reason == "context" and len(out.tokens) > plan.tokens - 4)  # a round of k=3 makes up to 4
+    spec = round_budget(T, max_new_tokens, max_len, 3)  # the budget with the rounds' 3 slots reserved: exactly it
+    assert (len(out.tokens), out.stop_reason) == (spec.tokens, spec.stop_reason)
 
 
 def test_every_loop_stops_at_a_stop_token_and_keeps_it(loaded):

@@ -4,11 +4,12 @@ import os
 
 import pytest
 import torch
-from llmstep.fast import FastDecoder, fast_generate
+from llmstep.fast import FastDecoder
 
 import llmstep
 from llmstep.core.quantize import QuantConfig, quantize
 from llmstep.engines.compile import compile_step
+from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
 
 PROMPT = [295, 17, 101, 42, 7, 250, 33]
 
@@ -21,7 +22,7 @@ def tiny(tiny_checkpoint):
 def test_greedy_tokens_equal_the_eager_generate_loop(tiny):
     model, tok = tiny
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0, stop_ids=[])
-    fast = fast_generate(model, PROMPT, max_new_tokens=40, temperature=0)
+    fast = FastDecoder(model).generate(PROMPT, max_new_tokens=40, temperature=0)
     assert fast.tokens == eager.tokens and len(fast.tokens) == 40
     assert fast.decode_steps == 39 and fast.stop_reason == "length"
 
@@ -30,13 +31,13 @@ def test_greedy_tokens_equal_the_eager_generate_loop(tiny):
 def test_seeded_sampling_draws_the_same_tokens(tiny, kw):
     model, tok = tiny
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=30, seed=7, stop_ids=[], **kw)
-    fast = fast_generate(model, PROMPT, max_new_tokens=30, seed=7, **kw)
+    fast = FastDecoder(model).generate(PROMPT, max_new_tokens=30, seed=7, **kw)
     assert fast.tokens == eager.tokens
 
 
 def test_stop_tokens_end_the_run_where_the_eager_loop_ends_it(tiny):
     model, tok = tiny
-    free = fast_generate(model, PROMPT, max_new_tokens=40, temperature=0.9, seed=1).tokens
+    free = FastDecoder(model).generate(PROMPT, max_new_tokens=40, temperature=0.9, seed=1).tokens
     stop = free[12]  # a token the run reaches; the stop check runs only every 4 steps
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0.9, seed=1, stop_ids=[stop])
     decoder = FastDecoder(model, max_len=len(PROMPT) + 40, compile=False)
@@ -66,7 +67,43 @@ def test_quantised_models_run_through_the_same_loop(tiny):
         for _ in range(10):  # the plainest loop there is: the model's forward, argmax, feed back
             x = qmodel(x, cache=cache)[:, -1].argmax(-1, keepdim=True)
             eager.append(int(x))
-    assert fast_generate(qmodel, PROMPT, 10).tokens == eager
+    assert FastDecoder(qmodel).generate(PROMPT, 10).tokens == eager
+
+
+def test_the_public_step_is_one_token_through_the_model_into_the_decoders_cache(tiny):
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    decoder.generate(PROMPT, 4)  # the cache holds the prompt and three decode steps
+    token, position = torch.tensor([[5]]), torch.tensor([[len(PROMPT) + 3]])
+    with torch.no_grad():
+        expected = model(token, position, model.new_cache(1, 32), last_only=True)  # a fresh cache: other keys
+        got = decoder.step(token, position)
+    assert got.shape == (1, model.config.vocab_size) and got.dtype == torch.float32
+    assert not torch.allclose(got, expected[:, -1].float())  # it attends to the decoder's cache, not a fresh one
+
+
+def test_the_warmup_runs_the_step_even_when_eager(tiny):
+    """Nothing times a never-run step: an eager decoder's warm-up runs its step once (compile_seconds stays 0)."""
+    model, _ = tiny
+    calls = []
+    handle = model.output.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        decoder = FastDecoder(model, max_len=32, compile=False)
+        assert decoder.warmup() == 0 and len(calls) == 1 and decoder.compile_seconds == 0  # nothing compiled
+        assert decoder.warmup() == 0 and len(calls) == 1  # once
+        assert int(decoder.cache.lengths[0]) == 0  # and its dummy token is gone from the cache
+    finally:
+        handle.remove()
+
+
+def test_a_decoder_sized_per_request_uses_the_one_sizing_rule(tiny):
+    model, tok = tiny
+    decoder = FastDecoder(model, compile=False)
+    ctx = model.config.max_seq_len
+    assert decoder.max_len == cache_len(1, 0, ctx, rounding=CACHE_ROUNDING)
+    out = decoder.generate(PROMPT, 40)
+    assert decoder.max_len == cache_len(len(PROMPT), 40, ctx, rounding=CACHE_ROUNDING)
+    assert out.tokens == llmstep.generate(model, tok, PROMPT, 40, temperature=0, stop_ids=[]).tokens
 
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
@@ -85,9 +122,9 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     saved = w.detach().clone()
     try:
         with torch.no_grad():
-            before = decoder._step(token, position).clone()
+            before = decoder.step(token, position).clone()
             w.mul_(-3)
-            after = decoder._step(token, position)
+            after = decoder.step(token, position)
             eager_after = model(token, position, decoder.cache, last_only=True)[:, -1]
         assert torch.equal(after, before)
         assert not torch.allclose(eager_after, before, atol=1e-3)

@@ -506,3 +506,83 @@ def test_compiled_benchmark_runs_and_compares_tokens(tiny_checkpoint, capsys, tm
     assert report["compiled"] and k2["decode_tokens_per_second"] > 0 and k2["speedup"] > 0
     assert k2["matching_tokens"] == [12, 12, 12]  # float32: greedy speculation gives the target's tokens
     assert "k=2" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------------
+# FastSpeculator keeps to the shared rules: the budget, the bytes, the cache's size
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_name", ["perfect", "noisy-copy", "independent"])
+def test_fast_speculator_ends_where_the_shared_budget_says_whatever_the_draft(target, drafts, tok, draft_name):
+    """The rounds' k slots are reserved once, up front (decoding.round_budget): how many tokens a run makes
+    never depends on how many proposals the draft got accepted."""
+    draft = target if draft_name == "perfect" else drafts[draft_name]
+    plan = spec.decoding.round_budget(len(PROMPT), 40, 20, 4)
+    out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(PROMPT, 40)
+    assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (12, "context")
+    assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[:12]
+    prompt = list(range(10, 20))  # the review's case: its budget said "length" and the run ended at 7, "context"
+    plan = spec.decoding.round_budget(len(prompt), 10, 20, 4)
+    out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(prompt, 10)
+    assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (7, "context")
+
+
+def test_fast_speculator_counts_the_bytes_the_teaching_loop_counts(target, tok):
+    """A perfect draft with 13 = 1 + 3 * (k + 1) tokens: the same rounds in both loops, so the same bytes."""
+    fast = FastSpeculator(target, target, k=3, compile=False).generate(PROMPT, 13)
+    eager = speculative_generate(target, target, tok, PROMPT, k=3, max_new_tokens=13, temperature=0, stop_ids=[])
+    assert fast.tokens == eager.tokens and fast.proposed == eager.proposed == [3, 3, 3]
+    assert fast.decode_bytes > 0 and fast.decode_bytes == pytest.approx(eager.decode_bytes, rel=1e-12)
+    assert fast.bytes_per_token == pytest.approx(eager.bytes_per_token, rel=1e-12)
+
+
+def test_fast_speculator_sizes_its_caches_for_the_request(tok):
+    """max_len None: both caches hold what the request needs (the one sizing rule, k reserved, rounded), not
+    the models' whole context; a longer request grows them."""
+    big = random_model(0, logit_scale=4.0, max_seq_len=1024)
+    speculator = FastSpeculator(big, LayerSkipDraft(big, 2), k=4, compile=False)
+    assert speculator.max_len == 256 and speculator.target_cache.k[0].shape[2] == 256
+    assert speculator.generate(PROMPT, 20).tokens == llmstep.generate(big, tok, PROMPT, 20, temperature=0,
+                                                                      stop_ids=[]).tokens
+    assert speculator.max_len == 256
+    out = speculator.generate(PROMPT, 260)  # 5 + 260 + 4 slots: 512
+    assert speculator.max_len == 512 and speculator.draft_cache.k[0].shape[2] == 512
+    assert (len(out.tokens), out.stop_reason) == (260, "length")
+
+
+def test_fast_speculator_checks_max_len_with_the_shared_rule(target, drafts):
+    draft = drafts["noisy-copy"]
+    assert FastSpeculator(target, draft, k=4, max_len=__import__("numpy").int64(20), compile=False).max_len == 20
+    for bad in (True, 20.0, 5, 129):
+        with pytest.raises(ValueError, match="max_len must be an integer in 6..128"):
+            FastSpeculator(target, draft, k=4, max_len=bad)
+
+
+def test_an_eager_fast_speculator_runs_its_round_once_in_the_warmup(target, drafts):
+    calls = []
+    handle = target.output.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        speculator = FastSpeculator(target, drafts["noisy-copy"], k=2, compile=False)
+        assert speculator.warmup(greedy=True) == 0 and len(calls) == 1  # the round's verifying forward, once
+        assert speculator.warmup(greedy=False) == 0 and len(calls) == 2
+        assert speculator.warmup() == 0 and len(calls) == 2 and speculator.compile_seconds == 0
+    finally:
+        handle.remove()
+
+
+def test_resolve_draft_names_its_own_argument_not_a_flag(target):
+    for word, says in (("self-x", "write self-N"), ("self-int3", "self-int8 and self-int4")):
+        with pytest.raises(ValueError, match=f"draft '{word}': .*{says}") as e:
+            spec.resolve_draft(word, target)
+        assert "--draft" not in str(e.value)
+
+
+def test_speculative_imports_what_it_needs_at_the_top():
+    """No import inside a function: nothing here has a cycle to avoid."""
+    import ast
+
+    tree = ast.parse(open(spec.__file__).read())
+    nested = [n.lineno for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+              for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert nested == []
