@@ -37,7 +37,7 @@ def test_transformers_is_only_a_test_dependency():
 
 def test_the_command_is_the_cli_package():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["scripts"] == {"llmstep": "llmstep.cli:main"}
+    assert project["scripts"] == {"llmstep": "llmstep.cli:console"}  # main returns records; console exits 0
     assert (ROOT / "llmstep" / "cli" / "__init__.py").is_file()
 
 

@@ -147,6 +147,8 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
             if not (path / file).is_file():
                 raise CheckpointError(f"{index} lists shard {file}, which is missing from {path}")
         return files
+    if (path / "model.safetensors").is_dir():
+        raise CheckpointError(f"{path / 'model.safetensors'} is a directory, not a safetensors file")
     if (path / "model.safetensors").is_file():
         return {"model.safetensors": []}
     found = sorted(p.name for p in path.iterdir())
@@ -355,6 +357,9 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # the folder is made beside the target
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise NotADirectoryError(f"cannot write the checkpoint {path}: {above} is a file, not a directory")
     config = model.config
     qc = getattr(model, "quantization", None)
     dtype = dtype or model.dtype
@@ -368,6 +373,10 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     state = model.state_dict()
     tensors = {name: state[ours].detach().to("cpu", dtype if kind == "float" else state[ours].dtype).contiguous()
                for name, (ours, _, kind) in tensor_table(config, qc).items()}
+    bad = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:  # a checkpoint that load would refuse: refuse it here, before anything is written
+        raise CheckpointError(f"cannot save {path}: tensor {bad} holds NaN or Inf"
+                              + (f" (in {str(dtype).removeprefix('torch.')})" if dtype != model.dtype else ""))
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))

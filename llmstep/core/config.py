@@ -154,6 +154,8 @@ class LlamaConfig:
             if path.is_dir():
                 path = path / "config.json"
             where = str(path)
+            if path.is_dir():
+                raise ConfigError(f"{path} is a directory, not a config.json file")
             if not path.is_file():
                 raise FileNotFoundError(f"no config.json at {path}")
             source = read_json_object(path, ConfigError)

@@ -18,7 +18,7 @@ from .config import LlamaConfig
 from .norm import RMSNorm
 
 __all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
-           "weight_bytes", "model_step_cost", "model_bytes", "checkpoint_bytes", "kv_cache_bytes",
+           "weight_bytes", "model_step_cost", "training_bytes", "model_bytes", "checkpoint_bytes", "kv_cache_bytes",
            "free_memory_bytes", "check_fits", "MemoryBudgetError"]
 
 
@@ -142,6 +142,13 @@ def check_fits(nbytes: float, device: torch.device | str, what: str) -> None:
     if free is not None and nbytes > free:
         raise MemoryBudgetError(f"{what} needs about {nbytes / 1e9:,.2f} GB, but {torch.device(device)} has "
                                 f"{free / 1e9:,.2f} GB free: choose a smaller model, dtype, batch or context")
+
+
+def training_bytes(config: LlamaConfig, batch_size: int, seq_len: int) -> float:
+    """A lower bound on what one float32 training step holds: the weights, their gradients and AdamW's two
+    moments (4 copies of every parameter), and the logits of a batch with their gradient (2 x batch x seq x
+    vocab). The activations of every layer come on top."""
+    return 4 * 4 * n_params(config) + 2 * 4 * batch_size * seq_len * config.vocab_size
 
 
 @dataclass(frozen=True)

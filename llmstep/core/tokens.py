@@ -8,6 +8,7 @@ from the file; the chat format is used only when the tokenizer has its tokens.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from numbers import Integral
 from pathlib import Path
 
 import tokenizers
@@ -62,7 +63,12 @@ class Tokenizer:
                     raise ValueError(f"{f}: bos_token_id must be a token id, got {data['bos_token_id']!r}")
                 eos += ids
                 bos = data.get("bos_token_id") if bos is None else bos
-        return cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None)
+        tokenizer = cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None)
+        outside = [i for i in [*tokenizer.eos_ids, tokenizer.bos_id] if i is not None and i >= tokenizer.vocab_size]
+        if outside:
+            raise ValueError(f"{path}: bos_token_id/eos_token_id {outside[0]} is outside tokenizer.json's vocabulary "
+                             f"(0..{tokenizer.vocab_size - 1})")
+        return tokenizer
 
     # ---- the vocabulary --------------------------------------------------------------------------
     @property
@@ -97,7 +103,13 @@ class Tokenizer:
         return self._plain
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Ids (a list, or a tensor/array) -> text. An id outside the vocabulary is refused by value."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or a numpy array
+        ids = ids if isinstance(ids, list) else [ids]  # a 0-d tensor
+        bad = next((i for i in ids if not (_is_id(i) and i < self.vocab_size)), None)
+        if bad is not None:
+            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{self.vocab_size - 1}")
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def pieces(self, text: str) -> list[str]:
         """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""
@@ -160,7 +172,7 @@ def _check_encodable(text: str) -> None:
 
 
 def _is_id(i) -> bool:
-    return isinstance(i, int) and not isinstance(i, bool) and i >= 0
+    return isinstance(i, Integral) and not isinstance(i, bool) and i >= 0
 
 
 class StreamDecoder:

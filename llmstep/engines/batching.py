@@ -170,7 +170,7 @@ class ContinuousBatcher:
             check_seed(r.seed)
             if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
                 raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
-            stops = stop_id_set(r.stop_ids)
+            stops = stop_id_set(r.stop_ids, self.model.config.vocab_size)
             ids = check_prompt_ids(r.prompt_ids, self.model.config.vocab_size, limit, room="a batch slot's length")
         except ValueError as e:
             raise ValueError(f"request {i}: {e}") from None

@@ -44,7 +44,10 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
     import torch._inductor
 
-    options = dict(torch._inductor.list_mode_options(mode))
+    try:
+        options = dict(torch._inductor.list_mode_options(mode))
+    except RuntimeError as e:  # "Unrecognized mode=..., should be one of: ..."
+        raise ValueError(f"unknown torch.compile mode {mode!r}: {e}") from None
     if device.type == "cuda":
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
@@ -103,6 +106,7 @@ class Step:
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
                  static: Iterable[torch.Tensor] = ()):
+        compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
         self.compiled = device.type == "cuda" if compile is None else bool(compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
         self.fn = compile_step(fn, device, mode, static) if self.compiled else fn

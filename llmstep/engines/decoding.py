@@ -109,8 +109,9 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     return ids
 
 
-def stop_id_set(stop_ids) -> set[int]:
-    """Stop token ids (a list, a set, a tensor, ...) as a set of ints; anything else is refused by name."""
+def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
+    """Stop token ids (a list, a set, a tensor, ...) as a set of ints; anything else is refused by name, and so is
+    an id outside the vocabulary (0..vocab_size-1, when given): a stop token the model can never make."""
     if torch.is_tensor(stop_ids):
         stop_ids = stop_ids.flatten().tolist()
     if isinstance(stop_ids, str | bytes) or not isinstance(stop_ids, Iterable):
@@ -119,6 +120,9 @@ def stop_id_set(stop_ids) -> set[int]:
     odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
     if odd:
         raise ValueError(f"stop_ids must hold integer token ids, got {odd[0]!r}")
+    outside = [i for i in ids if not 0 <= i < (vocab_size if vocab_size is not None else i + 1)]
+    if outside:
+        raise ValueError(f"stop id {outside[0]} is outside the vocabulary (0..{vocab_size - 1}): it could never stop")
     return {int(i) for i in ids}
 
 
@@ -345,7 +349,17 @@ class DecodeResult:
         return self.decode_bytes / self.decode_seconds / 1e9
 
     def summary(self) -> str:
-        return (f"prompt {len(self.prompt_ids)} tokens, prefill {self.prefill_seconds * 1e3:.1f} ms "
-                f"({self.prefill_tokens_per_second:,.0f} tok/s) | decode {self.decode_steps} tokens at "
-                f"{self.decode_tokens_per_second:,.1f} tok/s | {self.bytes_per_token / 1e6:,.2f} MB read per token, "
-                f"{self.bandwidth_gb_per_second:,.2f} GB/s achieved | stop: {self.stop_reason}")
+        """One line: the prefill, the decode rate and bandwidth, why it stopped; a part with nothing timed is left out
+        (max_new_tokens=0 runs no forward; one new token runs no decode step), never printed as nan."""
+        parts = [f"prompt {len(self.prompt_ids)} tokens"]
+        if self.tokens:
+            parts[0] += (f", prefill {self.prefill_seconds * 1e3:.1f} ms "
+                         f"({self.prefill_tokens_per_second:,.0f} tok/s)")
+        if self.decode_steps:
+            parts.append(f"decode {self.decode_steps} tokens at {self.decode_tokens_per_second:,.1f} tok/s")
+            if self.decode_bytes:
+                parts.append(f"{self.bytes_per_token / 1e6:,.2f} MB read per token, "
+                             f"{self.bandwidth_gb_per_second:,.2f} GB/s achieved")
+        else:
+            parts.append(f"{len(self.tokens)} new token{'s' * (len(self.tokens) != 1)}, no decode step")
+        return " | ".join(parts + [f"stop: {self.stop_reason}"])

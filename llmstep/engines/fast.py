@@ -153,7 +153,7 @@ class FastDecoder:
             ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.model.config.max_seq_len)
         else:
             ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
-        stops = stop_id_set(stop_ids)
+        stops = stop_id_set(stop_ids, self.model.config.vocab_size)
         with exclusive(self._lock, self):
             need = cache_len(len(ids), max_new_tokens, self.model.config.max_seq_len, rounding=CACHE_ROUNDING)
             if self.sized_per_request and need > self.max_len:
@@ -330,7 +330,7 @@ class FastSpeculator:
             ids = check_prompt_ids(prompt_ids, vocab, self.limit, room="both models' context")
         else:
             ids = check_prompt_ids(prompt_ids, vocab, self.max_len, room="the cache it may fill")
-        stops = stop_id_set(stop_ids)
+        stops = stop_id_set(stop_ids, vocab)
         with exclusive(self._lock, self):
             need = cache_len(len(ids), max_new_tokens, self.limit, reserve=self.k, rounding=CACHE_ROUNDING)
             if self.sized_per_request and need > self.max_len:

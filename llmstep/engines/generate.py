@@ -82,7 +82,7 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128
     check_max_new_tokens(max_new_tokens)
     check_seed(seed)
     ids = encode_prompt(tokenizer, prompt, model.config.max_seq_len)
-    stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids, model.config.vocab_size)
     result = Generation(prompt_ids=ids)
     events = _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, result)
     return Stream(events, result)

@@ -306,7 +306,8 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
     decoding.check_seed(seed)
     check_costs(cost_ratio, verify_costs)
     ids = decoding.encode_prompt(tokenizer, prompt, target.config.max_seq_len)
-    stops = decoding.stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids)
+    stops = decoding.stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids,
+                                  target.config.vocab_size)
     result = SpeculativeGeneration(prompt_ids=ids, k=k)
     sampling = (temperature, top_k, top_p)
     policy = (draft_cost_ratio(target, draft) if cost_ratio is None else cost_ratio, verify_costs) if adaptive else None

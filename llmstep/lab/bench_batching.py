@@ -20,14 +20,17 @@ from . import runinfo
 __all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench"]
 
 
+MAX_REQUESTS = 100_000  # a workload held as Python lists: 1e8 requests of ~40 ids took 5 GB before any work
+
+
 def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int] = (16, 64),
                     new_tokens: tuple[int, int] = (8, 128), rate: float | None = None, seed: int = 0,
                     temperature: float = 0.0) -> list[Request]:
     """n_requests with prompt lengths and output lengths drawn uniformly from the given (low, high) ranges,
     random prompt ids, no stop tokens (each writes exactly its new tokens), arriving as a Poisson process
     of `rate` requests per engine step (None: all at step 0). Seeded: the same seed, the same workload."""
-    if not isinstance(n_requests, Integral) or n_requests < 0:
-        raise ValueError(f"n_requests must be an integer >= 0, got {n_requests!r}")
+    if not isinstance(n_requests, Integral) or isinstance(n_requests, bool) or not 0 <= n_requests <= MAX_REQUESTS:
+        raise ValueError(f"n_requests must be an integer in 0..{MAX_REQUESTS:,}, got {n_requests!r}")
     for name, (lo, hi) in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name} range must satisfy 1 <= low <= high, got ({lo}, {hi})")
@@ -68,12 +71,20 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
 
 
 @torch.inference_mode()
+def check_context(context: int, config) -> None:
+    """The decode-step timing's context: room for it and the step's own token in the model's context."""
+    if not isinstance(context, Integral) or isinstance(context, bool) or not 0 <= context < config.max_seq_len:
+        raise ValueError(f"context must be an integer in 0..{config.max_seq_len - 1} (the model's context less "
+                         f"the step's own token), got {context!r}")
+
+
 def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8, 16), context: int = 64,
                           repeats: int = 10, compile: bool | None = False) -> list[dict]:
     """Time one decode step at each batch size, every row `context` tokens in: the weights are read once
     per step whatever the batch, so tokens/s grows with the batch until the step stops being memory-bound.
     Bytes are the model's as it holds them (float or quantized, llmstep.core.cost.model_step_cost); the step
     time is the median of `repeats` after one untimed step."""
+    check_context(context, model.config)
     rows = []
     for batch in batch_sizes:
         runner = BatchRunner(model, batch, max_len=context + 1, compile=compile)
@@ -98,6 +109,7 @@ def run_batch_bench(model: Llama, model_name: str, workload: dict, slots: Iterab
     served both ways with each number of slots, then a decode step timed at each batch size, under the one
     run-metadata header (llmstep.lab.runinfo.header). on_run(record, run) and on_row(record, row), if given,
     are called as each run and each row is added (to print it, to write the record so far)."""
+    check_context(context, model.config)  # before the workload runs, not after it
     requests = random_workload(vocab_size=model.config.vocab_size, **workload)
     load_before = runinfo.load_average()
     record = runinfo.header(model.device, model.dtype, argv, load_before) | {

@@ -29,14 +29,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from ..core.checkpoint import load_model, save
 from ..core.config import LlamaConfig
+from ..core.cost import check_fits, training_bytes
 from ..core.device import resolve_device
 from ..core.files import atomic_write_bytes, atomic_write_text
 from ..core.model import Llama
+from ..core.tokens import Tokenizer as LlamaTokenizer
 from ..lab import runinfo
 from . import data
 from .evaluate import evaluate_model, model_nll
@@ -280,7 +281,7 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     ckpt_path = out / CHECKPOINT
     log = make_logger(out)
     device = pick_device(cfg.device)
-    tokenizer = Tokenizer.from_file(cfg.tokenizer)
+    tokenizer = LlamaTokenizer.from_file(cfg.tokenizer).tok  # a bad file is named (core.tokens checks it)
     train_ids = torch.tensor(data.encode_split(tokenizer, data.read_split("train", cfg.corpus)))  # [N]
     val_ids = data.encode_split(tokenizer, data.read_split("val", cfg.corpus))
     if len(train_ids) <= cfg.seq_len + 1:
@@ -290,6 +291,8 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     config = model_config(cfg.preset, tokenizer, **shape)
     if cfg.seq_len > config.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} is longer than the model's context {config.max_seq_len}")
+    check_fits(training_bytes(config, cfg.batch_size, cfg.seq_len), device,
+               f"training {cfg.preset} with batches of {cfg.batch_size} x {cfg.seq_len} tokens")
     torch.manual_seed(cfg.seed)
     model = Llama(config)
     init_weights(model, cfg.seed)

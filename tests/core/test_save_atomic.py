@@ -118,3 +118,33 @@ def test_save_into_a_new_directory_gives_it_the_usual_mode(tiny_checkpoint, tmp_
     out = llmstep.save(model, tmp_path / "new")
     assert out.stat().st_mode & 0o777 == files.default_mode(directory=True)
     assert (out / "config.json").stat().st_mode & 0o777 == files.default_mode()
+
+
+def test_save_refuses_non_finite_weights_before_writing_anything(tmp_path):
+    import llmstep
+    from llmstep.core.config import LlamaConfig
+    from llmstep.lab.hardware import random_model
+
+    model = random_model(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                     max_seq_len=16), "cpu", torch.float32)
+    model.layers[0].feed_forward.w2.weight.data[0, 0] = float("nan")
+    with pytest.raises(llmstep.CheckpointError, match=r"model.layers.0.mlp.down_proj.weight holds NaN or Inf"):
+        llmstep.save(model, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_under_a_file_and_a_weights_directory_are_named(tmp_path):
+    import llmstep
+    from llmstep.core.config import LlamaConfig
+    from llmstep.lab.hardware import random_model
+
+    model = random_model(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                     max_seq_len=16), "cpu", torch.float32)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError, match="afile is a file, not a directory"):
+        llmstep.save(model, tmp_path / "afile" / "ckpt")
+    llmstep.save(model, tmp_path / "ok")
+    (tmp_path / "ok" / "model.safetensors").unlink()
+    (tmp_path / "ok" / "model.safetensors").mkdir()
+    with pytest.raises(llmstep.CheckpointError, match="model.safetensors is a directory"):
+        llmstep.load_model(tmp_path / "ok")

@@ -44,3 +44,26 @@ def test_encode_reads_special_token_text_as_text_when_asked(tok):
     plain = tok.encode("<|eot_id|>", bos=False, special=False)
     assert len(plain) > 1 and tok.token_to_id("<|eot_id|>") not in plain
     assert tok.decode(plain) == "<|eot_id|>"
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9, 8192, True, 1.5])
+def test_decode_refuses_an_id_outside_the_vocabulary_by_value(tok, bad):
+    with pytest.raises(ValueError, match=f"cannot decode token id {bad!r}"):
+        tok.decode([300, bad])
+
+
+def test_decode_takes_lists_tensors_and_arrays_alike(tok):
+    import numpy as np
+    import torch
+
+    assert tok.decode(torch.tensor([300, 301])) == tok.decode(np.array([300, 301])) == tok.decode([300, 301])
+
+
+def test_a_stop_or_start_id_outside_the_tokenizer_is_named_with_its_file(tmp_path):
+    import json
+    import shutil
+
+    shutil.copy(DATA_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99999]}))
+    with pytest.raises(ValueError, match=r"eos_token_id 99999 is outside tokenizer.json's vocabulary \(0..8191\)"):
+        Tokenizer.from_dir(tmp_path)

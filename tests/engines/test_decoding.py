@@ -209,3 +209,38 @@ def test_a_tensor_prompt_is_one_sequence(loaded):
     model, tok = loaded
     with pytest.raises(ValueError, match=r"got shape \[2, 3\]"):
         llmstep.generate(model, tok, torch.ones(2, 3, dtype=torch.long), 4)
+
+
+def test_the_summary_never_prints_nan_for_what_did_not_run():
+    from llmstep.engines.generate import Generation
+
+    nothing = Generation(prompt_ids=[1, 2, 3], stop_reason="length")
+    one = Generation(prompt_ids=[1, 2, 3], tokens=[7], prefill_seconds=0.01, stop_reason="length")
+    more = Generation(prompt_ids=[1, 2, 3], tokens=[7, 8, 9], prefill_seconds=0.01, step_seconds=[0.5, 0.5],
+                      decode_bytes=2e6, stop_reason="stop")
+    for g in (nothing, one, more):
+        assert "nan" not in g.summary().lower(), g.summary()
+    assert nothing.summary() == "prompt 3 tokens | 0 new tokens, no decode step | stop: length"
+    assert "1 new token, no decode step" in one.summary() and "prefill 10.0 ms" in one.summary()
+    assert "decode 2 tokens at 2.0 tok/s | 1.00 MB read per token, 0.00 GB/s achieved" in more.summary()
+
+
+def test_a_stop_id_outside_the_vocabulary_is_refused_by_every_loop(loaded):
+    from llmstep.batching import Request, run_batch
+    from llmstep.fast import FastDecoder
+
+    model, tok = loaded
+    v = model.config.vocab_size
+    with pytest.raises(ValueError, match=f"stop id {v} is outside the vocabulary"):
+        llmstep.generate(model, tok, "hi", 3, stop_ids=[1, v])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        FastDecoder(model, compile=False).generate([1, 2], 3, stop_ids=[v + 5])
+    with pytest.raises(ValueError, match="request 0: stop id"):
+        run_batch(model, [Request([1, 2], 3, stop_ids=[-1])], n_slots=1)
+
+
+def test_an_unknown_compile_mode_is_refused_even_when_nothing_compiles(loaded):
+    from llmstep.fast import FastDecoder
+
+    with pytest.raises(ValueError, match="unknown torch.compile mode 'bogus'"):
+        FastDecoder(loaded[0], compile=False, mode="bogus")

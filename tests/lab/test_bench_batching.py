@@ -51,3 +51,15 @@ def test_the_batch_record_has_the_run_metadata_header(model):
     assert len(record["load_average_1min_before_after"]) == 2 and record["finished"]
     assert record["workload"]["requests"] == 2 and record["model"] == "tiny"
     assert seen == ["continuous", 1] and len(record["runs"]) == 1 and len(record["batch_scaling"]) == 1
+
+
+def test_a_context_past_the_model_is_refused_before_the_workload_runs(model, monkeypatch):
+    monkeypatch.setattr(bench_batching, "serve_both_ways", lambda *a, **k: pytest.fail("the workload ran"))
+    too_long = model.config.max_seq_len
+    with pytest.raises(ValueError, match=rf"context must be an integer in 0..{too_long - 1} .*got {too_long}"):
+        run_batch_bench(model, "m", {"n_requests": 2}, [1], [1], too_long)
+
+
+def test_a_workload_too_large_to_hold_is_refused_before_it_is_built():
+    with pytest.raises(ValueError, match="n_requests must be an integer in 0..100,000"):
+        bench_batching.random_workload(10**8, 100)

@@ -206,3 +206,19 @@ def test_train_config_is_the_recipe_with_overrides():
         train.train_config("huge")
     with pytest.raises(ValueError, match=r"not TrainConfig fields: \['dim'\]"):
         train.train_config("tiny", dim=64)
+
+
+def test_a_batch_that_cannot_fit_is_refused_with_its_estimate_before_training(tmp_path):
+    with pytest.raises(SystemExit, match=r"llmstep train: error: training tiny with batches of 100000000 x .* needs "
+                                         r"about [\d,.]+ GB, but cpu has"):
+        llmstep_main(["train", "--preset", "tiny", "--steps", "2", "--quiet", "--out", str(tmp_path / "run"),
+                      "--batch-size", "100000000", "--device", "cpu"])
+    assert not (tmp_path / "run" / "ckpt.safetensors").exists()
+
+
+def test_a_tokenizer_file_that_is_not_json_is_named(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("not json")
+    with pytest.raises(SystemExit, match=rf"llmstep train: error: {bad} is not a valid tokenizer.json"):
+        llmstep_main(["train", "--preset", "tiny", "--steps", "2", "--quiet", "--out", str(tmp_path / "run"),
+                      "--tokenizer", str(bad), "--device", "cpu"])
