@@ -322,7 +322,7 @@ def test_command_lets_long_requests_stop_at_the_models_context(monkeypatch):
     record = main(["--requests", "2", "--slots", "1", "--prompt-len", "509:510", "--new-tokens", "5:6",
                    "--threads", "1"])
     assert {c["stop_reason"] for c in record["runs"][0]["completions"]} == {"context"}
-    with pytest.raises(ValueError, match="n_requests must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"n_requests must be an integer in 0\.\.100,000, got -1"):
         random_workload(-1, 100)
 
 
