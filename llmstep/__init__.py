@@ -15,6 +15,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
     quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
+    gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     device.py      the device, the dtype policy, synchronisation
     files.py       atomic writes: nothing the package writes is ever left half-written
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
@@ -42,6 +43,7 @@ cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only;
     args.py        the flags' value types
     model.py       generate, info, trace
     bench.py       bench, speculative, batch
+    export.py      export --gguf
     shakespeare.py train, eval, data
 """
 

@@ -1,0 +1,29 @@
+"""`llmstep export --gguf OUT`: the model, its tokenizer and config as one GGUF file for llama.cpp."""
+
+from __future__ import annotations
+
+import sys
+
+from ..core.gguf import DTYPES
+
+
+def add_commands(sub) -> None:
+    e = sub.add_parser("export", help="write a checkpoint as GGUF, for llama.cpp and the tools built on it")
+    e.add_argument("--gguf", required=True, metavar="OUT", help="the .gguf file to write")
+    e.add_argument("--model", default=None, help="checkpoint directory (default: the shipped Shakespeare model)")
+    e.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="the matrices' type (default: the checkpoint's own; norms stay f32, int8 models are Q8_0)")
+    e.set_defaults(run=run_export)
+
+
+def run_export(args, argv) -> None:
+    from ..core.checkpoint import load, resolve_model_path
+    from ..core.files import check_output_path
+    from ..core.gguf import export_gguf
+
+    path = resolve_model_path(args.model)
+    check_output_path(args.gguf, "GGUF")  # before the model is read
+    model, tokenizer = load(path, device="cpu")
+    out = export_gguf(model, tokenizer, args.gguf, dtype=args.dtype, name=path.name)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB) from {path}; run it with llama.cpp: "
+          f"llama-cli -m {out} -p 'ROMEO:'", file=sys.stderr)

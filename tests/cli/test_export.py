@@ -1,0 +1,45 @@
+"""`llmstep export --gguf OUT`: writes the shipped model as a GGUF file; a bad dtype or an output path that is a
+directory ends the command with one line and exit status 2, before the model is read."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmstep import cli
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'llmstep[export]')")
+
+
+def test_export_is_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--help"])
+    assert e.value.code == 0 and "--gguf OUT" in capsys.readouterr().out
+
+
+def test_export_writes_the_shipped_model_as_gguf(tmp_path, capsys):
+    out = tmp_path / "shakespeare.gguf"
+    cli.main(["export", "--gguf", str(out), "--dtype", "bf16"])
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.name"].contents() == "shakespeare-target"
+    assert reader.fields["llama.block_count"].contents() == 6
+    assert f"wrote {out}" in capsys.readouterr().err
+
+
+def test_an_unknown_dtype_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--gguf", str(tmp_path / "m.gguf"), "--dtype", "q4_k"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'q4_k'" in err and len(err.splitlines()) == 1
+
+
+def test_an_output_that_is_a_directory_is_refused_before_the_model_is_read(tmp_path, capsys, monkeypatch):
+    import llmstep.core.checkpoint as checkpoint
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(checkpoint, "load", never)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--gguf", str(tmp_path)])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"llmstep export: error: GGUF path {tmp_path} is a directory; give a file name\n"
