@@ -315,11 +315,16 @@ def _transformers_peers(model: Llama, hf: bool, hf_compile: bool | None, hf_dtyp
                 "compile_mode": getattr(kw.get("compile_config"), "mode", None), "runs": []}
         log(f"compiling {peer['name']} ...")
         warm = partial(_time_hf, hf_model, prompt, max_len - prompt.shape[1], kw)  # the timed calls, exactly
-        # The first call compiles the step; CUDA graphs are recorded on its second or third call.
-        peer["compile_seconds"] = runinfo.time_repeats(warm, device, 1, warmup=0)[0]
-        for _ in range(2):
-            warm()
-        peers.append(peer)
+        try:  # The first call compiles the step; CUDA graphs are recorded on its second or third call.
+            peer["compile_seconds"] = runinfo.time_repeats(warm, device, 1, warmup=0)[0]
+            for _ in range(2):
+                warm()
+        except Exception as e:  # transformers' compile is the peer's, not llmstep's: say so, time the rest
+            why = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            status["static_compiled"].update(ran=False, why=why)
+            log(f"transformers static cache + compile {why}")
+        else:
+            peers.append(peer)
     return hf_model, peers, status
 
 

@@ -144,3 +144,12 @@ def test_the_static_cache_peer_is_its_own_row_with_the_eager_peers_tokens(monkey
     assert static["tokens"] == eager["tokens"] == ours["tokens"] and static["same_tokens_as_transformers_eager"]
     assert ours["decode_speedup_vs_transformers_compiled"] == ours["decode_tokens_per_s"] / static[
         "decode_tokens_per_s"]
+
+
+def test_a_compiled_peer_that_fails_is_recorded_and_the_rest_is_timed(monkeypatch):
+    kw = decode_bench.static_compiled_generate_kw
+    monkeypatch.setattr(decode_bench, "static_compiled_generate_kw", lambda *a: kw(*a) | {"no_such_argument": 1})
+    record = run(tiny(torch.float32), hf_compile=True)
+    assert [r["name"] for r in record["rows"]] == ["llmstep eager float", "transformers generate()"]
+    failed = record["transformers_peers"]["static_compiled"]
+    assert not failed["ran"] and failed["why"].startswith("failed: ValueError") and "no_such_argument" in failed["why"]
