@@ -71,8 +71,11 @@ def add_commands(sub) -> None:
                    help="torch.compile the decode step (default: on CUDA only)")
     p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")
     p.add_argument("--no-eager", dest="eager", action="store_false", help="skip the eager reference rows")
-    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' generate()")
-    p.add_argument("--hf-dtype", default=None, help="run transformers in this dtype (default: --dtype)")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers' rows")
+    p.add_argument("--hf-dtype", default=None, help="run transformers in this dtype (default: the model's)")
+    p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time transformers with a static cache and its decode step compiled "
+                        "(default: on CUDA only; compiling transformers on a CPU takes minutes)")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
     p.add_argument("--bandwidth-bytes", type=bandwidth_bytes, default=None, help="buffer size for the bandwidth copy")
     p.add_argument("--seed", type=seed, default=0)
@@ -125,6 +128,9 @@ def run_bench(args, argv) -> dict:
 
     if args.json:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
+    if not args.hf and (args.hf_compile or args.hf_dtype):  # before the model is built
+        raise ValueError(f"--no-hf skips transformers, so {'--hf-compile' if args.hf_compile else '--hf-dtype'} "
+                         f"has nothing to set: drop one of them")
     if args.hf_dtype:
         resolve_dtype(args.hf_dtype, resolve_device(args.device))  # a bad name is refused before the model is built
     _set_threads(args.threads)
@@ -142,7 +148,7 @@ def run_bench(args, argv) -> dict:
     record = decode_bench.run_bench(model, variants, args.prompt_len, args.new_tokens, args.compile,
                                     args.compile_mode, args.repeats, args.group_size, args.quantize_lm_head,
                                     args.eager, args.hf, args.bandwidth, args.seed, args.bandwidth_bytes, hf_dtype,
-                                    log=_log, on_repeat=write, argv=argv)
+                                    log=_log, on_repeat=write, argv=argv, hf_compile=args.hf_compile)
     record = head | record
     print(decode_bench.format_table(record))
     _write_json(args.json, record)

@@ -11,7 +11,9 @@ reports prefill and decode tokens per second, the bytes one decode step reads (t
 quantised or not, plus the KV cache, from llmstep.core.cost), the bandwidth that achieves, and its share of
 this device's bandwidth measured in the same run (llmstep.lab.hardware.measure_bandwidth: the faster of a
 DRAM-sized copy and a read of a buffer the size of the weights, which a CPU's cache may hold). transformers'
-LlamaForCausalLM.generate() runs on the same float weights, same prompt, same token count. Every
+LlamaForCausalLM.generate() runs on the same float weights (shared, in the model's dtype unless --hf-dtype
+asks for another), same prompt, same token count: eager, and with a static cache and its decode step compiled
+(--hf-compile, on by default on CUDA), the fair peer of llmstep's compiled loop. Every
 variant runs once per repeat, interleaved, and the best repeat counts (what the machine can do, least
 disturbed by everything else on it). `run_bench` returns the record (settings, machine, versions included);
 `format_table` renders it; the command (llmstep.cli.bench) prints it and writes it as JSON.
@@ -25,7 +27,15 @@ import torch
 
 from ..core.checkpoint import hf_names, load_model, resolve_model_path
 from ..core.config import LlamaConfig
-from ..core.cost import StepCost, decode_step_cost, model_step_cost
+from ..core.cost import (
+    MemoryBudgetError,
+    StepCost,
+    check_fits,
+    decode_step_cost,
+    kv_cache_bytes,
+    model_bytes,
+    model_step_cost,
+)
 from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, quantize
@@ -34,7 +44,8 @@ from . import runinfo
 from .hardware import describe, measure_bandwidth, random_model
 from .runinfo import check_positive_int
 
-__all__ = ["bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "matching_prefix"]
+__all__ = ["bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "peer_bytes",
+           "check_peer_settings", "static_compiled_generate_kw", "matching_prefix"]
 
 
 def bench_model(model: str | None = None, preset: str | None = None, random_weights: bool = False,
@@ -63,30 +74,59 @@ def bench_model(model: str | None = None, preset: str | None = None, random_weig
 
 @torch.no_grad()
 def hf_twin(model: Llama, dtype: torch.dtype | None = None):
-    """transformers' LlamaForCausalLM holding a copy of `model`'s float weights (same device; its dtype, or
-    `dtype`: bfloat16 weights widened to float32 are the same numbers)."""
+    """transformers' LlamaForCausalLM on `model`'s float weights, in `model`'s dtype or `dtype`, on its device.
+
+    Built on the meta device (no memory, no random initialisation), then handed llmstep's tensors themselves
+    (`load_state_dict(assign=True)`): in the model's own dtype the twin shares every weight with `model` and
+    costs no weight memory at all; in another dtype it holds one copy cast to it, built directly in that dtype
+    (bfloat16 weights widened to float32 are the same numbers). Only its rotary table (head_dim / 2 floats) is
+    computed anew, on the device. `peer_bytes` says what it and its caches add; run_bench checks that first."""
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM  # optional: imported only when transformers runs
 
+    dtype = dtype or model.dtype
     hf_config = HFConfig.from_dict(model.config.to_hf())
-    with torch.device(model.device):
-        hf = LlamaForCausalLM(hf_config).to(dtype or model.dtype).eval()
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hf_config)
     ours = dict(model.named_parameters(remove_duplicate=False))
-    state = {hf_name: ours[name].to(dtype or model.dtype) for hf_name, (name, _) in hf_names(model.config).items()}
-    missing, unexpected = hf.load_state_dict(state, strict=False)
+    state = {hf_name: ours[name].detach().to(dtype) for hf_name, (name, _) in hf_names(model.config).items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"transformers' model does not take llmstep's weights: missing {missing}, "
                            f"unexpected {unexpected}")
     if model.config.tie_embeddings:
         hf.tie_weights()
-    return hf
+    with torch.device(model.device):  # its one non-persistent buffer, left on meta by the build
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)
+    left = [n for n, t in (*hf.named_parameters(), *hf.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"transformers' model kept tensors llmstep does not give it: {left}")
+    return hf.requires_grad_(False).eval()  # its own Parameter objects: llmstep's keep their flags
+
+
+def peer_bytes(model: Llama, dtype: torch.dtype, max_len: int, compiled: bool) -> int:
+    """Bytes transformers' peers add beside `model`: a copy of the weights only when `dtype` is not the model's
+    (hf_twin shares them otherwise), the KV cache generate() grows to max_len (DynamicCache), and with
+    `compiled` a StaticCache of max_len as well (both may be alive at once). Activations of a batch-1 prompt
+    and a 1-token step are small beside these and not counted."""
+    weights = 0 if dtype == model.dtype else model_bytes(model.config, dtype)
+    return weights + (1 + compiled) * kv_cache_bytes(model.config, 1, max_len, dtype)
+
+
+def check_peer_settings(hf: bool, hf_compile: bool | None, hf_dtype: torch.dtype | None) -> None:
+    """Refuse settings for transformers' rows when transformers is not to run at all."""
+    for name, value in (("hf_compile", hf_compile), ("hf_dtype", hf_dtype)):
+        if not hf and value not in (None, False):
+            raise ValueError(f"{name}={value!r} sets up transformers' rows, but hf=False skips transformers")
 
 
 # ---- timing --------------------------------------------------------------------------------------
 
-def _time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
-    """(seconds for prefill + 1 token, seconds for all new_tokens, the tokens) of greedy generate()."""
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+def _time_hf(hf, prompt: torch.Tensor, new_tokens: int, extra: dict | None = None) -> tuple[float, float, list[int]]:
+    """(seconds for prefill + 1 token, seconds for all new_tokens, the tokens) of greedy generate(), with `extra`
+    arguments (static_compiled_generate_kw's for the compiled peer; none: eager, its DynamicCache)."""
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt)) | (
+        extra or {})
     outs: list[torch.Tensor] = []
     times = [runinfo.time_repeats(partial(_hf_generate, hf, prompt, n, kw, outs), prompt.device, 1, warmup=0)[0]
              for n in (1, new_tokens)]
@@ -94,7 +134,29 @@ def _time_hf(hf, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, l
 
 
 def _hf_generate(hf, prompt: torch.Tensor, n: int, kw: dict, outs: list) -> None:
+    if "cache" in kw:
+        kw["cache"].reset()  # the same tensors, zeroed: a new request for the compiled step and its CUDA graph
     outs.append(hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw))
+
+
+def static_compiled_generate_kw(hf, max_len: int) -> dict:
+    """generate()'s arguments for transformers' "static cache + torch.compile" (transformers 5.x): one StaticCache
+    of max_len positions, kept and reset between calls so its tensors keep their addresses, and a CompileConfig,
+    with which generate() compiles the decode step whole (fullgraph) itself, the prefill eager: with CUDA graphs
+    (mode "reduce-overhead") on CUDA, inductor's default mode elsewhere (where transformers compiles only when
+    told to: `_compile_all_devices`).
+
+    Not the older recipe `model.forward = torch.compile(model.forward)`: it compiles the prefill too, inside
+    which StaticCache (created lazily by the first forward since 5.x) cannot mark its tensors as static
+    addresses, so the CUDA graph of the step would copy the whole cache in or be re-recorded (transformers'
+    cache_utils.StaticLayer.lazy_initialization says so)."""
+    from transformers import CompileConfig, StaticCache
+
+    cuda = hf.device.type == "cuda"
+    compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+    if not cuda:
+        compile_config._compile_all_devices = True
+    return {"cache": StaticCache(config=hf.config, max_cache_len=max_len), "compile_config": compile_config}
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -118,12 +180,15 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
               compile: bool | None = None, compile_mode: str | None = None, repeats: int = 3,
               group_size: int | None = None, lm_head: bool = False, eager: bool = True, hf: bool = True,
               bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
-              hf_dtype: torch.dtype | None = None, log=print, on_repeat=None, argv: list[str] | None = None
-              ) -> dict:
+              hf_dtype: torch.dtype | None = None, log=print, on_repeat=None, argv: list[str] | None = None,
+              hf_compile: bool | None = None) -> dict:
     """Measure every variant on `model` ("none" = its float weights, "int8", "int4"); return the record.
-    transformers runs on the same weights in `hf_dtype` (default: the model's). on_repeat(record), if given, gets
-    the record of the repeats so far after each one (with "repeats_done"), to be written as the run goes.
-    The record carries runinfo.header's run metadata (argv: the command that ran it, if any)."""
+    transformers runs on the same weights in `hf_dtype` (default: the model's), twice: eager generate() and,
+    with `hf_compile` (default: on CUDA only; compiling transformers on a CPU takes minutes), generate() with a
+    static cache and its forward compiled; record["transformers_peers"] says which ran and why one did not.
+    on_repeat(record), if given, gets the record of the repeats so far after each one (with "repeats_done"),
+    to be written as the run goes. The record carries runinfo.header's run metadata (argv: the command that
+    ran it, if any)."""
     device, config = model.device, model.config
     check_positive_int("repeats", repeats)
     check_positive_int("prompt_len", prompt_len)
@@ -133,6 +198,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
     if prompt_len + new_tokens > config.max_seq_len:
         raise ValueError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the model's context "
                          f"({config.max_seq_len})")
+    check_peer_settings(hf, hf_compile, hf_dtype)
     compiled = device.type == "cuda" if compile is None else compile
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len), generator=g)
@@ -182,35 +248,89 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
             log(f"compiling {r['name']} ...")
         r["compile_seconds"] = r["decoder"].warmup()
         r["decoder"].generate(ids, 2)  # first-call allocations out of the timed runs
-    hf_model = None
-    if hf and base_q is None:
-        try:
-            hf_model = hf_twin(model, hf_dtype)
-        except ImportError:
-            record["transformers"] = "not installed"
-        else:
-            _time_hf(hf_model, prompt.to(device), 2)  # warm-up
+    hf_model, peers, record["transformers_peers"] = _transformers_peers(model, hf, hf_compile, hf_dtype,
+                                                                        prompt.to(device), max_len, log)
+    if record["transformers_peers"]["eager"]["why"] == _NOT_INSTALLED:
+        record["transformers"] = "not installed"
 
-    hf_runs: list[tuple[float, float, list[int]]] = []  # (prefill tok/s, decode tok/s, tokens) per repeat
     for rep in range(repeats):
         for r in runs:
             res = r["decoder"].generate(ids, new_tokens, temperature=0.0)
             r.setdefault("prefill", []).append(res.prefill_tokens_per_second)
             r.setdefault("decode", []).append(res.decode_tokens_per_second)
             r["tokens"] = res.tokens
-        if hf_model is not None:
-            t1, tn, toks = _time_hf(hf_model, prompt.to(device), new_tokens)
-            hf_runs.append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
+        for peer in peers:  # (prefill tok/s, decode tok/s, tokens) per repeat
+            t1, tn, toks = _time_hf(hf_model, prompt.to(device), new_tokens, peer["generate_kw"])
+            peer["runs"].append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
         log(f"repeat {rep + 1}/{repeats} done")
         if on_repeat is not None and rep + 1 < repeats:
-            partial = _finish(dict(record), runs, hf_model, hf_runs, model, bw, load_before, argv)
-            on_repeat(partial | {"repeats_done": rep + 1})
-    return _finish(record, runs, hf_model, hf_runs, model, bw, load_before, argv)
+            so_far = _finish(dict(record), runs, peers, hf_model, model, bw, load_before, argv)
+            on_repeat(so_far | {"repeats_done": rep + 1})
+    return _finish(record, runs, peers, hf_model, model, bw, load_before, argv)
 
 
-def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llama, bw: float | None,
+_NOT_INSTALLED = "transformers is not installed"
+
+
+def _transformers_peers(model: Llama, hf: bool, hf_compile: bool | None, hf_dtype: torch.dtype | None,
+                        prompt: torch.Tensor, max_len: int, log) -> tuple[object, list[dict], dict]:
+    """transformers' twin of `model` and its peers, built and warmed up (the eager one; the static-cache one
+    compiled when asked, by default on CUDA): (the twin or None, the peers to time, for each peer whether it
+    ran and why or why not). A peer that does not fit in free memory is skipped, not the benchmark."""
+    device, base_q = model.device, getattr(model, "quantization", None)
+    dtype = hf_dtype or model.dtype
+    want_compiled = device.type == "cuda" if hf_compile is None else hf_compile
+    status = {"eager": {"ran": True, "why": "generate() as it comes: eager forward, DynamicCache"},
+              "static_compiled": {"ran": want_compiled, "why": "generate() with a StaticCache and a CompileConfig: "
+                                  "its decode step compiled whole (static_compiled_generate_kw)"}}
+    if not want_compiled:
+        status["static_compiled"]["why"] = ("hf_compile=False" if hf_compile is False else
+                                            f"off by default on {device.type}, where compiling transformers is "
+                                            f"slow: hf_compile=True (llmstep bench --hf-compile) runs it")
+    skip = ("hf=False" if not hf else
+            f"the model is quantised ({base_q}): transformers runs only on float weights" if base_q else None)
+    if skip is None:
+        try:
+            import transformers  # noqa: F401  (optional: only when it runs)
+
+            check_fits(peer_bytes(model, dtype, max_len, want_compiled), device, "transformers' peer")
+        except ImportError:
+            skip = _NOT_INSTALLED
+        except MemoryBudgetError as e:
+            skip = str(e)
+    if skip is not None:
+        for s in status.values():
+            if s["ran"]:
+                s.update(ran=False, why=skip)
+        log(f"transformers skipped: {skip}")
+        return None, [], status
+    hf_model = hf_twin(model, dtype)
+    suffix = "" if dtype == model.dtype else f" {str(dtype).removeprefix('torch.')}"
+    peers = [{"key": "eager", "name": "transformers generate()" + suffix, "generate_kw": {}, "compile_mode": None,
+              "compile_seconds": 0.0, "runs": []}]
+    _time_hf(hf_model, prompt, 2)  # warm-up
+    if want_compiled:
+        kw = static_compiled_generate_kw(hf_model, max_len)
+        peer = {"key": "static_compiled", "name": "transformers static cache + compile" + suffix, "generate_kw": kw,
+                "compile_mode": getattr(kw.get("compile_config"), "mode", None), "runs": []}
+        log(f"compiling {peer['name']} ...")
+        warm = partial(_time_hf, hf_model, prompt, max_len - prompt.shape[1], kw)  # the timed calls, exactly
+        try:  # The first call compiles the step; CUDA graphs are recorded on its second or third call.
+            peer["compile_seconds"] = runinfo.time_repeats(warm, device, 1, warmup=0)[0]
+            for _ in range(2):
+                warm()
+        except Exception as e:  # transformers' compile is the peer's, not llmstep's: say so, time the rest
+            why = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            status["static_compiled"].update(ran=False, why=why)
+            log(f"transformers static cache + compile {why}")
+        else:
+            peers.append(peer)
+    return hf_model, peers, status
+
+
+def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: Llama, bw: float | None,
             load_before: float | None, argv: list[str] | None) -> dict:
-    """The record of the repeats run so far: a row per variant (its best repeat), transformers' row, the machine."""
+    """The record of the repeats run so far: a row per variant (its best repeat), transformers' rows, the machine."""
     prompt_len, new_tokens = record["settings"]["prompt_len"], record["settings"]["new_tokens"]
 
     reference = next((r["tokens"] for r in runs if r["quant"] == "none" and not r["compiled"]), runs[0]["tokens"])
@@ -228,28 +348,39 @@ def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llam
                      "same_tokens_as_eager_float": r["tokens"] == reference,
                      "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
                      "tokens": list(r["tokens"])})
-    if hf_model is not None and hf_runs:
-        decode = max(d for _, d, _ in hf_runs)
+    peer_rows = {}
+    for peer in (p for p in peers if p["runs"]):
+        runs_ = peer["runs"]
+        decode = max(d for _, d, _ in runs_)
         widen = hf_model.dtype.itemsize / model.dtype.itemsize  # bytes per weight, its dtype over ours
+        # The bytes a step needs, as for llmstep's rows (the mean context's KV cache): a static cache is
+        # attended in full every step, which costs time but is not needed traffic.
         cost = mean_step_cost(model, prompt_len, new_tokens)
         wbytes, kvbytes = cost.weight_bytes * widen, cost.kv_bytes * widen
         gbs = (wbytes + kvbytes) * decode / 1e9
-        toks = hf_runs[-1][2]
+        toks = runs_[-1][2]
         import transformers
 
         record["transformers"] = transformers.__version__
-        hf_name = "transformers generate()" + ("" if hf_model.dtype == model.dtype else
-                                               f" {str(hf_model.dtype).removeprefix('torch.')}")
-        rows.append({"name": hf_name, "implementation": "transformers", "quantization": "none",
-                     "compiled": False, "compile_seconds": 0.0,
-                     "prefill_tokens_per_s": max(p for p, _, _ in hf_runs), "decode_tokens_per_s": decode,
-                     "decode_tokens_per_s_all": [d for _, d, _ in hf_runs], "weight_bytes_per_step": wbytes,
-                     "kv_bytes_per_step": kvbytes, "bytes_per_step": wbytes + kvbytes, "achieved_gb_per_s": gbs,
-                     "share_of_bandwidth": gbs / bw if bw else None,
-                     "same_tokens_as_eager_float": toks == reference,
-                     "matching_prefix_with_eager_float": matching_prefix(toks, reference), "tokens": toks})
-        for row in rows:
-            row["decode_speedup_vs_transformers"] = row["decode_tokens_per_s"] / decode
+        peer_rows[peer["key"]] = {
+            "name": peer["name"], "implementation": "transformers", "quantization": "none",
+            "compiled": peer["key"] == "static_compiled", "compile_seconds": peer["compile_seconds"],
+            "compile_mode": peer["compile_mode"], "kv_cache": "static" if "cache" in peer["generate_kw"] else "dynamic",
+            "prefill_tokens_per_s": max(p for p, _, _ in runs_), "decode_tokens_per_s": decode,
+            "decode_tokens_per_s_all": [d for _, d, _ in runs_], "weight_bytes_per_step": wbytes,
+            "kv_bytes_per_step": kvbytes, "bytes_per_step": wbytes + kvbytes, "achieved_gb_per_s": gbs,
+            "share_of_bandwidth": gbs / bw if bw else None, "same_tokens_as_eager_float": toks == reference,
+            "matching_prefix_with_eager_float": matching_prefix(toks, reference), "tokens": toks}
+    rows += peer_rows.values()
+    if "static_compiled" in peer_rows and "eager" in peer_rows:
+        eager_toks = peer_rows["eager"]["tokens"]
+        peer_rows["static_compiled"]["same_tokens_as_transformers_eager"] = (
+            peer_rows["static_compiled"]["tokens"] == eager_toks)
+    for key, speedup in (("eager", "decode_speedup_vs_transformers"),
+                         ("static_compiled", "decode_speedup_vs_transformers_compiled")):
+        if key in peer_rows:
+            for row in rows:
+                row[speedup] = row["decode_tokens_per_s"] / peer_rows[key]["decode_tokens_per_s"]
     record["rows"] = rows
     return runinfo.header(model.device, model.dtype, argv, load_before,
                           transformers=record.get("transformers")) | record
@@ -257,14 +388,17 @@ def _finish(record: dict, runs: list[dict], hf_model, hf_runs: list, model: Llam
 
 def format_table(record: dict) -> str:
     bw = record.get("ceiling_gb_per_s")
-    head = ["variant", "prefill tok/s", "decode tok/s", "MB/step", "GB/s", "% of bw", "vs HF", "= eager float"]
+    speedups = {"decode_speedup_vs_transformers": "vs HF"}  # and vs its compiled row, when that ran
+    if any("decode_speedup_vs_transformers_compiled" in r for r in record["rows"]):
+        speedups["decode_speedup_vs_transformers_compiled"] = "vs HF compiled"
+    head = ["variant", "prefill tok/s", "decode tok/s", "MB/step", "GB/s", "% of bw", *speedups.values(),
+            "= eager float"]
     lines = [head]
     for r in record["rows"]:
         share = f"{100 * r['share_of_bandwidth']:.0f}%" if r.get("share_of_bandwidth") is not None else "-"
-        vs = r.get("decode_speedup_vs_transformers")
+        vs = [f"{r[k]:.2f}x" if r.get(k) is not None else "-" for k in speedups]
         lines.append([r["name"], f"{r['prefill_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.1f}",
-                      f"{r['bytes_per_step'] / 1e6:,.2f}", f"{r['achieved_gb_per_s']:,.1f}", share,
-                      f"{vs:.2f}x" if vs is not None else "-",
+                      f"{r['bytes_per_step'] / 1e6:,.2f}", f"{r['achieved_gb_per_s']:,.1f}", share, *vs,
                       f"{r['matching_prefix_with_eager_float']}/{len(r['tokens'])}"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
@@ -277,4 +411,7 @@ def format_table(record: dict) -> str:
         notes.append(f"measured bandwidth: copy {record['bandwidth_gb_per_s']:,.1f} GB/s (DRAM-sized buffer); at the "
                      f"weights' size copy {record['bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s, read "
                      f"{record['read_bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s; % of bw is of {bw:,.1f} GB/s")
+    for key, peer in record.get("transformers_peers", {}).items():
+        if not peer["ran"]:
+            notes.append(f"transformers {key.replace('_', ' ')} skipped: {peer['why']}")
     return "\n".join(out + notes)

@@ -30,6 +30,8 @@ def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
     float_row, int8_row, int4_row, hf_row = record["rows"]
     assert int4_row["weight_bytes_per_step"] < int8_row["weight_bytes_per_step"] < float_row["weight_bytes_per_step"]
     assert hf_row["same_tokens_as_eager_float"]  # transformers, same weights, same greedy tokens
+    peers = record["transformers_peers"]  # on a CPU the compiled peer is off unless --hf-compile asks
+    assert peers["eager"]["ran"] and not peers["static_compiled"]["ran"]
     assert record["bandwidth_gb_per_s"] > 0 and record["settings"]["prompt_len"] == 8
     assert record["ceiling_gb_per_s"] >= record["read_bandwidth_at_weight_size_gb_per_s"] > 0
     assert record["versions"]["torch"] and record["command"].startswith("llmstep bench --preset")
@@ -57,3 +59,24 @@ def test_transformers_can_run_in_another_dtype_on_the_same_weights(tmp_path):
     assert hf["weight_bytes_per_step"] == 2 * ours["weight_bytes_per_step"]  # the same weights, widened
     with pytest.raises(SystemExit, match="int3"):
         main(TINY + ["--hf-dtype", "int3"])
+
+
+def test_transformers_flags_with_no_hf_are_refused_by_name():
+    with pytest.raises(SystemExit, match="--no-hf skips transformers, so --hf-compile has nothing to set"):
+        main(TINY + ["--no-hf", "--hf-compile"])
+    with pytest.raises(SystemExit, match="--no-hf skips transformers, so --hf-dtype has nothing to set"):
+        main(TINY + ["--no-hf", "--hf-dtype", "float32"])
+
+
+def test_hf_compile_adds_the_static_cache_row(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from llmstep.lab import bench as decode_bench
+
+    # The compile itself: tests/lab/test_bench_peer.py (slow); here --hf-compile's row on the eager forward.
+    kw = decode_bench.static_compiled_generate_kw
+    monkeypatch.setattr(decode_bench, "static_compiled_generate_kw", lambda *a: kw(*a) | {"disable_compile": True})
+    out = tmp_path / "bench.json"
+    main(TINY + ["--hf-compile", "--no-bandwidth", "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert [r["name"] for r in record["rows"]][1:] == ["transformers generate()", "transformers static cache + compile"]
+    assert all(p["ran"] for p in record["transformers_peers"].values())
