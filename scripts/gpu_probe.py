@@ -231,38 +231,29 @@ def phase_1b_bf16(p: Probe) -> dict:
 
 
 def _hf(p: Probe, compiled: bool) -> dict:
-    from transformers import LlamaConfig as HFConfig
-    from transformers import LlamaForCausalLM
+    """transformers on the 8B shape in bf16, batch 1, greedy: eager generate() (its dynamic cache), or its
+    "static cache + torch.compile" path (llmstep.lab.bench.static_compiled_generate_kw: the decode step compiled
+    whole with CUDA graphs, the prefill eager), on llmstep's own random weights (hf_twin shares them: no copy),
+    timed as `llmstep bench` times it, its tokens compared with llmstep's FastDecoder on the same model."""
+    from llmstep.lab.bench import hf_twin, matching_prefix, static_compiled_generate_kw, time_hf
 
     p.bf16_8b = None
     p.reset_peak()
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(p.dtype)  # built in bf16 directly: never a float32 copy (32 GB for 8B)
-    try:
-        with torch.device(p.device):
-            model = LlamaForCausalLM(HFConfig(**p.cfg_8b.to_hf())).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(default)
-    model.generation_config.cache_implementation = "static"
-    if compiled:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    ids = torch.arange(1, p.prompt_len + 1, device=p.device)[None]
-
-    def run(n: int) -> float:
-        p.synchronize()
-        start = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        p.synchronize()
-        return time.perf_counter() - start
-
+    model = hardware.random_model(p.cfg_8b, p.device, p.dtype)
+    twin = hf_twin(model)
+    ids = torch.arange(1, p.prompt_len + 1, device=p.device)[None]  # [1, T]
+    extra = static_compiled_generate_kw(twin, p.prompt_len + p.new_tokens) if compiled else None
     with torch.no_grad():
-        for _ in range(2 if compiled else 1):
-            run(p.new_tokens)  # compile, record the graphs
-        one, full = run(1), run(p.new_tokens)
+        for _ in range(3 if compiled else 1):
+            time_hf(twin, ids, p.new_tokens, extra)  # compile, record the graphs
+        one, full, tokens = time_hf(twin, ids, p.new_tokens, extra)
+        ours = FastDecoder(model, max_len=p.prompt_len + p.new_tokens, compile=False).generate(
+            ids[0].tolist(), p.new_tokens, temperature=0.0).tokens
     import transformers
 
     return {"decode_tokens_per_s": (p.new_tokens - 1) / max(full - one, 1e-9), "compiled": compiled,
-            "static_cache": True, "peak_gb": p.peak_gb(), "transformers": transformers.__version__}
+            "static_cache": compiled, "peak_gb": p.peak_gb(), "transformers": transformers.__version__,
+            "tokens_equal_to_llmstep_eager": matching_prefix(tokens, ours), "tokens": len(tokens)}
 
 
 def phase_hf_static_compile(p: Probe) -> dict:

@@ -44,7 +44,7 @@ from . import runinfo
 from .hardware import describe, measure_bandwidth, random_model
 from .runinfo import check_positive_int
 
-__all__ = ["bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "peer_bytes",
+__all__ = ["time_hf", "bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "peer_bytes",
            "check_peer_settings", "static_compiled_generate_kw", "matching_prefix"]
 
 
@@ -122,7 +122,7 @@ def check_peer_settings(hf: bool, hf_compile: bool | None, hf_dtype: torch.dtype
 
 # ---- timing --------------------------------------------------------------------------------------
 
-def _time_hf(hf, prompt: torch.Tensor, new_tokens: int, extra: dict | None = None) -> tuple[float, float, list[int]]:
+def time_hf(hf, prompt: torch.Tensor, new_tokens: int, extra: dict | None = None) -> tuple[float, float, list[int]]:
     """(seconds for prefill + 1 token, seconds for all new_tokens, the tokens) of greedy generate(), with `extra`
     arguments (static_compiled_generate_kw's for the compiled peer; none: eager, its DynamicCache)."""
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt)) | (
@@ -260,7 +260,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
             r.setdefault("decode", []).append(res.decode_tokens_per_second)
             r["tokens"] = res.tokens
         for peer in peers:  # (prefill tok/s, decode tok/s, tokens) per repeat
-            t1, tn, toks = _time_hf(hf_model, prompt.to(device), new_tokens, peer["generate_kw"])
+            t1, tn, toks = time_hf(hf_model, prompt.to(device), new_tokens, peer["generate_kw"])
             peer["runs"].append((prompt_len / t1, (new_tokens - 1) / (tn - t1), toks))
         log(f"repeat {rep + 1}/{repeats} done")
         if on_repeat is not None and rep + 1 < repeats:
@@ -308,13 +308,13 @@ def _transformers_peers(model: Llama, hf: bool, hf_compile: bool | None, hf_dtyp
     suffix = "" if dtype == model.dtype else f" {str(dtype).removeprefix('torch.')}"
     peers = [{"key": "eager", "name": "transformers generate()" + suffix, "generate_kw": {}, "compile_mode": None,
               "compile_seconds": 0.0, "runs": []}]
-    _time_hf(hf_model, prompt, 2)  # warm-up
+    time_hf(hf_model, prompt, 2)  # warm-up
     if want_compiled:
         kw = static_compiled_generate_kw(hf_model, max_len)
         peer = {"key": "static_compiled", "name": "transformers static cache + compile" + suffix, "generate_kw": kw,
                 "compile_mode": getattr(kw.get("compile_config"), "mode", None), "runs": []}
         log(f"compiling {peer['name']} ...")
-        warm = partial(_time_hf, hf_model, prompt, max_len - prompt.shape[1], kw)  # the timed calls, exactly
+        warm = partial(time_hf, hf_model, prompt, max_len - prompt.shape[1], kw)  # the timed calls, exactly
         try:  # The first call compiles the step; CUDA graphs are recorded on its second or third call.
             peer["compile_seconds"] = runinfo.time_repeats(warm, device, 1, warmup=0)[0]
             for _ in range(2):

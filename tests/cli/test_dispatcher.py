@@ -12,7 +12,7 @@ import pytest
 from llmstep import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ["generate", "info", "trace", "bench", "speculative", "batch", "train", "eval", "data"]
+COMMANDS = ["generate", "info", "trace", "bench", "speculative", "batch", "train", "eval", "data", "export"]
 
 
 def test_every_subcommand_is_dispatched(capsys):

@@ -41,7 +41,7 @@ def bad_paths(tmp_path):
     return {"json": outputs, "out": outputs, "model": [missing, str(a_file)], "target": [missing, str(a_file)],
             "draft": [missing, str(a_file)], "device": ["nonsense"], "dtype": ["int3"], "hf_dtype": ["int3"],
             "prompt": [""], "set": ["nope=1", "n_layers=abc"], "corpus": [missing, str(a_file)],
-            "sdist": [missing], "models": [missing], "root": [missing, str(a_file)]}
+            "sdist": [missing], "models": [missing], "root": [missing, str(a_file)], "gguf": outputs}
 
 
 # A valid command line for each (sub)command: the bad value replaces one option at a time.
@@ -50,7 +50,8 @@ def bases(tmp_path):
     return {("generate",): ["generate", "--prompt", "ROMEO:"], ("info",): ["info", "--preset", "llama-3.2-1b"],
             ("trace",): ["trace"], ("bench",): ["bench"], ("speculative",): ["speculative", "--bench",
                                                                               "--out", str(tmp_path / "s.json")],
-            ("batch",): ["batch"], ("train",): ["train", "--out", str(run)], ("eval",): ["eval"],
+            ("batch",): ["batch"], ("export",): ["export", "--gguf", str(tmp_path / "m.gguf")],
+            ("train",): ["train", "--out", str(run)], ("eval",): ["eval"],
             ("data", "prepare"): ["data", "prepare", "--sdist", str(tmp_path / "missing.tar.gz"),
                                   "--out", str(tmp_path / "corpus")],
             ("data", "tokenizer"): ["data", "tokenizer", "--out", str(tmp_path / "tok.json")],
