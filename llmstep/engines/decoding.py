@@ -120,9 +120,10 @@ def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
     odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
     if odd:
         raise ValueError(f"stop_ids must hold integer token ids, got {odd[0]!r}")
-    outside = [i for i in ids if not 0 <= i < (vocab_size if vocab_size is not None else i + 1)]
+    outside = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
     if outside:
-        raise ValueError(f"stop id {outside[0]} is outside the vocabulary (0..{vocab_size - 1}): it could never stop")
+        span = "ids are >= 0" if vocab_size is None else f"0..{vocab_size - 1}"
+        raise ValueError(f"stop id {outside[0]} is outside the vocabulary ({span}): it could never stop")
     return {int(i) for i in ids}
 
 

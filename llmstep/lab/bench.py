@@ -39,10 +39,10 @@ from ..core.cost import (
 from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, quantize
+from ..engines.decoding import check_int
 from ..engines.fast import FastDecoder
 from . import runinfo
 from .hardware import describe, measure_bandwidth, random_model
-from .runinfo import check_positive_int
 
 __all__ = ["time_hf", "bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "peer_bytes",
            "check_peer_settings", "static_compiled_generate_kw", "matching_prefix"]
@@ -190,8 +190,8 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
     to be written as the run goes. The record carries runinfo.header's run metadata (argv: the command that
     ran it, if any)."""
     device, config = model.device, model.config
-    check_positive_int("repeats", repeats)
-    check_positive_int("prompt_len", prompt_len)
+    check_int(repeats, "repeats", low=1)
+    check_int(prompt_len, "prompt_len", low=1)
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 2:
         raise ValueError(f"new_tokens must be an integer >= 2 (one token from the prefill, then decode steps), "
                          f"got {new_tokens!r}")

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
+from ..engines.decoding import check_int
 from ..engines.fast import FastDecoder, FastSpeculator
 from ..engines.generate import generate
 from ..engines.speculative import (
@@ -153,7 +154,7 @@ def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repea
         raise ValueError("give at least one prompt and one k")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 2:
         raise ValueError(f"max_new_tokens must be an integer >= 2, got {max_new_tokens!r}")
-    runinfo.check_positive_int("repeats", repeats)
+    check_int(repeats, "repeats", low=1)
     for k in ks:
         check_k(k)
     return prompts, ks

@@ -18,7 +18,8 @@ from ..core.config import LlamaConfig
 from ..core.cost import check_fits, decode_step_cost, model_bytes, n_params
 from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama, materialize
-from .runinfo import check_positive_int, describe, time_repeats
+from ..engines.decoding import check_int
+from .runinfo import describe, time_repeats
 
 __all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "measure_matmul",
            "measured_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
@@ -42,8 +43,8 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | No
     dev = resolve_device(device)
     if nbytes is None:
         nbytes = 2**30
-    check_positive_int("nbytes", nbytes)
-    check_positive_int("repeats", repeats)
+    check_int(nbytes, "nbytes", low=1)
+    check_int(repeats, "repeats", low=1)
     if kind not in ("copy", "read"):
         raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
     n = max(nbytes // 4, 1)  # float32 elements
@@ -74,8 +75,8 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
         raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
     if n is None:
         n = 8192 if dev.type == "cuda" else 2048
-    check_positive_int("n", n)
-    check_positive_int("repeats", repeats)
+    check_int(n, "n", low=1)
+    check_int(repeats, "repeats", low=1)
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)

@@ -12,7 +12,6 @@ summarised here with `median` and `spread`.
 - `machine(device, dtype)`: the CPU, its cores, torch's threads, the device and the dtype;
 - `header(device, dtype, argv, load_before)`: the one run-metadata block of every benchmark's record;
 - `time_repeats(fn, device, repeats, warmup)`: fn() timed `repeats` times after `warmup` untimed runs;
-- `check_positive_int(name, value)`: the measuring tools' counts (repeats, sizes), refused by name;
 - `versions()`: llmstep, torch and python (and whatever else a record names);
 - `load_average()`: the 1-minute load average, recorded before and after a run (other work skews timings);
 - `command_line(argv)`: the command that made a record, as one could type it again;
@@ -31,8 +30,9 @@ import torch
 
 from .._version import __version__
 from ..core.device import resolve_device, synchronize
+from ..engines.decoding import check_int
 
-__all__ = ["describe", "machine", "header", "time_repeats", "check_positive_int", "versions", "load_average",
+__all__ = ["describe", "machine", "header", "time_repeats", "versions", "load_average",
            "command_line", "median", "spread", "timing"]
 
 
@@ -103,17 +103,12 @@ def header(device: str | torch.device, dtype: torch.dtype | None, argv: Sequence
             "versions": versions(**versions_extra), "load_average_1min_before_after": [load_before, load_average()]}
 
 
-def check_positive_int(name: str, value) -> None:
-    """Refuse a count that is not an integer >= 1 (a bool is not a count)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
 
 def time_repeats(fn: Callable[[], object], device: str | torch.device, repeats: int, warmup: int = 1) -> list[float]:
     """Seconds of each of `repeats` runs of fn(), after `warmup` untimed runs (allocator, kernels, lazy
     inits, compilation), the device synchronised around each. Callers summarise: the fastest run (STREAM's
     convention, the least disturbed by everything else the machine does) or the `median`."""
-    check_positive_int("repeats", repeats)
+    check_int(repeats, "repeats", low=1)
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
     device = torch.device(device)

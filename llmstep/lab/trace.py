@@ -31,7 +31,8 @@ from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.sampling import check_params, sample
-from .runinfo import check_positive_int, median, time_repeats
+from ..engines.decoding import check_int
+from .runinfo import median, time_repeats
 
 __all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "trace_step", "plot_trace"]
 
@@ -259,7 +260,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
     if context + 1 > model.config.max_seq_len:
         raise ValueError(f"context {context} leaves no room for a new token in the model's "
                          f"{model.config.max_seq_len}-token window")
-    check_positive_int("repeats", repeats)
+    check_int(repeats, "repeats", low=1)
     check_params(temperature, top_k, top_p)
     device, config = model.device, model.config
     g = torch.Generator(device=device).manual_seed(seed)

@@ -244,3 +244,13 @@ def test_an_unknown_compile_mode_is_refused_even_when_nothing_compiles(loaded):
 
     with pytest.raises(ValueError, match="unknown torch.compile mode 'bogus'"):
         FastDecoder(loaded[0], compile=False, mode="bogus")
+
+
+def test_a_negative_stop_id_is_named_with_or_without_a_vocabulary():
+    from llmstep.engines.decoding import stop_id_set
+
+    with pytest.raises(ValueError, match=r"stop id -3 is outside the vocabulary \(ids are >= 0\)"):
+        stop_id_set([1, -3])
+    with pytest.raises(ValueError, match=r"stop id -3 is outside the vocabulary \(0..9\)"):
+        stop_id_set([1, -3], vocab_size=10)
+    assert stop_id_set([0, 9], vocab_size=10) == {0, 9}

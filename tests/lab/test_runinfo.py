@@ -75,6 +75,10 @@ def test_header_is_the_one_run_metadata_block():
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
-def test_check_positive_int_refuses_what_is_not_a_count(bad):
+def test_the_measuring_tools_counts_are_refused_by_the_one_integer_check(bad):
+    from llmstep.engines.decoding import check_int
+
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
-        runinfo.check_positive_int("n", bad)
+        check_int(bad, "n", low=1)
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        runinfo.time_repeats(lambda: None, "cpu", bad)
