@@ -65,12 +65,7 @@ from .decoding import (
 )
 from .speculative import Rounds
 
-__all__ = ["FastResult", "FastDecoder", "request_cache_len", "FastSpeculativeResult", "FastSpeculator"]
-
-
-def request_cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
-    """The slots FastDecoder allocates for a request by default: `decoding.cache_len` rounded to CACHE_ROUNDING."""
-    return cache_len(prompt_len, max_new_tokens, max_seq_len, rounding=CACHE_ROUNDING)
+__all__ = ["FastResult", "FastDecoder", "FastSpeculativeResult", "FastSpeculator"]
 
 
 @dataclass

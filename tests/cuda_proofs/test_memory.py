@@ -7,7 +7,8 @@ import torch
 
 from llmstep.core.config import LlamaConfig
 from llmstep.core.model import Llama
-from llmstep.engines.fast import CACHE_ROUNDING, FastDecoder, request_cache_len
+from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
+from llmstep.engines.fast import FastDecoder
 from llmstep.lab.hardware import random_model
 
 GB = 1e9
@@ -24,8 +25,8 @@ def test_the_default_fast_decoder_cache_of_an_8b_model_is_sized_for_the_request_
     decoder = FastDecoder(meta_llama(cfg), compile=False)
     assert decoder.cache.max_len == CACHE_ROUNDING and decoder.cache.nbytes <= 0.04 * GB  # 33.5 MB
     assert FastDecoder(meta_llama(cfg), max_len=cfg.max_seq_len, compile=False).cache.nbytes > 17 * GB  # if asked
-    assert request_cache_len(100, 200, cfg.max_seq_len) == 512
-    assert request_cache_len(131000, 200, cfg.max_seq_len) == cfg.max_seq_len
+    assert cache_len(100, 200, cfg.max_seq_len, rounding=CACHE_ROUNDING) == 512
+    assert cache_len(131000, 200, cfg.max_seq_len, rounding=CACHE_ROUNDING) == cfg.max_seq_len
 
 
 def test_a_longer_request_grows_the_cache_and_gives_the_tokens_of_a_fresh_decoder():
