@@ -79,6 +79,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: k_proj
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: v_proj
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)  # HF: o_proj
+        self.wqkv: nn.Module | None = None  # wq|wk|wv stacked as one matmul, set by llmstep.core.fuse
 
     def forward(self, x, cos, sin, positions, mask, cache: KVCache | None = None, layer: int = 0,
                 kv_len: int | None = None):
@@ -87,9 +88,14 @@ class Attention(nn.Module):
         is not theirs to see; None means every slot is visible; CAUSAL means the keys are these tokens at
         positions 0..T-1)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, hd]
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
+        if self.wqkv is None:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, T, n_heads*hd], [B, T, n_kv*hd] twice
+        else:  # one matmul, split back into the same three
+            kv = self.n_kv_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, hd]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, positions, k, v, kv_len)  # [B, n_kv, S, hd]

@@ -16,7 +16,12 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate, HF: gate_proj   (hidden_dim, dim)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up,   HF: up_proj     (hidden_dim, dim)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down, HF: down_proj   (dim, hidden_dim)
+        self.w13: nn.Module | None = None  # w1|w3 stacked as one matmul, set by llmstep.core.fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, hidden_dim] in the middle
+        if self.w13 is None:
+            gate, up = self.w1(x), self.w3(x)  # [B, T, hidden_dim] each
+        else:  # one matmul, split back into the two
+            gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)

@@ -12,7 +12,7 @@ from numbers import Integral, Real
 import torch
 
 __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy",
-           "draw", "picker"]
+           "draw", "race", "picker"]
 
 
 def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> None:
@@ -82,8 +82,13 @@ def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> torch.Ten
     argmax(p_i / E_i) with E_i ~ Exponential(1) picks i with probability exactly p_i (the "exponential
     race"; the same as torch.multinomial, but it stays on the device).
     """
-    e = torch.empty_like(p).exponential_(1.0, generator=generator)
-    e.clamp_min_(torch.finfo(e.dtype).tiny)  # an exact 0 would make 0/0 = nan for a filtered-out token
+    return race(p, torch.empty_like(p).exponential_(1.0, generator=generator))
+
+
+def race(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """`draw` given its random numbers: p [B, V] and Exp(1) draws e [B, V] -> argmax(p / e) [B]. A compiled
+    step takes e as an input (a seeded torch.Generator cannot be used inside one): llmstep.engines.fast."""
+    e = e.clamp_min(torch.finfo(e.dtype).tiny)  # an exact 0 would make 0/0 = nan for a filtered-out token
     return (p / e).argmax(dim=-1)
 
 

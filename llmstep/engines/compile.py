@@ -60,17 +60,22 @@ def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
     return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
 
 
-def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = ()):
+def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
+                 refilled: Iterable[torch.Tensor] = ()):
     """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
     updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
+    `refilled` are tensors fn only reads and the caller refills in place between calls (random numbers):
+    fixed addresses too where nothing is frozen (CUDA: the graph reads them where they are), left unmarked
+    where the weights are frozen, since freezing folds every fixed-address tensor fn does not write into a
+    constant of the compiled code.
     With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
     graph may reuse their memory: use what a step returns before calling it again."""
-    for t in static:
+    options = compile_options(device, mode)
+    for t in (*static, *(() if options.get("freezing") else refilled)):
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
     # this same step anew, and a process that builds more than 8 of them would hit the default limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    options = compile_options(device, mode)
     compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
     if uses_cuda_graphs(device, mode):
 
@@ -101,15 +106,15 @@ class Step:
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation). mode: torch.compile's mode; None is "reduce-overhead" (CUDA
     graphs) on CUDA, the default elsewhere; "max-autotune" also tunes every matmul. static: the tensors fn
-    writes in place (`KVCache.buffers`).
+    writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`).
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
-                 static: Iterable[torch.Tensor] = ()):
+                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = ()):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
         self.compiled = device.type == "cuda" if compile is None else bool(compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
-        self.fn = compile_step(fn, device, mode, static) if self.compiled else fn
+        self.fn = compile_step(fn, device, mode, static, refilled) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)

@@ -35,12 +35,14 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..core.device import synchronize
+from ..core.fuse import fused
 from ..core.model import Llama
-from ..core.sampling import check_params, picker, probs, sample
+from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
 from .compile import Step, warm_up
 from .decoding import (
@@ -85,12 +87,26 @@ class FastDecoder:
     long run, not for one short generation).
     mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
     "max-autotune" also tunes every matmul (slowest to compile, fastest on a CPU). See llmstep.engines.compile.
+    fuse: run a twin of the model with q|k|v and gate|up as one matmul each (llmstep.core.fuse: the same
+    function, no weight held twice; the model's own q/k/v and gate/up weights become views of the fused
+    rows). None fuses on CUDA only: on a CPU the compiled step fuses them itself (compile.compile_options).
+
+    The decode step (`advance`) is the whole token: the pending token is read from the run's token history
+    on the device, goes through the model, the next token is sampled and written back into the history, and
+    the position is advanced, all in place in fixed buffers, so that on CUDA one graph replay makes one token
+    and the host only queues replays. A seeded draw needs its Exp(1) noise from the run's torch.Generator,
+    which no compiled graph can take (dynamo refuses a Generator, and inductor's own RNG draws other numbers
+    than eager's): the loop fills a fixed noise buffer from it before each sampled step (one launch, no sync),
+    the same [1, V] draw in the same order as `llmstep.generate`, so seeded runs give its tokens on any device.
     """
 
-    def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None):
+    def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
+                 fuse: bool | None = None):
         self.model = model
         self.device = model.device
         self._compile, self._mode = compile, mode
+        self.fused = self.device.type == "cuda" if fuse is None else bool(fuse)
+        self.net = fused(model) if self.fused else model  # what the steps run: the same function
         # max_len None: the cache is sized for each request (prompt + new tokens, rounded up to CACHE_ROUNDING
         # slots so that similar requests reuse it), grown (a new cache, a new compiled step) only when a longer
         # request comes. Never the model's whole context unless asked: 131,072 slots are 17 GB for Llama 3.1 8B.
@@ -102,34 +118,74 @@ class FastDecoder:
 
     def _allocate(self, max_len: int) -> None:
         self.max_len = max_len
-        self.cache = self.model.new_cache(batch_size=1, max_len=max_len)  # per layer k, v: [1, n_kv, max_len, hd]
-        self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
-        self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
-        self.compile_seconds = 0.0  # spent in the first calls of the compiled step (warmup)
-        self._warm = False  # run once (eager too) before anything is timed
+        device = self.device
+        self.cache = self.net.new_cache(batch_size=1, max_len=max_len)  # per layer k, v: [1, n_kv, max_len, hd]
+        # The run's state on the device, at fixed addresses: a CUDA graph reads and writes them in place.
+        self._history = torch.zeros(max_len + 1, dtype=torch.long, device=device)  # [max_len+1]: token at position p
+        self._position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]: the pending token's position
+        self._noise = torch.ones(1, self.model.config.vocab_size, device=device)  # [1, V] float32: Exp(1) draws
+        self._finite = torch.ones((), dtype=torch.bool, device=device)  # []: every logit of the run was finite
+        self._state = (*self.cache.buffers, self._history, self._position, self._finite)  # written by the step
+        self._advances: dict[tuple, Step] = {}  # one compiled step per sampling setting (its constants)
+        self._step = None  # the public logits step, made when first asked for
+        greedy_step = self._advance_step((0, 0, 1.0))  # torch.compile is lazy: nothing compiles before a call
+        self.compiled, self.cuda_graphs = greedy_step.compiled, greedy_step.cuda_graphs
+        self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warmup)
+        self._warm: set[tuple] = set()  # the sampling settings whose step has run (eager too) before any timing
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
-        return self.model(token, position, self.cache, last_only=True)[:, -1].float()
+        return self.net(token, position, self.cache, last_only=True)[:, -1].float()
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
         decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
+        if self._step is None:
+            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
         return self._step(token, position)
 
-    @torch.no_grad()
-    def warmup(self, steps: int = 3) -> float:
-        """Run the step before timing anything: compiled, `steps` times (compile, and on CUDA record the graph);
-        eager, once (the first call's one-off costs). Returns the seconds spent compiling: 0 when eager."""
-        if self._warm:
-            return 0.0
-        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
-        position = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # [1, 1]
-        seconds = warm_up(self.device, lambda: self.step(token, position), steps=steps if self.compiled else 1)
-        self.compile_seconds = seconds if self.compiled else 0.0
+    def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
+        """One whole decode step on the run's state, in place: the pending token history[position] through the
+        model, the next token (greedy, or raced against the noise buffer) written at history[position + 1], the
+        position advanced, the finite flag updated. Returns nothing: nothing leaves the device."""
+        position = self._position  # [1, 1]
+        logits = self._decode_step(self._history[position], position)  # [1, V] float32
+        self._finite &= torch.isfinite(logits).all()
+        if temperature == 0:
+            token = greedy(logits)  # [1]
+        else:
+            token = race(probs(logits, temperature, top_k, top_p), self._noise)  # [1]
+        position += 1
+        self._history.index_copy_(0, position.view(1), token)
+
+    def _advance_step(self, sampling: tuple) -> Step:
+        if sampling not in self._advances:
+            self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
+                                            self._mode, static=self._state, refilled=(self._noise,))
+        return self._advances[sampling]
+
+    def _reset(self) -> None:
         self.cache.reset()
-        self._warm = True
-        return self.compile_seconds
+        self._history.zero_()
+        self._position.zero_()
+        self._finite.fill_(True)
+
+    @torch.no_grad()
+    def warmup(self, steps: int = 3, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> float:
+        """Run the decode step for this sampling setting before timing anything: compiled, `steps` times (compile,
+        and on CUDA record the graph); eager, once (the first call's one-off costs). Returns the seconds spent
+        compiling: 0 when eager or already warm."""
+        check_params(temperature, top_k, top_p)
+        sampling = (temperature, top_k, top_p)
+        if sampling in self._warm:
+            return 0.0
+        self._reset()  # from position 0: a run before may have left the position near the cache's end
+        seconds = warm_up(self.device, self._advance_step(sampling), steps=steps if self.compiled else 1)
+        seconds = seconds if self.compiled else 0.0
+        self.compile_seconds += seconds
+        self._reset()
+        self._warm.add(sampling)
+        return seconds
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -156,43 +212,43 @@ class FastDecoder:
             return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every)
 
     def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every) -> FastResult:
-        self.warmup()
+        sampling = (temperature, top_k, top_p)
+        self.warmup(temperature=temperature, top_k=top_k, top_p=top_p)
         plan = budget(len(ids), max_new_tokens, self.max_len)
         result = FastResult(prompt_ids=ids, stop_reason=plan.stop_reason)
         n = plan.tokens
         if n == 0:
             return result
-        device = self.device
+        device, first = self.device, len(ids)
         generator = make_generator(device, seed)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(sorted(stops), device=device, dtype=torch.long)
-        out = torch.empty(n, dtype=torch.long, device=device)  # the new tokens, on the device until the end
 
-        self.cache.reset()
+        self._reset()
         prompt = torch.tensor([ids], device=device)  # [1, T]
         synchronize(device)
         start = time.perf_counter()
-        logits = self.model(prompt, torch.arange(len(ids), device=device), self.cache, last_only=True)[:, -1]
+        logits = self.net(prompt, torch.arange(first, device=device), self.cache, last_only=True)[:, -1]
         nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
         nonfinite.update(logits)
         token = sample(logits.float(), temperature, top_k, top_p, generator)  # [1]
-        out[0] = token[0]
+        self._history[first: first + 1] = token  # the pending token, at its position
+        self._position.fill_(first)
         synchronize(device)
         result.prefill_seconds = time.perf_counter() - start
 
-        position = torch.full((1, 1), len(ids), dtype=torch.long, device=device)  # advanced on the device
+        advance = self._advance_step(sampling)
         steps = 0
         start = time.perf_counter()
-        for i in range(1, n):
-            if stops and i % sync_every == 0 and bool(torch.isin(out[:i], stop_tensor).any()):  # one sync
-                break
-            logits = self.step(token.view(1, 1), position)
-            nonfinite.update(logits)
-            token = sample(logits, temperature, top_k, top_p, generator)
-            out[i] = token[0]
-            position += 1
+        for i in range(1, n):  # per token: one call (one graph replay on CUDA), plus the noise draw when sampling
+            if stops and i % sync_every == 0 and bool(torch.isin(self._history[first: first + i], stop_tensor).any()):
+                break  # the one host sync every sync_every steps, and only when stop tokens are watched
+            if temperature != 0:
+                self._noise.exponential_(1.0, generator=generator)  # what `sample` would draw at this step
+            advance()
             steps += 1
-        tokens = out[: steps + 1].tolist()  # waits for the device: the end of the timed region
+        tokens = self._history[first: first + steps + 1].tolist()  # waits for the device: the end of the timing
         result.decode_seconds = time.perf_counter() - start
+        nonfinite.record(self._finite)
         nonfinite.check(f" in a run of {steps + 1} tokens")
         result.decode_steps = steps
         step_bytes = step_bytes_by_context(self.model, context=len(ids))

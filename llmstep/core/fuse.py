@@ -1,0 +1,114 @@
+"""Fused projections: q|k|v as one matmul and gate|up as another, so a decode step reads x once per group.
+
+At batch 1 a decode step is a chain of matrix-vector products, each one kernel that streams its weight.
+Attention's wq, wk and wv read the same input, as do the MLP's w1 (gate) and w3 (up): with their weights
+stacked row after row, each group is one matmul (one kernel, one pass over x, no tiny k/v GEMVs that leave
+the GPU half idle), 4 weight passes per layer instead of 7. On a CPU inductor does this itself when it
+freezes the weights (`cpp.enable_concat_linear`, llmstep.engines.compile); on CUDA nothing does, so the
+fast loops fuse the weights once, up front (gpt-fast keeps `wqkv` and `w13` in its model for this reason).
+
+`fused(model)` returns a twin of `model` that computes the same function with one `wqkv` and one `w13` per
+block (Attention and FeedForward split the fused output back into q, k, v and gate, up). Every other tensor
+is shared, and no weight is held twice: each group is concatenated once, one layer at a time, and `model`'s
+own wq, wk, wv (w1, w3) become views of the fused tensor's rows. So `model` keeps its names, shapes, values
+and state dict; an in-place change to its weights is a change to the twin's; fusing the same model again
+finds the rows already back to back and copies nothing. Replacing a weight tensor of `model` (a new
+Parameter, `model.to(...)`) leaves the twin with the old one: fuse again after that.
+
+What fuses: plain nn.Linear (no bias) and Int8Linear (int8 rows and their per-row scales stack the same
+way). Int4Linear stays three (two) matmuls: its packed kernel layout and its scale/zero table would have to
+be rebuilt for the stacked rows; the group is left as it is, still correct.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .model import Llama
+from .quantize import Int8Linear
+
+__all__ = ["fused", "fuse_rows", "is_fused"]
+
+
+def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """parts [n_i, ...] as one tensor [sum n_i, ...] without a copy when they already lie row after row in one
+    storage (a model fused before); else None."""
+    first = parts[0]
+    if first.device.type == "meta":  # no storage to share: every meta tensor reports address 0
+        return None
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for p in parts:
+        if (p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.is_contiguous()
+                or p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != offset):
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(
+        storage, first.storage_offset(), (rows, *first.shape[1:]), first.stride())
+
+
+def fuse_rows(owners: list[nn.Module], name: str) -> torch.Tensor:
+    """The tensors `owner.<name>` ([n_i, ...] each) stacked as one [sum n_i, ...], each owner's tensor then
+    replaced by a view of its rows: the values and shapes every owner holds are unchanged, the old tensors are
+    freed, and nothing is held twice. No copy when they are already back to back."""
+    parts = [getattr(m, name) for m in owners]
+    whole = _back_to_back(parts)
+    if whole is None:
+        whole = torch.cat([p.detach() for p in parts])  # [sum n_i, ...]: the one copy, while parts still live
+    start = 0
+    for m, p in zip(owners, parts, strict=True):
+        view = whole[start: start + p.shape[0]]
+        start += p.shape[0]
+        if name in m._parameters:
+            m._parameters[name] = nn.Parameter(view, requires_grad=False)
+        else:
+            m._buffers[name] = view
+    return whole
+
+
+def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear computing torch.cat([l(x) for l in linears], -1), sharing their (re-pointed) weights; None
+    when these layers do not stack (a bias, an int4 layer, mixed kinds, different inputs)."""
+    first = linears[0]
+    if not all(type(m) is type(first) and m.in_features == first.in_features for m in linears):
+        return None
+    n_out = sum(m.out_features for m in linears)
+    if type(first) is nn.Linear and all(m.bias is None for m in linears):
+        with torch.device("meta"):
+            fused_layer = nn.Linear(first.in_features, n_out, bias=False)
+        fused_layer.weight = nn.Parameter(fuse_rows(linears, "weight"), requires_grad=False)  # [n_out, in]
+        return fused_layer
+    if type(first) is Int8Linear and len({m.kernel for m in linears}) == 1:
+        fused_layer = Int8Linear(first.in_features, n_out, device="meta", dtype=first.scales.dtype,
+                                 kernel=first.kernel)
+        fused_layer.weight = fuse_rows(linears, "weight")  # [n_out, in] int8
+        fused_layer.scales = fuse_rows(linears, "scales")  # [n_out]
+        return fused_layer
+    return None
+
+
+def is_fused(model: Llama) -> bool:
+    """Whether every block of `model` computes q|k|v and gate|up as one matmul each."""
+    return all(b.attention.wqkv is not None and b.feed_forward.w13 is not None for b in model.layers)
+
+
+@torch.no_grad()
+def fused(model: Llama) -> Llama:
+    """A twin of `model`, the same function, with wq|wk|wv as one `wqkv` and w1|w3 as one `w13` in every block
+    where the layers stack (see the module docstring); all other tensors shared, none held twice."""
+    tensors = [*model.parameters(), *model.buffers()]
+    twin = copy.deepcopy(model, memo={id(t): t for t in tensors})  # new modules, the same tensors
+    for block, twin_block in zip(model.layers, twin.layers, strict=True):
+        a, f = block.attention, block.feed_forward
+        wqkv = _fused_linear([a.wq, a.wk, a.wv])
+        if wqkv is not None:
+            twin_block.attention.wqkv = wqkv
+            twin_block.attention.wq = twin_block.attention.wk = twin_block.attention.wv = None
+        w13 = _fused_linear([f.w1, f.w3])
+        if w13 is not None:
+            twin_block.feed_forward.w13 = w13
+            twin_block.feed_forward.w1 = twin_block.feed_forward.w3 = None
+    return twin.eval().requires_grad_(False)
