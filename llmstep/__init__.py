@@ -14,6 +14,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
     quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
+    fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     device.py      the device, the dtype policy, synchronisation

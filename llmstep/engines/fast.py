@@ -11,9 +11,10 @@ removes what is not the model:
   the model's math) is compiled whole with torch.compile (llmstep/engines/compile.py): on CUDA as a CUDA
   graph, replayed with one launch per token; on a CPU with the weights frozen into the compiled code.
   Frozen means frozen: change the model's weights and you need a new decoder;
-- the position lives on the device and is advanced there; the sampled token is fed back without
-  leaving it (`llmstep.sampling` draws with the exponential race, no torch.multinomial sync); tokens are
-  copied to the host once at the end, or every `sync_every` steps when stop tokens are watched;
+- the step is the whole token: the pending token read from the run's history on the device, sampled
+  there (`llmstep.sampling`'s exponential race, no torch.multinomial sync), written back, the position
+  advanced; on CUDA fused q|k|v and gate|up (llmstep.core.fuse). Tokens reach the host once at the end, or
+  every `sync_every` steps when stop tokens are watched;
 - the prompt goes through the model's one forward (PyTorch's fused scaled_dot_product_attention) once.
 
 A FastDecoder or FastSpeculator owns its cache: one run at a time. A second thread calling `generate` while
@@ -91,13 +92,11 @@ class FastDecoder:
     function, no weight held twice; the model's own q/k/v and gate/up weights become views of the fused
     rows). None fuses on CUDA only: on a CPU the compiled step fuses them itself (compile.compile_options).
 
-    The decode step (`advance`) is the whole token: the pending token is read from the run's token history
-    on the device, goes through the model, the next token is sampled and written back into the history, and
-    the position is advanced, all in place in fixed buffers, so that on CUDA one graph replay makes one token
-    and the host only queues replays. A seeded draw needs its Exp(1) noise from the run's torch.Generator,
-    which no compiled graph can take (dynamo refuses a Generator, and inductor's own RNG draws other numbers
-    than eager's): the loop fills a fixed noise buffer from it before each sampled step (one launch, no sync),
-    the same [1, V] draw in the same order as `llmstep.generate`, so seeded runs give its tokens on any device.
+    The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position), so on CUDA
+    one graph replay makes one token and the host only queues replays. A seeded draw needs Exp(1) noise from
+    the run's torch.Generator, which no compiled graph can take (dynamo refuses a Generator; inductor's own RNG
+    draws other numbers than eager's): the loop refills a fixed noise buffer from it before each sampled step
+    (one launch, no sync), the [1, V] draw `llmstep.generate` makes, in its order: the same tokens on any device.
     """
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
@@ -151,10 +150,7 @@ class FastDecoder:
         position = self._position  # [1, 1]
         logits = self._decode_step(self._history[position], position)  # [1, V] float32
         self._finite &= torch.isfinite(logits).all()
-        if temperature == 0:
-            token = greedy(logits)  # [1]
-        else:
-            token = race(probs(logits, temperature, top_k, top_p), self._noise)  # [1]
+        token = greedy(logits) if temperature == 0 else race(probs(logits, temperature, top_k, top_p), self._noise)
         position += 1
         self._history.index_copy_(0, position.view(1), token)
 
@@ -166,8 +162,7 @@ class FastDecoder:
 
     def _reset(self) -> None:
         self.cache.reset()
-        self._history.zero_()
-        self._position.zero_()
+        torch._foreach_zero_([self._history, self._position])
         self._finite.fill_(True)
 
     @torch.no_grad()
@@ -287,16 +282,18 @@ class FastSpeculator:
     once, up front) reserves k slots: a run ends ("context") where that budget says.
 
     max_len: both caches' slots; None sizes them for each request (`decoding.cache_len` with the k reserved
-    slots, rounded to CACHE_ROUNDING), growing them when a longer request comes, as FastDecoder does.
+    slots, rounded to CACHE_ROUNDING), growing them when a longer request comes, as FastDecoder does. fuse: both
+    models' q|k|v and gate|up as one matmul each, as FastDecoder's (None: on CUDA only).
     """
 
     def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
-                 compile: bool | None = None, mode: str | None = None):
+                 compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
         self.limit = min(target.config.max_seq_len, draft.config.max_seq_len)  # both models' context
-        self.target, self.draft, self.k = target, draft, k
-        self.device = target.device
+        self.device, self.k = target.device, k
+        self.fused = self.device.type == "cuda" if fuse is None else bool(fuse)  # as FastDecoder's
+        self.target, self.draft = (fused(target), fused(draft)) if self.fused else (target, draft)
         self._compile, self._mode = compile, mode
         self.sized_per_request = max_len is None
         self.compile_seconds = 0.0

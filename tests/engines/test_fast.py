@@ -1,10 +1,12 @@
 """The fast decode loop (static cache, compiled step, on-device sampling) makes the tokens of the teaching loop."""
 
 import os
+from collections import Counter
 
 import pytest
 import torch
 from llmstep.fast import FastDecoder
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import llmstep
 from llmstep.core.quantize import QuantConfig, quantize
@@ -114,6 +116,9 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
     assert decoder.generate(PROMPT, 24).tokens == eager.tokens
     assert decoder.compile_seconds > 0
+    # Seeded sampling inside the compiled step: the noise the loop refills is read, not frozen into the code.
+    sampled = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0.8, seed=3, stop_ids=[])
+    assert decoder.generate(PROMPT, 24, temperature=0.8, seed=3).tokens == sampled.tokens
     # On a CPU the weights are frozen into the compiled step: changing them afterwards changes what the eager
     # model computes but not what the step computes (proof that freezing took effect). Same cache, same input.
     decoder.generate(PROMPT, 4)  # the cache holds the prompt and three decode steps
@@ -184,3 +189,118 @@ def test_more_compiled_steps_than_dynamo_keeps_by_default():
     for n in range(1, 11):
         out = compile_step(Step(n).f, torch.device("cpu"))(torch.ones(n))
         assert torch.equal(out, 2 + torch.arange(n, dtype=torch.float32))
+
+
+def test_a_fused_decoder_gives_the_tokens_of_the_teaching_loop(tiny):
+    """fuse=True (CUDA's default) runs the twin with q|k|v and gate|up as one matmul each: the same tokens."""
+    model, tok = tiny
+    decoder = FastDecoder(model, compile=False, fuse=True)
+    assert decoder.fused and decoder.net is not model and FastDecoder(model, compile=False).net is model  # CPU: off
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_k=20, top_p=0.9, seed=5)):
+        eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=30, stop_ids=[], **kw)
+        assert decoder.generate(PROMPT, 30, **kw).tokens == eager.tokens
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op run while active, except inside `paused` (the decode step's own ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def run_counted(decoder, monkeypatch, n: int, **kw) -> dict:
+    """One decoder.generate of n tokens, counting the decode-step calls, the aten ops the loop runs outside
+    the step, and the host syncs it asks for (Tensor.item/tolist/bool/int/float). The model takes the path a
+    compiled step traces (torch.compiler.is_compiling() true: every slot attended, no length read back)."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    counts = dict(steps=0, syncs=0)
+    ops = _Ops()
+    sampling = (kw.get("temperature", 0.0), kw.get("top_k", 0), kw.get("top_p", 1.0))
+    decoder.warmup(temperature=sampling[0], top_k=sampling[1], top_p=sampling[2])
+    step = decoder._advance_step(sampling)
+    inner = step.fn
+
+    def counted_step(*args):
+        counts["steps"] += 1
+        ops.paused = True
+        try:
+            return inner(*args)
+        finally:
+            ops.paused = False
+
+    monkeypatch.setattr(step, "fn", counted_step)
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        real = getattr(torch.Tensor, name)
+
+        def syncing(self, *a, _real=real, **k):
+            counts["syncs"] += 1
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, syncing)
+    with ops:
+        tokens = decoder.generate(PROMPT, n, **kw).tokens
+    monkeypatch.undo()
+    return counts | dict(ops=ops.ops, tokens=tokens)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(temperature=0.8, top_k=20, seed=1)])
+def test_each_token_is_one_step_call_with_no_host_sync_and_nothing_else_but_its_noise(tiny, monkeypatch, kw):
+    """The whole token (sampling, write-back, position) is inside the step: per token the loop calls the step
+    once, asks the host nothing, and runs no other op, except one Exp(1) draw when it samples."""
+    model, _ = tiny
+    short = run_counted(FastDecoder(model, max_len=64, compile=False), monkeypatch, 5, **kw)
+    long = run_counted(FastDecoder(model, max_len=64, compile=False), monkeypatch, 25, **kw)
+    assert (short["steps"], long["steps"]) == (4, 24)
+    assert short["syncs"] == long["syncs"] <= 2, (short["syncs"], long["syncs"])  # the prompt's and the final copy
+    extra = Counter(long["ops"]) - Counter(short["ops"])  # what 20 more tokens cost outside the step
+    assert sum((Counter(short["ops"]) - Counter(long["ops"])).values()) == 0
+    if kw["temperature"] == 0:
+        assert long["ops"] == short["ops"]  # not one op more for 20 more tokens
+    else:
+        assert extra == Counter({"aten.exponential_.default": 20})
+
+
+def test_watched_stop_tokens_cost_one_host_sync_every_sync_every_steps(tiny, monkeypatch):
+    model, _ = tiny
+    counted = [run_counted(FastDecoder(model, max_len=64, compile=False), monkeypatch, n, temperature=0,
+                           stop_ids=[model.config.vocab_size - 1], sync_every=5) for n in (6, 26)]
+    assert counted[1]["syncs"] - counted[0]["syncs"] == 4  # checks at steps 10, 15, 20, 25
+
+
+def test_compile_step_never_freezes_a_tensor_the_caller_refills():
+    """Freezing (the CPU's compile) folds every fixed-address tensor a step does not write into a constant:
+    the noise a sampled step reads must stay unmarked there, and be marked (no copy per replay) on CUDA."""
+    from llmstep.engines.compile import compile_step
+
+    def marked(t):
+        return getattr(t, "_dynamo_static_input_type", None) is not None
+
+    def step(state, noise):
+        return state.add_(noise)
+
+    for device, expect in ((torch.device("cpu"), False), (torch.device("cuda"), True)):
+        state, noise = torch.zeros(3), torch.ones(3)
+        compile_step(step, device, static=(state,), refilled=(noise,))  # torch.compile is lazy: nothing compiles
+        assert marked(state) and marked(noise) == expect, device
+
+
+def test_a_fused_speculator_gives_the_unfused_tokens_and_shares_a_layer_skip_drafts_rows(tiny):
+    from llmstep.fast import FastSpeculator
+
+    from llmstep.engines.speculative import LayerSkipDraft
+
+    model, _ = tiny
+    plain = FastSpeculator(model, LayerSkipDraft(model, 1), k=3, max_len=64, compile=False)
+    fused_spec = FastSpeculator(model, LayerSkipDraft(model, 1), k=3, max_len=64, compile=False, fuse=True)
+    assert fused_spec.fused and not plain.fused  # CPU default: off
+    # The draft's block is the target's block 0: fusing it found the rows already stacked, no second copy.
+    assert (fused_spec.draft.layers[0].attention.wqkv.weight.data_ptr()
+            == fused_spec.target.layers[0].attention.wqkv.weight.data_ptr())
+    for kw in (dict(temperature=0), dict(temperature=0.9, seed=4)):
+        assert fused_spec.generate(PROMPT, 20, **kw).tokens == plain.generate(PROMPT, 20, **kw).tokens

@@ -1,0 +1,97 @@
+"""Fused projections (llmstep.core.fuse): the fused twin is the same function as the model, holds no weight
+twice, leaves the model's names, shapes, values and state dict as they were, and fusing again copies nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from llmstep.core.config import LlamaConfig
+from llmstep.core.fuse import fuse_rows, fused, is_fused
+from llmstep.core.quantize import Int4Linear, Int8Linear, QuantConfig, quantize
+from llmstep.lab.hardware import random_model
+
+CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=160, vocab_size=101, max_seq_len=64)
+TOKENS = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+
+
+def storage_bytes(*models: nn.Module) -> int:
+    """Bytes of the distinct storages behind the models' parameters and buffers: what they hold in memory."""
+    seen = {}
+    for m in models:
+        for t in [*m.parameters(), *m.buffers()]:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@torch.no_grad()
+def prefill_and_decode(model, steps: int = 4) -> torch.Tensor:
+    """The logits of a prefill into a cache and `steps` greedy decode steps after it, stacked [1 + steps, V]."""
+    cache = model.new_cache(1, 32)
+    logits = [model(TOKENS, cache=cache)[:, -1]]
+    for _ in range(steps):
+        logits.append(model(logits[-1].argmax(-1, keepdim=True), cache=cache)[:, -1])
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_the_fused_twin_computes_the_same_function(dtype, tol):
+    model = random_model(CONFIG, device="cpu", dtype=dtype, std=0.1)
+    before = prefill_and_decode(model)
+    twin = fused(model)
+    assert is_fused(twin) and not is_fused(model)
+    assert all(b.attention.wq is None and b.feed_forward.w1 is None for b in twin.layers)  # no unfused path left
+    torch.testing.assert_close(prefill_and_decode(twin), before, rtol=tol, atol=tol)
+    torch.testing.assert_close(prefill_and_decode(model), before, rtol=0, atol=0)  # the model itself: unchanged
+    with torch.no_grad():  # a plain causal forward too (no cache)
+        torch.testing.assert_close(twin(TOKENS), model(TOKENS), rtol=tol, atol=tol)
+
+
+def test_no_weight_is_held_twice_and_the_model_keeps_its_state_dict():
+    model = random_model(CONFIG, device="cpu", dtype=torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    held = storage_bytes(model)
+    twin = fused(model)
+    assert storage_bytes(model, twin) == held  # the fused rows replaced the separate weights: nothing extra
+    after = model.state_dict()
+    assert list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
+    a, fa = model.layers[0].attention, twin.layers[0].attention
+    assert a.wk.weight.untyped_storage().data_ptr() == fa.wqkv.weight.untyped_storage().data_ptr()
+    assert not any(p.requires_grad for p in [*model.parameters(), *twin.parameters()])
+
+
+def test_fusing_again_copies_nothing_and_in_place_changes_reach_the_twin():
+    model = random_model(CONFIG, device="cpu", dtype=torch.float32, std=0.1)
+    first = fused(model)
+    second = fused(model)  # the rows are back to back already: the same memory, not a new copy
+    for f, s in zip(first.layers, second.layers, strict=True):
+        assert f.attention.wqkv.weight.data_ptr() == s.attention.wqkv.weight.data_ptr()
+        assert f.feed_forward.w13.weight.data_ptr() == s.feed_forward.w13.weight.data_ptr()
+    with torch.no_grad():
+        model.layers[1].attention.wv.weight.mul_(-2)  # through the model's own (view) weight
+        model.layers[0].feed_forward.w3.weight.add_(0.05)
+        torch.testing.assert_close(first(TOKENS), model(TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_rows_stacks_and_repoints_parameters_and_buffers():
+    a, b = nn.Linear(4, 3, bias=False), nn.Linear(4, 5, bias=False)
+    wa, wb = a.weight.detach().clone(), b.weight.detach().clone()
+    whole = fuse_rows([a, b], "weight")
+    assert whole.shape == (8, 4) and torch.equal(whole, torch.cat([wa, wb]))
+    assert isinstance(a.weight, nn.Parameter) and torch.equal(a.weight, wa) and torch.equal(b.weight, wb)
+    assert b.weight.data_ptr() == whole.data_ptr() + 3 * 4 * whole.element_size()
+
+
+def test_int8_layers_fuse_int4_layers_stay_separate_and_both_stay_exact():
+    model = random_model(CONFIG, device="cpu", dtype=torch.float32, std=0.1)
+    q8 = quantize(model, QuantConfig("int8"), inplace=False)
+    twin8 = fused(q8)
+    assert is_fused(twin8) and isinstance(twin8.layers[0].attention.wqkv, Int8Linear)
+    assert twin8.layers[0].feed_forward.w13.scales.shape == (2 * CONFIG.hidden_dim,)
+    torch.testing.assert_close(prefill_and_decode(twin8), prefill_and_decode(q8), rtol=1e-5, atol=1e-5)
+    assert storage_bytes(q8, twin8) == storage_bytes(q8)
+    q4 = quantize(model, QuantConfig("int4", 32), inplace=False)
+    twin4 = fused(q4)  # the packed layout does not stack: left as three (two) matmuls, the same function
+    assert not is_fused(twin4) and isinstance(twin4.layers[0].attention.wq, Int4Linear)
+    torch.testing.assert_close(prefill_and_decode(twin4), prefill_and_decode(q4), rtol=0, atol=0)
