@@ -148,7 +148,7 @@ class FastDecoder:
         model, the next token (greedy, or raced against the noise buffer) written at history[position + 1], the
         position advanced, the finite flag updated. Returns nothing: nothing leaves the device."""
         position = self._position  # [1, 1]
-        logits = self._decode_step(self._history[position], position)  # [1, V] float32
+        logits = self._decode_step(self._history.gather(0, position.view(1)).view(1, 1), position)  # [1, V]
         self._finite &= torch.isfinite(logits).all()
         token = greedy(logits) if temperature == 0 else race(probs(logits, temperature, top_k, top_p), self._noise)
         position += 1
