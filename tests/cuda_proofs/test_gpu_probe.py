@@ -36,6 +36,11 @@ def test_the_dry_run_writes_one_json_line_per_phase(probe, tmp_path, capsys):
         assert r["decode_tokens_per_s"] > 0
     quantized = {r["phase"]: r for r in rows if "speedup_vs_bf16" in r}
     assert set(quantized) == {"8b_int4", "8b_int8"} and all(r["ceiling"] > 1 for r in quantized.values())
+    by_phase = {r["phase"]: r for r in rows}
+    assert all(r["fused"] for r in decodes if r["phase"] not in ("hf_static_compile", "hf_eager"))
+    one_b = by_phase["1b_bf16"]  # the sampled run (eager here: the eager forward reads its length back per token)
+    assert one_b["decode_tokens_per_s_sampled"] > 0 and one_b["syncs_per_token_sampled"] > 0
+    assert by_phase["gemv"]["qkv_fused_us"] > 0 and by_phase["gemv"]["qkv_separate_us"] > 0
     printed = capsys.readouterr().out
     assert "8B bf16 tok/s >= 225" in printed and "CUDA graph skips" in printed
 
