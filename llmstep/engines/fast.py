@@ -22,9 +22,10 @@ a run is in progress gets `decoding.ConcurrentUseError` (give each thread its ow
 are NaN or Inf are flagged on the device each step and reported at the end of the run
 (`decoding.NonFiniteLogitsError`), without a host sync per token.
 
-With compile=False it is the plain eager model in the same loop, and it gives the tokens
-`llmstep.generate` gives: greedy, and seeded sampling (the same generator, the same draws in the same
-order). tests/engines/test_fast.py holds both to that.
+With compile=False (and fuse=False, the CPU's default) it is the plain eager model in the same loop, and it
+gives the tokens `llmstep.generate` gives: greedy, and seeded sampling (the same generator, the same draws in
+the same order, on any device). Compiled or fused, the draws are the same and the logits equal up to rounding.
+tests/engines/test_fast.py holds both to that.
 
 `FastSpeculator` runs speculative decoding the same way: static caches, fixed shapes, compiled rounds,
 with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
@@ -96,7 +97,7 @@ class FastDecoder:
     one graph replay makes one token and the host only queues replays. A seeded draw needs Exp(1) noise from
     the run's torch.Generator, which no compiled graph can take (dynamo refuses a Generator; inductor's own RNG
     draws other numbers than eager's): the loop refills a fixed noise buffer from it before each sampled step
-    (one launch, no sync), the [1, V] draw `llmstep.generate` makes, in its order: the same tokens on any device.
+    (one launch, no sync), the [1, V] draw `llmstep.generate` makes, in its order, on any device.
     """
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
