@@ -326,6 +326,8 @@ class PagedBatcher:
             synchronize(device)
             scheduler.begin_step()
             work = scheduler.schedule()
+            if not work and scheduler.queue and not scheduler.slots:  # each request fits the pool alone
+                raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
             if work:
                 logits = self.runner.forward(work)  # [K, vocab]
                 for s in work:

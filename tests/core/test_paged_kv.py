@@ -61,12 +61,13 @@ def test_prefix_cache_shares_holds_and_evicts_least_recently_used_first():
     m.release(a)
     m.release(a)  # both gone: cached, reference 0, evictable, still found
     assert m.n_free == 4 and m.cached_prefix([k1, k2]) == a and list(m.evictable) == [a[1], a[0]]
-    m.hold(a[:1])  # held again: not evictable
-    assert m.n_free == 3 and list(m.evictable) == [a[1]]
     fresh = [m.allocate(), m.allocate()]  # the never-used blocks go first
     assert set(fresh).isdisjoint(a) and m.cached_prefix([k1, k2]) == a
     evicted = m.allocate()  # then the least recently used cached block: the tail of the prefix
     assert evicted == a[1] and m.cached_prefix([k1, k2]) == a[:1] and k2 not in m.cached
+    assert m.n_free == 1 and list(m.evictable) == [a[0]]
+    m.hold(a[:1])  # held again: not evictable
+    assert m.n_free == 0 and not m.evictable and m.ref[a[0]] == 1
 
 
 def test_without_prefix_caching_nothing_is_found_or_kept():

@@ -129,16 +129,18 @@ def test_a_preempted_seeded_request_draws_each_token_once(tiny64, checked_steps)
 
 def test_prefix_caching_computes_a_shared_prompt_once(tiny64):
     """Six requests with the same 32-token prompt head, one after another: with prefix caching, the head's
-    8 blocks are computed once and found five times."""
+    8 blocks are computed once and found five times. A seventh prompt is the head alone, all of it cached:
+    its last block is computed again, for the logits of its last token."""
     model, tok = tiny64
     head = list(range(1, 33))
-    requests = [Request(head + [40 + i], 3, arrival=4 * i) for i in range(6)]
+    requests = [Request(head + [40 + i], 3, arrival=4 * i) for i in range(6)] + [Request(head, 3, arrival=30)]
     off = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=40)
     on = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=40, prefix_caching=True)
-    assert off.kv_stats["prefill_tokens"] == 6 * 33 and off.kv_stats["prefix_hit_tokens"] == 0
-    assert on.kv_stats["prefix_hit_tokens"] == 5 * 32 and on.kv_stats["prefill_tokens"] == 33 + 5 * 1
+    assert off.kv_stats["prefill_tokens"] == 6 * 33 + 32 and off.kv_stats["prefix_hit_tokens"] == 0
+    assert on.kv_stats["prefix_hit_tokens"] == 5 * 32 + 28 and on.kv_stats["prefill_tokens"] == 33 + 5 * 1 + 4
     assert [c.tokens for c in on.completions] == [c.tokens for c in off.completions]
-    assert on.completions[0].tokens == solo(model, tok, requests[0]).tokens
+    for i in (0, 6):
+        assert on.completions[i].tokens == solo(model, tok, requests[i]).tokens
 
 
 def test_chunked_prefill_keeps_the_running_sequence_decoding(tiny64):
