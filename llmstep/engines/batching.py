@@ -26,6 +26,16 @@ Each request samples with its own generator, one draw per row, from `llmstep.sam
 the ones `llmstep.generate` gives it alone with the same seed and the same cache size. Batching changes
 when a token is made, not which token (up to the float rounding of a batched matmul; exact in float64).
 
+Over a paged KV cache (`PagedBatcher`, kv="paged"; llmstep.core.paged_kv) a sequence holds blocks, not a
+slot: admission asks for free blocks, and a sequence takes one more as it fills its last. There is no
+separate prefill: each engine step is one forward over a flattened row [1, N] holding every running
+sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al.
+2023, "Sarathi"), each token at its own position, written to its own block slot, attending to its own
+sequence's keys (vLLM lays a step out the same way). When the pool runs dry the youngest sequence is
+preempted: its blocks go back and it recomputes what it knew when it returns (its generator keeps its
+place: a token is drawn once). With prefix caching a newcomer starts after the longest prefix of full
+blocks already computed by anyone. That step runs eager: its shapes change every step.
+
 Every request is checked before any work (a bad one is refused with its index, and nothing runs). A
 batcher owns its cache: one `run` at a time (a second thread gets `decoding.ConcurrentUseError`). Logits
 that are NaN or Inf are flagged per request on the device and reported at the end of the run.
