@@ -34,7 +34,7 @@ def test_blocks_for_counts_the_partial_block():
 def test_block_keys_chain_the_whole_prefix():
     a = block_key(None, [1, 2, 3, 4])
     assert a == block_key(None, [1, 2, 3, 4]) and a != block_key(None, [1, 2, 3, 5])
-    assert block_key(a, [5, 6, 7, 8]) != block_key(block_key(None, [9, 2, 3, 4]), [5, 6, 7, 8])  # same block, other past
+    assert block_key(a, [5, 6, 7, 8]) != block_key(block_key(None, [9, 2, 3, 4]), [5, 6, 7, 8])  # other past
     assert block_key(None, [1, 23]) != block_key(None, [12, 3])  # ids are separated
 
 
