@@ -74,7 +74,7 @@ from .decoding import (
 from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "run_batch", "check_request", "POLICIES", "KV_LAYOUTS"]
+           "make_batcher", "run_batch", "check_request", "POLICIES", "KV_LAYOUTS"]
 
 
 @dataclass
@@ -365,11 +365,11 @@ class PagedBatcher:
 KV_LAYOUTS = ("contiguous", "paged")
 
 
-def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, policy: str = "continuous",
-              max_len: int | None = None, compile: bool | None = None, kv: str = "contiguous", block_size: int = 16,
-              kv_blocks: int | None = None, prefix_caching: bool = False, prefill_chunk: int | None = None) -> BatchRun:
-    """One-shot: a ContinuousBatcher with n_slots slots (kv="contiguous"), or a PagedBatcher running at most
-    n_slots sequences over kv_blocks blocks (kv="paged"), serves `requests`."""
+def make_batcher(model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
+                 kv: str = "contiguous", block_size: int = 16, kv_blocks: int | None = None,
+                 prefix_caching: bool = False, prefill_chunk: int | None = None) -> ContinuousBatcher | PagedBatcher:
+    """A ContinuousBatcher with n_slots slots (kv="contiguous"), or a PagedBatcher running at most n_slots
+    sequences over kv_blocks blocks (kv="paged"); each layout's options refused for the other."""
     if kv not in KV_LAYOUTS:
         raise ValueError(f"unknown KV cache layout {kv!r}: choose one of {', '.join(KV_LAYOUTS)}")
     if kv == "contiguous":
@@ -378,9 +378,17 @@ def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, polic
         if any(paged_only.values()):
             raise ValueError(f"{', '.join(k for k, v in paged_only.items() if v)} set the paged KV cache: pass "
                              "kv='paged' (a contiguous cache has none)")
-        return ContinuousBatcher(model, n_slots, max_len, compile).run(requests, policy)
+        return ContinuousBatcher(model, n_slots, max_len, compile)
     for name, value in (("max_len", max_len), ("compile", compile)):
         if value not in (None, False):
             raise ValueError(f"{name} sets the contiguous cache's slots: the paged cache has blocks (kv_blocks) "
                              "and runs eager")
-    return PagedBatcher(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk).run(requests, policy)
+    return PagedBatcher(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)
+
+
+def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, policy: str = "continuous",
+              max_len: int | None = None, compile: bool | None = None, kv: str = "contiguous", block_size: int = 16,
+              kv_blocks: int | None = None, prefix_caching: bool = False, prefill_chunk: int | None = None) -> BatchRun:
+    """One-shot: `make_batcher`'s batcher serves `requests`."""
+    return make_batcher(model, n_slots, max_len, compile, kv, block_size, kv_blocks, prefix_caching,
+                        prefill_chunk).run(requests, policy)
