@@ -92,6 +92,7 @@ class BatchRun:
     seconds: float = 0.0
     kv_stats: dict = field(default_factory=dict)  # the cache's use: block_size, blocks_total, peak_blocks_used, ...
     block_tables: list[dict[int, list[int]]] = field(default_factory=list)  # paged: per step, id -> its blocks
+    step_tokens: list[int] = field(default_factory=list)  # paged: per step, the tokens its one forward computed
 
     @property
     def steps(self) -> int:
@@ -344,6 +345,7 @@ class BlockScheduler(Scheduler):
         self.stats["peak_blocks_used"] = self.blocks.peak_used
         self.run.timeline.append([s.job.id for s in out] + [-1] * (self.run.n_slots - len(out)))
         self.run.block_tables.append({s.job.id: list(self.tables[s.job.id]) for s in out})
+        self.run.step_tokens.append(sum(n for _, n in plan))
         return out
 
     def computed_chunk(self, s: Scheduled) -> None:
@@ -368,6 +370,7 @@ class BlockScheduler(Scheduler):
         while not self.queue and not self.slots and self.arrivals[0].completion.arrival > self.step:
             self.run.timeline.append([-1] * self.run.n_slots)  # nothing to do until the next request arrives
             self.run.block_tables.append({})
+            self.run.step_tokens.append(0)
             self.run.step_seconds.append(0.0)
             self.step += 1
         super().begin_step()

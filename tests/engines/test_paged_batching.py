@@ -152,8 +152,10 @@ def test_chunked_prefill_keeps_the_running_sequence_decoding(tiny64):
     steps = [s for s, row in enumerate(run.timeline) if 1 in row]
     assert steps[:6] == [3, 4, 5, 6, 7, 8] and run.completions[1].tokens  # 5 chunks, then its decode step
     assert all(0 in run.timeline[s] for s in steps[:5])
+    assert run.step_tokens[3:9] == [9, 9, 9, 9, 9, 2]  # 8 prompt tokens and a decode token; then two decodes
     whole = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=24)
     assert [s for s, row in enumerate(whole.timeline) if 1 in row][:2] == [3, 4]
+    assert whole.step_tokens[3:5] == [41, 2]
     assert [c.tokens for c in run.completions] == [c.tokens for c in whole.completions]
 
 
