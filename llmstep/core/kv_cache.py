@@ -3,6 +3,10 @@
 Attention masks keys by position (a query at position p sees keys at positions <= p), so anything in
 the cache beyond a sequence's length is never read: rolling back after a rejected speculative token
 is just moving `lengths` back, and a batch slot is reused by writing over it.
+
+The cache also says what a forward attends over (`mask`): the model's one forward asks its cache, so the
+contiguous cache here and the paged one (`paged_kv.py`) answer the same three calls: `mask(positions)`,
+`write(layer, positions, k, v, kv_len)` and `advance(positions)`.
 """
 
 from __future__ import annotations
