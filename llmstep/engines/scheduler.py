@@ -93,6 +93,7 @@ class BatchRun:
     kv_stats: dict = field(default_factory=dict)  # the cache's use: block_size, blocks_total, peak_blocks_used, ...
     block_tables: list[dict[int, list[int]]] = field(default_factory=list)  # paged: per step, id -> its blocks
     step_tokens: list[int] = field(default_factory=list)  # paged: per step, the tokens its one forward computed
+    queued: list[int] = field(default_factory=list)  # per step: requests arrived and waiting once it has admitted
 
     @property
     def steps(self) -> int:
@@ -172,6 +173,7 @@ class Scheduler:
         """Skip the steps in which nothing runs and nobody arrives (recorded idle), then let arrivals in."""
         while not self.queue and not any(self.slots) and self.arrivals[0].completion.arrival > self.step:
             self.run.timeline.append([-1] * len(self.slots))  # nothing to do until the next request arrives
+            self.run.queued.append(0)
             self.run.step_seconds.append(0.0)
             self.step += 1
         self._step_start = self.clock()
@@ -205,6 +207,7 @@ class Scheduler:
     def running(self) -> list[Job | None]:
         """Whom this step's batched decode serves, one entry per slot (None: free); recorded in the timeline."""
         self.run.timeline.append([-1 if j is None else j.id for j in self.slots])
+        self.run.queued.append(len(self.queue))
         return list(self.slots)
 
     def take(self, job: Job, token_id: int) -> None:
@@ -346,6 +349,7 @@ class BlockScheduler(Scheduler):
         self.run.timeline.append([s.job.id for s in out] + [-1] * (self.run.n_slots - len(out)))
         self.run.block_tables.append({s.job.id: list(self.tables[s.job.id]) for s in out})
         self.run.step_tokens.append(sum(n for _, n in plan))
+        self.run.queued.append(len(self.queue))
         return out
 
     def computed_chunk(self, s: Scheduled) -> None:
@@ -371,6 +375,7 @@ class BlockScheduler(Scheduler):
             self.run.timeline.append([-1] * self.run.n_slots)  # nothing to do until the next request arrives
             self.run.block_tables.append({})
             self.run.step_tokens.append(0)
+            self.run.queued.append(0)
             self.run.step_seconds.append(0.0)
             self.step += 1
         super().begin_step()

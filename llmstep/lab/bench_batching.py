@@ -186,8 +186,8 @@ def measure_prefix_caching(model: Llama, requests: list[Request], n_slots: int =
 def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: int = 4, block_size: int = 16) -> dict:
     """Equal cache memory two ways: contiguous_slots slots each sized for the longest request, or the same
     positions as blocks of block_size (no cap on sequences). How many sequences each runs at once: the peak,
-    and the mean over the steps in which a request is still waiting for its first admission (memory is the
-    limit then; the ratio compares these); in how many engine steps, with the same tokens."""
+    and the mean over the steps that leave a request waiting (memory is the limit then; the ratio compares
+    these); in how many engine steps, with the same tokens."""
     slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, model.config.max_seq_len) for r in requests)
     kv_blocks = contiguous_slots * slot_len // block_size
     contiguous = run_batch(model, requests, contiguous_slots, max_len=slot_len, compile=False)
@@ -196,7 +196,7 @@ def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: in
            "block_size": block_size, "kv_blocks": kv_blocks, "same_tokens": _same_tokens(contiguous, paged)}
     for name, run in (("contiguous", contiguous), ("paged", paged)):
         running = [sum(i >= 0 for i in step) for step in run.timeline]
-        busy = [n for s, n in enumerate(running) if any(c.arrival <= s < c.admitted for c in run.completions)]
+        busy = [n for n, waiting in zip(running, run.queued, strict=True) if waiting]  # memory is the limit
         row[name] = {"peak_sequences": max(running), "mean_sequences_while_full": statistics.fmean(busy or [0]),
                      "engine_steps": run.steps, "seconds": run.seconds, "tokens_per_second": run.tokens_per_second,
                      "peak_blocks_used": run.kv_stats["peak_blocks_used"],
