@@ -21,6 +21,7 @@ from llmstep.lab.bench_batching import (
     measure_chunked_prefill,
     measure_prefix_caching,
     random_workload,
+    schedule_capacity,
     shared_prefix_workload,
 )
 
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--requests", type=int, default=16, help="requests of the prefix and capacity workloads")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of the chunked-prefill timing")
+    p.add_argument("--parts", default="prefix,capacity,chunked", help="which measurements, comma-separated")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     check_output_path(args.out, "--out")
@@ -49,15 +51,26 @@ def main(argv: list[str]) -> dict:
         atomic_write_json(args.out, record, default=str)
         print(key, value, flush=True)
 
-    # 1. A shared 256-token system prompt (16 full blocks), a request per engine step.
-    requests = shared_prefix_workload(args.requests, vocab, system_len=256, user_len=(8, 32), new_tokens=(4, 16))
-    save("prefix_caching", measure_prefix_caching(model, requests, n_slots=8, block_size=16))
-    # 2. Equal memory: 4 contiguous slots sized for the longest request, or the same positions in blocks of 16.
-    requests = random_workload(args.requests, vocab, prompt_len=(8, 32), new_tokens=(4, 160), seed=1)
-    save("capacity", measure_capacity(model, requests, contiguous_slots=4, block_size=16))
-    # 3. Four sequences decoding when a 384-token prompt arrives: whole, or in chunks of 64 or 16 tokens.
-    save("chunked_prefill", measure_chunked_prefill(model, running=4, new_tokens=48, long_prompt=384, arrival=8,
-                                                    chunks=(None, 64, 16), repeats=args.repeats))
+    parts = set(args.parts.split(","))
+    if "prefix" in parts:  # 1. A shared 256-token system prompt (16 full blocks), about a request per engine step.
+        requests = shared_prefix_workload(args.requests, vocab, system_len=256, user_len=(8, 32), new_tokens=(4, 16))
+        save("prefix_caching", measure_prefix_caching(model, requests, n_slots=8, block_size=16))
+    if "capacity" in parts:  # 2. Equal memory: contiguous slots sized for the longest request, or the same
+        # positions in blocks of 16; the model run for seed 1, then the schedules alone for seeds 0-19, 2 and 4 slots.
+        requests = random_workload(args.requests, vocab, prompt_len=(8, 32), new_tokens=(4, 160), seed=1)
+        save("capacity", measure_capacity(model, requests, contiguous_slots=2, block_size=16))
+        sweep = {}
+        for slots in (2, 4):
+            rows = [schedule_capacity(random_workload(args.requests, vocab, (8, 32), (4, 160), seed=s),
+                                      model.config.max_seq_len, slots, 16) for s in range(20)]
+            ratios = sorted(r["sequences_ratio"] for r in rows)
+            sweep[f"{slots}_slots"] = {"ratios": ratios, "median": ratios[len(ratios) // 2 - 1:len(ratios) // 2 + 1],
+                                       "min": ratios[0], "max": ratios[-1],
+                                       "at_least_2x": sum(r >= 2 for r in ratios)}
+        save("capacity_schedule_sweep", sweep)
+    if "chunked" in parts:  # 3. Four sequences decoding when a 384-token prompt arrives: whole, or in chunks.
+        save("chunked_prefill", measure_chunked_prefill(model, running=4, new_tokens=48, long_prompt=384,
+                                                        arrival=8, chunks=(None, 64, 16), repeats=args.repeats))
     return record
 
 

@@ -17,13 +17,14 @@ import torch
 
 from ..core.cost import model_step_cost
 from ..core.model import Llama
+from ..core.paged_kv import BlockManager
 from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, run_batch
-from ..engines.decoding import cache_len
-from ..engines.scheduler import BatchRun
+from ..engines.decoding import budget, cache_len
+from ..engines.scheduler import BatchRun, BlockScheduler, Completion, Job, Scheduler
 from . import runinfo
 
 __all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench", "shared_prefix_workload",
-           "measure_prefix_caching", "measure_capacity", "measure_chunked_prefill", "percentile"]
+           "measure_prefix_caching", "measure_capacity", "measure_chunked_prefill", "percentile", "schedule_capacity"]
 
 
 MAX_REQUESTS = 100_000  # a workload held as Python lists: 1e8 requests of ~40 ids took 5 GB before any work
@@ -196,13 +197,54 @@ def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: in
            "block_size": block_size, "kv_blocks": kv_blocks, "same_tokens": _same_tokens(contiguous, paged)}
     for name, run in (("contiguous", contiguous), ("paged", paged)):
         running = [sum(i >= 0 for i in step) for step in run.timeline]
-        busy = [n for n, waiting in zip(running, run.queued, strict=True) if waiting]  # memory is the limit
-        row[name] = {"peak_sequences": max(running), "mean_sequences_while_full": statistics.fmean(busy or [0]),
+        row[name] = {"peak_sequences": max(running), "mean_sequences_while_full": _mean_running_while_full(run),
                      "engine_steps": run.steps, "seconds": run.seconds, "tokens_per_second": run.tokens_per_second,
                      "peak_blocks_used": run.kv_stats["peak_blocks_used"],
                      "preemptions": run.kv_stats["preemptions"]}
     row["sequences_ratio"] = row["paged"]["mean_sequences_while_full"] / row["contiguous"]["mean_sequences_while_full"]
     return row
+
+
+def _mean_running_while_full(run: BatchRun) -> float:
+    busy = [sum(i >= 0 for i in step) for step, waiting in zip(run.timeline, run.queued, strict=True) if waiting]
+    return statistics.fmean(busy) if busy else 0.0
+
+
+def schedule_capacity(requests: list[Request], context: int, contiguous_slots: int = 4, block_size: int = 16) -> dict:
+    """measure_capacity's counts without a model: requests without stop tokens make exactly their tokens, so
+    the schedules (and so the sequences running at every step) do not depend on which tokens; the schedulers
+    run with a made-up token. Fast enough to sweep many workloads (tests hold it equal to measure_capacity)."""
+    slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, context) for r in requests)
+    if any(r.stop_ids for r in requests):
+        raise ValueError("schedule_capacity needs requests without stop tokens (their schedule depends on tokens)")
+
+    def jobs() -> list[Job]:
+        return [Job(Completion(id=i, prompt_ids=list(r.prompt_ids), arrival=r.arrival),
+                    budget(len(r.prompt_ids), r.max_new_tokens, context), set()) for i, r in enumerate(requests)]
+
+    ticks = iter(range(10**9))
+    contiguous = Scheduler(jobs(), contiguous_slots, clock=lambda: float(next(ticks)))
+    while not contiguous.done:
+        contiguous.begin_step()
+        while (job := contiguous.admit()) is not None:
+            contiguous.take(job, 0)
+        for job in contiguous.running():
+            if job is not None:
+                contiguous.take(job, 0)
+        contiguous.end_step()
+    kv_blocks = contiguous_slots * slot_len // block_size
+    paged = BlockScheduler(jobs(), len(requests), BlockManager(kv_blocks, block_size), clock=lambda: float(next(ticks)))
+    while not paged.done:
+        paged.begin_step()
+        for work in paged.schedule():
+            paged.computed_chunk(work)
+            if work.samples:
+                paged.take(work.job, 0)
+        paged.end_step()
+    c, p = _mean_running_while_full(contiguous.run), _mean_running_while_full(paged.run)
+    return {"slot_len": slot_len, "kv_blocks": kv_blocks, "contiguous_mean_sequences_while_full": c,
+            "paged_mean_sequences_while_full": p, "sequences_ratio": p / c, "contiguous_steps": contiguous.run.steps,
+            "paged_steps": paged.run.steps, "preemptions": paged.run.kv_stats["preemptions"]}
 
 
 def measure_chunked_prefill(model: Llama, running: int = 4, new_tokens: int = 96, long_prompt: int = 400,

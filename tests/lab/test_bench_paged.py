@@ -13,6 +13,7 @@ from llmstep.lab.bench_batching import (
     measure_prefix_caching,
     percentile,
     random_workload,
+    schedule_capacity,
     shared_prefix_workload,
 )
 
@@ -48,6 +49,11 @@ def test_capacity_compares_equal_memory(tiny):
     assert row["contiguous"]["peak_sequences"] == 2 and row["contiguous"]["mean_sequences_while_full"] == 2
     assert row["paged"]["peak_blocks_used"] <= row["kv_blocks"]
     assert row["sequences_ratio"] > 1 and row["paged"]["engine_steps"] < row["contiguous"]["engine_steps"]
+    counted = schedule_capacity(requests, tiny.config.max_seq_len, contiguous_slots=2, block_size=4)  # no model
+    assert counted["sequences_ratio"] == row["sequences_ratio"] and counted["kv_blocks"] == row["kv_blocks"]
+    assert (counted["contiguous_steps"], counted["paged_steps"]) == (row["contiguous"]["engine_steps"],
+                                                                     row["paged"]["engine_steps"])
+    assert counted["preemptions"] == row["paged"]["preemptions"]
 
 
 def test_chunked_prefill_rows_keep_the_tokens(tiny):
