@@ -9,12 +9,14 @@ arrives. Token counts and engine steps are deterministic; seconds depend on the 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 import torch
 
 from llmstep.core.checkpoint import load_model
 from llmstep.core.files import atomic_write_json, check_output_path
+from llmstep.engines.decoding import CACHE_ROUNDING
 from llmstep.lab import runinfo
 from llmstep.lab.bench_batching import (
     measure_capacity,
@@ -34,7 +36,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--requests", type=int, default=16, help="requests of the prefix and capacity workloads")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of the chunked-prefill timing")
-    p.add_argument("--parts", default="prefix,capacity,chunked", help="which measurements, comma-separated")
+    p.add_argument("--parts", default="prefix,capacity,sweep,chunked", help="which measurements, comma-separated")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     check_output_path(args.out, "--out")
@@ -56,17 +58,21 @@ def main(argv: list[str]) -> dict:
         requests = shared_prefix_workload(args.requests, vocab, system_len=256, user_len=(8, 32), new_tokens=(4, 16))
         save("prefix_caching", measure_prefix_caching(model, requests, n_slots=8, block_size=16))
     if "capacity" in parts:  # 2. Equal memory: contiguous slots sized for the longest request, or the same
-        # positions in blocks of 16; the model run for seed 1, then the schedules alone for seeds 0-19, 2 and 4 slots.
+        # positions in blocks of 16, the model run for seed 1. Then ("sweep") the schedules alone for seeds 0-19: slots
+        # of the longest request exactly (2 and 4 of them), and 4 slots as ContinuousBatcher sizes them (256 positions).
         requests = random_workload(args.requests, vocab, prompt_len=(8, 32), new_tokens=(4, 160), seed=1)
         save("capacity", measure_capacity(model, requests, contiguous_slots=2, block_size=16))
+    if "sweep" in parts:
         sweep = {}
-        for slots in (2, 4):
+        for slots, rounding in ((2, 1), (4, 1), (4, CACHE_ROUNDING)):
             rows = [schedule_capacity(random_workload(args.requests, vocab, (8, 32), (4, 160), seed=s),
-                                      model.config.max_seq_len, slots, 16) for s in range(20)]
-            ratios = sorted(r["sequences_ratio"] for r in rows)
-            sweep[f"{slots}_slots"] = {"ratios": ratios, "median": ratios[len(ratios) // 2 - 1:len(ratios) // 2 + 1],
-                                       "min": ratios[0], "max": ratios[-1],
-                                       "at_least_2x": sum(r >= 2 for r in ratios)}
+                                      model.config.max_seq_len, slots, 16, rounding) for s in range(20)]
+            ratios = sorted(r["sequences_ratio"] for r in rows if r["sequences_ratio"] == r["sequences_ratio"])
+            sweep[f"{slots}_slots_rounded_to_{rounding}"] = {
+                "ratios": ratios, "workloads_where_memory_limits_paged": len(ratios),
+                "workloads_where_all_fit_at_once": len(rows) - len(ratios),
+                "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1],
+                "at_least_2x": sum(r >= 2 for r in ratios)}
         save("capacity_schedule_sweep", sweep)
     if "chunked" in parts:  # 3. Four sequences decoding when a 384-token prompt arrives: whole, or in chunks.
         save("chunked_prefill", measure_chunked_prefill(model, running=4, new_tokens=48, long_prompt=384,

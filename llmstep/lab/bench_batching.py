@@ -206,15 +206,18 @@ def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: in
 
 
 def _mean_running_while_full(run: BatchRun) -> float:
+    """Sequences running per step over the steps that leave a request waiting; NaN if none does (all fit)."""
     busy = [sum(i >= 0 for i in step) for step, waiting in zip(run.timeline, run.queued, strict=True) if waiting]
-    return statistics.fmean(busy) if busy else 0.0
+    return statistics.fmean(busy) if busy else float("nan")
 
 
-def schedule_capacity(requests: list[Request], context: int, contiguous_slots: int = 4, block_size: int = 16) -> dict:
+def schedule_capacity(requests: list[Request], context: int, contiguous_slots: int = 4, block_size: int = 16,
+                      rounding: int = 1) -> dict:
     """measure_capacity's counts without a model: requests without stop tokens make exactly their tokens, so
     the schedules (and so the sequences running at every step) do not depend on which tokens; the schedulers
-    run with a made-up token. Fast enough to sweep many workloads (tests hold it equal to measure_capacity)."""
-    slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, context) for r in requests)
+    run with a made-up token. Fast enough to sweep many workloads (tests hold it equal to measure_capacity).
+    rounding: the slots' length rounded up to it (ContinuousBatcher's own sizing: decoding.CACHE_ROUNDING)."""
+    slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, context, rounding=rounding) for r in requests)
     if any(r.stop_ids for r in requests):
         raise ValueError("schedule_capacity needs requests without stop tokens (their schedule depends on tokens)")
 
