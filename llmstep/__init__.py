@@ -9,6 +9,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     norm.py        RMSNorm
     attention.py   grouped-query attention
     kv_cache.py    the preallocated KV cache, written at explicit positions
+    paged_kv.py    the paged KV cache: blocks, block tables, prefix caching
     mlp.py         SwiGLU feed-forward
     model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
@@ -25,8 +26,8 @@ engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     compile.py     how a step is compiled for a device, and warmed up
     fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
     speculative.py the acceptance rule, its theory, the drafts, the teaching loop
-    scheduler.py   continuous batching's scheduler: queues, policy, admission (pure Python, no tensors)
-    batching.py    continuous batching's runner (the KV cache, the batched step) and ContinuousBatcher
+    scheduler.py   continuous batching's scheduler: queues, policy, admission, KV blocks (pure Python, no tensors)
+    batching.py    continuous batching's runners (the KV cache, the batched step), ContinuousBatcher, PagedBatcher
 lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
     roofline.py    the roofline picture

@@ -117,7 +117,15 @@ def add_commands(sub) -> None:
                    help="batch sizes for the decode-step timing")
     b.add_argument("--context", type=nonneg_int, default=64, help="context of the decode-step timing")
     b.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on CUDA only)")
+                   help="compile the decode step (default: on CUDA only; the paged step runs eager)")
+    b.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
+                   help="KV cache layout: a max_len row per slot, or a pool of blocks (continuous batching only)")
+    b.add_argument("--block-size", type=positive_int, default=None, help="--kv paged: positions per block (16)")
+    b.add_argument("--kv-blocks", type=positive_int, default=None,
+                   help="--kv paged: blocks in the pool (default: the memory of the contiguous slots)")
+    b.add_argument("--prefix-caching", action="store_true", help="--kv paged: share and keep full blocks of a prefix")
+    b.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="--kv paged: most prompt tokens per engine step (default: whole prompts)")
     b.add_argument("--seed", type=seed, default=0)
     b.add_argument("--json", default=None, help="write the whole record here")
     b.set_defaults(run=run_batch)
@@ -197,13 +205,21 @@ def run_batch(args, argv) -> dict:
 
     if args.json:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
+    kv = {"kv": args.kv} | {k: v for k, v in (("block_size", args.block_size), ("kv_blocks", args.kv_blocks),
+                                                ("prefix_caching", args.prefix_caching or None),
+                                                ("prefill_chunk", args.prefill_chunk)) if v is not None}
+    if args.kv == "contiguous" and len(kv) > 1:  # before the model loads
+        raise ValueError(f"--{', --'.join(k.replace('_', '-') for k in kv if k != 'kv')} set the paged KV cache: "
+                         "add --kv paged")
+    if args.kv == "paged" and args.compile:
+        raise ValueError("--compile: the paged step runs eager (its shapes change every step)")
     _set_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     workload = {"n_requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                 "rate": args.rate, "seed": args.seed, "temperature": args.temperature}
     machine = runinfo.machine(model.device, model.dtype)
     print(f"llmstep batch: {args.model or 'target'} on {machine.get('device_name', machine['cpu'])} "
-          f"{machine['dtype']}, {args.requests} requests", flush=True)
+          f"{machine['dtype']}, {args.requests} requests, {args.kv} KV cache", flush=True)
     print(f"{'policy':<11} {'slots':>5} {'steps':>6} {'busy':>6} {'tok/s':>9} {'latency':>9} {'first tok':>10}")
 
     def on_run(record: dict, run: dict) -> None:
@@ -211,6 +227,10 @@ def run_batch(args, argv) -> dict:
         print(f"{run['policy']:<11} {run['slots']:>5} {run['engine_steps']:>6} {run['slot_utilisation']:>6.0%} "
               f"{run['tokens_per_second']:>9,.1f} {run['mean_latency_seconds']:>8.2f}s "
               f"{run['mean_first_token_seconds']:>9.2f}s", flush=True)
+        if args.kv == "paged":
+            print(f"{'':<11} kv: peak {run['kv_peak_blocks_used']}/{run['kv_blocks_total']} blocks of "
+                  f"{run['kv_block_size']}, {run['kv_prefill_tokens']:,} prompt tokens computed, "
+                  f"{run['kv_prefix_hit_tokens']:,} found cached, {run['kv_preemptions']} preemptions", flush=True)
 
     def on_row(record: dict, row: dict) -> None:
         if len(record["batch_scaling"]) == 1:
@@ -221,6 +241,6 @@ def run_batch(args, argv) -> dict:
 
     record = bench_batching.run_batch_bench(model, str(args.model or "target"), workload, args.slots,
                                             args.batch_sizes, args.context, compile=args.compile, argv=argv,
-                                            on_run=on_run, on_row=on_row)
+                                            kv=kv, on_run=on_run, on_row=on_row)
     _write_json(args.json, record)
     return record

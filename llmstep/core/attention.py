@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
-from .kv_cache import KVCache
 from .rope import apply_rope
 
 __all__ = ["Attention", "attention", "causal_mask", "sdpa", "CAUSAL"]
@@ -81,12 +80,12 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)  # HF: o_proj
         self.wqkv: nn.Module | None = None  # wq|wk|wv stacked as one matmul, set by llmstep.core.fuse
 
-    def forward(self, x, cos, sin, positions, mask, cache: KVCache | None = None, layer: int = 0,
+    def forward(self, x, cos, sin, positions, mask, cache=None, layer: int = 0,
                 kv_len: int | None = None):
-        """x [B, T, dim] -> [B, T, dim]. With a cache, this step's keys and values are stored at
-        `positions` and the queries attend over the cache's first kv_len slots (the mask hides what
-        is not theirs to see; None means every slot is visible; CAUSAL means the keys are these tokens at
-        positions 0..T-1)."""
+        """x [B, T, dim] -> [B, T, dim]. With a cache (kv_cache.KVCache, paged_kv.PagedKVCache), this step's
+        keys and values are stored at `positions` and the queries attend over what the cache hands back (the
+        contiguous one: its first kv_len slots). The mask hides what is not theirs to see; None means every
+        key is visible; CAUSAL means the keys are these tokens at positions 0..T-1."""
         B, T, _ = x.shape
         if self.wqkv is None:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, T, n_heads*hd], [B, T, n_kv*hd] twice

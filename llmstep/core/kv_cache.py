@@ -3,6 +3,10 @@
 Attention masks keys by position (a query at position p sees keys at positions <= p), so anything in
 the cache beyond a sequence's length is never read: rolling back after a rejected speculative token
 is just moving `lengths` back, and a batch slot is reused by writing over it.
+
+The cache also says what a forward attends over (`mask`): the model's one forward asks its cache, so the
+contiguous cache here and the paged one (`paged_kv.py`) answer the same three calls: `mask(positions)`,
+`write(layer, positions, k, v, kv_len)` and `advance(positions)`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import operator
 
 import torch
 
+from .attention import CAUSAL, causal_mask
 from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
 
@@ -58,6 +63,29 @@ class KVCache:
         """Every tensor the model writes: what a compiled step must keep at fixed addresses."""
         return (*self.k, *self.v, self.lengths)
 
+    def positions(self, T: int) -> torch.Tensor:
+        """Where the next T tokens go by default: after each sequence's length -> [B, T]."""
+        return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
+
+    def mask(self, positions: torch.Tensor) -> tuple[torch.Tensor | str | None, int | None]:
+        """What queries at positions [B, T] attend over: (mask, kv_len), the mask as cheap as it can be
+        (`attention.sdpa`), kv_len the slots to read (None: all of them).
+
+        Compiled: static shapes, every slot, the mask hiding the unwritten ones. Eager: the filled slots only;
+        one sequence decoding one token sees all of them (None), one sequence's prefill into an empty cache
+        sees exactly its own tokens (CAUSAL), anything else gets a boolean mask [B, 1, T, kv_len]."""
+        B, T = positions.shape
+        if torch.compiler.is_compiling():
+            return causal_mask(positions, torch.arange(self.max_len, device=positions.device)), None
+        kv_len = int(positions.max()) + 1
+        if kv_len > self.max_len:
+            raise ValueError(f"position {kv_len - 1} is past the KV cache's {self.max_len} slots")
+        if B == 1 and T == 1:
+            return None, kv_len
+        if B == 1 and kv_len == T and bool((positions[0] == torch.arange(T, device=positions.device)).all()):
+            return CAUSAL, kv_len
+        return causal_mask(positions, torch.arange(kv_len, device=positions.device)), kv_len
+
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int | None = None):
         """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's cache up to kv_len [B, n_kv, S, hd]."""
         k_cache, v_cache = self.k[layer], self.v[layer]  # [B, n_kv, max_len, hd]
@@ -69,6 +97,10 @@ class KVCache:
             k_cache[rows, :, positions] = k.transpose(1, 2)
             v_cache[rows, :, positions] = v.transpose(1, 2)
         return k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+
+    def advance(self, positions: torch.Tensor) -> None:
+        """After a forward: each sequence's length is one past its last position [B, T]."""
+        self.lengths.copy_(positions[:, -1] + 1)
 
     def slot(self, i: int) -> KVCache:
         """Row i as a cache of batch 1 that shares this cache's memory: what is written to it lands in row i.

@@ -20,6 +20,7 @@ from .cost import check_fits, model_bytes
 from .kv_cache import KVCache
 from .mlp import FeedForward
 from .norm import RMSNorm
+from .paged_kv import PagedKVCache
 from .rope import config_inv_frequencies, rope_cos_sin
 
 __all__ = ["Block", "Llama", "materialize"]
@@ -70,48 +71,40 @@ class Llama(nn.Module):
         return KVCache(self.config, batch_size, max_len, device=self.device, dtype=self.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
+                cache: KVCache | PagedKVCache | None = None, last_only: bool = False,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only, [B, K, vocab] for the K
+        token indices in `keep`).
 
         positions [B, T] or [T]: where these tokens sit in their sequences. Default: 0..T-1 without a
-        cache, continuing after cache.lengths with one. With no cache this is a plain causal forward.
+        cache, continuing after cache.lengths with one. With no cache this is a plain causal forward. A paged
+        cache takes one flattened row [1, N] of several sequences' tokens, as its `plan` laid them out
+        (llmstep.core.paged_kv).
         """
         B, T = tokens.shape
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the KV cache holds {cache.batch_size} sequences but the tokens hold {B}: "
                              "give each sequence its row (cache.slot(i) is row i alone)")
-        default_positions = positions is None
-        if positions is None:
-            start = cache.lengths[:, None] if cache is not None else 0
-            positions = start + torch.arange(T, device=tokens.device)
-        positions = positions.expand(B, T)  # [B, T]
-        kv_len = None
         if cache is None:
             # The keys are these tokens: at 0..T-1 a causal mask needs no tensor (SDPA's is_causal).
-            mask = CAUSAL if default_positions else causal_mask(positions, positions)  # [B, 1, T, T]
-        elif torch.compiler.is_compiling():
-            # Compiled: static shapes, attend over every slot; the mask hides the unwritten ones.
-            mask = causal_mask(positions, torch.arange(cache.max_len, device=tokens.device))
+            default_positions = positions is None
+            positions = (torch.arange(T, device=tokens.device) if default_positions else positions).expand(B, T)
+            mask, kv_len = CAUSAL if default_positions else causal_mask(positions, positions), None  # [B, 1, T, T]
         else:
-            # Eager: attend over the filled slots only. One sequence decoding one token sees all of them.
-            kv_len = int(positions.max()) + 1
-            if kv_len > cache.max_len:
-                raise ValueError(f"position {kv_len - 1} is past the KV cache's {cache.max_len} slots")
-            if B == 1 and T == 1:  # one token sees every filled slot
-                mask = None
-            elif B == 1 and kv_len == T and bool((positions[0] == torch.arange(T, device=tokens.device)).all()):
-                mask = CAUSAL  # one sequence's prefill into an empty cache: the keys are these tokens
-            else:
-                mask = causal_mask(positions, torch.arange(kv_len, device=tokens.device))
+            # The cache says what these positions attend over (kv_cache.KVCache.mask, paged_kv.PagedKVCache.mask)
+            positions = (cache.positions(T) if positions is None else positions).expand(B, T)  # [B, T]
+            mask, kv_len = cache.mask(positions)
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [B, T, head_dim]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, positions, mask, cache, i, kv_len)
         if cache is not None:
-            cache.lengths.copy_(positions[:, -1] + 1)
+            cache.advance(positions)
         if last_only:
             x = x[:, -1:]
+        elif keep is not None:
+            x = x[:, keep]  # [B, len(keep), dim]: only the tokens whose next token is wanted
         return self.output(self.norm(x))  # [B, T, vocab]
 
 

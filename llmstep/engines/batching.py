@@ -26,6 +26,16 @@ Each request samples with its own generator, one draw per row, from `llmstep.sam
 the ones `llmstep.generate` gives it alone with the same seed and the same cache size. Batching changes
 when a token is made, not which token (up to the float rounding of a batched matmul; exact in float64).
 
+Over a paged KV cache (`PagedBatcher`, kv="paged"; llmstep.core.paged_kv) a sequence holds blocks, not a
+slot: admission asks for free blocks, and a sequence takes one more as it fills its last. There is no
+separate prefill: each engine step is one forward over a flattened row [1, N] holding every running
+sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al.
+2023, "Sarathi"), each token at its own position, written to its own block slot, attending to its own
+sequence's keys (vLLM lays a step out the same way). When the pool runs dry the youngest sequence is
+preempted: its blocks go back and it recomputes what it knew when it returns (its generator keeps its
+place: a token is drawn once). With prefix caching a newcomer starts after the longest prefix of full
+blocks already computed by anyone. That step runs eager: its shapes change every step.
+
 Every request is checked before any work (a bad one is refused with its index, and nothing runs). A
 batcher owns its cache: one `run` at a time (a second thread gets `decoding.ConcurrentUseError`). Logits
 that are NaN or Inf are flagged per request on the device and reported at the end of the run.
@@ -33,6 +43,7 @@ that are NaN or Inf are flagged per request on the device and reported at the en
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -43,6 +54,7 @@ import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
+from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for
 from ..core.sampling import check_params, sample
 from .compile import Step, warm_up
 from .decoding import (
@@ -59,9 +71,10 @@ from .decoding import (
     make_generator,
     stop_id_set,
 )
-from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
+from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
 
-__all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "run_batch", "POLICIES"]
+__all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
+           "make_batcher", "run_batch", "check_request", "POLICIES", "KV_LAYOUTS"]
 
 
 @dataclass
@@ -76,6 +89,22 @@ class Request:
     seed: int | None = None
     stop_ids: Iterable[int] = ()  # () never stops early; pass tokenizer.eos_ids to stop at the end of a text
     arrival: int = 0
+
+
+def check_request(i: int, r: Request, vocab_size: int, limit: int) -> tuple[list[int], set[int]]:
+    """Request i checked against sequences of `limit` positions: its prompt ids and stop ids (each read once:
+    either may be a one-shot iterator). A bad one raises a ValueError that starts with its index."""
+    try:
+        check_params(r.temperature, r.top_k, r.top_p)
+        check_max_new_tokens(r.max_new_tokens)
+        check_seed(r.seed)
+        if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
+            raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
+        stops = stop_id_set(r.stop_ids, vocab_size)
+        ids = check_prompt_ids(r.prompt_ids, vocab_size, limit, room="a batch slot's length")
+    except ValueError as e:
+        raise ValueError(f"request {i}: {e}") from None
+    return ids, stops
 
 
 class BatchRunner:
@@ -161,26 +190,11 @@ class ContinuousBatcher:
     def warmup(self) -> float:
         return self.runner.warmup()
 
-    def _check(self, i: int, r: Request, limit: int) -> tuple[list[int], set[int]]:
-        """A request checked against slots of `limit` positions: its prompt ids and stop ids (each read once:
-        either may be a one-shot iterator)."""
-        try:
-            check_params(r.temperature, r.top_k, r.top_p)
-            check_max_new_tokens(r.max_new_tokens)
-            check_seed(r.seed)
-            if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
-                raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
-            stops = stop_id_set(r.stop_ids, self.model.config.vocab_size)
-            ids = check_prompt_ids(r.prompt_ids, self.model.config.vocab_size, limit, room="a batch slot's length")
-        except ValueError as e:
-            raise ValueError(f"request {i}: {e}") from None
-        return ids, stops
-
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""
         context = self.model.config.max_seq_len
-        checked = [self._check(i, r, context if self.sized_per_request else self.max_len)
-                   for i, r in enumerate(requests)]  # all checked before any work
+        checked = [check_request(i, r, self.model.config.vocab_size, context if self.sized_per_request
+                                 else self.max_len) for i, r in enumerate(requests)]  # all checked before any work
         slot_len = self.max_len
         if self.sized_per_request:  # the slots the longest request needs, if more than the cache has
             slot_len = max([slot_len] + [cache_len(len(ids), r.max_new_tokens, context, rounding=CACHE_ROUNDING)
@@ -228,12 +242,153 @@ class ContinuousBatcher:
                     scheduler.take(job, token_id)
             synchronize(device)
             scheduler.end_step()
-        scheduler.run.seconds = time.perf_counter() - start
+        run = scheduler.run
+        run.seconds = time.perf_counter() - start
         nonfinite.check()
-        return scheduler.run
+        run.kv_stats = {"block_size": self.max_len, "blocks_total": self.n_slots,  # a slot is one max_len block
+                        "peak_blocks_used": max((sum(i >= 0 for i in row) for row in run.timeline), default=0),
+                        "prefix_hit_tokens": 0, "preemptions": 0,
+                        "prefill_tokens": sum(len(run.completions[i].prompt_ids) for _, _, i in run.prefills
+                                             if run.completions[i].tokens),  # a request for 0 has no prefill
+                        "decode_tokens": sum(i >= 0 for row in run.timeline for i in row)}
+        return run
+
+
+class PagedRunner:
+    """The model runner over a paged KV cache: one forward per engine step, every scheduled token of every
+    sequence in one flattened row [1, N] (llmstep.core.paged_kv). Eager: its shapes change every step."""
+
+    def __init__(self, model: Llama, n_blocks: int, block_size: int):
+        self.model, self.device = model, model.device
+        self.cache = PagedKVCache(model.config, n_blocks, block_size, device=model.device, dtype=model.dtype)
+
+    def forward(self, work: Sequence[Scheduled]) -> torch.Tensor:
+        """The step's chunks in order -> logits [K, vocab] (float32) after the last token of each of the K
+        chunks that sample."""
+        positions = self.cache.plan([s.chunk for s in work])  # [1, N]
+        tokens = torch.tensor([[t for s in work for t in s.tokens]], device=self.device)  # [1, N]
+        ends = itertools.accumulate(s.chunk.n_tokens for s in work)
+        keep = torch.tensor([e - 1 for e, s in zip(ends, work, strict=True) if s.samples],
+                            dtype=torch.long, device=self.device)  # [K]
+        return self.model(tokens, positions, self.cache, keep=keep)[0].float()
+
+
+class PagedBatcher:
+    """Continuous batching over a paged KV cache: at most n_slots sequences at once, admitted by free blocks.
+
+    kv_blocks: blocks of block_size positions in the pool; None gives the memory a ContinuousBatcher's
+    n_slots slots would take for the same requests (each slot sized for the longest). prefix_caching: full
+    blocks are shared between sequences with the same tokens so far, and kept after them (LRU).
+    prefill_chunk: the most prompt tokens an engine step computes (None: a whole prompt at once).
+    """
+
+    def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, kv_blocks: int | None = None,
+                 prefix_caching: bool = False, prefill_chunk: int | None = None):
+        check_int(n_slots, "n_slots", low=1)
+        check_int(block_size, "block_size", low=1)
+        for name, value in (("kv_blocks", kv_blocks), ("prefill_chunk", prefill_chunk)):
+            if value is not None:
+                check_int(value, name, low=1)
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        self.model, self.device, self.n_slots, self.block_size = model, model.device, n_slots, block_size
+        self.kv_blocks, self.prefix_caching, self.prefill_chunk = kv_blocks, prefix_caching, prefill_chunk
+        self.runner: PagedRunner | None = None
+        self._lock = threading.Lock()
+
+    def pool_blocks(self, checked: list[tuple[list[int], set[int]]], requests: Sequence[Request]) -> int:
+        if self.kv_blocks is not None:
+            return self.kv_blocks
+        context = self.model.config.max_seq_len
+        slot_len = max([cache_len(len(ids), r.max_new_tokens, context, rounding=CACHE_ROUNDING)
+                        for (ids, _), r in zip(checked, requests, strict=True)], default=1)
+        return self.n_slots * blocks_for(slot_len, self.block_size)
+
+    def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
+        """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
+        if policy != "continuous":
+            raise ValueError(f"a paged KV cache serves continuous batching only, got policy {policy!r}")
+        context = self.model.config.max_seq_len
+        checked = [check_request(i, r, self.model.config.vocab_size, context) for i, r in enumerate(requests)]
+        n_blocks = self.pool_blocks(checked, requests)
+        jobs = []
+        for i, ((ids, stops), r) in enumerate(zip(checked, requests, strict=True)):
+            plan = budget(len(ids), r.max_new_tokens, context)
+            need = blocks_for(len(ids) + plan.tokens - 1, self.block_size) if plan.tokens else 0
+            if need > n_blocks:  # the last token made is never written
+                raise ValueError(f"request {i}: its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need "
+                                 f"{need} blocks of {self.block_size} positions, the whole pool has {n_blocks}")
+            jobs.append(Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)), plan, stops))
+        scheduler = BlockScheduler(jobs, self.n_slots, BlockManager(n_blocks, self.block_size, self.prefix_caching),
+                                   self.prefill_chunk)
+        with exclusive(self._lock, self):
+            if self.runner is None or self.runner.cache.n_blocks != n_blocks:
+                self.runner = PagedRunner(self.model, n_blocks, self.block_size)
+            return self._run(requests, scheduler)
+
+    @torch.inference_mode()
+    def _run(self, requests: Sequence[Request], scheduler: BlockScheduler) -> BatchRun:
+        generators = {}  # request id -> its generator: one draw per token made, never again for a recomputed one
+        device = self.device
+        nonfinite = NonFiniteLogits(device, requests=len(requests))
+        start = time.perf_counter()
+        while not scheduler.done:
+            synchronize(device)
+            scheduler.begin_step()
+            work = scheduler.schedule()
+            if not work and scheduler.queue and not scheduler.slots:  # each request fits the pool alone
+                raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
+            if work:
+                logits = self.runner.forward(work)  # [K, vocab]
+                for s in work:
+                    scheduler.computed_chunk(s)
+                sampled = [s.job for s in work if s.samples]  # none when every chunk is a prompt's middle
+                for job in sampled:
+                    if job.id not in generators:
+                        generators[job.id] = make_generator(device, requests[job.id].seed)
+                if sampled:
+                    nonfinite.update(logits, torch.tensor([j.id for j in sampled], device=device))
+                    drawn = torch.cat([sample(logits[k:k + 1], requests[j.id].temperature, requests[j.id].top_k,
+                                              requests[j.id].top_p, generators[j.id])
+                                       for k, j in enumerate(sampled)])  # [K]: one draw each, its own generator
+                    for job, token_id in zip(sampled, drawn.tolist(), strict=True):  # one wait for the device
+                        scheduler.take(job, token_id)
+            synchronize(device)
+            scheduler.end_step()
+        run = scheduler.run
+        run.seconds = time.perf_counter() - start
+        run.kv_stats["kv_bytes"] = self.runner.cache.nbytes
+        nonfinite.check()
+        return run
+
+
+KV_LAYOUTS = ("contiguous", "paged")
+
+
+def make_batcher(model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
+                 kv: str = "contiguous", block_size: int = 16, kv_blocks: int | None = None,
+                 prefix_caching: bool = False, prefill_chunk: int | None = None) -> ContinuousBatcher | PagedBatcher:
+    """A ContinuousBatcher with n_slots slots (kv="contiguous"), or a PagedBatcher running at most n_slots
+    sequences over kv_blocks blocks (kv="paged"); each layout's options refused for the other."""
+    if kv not in KV_LAYOUTS:
+        raise ValueError(f"unknown KV cache layout {kv!r}: choose one of {', '.join(KV_LAYOUTS)}")
+    if kv == "contiguous":
+        paged_only = {"block_size": block_size != 16, "kv_blocks": kv_blocks is not None,
+                      "prefix_caching": prefix_caching is not False, "prefill_chunk": prefill_chunk is not None}
+        if any(paged_only.values()):
+            raise ValueError(f"{', '.join(k for k, v in paged_only.items() if v)} set the paged KV cache: pass "
+                             "kv='paged' (a contiguous cache has none)")
+        return ContinuousBatcher(model, n_slots, max_len, compile)
+    for name, value in (("max_len", max_len), ("compile", compile)):
+        if value not in (None, False):
+            raise ValueError(f"{name} sets the contiguous cache's slots: the paged cache has blocks (kv_blocks) "
+                             "and runs eager")
+    return PagedBatcher(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)
 
 
 def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, policy: str = "continuous",
-              max_len: int | None = None, compile: bool | None = None) -> BatchRun:
-    """One-shot: a ContinuousBatcher with n_slots slots serves `requests`."""
-    return ContinuousBatcher(model, n_slots, max_len, compile).run(requests, policy)
+              max_len: int | None = None, compile: bool | None = None, kv: str = "contiguous", block_size: int = 16,
+              kv_blocks: int | None = None, prefix_caching: bool = False, prefill_chunk: int | None = None) -> BatchRun:
+    """One-shot: `make_batcher`'s batcher serves `requests`."""
+    return make_batcher(model, n_slots, max_len, compile, kv, block_size, kv_blocks, prefix_caching,
+                        prefill_chunk).run(requests, policy)

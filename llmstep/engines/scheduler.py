@@ -14,10 +14,16 @@ same way: scheduler, KV-cache manager, model runner). An engine step, as `Contin
 4. `end_step`. A request leaves when `decoding.end_reason` says so: a stop token, its max_new_tokens, or
    the end of its slot (`decoding.budget`).
 
-What a slot is stays inside `admit` (`_free_slot`): one row of max_len positions, reserved whole. A
-paged KV cache would replace that with a block pool ("are there blocks for this prompt?", and a block
-more as a sequence grows), and chunked prefill would hand out a prompt in pieces across steps; the
-steps above stay as they are. Tests drive it with made-up tokens (tests/engines/test_scheduler.py).
+What a slot is stays inside `admit` (`_free_slot`): one row of max_len positions, reserved whole.
+
+`BlockScheduler` is the same loop over a paged KV cache (llmstep.core.paged_kv): admission by free
+blocks, not free slots, and no difference between prefill and decode. A sequence has tokens it knows (its
+prompt and what it made) and tokens in the cache; each step, `schedule` gives every running sequence the
+next of its known tokens to compute (one, when decoding; up to the step's `prefill_chunk` budget of prompt
+tokens, when prefilling) and the blocks they need, admits waiting ones while blocks, the budget and
+`n_slots` allow (their cached prefix first, with prefix caching), and preempts the youngest running
+sequence when the pool runs dry (its blocks freed, its known tokens recomputed when it returns). A sequence
+whose cache catches up with what it knows gets its next token. Tests drive it with made-up tokens too.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..core.paged_kv import BlockManager, SeqChunk, block_key, blocks_for
 from .decoding import Budget, DecodeResult, end_reason
 
-__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler"]
+__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "BlockScheduler", "Scheduled"]
 
 POLICIES = ("continuous", "static")
 
@@ -83,6 +90,10 @@ class BatchRun:
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)  # per engine step: its prefills and decode step
     seconds: float = 0.0
+    kv_stats: dict = field(default_factory=dict)  # the cache's use: block_size, blocks_total, peak_blocks_used, ...
+    block_tables: list[dict[int, list[int]]] = field(default_factory=list)  # paged: per step, id -> its blocks
+    step_tokens: list[int] = field(default_factory=list)  # paged: per step, the tokens its one forward computed
+    queued: list[int] = field(default_factory=list)  # per step: requests arrived and waiting once it has admitted
 
     @property
     def steps(self) -> int:
@@ -113,7 +124,7 @@ class BatchRun:
                 "mean_first_token_seconds": statistics.fmean(c.first_token_seconds for c in served)
                 if served else math.nan,
                 "mean_latency_seconds": statistics.fmean(c.latency_seconds for c in self.completions)
-                if self.completions else math.nan}
+                if self.completions else math.nan} | {f"kv_{k}": v for k, v in self.kv_stats.items()}
 
 
 @dataclass
@@ -162,6 +173,7 @@ class Scheduler:
         """Skip the steps in which nothing runs and nobody arrives (recorded idle), then let arrivals in."""
         while not self.queue and not any(self.slots) and self.arrivals[0].completion.arrival > self.step:
             self.run.timeline.append([-1] * len(self.slots))  # nothing to do until the next request arrives
+            self.run.queued.append(0)
             self.run.step_seconds.append(0.0)
             self.step += 1
         self._step_start = self.clock()
@@ -195,6 +207,7 @@ class Scheduler:
     def running(self) -> list[Job | None]:
         """Whom this step's batched decode serves, one entry per slot (None: free); recorded in the timeline."""
         self.run.timeline.append([-1 if j is None else j.id for j in self.slots])
+        self.run.queued.append(len(self.queue))
         return list(self.slots)
 
     def take(self, job: Job, token_id: int) -> None:
@@ -216,3 +229,153 @@ class Scheduler:
     def end_step(self) -> None:
         self.run.step_seconds.append(self.clock() - self._step_start)
         self.step += 1
+
+
+# ---- the paged cache's scheduler -----------------------------------------------------------------------
+
+@dataclass
+class Scheduled:
+    """One sequence's share of an engine step: compute `n` of its known tokens (`tokens`) into its blocks."""
+
+    job: Job
+    chunk: SeqChunk  # its block table, the first position to compute, how many
+    tokens: list[int]  # the tokens at those positions
+    samples: bool  # the cache catches up with what it knows: the forward's last logits give its next token
+
+
+class BlockScheduler(Scheduler):
+    """Continuous batching over a pool of KV blocks (`BlockManager`): at most n_slots sequences run at once,
+    admitted by free blocks; prefill_chunk: the most prompt tokens one step computes (None: whole prompts)."""
+
+    def __init__(self, jobs: list[Job], n_slots: int, blocks: BlockManager, prefill_chunk: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        super().__init__(jobs, n_slots, "continuous", clock)
+        self.blocks, self.prefill_chunk = blocks, prefill_chunk
+        self.slots = []  # the running sequences, oldest admission first (a list without free entries)
+        self.tables: dict[int, list[int]] = {}  # job id -> its block table
+        self.computed: dict[int, int] = {}  # job id -> tokens in the cache
+        self.keys: dict[int, list[bytes]] = {}  # job id -> its full blocks' prefix-cache keys, as far as computed
+        self.stats = {"block_size": blocks.block_size, "blocks_total": blocks.n_blocks, "peak_blocks_used": 0,
+                      "prefix_hit_tokens": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.run.kv_stats = self.stats
+
+    @staticmethod
+    def known(job: Job) -> list[int]:
+        return job.completion.prompt_ids + job.completion.tokens
+
+    def _keys(self, job: Job, n_full: int) -> list[bytes]:
+        """The prefix-cache keys of the first n_full blocks of the job's known tokens (the chain, extended)."""
+        keys, known, bs = self.keys.setdefault(job.id, []), self.known(job), self.blocks.block_size
+        while len(keys) < n_full:
+            keys.append(block_key(keys[-1] if keys else None, known[len(keys) * bs:(len(keys) + 1) * bs]))
+        return keys[:n_full]
+
+    def _grow(self, job: Job, n: int) -> bool:
+        """Blocks for n more tokens of a running job, preempting the youngest others while the pool is dry;
+        False if the job itself was the youngest left and was preempted."""
+        table = self.tables[job.id]
+        need = blocks_for(self.computed[job.id] + n, self.blocks.block_size) - len(table)
+        while need > self.blocks.n_free:
+            victim = self.slots[-1]
+            self._preempt(victim)
+            if victim is job:
+                return False
+        table += [self.blocks.allocate() for _ in range(need)]
+        return True
+
+    def _preempt(self, job: Job) -> None:
+        """Free a running job's blocks; it waits first in the queue and recomputes what it knows on return."""
+        self.blocks.release(self.tables.pop(job.id))
+        self.computed.pop(job.id)
+        self.slots.remove(job)
+        self.queue.appendleft(job)
+        self.stats["preemptions"] += 1
+
+    def _admit(self, job: Job, room: float) -> int:
+        """Take a waiting job if blocks allow: its cached prefix, then blocks for up to `room` tokens. Returns
+        the tokens to compute now (0: not admitted)."""
+        known, bs = self.known(job), self.blocks.block_size
+        hits = self.blocks.cached_prefix(self._keys(job, (len(known) - 1) // bs))  # leave a token to compute
+        n = int(min(len(known) - len(hits) * bs, room))
+        need = blocks_for(len(hits) * bs + n, bs) - len(hits)
+        if n < 1 or need > self.blocks.n_free - sum(b in self.blocks.evictable for b in hits):
+            return 0
+        self.blocks.hold(hits)
+        self.tables[job.id] = hits + [self.blocks.allocate() for _ in range(need)]
+        self.computed[job.id] = len(hits) * bs
+        self.stats["prefix_hit_tokens"] += len(hits) * bs
+        self.slots.append(job)
+        c = job.completion
+        if c.admitted < 0:
+            c.admitted = self.step
+        self.run.prefills.append((self.step, -1, c.id))
+        return n
+
+    def schedule(self) -> list[Scheduled]:
+        """This step's work, oldest running sequence first, then newcomers; recorded in the timeline."""
+        room = math.inf if self.prefill_chunk is None else self.prefill_chunk  # prompt tokens left this step
+        plan: list[tuple[Job, int]] = []
+        preempted = self.stats["preemptions"]
+        for job in list(self.slots):
+            if job not in self.slots:  # preempted for an older one in this loop
+                continue
+            left = len(self.known(job)) - self.computed[job.id]
+            decoding = left == 1 and bool(job.completion.tokens)  # its newest token: not the prompt budget's
+            n = 1 if decoding else int(min(left, room))
+            if n and self._grow(job, n):
+                plan.append((job, n))
+                room -= 0 if decoding else n
+        while self.queue and self.stats["preemptions"] == preempted and len(self.slots) < self.run.n_slots:
+            job = self.queue[0]
+            if job.plan.tokens == 0:  # wants no token: done without a forward
+                self.queue.popleft()
+                job.completion.admitted = self.step
+                self._finish(job, job.plan.stop_reason)
+                continue
+            n = self._admit(job, room)
+            if not n:
+                break
+            self.queue.popleft()
+            plan.append((job, n))
+            room -= n
+        out = []
+        for job, n in plan:
+            start, known = self.computed[job.id], self.known(job)
+            decode = n == 1 and bool(job.completion.tokens) and start == len(known) - 1
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += n
+            out.append(Scheduled(job, SeqChunk(self.tables[job.id], start, n), known[start:start + n],
+                                 start + n == len(known)))
+        self.stats["peak_blocks_used"] = self.blocks.peak_used
+        self.run.timeline.append([s.job.id for s in out] + [-1] * (self.run.n_slots - len(out)))
+        self.run.block_tables.append({s.job.id: list(self.tables[s.job.id]) for s in out})
+        self.run.step_tokens.append(sum(n for _, n in plan))
+        self.run.queued.append(len(self.queue))
+        return out
+
+    def computed_chunk(self, s: Scheduled) -> None:
+        """The forward wrote s's tokens: count them, and cache the blocks they filled (with prefix caching)."""
+        job, bs = s.job, self.blocks.block_size
+        before, after = self.computed[job.id], self.computed[job.id] + s.chunk.n_tokens
+        self.computed[job.id] = after
+        for b, key in enumerate(self._keys(job, after // bs)[before // bs:], start=before // bs):
+            self.blocks.register(self.tables[job.id][b], key)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        c = job.completion
+        c.stop_reason, c.finished = reason, self.step
+        c.latency_seconds = self.clock() - job.arrived_at
+        if job in self.slots:
+            self.slots.remove(job)
+            self.blocks.release(self.tables.pop(job.id))
+            self.computed.pop(job.id)
+        self.keys.pop(job.id, None)
+
+    def begin_step(self) -> None:
+        while not self.queue and not self.slots and self.arrivals[0].completion.arrival > self.step:
+            self.run.timeline.append([-1] * self.run.n_slots)  # nothing to do until the next request arrives
+            self.run.block_tables.append({})
+            self.run.step_tokens.append(0)
+            self.run.queued.append(0)
+            self.run.step_seconds.append(0.0)
+            self.step += 1
+        super().begin_step()

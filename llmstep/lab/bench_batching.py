@@ -1,10 +1,13 @@
-"""Continuous batching, measured: a random workload served both ways, and a decode step timed at each batch size.
+"""Continuous batching, measured: a random workload served both ways, and a decode step timed at each batch size;
+and the paged KV cache's three claims (notebook 10, results/paged.md): prefix caching on a shared system prompt,
+sequences that fit in equal memory, and chunked prefill's effect on the running sequences' inter-token latency.
 
-The command is `llmstep batch` (llmstep.cli.bench).
+The command is `llmstep batch` (llmstep.cli.bench); the paged claims run from scripts/bench_paged.py.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from functools import partial
@@ -14,10 +17,14 @@ import torch
 
 from ..core.cost import model_step_cost
 from ..core.model import Llama
-from ..engines.batching import POLICIES, BatchRunner, ContinuousBatcher, Request
+from ..core.paged_kv import BlockManager
+from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, run_batch
+from ..engines.decoding import budget, cache_len
+from ..engines.scheduler import BatchRun, BlockScheduler, Completion, Job, Scheduler
 from . import runinfo
 
-__all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench"]
+__all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench", "shared_prefix_workload",
+           "measure_prefix_caching", "measure_capacity", "measure_chunked_prefill", "percentile", "schedule_capacity"]
 
 
 MAX_REQUESTS = 100_000  # a workload held as Python lists: 1e8 requests of ~40 ids took 5 GB before any work
@@ -52,17 +59,21 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
 
 
 def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] = (1, 4, 8),
-                    compile: bool | None = None) -> Iterator[dict]:
+                    compile: bool | None = None, kv: dict | None = None) -> Iterator[dict]:
     """Serve `requests` with each number of slots under every policy (one slot: continuous only, the policies
     coincide); yield each run's summary as it ends, with its completions and whether its tokens are the first
-    run's (they must be: batching changes when a request runs, not what it writes)."""
+    run's (they must be: batching changes when a request runs, not what it writes). kv: make_batcher's cache
+    options (kv="paged", block_size, ...); a paged cache serves continuous batching only."""
+    kv = dict(kv or {})
+    paged = kv.get("kv", "contiguous") == "paged"
     # Room for every request, up to the model's context (a longer request stops there, as generate does).
-    max_len = min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests), model.config.max_seq_len)
+    max_len = None if paged else min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests),
+                                     model.config.max_seq_len)
     reference = None
     for n_slots in slots:
-        batcher = ContinuousBatcher(model, n_slots, max_len, compile=compile)
+        batcher = make_batcher(model, n_slots, max_len, compile, **kv)
         batcher.run(requests[:1], "continuous")  # warm up (and compile) before timing
-        for policy in POLICIES if n_slots > 1 else POLICIES[:1]:
+        for policy in POLICIES if n_slots > 1 and not paged else POLICIES[:1]:
             run = batcher.run(requests, policy)
             tokens = [c.tokens for c in run.completions]
             reference = tokens if reference is None else reference
@@ -102,20 +113,21 @@ def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8
 
 
 def run_batch_bench(model: Llama, model_name: str, workload: dict, slots: Iterable[int], batch_sizes: Iterable[int],
-                    context: int, compile: bool | None = None, argv: list[str] | None = None,
+                    context: int, compile: bool | None = None, argv: list[str] | None = None, kv: dict | None = None,
                     on_run: Callable[[dict, dict], None] | None = None,
                     on_row: Callable[[dict, dict], None] | None = None) -> dict:
     """The batch benchmark's record: a random workload (`workload`: random_workload's arguments by name)
     served both ways with each number of slots, then a decode step timed at each batch size, under the one
     run-metadata header (llmstep.lab.runinfo.header). on_run(record, run) and on_row(record, row), if given,
-    are called as each run and each row is added (to print it, to write the record so far)."""
+    are called as each run and each row is added (to print it, to write the record so far). kv: the cache's
+    options (serve_both_ways)."""
     check_context(context, model.config)  # before the workload runs, not after it
     requests = random_workload(vocab_size=model.config.vocab_size, **workload)
     load_before = runinfo.load_average()
     record = runinfo.header(model.device, model.dtype, argv, load_before) | {
         "model": model_name, "workload": {("requests" if k == "n_requests" else k): v for k, v in workload.items()},
-        "runs": [], "batch_scaling": [], "finished": False}
-    for run in serve_both_ways(model, requests, slots, compile=compile):
+        "kv": dict(kv or {"kv": "contiguous"}), "runs": [], "batch_scaling": [], "finished": False}
+    for run in serve_both_ways(model, requests, slots, compile=compile, kv=kv):
         record["runs"].append(run)
         if on_run is not None:
             on_run(record, run)
@@ -126,3 +138,143 @@ def run_batch_bench(model: Llama, model_name: str, workload: dict, slots: Iterab
     record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
     record["finished"] = True
     return record
+
+
+# ---- the paged KV cache's claims -------------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation between the sorted values (numpy's default)."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    x = (len(v) - 1) * q / 100
+    lo = int(x)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (x - lo)
+
+
+def shared_prefix_workload(n_requests: int, vocab_size: int, system_len: int = 256, user_len: tuple[int, int] = (8, 32),
+                           new_tokens: tuple[int, int] = (8, 32), rate: float | None = 1.0, seed: int = 0
+                           ) -> list[Request]:
+    """random_workload's requests, each prompt behind the same system_len-token system prompt (greedy)."""
+    system = random_workload(1, vocab_size, (system_len, system_len), seed=seed + 10_000)[0].prompt_ids
+    requests = random_workload(n_requests, vocab_size, user_len, new_tokens, rate, seed)
+    for r in requests:
+        r.prompt_ids = system + r.prompt_ids
+    return requests
+
+
+def _same_tokens(a: BatchRun, b: BatchRun) -> bool:
+    return [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
+
+
+def measure_prefix_caching(model: Llama, requests: list[Request], n_slots: int = 8, block_size: int = 16,
+                           kv_blocks: int | None = None) -> dict:
+    """The same requests on the paged cache without and with prefix caching: prompt tokens computed, tokens
+    found cached, mean time to first token, and whether the tokens are the same (they must be)."""
+    runs = {on: run_batch(model, requests, n_slots, kv="paged", block_size=block_size, kv_blocks=kv_blocks,
+                          prefix_caching=on) for on in (False, True)}
+    row = {"requests": len(requests), "n_slots": n_slots, "block_size": block_size,
+           "same_tokens": _same_tokens(runs[False], runs[True])}
+    for on, run in runs.items():
+        name = "cached" if on else "uncached"
+        row[name] = {k: run.kv_stats[k] for k in ("prefill_tokens", "prefix_hit_tokens", "blocks_total")} | {
+            "mean_first_token_seconds": statistics.fmean(c.first_token_seconds for c in run.completions),
+            "seconds": run.seconds, "engine_steps": run.steps}
+    row["prefill_tokens_cut"] = row["uncached"]["prefill_tokens"] / row["cached"]["prefill_tokens"]
+    return row
+
+
+def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: int = 4, block_size: int = 16) -> dict:
+    """Equal cache memory two ways: contiguous_slots slots each sized for the longest request, or the same
+    positions as blocks of block_size (no cap on sequences). How many sequences each runs at once: the peak,
+    and the mean over the steps that leave a request waiting (memory is the limit then; the ratio compares
+    these); in how many engine steps, with the same tokens."""
+    slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, model.config.max_seq_len) for r in requests)
+    kv_blocks = contiguous_slots * slot_len // block_size
+    contiguous = run_batch(model, requests, contiguous_slots, max_len=slot_len, compile=False)
+    paged = run_batch(model, requests, len(requests), kv="paged", block_size=block_size, kv_blocks=kv_blocks)
+    row = {"requests": len(requests), "slot_len": slot_len, "positions": contiguous_slots * slot_len,
+           "block_size": block_size, "kv_blocks": kv_blocks, "same_tokens": _same_tokens(contiguous, paged)}
+    for name, run in (("contiguous", contiguous), ("paged", paged)):
+        running = [sum(i >= 0 for i in step) for step in run.timeline]
+        row[name] = {"peak_sequences": max(running), "mean_sequences_while_full": _mean_running_while_full(run),
+                     "engine_steps": run.steps, "seconds": run.seconds, "tokens_per_second": run.tokens_per_second,
+                     "peak_blocks_used": run.kv_stats["peak_blocks_used"],
+                     "preemptions": run.kv_stats["preemptions"]}
+    row["sequences_ratio"] = row["paged"]["mean_sequences_while_full"] / row["contiguous"]["mean_sequences_while_full"]
+    return row
+
+
+def _mean_running_while_full(run: BatchRun) -> float:
+    """Sequences running per step over the steps that leave a request waiting; NaN if none does (all fit)."""
+    busy = [sum(i >= 0 for i in step) for step, waiting in zip(run.timeline, run.queued, strict=True) if waiting]
+    return statistics.fmean(busy) if busy else float("nan")
+
+
+def schedule_capacity(requests: list[Request], context: int, contiguous_slots: int = 4, block_size: int = 16,
+                      rounding: int = 1) -> dict:
+    """measure_capacity's counts without a model: requests without stop tokens make exactly their tokens, so
+    the schedules (and so the sequences running at every step) do not depend on which tokens; the schedulers
+    run with a made-up token. Fast enough to sweep many workloads (tests hold it equal to measure_capacity).
+    rounding: the slots' length rounded up to it (ContinuousBatcher's own sizing: decoding.CACHE_ROUNDING)."""
+    slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, context, rounding=rounding) for r in requests)
+    if any(r.stop_ids for r in requests):
+        raise ValueError("schedule_capacity needs requests without stop tokens (their schedule depends on tokens)")
+
+    def jobs() -> list[Job]:
+        return [Job(Completion(id=i, prompt_ids=list(r.prompt_ids), arrival=r.arrival),
+                    budget(len(r.prompt_ids), r.max_new_tokens, context), set()) for i, r in enumerate(requests)]
+
+    ticks = iter(range(10**9))
+    contiguous = Scheduler(jobs(), contiguous_slots, clock=lambda: float(next(ticks)))
+    while not contiguous.done:
+        contiguous.begin_step()
+        while (job := contiguous.admit()) is not None:
+            contiguous.take(job, 0)
+        for job in contiguous.running():
+            if job is not None:
+                contiguous.take(job, 0)
+        contiguous.end_step()
+    kv_blocks = contiguous_slots * slot_len // block_size
+    paged = BlockScheduler(jobs(), len(requests), BlockManager(kv_blocks, block_size), clock=lambda: float(next(ticks)))
+    while not paged.done:
+        paged.begin_step()
+        for work in paged.schedule():
+            paged.computed_chunk(work)
+            if work.samples:
+                paged.take(work.job, 0)
+        paged.end_step()
+    c, p = _mean_running_while_full(contiguous.run), _mean_running_while_full(paged.run)
+    return {"slot_len": slot_len, "kv_blocks": kv_blocks, "contiguous_mean_sequences_while_full": c,
+            "paged_mean_sequences_while_full": p, "sequences_ratio": p / c, "contiguous_steps": contiguous.run.steps,
+            "paged_steps": paged.run.steps, "preemptions": paged.run.kv_stats["preemptions"]}
+
+
+def measure_chunked_prefill(model: Llama, running: int = 4, new_tokens: int = 96, long_prompt: int = 400,
+                            arrival: int = 16, chunks: Iterable[int | None] = (None, 64, 16), repeats: int = 3,
+                            seed: int = 0) -> list[dict]:
+    """`running` short requests decode while a long_prompt-token prompt arrives at engine step `arrival`:
+    the running requests' inter-token latency (the seconds of each engine step in which they make a token
+    after their first), p50, p99 and max, for each prefill chunk (None: the prompt whole), runs interleaved
+    `repeats` times (medians of the runs' percentiles)."""
+    short = random_workload(running, model.config.vocab_size, (8, 16), (new_tokens, new_tokens), seed=seed)
+    long = random_workload(1, model.config.vocab_size, (long_prompt, long_prompt), (4, 4), seed=seed + 1)[0]
+    long.arrival = arrival
+    requests = short + [long]
+    samples: dict = {chunk: [] for chunk in chunks}
+    tokens: dict = {}
+    for _ in range(repeats):
+        for chunk in chunks:  # interleaved: a slow moment of a shared machine falls on every setting alike
+            run = run_batch(model, requests, running + 1, kv="paged", prefill_chunk=chunk)
+            gaps = [run.step_seconds[s] for i in range(running)
+                    for s in [s for s, row in enumerate(run.timeline) if i in row][1:]]
+            samples[chunk].append((percentile(gaps, 50), percentile(gaps, 99), max(gaps),
+                                   run.completions[-1].first_token_seconds))
+            tokens.setdefault(chunk, [c.tokens for c in run.completions])
+    reference = next(iter(tokens.values()))
+    return [{"prefill_chunk": chunk, "itl_p50_ms": 1e3 * statistics.median(s[0] for s in rows),
+             "itl_p99_ms": 1e3 * statistics.median(s[1] for s in rows),
+             "itl_max_ms": 1e3 * statistics.median(s[2] for s in rows),
+             "long_prompt_first_token_ms": 1e3 * statistics.median(s[3] for s in rows),
+             "p99_runs_ms": [1e3 * s[1] for s in rows], "same_tokens": tokens[chunk] == reference}
+            for chunk, rows in samples.items()]

@@ -50,7 +50,7 @@ def bases(tmp_path):
     return {("generate",): ["generate", "--prompt", "ROMEO:"], ("info",): ["info", "--preset", "llama-3.2-1b"],
             ("trace",): ["trace"], ("bench",): ["bench"], ("speculative",): ["speculative", "--bench",
                                                                               "--out", str(tmp_path / "s.json")],
-            ("batch",): ["batch"], ("export",): ["export", "--gguf", str(tmp_path / "m.gguf")],
+            ("batch",): ["batch", "--kv", "paged"], ("export",): ["export", "--gguf", str(tmp_path / "m.gguf")],
             ("train",): ["train", "--out", str(run)], ("eval",): ["eval"],
             ("data", "prepare"): ["data", "prepare", "--sdist", str(tmp_path / "missing.tar.gz"),
                                   "--out", str(tmp_path / "corpus")],

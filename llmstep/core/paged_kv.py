@@ -1,0 +1,237 @@
+"""The paged KV cache (Kwon et al. 2023, "PagedAttention", vLLM): the cache as a pool of fixed-size blocks.
+
+A contiguous cache (`kv_cache.py`) gives every sequence a row of max_len slots, reserved whole for its
+whole life, so memory holds as many sequences as there are rows whatever they really use. A paged cache
+cuts the memory into blocks of `block_size` token slots; a sequence holds a *block table*, the list of
+the blocks its positions live in (position p is slot p % block_size of block table[p // block_size]), and
+takes one more block only when it fills the last. Nothing is reserved ahead; the waste is at most one
+partly filled block per sequence.
+
+Two parts, as vLLM separates them:
+- `BlockManager` (pure Python, no tensors): the free pool, reference counts, and prefix caching. A full
+  block is keyed by the hash of its tokens and of every token before it (a chain: the key of block i
+  hashes the key of block i-1 and block i's tokens), so two prompts that share their first 256 tokens
+  share those blocks. Blocks of finished sequences stay cached, with reference count 0, until the pool
+  needs them; the least recently used is evicted first. Only full blocks are shared, and a full block is
+  never written again, so no copy-on-write is needed.
+- `PagedKVCache` (the tensors): the blocks of every layer, and the forward's view of them. The model's one
+  forward takes a flattened ("varlen") batch: every scheduled token of every sequence in one row [1, N],
+  each with its position and its sequence (a prompt's chunk and other sequences' decode tokens together).
+  `plan` sets that layout for one forward; `write` stores each token's key and value in its own block
+  slot and gathers, for each sequence, its keys through its block table, one after another [1, n_kv, S, hd];
+  `mask` hides every key that is another sequence's or later than the query (same sequence and key
+  position <= query position). That is one index_copy, one index_select and one masked attention per layer:
+  exact, but it scores each query against every gathered key (N x S) and keeps only its own sequence's.
+  A paged-attention kernel (vLLM's, FlashAttention's varlen) reads the blocks in place and skips the rest.
+
+`gather_blocks` and `attend_by_hand` are the same attention written out one sequence at a time, for
+teaching and as the tests' reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .attention import attention
+from .config import LlamaConfig
+from .cost import check_fits, kv_cache_bytes
+
+__all__ = ["BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "gather_blocks", "attend_by_hand"]
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold n_tokens token slots: the last one may be partly filled."""
+    return -(-n_tokens // block_size)
+
+
+def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """A full block's prefix-cache key: sha256 of the previous block's key and this block's tokens, so equal
+    keys mean equal tokens from position 0 to the block's end (a 256-bit digest: no collision in practice)."""
+    h = hashlib.sha256(parent or b"")
+    h.update(b",".join(str(int(t)).encode() for t in tokens))
+    return h.digest()
+
+
+class BlockManager:
+    """The block pool's bookkeeping: which block is free, who holds it, and which full blocks are cached.
+
+    ref[b]: how many live sequences hold block b. A block with ref 0 is either free or, with prefix caching,
+    cached (its key in `cached`, its place in the LRU order `evictable`) until the pool needs it back.
+    """
+
+    def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = False):
+        for name, value in (("kv_blocks", n_blocks), ("block_size", block_size)):
+            if not hasattr(value, "__index__") or isinstance(value, bool) or operator.index(value) <= 0:
+                raise ValueError(f"a paged KV cache needs a positive integer {name}, got {value!r}")
+        self.n_blocks, self.block_size, self.prefix_caching = int(n_blocks), int(block_size), prefix_caching
+        self.ref = [0] * self.n_blocks
+        self.free: deque[int] = deque(range(self.n_blocks))  # never used, or evicted: no key
+        self.cached: dict[bytes, int] = {}  # key -> block, for full blocks (held or not)
+        self.key_of: dict[int, bytes] = {}  # block -> its key
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, oldest first
+        self.peak_used = 0
+
+    @property
+    def n_free(self) -> int:
+        """Blocks that can be handed out now: free ones and cached ones nobody holds."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def n_used(self) -> int:
+        return self.n_blocks - self.n_free
+
+    def allocate(self) -> int:
+        """One block for a sequence to write: a free one, else the least recently used cached one (evicted)."""
+        if self.free:
+            block = self.free.popleft()
+        elif self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            del self.cached[self.key_of.pop(block)]
+        else:
+            raise RuntimeError("the KV block pool is empty: the scheduler must check n_free first")
+        self.ref[block] = 1
+        self.peak_used = max(self.peak_used, self.n_used)
+        return block
+
+    def cached_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """The cached blocks for the longest prefix of `keys` (a sequence's full blocks' keys), not yet held."""
+        blocks = []
+        for key in keys if self.prefix_caching else ():
+            if key not in self.cached:
+                break
+            blocks.append(self.cached[key])
+        return blocks
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """A sequence takes cached blocks (its prefix hit): one more holder each, none evictable now."""
+        for block in blocks:
+            self.ref[block] += 1
+            self.evictable.pop(block, None)
+        self.peak_used = max(self.peak_used, self.n_used)
+
+    def register(self, block: int, key: bytes) -> None:
+        """A block just filled: cache it under its key (if an equal block is already cached, keep that one)."""
+        if self.prefix_caching and key not in self.cached and block not in self.key_of:
+            self.cached[key], self.key_of[block] = block, key
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """A sequence gives its blocks back (finished or preempted). Cached ones stay cached, the tail's first
+        in the LRU order (a prefix's later blocks are the least likely to be shared); others are free."""
+        for block in reversed(blocks):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                if block in self.key_of:
+                    self.evictable[block] = None
+                else:
+                    self.free.append(block)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a forward: its tokens at positions start..start+len(tokens)-1, and its blocks
+    (enough for every one of those positions)."""
+
+    table: list[int]
+    start: int
+    n_tokens: int
+
+
+class PagedKVCache:
+    """Keys and values in blocks: k[i], v[i] [n_blocks * block_size, n_kv_heads, head_dim] - layer i's token
+    slots, slot b * block_size + j being slot j of block b. One flattened row [1, N] per forward (`plan`)."""
+
+    def __init__(self, config: LlamaConfig, n_blocks: int, block_size: int = 16, device=None, dtype=torch.float32):
+        BlockManager(n_blocks, block_size)  # the same checks, before anything is allocated
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        device = torch.get_default_device() if device is None else device
+        check_fits(kv_cache_bytes(config, n_blocks, block_size, dtype), device,
+                   f"a paged KV cache of {n_blocks} blocks x {block_size} positions ({dtype})")
+        self.block_size, self.n_blocks = block_size, n_blocks
+        shape = (n_blocks * block_size, config.n_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.batch_size = 1  # the forward's one flattened row
+        self._plan = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+    def slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
+        """The token slots of positions start..stop-1 of a sequence with this block table."""
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    def plan(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """Lay out one forward over `chunks` (in order) -> positions [1, N]; `mask` and `write` then serve it."""
+        device = self.k[0].device
+        positions, write_slots, read_slots, query_seq, key_seq, key_pos = [], [], [], [], [], []
+        for s, c in enumerate(chunks):
+            stop = c.start + c.n_tokens
+            if c.n_tokens < 1 or len(c.table) < blocks_for(stop, self.block_size):
+                raise ValueError(f"chunk {s}: {c.n_tokens} tokens from position {c.start} need "
+                                 f"{blocks_for(stop, self.block_size)} blocks, its table has {len(c.table)}")
+            positions += range(c.start, stop)
+            write_slots += self.slots(c.table, c.start, stop)
+            read_slots += self.slots(c.table, 0, stop)  # its whole context, this chunk included
+            query_seq += [s] * c.n_tokens
+            key_seq += [s] * stop
+            key_pos += range(stop)
+
+        def tensor(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        pos, qs, ks, kp = tensor(positions), tensor(query_seq), tensor(key_seq), tensor(key_pos)
+        # [1, 1, N, S]: a query sees its own sequence's keys at positions <= its own
+        mask = ((ks[None, :] == qs[:, None]) & (kp[None, :] <= pos[:, None]))[None, None]
+        self._plan = (tensor(write_slots), tensor(read_slots), mask)
+        return pos[None]
+
+    def positions(self, T: int) -> torch.Tensor:
+        raise ValueError("a paged KV cache serves the layout `plan` made: pass the positions plan returned")
+
+    def mask(self, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The planned forward's mask [1, 1, N, S] and no kv_len (the keys are the gathered ones)."""
+        if self._plan is None or positions.shape != (1, self._plan[0].shape[0]):
+            raise ValueError(f"positions {list(positions.shape)} are not the planned layout: call plan() first "
+                             "and pass the positions it returns")
+        return self._plan[2], None
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: None = None):
+        """Store k, v [1, n_kv, N, hd] in the planned slots; return every planned sequence's context, gathered
+        through its block table [1, n_kv, S, hd]."""
+        write_slots, read_slots, _ = self._plan
+        self.k[layer].index_copy_(0, write_slots, k[0].transpose(0, 1))  # [N, n_kv, hd] into their slots
+        self.v[layer].index_copy_(0, write_slots, v[0].transpose(0, 1))
+        k_all = self.k[layer].index_select(0, read_slots)  # [S, n_kv, hd]
+        v_all = self.v[layer].index_select(0, read_slots)
+        return k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]  # [1, n_kv, S, hd]
+
+    def advance(self, positions: torch.Tensor) -> None:
+        """Nothing to move: the block manager knows what each sequence holds."""
+
+
+# ---- by hand: one sequence at a time, the textbook way -----------------------------------------------
+
+def gather_blocks(pool: torch.Tensor, table: Sequence[int], length: int, block_size: int) -> torch.Tensor:
+    """A sequence's first `length` keys (or values) from a layer's pool [n_blocks * block_size, n_kv, hd],
+    block by block through its table -> [n_kv, length, hd]."""
+    pieces = [pool[b * block_size:(b + 1) * block_size] for b in table[:blocks_for(length, block_size)]]
+    return torch.cat(pieces)[:length].transpose(0, 1)  # [n_kv, length, hd]
+
+
+def attend_by_hand(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: Sequence[int],
+                   positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """One sequence's queries q [n_heads, T, hd] at positions [T] over its keys gathered through its block
+    table (each query sees positions <= its own) -> [n_heads, T, hd], with the textbook attention."""
+    length = int(positions.max()) + 1
+    k = gather_blocks(k_pool, table, length, block_size)  # [n_kv, length, hd]
+    v = gather_blocks(v_pool, table, length, block_size)
+    mask = (torch.arange(length, device=q.device)[None, :] <= positions[:, None])[None, None]  # [1, 1, T, length]
+    return attention(q[None], k[None], v[None], mask)[0]

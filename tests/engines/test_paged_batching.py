@@ -1,0 +1,226 @@
+"""Continuous batching over the paged KV cache: every request gets the tokens it gets alone (greedy and seeded,
+with prefix caching, chunked prefill and preemption), the block pool holds only what the live sequences
+need at every step and is whole again at the end, and bad requests are refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_checkpoint
+from llmstep.batching import PagedBatcher, Request, run_batch
+
+import llmstep
+from llmstep.core.paged_kv import BlockManager, blocks_for
+from llmstep.engines.decoding import budget
+from llmstep.engines.scheduler import BlockScheduler, Completion, Job
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory, tokenizer_file):
+    """A float64 model (batched and single-row matmuls agree to ~1e-15: token equality is exact), 48 positions."""
+    path = tmp_path_factory.mktemp("tiny64paged")
+    make_checkpoint(path, tokenizer_file, seed=3, max_position_embeddings=48, num_hidden_layers=3)
+    model, tok = llmstep.load(path, dtype="float32")
+    return model.double(), tok
+
+
+def solo(model, tok, r: Request):
+    return llmstep.generate(model, tok, r.prompt_ids, r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.seed,
+                            stop_ids=r.stop_ids)
+
+
+def workload(vocab: int, n: int = 8, seed: int = 0, shared: int = 0) -> list[Request]:
+    """Greedy and seeded requests of different lengths arriving over time; the first `shared` prompt tokens
+    are the same for all (a system prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    samplers = [dict(temperature=0.0), dict(temperature=0.9, seed=11), dict(temperature=1.3, top_k=20, seed=5),
+                dict(temperature=0.7, top_p=0.8, seed=2)]
+    out = []
+    for i in range(n):
+        prompt = system + torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist()
+        out.append(Request(prompt, max_new_tokens=int(torch.randint(1, 16, (1,), generator=g)), arrival=i // 2,
+                           **samplers[i % len(samplers)]))
+    return out
+
+
+def check_blocks(s: BlockScheduler) -> None:
+    """The pool holds exactly the live sequences' blocks: each table a full block per block_size tokens in
+    the cache plus at most one partial; every block's reference count is its holders; nothing lost."""
+    m, bs = s.blocks, s.blocks.block_size
+    holders = [b for t in s.tables.values() for b in t]
+    assert m.ref == [holders.count(b) for b in range(m.n_blocks)]
+    assert m.n_used == len(set(holders)) <= sum(s.computed[j] // bs + 1 for j in s.tables)
+    for j, table in s.tables.items():
+        assert len(table) == blocks_for(s.computed[j], bs), j
+    assert len(m.free) + len(m.evictable) + m.n_used == m.n_blocks
+    assert set(m.free).isdisjoint(m.evictable) and set(m.free).isdisjoint(holders)
+    assert set(s.tables) == {j.id for j in s.slots}
+
+
+@pytest.fixture
+def checked_steps(monkeypatch):
+    """Check the pool at the end of every engine step; return the schedulers seen (for the end state)."""
+    seen, end_step = [], BlockScheduler.end_step
+
+    def checking(self):
+        check_blocks(self)
+        if self not in seen:
+            seen.append(self)
+        end_step(self)
+
+    monkeypatch.setattr(BlockScheduler, "end_step", checking)
+    return seen
+
+
+CONFIGS = {  # name: run_batch options (a 48-position request needs 12 blocks of 4)
+    "roomy": dict(n_slots=4, block_size=4, kv_blocks=64),
+    "preempting": dict(n_slots=4, block_size=4, kv_blocks=12),
+    "prefix": dict(n_slots=4, block_size=4, kv_blocks=40, prefix_caching=True),
+    "chunked": dict(n_slots=3, block_size=4, kv_blocks=40, prefill_chunk=5),
+    "everything": dict(n_slots=5, block_size=2, kv_blocks=24, prefix_caching=True, prefill_chunk=3),
+    "default_pool": dict(n_slots=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_request_gets_the_tokens_it_gets_alone(tiny64, checked_steps, name):
+    model, tok = tiny64
+    requests = workload(model.config.vocab_size, shared=9 if name in ("prefix", "everything") else 0)
+    run = run_batch(model, requests, kv="paged", **CONFIGS[name])
+    for r, c in zip(requests, run.completions, strict=True):
+        alone = solo(model, tok, r)
+        assert (c.tokens, c.stop_reason) == (alone.tokens, alone.stop_reason), f"request {c.id}"
+    stats = run.kv_stats
+    assert {"block_size", "blocks_total", "peak_blocks_used", "prefix_hit_tokens", "preemptions"} <= set(stats)
+    assert 0 < stats["peak_blocks_used"] <= stats["blocks_total"]
+    (s,) = checked_steps
+    assert s.blocks.n_used == 0 and s.blocks.n_free == s.blocks.n_blocks and not s.tables  # every block back
+    if name in ("preempting", "everything"):
+        assert stats["preemptions"] > 0  # the small pool did force recomputation
+    if name in ("prefix", "everything"):
+        assert stats["prefix_hit_tokens"] >= 8 * (len(requests) - 2)  # the shared system prompt's full blocks
+    if "prefill_chunk" in CONFIGS[name]:
+        assert any(n > 0 for n in (len(c.prompt_ids) - CONFIGS[name]["prefill_chunk"] for c in run.completions))
+
+
+def test_requests_that_run_into_the_context_and_stop_tokens_end_as_alone(tiny64, checked_steps):
+    model, tok = tiny64
+    base = solo(model, tok, Request(list(range(3, 12)), 20)).tokens
+    requests = [Request(list(range(1, 41)), 30), Request([5] * 45, 10), Request([9, 9], 60),
+                Request(list(range(3, 12)), 20, stop_ids=[base[6]]), Request([1, 2], 0)]
+    run = run_batch(model, requests, n_slots=3, kv="paged", block_size=8, kv_blocks=8, prefill_chunk=16)
+    for r, c in zip(requests, run.completions, strict=True):
+        alone = solo(model, tok, r)
+        assert (c.tokens, c.stop_reason) == (alone.tokens, alone.stop_reason)
+    assert [c.stop_reason for c in run.completions] == ["context", "context", "context", "stop", "length"]
+
+
+def test_a_preempted_seeded_request_draws_each_token_once(tiny64, checked_steps):
+    """Two long sampled requests in a pool that holds one: the younger is preempted again and again and
+    recomputes its tokens, never drawing them again from its generator."""
+    model, tok = tiny64
+    requests = [Request(list(range(1, 9)), 30, temperature=1.0, seed=s) for s in (1, 2)]
+    run = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=10)
+    assert run.kv_stats["preemptions"] >= 1
+    for r, c in zip(requests, run.completions, strict=True):
+        assert c.tokens == solo(model, tok, r).tokens
+
+
+def test_prefix_caching_computes_a_shared_prompt_once(tiny64):
+    """Six requests with the same 32-token prompt head, one after another: with prefix caching, the head's
+    8 blocks are computed once and found five times. A seventh prompt is the head alone, all of it cached:
+    its last block is computed again, for the logits of its last token."""
+    model, tok = tiny64
+    head = list(range(1, 33))
+    requests = [Request(head + [40 + i], 3, arrival=4 * i) for i in range(6)] + [Request(head, 3, arrival=30)]
+    off = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=40)
+    on = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=40, prefix_caching=True)
+    assert off.kv_stats["prefill_tokens"] == 6 * 33 + 32 and off.kv_stats["prefix_hit_tokens"] == 0
+    assert on.kv_stats["prefix_hit_tokens"] == 5 * 32 + 28 and on.kv_stats["prefill_tokens"] == 33 + 5 * 1 + 4
+    assert [c.tokens for c in on.completions] == [c.tokens for c in off.completions]
+    for i in (0, 6):
+        assert on.completions[i].tokens == solo(model, tok, requests[i]).tokens
+
+
+def test_chunked_prefill_keeps_the_running_sequence_decoding(tiny64):
+    """A 40-token prompt arrives while a request decodes: whole, it is one step; in chunks of 8 it takes five
+    steps, and the running request makes a token in every one of them."""
+    model, _ = tiny64
+    requests = [Request([1, 2, 3], 20), Request(list(range(1, 41)), 2, arrival=3)]
+    run = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=24, prefill_chunk=8)
+    steps = [s for s, row in enumerate(run.timeline) if 1 in row]
+    assert steps[:6] == [3, 4, 5, 6, 7, 8] and run.completions[1].tokens  # 5 chunks, then its decode step
+    assert all(0 in run.timeline[s] for s in steps[:5])
+    assert run.step_tokens[3:9] == [9, 9, 9, 9, 9, 2]  # 8 prompt tokens and a decode token; then two decodes
+    whole = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=24)
+    assert [s for s, row in enumerate(whole.timeline) if 1 in row][:2] == [3, 4]
+    assert whole.step_tokens[3:5] == [41, 2]
+    assert [c.tokens for c in run.completions] == [c.tokens for c in whole.completions]
+
+
+def test_the_youngest_is_preempted_and_returns_first(tiny64):
+    """Model-free: three jobs in a pool of 6 blocks of 2; when the pool runs dry the youngest leaves and waits
+    at the head of the queue, and nobody fails."""
+    jobs = [Job(Completion(id=i, prompt_ids=[1, 2, 3]), budget(3, 6, 48), set()) for i in range(3)]
+    ticks = iter(range(10**6))
+    s = BlockScheduler(jobs, 3, BlockManager(6, 2), clock=lambda: float(next(ticks)))
+    preempted_at = []
+    while not s.done:
+        s.begin_step()
+        before = s.stats["preemptions"]
+        for w in s.schedule():
+            s.computed_chunk(w)
+            if w.samples:
+                s.take(w.job, 7)
+        if s.stats["preemptions"] > before:
+            preempted_at.append((s.step, s.queue[0].id))
+        check_blocks(s)
+        s.end_step()
+    assert preempted_at and all(i == 2 for _, i in preempted_at[:1])  # the youngest goes first
+    assert all(len(c.tokens) == 6 for c in s.run.completions)
+    assert s.blocks.n_used == 0
+
+
+def test_bad_requests_are_refused_before_the_run_with_their_index(tiny64, monkeypatch):
+    model, tok = tiny64
+    good = [Request([1, 2, 3], 4), Request([4, 5], 3, temperature=0.8, seed=1)]
+    ran = []
+    monkeypatch.setattr(PagedBatcher, "_run", lambda self, *a: ran.append(1))
+    for bad, match in [(Request(list(range(1, 40)), 8), "request 1: .* need 12 blocks of 4 positions, the whole pool "
+                                                        "has 10"),
+                       (Request([], 4), "request 1: .*empty"),
+                       (Request([1], 4, temperature=-1.0), "request 1: .*temperature"),
+                       (Request([1], 4, top_p=0.0), "request 1: .*top_p"),
+                       (Request([1], -2), "request 1: max_new_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            run_batch(model, [good[0], bad, good[1]], kv="paged", block_size=4, kv_blocks=10)
+    assert ran == []  # nothing ran
+    monkeypatch.undo()
+    run = run_batch(model, good, kv="paged", block_size=4, kv_blocks=10)  # the others, unaffected
+    assert [c.tokens for c in run.completions] == [solo(model, tok, r).tokens for r in good]
+
+
+def test_the_options_belong_to_their_layout(tiny64):
+    model, _ = tiny64
+    r = [Request([1, 2], 2)]
+    with pytest.raises(ValueError, match="unknown KV cache layout 'pages'"):
+        run_batch(model, r, kv="pages")
+    with pytest.raises(ValueError, match="block_size, prefix_caching set the paged KV cache"):
+        run_batch(model, r, block_size=8, prefix_caching=True)
+    with pytest.raises(ValueError, match="compile sets the contiguous"):
+        run_batch(model, r, kv="paged", compile=True)
+    with pytest.raises(ValueError, match="continuous batching only"):
+        run_batch(model, r, kv="paged", policy="static")
+    for kw, match in [({"kv_blocks": 0}, "kv_blocks"), ({"block_size": 1.5}, "block_size"),
+                      ({"prefill_chunk": 0}, "prefill_chunk"), ({"prefix_caching": 1}, "prefix_caching")]:
+        with pytest.raises(ValueError, match=match):
+            run_batch(model, r, kv="paged", **kw)
+
+
+def test_contiguous_runs_report_their_slots_as_blocks(tiny64):
+    model, _ = tiny64
+    run = run_batch(model, [Request([1, 2, 3], 4), Request([4], 2)], n_slots=3, max_len=16)
+    assert run.kv_stats == {"block_size": 16, "blocks_total": 3, "peak_blocks_used": 2, "prefix_hit_tokens": 0,
+                            "preemptions": 0, "prefill_tokens": 4, "decode_tokens": 4}
+    assert run.summary()["kv_blocks_total"] == 3
