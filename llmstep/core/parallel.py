@@ -143,12 +143,15 @@ class CommStats:
     bytes: int = 0
     seconds: float = 0.0
     timing: bool = False
+    world: int = 0  # the group's size (0: not known, communicate); set by build_rank_model
     by_kind: dict = field(default_factory=dict)  # "all_reduce" / "all_gather" -> calls
 
     def reset(self) -> None:
         self.calls, self.bytes, self.seconds, self.by_kind = 0, 0, 0.0, {}
 
     def run(self, kind: str, t: torch.Tensor, op: Callable[[], None]) -> None:
+        if self.world == 1:  # one rank: the sum and the concatenation of one piece are that piece
+            return
         if self.timing:
             synchronize(t.device)
             start = time.perf_counter()
@@ -209,6 +212,8 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight).contiguous()  # [B, T, rows]
+        if self.stats.world == 1:
+            return local[..., :self.vocab_size]
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
         self.stats.run("all_gather", local, lambda: dist.all_gather(parts, local, group=self.group))
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]  # [B, T, N * rows] -> [B, T, vocab]
@@ -257,7 +262,7 @@ def build_rank_model(config: LlamaConfig, s: Split, state: dict[str, torch.Tenso
                      generation_config: dict | None = None) -> TensorParallelLlama:
     """Rank s.rank's model from its tensors (rank_slices' shapes, vocabulary rows padded to s.vocab_rows):
     materialize with the rank's modules swapped in; a tied head is the embedding's own slice again."""
-    stats = CommStats()
+    stats = CommStats(world=s.world)
     if config.tie_embeddings:
         state = state | {"output.weight": state["tok_embeddings.weight"]}
     model = materialize(config, state, generation_config, swap=lambda meta: _swap(meta, config, s, group, stats))

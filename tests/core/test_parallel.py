@@ -282,3 +282,16 @@ def test_load_sharded_takes_only_its_slices_and_equals_shard(checkpoints, monkey
 def test_tp_needs_a_process_group():
     with pytest.raises(parallel.ParallelError, match="torchrun"):
         parallel.load_sharded("target")
+
+
+def test_one_rank_is_the_model_itself_without_collectives(checkpoints, monkeypatch):
+    """A world of one: the shard is the whole model (its tensors copied), the same logits to float32 rounding
+    (a copied weight may take another matmul kernel path), and no collective runs."""
+    full = load_model(checkpoints["mqa-untied-vocab302-sharded"], device="cpu", dtype="float32")
+    monkeypatch.setattr(parallel, "_rank_world", lambda group: (0, 1))
+    tp = parallel.shard(full)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    cf, ct = full.new_cache(1, 9), tp.new_cache(1, 9)
+    torch.testing.assert_close(full(ids, cache=cf), tp(ids, cache=ct), rtol=0, atol=1e-6)
+    torch.testing.assert_close(full(ids[:, :1], cache=cf), tp(ids[:, :1], cache=ct), rtol=0, atol=1e-6)
+    assert tp.comm.calls == 0 and ct.nbytes == cf.nbytes
