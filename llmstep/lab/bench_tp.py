@@ -205,7 +205,7 @@ def measure(model: TensorParallelLlama, prompt_len: int = 32, new_tokens: int = 
             per_token.append(sum(steps) / len(steps))
             shares.append(comm.seconds / sum(steps))
             tokens = out
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group)  # (one rank runs no collective: its share is 0, no spread)
     mine = torch.tensor([runinfo.median(per_token), runinfo.median(shares)], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
@@ -213,7 +213,9 @@ def measure(model: TensorParallelLlama, prompt_len: int = 32, new_tokens: int = 
     collectives = comm.by_kind.get("all_reduce", 0) // (new_tokens - 1)
     return runinfo.header(device, model.dtype, argv, load_before) | {
         "world_size": world, "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
-        "per_token_seconds": runinfo.timing(per_token), "all_reduce_share": runinfo.timing(shares),
+        "per_token_seconds": runinfo.timing(per_token),
+        "all_reduce_share": runinfo.timing(shares) if any(shares) else {"median": 0.0, "spread": 0.0,
+                                                                        "all_runs": shares},
         "per_rank": [{"rank": r, "per_token_seconds": float(t[0]), "all_reduce_share": float(t[1])}
                      for r, t in enumerate(every)],
         "all_reduces_per_token": collectives, "all_reduce_bytes": dim_bytes,
