@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {  # name -> llmstep bench arguments (random weights); both split over 1, 2 and 4 ranks
     "target-8-heads": ["--model", "target", "--set", "n_heads=8", "head_dim=48"],  # 12.6M params, 50 MB float32
     "llama-3.2-1b-4-layers": ["--preset", "llama-3.2-1b", "--set", "n_layers=4", "vocab_size=32000",
-                              "tie_embeddings=false"],  # 308M params, 1.2 GB float32
+                              "tie_embeddings=false"],  # 374M params, 1.5 GB float32
 }
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..core.checkpoint import resolve_model_path
 from ..core.config import LlamaConfig
-from ..core.cost import decode_step_cost, dtype_bytes
+from ..core.cost import decode_step_cost, dtype_bytes, model_bytes
 from ..core.device import resolve_dtype, synchronize
 from ..core.model import Llama
 from ..core.parallel import (
@@ -92,7 +92,7 @@ def predict(config: LlamaConfig, n: int, chip: str = "H200 SXM", link: str = "NV
     memory = nbytes / n / (DATASHEETS[chip].memory_gb_per_s * 1e9)
     comm = (2 * c.n_layers + 1) * collective_seconds(c.dim * b, n, lk) + \
         collective_seconds(c.vocab_size * b, n, lk, "all_gather")
-    weights_gb = decode_step_cost(c, dtype=dtype).weight_bytes / 1e9
+    weights_gb = model_bytes(c, dtype) / 1e9  # what a device must hold: every parameter, the embedding too
     return {"n": n, "link": link, "memory_s": memory, "comm_s": comm, "seconds": memory + comm,
             "comm_share": comm / (memory + comm), "weights_gb_per_device": weights_gb / n,
             "fits": weights_gb / n <= FIT_FRACTION * (DATASHEETS[chip].memory_gb or float("inf"))}
