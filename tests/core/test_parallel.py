@@ -89,9 +89,10 @@ def test_logits_match_one_process_within_1e_5(ranks, name):
 def test_greedy_and_seeded_text_equal_one_process_on_every_rank(ranks, name):
     first = ranks[0][name]
     assert first["greedy_tp"] == first["greedy_full"] and len(first["greedy_tp"]) > 0
-    assert first["sampled_tp"] == first["sampled_full"]  # one seed agreed by the ranks (agree_seed)
+    assert first["sampled_tp"] == first["sampled_full"]  # the same seed, the same draws
     for rank in ranks[1:]:
         assert rank[name]["greedy_tp"] == first["greedy_tp"] and rank[name]["sampled_tp"] == first["sampled_tp"]
+        assert rank[name]["drawn_seed"] == first["drawn_seed"]  # seed None: rank 0 draws, every rank uses it
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
