@@ -17,6 +17,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
     fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
+    parallel.py    tensor parallelism on torch.distributed: sharded linears, vocabulary-parallel embedding and
+                   head, shard(model, group), per-rank slice loading (torchrun -m llmstep, notebook 11)
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     device.py      the device, the dtype policy, synchronisation
     files.py       atomic writes: nothing the package writes is ever left half-written
@@ -33,6 +35,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
+    bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
 shakespeare/  the shipped default: how the two shipped models were made and scored

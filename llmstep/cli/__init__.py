@@ -27,6 +27,7 @@ Nothing in llmstep imports this package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -76,7 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None):
-    """Run one `llmstep` command; return what it returns (a record, for the benchmarks)."""
+    """Run one `llmstep` command; return what it returns (a record, for the benchmarks).
+
+    Under `torchrun --nproc-per-node N -m llmstep ...` every rank runs the command (tensor-parallel, see
+    llmstep.core.parallel) and rank 0 alone prints: the other ranks' stdout and stderr go to os.devnull
+    (LLMSTEP_DEBUG=1 keeps them)."""
+    if os.environ.get("RANK", "0") in ("", "0") or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        return _main(argv)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
@@ -105,3 +117,10 @@ def console() -> None:
     (A console script hands what its function returns to sys.exit, which would print a benchmark's record on
     stderr and exit 1.)"""
     main()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # Under torchrun, after the process group is gone: skip the interpreter's teardown, where gloo's threads
+        # sometimes end the process with "terminate called without an active exception" (SIGABRT) after
+        # everything was printed and written (seen after llmstep.lab.bench_tp's timed all-reduces).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

@@ -132,7 +132,11 @@ def add_commands(sub) -> None:
 
 
 def run_bench(args, argv) -> dict:
+    from ..core import parallel
     from ..core.device import resolve_device, resolve_dtype
+
+    if parallel.launched_by_torchrun():
+        return _run_bench_tp(args, argv)
 
     if args.json:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
@@ -161,6 +165,40 @@ def run_bench(args, argv) -> dict:
     print(decode_bench.format_table(record))
     _write_json(args.json, record)
     return record
+
+
+def _run_bench_tp(args, argv) -> dict:
+    """`torchrun --nproc-per-node N -m llmstep bench ...`: decode per token and its all-reduce share on N ranks
+    (llmstep.lab.bench_tp); the quantised variants, compiled steps and transformers' rows run in one process."""
+    from ..core import parallel
+    from ..lab import bench_tp
+
+    one_process = [flag for flag, on in (("--quantize int8/int4", args.quantize != ["none"]),
+                                         ("--quantize-lm-head", args.quantize_lm_head),
+                                         ("--group-size", args.group_size is not None),
+                                         ("--compile", bool(args.compile)), ("--compile-mode", bool(args.compile_mode)),
+                                         ("--hf-compile", bool(args.hf_compile)), ("--hf-dtype", bool(args.hf_dtype)))
+                   if on]
+    if one_process:
+        raise parallel.ParallelError(f"{one_process[0]} does not run tensor-parallel: drop it, or run the bench in "
+                                     "one process, without torchrun")
+    if args.json:
+        check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
+    _set_threads(args.threads)
+    try:
+        group = parallel.init_from_environment(args.device)
+        model, source = bench_tp.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
+                                             args.device, args.dtype, args.seed, group)
+        print(f"llmstep bench: {source}, tensor-parallel over {model.split.world} ranks, "
+              f"{model.device} {str(model.dtype).removeprefix('torch.')}", flush=True)
+        record = {"source": source} | bench_tp.measure(model, args.prompt_len, args.new_tokens, args.repeats,
+                                                       args.seed, group, argv)
+        print(bench_tp.format_measured(record))
+        if model.split.rank == 0:
+            _write_json(args.json, record)
+        return record
+    finally:
+        parallel.finish()
 
 
 def run_speculative(args, argv) -> dict:

@@ -57,22 +57,46 @@ def add_commands(sub) -> None:
     t.set_defaults(run=run_trace)
 
 
+def load_for_command(args, load_one):
+    """(model, tokenizer, seed) for a command: `load_one()` in one process; under torchrun this rank's shard
+    (llmstep.core.parallel: the process group joined, the world size checked against the heads before any
+    weight is read) and the seed every rank will sample with."""
+    from ..core import parallel
+
+    if not parallel.launched_by_torchrun():
+        return (*load_one(), args.seed)
+    group = parallel.init_from_environment(args.device)
+    model, tokenizer = parallel.load(args.model, group, device=args.device, dtype=args.dtype)
+    return model, tokenizer, parallel.agree_seed(args.seed, group, device=model.device)
+
+
 def run_generate(args, argv) -> None:
+    from ..core import parallel
     from ..core.checkpoint import load, resolve_model_path
     from ..engines.generate import stream
 
     if not args.prompt:  # stream() refuses it too, but only once the model is loaded; a chat's empty message it takes
         raise ValueError("the prompt is empty: give at least one character")
+    if args.draft is not None and parallel.launched_by_torchrun():
+        raise parallel.ParallelError("speculative decoding (--draft) does not run tensor-parallel: "
+                                     "run it in one process, without torchrun")
     if args.draft is not None and not args.draft.startswith("self-"):
         resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    try:
+        _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype), stream)
+    finally:
+        parallel.finish()
+
+
+def _generate(args, load_one, stream) -> None:
+    model, tokenizer, seed = load_for_command(args, load_one)
     defaults = getattr(model, "generation_config", {}) or {}
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
     top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                    seed=args.seed)
+                    seed=seed)
     if args.draft is not None:
         from ..engines.speculative import resolve_draft, speculative_stream
 
@@ -88,7 +112,10 @@ def run_generate(args, argv) -> None:
             print(event.text, end="", flush=True)
     finally:
         print(flush=True)  # end the text's line, whatever ended the stream (Ctrl-C, an error)
-    print(f"\n[{model.device.type} {str(model.dtype).removeprefix('torch.')}] {run.result.summary()}", file=sys.stderr)
+    where = f"{model.device.type} {str(model.dtype).removeprefix('torch.')}"
+    if hasattr(model, "split"):
+        where += f", tensor-parallel over {model.split.world} ranks (bytes: rank 0's)"
+    print(f"\n[{where}] {run.result.summary()}", file=sys.stderr)
 
 
 def run_info(args, argv) -> None:
