@@ -31,6 +31,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
+    peers.py       llama.cpp, CTranslate2, transformers on llmstep's weights next to its compiled loop
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
 shakespeare/  the shipped default: how the two shipped models were made and scored

@@ -24,7 +24,7 @@ import torch
 import llmstep
 import llmstep.engines.compile as compile_mod
 from llmstep.core.quantize import quantize
-from llmstep.fast import FastDecoder
+from llmstep.engines.fast import FastDecoder
 
 KINDS = (  # (kind, substrings of a profiler op name), first match wins
     ("matmul", ("linear", "mkldnn", "mm", "gemm", "int8pack", "int4pack", "addmm")),

@@ -178,7 +178,8 @@ def run_peer_bench(args, argv) -> dict:
         tokenizer = Tokenizer.from_dir(checkpoint)
     print(f"llmstep bench --peers: {source}, {str(model.dtype).removeprefix('torch.')}", flush=True)
     record = peers.run_peers(model, names, peers.precisions(model.dtype, args.quantize), tokenizer, checkpoint,
-                             args.prompt_len, args.new_tokens, args.repeats, args.threads, args.compile_mode,
+                             args.prompt_len, args.new_tokens, args.repeats, args.threads,
+                             args.compile is not False, args.compile_mode,
                              args.bandwidth, args.bandwidth_bytes, args.seed, log=_log, argv=argv)
     record = {"source": source} | record
     print(peers.format_peers(record))

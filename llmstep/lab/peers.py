@@ -2,7 +2,7 @@
 
     llmstep bench --peers llama.cpp,ctranslate2,transformers --dtype float32 --quantize none int8 int4
 
-At each precision asked for (--dtype's float, and int8 / int4 quantised from it by llmstep.quantize) llmstep's
+At each precision asked for (--dtype's float, and int8 / int4 quantised from it by llmstep.core.quantize) llmstep's
 compiled loop (`FastDecoder(model, compile=True)`, its default mode) runs next to every installed peer on the
 same weights: the same greedy decode of the same random prompt, batch 1, one repeat of every engine after
 another (interleaved, so a busy machine slows them alike), the median and spread of the repeats reported.
@@ -102,9 +102,9 @@ def why_not(peer: str, precision: str, checkpoint: Path | None, tokenizer: Token
 # ---- the engines: run(ids, n) -> (prefill seconds, decode seconds, the n tokens) -------------------
 
 class _Llmstep:
-    def __init__(self, model: Llama, compile_mode: str | None):
-        self.name, self.weights = "llmstep FastDecoder compiled", "llmstep"
-        self.decoder = FastDecoder(model, compile=True, mode=compile_mode)
+    def __init__(self, model: Llama, compile: bool, compile_mode: str | None):
+        self.name, self.weights = f"llmstep FastDecoder{' compiled' if compile else ''}", "llmstep"
+        self.decoder = FastDecoder(model, compile=compile, mode=compile_mode)
 
     def run(self, ids: list[int], n: int):
         r = self.decoder.generate(ids, n)
@@ -205,10 +205,11 @@ class _Transformers:
 
 def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokenizer: Tokenizer | None = None,
               checkpoint: Path | None = None, prompt_len: int = 128, new_tokens: int = 128, repeats: int = 3,
-              threads: int | None = None, compile_mode: str | None = None, bandwidth: bool = True,
+              threads: int | None = None, compile: bool = True, compile_mode: str | None = None, bandwidth: bool = True,
               bandwidth_bytes: int | None = None, seed: int = 0, log=print, argv=None) -> dict:
     """llmstep's compiled loop and each peer at each precision, interleaved `repeats` times (see the module).
-    `model` is the float model (on the CPU); int8 / int4 are quantised from it. Returns the record."""
+    `model` is the float model (on the CPU); int8 / int4 are quantised from it. compile=False runs llmstep's loop
+    eager (a quick check, not the comparison). Returns the record."""
     for p in peers:
         if p not in PEERS:
             raise PeerError(f"unknown peer {p!r}: choose from {', '.join(PEERS)}")
@@ -231,7 +232,7 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
     ids = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist()
     record = runinfo.header(model.device, model.dtype, argv, load_before) | {
         "benchmark": "peers", "threads": threads, "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "repeats": repeats, "compile_mode": compile_mode, "skipped": [], "rows": []}
+        "repeats": repeats, "compile": compile, "compile_mode": compile_mode, "skipped": [], "rows": []}
     bw = [measure_bandwidth("cpu", bandwidth_bytes, kind="copy")] if bandwidth else []
     workdir = tempfile.TemporaryDirectory(prefix="llmstep-peers-")
     engines: list[tuple[str, object, object]] = []  # (precision, engine, the llmstep model at that precision)
@@ -239,8 +240,8 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
         m = model if precision not in ("int8", "int4") else quantize(model, precision, inplace=False)
         sub = Path(workdir.name) / precision
         sub.mkdir()
-        log(f"{precision}: compiling llmstep's step ...")
-        engines.append((precision, _Llmstep(m, compile_mode), m))
+        log(f"{precision}: building llmstep's loop ...")
+        engines.append((precision, _Llmstep(m, compile, compile_mode), m))
         for peer in peers:
             why = why_not(peer, precision, checkpoint, tokenizer)
             if why is None:
