@@ -5,6 +5,7 @@ llmstep's greedy tokens (float32) and are timed interleaved, reported as median 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -115,3 +116,18 @@ def test_llama_cpp_at_int8_runs_llmsteps_own_int8_codes_as_q8_0_and_int4_as_llam
                              repeats=1, compile=False, bandwidth=False, log=lambda m: None)
     weights = {row["precision"]: row["weights"] for row in record["rows"] if row["engine"].startswith("llama")}
     assert weights == {"int8": "GGUF q8_0", "int4": "GGUF q4_0 (llama.cpp's quantiser)"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_the_bench_command_with_peers_prints_the_table_and_writes_the_record(tiny_checkpoint, tmp_path, capsys):
+    from llmstep import cli
+
+    out = tmp_path / "peers.json"
+    record = cli.main(["bench", "--model", str(tiny_checkpoint), "--peers", "transformers", "--no-compile",
+                       "--dtype", "float32", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1",
+                       "--no-bandwidth", "--json", str(out)])
+    assert record["benchmark"] == "peers" and record["compile"] is False
+    assert [r["engine"] for r in record["rows"]] == ["llmstep FastDecoder", "transformers generate()"]
+    assert record["rows"][1]["same_tokens_as_llmstep"] == 3
+    assert "transformers generate()" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"][1]["tokens"] == record["rows"][1]["tokens"]
