@@ -36,6 +36,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     trace.py       one decode step, stage by stage
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs
+    peers.py       llama.cpp, CTranslate2, transformers on llmstep's weights next to its compiled loop
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
 shakespeare/  the shipped default: how the two shipped models were made and scored

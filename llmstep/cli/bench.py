@@ -78,6 +78,10 @@ def add_commands(sub) -> None:
                         "(default: on CUDA only; compiling transformers on a CPU takes minutes)")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
     p.add_argument("--bandwidth-bytes", type=bandwidth_bytes, default=None, help="buffer size for the bandwidth copy")
+    p.add_argument("--peers", default=None, metavar="NAME,...",
+                   help="instead of the table above: llmstep's compiled loop next to these peers on the same "
+                        "weights, at --dtype and each --quantize mode (llama.cpp, ctranslate2, transformers; "
+                        "see llmstep.lab.peers)")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", default=None, help="write the whole record here")
     p.set_defaults(run=run_bench)
@@ -145,6 +149,8 @@ def run_bench(args, argv) -> dict:
                          f"has nothing to set: drop one of them")
     if args.hf_dtype:
         resolve_dtype(args.hf_dtype, resolve_device(args.device))  # a bad name is refused before the model is built
+    if args.peers is not None:
+        return run_peer_bench(args, argv)
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed)
@@ -199,6 +205,32 @@ def _run_bench_tp(args, argv) -> dict:
         return record
     finally:
         parallel.finish()
+
+
+def run_peer_bench(args, argv) -> dict:
+    from ..core.checkpoint import resolve_model_path
+    from ..core.tokens import Tokenizer
+    from ..lab import peers
+
+    names = peers.parse_peers(args.peers)  # before the model is built
+    if args.device not in (None, "cpu"):
+        raise ValueError(f"--peers runs on the CPU: drop --device {args.device}")
+    _set_threads(args.threads)
+    model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
+                                             "cpu", args.dtype, args.seed)
+    checkpoint = tokenizer = None
+    if not (args.preset or args.random_weights or args.set):
+        checkpoint = resolve_model_path(args.model)
+        tokenizer = Tokenizer.from_dir(checkpoint)
+    print(f"llmstep bench --peers: {source}, {str(model.dtype).removeprefix('torch.')}", flush=True)
+    record = peers.run_peers(model, names, peers.precisions(model.dtype, args.quantize), tokenizer, checkpoint,
+                             args.prompt_len, args.new_tokens, args.repeats, args.threads,
+                             args.compile is not False, args.compile_mode,
+                             args.bandwidth, args.bandwidth_bytes, args.seed, log=_log, argv=argv)
+    record = {"source": source} | record
+    print(peers.format_peers(record))
+    _write_json(args.json, record)
+    return record
 
 
 def run_speculative(args, argv) -> dict:

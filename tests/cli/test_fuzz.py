@@ -41,7 +41,8 @@ def bad_paths(tmp_path):
     return {"json": outputs, "out": outputs, "model": [missing, str(a_file)], "target": [missing, str(a_file)],
             "draft": [missing, str(a_file)], "device": ["nonsense"], "dtype": ["int3"], "hf_dtype": ["int3"],
             "prompt": [""], "set": ["nope=1", "n_layers=abc"], "corpus": [missing, str(a_file)],
-            "sdist": [missing], "models": [missing], "root": [missing, str(a_file)], "gguf": outputs}
+            "sdist": [missing], "models": [missing], "root": [missing, str(a_file)], "gguf": outputs,
+            "peers": ["nope", "", "llama.cpp,llama.cpp"]}
 
 
 # A valid command line for each (sub)command: the bad value replaces one option at a time.

@@ -1,0 +1,73 @@
+"""In-process A/B of compiled CPU decode steps (results/profile_cpu_amd.md), for a shared, noisy machine.
+
+    python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
+    python scripts/ab_cpu.py int8 int8+packed int8+dequant
+
+Each argument is a variant: DTYPE[+KERNEL][|KEY=VALUE;KEY=VALUE], DTYPE one of float32, bfloat16, int8, int4
+(int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
+Int8Linear / Int4Linear's kernel, KEY=VALUE inductor options over engines/compile.py's CPU options. All
+variants are built and compiled in one process (the shipped target model, 2 threads, a 128-token random
+prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
+them within a second or two of each other, so the paired ratio to the first variant, whose median is
+printed, is far steadier than rates taken minutes apart on a machine others share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import statistics
+import sys
+
+import torch
+
+import llmstep
+import llmstep.engines.compile as compile_mod
+from llmstep.core.quantize import quantize
+from llmstep.engines.fast import FastDecoder
+
+_original = compile_mod.compile_options
+
+
+def build(spec: str) -> FastDecoder:
+    head, _, opts = spec.partition("|")
+    head, _, kernel = head.partition("+")
+    dtype, _, base = head.partition("@")
+    base = base or ("bfloat16" if dtype in ("int8", "int4") else dtype)
+    overrides = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opts.split(";") if o)}
+    model, _ = llmstep.load("target", device="cpu", dtype=base)
+    if dtype in ("int8", "int4"):
+        quantize(model, dtype, kernel=kernel or "auto")
+    compile_mod.compile_options = lambda device, mode=None: _original(device, mode) | overrides
+    decoder = FastDecoder(model, compile=True)
+    decoder.warmup()  # compiles now, with these options
+    compile_mod.compile_options = _original
+    return decoder
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("variants", nargs="+")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    decoders = [build(v) for v in a.variants]
+    ids = torch.randint(0, 8192, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    first = [d.generate(ids, 32).tokens for d in decoders]
+    rates: list[list[float]] = [[] for _ in decoders]
+    for _ in range(a.rounds):
+        for i, d in enumerate(decoders):
+            r = d.generate(ids, a.tokens)
+            rates[i].append(r.decode_steps / r.decode_seconds)
+    for i, v in enumerate(a.variants):
+        ratio = statistics.median(x / y for x, y in zip(rates[i], rates[0], strict=True))
+        same = sum(1 for x, y in zip(first[i], first[0], strict=True) if x == y)
+        print(f"{v:45s} median {statistics.median(rates[i]):7.1f} tok/s  [{min(rates[i]):.1f}, {max(rates[i]):.1f}]"
+              f"  paired ratio to {a.variants[0]!r}: {ratio:.2f}  tokens equal to it: {same}/32", flush=True)
+    print("load average:", open("/proc/loadavg").read().split()[:3], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

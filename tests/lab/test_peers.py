@@ -1,0 +1,133 @@
+"""The peer benchmark (llmstep.lab.peers, `llmstep bench --peers`): peers named and checked before any work, each
+one that cannot run skipped with its reason in the record, the ones that run decode llmstep's weights to
+llmstep's greedy tokens (float32) and are timed interleaved, reported as median and spread."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.core.config import LlamaConfig
+from llmstep.lab import peers
+from llmstep.lab.hardware import random_model
+
+
+def tiny(dtype: torch.dtype = torch.float32):
+    config = LlamaConfig.preset("llama-3.2-1b", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                                vocab_size=256, max_seq_len=64, bos_token_id=None, eos_token_id=[])
+    return random_model(config, "cpu", dtype, 0)
+
+
+def missing(*modules):
+    """importlib.util.find_spec as if `modules` were not installed."""
+    real = importlib.util.find_spec
+    return lambda name, *a: None if name in modules else real(name, *a)
+
+
+def test_peers_are_parsed_in_order_and_unknown_repeated_or_no_names_are_refused_by_name():
+    assert peers.parse_peers("transformers, llama.cpp") == ["transformers", "llama.cpp"]
+    with pytest.raises(peers.PeerError, match="unknown peer vllm: choose from llama.cpp, ctranslate2, transformers"):
+        peers.parse_peers("llama.cpp,vllm")
+    with pytest.raises(peers.PeerError, match="named twice"):
+        peers.parse_peers("llama.cpp,llama.cpp")
+    with pytest.raises(peers.PeerError, match="unknown peer ''"):
+        peers.parse_peers("")
+
+
+def test_quantize_modes_are_compared_at_the_models_float_dtype_and_as_int8_int4():
+    assert peers.precisions(torch.bfloat16, ["none", "int8", "int4"]) == ["bfloat16", "int8", "int4"]
+    assert peers.precisions(torch.float32, ["none"]) == ["float32"]
+
+
+def test_each_reason_a_peer_cannot_run_is_named(monkeypatch, tmp_path):
+    monkeypatch.setattr(importlib.util, "find_spec", missing("llama_cpp"))
+    assert peers.why_not("llama.cpp", "float32", tmp_path, None) == "not installed (pip install llama-cpp-python)"
+    monkeypatch.undo()
+    assert "tokenizer" in peers.why_not("llama.cpp", "float32", tmp_path, None)
+    assert peers.why_not("transformers", "int8", None, None).startswith("no weight-only int8/int4")
+    assert peers.why_not("transformers", "float32", None, None) is None
+    if importlib.util.find_spec("ctranslate2") is not None:
+        assert "checkpoint directory" in peers.why_not("ctranslate2", "float32", None, None)
+        assert peers.why_not("ctranslate2", "int4", tmp_path, None) == "no int4 weights on a CPU in CTranslate2"
+
+
+def test_bad_settings_are_refused_before_any_peer_is_built():
+    model = tiny()
+    with pytest.raises(peers.PeerError, match="unknown peer 'vllm'"):
+        peers.run_peers(model, ["vllm"], ["float32"])
+    with pytest.raises(peers.PeerError, match="unknown precision 'int3'"):
+        peers.run_peers(model, ["transformers"], ["int3"])
+    with pytest.raises(peers.PeerError, match="past the model's 64 positions"):
+        peers.run_peers(model, ["transformers"], ["float32"], prompt_len=60, new_tokens=8)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_transformers_decodes_llmsteps_greedy_tokens_and_a_missing_peer_is_skipped_with_the_reason(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", missing("llama_cpp"))
+    record = peers.run_peers(tiny(), ["llama.cpp", "transformers"], ["float32", "int8"], prompt_len=8,
+                             new_tokens=6, repeats=2, compile=False, bandwidth=False, log=lambda m: None)
+    rows = {(r["precision"], r["engine"]): r for r in record["rows"]}
+    assert set(rows) == {("float32", "llmstep FastDecoder"), ("float32", "transformers generate()"),
+                         ("int8", "llmstep FastDecoder")}
+    hf = rows["float32", "transformers generate()"]
+    assert hf["same_tokens_as_llmstep"] == 6 and len(hf["tokens"]) == 6
+    assert len(hf["decode_tokens_per_s"]["all_runs"]) == 2 and hf["decode_tokens_per_s"]["median"] > 0
+    assert hf["llmstep_vs_this"] == pytest.approx(
+        rows["float32", "llmstep FastDecoder"]["decode_tokens_per_s"]["median"] / hf["decode_tokens_per_s"]["median"])
+    assert hf["copy_bandwidth_share"] is None  # no bandwidth measured
+    skipped = {(s["peer"], s["precision"]): s["why"] for s in record["skipped"]}
+    assert skipped == {("llama.cpp", "float32"): "not installed (pip install llama-cpp-python)",
+                       ("llama.cpp", "int8"): "not installed (pip install llama-cpp-python)",
+                       ("transformers", "int8"): "no weight-only int8/int4 on a CPU without further packages"}
+    table = peers.format_peers(record)
+    assert "llama.cpp skipped at float32: not installed" in table and "6/6" in table
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return llmstep.load("target", device="cpu", dtype="float32")
+
+
+def test_llama_cpp_and_ctranslate2_decode_the_shipped_models_greedy_tokens_in_float32(shipped):
+    installed = [p for p, module in (("llama.cpp", "llama_cpp"), ("ctranslate2", "ctranslate2"))
+                 if importlib.util.find_spec(module) is not None]
+    if not installed:
+        pytest.skip("neither llama-cpp-python nor ctranslate2 is installed (pip install 'llmstep[peers]')")
+    model, tokenizer = shipped
+    checkpoint = llmstep.core.checkpoint.resolve_model_path("target")
+    record = peers.run_peers(model, installed, ["float32"], tokenizer, checkpoint, prompt_len=16, new_tokens=12,
+                             repeats=1, compile=False, bandwidth=False, log=lambda m: None)
+    assert record["skipped"] == []
+    for row in record["rows"][1:]:
+        assert row["same_tokens_as_llmstep"] == 12, row["engine"]
+    weights = [row["weights"] for row in record["rows"][1:]]
+    assert ("GGUF f32" in weights) == ("llama.cpp" in installed)
+
+
+def test_llama_cpp_at_int8_runs_llmsteps_own_int8_codes_as_q8_0_and_int4_as_llama_cpps_q4_0(shipped):
+    if peers.why_not("llama.cpp", "int8", None, shipped[1]) is not None:
+        pytest.skip(f"llama.cpp: {peers.why_not('llama.cpp', 'int8', None, shipped[1])}")
+    model = llmstep.load("target", device="cpu", dtype="bfloat16")[0]  # bf16 scales are float16 numbers here
+    record = peers.run_peers(model, ["llama.cpp"], ["int8", "int4"], shipped[1], prompt_len=8, new_tokens=4,
+                             repeats=1, compile=False, bandwidth=False, log=lambda m: None)
+    weights = {row["precision"]: row["weights"] for row in record["rows"] if row["engine"].startswith("llama")}
+    assert weights == {"int8": "GGUF q8_0", "int4": "GGUF q4_0 (llama.cpp's quantiser)"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_the_bench_command_with_peers_prints_the_table_and_writes_the_record(tiny_checkpoint, tmp_path, capsys):
+    from llmstep import cli
+
+    out = tmp_path / "peers.json"
+    record = cli.main(["bench", "--model", str(tiny_checkpoint), "--peers", "transformers", "--no-compile",
+                       "--dtype", "float32", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1",
+                       "--no-bandwidth", "--json", str(out)])
+    assert record["benchmark"] == "peers" and record["compile"] is False
+    assert [r["engine"] for r in record["rows"]] == ["llmstep FastDecoder", "transformers generate()"]
+    assert record["rows"][1]["same_tokens_as_llmstep"] == 3
+    assert "transformers generate()" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"][1]["tokens"] == record["rows"][1]["tokens"]
