@@ -213,6 +213,7 @@ def plot_speculative_rounds(run: Rounds, tokens: list[str] | None = None, max_ro
     itself: a bonus draw when all k were accepted (blue), else the draw from the residual at the rejection
     (orange). `tokens`: the run's emitted tokens as text, to label the boxes (see round_tokens)."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     texts = round_tokens(run, tokens)[:max_rounds]
     n_rounds = len(texts)
@@ -233,9 +234,8 @@ def plot_speculative_rounds(run: Rounds, tokens: list[str] | None = None, max_ro
                                        hatch="//" if cut else None))
             ax.text(x + 0.45, r, repr(label)[1:-1][:8], ha="center", va="center", fontsize=7)
         ax.text(-0.2, r, f"round {r + 1}: {n}/{k}", ha="right", va="center", fontsize=8)
-    for kind, color in colors.items():
-        ax.bar(0, 0, color=color, label=kind)
-    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.02), frameon=False)
+    ax.legend(handles=[Patch(color=color, label=kind) for kind, color in colors.items()], fontsize=7, ncol=5,
+              loc="upper center", bbox_to_anchor=(0.5, -0.02), frameon=False)
     ax.set_xlim(-2.6, width + 0.3)
     ax.set_ylim(n_rounds - 0.5, -0.6)
     ax.axis("off")
@@ -257,8 +257,7 @@ def plot_batching_slots(run: BatchRun, max_steps: int | None = None):
     grid = np.array(run.timeline[:steps], dtype=float).T  # [slots, steps]: request id, -1 free
     grid[grid < 0] = np.nan
     fig, ax = plt.subplots(figsize=(min(14, 2 + 0.18 * steps), 0.45 * run.n_slots + 1.4))
-    cmap = plt.get_cmap("tab20").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("tab20").with_extremes(bad="white")
     ax.imshow(np.mod(grid, 20), cmap=cmap, vmin=0, vmax=19, aspect="auto", interpolation="nearest")
     for step, slot, rid in run.prefills:
         if step < steps:
