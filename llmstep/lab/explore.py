@@ -141,7 +141,7 @@ def attention_weights(model: Llama, ids: list[int] | torch.Tensor, layer: int) -
         raise ValueError(f"the prompt must hold 1..{model.config.max_seq_len} tokens, got {tokens.shape[1]}")
     seen = {}
     attn = model.layers[layer].attention
-    handle = attn.register_forward_pre_hook(lambda m, args: seen.setdefault("args", args))
+    handle = attn.register_forward_pre_hook(lambda m, args: seen.update(args=args))  # returns None: args unchanged
     try:
         model(tokens)
     finally:

@@ -39,7 +39,8 @@ def test_the_stages_add_up_to_the_cost_of_a_step(name, context):
     cost = decode_step_cost(config, context, "bfloat16")
     assert sum(r.bytes for r in rows) == pytest.approx(cost.bytes, rel=1e-9)
     assert sum(r.flops for r in rows) == pytest.approx(cost.flops, rel=1e-9)
-    assert [r.stage for r in rows][:3] == ["embedding", "rope tables", "attention norm"] and rows[-1].stage == "sampling"
+    assert [r.stage for r in rows][:3] == ["embedding", "rope tables", "attention norm"]
+    assert rows[-1].stage == "sampling"
     by_stage = {r.stage: r for r in rows}
     assert by_stage["attention"].calls == config.n_layers and by_stage["rope"].calls == 2 * config.n_layers
 
@@ -95,16 +96,16 @@ def colours(fig) -> list[str]:
 
 
 def test_a_speculative_round_shows_accepted_rejected_and_bonus_tokens():
-    run = Rounds(k=3, proposed=[3, 3, 2], accepted=[3, 1, 0], produced=[4, 2, 1])
-    words = ["first"] + list("abcd") + list("ef") + ["g"]
+    run = Rounds(k=3, proposed=[3, 3, 2, 3], accepted=[3, 1, 0, 2], produced=[4, 2, 1, 3])
+    words = ["first"] + list("abcd") + list("ef") + ["g"] + list("hij")
     fig = pictures.plot_speculative_rounds(run, words)
     c = colours(fig)
-    assert c.count("#6cc46c") == 4  # accepted: 3 + 1 + 0
-    assert c.count("#e06060") == 2  # the first rejection of rounds 2 and 3
+    assert c.count("#6cc46c") == 6  # accepted: 3 + 1 + 0 + 2
+    assert c.count("#e06060") == 3  # the first rejection of rounds 2, 3 and 4
     assert c.count("#cccccc") == 1 + 1  # proposals after a rejection
-    assert c.count("#5b9bd5") == 1 and c.count("#f0a040") == 2  # bonus (all accepted) / resampled
-    assert pictures.round_tokens(run, words) == [list("abcd"), list("ef"), ["g"]]
-    with pytest.raises(ValueError, match="emitted 8 tokens"):
+    assert c.count("#5b9bd5") == 1 and c.count("#f0a040") == 3  # bonus (all accepted) / resampled
+    assert pictures.round_tokens(run, words) == [list("abcd"), list("ef"), ["g"], list("hij")]
+    with pytest.raises(ValueError, match="emitted 11 tokens"):
         pictures.round_tokens(run, words[:-1])
     with pytest.raises(ValueError, match="no rounds"):
         pictures.plot_speculative_rounds(Rounds())
