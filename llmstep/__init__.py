@@ -30,6 +30,9 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
+    pictures.py    the course's diagrams, drawn from a config or a run's record (decode step, GQA, cache, rounds, slots)
+    explore.py     what the notebooks' explorers compute: pure functions, one per widget
+    explorers.py   the notebooks' ipywidgets explorers, each with a static fallback figure
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
