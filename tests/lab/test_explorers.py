@@ -240,3 +240,19 @@ def test_the_journey_walks_the_stages_of_the_config():
     stage = box.children[0].children[1]
     stage.value = len(rows) - 1
     assert summary(box).startswith(f"{len(rows)}/{len(rows)} sampling")
+
+
+def test_the_journey_with_a_trace_shows_each_stages_measured_time(shipped):
+    from llmstep.lab.pictures import step_stages
+    from llmstep.lab.trace import trace_step
+
+    model, _ = shipped
+    trace = trace_step(model, context=16, repeats=2)
+    rows = step_stages(model.config, 16, trace.dtype, trace)
+    for r in rows:  # the meta-device model's bytes are the traced model's
+        assert r.bytes == pytest.approx(trace.row(r.stage).bytes) and r.seconds == trace.row(r.stage).seconds
+    box = explorers.journey_explorer(model.config, context=16, trace=trace, fallback=False)
+    box.children[0].children[1].value = 6
+    assert summary(box).strip().endswith(f"measured {trace.row('attention').seconds * 1e3:.3f} ms")
+    with pytest.raises(ValueError, match="trace was taken after 16 tokens"):
+        step_stages(model.config, 17, trace.dtype, trace)
