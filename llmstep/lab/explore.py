@@ -10,7 +10,6 @@ and the batching timeline from llmstep.engines.scheduler, driven with made-up to
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from ..core.rope import apply_rope, config_inv_frequencies, rope_cos_sin
 from ..engines.decoding import budget, check_int
 from ..engines.scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
 from ..engines.speculative import best_k, check_k, expected_speedup, expected_tokens_per_forward
+from .bench_batching import random_workload
 from .hardware import Chip, _chip
 from .roofline import attainable_tflops
 
@@ -227,28 +227,23 @@ def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16) -> 
 # ---- batching (09) -----------------------------------------------------------------------------------
 
 def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, policy: str = "continuous",
-                      seed: int = 0, new_tokens: tuple[int, int] = (4, 40), prompt_len: int = 8) -> BatchRun:
-    """llmstep.engines.scheduler's schedule for `n_requests` requests arriving `arrival_rate` per engine step on
-    average (a Poisson process: exponential gaps), each wanting a uniformly drawn number of new tokens in
-    `new_tokens`; driven as ContinuousBatcher.run drives it, with a made-up token in place of the model's. Pure:
-    the same arguments give the same run."""
+                      seed: int = 0, new_tokens: tuple[int, int] = (4, 96),
+                      prompt_len: tuple[int, int] = (8, 48)) -> BatchRun:
+    """llmstep.engines.scheduler's schedule for llmstep.lab.bench_batching.random_workload's requests (Poisson
+    arrivals, `arrival_rate` per engine step; lengths drawn from the ranges; the same seed, the same workload),
+    driven as ContinuousBatcher.run drives it with a made-up token in place of the model's. Slots are long enough
+    for every request, so each makes all its new tokens: the timeline is the one `run_batch` gives for the same
+    workload (tests/lab/test_explorers.py checks it), in no time and without a model."""
     check_int(n_slots, "n_slots", low=1)
     check_int(n_requests, "n_requests", low=1)
-    check_int(prompt_len, "prompt_len", low=1)
-    if not (isinstance(arrival_rate, int | float) and arrival_rate > 0 and math.isfinite(arrival_rate)):
+    if not (isinstance(arrival_rate, int | float) and math.isfinite(arrival_rate)):
         raise ValueError(f"arrival_rate must be a positive number (requests per engine step), got {arrival_rate!r}")
     if policy not in POLICIES:
         raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
-    lo, hi = new_tokens
-    check_int(lo, "new_tokens[0]", low=1)
-    check_int(hi, "new_tokens[1]", low=lo)
-    rng = random.Random(seed)
-    clock, jobs = 0.0, []
-    slot_len = prompt_len + hi
-    for i in range(n_requests):
-        clock += rng.expovariate(arrival_rate) if i else 0.0  # the first request opens the run
-        jobs.append(Job(Completion(id=i, prompt_ids=[0] * prompt_len, arrival=int(clock)),
-                        budget(prompt_len, rng.randint(lo, hi), slot_len), set()))
+    requests = random_workload(n_requests, 2, prompt_len, new_tokens, arrival_rate, seed)  # refuses a bad range
+    slot_len = prompt_len[1] + new_tokens[1]
+    jobs = [Job(Completion(id=i, prompt_ids=r.prompt_ids, arrival=r.arrival),
+                budget(len(r.prompt_ids), r.max_new_tokens, slot_len), set()) for i, r in enumerate(requests)]
     ticks = iter(range(10**9))
     scheduler = Scheduler(jobs, n_slots, policy, clock=lambda: float(next(ticks)))  # steps, not seconds
     while not scheduler.done:
@@ -260,4 +255,3 @@ def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, p
                 scheduler.take(job, 1)  # the decode step's token
         scheduler.end_step()
     return scheduler.run
-

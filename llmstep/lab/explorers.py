@@ -315,7 +315,7 @@ def batching_explorer(fallback: bool = True):
     import ipywidgets as widgets
 
     controls = {"n_slots": widgets.IntSlider(value=4, min=1, max=16, description="slots", continuous_update=False),
-                "arrival_rate": widgets.FloatLogSlider(value=0.2, base=10, min=-1.3, max=0.7, step=0.05,
+                "arrival_rate": widgets.FloatLogSlider(value=0.35, base=10, min=-1.3, max=0.7, step=0.05,
                                                        description="arrivals/step", continuous_update=False),
                 "policy": widgets.ToggleButtons(options=["continuous", "static"], value="continuous",
                                                 description="policy")}

@@ -148,11 +148,25 @@ def test_the_speculative_curve_is_the_theory():
         explore.speculative_curve(1.5, 0.1)
 
 
+def test_the_batching_simulation_is_what_run_batch_does_with_a_model():
+    from llmstep.engines.batching import run_batch
+    from llmstep.lab.bench_batching import random_workload
+
+    torch.manual_seed(0)
+    tiny = llmstep.Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64,
+                                     max_seq_len=256))
+    workload = random_workload(10, 64, prompt_len=(8, 48), new_tokens=(4, 96), rate=0.35, seed=3)
+    for policy in ("continuous", "static"):
+        served = run_batch(tiny, workload, n_slots=3, policy=policy, compile=False)
+        simulated = explore.simulate_batching(3, 0.35, n_requests=10, policy=policy, seed=3)
+        assert simulated.timeline == served.timeline and simulated.prefills == served.prefills
+
+
 def test_the_batching_simulation_is_the_schedulers_and_repeatable():
     run = explore.simulate_batching(3, 0.5, n_requests=12, seed=1)
     again = explore.simulate_batching(3, 0.5, n_requests=12, seed=1)
     assert run.timeline == again.timeline and run.prefills == again.prefills
-    assert all(4 <= len(c.tokens) <= 40 and c.stop_reason == "length" for c in run.completions)
+    assert all(4 <= len(c.tokens) <= 96 and c.stop_reason == "length" for c in run.completions)
     assert all(len(row) == 3 for row in run.timeline)
     arrivals = [c.arrival for c in run.completions]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0
@@ -160,7 +174,7 @@ def test_the_batching_simulation_is_the_schedulers_and_repeatable():
     assert static.steps > run.steps and static.slot_utilisation < run.slot_utilisation
     busier = explore.simulate_batching(3, 5.0, n_requests=12, seed=1)
     assert busier.summary()["mean_latency_steps"] > run.summary()["mean_latency_steps"]  # a longer queue
-    with pytest.raises(ValueError, match="arrival_rate"):
+    with pytest.raises(ValueError, match="rate must be > 0"):
         explore.simulate_batching(3, 0.0)
     with pytest.raises(ValueError, match="policy"):
         explore.simulate_batching(3, 1.0, policy="fifo")
