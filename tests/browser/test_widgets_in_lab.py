@@ -100,6 +100,10 @@ def lab(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # the kernel draws inline, as for a learner
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["JUPYTER_RUNTIME_DIR"] = str(root / ".runtime")
+    env["JUPYTER_CONFIG_DIR"] = str(root / ".config")  # no user settings; and no news toast over the widgets
+    (root / ".config" / "labconfig").mkdir(parents=True)
+    (root / ".config" / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
     command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--expose-app-in-browser",
                f"--LabApp.workspaces_dir={root / '.workspaces'}"]
