@@ -34,6 +34,9 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
+    pictures.py    the course's diagrams, drawn from a config or a run's record (decode step, GQA, cache, rounds, slots)
+    explore.py     what the notebooks' explorers compute: pure functions, one per widget
+    explorers.py   the notebooks' ipywidgets explorers, each with a static fallback figure
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs
     peers.py       llama.cpp, CTranslate2, transformers on llmstep's weights next to its compiled loop
