@@ -30,6 +30,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
     roofline.py    the roofline picture
     trace.py       one decode step, stage by stage
+    profile.py     one decode step under torch.profiler: the timeline, and its regime (compute, memory, overhead)
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
