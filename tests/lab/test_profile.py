@@ -1,5 +1,6 @@
 """llmstep.lab.profile: a torch.profiler trace of one decode step, its timeline, and the regime rule."""
 
+import itertools
 import os
 
 import matplotlib
@@ -67,7 +68,7 @@ def test_profile_records_the_step_s_operators_inside_it(model):
     assert all(-1.0 <= e.start_us and e.start_us + e.duration_us <= end_us for e in p.events)
     assert [e.start_us for e in p.events] == sorted(e.start_us for e in p.events)
     top = [e for e in p.events if e.row == "host ops"]  # the step's own operators run one after another
-    assert all(b.start_us >= a.start_us + a.duration_us - 1.0 for a, b in zip(top, top[1:]))
+    assert all(b.start_us >= a.start_us + a.duration_us - 1.0 for a, b in itertools.pairwise(top))
     calls = dict((name, n) for name, n, _ in p.top(50))
     assert calls["aten::linear"] == 7 * CFG.n_layers + 1  # q, k, v, o, w1, w3, w2 per layer, and the LM head
     assert p.cost == model_step_cost(model, 8)
