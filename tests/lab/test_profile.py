@@ -1,0 +1,96 @@
+"""llmstep.lab.profile: a torch.profiler trace of one decode step, its timeline, and the regime rule."""
+
+import itertools
+import os
+
+import matplotlib
+
+matplotlib.use("agg")
+import pytest
+import torch
+
+from llmstep import Llama, LlamaConfig
+from llmstep.core.cost import StepCost, model_step_cost
+from llmstep.lab.profile import plot_timeline, profile_step, regime
+
+CFG = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=112, max_seq_len=64)
+COST = StepCost(weight_bytes=1e9, kv_bytes=0.0, flops=2e9)  # 1 GB, 2 GFLOP: 2 FLOPs per byte
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Llama(CFG).eval()
+
+
+def test_a_step_near_its_memory_floor_is_memory_bound():
+    # 100 GB/s: the bytes alone take 10 ms; 100 TFLOP/s: the FLOPs 0.02 ms
+    r = regime(COST, 0.012, bandwidth_gb_per_s=100, peak_tflops=100)
+    assert r.name == "memory"
+    assert r.memory_seconds == pytest.approx(0.010) and r.compute_seconds == pytest.approx(2e-5)
+    assert r.overhead_seconds == pytest.approx(0.002)
+
+
+def test_a_step_near_its_compute_floor_is_compute_bound():
+    r = regime(COST, 0.025, bandwidth_gb_per_s=1000, peak_tflops=0.1)  # FLOPs 20 ms, bytes 1 ms
+    assert r.name == "compute"
+
+
+def test_a_step_far_slower_than_both_floors_is_overhead_bound():
+    r = regime(COST, 0.050, bandwidth_gb_per_s=100, peak_tflops=100)  # 10 ms floor, 50 ms measured
+    assert r.name == "overhead"
+    assert r.overhead_seconds == pytest.approx(0.040)
+    assert "overhead-bound" in str(r)
+
+
+def test_the_attained_threshold_is_the_boundary():
+    assert regime(COST, 0.020, 100, 100, attained=0.5).name == "memory"  # exactly half the rate
+    assert regime(COST, 0.0201, 100, 100, attained=0.5).name == "overhead"
+
+
+@pytest.mark.parametrize("kwargs", [dict(step_seconds=0.0), dict(bandwidth_gb_per_s=-1.0), dict(peak_tflops=0.0),
+                                    dict(attained=0.0), dict(attained=1.5)])
+def test_regime_refuses_bad_inputs(kwargs):
+    args = dict(cost=COST, step_seconds=0.01, bandwidth_gb_per_s=100.0, peak_tflops=100.0) | kwargs
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        regime(**args)
+
+
+def test_profile_records_the_step_s_operators_inside_it(model):
+    p = profile_step(model, context=8, repeats=3)
+    assert not p.compiled and p.compile_seconds == 0.0
+    assert len(p.step_seconds) == 3 and p.median_seconds > 0 and p.spread >= 0
+    assert p.rows()[0] == "host ops"
+    names = {e.name for e in p.events if e.row == "host ops"}
+    assert "aten::linear" in names  # every projection is an nn.Linear
+    # every event lies inside the profiled step (1 us of clock slack)
+    end_us = 1e6 * p.profiled_seconds + 1.0
+    assert all(-1.0 <= e.start_us and e.start_us + e.duration_us <= end_us for e in p.events)
+    assert [e.start_us for e in p.events] == sorted(e.start_us for e in p.events)
+    top = [e for e in p.events if e.row == "host ops"]  # the step's own operators run one after another
+    assert all(b.start_us >= a.start_us + a.duration_us - 1.0 for a, b in itertools.pairwise(top))
+    calls = dict((name, n) for name, n, _ in p.top(50))
+    assert calls["aten::linear"] == 7 * CFG.n_layers + 1  # q, k, v, o, w1, w3, w2 per layer, and the LM head
+    assert p.cost == model_step_cost(model, 8)
+
+
+def test_profile_refuses_a_context_past_the_window_before_building_anything(model):
+    with pytest.raises(ValueError, match="context 64"):
+        profile_step(model, context=CFG.max_seq_len)
+    with pytest.raises(ValueError, match="repeats"):
+        profile_step(model, context=4, repeats=0)
+
+
+def test_timeline_draws_one_bar_per_event(model):
+    p = profile_step(model, context=4, repeats=1)
+    ax = plot_timeline({"eager": p})
+    assert len(ax.patches) == len(p.events)
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"eager: {r}" for r in p.rows()]
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
+                    reason="torch.compile on the CPU takes ~30 s; set LLMSTEP_SLOW_TESTS=1")
+def test_profile_of_a_compiled_step(model):
+    p = profile_step(model, context=8, compile=True, repeats=3)
+    assert p.compiled and p.compile_seconds > 0
+    assert p.events and p.median_seconds > 0
