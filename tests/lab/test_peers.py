@@ -47,7 +47,11 @@ def test_each_reason_a_peer_cannot_run_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", missing("llama_cpp"))
     assert peers.why_not("llama.cpp", "float32", tmp_path, None) == "not installed (pip install llama-cpp-python)"
     monkeypatch.undo()
+    real = importlib.util.find_spec  # installed or not, llama.cpp without a tokenizer is refused for that reason
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
     assert "tokenizer" in peers.why_not("llama.cpp", "float32", tmp_path, None)
+    monkeypatch.undo()
     assert peers.why_not("transformers", "int8", None, None).startswith("no weight-only int8/int4")
     assert peers.why_not("transformers", "float32", None, None) is None
     if importlib.util.find_spec("ctranslate2") is not None:
