@@ -230,6 +230,19 @@ class Scheduler:
         self.run.step_seconds.append(self.clock() - self._step_start)
         self.step += 1
 
+    def dry_run(self, token_id: int) -> BatchRun:
+        """Run the schedule to its end without a model: every prefill and every decode makes `token_id` (not a
+        stop token), so the timeline is the one a model gives requests that run to their budgets."""
+        while not self.done:
+            self.begin_step()
+            while (job := self.admit()) is not None:
+                self.take(job, token_id)  # the prefill's token
+            for job in self.running():
+                if job is not None:
+                    self.take(job, token_id)  # the decode step's token
+            self.end_step()
+        return self.run
+
 
 # ---- the paged cache's scheduler -----------------------------------------------------------------------
 

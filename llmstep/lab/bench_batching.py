@@ -227,14 +227,7 @@ def schedule_capacity(requests: list[Request], context: int, contiguous_slots: i
 
     ticks = iter(range(10**9))
     contiguous = Scheduler(jobs(), contiguous_slots, clock=lambda: float(next(ticks)))
-    while not contiguous.done:
-        contiguous.begin_step()
-        while (job := contiguous.admit()) is not None:
-            contiguous.take(job, 0)
-        for job in contiguous.running():
-            if job is not None:
-                contiguous.take(job, 0)
-        contiguous.end_step()
+    contiguous.dry_run(0)
     kv_blocks = contiguous_slots * slot_len // block_size
     paged = BlockScheduler(jobs(), len(requests), BlockManager(kv_blocks, block_size), clock=lambda: float(next(ticks)))
     while not paged.done:

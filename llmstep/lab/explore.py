@@ -245,13 +245,4 @@ def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, p
     jobs = [Job(Completion(id=i, prompt_ids=r.prompt_ids, arrival=r.arrival),
                 budget(len(r.prompt_ids), r.max_new_tokens, slot_len), set()) for i, r in enumerate(requests)]
     ticks = iter(range(10**9))
-    scheduler = Scheduler(jobs, n_slots, policy, clock=lambda: float(next(ticks)))  # steps, not seconds
-    while not scheduler.done:
-        scheduler.begin_step()
-        while (job := scheduler.admit()) is not None:
-            scheduler.take(job, 1)  # the prefill's token
-        for job in scheduler.running():
-            if job is not None:
-                scheduler.take(job, 1)  # the decode step's token
-        scheduler.end_step()
-    return scheduler.run
+    return Scheduler(jobs, n_slots, policy, clock=lambda: float(next(ticks))).dry_run(1)  # steps, not seconds

@@ -126,14 +126,7 @@ def test_the_slots_picture_is_the_runs_timeline():
     jobs = [Job(Completion(id=i, prompt_ids=[1] * 3, arrival=i), budget(3, n, 48), set()) for i, n in
             enumerate((2, 5, 3, 1, 4))]
     s = Scheduler(jobs, 2, "continuous")
-    while not s.done:
-        s.begin_step()
-        while (j := s.admit()) is not None:
-            s.take(j, 7)
-        for j in s.running():
-            if j is not None:
-                s.take(j, 7)
-        s.end_step()
+    s.dry_run(7)
     fig = pictures.plot_batching_slots(s.run)
     image = fig.axes[0].images[0].get_array()  # [slots, steps], masked where a slot is free
     expected = torch.tensor(s.run.timeline).T
