@@ -44,28 +44,35 @@ from ..engines.fast import FastDecoder
 from . import runinfo
 from .hardware import describe, measure_bandwidth, random_model
 
-__all__ = ["time_hf", "bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin", "peer_bytes",
-           "check_peer_settings", "static_compiled_generate_kw", "matching_prefix"]
+__all__ = ["time_hf", "choose_model", "bench_model", "run_bench", "mean_step_cost", "format_table", "hf_twin",
+           "peer_bytes", "check_peer_settings", "static_compiled_generate_kw", "matching_prefix"]
+
+
+def choose_model(model: str | None = None, preset: str | None = None, random_weights: bool = False,
+                 overrides: dict | None = None) -> tuple[LlamaConfig, object, str]:
+    """(config, checkpoint path or None for random weights, a line saying what it is): the benchmarks' one rule
+    for which model to measure: a preset's shape or a checkpoint, with random weights for a preset, with
+    `random_weights`, or when `overrides` change the config's fields."""
+    overrides = dict(overrides or {})
+    if "vocab_size" in overrides:  # a shrunken vocabulary cannot keep Llama 3's special-token ids
+        overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
+    if preset:
+        return LlamaConfig.preset(preset, **overrides), None, f"preset {preset} (random weights)"
+    path = resolve_model_path(model)
+    config = LlamaConfig.from_hf(path).replace(**overrides)
+    if random_weights or overrides:
+        return config, None, f"{path} (its shape, random weights)"
+    return config, path, f"{path}"
 
 
 def bench_model(model: str | None = None, preset: str | None = None, random_weights: bool = False,
                 overrides: dict | None = None, device: str | torch.device | None = None, dtype: str | None = None,
                 seed: int = 0) -> tuple[Llama, str]:
-    """(the model to measure, a line saying what it is): a preset's shape or a checkpoint (plain or quantized),
-    with random weights for a preset, with `random_weights`, or when `overrides` change the config's fields."""
+    """(the model to measure, a line saying what it is), chosen by `choose_model`."""
     device = resolve_device(device)
-    overrides = dict(overrides or {})
-    if "vocab_size" in overrides:  # a shrunken vocabulary cannot keep Llama 3's special-token ids
-        overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
-    if preset:
-        config = LlamaConfig.preset(preset, **overrides)
-        source = f"preset {preset} (random weights)"
-    else:
-        path = resolve_model_path(model)
-        config = LlamaConfig.from_hf(path).replace(**overrides)
-        source = f"{path}" + (" (its shape, random weights)" if random_weights else "")
+    config, path, source = choose_model(model, preset, random_weights, overrides)
     dtype = resolve_dtype(dtype, device, "bfloat16" if preset else config.torch_dtype)
-    if preset or random_weights or overrides:
+    if path is None:
         return random_model(config, device, dtype, seed), source
     return load_model(path, device=device, dtype=dtype), source
 

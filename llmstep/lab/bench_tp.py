@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..core.checkpoint import resolve_model_path
 from ..core.config import LlamaConfig
 from ..core.cost import decode_step_cost, dtype_bytes, model_bytes
 from ..core.device import resolve_dtype, synchronize
@@ -45,6 +44,7 @@ from ..core.parallel import (
 )
 from ..engines.decoding import check_int
 from . import runinfo
+from .bench import choose_model
 from .hardware import DATASHEETS
 
 __all__ = ["Link", "LINKS", "collective_seconds", "predict", "prediction_table", "measure", "time_all_reduce",
@@ -142,19 +142,10 @@ def bench_model(model: str | None = None, preset: str | None = None, random_weig
     """lab.bench.bench_model's choice of model (a preset's shape, a checkpoint, random weights or --set
     overrides), as this rank's shard: the world size checked against the heads first."""
     device = rank_device(device)
-    overrides = dict(overrides or {})
-    if "vocab_size" in overrides:  # as lab.bench: a shrunken vocabulary cannot keep Llama 3's special-token ids
-        overrides = {"bos_token_id": None, "eos_token_id": []} | overrides
-    if preset:
-        config, path = LlamaConfig.preset(preset, **overrides), None
-        source = f"preset {preset} (random weights)"
-    else:
-        path = resolve_model_path(model)
-        config = LlamaConfig.from_hf(path).replace(**overrides)
-        source = f"{path}" + (" (its shape, random weights)" if random_weights or overrides else "")
+    config, path, source = choose_model(model, preset, random_weights, overrides)
     check_split(config, dist.get_world_size(group))
     dtype = resolve_dtype(dtype, device, "bfloat16" if preset else config.torch_dtype)
-    if path is None or random_weights or overrides:
+    if path is None:
         return random_sharded(config, group, device, dtype, seed), source
     return load_sharded(path, group, device, dtype), source
 
