@@ -20,6 +20,7 @@ by that floor; slower than that, most of its time is neither bytes nor FLOPs, an
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,9 @@ def profile_step(model: Llama, context: int = 64, compile: bool = False, mode: s
     seconds = time_repeats(step, device, repeats, warmup=1)
     gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    # Kineto (the profiler's C++ side) otherwise writes "profiler_start"/"profiler_stop" lines to stderr on every
+    # profile; it reads this when the first profile starts, so a user's own setting wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     with profile(activities=activities) as prof:
         with torch.profiler.record_function("decode step"):
             step()
