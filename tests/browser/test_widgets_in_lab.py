@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -237,12 +238,18 @@ def test_every_explorer_renders_and_answers_its_controls(lab):
     assert check_widgets(lab, "explorers.ipynb", expected=n) == []
 
 
+def widgets_made(path: Path) -> int:
+    """How many widgets with an output area the notebook's code makes: explorer calls and ipywidgets.interactive."""
+    code = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    return len(re.findall(r"\bexplorers\.\w+_explorer\(", code)) + len(re.findall(r"\bwidgets\.interactive\(", code))
+
+
 @pytest.mark.parametrize("path", widget_notebooks(), ids=lambda p: p.name)
 def test_the_course_notebooks_widgets_render_and_answer(lab, path):
     target = lab[2] / path.relative_to(ROOT)
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(path, target)  # a copy: what the browser runs is never saved into the course
-    assert check_widgets(lab, str(path.relative_to(ROOT))) == []
+    assert check_widgets(lab, str(path.relative_to(ROOT)), expected=widgets_made(path)) == []
 
 
 def test_the_check_catches_a_broken_callback(lab):
