@@ -46,7 +46,7 @@ from . import runinfo
 from .bench import hf_twin, matching_prefix, mean_step_cost, time_hf
 from .hardware import measure_bandwidth
 
-__all__ = ["PEERS", "PeerError", "parse_peers", "precisions", "why_not", "run_peers", "format_peers"]
+__all__ = ["PEERS", "PeerError", "parse_peers", "precisions", "why_not", "run_peers", "format_peers", "roofline_points"]
 
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
 _MODULE = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2", "transformers": "transformers"}
@@ -316,3 +316,18 @@ def format_peers(record: dict) -> str:
                  + (f"; copy bandwidth {bw:.1f} GB/s measured in this run" if bw else ""))
     lines += [f"{s['peer']} skipped at {s['precision']}: {s['why']}" for s in record["skipped"]]
     return "\n".join(lines)
+
+
+def roofline_points(record: dict, flops_per_step: float) -> list[tuple[float, float, str]]:
+    """Each row of a run_peers record as a roofline point (FLOPs per byte, TFLOP/s, label) for
+    llmstep.lab.roofline.plot_roofline: a step does the same FLOPs at every precision (two per weight, plus
+    attention: `flops_per_step`, e.g. bench.mean_step_cost(model, prompt_len, new_tokens).flops) and reads the
+    row's `bytes_per_step`; the row's median decode rate makes the TFLOP/s."""
+    points = []
+    for row in record["rows"]:
+        rate = row["decode_tokens_per_s"]["median"]
+        share = row["copy_bandwidth_share"]
+        label = f"{row['precision']}, {row['engine']}: {rate:,.0f} tok/s"
+        label += f", {share:.0%} of copy bw" if share else ""
+        points.append((flops_per_step / row["bytes_per_step"], rate * flops_per_step / 1e12, label))
+    return points

@@ -135,3 +135,13 @@ def test_the_bench_command_with_peers_prints_the_table_and_writes_the_record(tin
     assert record["rows"][1]["same_tokens_as_llmstep"] == 3
     assert "transformers generate()" in capsys.readouterr().out
     assert json.loads(out.read_text())["rows"][1]["tokens"] == record["rows"][1]["tokens"]
+
+
+def test_roofline_points_put_each_row_at_its_own_bytes_and_rate():
+    row = {"precision": "int8", "engine": "llama.cpp", "bytes_per_step": 2e6, "copy_bandwidth_share": 0.25,
+           "decode_tokens_per_s": {"median": 500.0}}
+    record = {"rows": [row, row | {"precision": "float32", "bytes_per_step": 8e6, "copy_bandwidth_share": None}]}
+    (x8, y8, label8), (x32, y32, label32) = peers.roofline_points(record, flops_per_step=4e6)
+    assert (x8, x32) == (2.0, 0.5)  # the same FLOPs over each row's bytes: fewer bytes, further right
+    assert y8 == y32 == pytest.approx(500 * 4e6 / 1e12)
+    assert label8 == "int8, llama.cpp: 500 tok/s, 25% of copy bw" and label32 == "float32, llama.cpp: 500 tok/s"
