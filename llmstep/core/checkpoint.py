@@ -39,7 +39,7 @@ from .quantize import QuantConfig, QuantizationError, QuantLinear, empty_quantiz
 from .tokens import Tokenizer
 
 __all__ = ["CheckpointError", "load", "load_model", "save", "resolve_model_path", "hf_names", "tensor_table",
-           "read_quant_config", "DATA_DIR"]
+           "read_quant_config", "read_generation_config", "DATA_DIR"]
 
 # The shipped models live in the repository's data/ folder (override with LLMSTEP_DATA).
 DATA_DIR = Path(os.environ.get("LLMSTEP_DATA", Path(__file__).resolve().parents[2] / "data"))
@@ -264,7 +264,7 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
         dtype = config.torch_dtype  # a float32 copy of a big model would not fit most machines' memory
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
     found, expected = validate(path, config, qc)
-    generation_config = _read_generation_config(path)
+    generation_config = read_generation_config(path)
     check_fits(checkpoint_bytes(config, dtype, qc), device, f"{path.name} in {str(dtype).removeprefix('torch.')}")
 
     files = {file for file, _, _ in found.values()}
@@ -322,7 +322,7 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     path = resolve_model_path(path)
     config = LlamaConfig.from_hf(path)  # fail fast on the config and the tokenizer, before any weight is read
     read_quant_config(path)
-    _read_generation_config(path)
+    read_generation_config(path)
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
@@ -335,7 +335,8 @@ def _read_json(path: Path) -> dict:
     return read_json_object(path, CheckpointError) if path.is_file() else {}
 
 
-def _read_generation_config(path: Path) -> dict:
+def read_generation_config(path: Path) -> dict:
+    """A checkpoint directory's generation_config.json, checked ({} where there is none)."""
     gen = _read_json(path / "generation_config.json")
     try:
         return check_generation_config(gen, str(path / "generation_config.json"))

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .checkpoint import CheckpointError, _read_generation_config, read_quant_config, resolve_model_path, validate
+from .checkpoint import CheckpointError, read_generation_config, read_quant_config, resolve_model_path, validate
 from .config import LlamaConfig
 from .cost import check_fits
 from .device import resolve_device, resolve_dtype, synchronize
@@ -317,7 +317,7 @@ def load_sharded(path: str | os.PathLike | None = None, group=None, device=None,
     device = rank_device(device)
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
     found, expected = validate(path, config)
-    generation_config = _read_generation_config(path)
+    generation_config = read_generation_config(path)
     slices = rank_slices(config, s)
     both = config.tie_embeddings and "lm_head.weight" in expected  # a tied config whose file also has a head
     if both:

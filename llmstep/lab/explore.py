@@ -24,7 +24,7 @@ from ..engines.decoding import budget, check_int
 from ..engines.scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
 from ..engines.speculative import best_k, check_k, expected_speedup, expected_tokens_per_forward
 from .bench_batching import random_workload
-from .hardware import Chip, _chip
+from .hardware import Chip, as_chip
 from .roofline import attainable_tflops
 
 __all__ = ["model_configs", "RooflinePoint", "roofline_point", "RopeRotation", "rope_rotation", "KVMemory",
@@ -65,7 +65,7 @@ def roofline_point(config: LlamaConfig, chip: Chip | str, dtype: torch.dtype | s
     (llmstep.core.cost.decode_step_cost's bytes and FLOPs, llmstep.lab.roofline's roof)."""
     check_int(batch, "batch", low=1)
     check_int(context, "context")
-    chip = _chip(chip)
+    chip = as_chip(chip)
     cost = decode_step_cost(config, context, dtype, batch=batch)
     memory_s = cost.bytes / (chip.memory_gb_per_s * 1e9)
     compute_s = cost.flops / (chip.tensor_tflops * 1e12)

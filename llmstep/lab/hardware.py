@@ -22,7 +22,7 @@ from ..engines.decoding import check_int
 from .runinfo import describe, time_repeats
 
 __all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "measure_matmul",
-           "measured_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
+           "measured_chip", "as_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
            "random_model"]
 
 
@@ -210,7 +210,8 @@ def _peak(chip: Chip, peak: str) -> float:
     raise ValueError(f"peak must be 'tensor' or 'non_tensor', got {peak!r}")
 
 
-def _chip(chip: Chip | str) -> Chip:
+def as_chip(chip: Chip | str) -> Chip:
+    """A Chip as it is, or the datasheet chip of that name."""
     if isinstance(chip, Chip):
         return chip
     if chip not in DATASHEETS:
@@ -223,7 +224,7 @@ def article_ceiling(chip: Chip | str = "RTX 4090", params: float = ARTICLE_PARAM
     """The article's back-of-envelope: every parameter read once (params * bytes_per_param bytes) and
     2 FLOPs per parameter. For the RTX 4090: 16 GB / 1,008 GB/s = 15.87 ms, 63 tokens/s, 1.008 TFLOP/s
     done of 82.6, 1.22%."""
-    chip = _chip(chip)
+    chip = as_chip(chip)
     if not params > 0 or not bytes_per_param > 0:
         raise ValueError(f"params and bytes_per_param must be positive, got {params} and {bytes_per_param}")
     return DecodeCeiling(chip.name, params * bytes_per_param, 2 * params, chip.memory_gb_per_s,
@@ -237,7 +238,7 @@ def decode_ceiling(config: LlamaConfig, chip: Chip | str, dtype: torch.dtype | s
     and the FLOPs of the matmuls and of attention."""
     if not isinstance(context, int) or context < 0:
         raise ValueError(f"context must be an integer >= 0, got {context!r}")
-    chip = _chip(chip)
+    chip = as_chip(chip)
     cost = decode_step_cost(config, context=context, dtype=dtype)
     basis = name or f"{n_params(config) / 1e9:.2f}B params"
     return DecodeCeiling(chip.name, cost.bytes, cost.flops, chip.memory_gb_per_s, _peak(chip, peak), basis)

@@ -24,7 +24,7 @@ from ..core.model import Llama
 from ..engines.decoding import cache_len
 from ..engines.scheduler import BatchRun
 from ..engines.speculative import Rounds
-from .trace import STAGES, Trace, _expected_calls, stage_costs
+from .trace import STAGES, Trace, expected_calls, stage_costs
 
 __all__ = ["StageInfo", "shape_model", "step_stages", "plot_decode_step", "plot_gqa", "plot_cache_growth",
            "plot_speculative_rounds", "plot_batching_slots", "round_tokens", "si"]
@@ -81,7 +81,7 @@ def step_stages(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str 
     if trace is not None and trace.context != context:
         raise ValueError(f"the trace was taken after {trace.context} tokens, not {context}")
     model = shape_model(config, dtype)
-    costs, calls, shapes = stage_costs(model, context), _expected_calls(model), _shapes(config, context)
+    costs, calls, shapes = stage_costs(model, context), expected_calls(model), _shapes(config, context)
     return [StageInfo(s, calls[s], *shapes[s], *costs[s], None if trace is None else trace.row(s).seconds)
             for s in STAGES if s != "other"]
 

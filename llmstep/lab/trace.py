@@ -34,7 +34,7 @@ from ..core.sampling import check_params, sample
 from ..engines.decoding import check_int
 from .runinfo import median, time_repeats
 
-__all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "trace_step", "plot_trace"]
+__all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "expected_calls", "trace_step", "plot_trace"]
 
 # The stages in the order a token meets them.
 STAGES = ("embedding", "rope tables", "attention norm", "qkv projection", "rope", "kv-cache write",
@@ -240,7 +240,8 @@ def _instrument(model: Llama, cache, clock: _Clock):
         yield
 
 
-def _expected_calls(model: Llama) -> dict[str, int]:
+def expected_calls(model: Llama) -> dict[str, int]:
+    """How many times each stage runs in one decode step of `model` (per block stages: once per layer)."""
     L = model.config.n_layers
     return {"embedding": 1, "rope tables": 1, "attention norm": L, "qkv projection": 3 * L, "rope": 2 * L,
             "kv-cache write": L, "attention": L, "o projection": L, "mlp norm": L, "mlp (SwiGLU)": L,
@@ -284,7 +285,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
 
     per_stage: dict[str, list[float]] = {s: [] for s in STAGES}
     clock = _Clock(device)
-    expected = _expected_calls(model)
+    expected = expected_calls(model)
     with _instrument(model, cache, clock):
         sample_timed = clock.wrap(sample, "sampling")
         for _ in range(repeats):
