@@ -115,3 +115,17 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high <= COUNT_LIMIT:
         raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH <= {COUNT_LIMIT}, got {text!r}")
     return low, high
+
+
+def check_draft(draft: str, target: str | None) -> None:
+    """--draft, refused before anything loads: a malformed self-N / self-intN word, a self-N past the target's
+    layers (read from its config.json), a draft checkpoint that is not there."""
+    from ..core.checkpoint import resolve_model_path
+    from ..core.config import LlamaConfig
+    from ..engines.speculative import parse_draft
+
+    kind, _ = parse_draft(draft)
+    if kind == "checkpoint":
+        resolve_model_path(draft)
+    elif kind == "layers":
+        parse_draft(draft, LlamaConfig.from_hf(resolve_model_path(target)).n_layers)

@@ -12,7 +12,17 @@ from ..core.config import PRESETS, LlamaConfig
 from ..core.files import atomic_write_json, check_output_path
 from ..lab import bench as decode_bench
 from ..lab import bench_batching, runinfo
-from .args import int_at_most, nonneg_float, nonneg_int, parse_ints, parse_range, positive_float, positive_int, seed
+from .args import (
+    check_draft,
+    int_at_most,
+    nonneg_float,
+    nonneg_int,
+    parse_ints,
+    parse_range,
+    positive_float,
+    positive_int,
+    seed,
+)
 
 
 def _log(message: str) -> None:
@@ -234,7 +244,7 @@ def run_peer_bench(args, argv) -> dict:
 
 
 def run_speculative(args, argv) -> dict:
-    from ..core.checkpoint import load, resolve_model_path
+    from ..core.checkpoint import load
     from ..engines.speculative import resolve_draft
     from ..lab.bench_speculative import bench, bench_compiled
 
@@ -243,8 +253,7 @@ def run_speculative(args, argv) -> dict:
     if args.compile and args.temperature != 0:
         raise ValueError("--compile measures greedy decoding: leave --temperature at 0")
     check_output_path(args.out, "--out")  # before any work: a late failure would lose the run
-    if not args.draft.startswith("self-"):
-        resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
+    check_draft(args.draft, args.target)  # a bad or missing draft is refused before the target is loaded
     _set_threads(args.threads)
     target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
     draft = resolve_draft(args.draft, target, tokenizer)

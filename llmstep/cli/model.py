@@ -9,7 +9,7 @@ import torch
 
 from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
-from .args import nonneg_float, nonneg_int, positive_int, probability, seed
+from .args import check_draft, nonneg_float, nonneg_int, positive_int, probability, seed
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def load_for_command(args, load_one):
 
 def run_generate(args, argv) -> None:
     from ..core import parallel
-    from ..core.checkpoint import load, resolve_model_path
+    from ..core.checkpoint import load
     from ..engines.generate import stream
 
     if not args.prompt:  # stream() refuses it too, but only once the model is loaded; a chat's empty message it takes
@@ -80,8 +80,8 @@ def run_generate(args, argv) -> None:
     if args.draft is not None and parallel.launched_by_torchrun():
         raise parallel.ParallelError("speculative decoding (--draft) does not run tensor-parallel: "
                                      "run it in one process, without torchrun")
-    if args.draft is not None and not args.draft.startswith("self-"):
-        resolve_model_path(args.draft)  # a missing draft is refused before the target is loaded
+    if args.draft is not None:
+        check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
     try:
         _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype), stream)
     finally:

@@ -43,7 +43,7 @@ from . import decoding
 from .generate import Generation, Stream, TokenEvent
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
-           "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "resolve_draft", "SpeculativeGeneration",
+           "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "parse_draft", "resolve_draft", "SpeculativeGeneration",
            "speculative_stream", "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
 
 
@@ -176,22 +176,35 @@ class LayerSkipDraft(Llama):
         self.train(target.training)
 
 
-def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, device=None, dtype=None) -> Llama:
-    """A draft from a command-line word: "self-N" (the target's first N layers), "self-int8" / "self-int4"
-    (a quantized copy), or a checkpoint path ("draft" is the shipped one). A loaded checkpoint must share
-    the target's tokenizer."""
+def parse_draft(spec: str, n_layers: int | None = None) -> tuple[str, int | str]:
+    """A draft's command-line word, read without loading anything: ("layers", N) for "self-N" (the target's first
+    N layers; checked against `n_layers` when given), ("quantized", "int8" | "int4") for "self-int8" / "self-int4",
+    ("checkpoint", spec) for anything else (a path, or "draft": the shipped one)."""
     if spec.startswith("self-int"):
         mode = spec.removeprefix("self-")
         if mode not in ("int8", "int4"):
             raise ValueError(f"draft {spec!r}: the quantized self-drafts are self-int8 and self-int4")
-        # A twin sharing the float model's embeddings and norms, with its matmuls (LM head included) quantized.
-        return quantize.quantize(target, mode, lm_head=True, inplace=False)
+        return "quantized", mode
     if spec.startswith("self-"):
-        try:
-            n = int(spec.removeprefix("self-"))
-        except ValueError:
-            raise ValueError(f"draft {spec!r}: write self-N with N the number of layers to keep") from None
-        return LayerSkipDraft(target, n)
+        n = spec.removeprefix("self-")
+        if not n.isdigit() or n != str(int(n)):
+            raise ValueError(f"draft {spec!r}: write self-N with N the number of layers to keep")
+        if not 1 <= int(n) <= (n_layers or int(n)):
+            raise ValueError(f"draft {spec!r}: a layer-skip draft keeps 1..{n_layers or 'n_layers'} of the target's "
+                             f"layers")
+        return "layers", int(n)
+    return "checkpoint", spec
+
+
+def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, device=None, dtype=None) -> Llama:
+    """A draft from a command-line word (see `parse_draft`). A loaded checkpoint must share the target's
+    tokenizer."""
+    kind, value = parse_draft(spec, target.config.n_layers)
+    if kind == "quantized":
+        # A twin sharing the float model's embeddings and norms, with its matmuls (LM head included) quantized.
+        return quantize.quantize(target, value, lm_head=True, inplace=False)
+    if kind == "layers":
+        return LayerSkipDraft(target, value)
     draft, draft_tokenizer = load(spec, device=device or target.device, dtype=dtype or target.dtype)
     if tokenizer is not None and draft_tokenizer.tok.get_vocab() != tokenizer.tok.get_vocab():
         raise ValueError(f"the draft at {spec} uses a different tokenizer from the target's: speculative "
