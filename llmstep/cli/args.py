@@ -119,13 +119,16 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def check_draft(draft: str, target: str | None) -> None:
     """--draft, refused before anything loads: a malformed self-N / self-intN word, a self-N past the target's
-    layers (read from its config.json), a draft checkpoint that is not there."""
-    from ..core.checkpoint import resolve_model_path
+    layers (read from its config.json), a draft checkpoint that is not there, is not a checkpoint (its config
+    files and tokenizer read, no weight), or does not share the target's tokenizer."""
+    from ..core.checkpoint import check_files, resolve_model_path
     from ..core.config import LlamaConfig
-    from ..engines.speculative import parse_draft
+    from ..engines.speculative import check_same_tokenizer, parse_draft
 
     kind, _ = parse_draft(draft)
     if kind == "checkpoint":
-        resolve_model_path(draft)
+        draft_path, _, draft_tokenizer = check_files(draft)
+        _, _, tokenizer = check_files(target)
+        check_same_tokenizer(draft_tokenizer, tokenizer, str(draft_path))
     elif kind == "layers":
         parse_draft(draft, LlamaConfig.from_hf(resolve_model_path(target)).n_layers)

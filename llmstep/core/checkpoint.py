@@ -38,8 +38,8 @@ from .model import Llama, materialize
 from .quantize import QuantConfig, QuantizationError, QuantLinear, empty_quantized, linear_names
 from .tokens import Tokenizer
 
-__all__ = ["CheckpointError", "load", "load_model", "save", "resolve_model_path", "hf_names", "tensor_table",
-           "read_quant_config", "read_generation_config", "DATA_DIR"]
+__all__ = ["CheckpointError", "load", "check_files", "load_model", "save", "resolve_model_path", "hf_names",
+           "tensor_table", "read_quant_config", "read_generation_config", "DATA_DIR"]
 
 # The shipped models live in the repository's data/ folder (override with LLMSTEP_DATA).
 DATA_DIR = Path(os.environ.get("LLMSTEP_DATA", Path(__file__).resolve().parents[2] / "data"))
@@ -116,6 +116,8 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     """None -> the shipped target; "target"/"draft" -> the shipped models; else the directory given."""
     if path is None:
         path = "target"
+    if str(path) == "":
+        raise FileNotFoundError("the model path is empty: give a checkpoint directory (or 'target' / 'draft')")
     p = Path(path)
     if not p.exists() and str(path) in SHIPPED:
         p = DATA_DIR / "models" / SHIPPED[str(path)]
@@ -319,16 +321,23 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     `device`: "cuda", "mps", "cpu" or None for the best available. `dtype`: None keeps the checkpoint's
     dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
     """
+    path, _, tokenizer = check_files(path)  # fail fast on the config and the tokenizer, before any weight is read
+    model = load_model(path, device=device, dtype=dtype, progress=progress)
+    return model, tokenizer
+
+
+def check_files(path: str | os.PathLike | None) -> tuple[Path, LlamaConfig, Tokenizer]:
+    """(directory, config, tokenizer) of a checkpoint, its config files and tokenizer read and checked without
+    reading a weight: what `load` refuses before it allocates anything."""
     path = resolve_model_path(path)
-    config = LlamaConfig.from_hf(path)  # fail fast on the config and the tokenizer, before any weight is read
+    config = LlamaConfig.from_hf(path)
     read_quant_config(path)
     read_generation_config(path)
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary is {config.vocab_size}")
-    model = load_model(path, device=device, dtype=dtype, progress=progress)
-    return model, tokenizer
+    return path, config, tokenizer
 
 
 def _read_json(path: Path) -> dict:

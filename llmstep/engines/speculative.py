@@ -43,7 +43,8 @@ from . import decoding
 from .generate import Generation, Stream, TokenEvent
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
-           "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "parse_draft", "resolve_draft", "SpeculativeGeneration",
+           "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "parse_draft", "resolve_draft",
+           "check_same_tokenizer", "SpeculativeGeneration",
            "speculative_stream", "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
 
 
@@ -187,7 +188,7 @@ def parse_draft(spec: str, n_layers: int | None = None) -> tuple[str, int | str]
         return "quantized", mode
     if spec.startswith("self-"):
         n = spec.removeprefix("self-")
-        if not n.isdigit() or n != str(int(n)):
+        if not n.isascii() or not n.isdigit() or n != str(int(n)):  # isdigit alone takes "²", which int() refuses
             raise ValueError(f"draft {spec!r}: write self-N with N the number of layers to keep")
         if not 1 <= int(n) <= (n_layers or int(n)):
             raise ValueError(f"draft {spec!r}: a layer-skip draft keeps 1..{n_layers or 'n_layers'} of the target's "
@@ -206,10 +207,16 @@ def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, 
     if kind == "layers":
         return LayerSkipDraft(target, value)
     draft, draft_tokenizer = load(spec, device=device or target.device, dtype=dtype or target.dtype)
-    if tokenizer is not None and draft_tokenizer.tok.get_vocab() != tokenizer.tok.get_vocab():
-        raise ValueError(f"the draft at {spec} uses a different tokenizer from the target's: speculative "
-                         "decoding needs both models to read and write the same token ids")
+    if tokenizer is not None:
+        check_same_tokenizer(draft_tokenizer, tokenizer, spec)
     return draft
+
+
+def check_same_tokenizer(draft_tokenizer: Tokenizer, tokenizer: Tokenizer, where: str) -> None:
+    """A draft checkpoint's tokenizer must be the target's: the same strings at the same ids."""
+    if draft_tokenizer.tok.get_vocab() != tokenizer.tok.get_vocab():
+        raise ValueError(f"the draft at {where} uses a different tokenizer from the target's: speculative "
+                         "decoding needs both models to read and write the same token ids")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ executable). Waits are on conditions, with generous limits: a 2-core CI machine 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -239,9 +239,37 @@ def test_every_explorer_renders_and_answers_its_controls(lab):
 
 
 def widgets_made(path: Path) -> int:
-    """How many widgets with an output area the notebook's code makes: explorer calls and ipywidgets.interactive."""
-    code = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
-    return len(re.findall(r"\bexplorers\.\w+_explorer\(", code)) + len(re.findall(r"\bwidgets\.interactive\(", code))
+    """How many widgets with an output area the notebook's code makes: its calls of an explorer (any callee whose
+    name ends in "explorer") and of ipywidgets' `interactive`, read from each cell's syntax tree (so not in comments
+    or strings; IPython's % and ! lines left out). A call in a loop, a comprehension or a function makes a number
+    of widgets the code does not say: refused."""
+    count = 0
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        lines = "".join(cell["source"]).splitlines()
+        tree = ast.parse("\n".join(line for line in lines if not line.lstrip().startswith(("%", "!"))))
+        count += _widget_calls(tree, path.name, repeated=False)
+    return count
+
+
+_REPEATED = (ast.For, ast.AsyncFor, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ListComp,
+             ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+def _widget_calls(node: ast.AST, where: str, repeated: bool) -> int:
+    count = 0
+    if isinstance(node, ast.Call):
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name.endswith("explorer") or name == "interactive":
+            if repeated:
+                raise ValueError(f"{where}: {name}() is called in a loop or a function (line {node.lineno} of its "
+                                 "cell): count its widgets by hand")
+            count += 1
+    for child in ast.iter_child_nodes(node):
+        count += _widget_calls(child, where, repeated or isinstance(node, _REPEATED))
+    return count
 
 
 @pytest.mark.parametrize("path", widget_notebooks(), ids=lambda p: p.name)
@@ -256,3 +284,30 @@ def test_the_check_catches_a_broken_callback(lab):
     (lab[2] / "broken.ipynb").write_text(json.dumps(broken_notebook()))
     problems = check_widgets(lab, "broken.ipynb", expected=2, change_s=30)  # the working one redraws in < 1 s
     assert len(problems) == 1 and "widget 1's output did not change" in problems[0], problems
+
+
+def test_widgets_made_counts_calls_not_text(tmp_path):
+    """No browser: the count each course notebook is held to."""
+    def made(*cells: str) -> int:
+        path = tmp_path / "n.ipynb"
+        path.write_text(json.dumps(notebook(list(cells))))
+        return widgets_made(path)
+
+    assert made("from llmstep.lab import explorers\nexplorers.rope_explorer()", "x = 1\nexplorers.kv_memory_explorer()",
+                "import ipywidgets as widgets\nwidgets.interactive(print, x=3)") == 3
+    assert made("# explorers.rope_explorer() would draw it\nprint('explorers.rope_explorer(')") == 0
+    assert made("x", "explorers.rope_explorer()") == 1  # the cells' sources are not run together
+    assert made("%matplotlib inline\nexplorers.rope_explorer()") == 1
+    for loop in ("for c in configs:\n    display(explorers.rope_explorer(c))",
+                 "[explorers.rope_explorer(c) for c in configs]", "def f():\n    return explorers.rope_explorer()"):
+        with pytest.raises(ValueError, match="loop or a function"):
+            made(loop)
+
+
+def test_the_course_notebooks_saved_as_many_widgets_as_widgets_made_counts():
+    """The committed outputs come from a real run: the count read from the code must match what that run showed."""
+    for path in widget_notebooks():
+        nb = json.loads(path.read_text())
+        saved = sum("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+                    for c in nb["cells"] if c["cell_type"] == "code" for o in c["outputs"])
+        assert widgets_made(path) == saved, path.name

@@ -39,7 +39,8 @@ def bad_paths(tmp_path):
     missing = str(tmp_path / "missing")
     outputs = [str(tmp_path), str(a_file / "x.json")]
     return {"json": outputs, "out": outputs, "model": [missing, str(a_file)], "target": [missing, str(a_file)],
-            "draft": [missing, str(a_file), "self-int3", "self-x", "self-0", "self-07", "self-99"],
+            "draft": [missing, str(a_file), str(tmp_path), "", "self-int3", "self-x", "self-0", "self-07", "self-99",
+                      "self-²"],
             "device": ["nonsense"], "dtype": ["int3"], "hf_dtype": ["int3"],
             "prompt": [""], "set": ["nope=1", "n_layers=abc"], "corpus": [missing, str(a_file)],
             "sdist": [missing], "models": [missing], "root": [missing, str(a_file)], "gguf": outputs,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -586,3 +587,51 @@ def test_speculative_imports_what_it_needs_at_the_top():
     nested = [n.lineno for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
               for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)]
     assert nested == []
+
+
+def test_parse_draft_reads_every_good_word_without_loading_anything():
+    assert spec.parse_draft("self-1") == ("layers", 1)
+    assert spec.parse_draft("self-6", n_layers=6) == ("layers", 6)  # every layer: the target as its own draft
+    assert spec.parse_draft("self-12") == ("layers", 12)  # no bound without the target's config
+    assert spec.parse_draft("self-int8") == ("quantized", "int8") and spec.parse_draft("self-int4") == ("quantized",
+                                                                                                      "int4")
+    assert spec.parse_draft("draft") == ("checkpoint", "draft")
+    assert spec.parse_draft("runs/my-draft") == ("checkpoint", "runs/my-draft")
+
+
+@pytest.mark.parametrize("word", ["self-", "self-0", "self-07", "self-+3", "self-3.0", "self-²", "self-٣", "self-1 ",
+                                  "self-7", "self-int", "self-int3", "self-int8 ", "self-INT8"])
+def test_parse_draft_refuses_a_bad_word_naming_it(word):
+    with pytest.raises(ValueError, match=re.escape(f"draft '{word}': ")):
+        spec.parse_draft(word, n_layers=6)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_the_target_loads(tiny_checkpoint, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from llmstep.cli.args import check_draft
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    tok_json = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok_json["model"]["vocab"]
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: the same strings, other numbers
+    (other / "tokenizer.json").write_text(json.dumps(tok_json))
+    check_draft(str(tiny_checkpoint), str(tiny_checkpoint))  # the same tokenizer: accepted
+    with pytest.raises(ValueError, match="different tokenizer"):
+        check_draft(str(other), str(tiny_checkpoint))
+    monkeypatch.setattr(Llama, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit, match="different tokenizer"):
+        llmstep_main(["generate", "--model", str(tiny_checkpoint), "--prompt", "Shall", "--draft", str(other)])
+
+
+def test_a_draft_folder_without_a_checkpoint_is_refused_before_the_target_loads(tiny_checkpoint, tmp_path,
+                                                                                monkeypatch):
+    from llmstep.cli.args import check_draft
+
+    monkeypatch.setattr(Llama, "__init__", lambda *a, **k: pytest.fail("a model was built"))
+    for word in (str(tmp_path), ""):
+        with pytest.raises((ValueError, OSError), match="config.json|empty"):
+            check_draft(word, str(tiny_checkpoint))

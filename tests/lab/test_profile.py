@@ -94,3 +94,20 @@ def test_profile_of_a_compiled_step(model):
     p = profile_step(model, context=8, compile=True, repeats=3)
     assert p.compiled and p.compile_seconds > 0
     assert p.events and p.median_seconds > 0
+
+
+def test_profile_step_leaves_stderr_quiet_and_a_users_kineto_level_alone():
+    """Kineto reads KINETO_LOG_LEVEL once, when a process's first profile starts: so a fresh process each time."""
+    import subprocess
+    import sys
+
+    script = ("import torch\nfrom llmstep import Llama, LlamaConfig\nfrom llmstep.lab.profile import profile_step\n"
+              f"model = Llama(LlamaConfig(**{CFG.__dict__!r})).eval()\n"
+              "profile_step(model, context=4, repeats=1)\nprofile_step(model, context=4, repeats=1)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    quiet = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "profiler_start" not in quiet.stderr and "profiler_stop" not in quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", script], env=env | {"KINETO_LOG_LEVEL": "0"}, capture_output=True,
+                          text=True, timeout=120)
+    assert loud.returncode == 0 and "profiler_start" in loud.stderr  # the user's own setting wins
