@@ -101,7 +101,7 @@ def draw_roofline(model: str, chip: Chip, dtype: str, batch: int, context: int,
                   points: Iterable[tuple[float, float, str]] = ()):
     config = explore.model_configs()[model]
     p = explore.roofline_point(config, chip, dtype, batch, context)
-    ax = plot_roofline(chip, list(points) + [(p.intensity, p.attainable_tflops, f"{model}, batch {batch}")])
+    ax = plot_roofline(chip, points, highlight=(p.intensity, p.attainable_tflops, f"{model}, batch {batch}"))
     ax.set_title(f"{model} ({dtype}), batch {batch}, after {context:,} tokens on {chip.name}", fontsize=10)
     return ax.figure, (f"{p.intensity:,.2f} FLOPs/byte: {p.bound}-bound on {chip.name}; at the roof a step takes "
                        f"{p.ms_per_step:,.3f} ms, {p.tokens_per_second:,.0f} tokens/s for the batch")

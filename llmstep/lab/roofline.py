@@ -23,8 +23,10 @@ def attainable_tflops(chip: Chip, intensity: float) -> float:
 
 
 def plot_roofline(chips: Chip | Iterable[Chip], points: Iterable[tuple[float, float, str]] = (), ax=None,
-                  intensity_range: tuple[float, float] = (0.1, 1e4)):
-    """Draw each chip's roof and the measured `points` (intensity FLOPs/byte, TFLOP/s, label) on log axes.
+                  intensity_range: tuple[float, float] = (0.1, 1e4),
+                  highlight: tuple[float, float, str] | None = None):
+    """Draw each chip's roof and the measured `points` (intensity FLOPs/byte, TFLOP/s, label) on log axes, each
+    its own black marker (never a square); `highlight`, a point of the same form, is the one red square.
     Returns the matplotlib Axes."""
     import matplotlib.pyplot as plt
     import numpy as np
@@ -38,9 +40,12 @@ def plot_roofline(chips: Chip | Iterable[Chip], points: Iterable[tuple[float, fl
         ax.loglog(x, roof, color=f"C{i}", lw=1.5, label=f"{chip.name}: {chip.memory_gb_per_s:,.0f} GB/s, "
                   f"{chip.tensor_tflops:,.3g} TFLOP/s")
         ax.axvline(chip.ridge_point(), color=f"C{i}", lw=0.6, ls=":")
-    markers = "os^Dv<>p*h"
+    markers = "o^Dv<>p*hX"  # no square: that is the highlight's
     for j, (intensity, tflops, label) in enumerate(points):
         ax.loglog([intensity], [tflops], markers[j % len(markers)], color="k", ms=6, label=label)
+    if highlight is not None:
+        intensity, tflops, label = highlight
+        ax.loglog([intensity], [tflops], "s", color="C3", ms=8, label=label)
     ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")
     ax.set_ylabel("TFLOP/s")
     ax.grid(alpha=0.3, which="both")

@@ -270,3 +270,13 @@ def test_the_journey_with_a_trace_shows_each_stages_measured_time(shipped):
     assert summary(box).strip().endswith(f"measured {trace.row('attention').seconds * 1e3:.3f} ms")
     with pytest.raises(ValueError, match="trace was taken after 16 tokens"):
         step_stages(model.config, 17, trace.dtype, trace)
+
+
+@pytest.mark.parametrize("n_measured", [0, 1, 7, 12])
+def test_the_chosen_step_is_the_one_square_however_many_points_are_measured(n_measured):
+    """Notebooks 00 and 05 tell the learner to watch "the square": 05 passes seven measured points (nine on CUDA)."""
+    measured = [(0.5 * (i + 1), 0.01, f"point {i}") for i in range(n_measured)]
+    fig, _ = explorers.draw_roofline("llama-3.1-8b", H100, "bfloat16", 1, 0, points=measured)
+    markers = {line.get_label(): line.get_marker() for line in fig.axes[0].get_lines() if line.get_marker() != "None"}
+    assert markers.pop("llama-3.1-8b, batch 1") == "s"
+    assert len(markers) == n_measured and "s" not in markers.values()
