@@ -121,14 +121,23 @@ def check_draft(draft: str, target: str | None) -> None:
     """--draft, refused before anything loads: a malformed self-N / self-intN word, a self-N past the target's
     layers (read from its config.json), a draft checkpoint that is not there, is not a checkpoint (its config
     files and tokenizer read, no weight), or does not share the target's tokenizer."""
-    from ..core.checkpoint import check_files, resolve_model_path
+    from ..core import quantize
+    from ..core.checkpoint import check_files, read_quant_config, resolve_model_path
     from ..core.config import LlamaConfig
     from ..engines.speculative import check_same_tokenizer, parse_draft
 
-    kind, _ = parse_draft(draft)
+    kind, value = parse_draft(draft)
     if kind == "checkpoint":
         draft_path, _, draft_tokenizer = check_files(draft)
         _, _, tokenizer = check_files(target)
         check_same_tokenizer(draft_tokenizer, tokenizer, str(draft_path))
-    elif kind == "layers":
-        parse_draft(draft, LlamaConfig.from_hf(resolve_model_path(target)).n_layers)
+        return
+    path = resolve_model_path(target)
+    config = LlamaConfig.from_hf(path)
+    if kind == "layers":
+        parse_draft(draft, config.n_layers)
+    elif (qc := read_quant_config(path)) is not None:
+        raise ValueError(f"draft {draft!r}: the target at {path} is already quantised ({qc}); a quantized "
+                         "self-draft starts from a float target")
+    else:
+        quantize.check_config(config, value, lm_head=True)  # as resolve_draft quantizes it

@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import LlamaConfig
 from .model import Llama, materialize
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
-           "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize",
+           "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize", "check_config",
            "linear_names", "swap_linears", "empty_quantized", "layer_errors"]
 
 MODES = ("int8", "int4")
@@ -353,8 +354,9 @@ def linear_names(model: Llama, lm_head: bool = False) -> list[str]:
     return names + (["output"] if lm_head else [])
 
 
-def _check(model: Llama, qc: QuantConfig) -> None:
-    """Every reason this model cannot take these settings, each naming its layer, before anything changes."""
+def _check(model: Llama, qc: QuantConfig, weights: bool = True) -> None:
+    """Every reason this model cannot take these settings, each naming its layer, before anything changes
+    (weights=False: its shapes only, for a model on the meta device)."""
     problems = []
     for name in linear_names(model, qc.lm_head):
         m = model.get_submodule(name)
@@ -363,7 +365,7 @@ def _check(model: Llama, qc: QuantConfig) -> None:
             continue
         if m.bias is not None:
             problems.append(f"{name} has a bias; LLaMA's linear layers have none")
-        if not m.weight.dtype.is_floating_point or m.weight.device.type == "meta":
+        if weights and (not m.weight.dtype.is_floating_point or m.weight.device.type == "meta"):
             problems.append(f"{name}: needs float weights in memory, has {m.weight.dtype} on {m.weight.device}")
         K = m.in_features
         if qc.mode == "int4":
@@ -415,10 +417,7 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     was (to compare float and quantised side by side without a second copy of the embeddings).
     Quantise on the device the model will run on: the packed kernels' layouts are device-specific.
     """
-    qc = QuantConfig.of(spec)
-    if group_size is not None or lm_head is not None:
-        qc = QuantConfig(qc.mode, group_size if group_size is not None else qc.group_size,
-                         qc.lm_head if lm_head is None else lm_head)
+    qc = _settings(spec, group_size, lm_head)
     if kernel not in KERNELS:
         raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     _check(model, qc)
@@ -427,6 +426,24 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
         swap_linears(target, linear_names(target, qc.lm_head), lambda linear: _make(linear, qc, kernel))
     target.quantization = qc
     return target
+
+
+def check_config(config: LlamaConfig, spec: QuantConfig | str | dict = "int8", group_size: int | None = None,
+                 lm_head: bool | None = None) -> None:
+    """What `quantize` would refuse for a float model of `config`'s shapes (int4's group size, odd widths),
+    checked on the meta device: no weight is read or allocated."""
+    qc = _settings(spec, group_size, lm_head)
+    with torch.device("meta"):
+        model = Llama(config)
+    _check(model, qc, weights=False)
+
+
+def _settings(spec: QuantConfig | str | dict, group_size: int | None, lm_head: bool | None) -> QuantConfig:
+    qc = QuantConfig.of(spec)
+    if group_size is not None or lm_head is not None:
+        qc = QuantConfig(qc.mode, group_size if group_size is not None else qc.group_size,
+                         qc.lm_head if lm_head is None else lm_head)
+    return qc
 
 
 # ---- what it costs and what it changes -----------------------------------------------------------

@@ -635,3 +635,21 @@ def test_a_draft_folder_without_a_checkpoint_is_refused_before_the_target_loads(
     for word in (str(tmp_path), ""):
         with pytest.raises((ValueError, OSError), match="config.json|empty"):
             check_draft(word, str(tiny_checkpoint))
+
+
+def test_a_quantized_self_draft_the_target_cannot_take_is_refused_before_it_loads(tiny_checkpoint, tmp_path,
+                                                                                  monkeypatch):
+    from llmstep.cli.args import check_draft
+    from llmstep.core import checkpoint, quantize
+
+    model, tokenizer = checkpoint.load(tiny_checkpoint, device="cpu")
+    checkpoint.save(quantize.quantize(model, "int8"), tmp_path / "int8", tokenizer)
+    # the tripwire: a weight read (the shape check builds a model on the meta device, as checkpoint.tensor_table does)
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("a weight was read"))
+    check_draft("self-int8", str(tiny_checkpoint))  # a float target: accepted
+    with pytest.raises(ValueError, match="group_size 64 does not divide in_features 112"):  # the tiny MLP's width
+        check_draft("self-int4", str(tiny_checkpoint))
+    with pytest.raises(ValueError, match="already quantised"):
+        check_draft("self-int8", str(tmp_path / "int8"))
+    with pytest.raises(SystemExit, match="group_size 64"):
+        llmstep_main(["generate", "--model", str(tiny_checkpoint), "--prompt", "Shall", "--draft", "self-int4"])
