@@ -181,6 +181,9 @@ def parse_draft(spec: str, n_layers: int | None = None) -> tuple[str, int | str]
     """A draft's command-line word, read without loading anything: ("layers", N) for "self-N" (the target's first
     N layers; checked against `n_layers` when given), ("quantized", "int8" | "int4") for "self-int8" / "self-int4",
     ("checkpoint", spec) for anything else (a path, or "draft": the shipped one)."""
+    if not spec:
+        raise ValueError("draft '': give self-N, self-int8, self-int4 or a checkpoint directory ('draft' is the "
+                         "shipped one)")
     if spec.startswith("self-int"):
         mode = spec.removeprefix("self-")
         if mode not in ("int8", "int4"):

@@ -278,3 +278,11 @@ def test_float64_is_a_dtype_but_float8_is_not(tiny_checkpoint):
     assert model.dtype == torch.float64 and model.new_cache(max_len=4).k[0].dtype == torch.float64
     with pytest.raises(ValueError, match="float8"):
         llmstep.load(tiny_checkpoint, dtype="float8")
+
+
+def test_an_empty_model_path_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch):
+    from llmstep.core.checkpoint import resolve_model_path
+
+    monkeypatch.chdir(tmp_path)  # a folder that exists: "" would have been it
+    with pytest.raises(FileNotFoundError, match="the model path is empty"):
+        resolve_model_path("")
