@@ -100,7 +100,8 @@ def add_commands(sub) -> None:
                        description="measure speculative decoding against the target alone")
     s.add_argument("--bench", action="store_true", help="run the benchmark (the only action)")
     s.add_argument("--target", default="target", help="target checkpoint (default: the shipped one)")
-    s.add_argument("--draft", default="draft", help="draft checkpoint or self-N (default: the shipped draft)")
+    s.add_argument("--draft", default="draft",
+                   help="draft checkpoint, self-N or self-int8 / self-int4 (default: the shipped draft)")
     s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
     s.add_argument("--max-new-tokens", type=int_at_least_2, default=200)
     s.add_argument("--temperature", type=nonneg_float, default=0.0)

@@ -32,7 +32,7 @@ def add_commands(sub) -> None:
     g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64 (default: by device)")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
-                        "or self-N (the model's own first N layers)")
+                        "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
     g.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens proposed per round (with --draft)")
     g.add_argument("--adaptive-k", action="store_true",
                    help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
