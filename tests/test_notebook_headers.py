@@ -1,0 +1,23 @@
+"""Each course notebook opens with one header: a title, then each of **You will learn:**, **You need:** and
+**Runs in:** exactly once (a repeated line says two different things, e.g. two run times)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+FIELDS = ("**You will learn:**", "**You need:**", "**Runs in:**")
+REPEATED = {"05_prefill_vs_decode.ipynb", "09_continuous_batching.ipynb"}  # found in review, 2026-12-01
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
+    strict=True, reason="its header repeats **Runs in:** with different times: fix the notebook, then drop this"))
+    if p.name in REPEATED else p for p in NOTEBOOKS], ids=lambda p: p.name)
+def test_the_header_says_each_thing_once(path):
+    first = json.loads(path.read_text())["cells"][0]
+    text = "".join(first["source"])
+    assert first["cell_type"] == "markdown" and text.startswith("# ")
+    assert {field: text.count(field) for field in FIELDS} == dict.fromkeys(FIELDS, 1)
