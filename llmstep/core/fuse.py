@@ -30,7 +30,7 @@ from torch import nn
 from .model import Llama
 from .quantize import Int8Linear
 
-__all__ = ["fused", "fuse_rows", "is_fused"]
+__all__ = ["fused", "fuse_rows", "is_fused", "fuses_by_default"]
 
 
 def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -88,6 +88,17 @@ def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
         fused_layer.scales = fuse_rows(linears, "scales")  # [n_out]
         return fused_layer
     return None
+
+
+def fuses_by_default(model: Llama, compiled: bool) -> bool:
+    """Whether the fast loops run `fused(model)` when not told (their fuse=None): always on CUDA; on a CPU when
+    the step is compiled and the model has int8 layers. Inductor concatenates a CPU step's float linears itself
+    when it freezes the weights (`cpp.enable_concat_linear`), but not int8 ones: each Int8Linear has its own
+    scales, so q, k, v, gate and up stay five `_weight_int8pack_mm` calls a layer (results/profile_cpu_amd.md).
+    An eager CPU loop is left unfused: it gives the teaching loop's tokens bit for bit."""
+    if model.device.type == "cuda":
+        return True
+    return compiled and any(isinstance(m, Int8Linear) for m in model.modules())
 
 
 def is_fused(model: Llama) -> bool:

@@ -17,13 +17,14 @@ recorded on the second or third call.
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import Callable, Iterable
 
 import torch
 
 from ..core.device import synchronize
 
-__all__ = ["compile_options", "uses_cuda_graphs", "compile_step", "Step", "warm_up"]
+__all__ = ["compile_options", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
 
 
 def compile_options(device: torch.device, mode: str | None = None) -> dict:
@@ -55,9 +56,24 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
     return options
 
 
+def compiles(device: torch.device, compile: bool | None) -> bool:
+    """Whether a loop's step is compiled: `compile` as given; None compiles on CUDA only (see `Step`)."""
+    return device.type == "cuda" if compile is None else bool(compile)
+
+
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
     """Whether `compile_step` records the step as a CUDA graph on `device` in `mode`."""
     return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
+
+
+def own_code(fn: Callable) -> types.FunctionType:
+    """fn behind a function whose code object is its own: Dynamo keeps its compiled versions per code object,
+    so a step compiled from this holds its one entry there, not one among every decoder's of the process
+    (a bound method or a partial of one class all share one code object)."""
+    def step(*args):
+        return fn(*args)
+
+    return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
 
 
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
@@ -76,7 +92,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
     # this same step anew, and a process that builds more than 8 of them would hit the default limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
+    traced = own_code(fn)
+    compiled = torch.compile(traced, options=options, fullgraph=True, dynamic=False)
     if uses_cuda_graphs(device, mode):
 
         def graphed_step(*args):
@@ -97,6 +114,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         finally:
             inductor_config.freezing = before
 
+    frozen_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
     return frozen_step
 
 
@@ -112,12 +130,39 @@ class Step:
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
                  static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = ()):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
-        self.compiled = device.type == "cuda" if compile is None else bool(compile)
+        self.compiled = compiles(device, compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
         self.fn = compile_step(fn, device, mode, static, refilled) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)
+
+    def unguarded(self) -> Callable[[], object]:
+        """This step (it takes no arguments) as a plain call for a loop that makes it many times while nothing
+        it reads changes but the values in its tensors (FastDecoder's decode loop).
+
+        A compiled call first runs torch.compile's Python wrapper and Dynamo's frame hook, which evaluates
+        every guard of the compiled code (~560 checks of the model, cache and global state: 50-60 us, and
+        ~70 us more for the wrapper, of a ~1 ms CPU step; scripts/overhead_cpu.py). Here the guards are
+        evaluated once, now, and the call returned is Dynamo's compiled code itself. A state the guards
+        refuse (a new shape, thread count, grad mode) gets the step as it is, which recompiles. Eager steps,
+        CUDA graphs and a torch without Dynamo's cache-entry API also get the step as it is."""
+        traced = getattr(self.fn, "traced", None)
+        if traced is None:
+            return self
+        try:
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            entries = _debug_get_cache_entry_list(traced.__code__)
+        except (ImportError, AttributeError, RuntimeError):
+            return self
+        code, closure = traced.__code__, traced.__closure__
+        f_locals = {"args": ()} | {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure,
+                                                                                    strict=True)}
+        passed = [e for e in entries if e.guard_manager.check(f_locals)]  # the frame Dynamo would see
+        if len(passed) != 1:
+            return self
+        return types.FunctionType(passed[0].code, traced.__globals__, "step", None, closure)
 
 
 def warm_up(device: torch.device, *calls: Callable[[], object], steps: int = 3) -> float:

@@ -191,6 +191,38 @@ def test_more_compiled_steps_than_dynamo_keeps_by_default():
         assert torch.equal(out, 2 + torch.arange(n, dtype=torch.float32))
 
 
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~10 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_an_unguarded_step_is_its_compiled_code_and_a_changed_state_gets_the_guarded_step():
+    """Step.unguarded evaluates the compiled code's guards once and hands back that code, called without
+    Dynamo: a state the code was not compiled for (a new shape, grad mode on) must get the guarded step, which
+    recompiles, never the old code run on tensors it was not made for."""
+    from llmstep.engines.compile import Step
+
+    class State:
+        x = torch.zeros(4)
+
+    def bump():
+        State.x.add_(1)
+        return State.x * 2
+
+    cpu = torch.device("cpu")
+    eager = Step(bump, cpu, compile=False)
+    assert eager.unguarded() is eager
+    step = Step(bump, cpu, compile=True)
+    with torch.no_grad():
+        step()
+        fast = step.unguarded()
+        assert fast is not step and not hasattr(fast, "traced")  # Dynamo's code itself, not compile_step's wrapper
+        assert torch.equal(fast(), torch.full((4,), 4.0)) and torch.equal(State.x, torch.full((4,), 2.0))
+        State.x = torch.zeros(6)  # what the compiled code read has a new shape
+        assert step.unguarded() is step
+        assert torch.equal(step(), torch.full((6,), 2.0))  # recompiled for it
+        again = step.unguarded()
+        assert again is not step and torch.equal(again(), torch.full((6,), 4.0))
+    assert step.unguarded() is step  # grad mode on: not the state the code was compiled in
+
+
 def test_a_fused_decoder_gives_the_tokens_of_the_teaching_loop(tiny):
     """fuse=True (CUDA's default) runs the twin with q|k|v and gate|up as one matmul each: the same tokens."""
     model, tok = tiny
