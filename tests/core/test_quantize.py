@@ -18,6 +18,7 @@ from llmstep.core.quantize import (
     dequantize_int8,
     layer_errors,
     linear_names,
+    matmul_dtype,
     pack_int4,
     quantize,
     quantize_int4,
@@ -76,7 +77,9 @@ def test_packed_kernels_agree_with_dequantise_then_matmul(cls, kw):
     packed = cls.from_linear(lin, kernel="packed", **kw)
     if packed.kernel != "packed":
         pytest.skip(f"no packed {cls.__name__} kernel in this PyTorch build on the CPU")
-    torch.testing.assert_close(packed(x), ref(x), atol=1e-4, rtol=1e-4)
+    # float32 activations on a CPU go through bf16 in both (quantize.matmul_dtype): equal up to bf16's rounding
+    bf16 = matmul_dtype(x.dtype, x.device) == torch.bfloat16
+    torch.testing.assert_close(packed(x), ref(x), atol=1e-2 if bf16 else 1e-4, rtol=1.6e-2 if bf16 else 1e-4)
     # and both are the float matmul up to the rounding of the weights
     assert (ref(x) - lin(x)).norm() / lin(x).norm() < 0.1
 
