@@ -142,7 +142,8 @@ class FastDecoder:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
         decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
         if self._step is None:
-            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
+            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
+                              dtype=self.model.dtype)
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -159,7 +160,8 @@ class FastDecoder:
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
             self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
-                                            self._mode, static=self._state, refilled=(self._noise,))
+                                            self._mode, static=self._state, refilled=(self._noise,),
+                                            dtype=self.model.dtype)
         return self._advances[sampling]
 
     def _reset(self) -> None:
@@ -312,9 +314,10 @@ class FastSpeculator:
         self.draft_cache = self.draft.new_cache(batch_size=1, max_len=max_len)
         d, t = self.draft_cache.buffers, self.target_cache.buffers
         compile, mode = self._compile, self._mode
-        self._draft_step = Step(self._draft, self.device, compile, mode, static=d)
-        self._verify_step = Step(self._verify, self.device, compile, mode, static=t)
-        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t)
+        dt = self.target.dtype
+        self._draft_step = Step(self._draft, self.device, compile, mode, static=d, dtype=self.draft.dtype)
+        self._verify_step = Step(self._verify, self.device, compile, mode, static=t, dtype=dt)
+        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t, dtype=dt)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
         self._warm: set[str] = set()  # the round kinds run once (eager) or compiled
 
