@@ -27,9 +27,8 @@ from ..core.device import synchronize
 __all__ = ["compile_options", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
 
 
-def compile_options(device: torch.device, mode: str | None = None, dtype: torch.dtype | None = None) -> dict:
-    """torch.compile's inductor options for a decode step on `device` (mode None: this device's best) of a model
-    whose activations are `dtype` (None: not known).
+def compile_options(device: torch.device, mode: str | None = None) -> dict:
+    """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
     CUDA: mode "reduce-overhead", i.e. CUDA graphs, plus gpt-fast's `coordinate_descent_tuning`: with it
     inductor turns every 1-row matmul (a decode step's) into a fused multiply-and-sum that it tunes to
@@ -39,11 +38,11 @@ def compile_options(device: torch.device, mode: str | None = None, dtype: torch.
     CPU: freeze the weights into the compiled code (`freezing`: packed layouts, constant folding),
     concatenate the linears that read one input (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become
     one matmul each, so a step makes 4 weight passes per layer instead of 7), and call the kernels from
-    C++ (`cpp_wrapper`), not from Python.
-    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A float32
-    step on a CPU does that by default (mode None: `max_autotune_gemm`): its 1-row float32 matmuls ran 1.8x
-    faster in the templates than in MKL's packed GEMM on an AMD EPYC (results/cpu_amd.md, session 6), at a few
-    seconds more compile; bf16 ones ran slower (0.86x), int8 as fast, so they keep the default.
+    C++ (`cpp_wrapper`), not from Python; by default (mode None) tune the matmuls (below).
+    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
+    does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile): on an
+    AMD EPYC without AMX the templates won 1.79x for float32 (1 thread), 1.33x for bf16 (2 threads; 1.02x at 1),
+    1.08x for int4 and nothing for int8, which the tuning leaves on its packed kernel (results/cpu_amd.md).
     """
     best = mode is None
     if mode is None:
@@ -58,7 +57,7 @@ def compile_options(device: torch.device, mode: str | None = None, dtype: torch.
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
-        if best and dtype == torch.float32:
+        if best:
             options["max_autotune_gemm"] = True
     return options
 
@@ -84,16 +83,16 @@ def own_code(fn: Callable) -> types.FunctionType:
 
 
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
-                 refilled: Iterable[torch.Tensor] = (), dtype: torch.dtype | None = None):
-    """fn compiled whole for `device` and the model's `dtype` (see `compile_options`), fixed shapes; `static`
-    are tensors it updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
+                 refilled: Iterable[torch.Tensor] = ()):
+    """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
+    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
     `refilled` are tensors fn only reads and the caller refills in place between calls (random numbers):
     fixed addresses too where nothing is frozen (CUDA: the graph reads them where they are), left unmarked
     where the weights are frozen, since freezing folds every fixed-address tensor fn does not write into a
     constant of the compiled code.
     With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
     graph may reuse their memory: use what a step returns before calling it again."""
-    options = compile_options(device, mode, dtype)
+    options = compile_options(device, mode)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
@@ -130,18 +129,16 @@ class Step:
 
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation). mode: torch.compile's mode; None is "reduce-overhead" (CUDA
-    graphs) on CUDA, the default elsewhere; "max-autotune" also tunes every matmul. static: the tensors fn
+    graphs) on CUDA, the default with tuned matmuls on a CPU; "max-autotune" tunes more. static: the tensors fn
     writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`).
-    dtype: the model's, which picks some CPU options (`compile_options`).
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
-                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = (),
-                 dtype: torch.dtype | None = None):
+                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = ()):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
         self.compiled = compiles(device, compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
-        self.fn = compile_step(fn, device, mode, static, refilled, dtype) if self.compiled else fn
+        self.fn = compile_step(fn, device, mode, static, refilled) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)

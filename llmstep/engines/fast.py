@@ -87,8 +87,8 @@ class FastDecoder:
     growing it when needed.
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation).
-    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
-    "max-autotune" also tunes every matmul (slowest to compile, fastest on a CPU). See llmstep.engines.compile.
+    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA and, on a CPU, the default with
+    every matmul tuned (the CPU's fastest); "max-autotune" also tunes the rest. See llmstep.engines.compile.
     fuse: run a twin of the model with q|k|v and gate|up as one matmul each (llmstep.core.fuse: the same
     function, no weight held twice; the model's own q/k/v and gate/up weights become views of the fused
     rows). None (`fuse.fuses_by_default`) fuses on CUDA, and on a CPU for a compiled step of a model with int8
@@ -142,8 +142,7 @@ class FastDecoder:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
         decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
         if self._step is None:
-            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
-                              dtype=self.model.dtype)
+            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -160,8 +159,7 @@ class FastDecoder:
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
             self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
-                                            self._mode, static=self._state, refilled=(self._noise,),
-                                            dtype=self.model.dtype)
+                                            self._mode, static=self._state, refilled=(self._noise,))
         return self._advances[sampling]
 
     def _reset(self) -> None:
@@ -314,10 +312,9 @@ class FastSpeculator:
         self.draft_cache = self.draft.new_cache(batch_size=1, max_len=max_len)
         d, t = self.draft_cache.buffers, self.target_cache.buffers
         compile, mode = self._compile, self._mode
-        dt = self.target.dtype
-        self._draft_step = Step(self._draft, self.device, compile, mode, static=d, dtype=self.draft.dtype)
-        self._verify_step = Step(self._verify, self.device, compile, mode, static=t, dtype=dt)
-        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t, dtype=dt)
+        self._draft_step = Step(self._draft, self.device, compile, mode, static=d)
+        self._verify_step = Step(self._verify, self.device, compile, mode, static=t)
+        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
         self._warm: set[str] = set()  # the round kinds run once (eager) or compiled
 

@@ -157,11 +157,9 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     cpu = compile_options(torch.device("cpu"))
     assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
-    # a float32 step's GEMMs are tuned by default on a CPU (1.8x there); bf16's are not, nor an explicit mode's
-    assert compile_options(torch.device("cpu"), None, torch.float32).get("max_autotune_gemm")
-    assert not compile_options(torch.device("cpu"), None, torch.bfloat16).get("max_autotune_gemm")
-    assert not compile_options(torch.device("cpu"), "default", torch.float32).get("max_autotune_gemm")
-    assert not cpu.get("max_autotune_gemm")
+    # by default a CPU step's matmuls are tuned (inductor's C++ templates against oneDNN); an explicit mode's are
+    # as torch's mode has them
+    assert cpu["max_autotune_gemm"] and not compile_options(torch.device("cpu"), "default").get("max_autotune_gemm")
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
     from llmstep.engines.compile import uses_cuda_graphs  # what compile_step marks a graph step for, each call
