@@ -57,8 +57,9 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
-        if best:
-            options["max_autotune_gemm"] = True
+        if best:  # tuned quietly: inductor prints every shape's timings to stderr by default
+            options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
+                        "max_autotune_report_choices_stats": False}
     return options
 
 
