@@ -41,7 +41,7 @@ def build(spec: str) -> FastDecoder:
     model, _ = llmstep.load("target", device="cpu", dtype=base)
     if dtype in ("int8", "int4"):
         quantize(model, dtype, kernel=kernel or "auto")
-    compile_mod.compile_options = lambda device, mode=None: _original(device, mode) | overrides
+    compile_mod.compile_options = lambda device, mode=None, tune=True: _original(device, mode, tune) | overrides
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
     decoder.warmup()  # compiles now, with these options
     compile_mod.compile_options = _original

@@ -24,10 +24,10 @@ import torch
 
 from ..core.device import synchronize
 
-__all__ = ["compile_options", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
+__all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
 
 
-def compile_options(device: torch.device, mode: str | None = None) -> dict:
+def compile_options(device: torch.device, mode: str | None = None, tune_matmuls: bool = True) -> dict:
     """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
     CUDA: mode "reduce-overhead", i.e. CUDA graphs, plus gpt-fast's `coordinate_descent_tuning`: with it
@@ -40,9 +40,11 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
     one matmul each, so a step makes 4 weight passes per layer instead of 7), and call the kernels from
     C++ (`cpp_wrapper`), not from Python; by default (mode None) tune the matmuls (below).
     "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
-    does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile): on an
-    AMD EPYC without AMX the templates won 1.79x for float32 (1 thread), 1.33x for bf16 (2 threads; 1.02x at 1),
-    1.08x for int4 and nothing for int8, which the tuning leaves on its packed kernel (results/cpu_amd.md).
+    does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
+    `tune_matmuls` (`tunes_matmuls(model)`): on an AMD EPYC without AMX the templates won 1.79x for float32
+    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel); for bf16 weights the tuner's
+    pick swung from 1.33x (2 threads) to 0.64x (1 thread: the bf16 template converts to float32 for its FMAs
+    and is compute-bound on one core), so a bf16 / f16 model keeps oneDNN (results/cpu_amd.md, session 6).
     """
     best = mode is None
     if mode is None:
@@ -57,7 +59,7 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
-        if best:  # tuned quietly: inductor prints every shape's timings to stderr by default
+        if best and tune_matmuls:  # tuned quietly: inductor prints every shape's timings to stderr by default
             options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
                         "max_autotune_report_choices_stats": False}
     return options
@@ -66,6 +68,15 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
 def compiles(device: torch.device, compile: bool | None) -> bool:
     """Whether a loop's step is compiled: `compile` as given; None compiles on CUDA only (see `Step`)."""
     return device.type == "cuda" if compile is None else bool(compile)
+
+
+def tunes_matmuls(model: torch.nn.Module) -> bool:
+    """Whether a CPU step of `model` tunes its matmuls by default (`compile_options`): float32 weights and
+    quantised ones, not bf16 / f16 ones."""
+    from ..core.quantize import QuantLinear
+
+    return (next(model.parameters()).dtype == torch.float32
+            or any(isinstance(m, QuantLinear) for m in model.modules()))
 
 
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
@@ -84,7 +95,7 @@ def own_code(fn: Callable) -> types.FunctionType:
 
 
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
-                 refilled: Iterable[torch.Tensor] = ()):
+                 refilled: Iterable[torch.Tensor] = (), tune_matmuls: bool = True):
     """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
     updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
     `refilled` are tensors fn only reads and the caller refills in place between calls (random numbers):
@@ -93,7 +104,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     constant of the compiled code.
     With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
     graph may reuse their memory: use what a step returns before calling it again."""
-    options = compile_options(device, mode)
+    options = compile_options(device, mode, tune_matmuls)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
@@ -131,15 +142,17 @@ class Step:
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation). mode: torch.compile's mode; None is "reduce-overhead" (CUDA
     graphs) on CUDA, the default with tuned matmuls on a CPU; "max-autotune" tunes more. static: the tensors fn
-    writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`).
+    writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`);
+    tune_matmuls: `tunes_matmuls(model)` of the model the step runs (`compile_options`).
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
-                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = ()):
+                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = (),
+                 tune_matmuls: bool = True):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
         self.compiled = compiles(device, compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
-        self.fn = compile_step(fn, device, mode, static, refilled) if self.compiled else fn
+        self.fn = compile_step(fn, device, mode, static, refilled, tune_matmuls) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)

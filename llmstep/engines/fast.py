@@ -46,7 +46,7 @@ from ..core.fuse import fused, fuses_by_default
 from ..core.model import Llama
 from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
-from .compile import Step, compiles, warm_up
+from .compile import Step, compiles, tunes_matmuls, warm_up
 from .decoding import (
     CACHE_ROUNDING,
     DecodeResult,
@@ -142,7 +142,8 @@ class FastDecoder:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
         decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
         if self._step is None:
-            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
+            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
+                              tune_matmuls=tunes_matmuls(self.model))
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -159,7 +160,8 @@ class FastDecoder:
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
             self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
-                                            self._mode, static=self._state, refilled=(self._noise,))
+                                            self._mode, static=self._state, refilled=(self._noise,),
+                                            tune_matmuls=tunes_matmuls(self.model))
         return self._advances[sampling]
 
     def _reset(self) -> None:
@@ -312,9 +314,11 @@ class FastSpeculator:
         self.draft_cache = self.draft.new_cache(batch_size=1, max_len=max_len)
         d, t = self.draft_cache.buffers, self.target_cache.buffers
         compile, mode = self._compile, self._mode
-        self._draft_step = Step(self._draft, self.device, compile, mode, static=d)
-        self._verify_step = Step(self._verify, self.device, compile, mode, static=t)
-        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t)
+        tune_d, tune_t = tunes_matmuls(self.draft), tunes_matmuls(self.target)
+        self._draft_step = Step(self._draft, self.device, compile, mode, static=d, tune_matmuls=tune_d)
+        self._verify_step = Step(self._verify, self.device, compile, mode, static=t, tune_matmuls=tune_t)
+        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
+                                 tune_matmuls=tune_d and tune_t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
         self._warm: set[str] = set()  # the round kinds run once (eager) or compiled
 

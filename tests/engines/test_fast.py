@@ -9,7 +9,7 @@ from llmstep.fast import FastDecoder
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import llmstep
-from llmstep.core.quantize import QuantConfig, quantize
+from llmstep.core.quantize import Int8Linear, QuantConfig, quantize
 from llmstep.engines.compile import compile_step
 from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
 
@@ -157,9 +157,15 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     cpu = compile_options(torch.device("cpu"))
     assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
-    # by default a CPU step's matmuls are tuned (inductor's C++ templates against oneDNN); an explicit mode's are
-    # as torch's mode has them
+    # by default a CPU step's matmuls are tuned (inductor's C++ templates against oneDNN), but not a bf16 model's;
+    # an explicit mode's are as torch's mode has them
     assert cpu["max_autotune_gemm"] and not compile_options(torch.device("cpu"), "default").get("max_autotune_gemm")
+    assert not compile_options(torch.device("cpu"), None, tune_matmuls=False).get("max_autotune_gemm")
+    from llmstep.engines.compile import tunes_matmuls
+
+    f32, bf16 = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    assert tunes_matmuls(f32) and not tunes_matmuls(bf16)
+    assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
     from llmstep.engines.compile import uses_cuda_graphs  # what compile_step marks a graph step for, each call
