@@ -3,9 +3,10 @@
 At batch 1 a decode step is a chain of matrix-vector products, each one kernel that streams its weight.
 Attention's wq, wk and wv read the same input, as do the MLP's w1 (gate) and w3 (up): with their weights
 stacked row after row, each group is one matmul (one kernel, one pass over x, no tiny k/v GEMVs that leave
-the GPU half idle), 4 weight passes per layer instead of 7. On a CPU inductor does this itself when it
-freezes the weights (`cpp.enable_concat_linear`, llmstep.engines.compile); on CUDA nothing does, so the
-fast loops fuse the weights once, up front (gpt-fast keeps `wqkv` and `w13` in its model for this reason).
+the GPU half idle), 4 weight passes per layer instead of 7. On a CPU inductor does this itself for float
+weights when it freezes them (`cpp.enable_concat_linear`, llmstep.engines.compile), not for int8 ones; on CUDA
+nothing does, so the fast loops fuse the weights once, up front, where nothing else will (`fuses_by_default`;
+gpt-fast keeps `wqkv` and `w13` in its model for this reason).
 
 `fused(model)` returns a twin of `model` that computes the same function with one `wqkv` and one `w13` per
 block (Attention and FeedForward split the fused output back into q, k, v and gate, up). Every other tensor

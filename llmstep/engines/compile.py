@@ -42,9 +42,9 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
     does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
     `tune_matmuls` (`tunes_matmuls(model)`): on an AMD EPYC without AMX the templates won 1.79x for float32
-    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel); for bf16 weights the tuner's
-    pick swung from 1.33x (2 threads) to 0.64x (1 thread: the bf16 template converts to float32 for its FMAs
-    and is compute-bound on one core), so a bf16 / f16 model keeps oneDNN (results/cpu_amd.md, session 6).
+    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel); for bf16 weights 1.33x with
+    2 threads but 0.64x with 1 (the bf16 template converts to float32 for its FMAs: compute-bound on one core),
+    so a bf16 / f16 model on one thread keeps oneDNN (results/cpu_amd.md, session 6).
     """
     best = mode is None
     if mode is None:
@@ -72,10 +72,10 @@ def compiles(device: torch.device, compile: bool | None) -> bool:
 
 def tunes_matmuls(model: torch.nn.Module) -> bool:
     """Whether a CPU step of `model` tunes its matmuls by default (`compile_options`): float32 weights and
-    quantised ones, not bf16 / f16 ones."""
+    quantised ones always, bf16 / f16 ones when torch runs more than one thread (decided when the step is made)."""
     from ..core.quantize import QuantLinear
 
-    return (next(model.parameters()).dtype == torch.float32
+    return (next(model.parameters()).dtype == torch.float32 or torch.get_num_threads() > 1
             or any(isinstance(m, QuantLinear) for m in model.modules()))
 
 

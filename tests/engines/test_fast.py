@@ -164,8 +164,15 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     from llmstep.engines.compile import tunes_matmuls
 
     f32, bf16 = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
-    assert tunes_matmuls(f32) and not tunes_matmuls(bf16)
-    assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert tunes_matmuls(f32) and not tunes_matmuls(bf16)  # one thread: bf16's tuned pick was 0.64x
+        assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
+        torch.set_num_threads(2)
+        assert tunes_matmuls(bf16)
+    finally:
+        torch.set_num_threads(threads)
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
     from llmstep.engines.compile import uses_cuda_graphs  # what compile_step marks a graph step for, each call
