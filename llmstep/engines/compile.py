@@ -162,24 +162,24 @@ class Step:
         it reads changes but the values in its tensors (FastDecoder's decode loop).
 
         A compiled call first runs torch.compile's Python wrapper and Dynamo's frame hook, which evaluates
-        every guard of the compiled code (~560 checks of the model, cache and global state: 50-60 us, and
-        ~70 us more for the wrapper, of a ~1 ms CPU step; scripts/overhead_cpu.py). Here the guards are
+        every guard of the compiled code (~560 checks of the model, cache and global state: 50-70 us, and
+        60-80 us more for the wrapper, of a ~1 ms CPU step; scripts/overhead_cpu.py). Here the guards are
         evaluated once, now, and the call returned is Dynamo's compiled code itself. A state the guards
         refuse (a new shape, thread count, grad mode) gets the step as it is, which recompiles. Eager steps,
         CUDA graphs and a torch without Dynamo's cache-entry API also get the step as it is."""
         traced = getattr(self.fn, "traced", None)
         if traced is None:
             return self
-        try:
-            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            entries = _debug_get_cache_entry_list(traced.__code__)
-        except (ImportError, AttributeError, RuntimeError):
-            return self
         code, closure = traced.__code__, traced.__closure__
         f_locals = {"args": ()} | {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure,
                                                                                     strict=True)}
-        passed = [e for e in entries if e.guard_manager.check(f_locals)]  # the frame Dynamo would see
+        try:  # Dynamo's cache-entry API (torch 2.1 on); any other torch gets the guarded step
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            entries = _debug_get_cache_entry_list(code)
+            passed = [e for e in entries if e.guard_manager.check(f_locals)]  # the frame Dynamo would see
+        except (ImportError, AttributeError, RuntimeError, TypeError):
+            return self
         if len(passed) != 1:
             return self
         return types.FunctionType(passed[0].code, traced.__globals__, "step", None, closure)
