@@ -2,8 +2,10 @@
 
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
+    python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
 
-Each argument is a variant: DTYPE[+KERNEL][|KEY=VALUE;KEY=VALUE], DTYPE one of float32, bfloat16, int8, int4
+Each argument is a variant: DTYPE[+KERNEL][!fuse|!nofuse][|KEY=VALUE;KEY=VALUE], DTYPE one of float32,
+bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, KEY=VALUE inductor options over engines/compile.py's CPU options. All
 variants are built and compiled in one process (the shipped target model, 2 threads, a 128-token random
@@ -31,6 +33,7 @@ _original = compile_mod.compile_options
 
 def build(spec: str) -> FastDecoder:
     head, _, opts = spec.partition("|")
+    head, _, fuse = head.partition("!")
     head, _, kernel = head.partition("+")
     dtype, _, base = head.partition("@")
     base = base or ("bfloat16" if dtype in ("int8", "int4") else dtype)
@@ -38,8 +41,8 @@ def build(spec: str) -> FastDecoder:
     model, _ = llmstep.load("target", device="cpu", dtype=base)
     if dtype in ("int8", "int4"):
         quantize(model, dtype, kernel=kernel or "auto")
-    compile_mod.compile_options = lambda device, mode=None: _original(device, mode) | overrides
-    decoder = FastDecoder(model, compile=True)
+    compile_mod.compile_options = lambda device, mode=None, tune=True: _original(device, mode, tune) | overrides
+    decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
     decoder.warmup()  # compiles now, with these options
     compile_mod.compile_options = _original
     return decoder

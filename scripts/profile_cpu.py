@@ -49,8 +49,8 @@ def build(dtype: str, overrides: dict) -> tuple[FastDecoder, list[int]]:
     if overrides:
         original = compile_mod.compile_options
 
-        def patched(device, mode=None):
-            return original(device, mode) | overrides
+        def patched(device, mode=None, tune=True):
+            return original(device, mode, tune) | overrides
 
         compile_mod.compile_options = patched
     decoder = FastDecoder(model, compile=True)

@@ -3,9 +3,10 @@
 At batch 1 a decode step is a chain of matrix-vector products, each one kernel that streams its weight.
 Attention's wq, wk and wv read the same input, as do the MLP's w1 (gate) and w3 (up): with their weights
 stacked row after row, each group is one matmul (one kernel, one pass over x, no tiny k/v GEMVs that leave
-the GPU half idle), 4 weight passes per layer instead of 7. On a CPU inductor does this itself when it
-freezes the weights (`cpp.enable_concat_linear`, llmstep.engines.compile); on CUDA nothing does, so the
-fast loops fuse the weights once, up front (gpt-fast keeps `wqkv` and `w13` in its model for this reason).
+the GPU half idle), 4 weight passes per layer instead of 7. On a CPU inductor does this itself for float
+weights when it freezes them (`cpp.enable_concat_linear`, llmstep.engines.compile), not for int8 ones; on CUDA
+nothing does, so the fast loops fuse the weights once, up front, where nothing else will (`fuses_by_default`;
+gpt-fast keeps `wqkv` and `w13` in its model for this reason).
 
 `fused(model)` returns a twin of `model` that computes the same function with one `wqkv` and one `w13` per
 block (Attention and FeedForward split the fused output back into q, k, v and gate, up). Every other tensor
@@ -30,7 +31,7 @@ from torch import nn
 from .model import Llama
 from .quantize import Int8Linear
 
-__all__ = ["fused", "fuse_rows", "is_fused"]
+__all__ = ["fused", "fuse_rows", "is_fused", "fuses_by_default"]
 
 
 def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -88,6 +89,17 @@ def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
         fused_layer.scales = fuse_rows(linears, "scales")  # [n_out]
         return fused_layer
     return None
+
+
+def fuses_by_default(model: Llama, compiled: bool) -> bool:
+    """Whether the fast loops run `fused(model)` when not told (their fuse=None): always on CUDA; on a CPU when
+    the step is compiled and the model has int8 layers. Inductor concatenates a CPU step's float linears itself
+    when it freezes the weights (`cpp.enable_concat_linear`), but not int8 ones: each Int8Linear has its own
+    scales, so q, k, v, gate and up stay five `_weight_int8pack_mm` calls a layer (results/profile_cpu_amd.md).
+    An eager CPU loop is left unfused: it gives the teaching loop's tokens bit for bit."""
+    if model.device.type == "cuda":
+        return True
+    return compiled and any(isinstance(m, Int8Linear) for m in model.modules())
 
 
 def is_fused(model: Llama) -> bool:

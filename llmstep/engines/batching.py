@@ -56,7 +56,7 @@ from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for
 from ..core.sampling import check_params, sample
-from .compile import Step, warm_up
+from .compile import Step, tunes_matmuls, warm_up
 from .decoding import (
     CACHE_ROUNDING,
     NonFiniteLogits,
@@ -122,7 +122,8 @@ class BatchRunner:
         self.max_len = check_max_len(max_len, model.config.max_seq_len, low=1)  # 1: a step at position 0
         # per layer k, v: [S, n_kv, max_len, hd]: row s is slot s
         self.cache = model.new_cache(batch_size=n_slots, max_len=self.max_len)
-        self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers)
+        self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers,
+                          tune_matmuls=tunes_matmuls(model))
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
         self.compile_seconds = 0.0
         self._warm = False  # run once (eager too) before anything is timed

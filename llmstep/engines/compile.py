@@ -17,16 +17,17 @@ recorded on the second or third call.
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import Callable, Iterable
 
 import torch
 
 from ..core.device import synchronize
 
-__all__ = ["compile_options", "uses_cuda_graphs", "compile_step", "Step", "warm_up"]
+__all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
 
 
-def compile_options(device: torch.device, mode: str | None = None) -> dict:
+def compile_options(device: torch.device, mode: str | None = None, tune_matmuls: bool = True) -> dict:
     """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
     CUDA: mode "reduce-overhead", i.e. CUDA graphs, plus gpt-fast's `coordinate_descent_tuning`: with it
@@ -37,9 +38,15 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
     CPU: freeze the weights into the compiled code (`freezing`: packed layouts, constant folding),
     concatenate the linears that read one input (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become
     one matmul each, so a step makes 4 weight passes per layer instead of 7), and call the kernels from
-    C++ (`cpp_wrapper`), not from Python.
-    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape.
+    C++ (`cpp_wrapper`), not from Python; by default (mode None) tune the matmuls (below).
+    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
+    does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
+    `tune_matmuls` (`tunes_matmuls(model)`): on an AMD EPYC without AMX the templates won 1.79x for float32
+    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel); for bf16 weights 1.33x with
+    2 threads but 0.64x with 1 (the bf16 template converts to float32 for its FMAs: compute-bound on one core),
+    so a bf16 / f16 model on one thread keeps oneDNN (results/cpu_amd.md, session 6).
     """
+    best = mode is None
     if mode is None:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
     import torch._inductor
@@ -52,7 +59,24 @@ def compile_options(device: torch.device, mode: str | None = None) -> dict:
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
+        if best and tune_matmuls:  # tuned quietly: inductor prints every shape's timings to stderr by default
+            options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
+                        "max_autotune_report_choices_stats": False}
     return options
+
+
+def compiles(device: torch.device, compile: bool | None) -> bool:
+    """Whether a loop's step is compiled: `compile` as given; None compiles on CUDA only (see `Step`)."""
+    return device.type == "cuda" if compile is None else bool(compile)
+
+
+def tunes_matmuls(model: torch.nn.Module) -> bool:
+    """Whether a CPU step of `model` tunes its matmuls by default (`compile_options`): float32 weights and
+    quantised ones always, bf16 / f16 ones when torch runs more than one thread (decided when the step is made)."""
+    from ..core.quantize import QuantLinear
+
+    return (next(model.parameters()).dtype == torch.float32 or torch.get_num_threads() > 1
+            or any(isinstance(m, QuantLinear) for m in model.modules()))
 
 
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
@@ -60,8 +84,18 @@ def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
     return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
 
 
+def own_code(fn: Callable) -> types.FunctionType:
+    """fn behind a function whose code object is its own: Dynamo keeps its compiled versions per code object,
+    so a step compiled from this holds its one entry there, not one among every decoder's of the process
+    (a bound method or a partial of one class all share one code object)."""
+    def step(*args):
+        return fn(*args)
+
+    return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
+
+
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
-                 refilled: Iterable[torch.Tensor] = ()):
+                 refilled: Iterable[torch.Tensor] = (), tune_matmuls: bool = True):
     """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
     updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
     `refilled` are tensors fn only reads and the caller refills in place between calls (random numbers):
@@ -70,13 +104,14 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     constant of the compiled code.
     With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
     graph may reuse their memory: use what a step returns before calling it again."""
-    options = compile_options(device, mode)
+    options = compile_options(device, mode, tune_matmuls)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
     # this same step anew, and a process that builds more than 8 of them would hit the default limit.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    compiled = torch.compile(fn, options=options, fullgraph=True, dynamic=False)
+    traced = own_code(fn)
+    compiled = torch.compile(traced, options=options, fullgraph=True, dynamic=False)
     if uses_cuda_graphs(device, mode):
 
         def graphed_step(*args):
@@ -97,6 +132,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         finally:
             inductor_config.freezing = before
 
+    frozen_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
     return frozen_step
 
 
@@ -105,19 +141,48 @@ class Step:
 
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation). mode: torch.compile's mode; None is "reduce-overhead" (CUDA
-    graphs) on CUDA, the default elsewhere; "max-autotune" also tunes every matmul. static: the tensors fn
-    writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`).
+    graphs) on CUDA, the default with tuned matmuls on a CPU; "max-autotune" tunes more. static: the tensors fn
+    writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`);
+    tune_matmuls: `tunes_matmuls(model)` of the model the step runs (`compile_options`).
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
-                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = ()):
+                 static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = (),
+                 tune_matmuls: bool = True):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
-        self.compiled = device.type == "cuda" if compile is None else bool(compile)
+        self.compiled = compiles(device, compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
-        self.fn = compile_step(fn, device, mode, static, refilled) if self.compiled else fn
+        self.fn = compile_step(fn, device, mode, static, refilled, tune_matmuls) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)
+
+    def unguarded(self) -> Callable[[], object]:
+        """This step (it takes no arguments) as a plain call for a loop that makes it many times while nothing
+        it reads changes but the values in its tensors (FastDecoder's decode loop).
+
+        A compiled call first runs torch.compile's Python wrapper and Dynamo's frame hook, which evaluates
+        every guard of the compiled code (~560 checks of the model, cache and global state: 50-70 us, and
+        60-80 us more for the wrapper, of a ~1 ms CPU step; scripts/overhead_cpu.py). Here the guards are
+        evaluated once, now, and the call returned is Dynamo's compiled code itself. A state the guards
+        refuse (a new shape, thread count, grad mode) gets the step as it is, which recompiles. Eager steps,
+        CUDA graphs and a torch without Dynamo's cache-entry API also get the step as it is."""
+        traced = getattr(self.fn, "traced", None)
+        if traced is None:
+            return self
+        code, closure = traced.__code__, traced.__closure__
+        f_locals = {"args": ()} | {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure,
+                                                                                    strict=True)}
+        try:  # Dynamo's cache-entry API (torch 2.1 on); any other torch gets the guarded step
+            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+            entries = _debug_get_cache_entry_list(code)
+            passed = [e for e in entries if e.guard_manager.check(f_locals)]  # the frame Dynamo would see
+        except (ImportError, AttributeError, RuntimeError, TypeError):
+            return self
+        if len(passed) != 1:
+            return self
+        return types.FunctionType(passed[0].code, traced.__globals__, "step", None, closure)
 
 
 def warm_up(device: torch.device, *calls: Callable[[], object], steps: int = 3) -> float:

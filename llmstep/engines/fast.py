@@ -42,11 +42,11 @@ from functools import partial
 import torch
 
 from ..core.device import synchronize
-from ..core.fuse import fused
+from ..core.fuse import fused, fuses_by_default
 from ..core.model import Llama
 from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
-from .compile import Step, warm_up
+from .compile import Step, compiles, tunes_matmuls, warm_up
 from .decoding import (
     CACHE_ROUNDING,
     DecodeResult,
@@ -87,11 +87,12 @@ class FastDecoder:
     growing it when needed.
     compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
     long run, not for one short generation).
-    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA, the default elsewhere;
-    "max-autotune" also tunes every matmul (slowest to compile, fastest on a CPU). See llmstep.engines.compile.
+    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA and, on a CPU, the default with
+    every matmul tuned (the CPU's fastest); "max-autotune" also tunes the rest. See llmstep.engines.compile.
     fuse: run a twin of the model with q|k|v and gate|up as one matmul each (llmstep.core.fuse: the same
     function, no weight held twice; the model's own q/k/v and gate/up weights become views of the fused
-    rows). None fuses on CUDA only: on a CPU the compiled step fuses them itself (compile.compile_options).
+    rows). None (`fuse.fuses_by_default`) fuses on CUDA, and on a CPU for a compiled step of a model with int8
+    layers: there the compiled step concatenates float matmuls itself (compile.compile_options), not int8 ones.
 
     The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position), so on CUDA
     one graph replay makes one token and the host only queues replays. A seeded draw needs Exp(1) noise from
@@ -105,7 +106,7 @@ class FastDecoder:
         self.model = model
         self.device = model.device
         self._compile, self._mode = compile, mode
-        self.fused = self.device.type == "cuda" if fuse is None else bool(fuse)
+        self.fused = fuses_by_default(model, compiles(self.device, compile)) if fuse is None else bool(fuse)
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
         # max_len None: the cache is sized for each request (prompt + new tokens, rounded up to CACHE_ROUNDING
         # slots so that similar requests reuse it), grown (a new cache, a new compiled step) only when a longer
@@ -141,7 +142,8 @@ class FastDecoder:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
         decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
         if self._step is None:
-            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers)
+            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
+                              tune_matmuls=tunes_matmuls(self.model))
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -158,7 +160,8 @@ class FastDecoder:
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
             self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
-                                            self._mode, static=self._state, refilled=(self._noise,))
+                                            self._mode, static=self._state, refilled=(self._noise,),
+                                            tune_matmuls=tunes_matmuls(self.model))
         return self._advances[sampling]
 
     def _reset(self) -> None:
@@ -232,7 +235,7 @@ class FastDecoder:
         synchronize(device)
         result.prefill_seconds = time.perf_counter() - start
 
-        advance = self._advance_step(sampling)
+        advance = self._advance_step(sampling).unguarded()  # compiled: its guards evaluated here, once per run
         steps = 0
         start = time.perf_counter()
         for i in range(1, n):  # per token: one call (one graph replay on CUDA), plus the noise draw when sampling
@@ -284,7 +287,7 @@ class FastSpeculator:
 
     max_len: both caches' slots; None sizes them for each request (`decoding.cache_len` with the k reserved
     slots, rounded to CACHE_ROUNDING), growing them when a longer request comes, as FastDecoder does. fuse: both
-    models' q|k|v and gate|up as one matmul each, as FastDecoder's (None: on CUDA only).
+    models' q|k|v and gate|up as one matmul each, as FastDecoder's (None: `fuse.fuses_by_default`, for either).
     """
 
     def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
@@ -293,7 +296,9 @@ class FastSpeculator:
         speculative.check_pair(target, draft)
         self.limit = min(target.config.max_seq_len, draft.config.max_seq_len)  # both models' context
         self.device, self.k = target.device, k
-        self.fused = self.device.type == "cuda" if fuse is None else bool(fuse)  # as FastDecoder's
+        compiled = compiles(self.device, compile)
+        self.fused = (fuses_by_default(target, compiled) or fuses_by_default(draft, compiled) if fuse is None
+                      else bool(fuse))  # as FastDecoder's
         self.target, self.draft = (fused(target), fused(draft)) if self.fused else (target, draft)
         self._compile, self._mode = compile, mode
         self.sized_per_request = max_len is None
@@ -309,9 +314,11 @@ class FastSpeculator:
         self.draft_cache = self.draft.new_cache(batch_size=1, max_len=max_len)
         d, t = self.draft_cache.buffers, self.target_cache.buffers
         compile, mode = self._compile, self._mode
-        self._draft_step = Step(self._draft, self.device, compile, mode, static=d)
-        self._verify_step = Step(self._verify, self.device, compile, mode, static=t)
-        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t)
+        tune_d, tune_t = tunes_matmuls(self.draft), tunes_matmuls(self.target)
+        self._draft_step = Step(self._draft, self.device, compile, mode, static=d, tune_matmuls=tune_d)
+        self._verify_step = Step(self._verify, self.device, compile, mode, static=t, tune_matmuls=tune_t)
+        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
+                                 tune_matmuls=tune_d and tune_t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
         self._warm: set[str] = set()  # the round kinds run once (eager) or compiled
 

@@ -9,7 +9,7 @@ from llmstep.fast import FastDecoder
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import llmstep
-from llmstep.core.quantize import QuantConfig, quantize
+from llmstep.core.quantize import Int8Linear, QuantConfig, quantize
 from llmstep.engines.compile import compile_step
 from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
 
@@ -157,6 +157,22 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     cpu = compile_options(torch.device("cpu"))
     assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
+    # by default a CPU step's matmuls are tuned (inductor's C++ templates against oneDNN), but not a bf16 model's;
+    # an explicit mode's are as torch's mode has them
+    assert cpu["max_autotune_gemm"] and not compile_options(torch.device("cpu"), "default").get("max_autotune_gemm")
+    assert not compile_options(torch.device("cpu"), None, tune_matmuls=False).get("max_autotune_gemm")
+    from llmstep.engines.compile import tunes_matmuls
+
+    f32, bf16 = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert tunes_matmuls(f32) and not tunes_matmuls(bf16)  # one thread: bf16's tuned pick was 0.64x
+        assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
+        torch.set_num_threads(2)
+        assert tunes_matmuls(bf16)
+    finally:
+        torch.set_num_threads(threads)
     cuda = compile_options(torch.device("cuda"))
     assert cuda["triton.cudagraphs"] and "freezing" not in cuda
     from llmstep.engines.compile import uses_cuda_graphs  # what compile_step marks a graph step for, each call
@@ -189,6 +205,38 @@ def test_more_compiled_steps_than_dynamo_keeps_by_default():
     for n in range(1, 11):
         out = compile_step(Step(n).f, torch.device("cpu"))(torch.ones(n))
         assert torch.equal(out, 2 + torch.arange(n, dtype=torch.float32))
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~10 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_an_unguarded_step_is_its_compiled_code_and_a_changed_state_gets_the_guarded_step():
+    """Step.unguarded evaluates the compiled code's guards once and hands back that code, called without
+    Dynamo: a state the code was not compiled for (a new shape, grad mode on) must get the guarded step, which
+    recompiles, never the old code run on tensors it was not made for."""
+    from llmstep.engines.compile import Step
+
+    class State:
+        x = torch.zeros(4)
+
+    def bump():
+        State.x.add_(1)
+        return State.x * 2
+
+    cpu = torch.device("cpu")
+    eager = Step(bump, cpu, compile=False)
+    assert eager.unguarded() is eager
+    step = Step(bump, cpu, compile=True)
+    with torch.no_grad():
+        step()
+        fast = step.unguarded()
+        assert fast is not step and not hasattr(fast, "traced")  # Dynamo's code itself, not compile_step's wrapper
+        assert torch.equal(fast(), torch.full((4,), 4.0)) and torch.equal(State.x, torch.full((4,), 2.0))
+        State.x = torch.zeros(6)  # what the compiled code read has a new shape
+        assert step.unguarded() is step
+        assert torch.equal(step(), torch.full((6,), 2.0))  # recompiled for it
+        again = step.unguarded()
+        assert again is not step and torch.equal(again(), torch.full((6,), 4.0))
+    assert step.unguarded() is step  # grad mode on: not the state the code was compiled in
 
 
 def test_a_fused_decoder_gives_the_tokens_of_the_teaching_loop(tiny):
