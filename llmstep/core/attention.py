@@ -66,11 +66,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     n_kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, n_kv, (H // n_kv) * T, hd)  # [B, n_kv, n_rep*T, hd]: head h = g*n_rep + r, row r*T + t
     mask = mask.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
-    if B == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
+    if _plain_ops_here(q):
         out = _compiled_cpu_sdpa(q, k, v, mask)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, n_kv, n_rep*T, hd]
     return out.view(B, H, T, hd)
+
+
+def _plain_ops_here(q: torch.Tensor) -> bool:
+    """Whether this masked call runs as plain ops (`_compiled_cpu_sdpa`): one sequence, in a compiled CPU step."""
+    return q.shape[0] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling()
 
 
 def _compiled_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

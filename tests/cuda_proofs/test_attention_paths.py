@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import llmstep.core.attention as attention_module
 from llmstep.core.attention import attention, causal_mask, sdpa
 from llmstep.core.config import LlamaConfig
 from llmstep.core.model import Llama
@@ -70,7 +71,8 @@ def test_masked_paths_fold_the_query_heads_instead_of_expanding_kv(calls, monkey
     cache = model.new_cache(2, 32)
     model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 2], [0, 1, 2]]), cache)  # batch: masked
     eager = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4).tokens
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path a compiled step traces:
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path a compiled step traces,
+    monkeypatch.setattr(attention_module, "_plain_ops_here", lambda q: False)  # as on CUDA (the CPU's is plain ops):
     traced = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4).tokens  # every slot, masked
     assert traced == eager
     assert calls and all(fast_kernel_args(c) for c in calls), calls
