@@ -38,7 +38,7 @@ from .model import Llama, materialize
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize", "check_config",
-           "linear_names", "swap_linears", "empty_quantized", "layer_errors", "matmul_dtype"]
+           "linear_names", "swap_linears", "empty_quantized", "layer_errors"]
 
 MODES = ("int8", "int4")
 KERNELS = ("auto", "packed", "dequant")
@@ -167,16 +167,6 @@ CHECK_ROWS = 64  # output rows a packed kernel is checked on in prepare(): a flo
 # a whole layer's weights in float while a checkpoint loads
 
 
-def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The activations' dtype inside a quantised matmul: their own, except float32 on a CPU, which goes through
-    bfloat16. PyTorch's CPU weight-only kernels are vectorised for bf16 activations (inductor's int8 rewrite
-    to `_weight_int8pack_mm` fires for bf16 only; `_weight_int4pack_mm_for_cpu` with float32 activations ran
-    at 0.17x the float32 model, int8 at 0.97x: widening every weight to float32 each token). Rounding the
-    activations to bf16 (8 significant bits) errs far less than the int8/int4 weights do (results/cpu_amd.md);
-    the result comes back in float32."""
-    return torch.bfloat16 if dtype == torch.float32 and device.type == "cpu" else dtype
-
-
 def _nibbles(t: torch.Tensor) -> torch.Tensor:
     """Any tensor's bytes as a flat stream of 4-bit values, low nibble first."""
     b = t.contiguous().view(torch.uint8).flatten()
@@ -225,13 +215,10 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        dtype = matmul_dtype(x.dtype, x.device)
-        xm, scales = x.to(dtype), self.scales.to(dtype)  # no-ops unless a CPU's float32 goes through bf16
         if self.kernel == "packed" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
-            y = torch._weight_int8pack_mm(xm.reshape(-1, self.in_features), self.weight, scales)
-            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        # compile fuses the widening into the matmul (CUDA), or rewrites it to _weight_int8pack_mm (CPU, bf16)
-        return (F.linear(xm, self.weight.to(dtype)) * scales).to(x.dtype)
+            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul
 
     @property
     def nbytes(self) -> int:
@@ -283,10 +270,9 @@ class Int4Linear(nn.Module):
         if self.kernel != "packed":
             return self
         try:
-            dtype = matmul_dtype(self.scales.dtype, device)  # the kernel's activations: bf16 for float32 on a CPU
-            sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).to(dtype).contiguous()  # [K/g, N, 2]
+            sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
             self.kernel_weight, self.scales_and_zeros = self._convert(unpack_int4(codes)), sz
-            x = torch.randn(2, self.in_features, device=device, dtype=dtype)
+            x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
             r = min(CHECK_ROWS, self.out_features)
             want = F.linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
             ok = _agrees(self._packed_mm(x)[:, :r], want)
@@ -295,8 +281,8 @@ class Int4Linear(nn.Module):
         if not ok:  # this device, dtype or shape has no packed kernel: dequantise + matmul
             self.kernel, self.kernel_weight, self.scales_and_zeros, self.weight = "dequant", None, None, codes
             return self
-        if sz.dtype == self.scales.dtype:  # scales and zeros held once: views of the kernel's [K/g, N, 2] table
-            self.scales, self.zeros = sz[..., 0].t(), sz[..., 1].t()  # [N, K/g]
+        # scales and zeros held once: views of the kernel's [K/g, N, 2] table
+        self.scales, self.zeros = self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()  # [N, K/g]
         self.weight = codes if device.type == "cpu" else None
         return self
 
@@ -339,16 +325,14 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.kernel == "packed" and (self.weight is None or x.numel() <= PACKED_MAX_ROWS * self.in_features):
-            y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype))
+            y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales.dtype))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return F.linear(x, self.dequantized().to(x.dtype))
 
     @property
     def nbytes(self) -> int:
         """Bytes streamed per matmul: half a byte per weight plus a scale and a zero per group."""
-        table = self.scales_and_zeros  # what the packed kernel reads (bf16 for a float32 model on a CPU)
-        return self.in_features * self.out_features // 2 + (table.nbytes if table is not None
-                                                             else self.scales.nbytes + self.zeros.nbytes)
+        return self.in_features * self.out_features // 2 + self.scales.nbytes + self.zeros.nbytes
 
     def dequantized(self) -> torch.Tensor:
         return dequantize_int4(self.codes(), self.scales, self.zeros, self.scales.dtype)
