@@ -27,7 +27,8 @@ engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     generate.py    the teaching loop: prefill once, decode token by token
     compile.py     how a step is compiled for a device, and warmed up
     fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
-    speculative.py the acceptance rule, its theory, the drafts, the teaching loop
+    speculative.py the acceptance rule, its theory, the teaching loop
+    drafts.py      the drafts: the target's first layers, a quantized twin, another checkpoint
     scheduler.py   continuous batching's scheduler: queues, policy, admission, KV blocks (pure Python, no tensors)
     batching.py    continuous batching's runners (the KV cache, the batched step), ContinuousBatcher, PagedBatcher
 lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
@@ -67,8 +68,9 @@ from .core.kv_cache import KVCache
 from .core.model import Llama
 from .core.tokens import Tokenizer
 from .engines import batching, fast
+from .engines.drafts import LayerSkipDraft
 from .engines.generate import Generation, generate, stream
-from .engines.speculative import LayerSkipDraft, SpeculativeGeneration, speculative_generate, speculative_stream
+from .engines.speculative import SpeculativeGeneration, speculative_generate, speculative_stream
 
 # The public modules keep their short names: `from llmstep.fast import FastDecoder`,
 # `from llmstep.batching import run_batch`, `llmstep.sampling.probs(...)`.

@@ -124,7 +124,7 @@ def check_draft(draft: str, target: str | None) -> None:
     from ..core import quantize
     from ..core.checkpoint import check_files, read_quant_config, resolve_model_path
     from ..core.config import LlamaConfig
-    from ..engines.speculative import check_same_tokenizer, parse_draft
+    from ..engines.drafts import check_same_tokenizer, parse_draft
 
     kind, value = parse_draft(draft)
     if kind == "checkpoint":

@@ -246,7 +246,7 @@ def run_peer_bench(args, argv) -> dict:
 
 def run_speculative(args, argv) -> dict:
     from ..core.checkpoint import load
-    from ..engines.speculative import resolve_draft
+    from ..engines.drafts import resolve_draft
     from ..lab.bench_speculative import bench, bench_compiled
 
     if not args.bench:

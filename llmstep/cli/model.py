@@ -98,7 +98,8 @@ def _generate(args, load_one, stream) -> None:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=seed)
     if args.draft is not None:
-        from ..engines.speculative import resolve_draft, speculative_stream
+        from ..engines.drafts import resolve_draft
+        from ..engines.speculative import speculative_stream
 
         draft = resolve_draft(args.draft, model, tokenizer)
         run = speculative_stream(model, draft, tokenizer, prompt, k=args.speculate_k, adaptive=args.adaptive_k,

@@ -18,8 +18,8 @@ the target's argmax": the output is plain greedy decoding's, token for token.
 With a per-token acceptance probability a, one target forward yields on average (1 - a^(k+1)) / (1 - a)
 tokens (Leviathan et al., eq. 1). Both KV caches roll back after a rejection by moving their lengths back.
 
-Layout: the acceptance rule (pure, batched), the theory, the drafts (a layer-skipping self-draft, a
-quantized twin, a checkpoint), the teaching loop. The compiled loop (`FastSpeculator`) is in
+Layout: the acceptance rule (pure, batched), the theory, the teaching loop. The drafts (a layer-skipping
+self-draft, a quantized twin, a checkpoint) are in llmstep/engines/drafts.py. The compiled loop (`FastSpeculator`) is in
 llmstep/engines/fast.py, the benchmarks in llmstep/lab/bench_speculative.py.
 """
 
@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import quantize
-from ..core.checkpoint import load
 from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
@@ -43,9 +41,8 @@ from . import decoding
 from .generate import Generation, Stream, TokenEvent
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
-           "step_bytes", "draft_cost_ratio", "LayerSkipDraft", "parse_draft", "resolve_draft",
-           "check_same_tokenizer", "SpeculativeGeneration",
-           "speculative_stream", "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
+           "step_bytes", "draft_cost_ratio", "SpeculativeGeneration", "speculative_stream",
+           "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,80 +143,6 @@ def step_bytes(model: Llama, context: int = 0) -> float:
 def draft_cost_ratio(target: Llama, draft: Llama) -> float:
     """Bytes a draft forward reads over bytes a target forward reads."""
     return step_bytes(draft) / step_bytes(target)
-
-
-# --------------------------------------------------------------------------------------------------
-# Self-speculation: the target's first layers as its own draft
-# --------------------------------------------------------------------------------------------------
-
-
-class LayerSkipDraft(Llama):
-    """The target's first n_layers blocks, then its final norm and LM head, sharing its weights.
-
-    A draft for any model, with no second checkpoint (self-speculative decoding: Zhang et al. 2023,
-    "Draft & Verify"; Elhoushi et al. 2024, "LayerSkip"). It is a `Llama` whose layer list is a prefix
-    of the target's, so the forward path is the same one; it keeps its own, shallower KV cache.
-    An early exit the model was not trained for agrees with the full stack less often than a trained
-    draft does, and the LM head is read in full each time, so expect a smaller gain.
-    """
-
-    def __init__(self, target: Llama, n_layers: int):
-        if not isinstance(n_layers, int) or not 1 <= n_layers <= target.config.n_layers:
-            raise ValueError(f"a layer-skip draft keeps 1..{target.config.n_layers} of the target's layers, "
-                             f"got {n_layers!r}")
-        torch.nn.Module.__init__(self)
-        self.config = target.config.replace(n_layers=n_layers)
-        self.tok_embeddings = target.tok_embeddings  # the same modules: no weight is copied
-        self.layers = torch.nn.ModuleList(target.layers[:n_layers])
-        self.norm, self.output = target.norm, target.output
-        self.register_buffer("inv_freq", target.inv_freq, persistent=False)
-        self.generation_config = getattr(target, "generation_config", {})
-        self.train(target.training)
-
-
-def parse_draft(spec: str, n_layers: int | None = None) -> tuple[str, int | str]:
-    """A draft's command-line word, read without loading anything: ("layers", N) for "self-N" (the target's first
-    N layers; checked against `n_layers` when given), ("quantized", "int8" | "int4") for "self-int8" / "self-int4",
-    ("checkpoint", spec) for anything else (a path, or "draft": the shipped one)."""
-    if not spec:
-        raise ValueError("draft '': give self-N, self-int8, self-int4 or a checkpoint directory ('draft' is the "
-                         "shipped one)")
-    if spec.startswith("self-int"):
-        mode = spec.removeprefix("self-")
-        if mode not in ("int8", "int4"):
-            raise ValueError(f"draft {spec!r}: the quantized self-drafts are self-int8 and self-int4")
-        return "quantized", mode
-    if spec.startswith("self-"):
-        n = spec.removeprefix("self-")
-        if not n.isascii() or not n.isdigit() or n != str(int(n)):  # isdigit alone takes "²", which int() refuses
-            raise ValueError(f"draft {spec!r}: write self-N with N the number of layers to keep")
-        if not 1 <= int(n) <= (n_layers or int(n)):
-            raise ValueError(f"draft {spec!r}: a layer-skip draft keeps 1..{n_layers or 'n_layers'} of the target's "
-                             f"layers")
-        return "layers", int(n)
-    return "checkpoint", spec
-
-
-def resolve_draft(spec: str, target: Llama, tokenizer: Tokenizer | None = None, device=None, dtype=None) -> Llama:
-    """A draft from a command-line word (see `parse_draft`). A loaded checkpoint must share the target's
-    tokenizer."""
-    kind, value = parse_draft(spec, target.config.n_layers)
-    if kind == "quantized":
-        # A twin sharing the float model's embeddings and norms, with its matmuls (LM head included) quantized.
-        return quantize.quantize(target, value, lm_head=True, inplace=False)
-    if kind == "layers":
-        return LayerSkipDraft(target, value)
-    draft, draft_tokenizer = load(spec, device=device or target.device, dtype=dtype or target.dtype)
-    if tokenizer is not None:
-        check_same_tokenizer(draft_tokenizer, tokenizer, spec)
-    return draft
-
-
-def check_same_tokenizer(draft_tokenizer: Tokenizer, tokenizer: Tokenizer, where: str) -> None:
-    """A draft checkpoint's tokenizer must be the target's: the same strings at the same ids."""
-    if draft_tokenizer.tok.get_vocab() != tokenizer.tok.get_vocab():
-        raise ValueError(f"the draft at {where} uses a different tokenizer from the target's: speculative "
-                         "decoding needs both models to read and write the same token ids")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,8 +30,9 @@ from llmstep.engines.decoding import (
     round_bytes,
     step_bytes_by_context,
 )
+from llmstep.engines.drafts import LayerSkipDraft
 from llmstep.engines.generate import Generation
-from llmstep.engines.speculative import LayerSkipDraft, SpeculativeGeneration, speculative_generate
+from llmstep.engines.speculative import SpeculativeGeneration, speculative_generate
 
 
 @pytest.fixture(scope="module")

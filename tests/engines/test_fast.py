@@ -341,7 +341,7 @@ def test_compile_step_never_freezes_a_tensor_the_caller_refills():
 def test_a_fused_speculator_gives_the_unfused_tokens_and_shares_a_layer_skip_drafts_rows(tiny):
     from llmstep.fast import FastSpeculator
 
-    from llmstep.engines.speculative import LayerSkipDraft
+    from llmstep.engines.drafts import LayerSkipDraft
 
     model, _ = tiny
     plain = FastSpeculator(model, LayerSkipDraft(model, 1), k=3, max_len=64, compile=False)

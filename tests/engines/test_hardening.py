@@ -14,8 +14,9 @@ import llmstep
 from llmstep.core.sampling import check_params
 from llmstep.engines.batching import ContinuousBatcher, Request
 from llmstep.engines.decoding import ConcurrentUseError, NonFiniteLogitsError, check_seed
+from llmstep.engines.drafts import LayerSkipDraft
 from llmstep.engines.fast import FastDecoder, FastSpeculator
-from llmstep.engines.speculative import LayerSkipDraft, speculative_generate
+from llmstep.engines.speculative import speculative_generate
 
 PROMPT = [295, 17, 101, 42, 7, 250, 33]
 

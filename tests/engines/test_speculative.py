@@ -12,10 +12,12 @@ from llmstep.fast import FastSpeculator
 from llmstep.sampling import draw, probs
 
 import llmstep
+import llmstep.engines.drafts as drafts_mod
 import llmstep.engines.speculative as spec
 from llmstep import Llama, LlamaConfig, Tokenizer
 from llmstep.cli import main as llmstep_main
-from llmstep.engines.speculative import LayerSkipDraft, speculative_generate, speculative_stream, verify
+from llmstep.engines.drafts import LayerSkipDraft
+from llmstep.engines.speculative import speculative_generate, speculative_stream, verify
 
 PROMPT = [5, 17, 101, 42, 7]  # token ids, so no BOS or tokenizer detail gets in the way
 
@@ -397,7 +399,7 @@ def test_cli_generate_with_a_draft_prints_the_plain_greedy_text(tiny_checkpoint,
 
 
 def test_quantized_self_draft_keeps_the_greedy_output(target, tok):
-    draft = spec.resolve_draft("self-int8", target)
+    draft = drafts_mod.resolve_draft("self-int8", target)
     assert draft.output is not target.output  # a quantized twin; the target itself is left as it was
     ref = plain_greedy(target, tok, 30, stop_ids=[])
     out = speculative_generate(target, draft, tok, PROMPT, k=4, max_new_tokens=30, temperature=0, stop_ids=[])
@@ -575,7 +577,7 @@ def test_an_eager_fast_speculator_runs_its_round_once_in_the_warmup(target, draf
 def test_resolve_draft_names_its_own_argument_not_a_flag(target):
     for word, says in (("self-x", "write self-N"), ("self-int3", "self-int8 and self-int4")):
         with pytest.raises(ValueError, match=f"draft '{word}': .*{says}") as e:
-            spec.resolve_draft(word, target)
+            drafts_mod.resolve_draft(word, target)
         assert "--draft" not in str(e.value)
 
 
@@ -590,20 +592,20 @@ def test_speculative_imports_what_it_needs_at_the_top():
 
 
 def test_parse_draft_reads_every_good_word_without_loading_anything():
-    assert spec.parse_draft("self-1") == ("layers", 1)
-    assert spec.parse_draft("self-6", n_layers=6) == ("layers", 6)  # every layer: the target as its own draft
-    assert spec.parse_draft("self-12") == ("layers", 12)  # no bound without the target's config
-    assert spec.parse_draft("self-int8") == ("quantized", "int8") and spec.parse_draft("self-int4") == ("quantized",
-                                                                                                      "int4")
-    assert spec.parse_draft("draft") == ("checkpoint", "draft")
-    assert spec.parse_draft("runs/my-draft") == ("checkpoint", "runs/my-draft")
+    assert drafts_mod.parse_draft("self-1") == ("layers", 1)
+    assert drafts_mod.parse_draft("self-6", n_layers=6) == ("layers", 6)  # every layer: the target as its own draft
+    assert drafts_mod.parse_draft("self-12") == ("layers", 12)  # no bound without the target's config
+    assert drafts_mod.parse_draft("self-int8") == ("quantized", "int8")
+    assert drafts_mod.parse_draft("self-int4") == ("quantized", "int4")
+    assert drafts_mod.parse_draft("draft") == ("checkpoint", "draft")
+    assert drafts_mod.parse_draft("runs/my-draft") == ("checkpoint", "runs/my-draft")
 
 
 @pytest.mark.parametrize("word", ["", "self-", "self-0", "self-07", "self-+3", "self-3.0", "self-²", "self-٣",
                                   "self-1 ", "self-7", "self-int", "self-int3", "self-int8 ", "self-INT8"])
 def test_parse_draft_refuses_a_bad_word_naming_it(word):
     with pytest.raises(ValueError, match=re.escape(f"draft '{word}': ")):
-        spec.parse_draft(word, n_layers=6)
+        drafts_mod.parse_draft(word, n_layers=6)
 
 
 def test_a_draft_with_another_tokenizer_is_refused_before_the_target_loads(tiny_checkpoint, tmp_path, monkeypatch):

@@ -153,3 +153,19 @@ def test_a_compiled_peer_that_fails_is_recorded_and_the_rest_is_timed(monkeypatc
     assert [r["name"] for r in record["rows"]] == ["llmstep eager float", "transformers generate()"]
     failed = record["transformers_peers"]["static_compiled"]
     assert not failed["ran"] and failed["why"].startswith("failed: ValueError") and "no_such_argument" in failed["why"]
+
+
+def test_time_hf_times_again_when_noise_hides_the_decode_and_refuses_a_negative_rate(monkeypatch):
+    """The decode time is a difference of two runs: a pair where the 1-token run came out slower is timed again,
+    and never turned into a negative rate."""
+    clock = iter([2.0, 1.0, 1.0, 3.0])  # first pair: 1 token slower than all (noise); second pair: fine
+    monkeypatch.setattr(decode_bench.runinfo, "time_repeats", lambda fn, device, n, warmup=0: (fn(), [next(clock)])[1])
+
+    class HF:
+        def generate(self, prompt, max_new_tokens, **kw):
+            return torch.zeros(1, prompt.shape[1] + max_new_tokens, dtype=torch.long)
+
+    assert decode_bench.time_hf(HF(), torch.zeros(1, 4, dtype=torch.long), 6)[:2] == (1.0, 3.0)
+    clock = iter([2.0, 1.0] * 3)
+    with pytest.raises(RuntimeError, match="no measurable time beyond its prefill in 3 tries"):
+        decode_bench.time_hf(HF(), torch.zeros(1, 4, dtype=torch.long), 6)
