@@ -71,18 +71,22 @@ class QuantConfig:
             raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
 
     @classmethod
-    def of(cls, spec: QuantConfig | str | dict) -> QuantConfig:
-        """A QuantConfig from itself, a mode name ("int8", "int4", "int4-g32") or a dict."""
-        if isinstance(spec, QuantConfig):
-            return spec
+    def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | None = None
+           ) -> QuantConfig:
+        """A QuantConfig from itself, a mode name ("int8", "int4", "int4-g32") or a dict; a group_size or lm_head
+        given overrides the spec's."""
         if isinstance(spec, dict):
-            known = {"mode", "group_size", "lm_head"}
-            return cls(**{k: v for k, v in spec.items() if k in known})
-        if isinstance(spec, str) and spec.startswith("int4-g") and spec[6:].isdigit():
-            return cls("int4", int(spec[6:]))
-        return cls(str(spec))
+            spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head")})
+        elif isinstance(spec, str) and spec.startswith("int4-g") and spec[6:].isdigit():
+            spec = cls("int4", int(spec[6:]))
+        elif not isinstance(spec, QuantConfig):
+            spec = cls(str(spec))
+        if group_size is None and lm_head is None:
+            return spec
+        return cls(spec.mode, spec.group_size if group_size is None else group_size,
+                   spec.lm_head if lm_head is None else lm_head)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict:  # what a checkpoint records
         return asdict(self)
 
     def __str__(self) -> str:
@@ -151,20 +155,15 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 # ---- the modules ---------------------------------------------------------------------------------
 
 def _auto_kernel(mode: str) -> str:
-    """Which matmul to use when the caller does not say.
-
-    int8: dequantise + matmul everywhere. On CUDA torch.compile fuses the widening into the matmul
-    (gpt-fast's int8 path); on this course's reference CPU (torch 2.13) torch._weight_int8pack_mm was
-    several times slower than dequantise + matmul at batch 1, so it is opt-in (kernel="packed").
-    int4: the packed kernels (tinygemm on CUDA, the _for_cpu variant on the CPU) where the shapes allow;
-    dequantising a whole int4 matrix per token would read more bytes than the float weights. Where the
-    device has no packed kernel, prepare() finds out and falls back to dequantise + matmul.
-    """
+    """Which matmul to use when the caller does not say. int8: dequantise + matmul (compile fuses the widening
+    into the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16;
+    kernel="packed" calls that op directly). int4: the packed kernels (tinygemm on CUDA, _for_cpu on a CPU):
+    dequantising a whole int4 matrix per token would read more bytes than the float weights. Where the device
+    has no packed kernel, prepare() finds out and falls back to dequantise + matmul."""
     return "packed" if mode == "int4" else "dequant"
 
 
-CHECK_ROWS = 64  # output rows a packed kernel is checked on in prepare(): a float copy of every row would be
-# a whole layer's weights in float while a checkpoint loads
+CHECK_ROWS = 64  # rows prepare() checks a packed kernel on (all rows: a layer's weights in float while loading)
 
 
 def _nibbles(t: torch.Tensor) -> torch.Tensor:
@@ -259,9 +258,8 @@ class Int4Linear(nn.Module):
     def prepare(self) -> Int4Linear:
         """Build the packed kernel's layout for the weights' device, check it once, else fall back.
 
-        One layout at a time where the kernel serves every row count (tinygemm on CUDA, a GEMM): the plain
-        codes are dropped and recovered from the kernel's layout when asked for (`codes`, a checkpoint save).
-        The CPU kernel is a matrix-vector kernel: a prompt widens the plain codes, so they are kept there."""
+        Where the kernel serves every row count (tinygemm on CUDA) the plain codes are dropped, recovered from its
+        layout when asked for (`codes`); the CPU kernel is matrix-vector, so a prompt widens the codes kept there."""
         codes = self.codes()
         device = codes.device
         if self.kernel == "auto":
@@ -417,7 +415,7 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     was (to compare float and quantised side by side without a second copy of the embeddings).
     Quantise on the device the model will run on: the packed kernels' layouts are device-specific.
     """
-    qc = _settings(spec, group_size, lm_head)
+    qc = QuantConfig.of(spec, group_size, lm_head)
     if kernel not in KERNELS:
         raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     _check(model, qc)
@@ -432,18 +430,10 @@ def check_config(config: LlamaConfig, spec: QuantConfig | str | dict = "int8", g
                  lm_head: bool | None = None) -> None:
     """What `quantize` would refuse for a float model of `config`'s shapes (int4's group size, odd widths),
     checked on the meta device: no weight is read or allocated."""
-    qc = _settings(spec, group_size, lm_head)
+    qc = QuantConfig.of(spec, group_size, lm_head)
     with torch.device("meta"):
         model = Llama(config)
     _check(model, qc, weights=False)
-
-
-def _settings(spec: QuantConfig | str | dict, group_size: int | None, lm_head: bool | None) -> QuantConfig:
-    qc = QuantConfig.of(spec)
-    if group_size is not None or lm_head is not None:
-        qc = QuantConfig(qc.mode, group_size if group_size is not None else qc.group_size,
-                         qc.lm_head if lm_head is None else lm_head)
-    return qc
 
 
 # ---- what it costs and what it changes -----------------------------------------------------------

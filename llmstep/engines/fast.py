@@ -13,19 +13,17 @@ removes what is not the model:
   Frozen means frozen: change the model's weights and you need a new decoder;
 - the step is the whole token: the pending token read from the run's history on the device, sampled
   there (`llmstep.sampling`'s exponential race, no torch.multinomial sync), written back, the position
-  advanced; on CUDA fused q|k|v and gate|up (llmstep.core.fuse). Tokens reach the host once at the end, or
+  advanced; q|k|v and gate|up fused where that pays (llmstep.core.fuse). Tokens reach the host once at the end, or
   every `sync_every` steps when stop tokens are watched;
 - the prompt goes through the model's one forward (PyTorch's fused scaled_dot_product_attention) once.
 
-A FastDecoder or FastSpeculator owns its cache: one run at a time. A second thread calling `generate` while
-a run is in progress gets `decoding.ConcurrentUseError` (give each thread its own decoder). Logits that
-are NaN or Inf are flagged on the device each step and reported at the end of the run
-(`decoding.NonFiniteLogitsError`), without a host sync per token.
+A FastDecoder or FastSpeculator owns its cache: one run at a time (a second thread's `generate` gets
+`decoding.ConcurrentUseError`). NaN or Inf logits are flagged on the device each step and reported at the end
+of the run (`decoding.NonFiniteLogitsError`), without a host sync per token.
 
-With compile=False (and fuse=False, the CPU's default) it is the plain eager model in the same loop, and it
-gives the tokens `llmstep.generate` gives: greedy, and seeded sampling (the same generator, the same draws in
-the same order, on any device). Compiled or fused, the draws are the same and the logits equal up to rounding.
-tests/engines/test_fast.py holds both to that.
+With compile=False it is the plain eager model in the same loop, and it gives the tokens `llmstep.generate`
+gives: greedy, and seeded sampling (the same generator, the same draws in the same order, on any device).
+Compiled or fused, the draws are the same and the logits equal up to rounding (tests/engines/test_fast.py).
 
 `FastSpeculator` runs speculative decoding the same way: static caches, fixed shapes, compiled rounds,
 with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
@@ -83,16 +81,13 @@ class FastResult(DecodeResult):
 class FastDecoder:
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
-    max_len: the cache's slots; None sizes it for each request (`decoding.cache_len`, rounded to CACHE_ROUNDING),
-    growing it when needed.
-    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
-    long run, not for one short generation).
+    max_len: the cache's slots; None sizes it for each request (`decoding.cache_len`, rounded up), growing it.
+    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a long run).
     mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA and, on a CPU, the default with
     every matmul tuned (the CPU's fastest); "max-autotune" also tunes the rest. See llmstep.engines.compile.
     fuse: run a twin of the model with q|k|v and gate|up as one matmul each (llmstep.core.fuse: the same
-    function, no weight held twice; the model's own q/k/v and gate/up weights become views of the fused
-    rows). None (`fuse.fuses_by_default`) fuses on CUDA, and on a CPU for a compiled step of a model with int8
-    layers: there the compiled step concatenates float matmuls itself (compile.compile_options), not int8 ones.
+    function, no weight held twice). None (`fuse.fuses_by_default`): on CUDA, and on a CPU for a compiled step
+    of a model with int8 layers (the compiled CPU step concatenates float matmuls itself, not int8 ones).
 
     The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position), so on CUDA
     one graph replay makes one token and the host only queues replays. A seeded draw needs Exp(1) noise from
@@ -108,10 +103,8 @@ class FastDecoder:
         self._compile, self._mode = compile, mode
         self.fused = fuses_by_default(model, compiles(self.device, compile)) if fuse is None else bool(fuse)
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
-        # max_len None: the cache is sized for each request (prompt + new tokens, rounded up to CACHE_ROUNDING
-        # slots so that similar requests reuse it), grown (a new cache, a new compiled step) only when a longer
-        # request comes. Never the model's whole context unless asked: 131,072 slots are 17 GB for Llama 3.1 8B.
-        # Either way the cache is checked against the device's free memory before it is allocated (KVCache).
+        # Never the model's whole context unless asked (131,072 slots are 17 GB for Llama 3.1 8B); either way the
+        # cache is checked against the device's free memory before it is allocated (KVCache).
         self.sized_per_request = max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this decoder's only one
         self._allocate(cache_len(1, 0, model.config.max_seq_len, rounding=CACHE_ROUNDING) if max_len is None
