@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import types
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,6 +26,10 @@ import torch
 from ..core.device import synchronize
 
 __all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
+
+# Inductor's matmul tuner (torch 2.13) reads a tensor's size through the deprecated TypedStorage and warns once per
+# process; the warning is about inductor's own code, not the caller's, so the tuned steps compile without it.
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module="torch._inductor.select_algorithm")
 
 
 def compile_options(device: torch.device, mode: str | None = None, tune_matmuls: bool = True) -> dict:
