@@ -3,8 +3,9 @@
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
+    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without engines/cpu_gemm's bf16 dot-product kernel
 
-Each argument is a variant: DTYPE[+KERNEL][!fuse|!nofuse][|KEY=VALUE;KEY=VALUE], DTYPE one of float32,
+Each argument is a variant: DTYPE[+KERNEL][!fuse|!nofuse][~nodot][|KEY=VALUE;KEY=VALUE], DTYPE one of float32,
 bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, KEY=VALUE inductor options over engines/compile.py's CPU options. All
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import statistics
 import sys
 
@@ -26,6 +28,7 @@ import torch
 import llmstep
 import llmstep.engines.compile as compile_mod
 from llmstep.core.quantize import quantize
+from llmstep.engines import cpu_gemm
 from llmstep.engines.fast import FastDecoder
 
 _original = compile_mod.compile_options
@@ -33,6 +36,7 @@ _original = compile_mod.compile_options
 
 def build(spec: str) -> FastDecoder:
     head, _, opts = spec.partition("|")
+    head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
     head, _, kernel = head.partition("+")
     dtype, _, base = head.partition("@")
@@ -43,7 +47,9 @@ def build(spec: str) -> FastDecoder:
         quantize(model, dtype, kernel=kernel or "auto")
     compile_mod.compile_options = lambda device, mode=None, tune=True: _original(device, mode, tune) | overrides
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    decoder.warmup()  # compiles now, with these options
+    cpu_gemm.install()
+    with cpu_gemm.withheld() if nodot else contextlib.nullcontext():
+        decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder
 

@@ -3,6 +3,7 @@
     python scripts/profile_cpu.py float32                      # FastDecoder(model, compile=True), the default
     python scripts/profile_cpu.py bfloat16 --set max_autotune=True --set cpp_wrapper=False
     python scripts/profile_cpu.py int8 --rate-only              # tok/s only (median of --repeats runs)
+    python scripts/profile_cpu.py bfloat16 --no-dot              # without engines/cpu_gemm's bf16 dot-product kernel
 
 The shipped target model in the given dtype (int8 / int4: quantised from bfloat16 by llmstep.quantize),
 2 threads, a 128-token prompt, 128 new tokens. `--set key=value` overrides one of engines/compile.py's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import statistics
 import sys
 import time
@@ -24,6 +26,7 @@ import torch
 import llmstep
 import llmstep.engines.compile as compile_mod
 from llmstep.core.quantize import quantize
+from llmstep.engines import cpu_gemm
 from llmstep.engines.fast import FastDecoder
 
 KINDS = (  # (kind, substrings of a profiler op name), first match wins
@@ -68,6 +71,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rate-only", action="store_true")
     p.add_argument("--kernel-profile", action="store_true", help="name inductor's C++ kernels in the profile")
+    p.add_argument("--no-dot", action="store_true", help="compile without engines/cpu_gemm's bf16 kernel")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in a.set)}
@@ -75,7 +79,9 @@ def main() -> None:
         overrides["cpp.enable_kernel_profile"] = True
     decoder, ids = build(a.dtype, overrides)
     t = time.perf_counter()
-    decoder.warmup()
+    cpu_gemm.install()
+    with cpu_gemm.withheld() if a.no_dot else contextlib.nullcontext():
+        decoder.warmup()
     print(f"compile {time.perf_counter() - t:.1f} s", file=sys.stderr)
     decoder.generate(ids, 8)
     rates = []

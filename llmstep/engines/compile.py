@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ..core.device import synchronize
+from . import cpu_gemm
 
 __all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
 
@@ -47,9 +48,11 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
     does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
     `tune_matmuls` (`tunes_matmuls(model)`): on an AMD EPYC without AMX the templates won 1.79x for float32
-    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel); for bf16 weights 1.33x with
-    2 threads but 0.64x with 1 (the bf16 template converts to float32 for its FMAs: compute-bound on one core),
-    so a bf16 / f16 model on one thread keeps oneDNN (results/cpu_amd.md, session 6).
+    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel). For bf16 weights the template
+    runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16 (2.1x the widening kernel's step at 2
+    threads, 1.8x oneDNN's at 1: results/profile_cpu_amd.md, session 7); elsewhere the widening kernel won 1.33x
+    with 2 threads but lost (0.64x) with 1, so a f16 model, or a bf16 one without the kernel, on one thread keeps
+    oneDNN. `compile_options` registers the kernel with inductor (`cpu_gemm.install`) for every CPU step.
     """
     best = mode is None
     if mode is None:
@@ -63,6 +66,7 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     if device.type == "cuda":
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
+        cpu_gemm.install()
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
         if best and tune_matmuls:  # tuned quietly: inductor prints every shape's timings to stderr by default
             options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
@@ -77,11 +81,14 @@ def compiles(device: torch.device, compile: bool | None) -> bool:
 
 def tunes_matmuls(model: torch.nn.Module) -> bool:
     """Whether a CPU step of `model` tunes its matmuls by default (`compile_options`): float32 weights and
-    quantised ones always, bf16 / f16 ones when torch runs more than one thread (decided when the step is made)."""
+    quantised ones always; bf16 ones where the CPU runs the template's bf16 dot-product kernel (`cpu_gemm`) or
+    torch runs more than one thread; f16 ones with more than one thread (decided when the step is made)."""
     from ..core.quantize import QuantLinear
 
-    return (next(model.parameters()).dtype == torch.float32 or torch.get_num_threads() > 1
-            or any(isinstance(m, QuantLinear) for m in model.modules()))
+    dtype = next(model.parameters()).dtype
+    return (dtype == torch.float32 or torch.get_num_threads() > 1
+            or any(isinstance(m, QuantLinear) for m in model.modules())
+            or (dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu" and cpu_gemm.install()))
 
 
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:

@@ -161,13 +161,17 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     # an explicit mode's are as torch's mode has them
     assert cpu["max_autotune_gemm"] and not compile_options(torch.device("cpu"), "default").get("max_autotune_gemm")
     assert not compile_options(torch.device("cpu"), None, tune_matmuls=False).get("max_autotune_gemm")
+    from llmstep.engines import cpu_gemm
     from llmstep.engines.compile import tunes_matmuls
 
     f32, bf16 = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert tunes_matmuls(f32) and not tunes_matmuls(bf16)  # one thread: bf16's tuned pick was 0.64x
+        f16 = torch.nn.Linear(64, 64, bias=False).to(torch.float16)
+        assert tunes_matmuls(f32) and not tunes_matmuls(f16)  # one thread: the widening template lost (0.64x)
+        # bf16 on one thread: tuned where the template has the dot-product kernel (AVX-512 BF16), not elsewhere
+        assert tunes_matmuls(bf16) == cpu_gemm.install()
         assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
         torch.set_num_threads(2)
         assert tunes_matmuls(bf16)

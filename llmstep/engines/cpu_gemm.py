@@ -1,0 +1,184 @@
+"""A bf16 dot-product micro-kernel for inductor's C++ GEMM template, on CPUs with AVX-512 BF16 and no AMX.
+
+A decode step's matmuls are one row of activations against every weight (a GEMV). On a CPU inductor's tuned
+step runs them in its C++ GEMM template, whose micro-kernel for bf16 weights on a CPU without AMX widens every
+weight to float32 for an FMA (`CppMicroGemmFP32Vec`): on the AMD EPYC of results/cpu_amd.md that made the bf16
+loop 0.61-0.81x llama.cpp's, whose own kernel multiplies bf16 pairs directly with AVX-512 BF16's `vdpbf16ps`
+(32 products a instruction, float32 sums). This module gives the template that kernel: weights packed in
+pairs along k (the template's VNNI2 layout, as for AMX), each activation pair broadcast, float32 accumulators.
+
+The products of two bf16 numbers are exact in float32 and the sums are float32, as the widening kernel's are;
+only the order of the additions differs (and `vdpbf16ps` treats subnormal inputs as zero), so the step stays
+the same function to within float32 rounding (tests/engines/test_cpu_gemm.py holds it to a float64 matmul).
+
+`install()` registers it with inductor once per process (compile.compile_options calls it for a CPU step) where
+the CPU has AVX-512 BF16 and no AMX (with AMX, inductor's own AMX kernel multiplies bf16 tiles). Inductor's registry
+is internal to torch: with a torch older than TESTED_FROM, or one whose registry has changed shape, `install`
+registers nothing and says why (`skipped`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["install", "installed", "skipped", "withheld", "KERNEL_NAME"]
+
+KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
+TESTED_FROM = "2.13"
+_state: dict[str, object] = {"installed": False, "why": None, "cls": None}
+
+# The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
+# (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
+# each, which `vdpbf16ps` multiplies by the broadcast pair (A[m, k], A[m, k + 1]) and adds to that lane.
+_ENTRY = r"""
+// llmstep_bf16_dot: llmstep/engines/cpu_gemm.py
+template <int64_t ROWS>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void {{kernel_name}}_rows(
+    const at::BFloat16* A, const at::BFloat16* B, float* C,
+    int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
+) {
+    for (int64_t n = 0; n < N; n += 64) {
+        const int64_t width = std::min<int64_t>(N - n, 64);  // columns in this block: 64, or the tail
+        __mmask16 mask[4];
+        for (int j = 0; j < 4; ++j) {
+            const int64_t lanes = std::clamp<int64_t>(width - 16 * j, 0, 16);
+            mask[j] = static_cast<__mmask16>((1u << lanes) - 1u);
+        }
+        __m512 acc[ROWS][4], acc2[ROWS][4];  // acc2: odd k-pairs, a second chain of sums (ROWS == 1)
+        for (int r = 0; r < ROWS; ++r) {
+            for (int j = 0; j < 4; ++j) {
+                acc[r][j] = _mm512_setzero_ps();
+                acc2[r][j] = _mm512_setzero_ps();
+            }
+        }
+        const at::BFloat16* b = B + 2 * n;
+        int64_t k = 0;
+        if constexpr (ROWS == 1) {
+            for (; k + 4 <= K; k += 4) {
+                int32_t p0, p1;
+                std::memcpy(&p0, A + k, 4);
+                std::memcpy(&p1, A + k + 2, 4);
+                const __m512bh a0 = (__m512bh)_mm512_set1_epi32(p0);
+                const __m512bh a1 = (__m512bh)_mm512_set1_epi32(p1);
+                const at::BFloat16* b0 = b + k * ldb;  // (k / 2) * 2 * ldb, k even
+                const at::BFloat16* b1 = b0 + 2 * ldb;
+                for (int j = 0; j < 4; ++j) {
+                    if (!mask[j]) break;
+                    const __m512i w0 = _mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
+                    const __m512i w1 = _mm512_maskz_loadu_epi32(mask[j], b1 + 32 * j);
+                    acc[0][j] = _mm512_dpbf16_ps(acc[0][j], a0, (__m512bh)w0);
+                    acc2[0][j] = _mm512_dpbf16_ps(acc2[0][j], a1, (__m512bh)w1);
+                }
+            }
+        }
+        for (; k < K; k += 2) {
+            const at::BFloat16* b0 = b + k * ldb;
+            __m512bh w[4];
+            for (int j = 0; j < 4; ++j) {
+                w[j] = (__m512bh)_mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
+            }
+            for (int r = 0; r < ROWS; ++r) {
+                int32_t p;
+                std::memcpy(&p, A + r * lda + k, 4);
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(p);
+                for (int j = 0; j < 4; ++j) {
+                    if (!mask[j]) break;
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+                }
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            for (int j = 0; j < 4; ++j) {
+                if (!mask[j]) break;
+                __m512 sum = _mm512_add_ps(acc[r][j], acc2[r][j]);
+                float* c = C + r * ldc + n + 16 * j;
+                if (accum) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[j], c));
+                _mm512_mask_storeu_ps(c, mask[j], sum);
+            }
+        }
+    }
+}
+
+{{declare_kernel}} {
+    {{kernel.assert_function}}(K % 2 == 0, "K dimension must be a multiple of 2");
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+        {{kernel_name}}_rows<4>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
+    }
+    for (; m < M; ++m) {
+        {{kernel_name}}_rows<1>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
+    }
+}
+"""
+
+
+def installed() -> bool:
+    """Whether this process's inductor has the kernel."""
+    return bool(_state["installed"])
+
+
+def skipped() -> str | None:
+    """Why `install` registered nothing, or None."""
+    return _state["why"]  # type: ignore[return-value]
+
+
+def install() -> bool:
+    """Register the kernel with inductor's GEMM template (once per process); True when it is registered."""
+    if _state["installed"] or _state["why"]:
+        return bool(_state["installed"])
+    if torch.__version__ < TESTED_FROM:  # the template's kernel interface is internal: used where it was tested
+        _state["why"] = f"torch {torch.__version__} is older than {TESTED_FROM}, the first torch it was tested with"
+        return False
+    try:
+        import torch._inductor.select_algorithm as select_algorithm  # first: inductor's codegen modules import it
+        from torch._inductor.codegen import cpp_micro_gemm as mg
+        from torch._inductor.cpu_vec_isa import VecAMX, VecAVX512VNNI, pick_vec_isa
+    except ImportError as e:
+        _state["why"] = f"this torch's inductor has no C++ GEMM micro-kernel registry ({e})"
+        return False
+    isa = pick_vec_isa()
+    if isinstance(isa, VecAMX):
+        _state["why"] = "the CPU has AMX: inductor's own AMX kernel multiplies bf16 there"
+        return False
+    if not (isinstance(isa, VecAVX512VNNI) and isa.is_avx512_bf16_supported()):
+        _state["why"] = f"the CPU's vector ISA ({isa or 'none'}) has no AVX-512 BF16"
+        return False
+
+    def fits(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
+        return alpha == 1 and k % 2 == 0
+
+    class BF16Dot(mg.CppMicroGemm):
+        def codegen_define(self, kernel) -> str:
+            options = {"declare_kernel": self.get_kernel_declaration(), "kernel": kernel,
+                       **self.get_common_options()}
+            return select_algorithm.KernelTemplate._template_from_string(_ENTRY).render(options)
+
+        def get_b_layout(self):
+            return mg.LayoutType.VNNI2
+
+    try:  # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
+        configs = mg.generate_gemm_config(VecAVX512VNNI, [(4, 64, 32), (1, 64, 32)], input_dtype=torch.bfloat16,
+                                          output_dtype=torch.float, extra_check=fits)
+        mg.register_micro_gemm(*configs)(BF16Dot)
+    except (AttributeError, TypeError, AssertionError) as e:
+        _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
+        return False
+    _state["installed"], _state["cls"] = True, BF16Dot
+    return True
+
+
+@contextlib.contextmanager
+def withheld():
+    """Steps compiled inside run inductor's own kernels (an A/B of this one: scripts/ab_cpu.py's `~nodot`)."""
+    from torch._inductor.codegen import cpp_micro_gemm as mg
+
+    cls = _state["cls"]
+    configs = mg.micro_gemm_configs.pop(cls, None) if cls is not None else None
+    try:
+        yield
+    finally:
+        if configs is not None:
+            mg.micro_gemm_configs[cls] = configs

@@ -1,0 +1,93 @@
+"""The bf16 dot-product micro-kernel that inductor's C++ GEMM template gets on CPUs with AVX-512 BF16 and no AMX
+(llmstep/engines/cpu_gemm.py): the same function as a float64 matmul to within float32 sums, at every row count
+and column tail the template hands it, and the one a compiled bf16 step's matmuls run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.engines import cpu_gemm
+from llmstep.engines.compile import compile_step
+from llmstep.engines.fast import FastDecoder
+
+slow = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
+                          reason="compiles with tuned matmuls on the CPU (~1 min); set LLMSTEP_SLOW_TESTS=1")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_gemm.install():
+        pytest.skip(f"the kernel is not used on this machine: {cpu_gemm.skipped()}")
+
+
+def compiled_code(fn, *args):
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn, *args)
+
+
+def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypatch):
+    import torch._inductor.select_algorithm  # noqa: F401  (inductor's codegen modules import it first)
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    monkeypatch.setattr(cpu_gemm, "_state", {"installed": False, "why": None, "cls": None})
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAVX2())
+    before = dict(cpp_micro_gemm.micro_gemm_configs)
+    assert not cpu_gemm.install() and not cpu_gemm.installed()
+    assert "AVX-512 BF16" in cpu_gemm.skipped() and "avx2" in cpu_gemm.skipped()
+    assert cpp_micro_gemm.micro_gemm_configs == before  # nothing registered
+    monkeypatch.setattr(cpu_gemm, "_state", {"installed": False, "why": None, "cls": None})
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAMX())
+    assert not cpu_gemm.install() and "AMX" in cpu_gemm.skipped()  # inductor's AMX kernel is the one to use
+    monkeypatch.setattr(cpu_gemm, "_state", {"installed": False, "why": None, "cls": None})
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
+    assert not cpu_gemm.install() and "2.5.1" in cpu_gemm.skipped()  # an untested torch: not registered
+    assert cpp_micro_gemm.micro_gemm_configs == before
+    with cpu_gemm.withheld():  # nothing to withhold: a no-op
+        assert cpp_micro_gemm.micro_gemm_configs == before
+
+
+@slow
+@pytest.mark.parametrize("rows,cols,depth", [(1, 2048, 384), (1, 40, 6), (3, 200, 66), (4, 64, 32), (9, 328, 130)])
+def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(kernel, rows, cols, depth):
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    linear = torch.nn.Linear(depth, cols, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linear.weight.copy_(torch.randn(cols, depth, generator=g))
+    x = torch.randn(rows, depth, generator=g).to(torch.bfloat16)
+    step = compile_step(lambda x: linear(x), torch.device("cpu"), mode="max-autotune-no-cudagraphs")
+    torch._inductor.config.max_autotune_gemm_backends, before = "CPP", torch._inductor.config.max_autotune_gemm_backends
+    try:
+        with torch.no_grad():
+            out, code = compiled_code(step, x)
+    finally:
+        torch._inductor.config.max_autotune_gemm_backends = before
+    assert any(cpu_gemm.KERNEL_NAME in c for c in code), "the template did not run the dot-product kernel"
+    want = x.double() @ linear.weight.double().T  # [rows, cols]
+    # bf16 products are exact in float32; the sums are float32, the output rounded once to bf16
+    torch.testing.assert_close(out.double(), want, atol=0.02 * want.abs().max().item(), rtol=0.01)
+    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+@slow
+def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_checkpoint):
+    model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.bfloat16)
+    prompt = list(range(3, 40))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # a bf16 step tunes its matmuls with 2+ threads (compile.tunes_matmuls)
+    try:
+        decoder = FastDecoder(model, max_len=64, compile=True)
+        (_, code) = compiled_code(lambda: decoder.generate(prompt, 4))
+    finally:
+        torch.set_num_threads(threads)
+    assert any(cpu_gemm.KERNEL_NAME in c for c in code)
+    token, position = torch.tensor([[7]]), torch.tensor([[len(prompt) + 3]])
+    with torch.no_grad():
+        logits = decoder.step(token, position).float()
+        eager = model(token, position, decoder.cache, last_only=True)[:, -1].float()
+    torch.testing.assert_close(logits, eager.view_as(logits), atol=0.05 * eager.abs().max().item(), rtol=0.05)
+    assert logits.argmax() == eager.argmax()
