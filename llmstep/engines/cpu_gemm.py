@@ -20,10 +20,11 @@ registers nothing and says why (`skipped`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 
-__all__ = ["install", "installed", "skipped", "withheld", "KERNEL_NAME"]
+__all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 TESTED_FROM = "2.13"
@@ -102,8 +103,10 @@ static void {{kernel_name}}_rows(
     }
 }
 
-{{declare_kernel}} {
-    {{kernel.assert_function}}(K % 2 == 0, "K dimension must be a multiple of 2");
+static void {{kernel_name}}_block(
+    const at::BFloat16* A, const at::BFloat16* B, float* C,
+    int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
+) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
         {{kernel_name}}_rows<4>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
@@ -111,6 +114,22 @@ static void {{kernel_name}}_rows(
     for (; m < M; ++m) {
         {{kernel_name}}_rows<1>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
     }
+}
+
+{{declare_kernel}} {
+    {{kernel.assert_function}}(K % 2 == 0, "K dimension must be a multiple of 2");
+{%- if pack_vnni_B_locally %}
+    // B as it is in memory ([K, N], row stride ldb: a tensor computed in the step, not a frozen weight):
+    // each 64 columns packed into pairs along k first, as inductor's AMX kernel does it
+    {{template.codegen_allocate_weight_buffer("packed_B_buf", input2_t, "K", 64)}}
+    for (int64_t n = 0; n < N; n += 64) {
+        const int64_t width = std::min<int64_t>(N - n, 64);
+        at::vec::pack_vnni2(B + n, packed_B_buf, ldb, K, width);
+        {{kernel_name}}_block(A, packed_B_buf, C + n, M, width, K, lda, width, ldc, accum);
+    }
+{%- else %}
+    {{kernel_name}}_block(A, B, C, M, N, K, lda, ldb, ldc, accum);
+{%- endif %}
 }
 """
 
@@ -167,18 +186,36 @@ def install() -> bool:
         _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
         return False
     _state["installed"], _state["cls"] = True, BF16Dot
+    _tag(True)
     return True
+
+
+def _tag(on: bool) -> None:
+    """Name the kernel in torch.compile's cache keys (`cache_key_tag`): the registry is not part of them, so
+    without the tag a step compiled with the kernel and one compiled without could be served from each other's
+    cache entries (across processes, or either side of `withheld`)."""
+    tags = [t for t in torch.compiler.config.cache_key_tag.split("+") if t and not t.startswith(KERNEL_NAME)]
+    torch.compiler.config.cache_key_tag = "+".join(tags + [cache_tag()] * on)
+
+
+def cache_tag() -> str:
+    """The kernel's name and a hash of its source: a changed kernel is compiled anew, not read from a cache."""
+    return f"{KERNEL_NAME}-{hashlib.sha256(_ENTRY.encode()).hexdigest()[:16]}"
 
 
 @contextlib.contextmanager
 def withheld():
     """Steps compiled inside run inductor's own kernels (an A/B of this one: scripts/ab_cpu.py's `~nodot`)."""
+    if not install():
+        yield
+        return
     from torch._inductor.codegen import cpp_micro_gemm as mg
 
     cls = _state["cls"]
-    configs = mg.micro_gemm_configs.pop(cls, None) if cls is not None else None
+    configs = mg.micro_gemm_configs.pop(cls)
+    _tag(False)
     try:
         yield
     finally:
-        if configs is not None:
-            mg.micro_gemm_configs[cls] = configs
+        mg.micro_gemm_configs[cls] = configs
+        _tag(True)

@@ -74,6 +74,33 @@ def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(kerne
 
 
 @slow
+def test_a_weight_computed_in_the_step_is_packed_first(kernel):
+    """A bmm's second operand is no frozen weight: the template hands it over unpacked ([K, N]) and the kernel packs
+    each 64 columns into pairs along k itself (reading it as packed gave errors the size of the outputs)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 8, 64, generator=g).bfloat16(), torch.randn(2, 64, 128, generator=g).bfloat16()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, y: torch.bmm(x, y), options={"max_autotune": True,
+                                                              "max_autotune_gemm_backends": "CPP"})
+    out, code = compiled_code(fn, a, b)
+    assert any(cpu_gemm.KERNEL_NAME in c for c in code) and any("pack_vnni2" in c for c in code)
+    want = a.double() @ b.double()  # [2, 8, 128]
+    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+def test_the_kernel_is_named_in_compile_cache_keys_and_withheld_compiles_without_it(kernel):
+    tag = torch.compiler.config.cache_key_tag
+    assert cpu_gemm.cache_tag() in tag.split("+")  # a step cached without it (or with an older one) is not reused
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    with cpu_gemm.withheld():
+        assert cpu_gemm.cache_tag() not in torch.compiler.config.cache_key_tag.split("+")
+        assert not any(c.__name__ == "BF16Dot" for c in cpp_micro_gemm.micro_gemm_configs)
+    assert torch.compiler.config.cache_key_tag == tag
+    assert any(c.__name__ == "BF16Dot" for c in cpp_micro_gemm.micro_gemm_configs)
+
+
+@slow
 def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_checkpoint):
     model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.bfloat16)
     prompt = list(range(3, 40))
