@@ -85,10 +85,10 @@ def tunes_matmuls(model: torch.nn.Module) -> bool:
     torch runs more than one thread; f16 ones with more than one thread (decided when the step is made)."""
     from ..core.quantize import QuantLinear
 
-    dtype = next(model.parameters()).dtype
-    return (dtype == torch.float32 or torch.get_num_threads() > 1
+    weight = next(model.parameters())
+    return (weight.dtype == torch.float32 or torch.get_num_threads() > 1
             or any(isinstance(m, QuantLinear) for m in model.modules())
-            or (dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu" and cpu_gemm.install()))
+            or (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_gemm.install()))
 
 
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
