@@ -52,7 +52,7 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16 (2.1x the widening kernel's step at 2
     threads, 1.8x oneDNN's at 1: results/profile_cpu_amd.md, session 7); elsewhere the widening kernel won 1.33x
     with 2 threads but lost (0.64x) with 1, so a f16 model, or a bf16 one without the kernel, on one thread keeps
-    oneDNN. `compile_options` registers the kernel with inductor (`cpu_gemm.install`) for every CPU step.
+    oneDNN. `compile_step` registers the kernel with inductor (`cpu_gemm.install`) before it compiles a CPU step.
     """
     best = mode is None
     if mode is None:
@@ -66,7 +66,6 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     if device.type == "cuda":
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
-        cpu_gemm.install()
         options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
         if best and tune_matmuls:  # tuned quietly: inductor prints every shape's timings to stderr by default
             options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
@@ -117,6 +116,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
     graph may reuse their memory: use what a step returns before calling it again."""
     options = compile_options(device, mode, tune_matmuls)
+    if device.type == "cpu":
+        cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (~2 s)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles

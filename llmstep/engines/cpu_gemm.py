@@ -11,7 +11,7 @@ The products of two bf16 numbers are exact in float32 and the sums are float32, 
 only the order of the additions differs (and `vdpbf16ps` treats subnormal inputs as zero), so the step stays
 the same function to within float32 rounding (tests/engines/test_cpu_gemm.py holds it to a float64 matmul).
 
-`install()` registers it with inductor once per process (compile.compile_options calls it for a CPU step) where
+`install()` registers it with inductor once per process (compile.compile_step calls it for a CPU step) where
 the CPU has AVX-512 BF16 and no AMX (with AMX, inductor's own AMX kernel multiplies bf16 tiles). Inductor's registry
 is internal to torch: with a torch older than TESTED_FROM, or one whose registry has changed shape, `install`
 registers nothing and says why (`skipped`).
