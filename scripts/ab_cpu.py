@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import statistics
 import sys
 
@@ -47,8 +46,7 @@ def build(spec: str) -> FastDecoder:
         quantize(model, dtype, kernel=kernel or "auto")
     compile_mod.compile_options = lambda device, mode=None, tune=True: _original(device, mode, tune) | overrides
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    cpu_gemm.install()
-    with cpu_gemm.withheld() if nodot else contextlib.nullcontext():
+    with cpu_gemm.withheld(bool(nodot)):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder

@@ -28,7 +28,7 @@ __all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_N
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 TESTED_FROM = "2.13"
-_state: dict[str, object] = {"installed": False, "why": None, "cls": None}
+_state: dict[str, object] = {"why": None, "cls": None}  # cls: the registered kernel class, once installed
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
 # (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
@@ -136,7 +136,7 @@ static void {{kernel_name}}_block(
 
 def installed() -> bool:
     """Whether this process's inductor has the kernel."""
-    return bool(_state["installed"])
+    return _state["cls"] is not None
 
 
 def skipped() -> str | None:
@@ -146,8 +146,8 @@ def skipped() -> str | None:
 
 def install() -> bool:
     """Register the kernel with inductor's GEMM template (once per process); True when it is registered."""
-    if _state["installed"] or _state["why"]:
-        return bool(_state["installed"])
+    if installed() or _state["why"]:
+        return installed()
     if torch.__version__ < TESTED_FROM:  # the template's kernel interface is internal: used where it was tested
         _state["why"] = f"torch {torch.__version__} is older than {TESTED_FROM}, the first torch it was tested with"
         return False
@@ -185,7 +185,7 @@ def install() -> bool:
     except (AttributeError, TypeError, AssertionError) as e:
         _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
         return False
-    _state["installed"], _state["cls"] = True, BF16Dot
+    _state["cls"] = BF16Dot
     _tag(True)
     return True
 
@@ -204,9 +204,10 @@ def cache_tag() -> str:
 
 
 @contextlib.contextmanager
-def withheld():
-    """Steps compiled inside run inductor's own kernels (an A/B of this one: scripts/ab_cpu.py's `~nodot`)."""
-    if not install():
+def withheld(when: bool = True):
+    """Steps compiled inside run inductor's own kernels (an A/B of this one: scripts/ab_cpu.py's `~nodot`);
+    `when` False: a no-op, for callers that withhold it in some runs only."""
+    if not when or not install():
         yield
         return
     from torch._inductor.codegen import cpp_micro_gemm as mg

@@ -35,16 +35,16 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
     from torch._inductor import cpu_vec_isa
     from torch._inductor.codegen import cpp_micro_gemm
 
-    monkeypatch.setattr(cpu_gemm, "_state", {"installed": False, "why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAVX2())
     before = dict(cpp_micro_gemm.micro_gemm_configs)
     assert not cpu_gemm.install() and not cpu_gemm.installed()
     assert "AVX-512 BF16" in cpu_gemm.skipped() and "avx2" in cpu_gemm.skipped()
     assert cpp_micro_gemm.micro_gemm_configs == before  # nothing registered
-    monkeypatch.setattr(cpu_gemm, "_state", {"installed": False, "why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAMX())
     assert not cpu_gemm.install() and "AMX" in cpu_gemm.skipped()  # inductor's AMX kernel is the one to use
-    monkeypatch.setattr(cpu_gemm, "_state", {"installed": False, "why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
     assert not cpu_gemm.install() and "2.5.1" in cpu_gemm.skipped()  # an untested torch: not registered
     assert cpp_micro_gemm.micro_gemm_configs == before
