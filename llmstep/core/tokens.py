@@ -24,12 +24,23 @@ CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
 class Tokenizer:
-    def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None):
+    """A `tokenizers.Tokenizer` with what generation needs beside it: the bos id and whether text starts with it
+    (`add_bos`: Llama 3 yes, SmolLM2 no), the ids that end a reply, and the checkpoint's chat template (Jinja
+    source, or None for the built-in Llama 3 format)."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
+                 add_bos: bool | None = None, chat_template: str | None = None):
         self.tok = tok
         self.bos_id = tok.token_to_id(BOS) if bos_id is None else bos_id
         if eos_ids is None:
             eos_ids = [i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None]
         self.eos_ids: list[int] = list(dict.fromkeys(eos_ids))
+        self.add_bos = self.bos_id is not None if add_bos is None else bool(add_bos)
+        if self.add_bos and self.bos_id is None:
+            raise ValueError("add_bos is set, but the tokenizer has no bos token")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be Jinja source text, got {type(chat_template).__name__}")
+        self.chat_template = chat_template
         self._plain: tokenizers.Tokenizer | None = None  # a twin that reads special-token text as plain text
 
     @classmethod
@@ -86,13 +97,15 @@ class Tokenizer:
         return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     # ---- encode / decode -------------------------------------------------------------------------
-    def encode(self, text: str, bos: bool = True, special: bool = True) -> list[int]:
-        """Text -> ids. With special=True, special tokens written in the text (`<|eot_id|>`) become their ids;
-        with special=False they are read as the plain characters they are (what untrusted text needs)."""
+    def encode(self, text: str, bos: bool | None = None, special: bool = True) -> list[int]:
+        """Text -> ids, starting with bos where `bos` (None: the tokenizer's own `add_bos`) says so. With
+        special=True, special tokens written in the text (`<|eot_id|>`) become their ids; with special=False they
+        are read as the plain characters they are (what untrusted text needs)."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         _check_encodable(text)
         ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
+        bos = self.add_bos if bos is None else bos
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
 
     def _plain_tokenizer(self) -> tokenizers.Tokenizer:
@@ -159,7 +172,8 @@ class Tokenizer:
         self.tok.save(str(path))
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}, "
+                f"add_bos={self.add_bos})")
 
 
 def _check_encodable(text: str) -> None:

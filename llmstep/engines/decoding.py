@@ -129,14 +129,14 @@ def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor | list[dict],
                   max_seq_len: int) -> list[int]:
-    """A prompt as text (BOS added), as token ids (a list or a tensor, used as given) or as chat messages -> ids,
-    checked."""
+    """A prompt as text (bos added where the tokenizer adds it), as token ids (a list or a tensor, used as given)
+    or as chat messages -> ids, checked."""
     if isinstance(prompt, bytes | bytearray):  # iterating bytes would give integers: read as token ids
         raise ValueError("the prompt is bytes: give text (decode it first, e.g. prompt.decode('utf-8')) or token ids")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty: give at least one character")
-        ids = tokenizer.encode(prompt, bos=True)
+        ids = tokenizer.encode(prompt)
     elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.encode_chat(list(prompt))
     else:  # token ids, a list or a tensor

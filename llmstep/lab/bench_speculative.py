@@ -105,7 +105,7 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
     medians; each run's tokens are compared with the target-alone run's. on_repeat: as for `bench`."""
     prompts, ks = _check(prompts, ks, max_new_tokens, repeats)
-    prompts = [tokenizer.encode(p, bos=True) for p in prompts]
+    prompts = [tokenizer.encode(p) for p in prompts]
     max_len = min(target.config.max_seq_len, draft.config.max_seq_len,
                   max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1)
     load_before = runinfo.load_average()
