@@ -34,7 +34,8 @@ from .config import ConfigError, LlamaConfig, check_generation_config, read_json
 from .cost import check_fits, checkpoint_bytes, n_params
 from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
-from .model import Llama, materialize
+from .gguf_load import is_gguf, load_gguf, read_gguf
+from .model import Llama, all_finite, materialize
 from .quantize import QuantConfig, QuantizationError, QuantLinear, empty_quantized, linear_names
 from .tokens import Tokenizer
 
@@ -113,20 +114,22 @@ def tensor_table(config: LlamaConfig, qc: QuantConfig | None = None) -> dict[str
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """None -> the shipped target; "target"/"draft" -> the shipped models; else the directory given."""
+    """None -> the shipped target; "target"/"draft" -> the shipped models; else the directory or GGUF file given."""
     if path is None:
         path = "target"
     if str(path) == "":
-        raise FileNotFoundError("the model path is empty: give a checkpoint directory (or 'target' / 'draft')")
+        raise FileNotFoundError("the model path is empty: give a checkpoint directory or a GGUF file "
+                                "(or 'target' / 'draft')")
     p = Path(path)
     if not p.exists() and str(path) in SHIPPED:
         p = DATA_DIR / "models" / SHIPPED[str(path)]
         if not p.is_dir():
             raise FileNotFoundError(f"the shipped {path} model is missing: expected it at {p}")
     if not p.exists():
-        raise FileNotFoundError(f"no model directory at {p}")
-    if not p.is_dir():
-        raise NotADirectoryError(f"{p} is a file; give the checkpoint's directory (config.json, *.safetensors)")
+        raise FileNotFoundError(f"no model directory or GGUF file at {p}")
+    if not p.is_dir() and not is_gguf(p):
+        raise NotADirectoryError(f"{p} is a file but not a GGUF file; give a checkpoint's directory (config.json, "
+                                 "*.safetensors) or a .gguf file")
     return p
 
 
@@ -234,7 +237,10 @@ def validate(path: Path, config: LlamaConfig, qc: QuantConfig | None = None
 
 
 def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
-    """The quantisation settings a checkpoint directory records in config.json, or None for a float one."""
+    """The quantisation settings a checkpoint directory records in config.json, or None for a float one (and for
+    a GGUF file, whose quantized matrices are dequantized unless the loader is asked to keep them)."""
+    if resolve_model_path(path).is_file():
+        return None
     file = resolve_model_path(path) / "config.json"
     settings = _read_json(file).get("quantization_config")
     if settings is None:
@@ -253,12 +259,20 @@ def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
         raise CheckpointError(f"{file}: bad quantization_config: {e}") from None
 
 
-def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, progress: bool | None = None) -> Llama:
-    """Build a Llama from a checkpoint directory, float or quantised, straight onto `device` in `dtype`.
+def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, progress: bool | None = None,
+               keep_quantized: bool = False) -> Llama:
+    """Build a Llama from a checkpoint directory (float or quantised) or a GGUF file, straight onto `device` in
+    `dtype`.
 
     A quantised checkpoint comes back quantised (`model.quantization` holds its settings); `dtype` is then
-    that of its activations, scales, norms and embedding."""
+    that of its activations, scales, norms and embedding. A GGUF file is dequantized into `dtype`, or with
+    `keep_quantized` its Q4_0/Q4_1 matrices held as llmstep int4 (llmstep.core.gguf_load)."""
     path = resolve_model_path(path)
+    if path.is_file():
+        return load_gguf(path, device=device, dtype=dtype, keep_quantized=keep_quantized, progress=progress)[0]
+    if keep_quantized:
+        raise CheckpointError(f"{path}: keep_quantized applies to GGUF files; a quantised checkpoint directory "
+                              "loads quantised anyway")
     config = LlamaConfig.from_hf(path)
     qc = read_quant_config(path)
     device = resolve_device(device)
@@ -285,7 +299,7 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
                     ours, _, kind = expected[name]
                     t = f.get_tensor(name)  # quantised codes keep their integer dtype
                     t = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)
-                    if kind == "float" and not torch.isfinite(t).all():  # one pass, before the model is built
+                    if kind == "float" and not all_finite(t):  # before the model is built
                         raise CheckpointError(f"{path / file}: tensor {name} holds NaN or Inf values in "
                                               f"{str(dtype).removeprefix('torch.')}; the checkpoint is damaged"
                                               + (" (or too large for float16)" if dtype == torch.float16 else ""))
@@ -314,15 +328,19 @@ def load_model(path: str | os.PathLike | None = None, device=None, dtype=None, p
 
 
 def load(path: str | os.PathLike | None = None, device=None, dtype=None,
-         progress: bool | None = None) -> tuple[Llama, Tokenizer]:
-    """Load (model, tokenizer) from a Hugging Face-layout directory, float or quantised; None loads the
-    shipped default.
+         progress: bool | None = None, keep_quantized: bool = False) -> tuple[Llama, Tokenizer]:
+    """Load (model, tokenizer) from a Hugging Face-layout directory (float or quantised) or a GGUF file; None
+    loads the shipped default.
 
     `device`: "cuda", "mps", "cpu" or None for the best available. `dtype`: None keeps the checkpoint's
     dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
+    `keep_quantized` (GGUF only): Q4_0/Q4_1 matrices stay 4-bit, as llmstep int4 with groups of 32.
     """
+    resolved = resolve_model_path(path)
+    if resolved.is_file():
+        return load_gguf(resolved, device=device, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     path, _, tokenizer = check_files(path)  # fail fast on the config and the tokenizer, before any weight is read
-    model = load_model(path, device=device, dtype=dtype, progress=progress)
+    model = load_model(path, device=device, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
     return model, tokenizer
 
 
@@ -330,6 +348,9 @@ def check_files(path: str | os.PathLike | None) -> tuple[Path, LlamaConfig, Toke
     """(directory, config, tokenizer) of a checkpoint, its config files and tokenizer read and checked without
     reading a weight: what `load` refuses before it allocates anything."""
     path = resolve_model_path(path)
+    if path.is_file():
+        g = read_gguf(path)
+        return path, g.config, g.tokenizer
     config = LlamaConfig.from_hf(path)
     read_quant_config(path)
     read_generation_config(path)
@@ -345,7 +366,10 @@ def _read_json(path: Path) -> dict:
 
 
 def read_generation_config(path: Path) -> dict:
-    """A checkpoint directory's generation_config.json, checked ({} where there is none)."""
+    """A checkpoint directory's generation_config.json, checked ({} where there is none); a GGUF file's sampling
+    defaults (general.sampling.*)."""
+    if path.is_file():
+        return read_gguf(path).generation_config
     gen = _read_json(path / "generation_config.json")
     try:
         return check_generation_config(gen, str(path / "generation_config.json"))

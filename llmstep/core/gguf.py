@@ -16,9 +16,10 @@ own converter (convert_hf_to_gguf.py, class LlamaModel) writes a Hugging Face Ll
 - a model quantised to int8 (per row: w = q * scale) is written as Q8_0 (blocks of 32: w = q * d, d a
   float16) with the same q and d = scale, which is exact when every scale is a float16 number; int4 (per
   group, with a float zero point) has no exact GGUF form and is refused.
-- the tokenizer: model "gpt2" (byte-level BPE), pre "llama-bpe" (Llama 3's split regex) or "gpt-2", every
-  token's text and type (normal, control for special tokens, unused for ids the tokenizer leaves empty),
-  the merges, the bos and eos ids, and the Llama 3 chat template where the tokenizer has its tokens.
+- the tokenizer: model "gpt2" (byte-level BPE), pre "llama-bpe" (Llama 3's split regex), "smollm" or "gpt-2",
+  every token's text and type (normal, control for special tokens, unused for ids the tokenizer leaves empty),
+  the merges, the bos and eos ids, whether text starts with bos, and the tokenizer's own chat template (the
+  Llama 3 one where it has none but has Llama 3's tokens). llmstep.core.gguf_load reads all of it back.
 
 A tokenizer llama.cpp would read differently (another split rule, a normaliser) is refused, naming why,
 before anything is written; the file is written whole or not at all (llmstep.core.files.atomic_write).
@@ -35,6 +36,7 @@ import torch
 
 from .config import LlamaConfig
 from .files import atomic_write, check_output_path
+from .gguf_vocab import LLAMA3_SPLIT
 from .model import Llama
 from .quantize import Int4Linear, Int8Linear
 from .rope import inv_frequencies
@@ -64,9 +66,6 @@ GGUF_NAMES = {
     "norm": "output_norm",
     "output": "output",
 }
-# Llama 3's pre-tokenizer split (meta-llama/Llama-3.1-8B tokenizer.json); llama.cpp's "llama-bpe" uses the same.
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Tokenizer.chat's Llama 3 format as the Jinja template llama.cpp's chat reads (tokenizer.chat_template); a test
 # renders it and checks it spells Tokenizer.chat's prompt character for character.
 CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
@@ -192,8 +191,15 @@ def pre_tokenizer_name(spec: dict) -> str:
             and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)
             and not parts[1].get("add_prefix_space")):
         return "llama-bpe"
-    raise GGUFError(f"the tokenizer splits text with {json.dumps(pre)[:200]}, which is neither Llama 3's rule "
-                    "(llama.cpp's 'llama-bpe') nor GPT-2's ('gpt-2'): llama.cpp would split text differently")
+    digits = len(parts) == 2 and (parts[0] == {"type": "Digits", "individual_digits": True} or (
+        parts[0].get("type") == "Split" and parts[0].get("pattern") == {"Regex": r"\p{N}"}
+        and parts[0].get("behavior") == "Isolated" and not parts[0].get("invert")))
+    if (digits and parts[1].get("type") == "ByteLevel" and parts[1].get("use_regex", True)
+            and not parts[1].get("add_prefix_space")):
+        return "smollm"  # each digit alone, then GPT-2's rule (SmolLM2's tokenizer.json)
+    raise GGUFError(f"the tokenizer splits text with {json.dumps(pre)[:200]}, which is none of Llama 3's rule "
+                    "(llama.cpp's 'llama-bpe'), GPT-2's ('gpt-2') or SmolLM's ('smollm'): llama.cpp would split "
+                    "text differently")
 
 
 def _check_whole_words(tokenizer: Tokenizer, spec: dict) -> None:
@@ -281,9 +287,11 @@ def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | os.PathLike, dty
             w.add_bos_token_id(vocab["bos"])
         if vocab["eos"] is not None:
             w.add_eos_token_id(vocab["eos"])
-        w.add_add_bos_token(vocab["bos"] is not None)  # llmstep's encode(text) starts with bos, as Llama 3's does
+        w.add_add_bos_token(tokenizer.add_bos)  # whether llmstep's encode(text) starts with bos
         w.add_add_eos_token(False)
-        if tokenizer.has_chat_format:
+        if tokenizer.chat_template is not None:
+            w.add_chat_template(tokenizer.chat_template)
+        elif tokenizer.has_chat_format:
             w.add_chat_template(CHAT_TEMPLATE)
         for tensor_name, (array, kind) in tensors.items():
             w.add_tensor(tensor_name, array, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))

@@ -23,7 +23,7 @@ from .norm import RMSNorm
 from .paged_kv import PagedKVCache
 from .rope import config_inv_frequencies, rope_cos_sin
 
-__all__ = ["Block", "Llama", "materialize"]
+__all__ = ["Block", "Llama", "all_finite", "materialize"]
 
 
 class Block(nn.Module):
@@ -106,6 +106,12 @@ class Llama(nn.Module):
         elif keep is not None:
             x = x[:, keep]  # [B, len(keep), dim]: only the tokens whose next token is wanted
         return self.output(self.norm(x))  # [B, T, vocab]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a weight is finite: one NaN would turn every later token into the argmax of NaNs.
+    (min and max in one pass: NaN and Inf both show there, and it reads the tensor once, unlike isfinite.)"""
+    return t.numel() == 0 or bool(torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all())
 
 
 def materialize(config: LlamaConfig, state: dict[str, torch.Tensor], generation_config: dict | None = None,

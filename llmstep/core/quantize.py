@@ -115,8 +115,8 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] with values 0..15 -> [N, K/2] uint8: even index in the high nibble, odd in the low."""
-    q = q.to(torch.uint8)
-    return (q[:, ::2] << 4) | q[:, 1::2]
+    pairs = q.to(torch.uint8).contiguous().view(torch.int16)  # [N, K/2]: (even, odd) as one little-endian int16
+    return (((pairs << 4) | (pairs >> 8)) & 0xFF).to(torch.uint8)  # one pass; strided uint8 ops are slow on CPUs
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,370 @@
+"""Read a GGUF file (llama.cpp's format: ollama, LM Studio and llama.cpp keep models this way) into llmstep.
+
+`llmstep.load("model.gguf")` comes here; everything is read through the `gguf` package, llama.cpp's own reader
+(nothing here parses the format). What a llama-architecture file gives:
+
+- the shape: `llama.*` keys -> LlamaConfig (llmstep.core.config); a `rope_freqs` tensor -> Llama 3.1's RoPE
+  scaling, recovered from the per-pair factors and checked to give the same frequencies;
+- the weights, every tensor type in TYPES, dequantized by `gguf.quants` into the dtype asked for. llama.cpp's
+  converter reorders each q/k head's rows so that rotary pairs are neighbours; `from_interleaved` (the inverse of
+  what `llmstep export --gguf` does) puts them back in llmstep's rotate-half order. No `output.weight` means the
+  head is tied to the embedding;
+- with `keep_quantized=True`, Q4_0 and Q4_1 matrices stay 4-bit as llmstep int4 with groups of 32 (GGUF's
+  block): a Q4_1 block is w = d * q + m (q in 0..15), llmstep's w = (q - 8) * scale + zero, so scale = d and
+  zero = m + 8d; Q4_0 is w = d * (q - 8): zero = 0. The codes and the scales move exactly; zero = m + 8d is one
+  float32 addition (exact unless m and 8d are far apart in magnitude), so each weight equals the file's to one
+  float32 rounding (Q4_0: exactly) in float32; a bfloat16 model rounds the scales to bfloat16;
+- the tokenizer (llmstep.core.gguf_vocab), the chat template, bos/eos, and sampling defaults
+  (`general.sampling.*`) as the model's generation_config.
+
+Everything is checked before a weight is read: the architecture, every tensor's name, shape and type, the
+tokenizer, and the model's size against the device's memory. A file that is not GGUF, or ends early, is a
+GGUFLoadError naming it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
+from .cost import check_fits, checkpoint_bytes
+from .device import resolve_device, resolve_dtype
+from .gguf import GGUF_NAMES, from_interleaved
+from .gguf_vocab import build_tokenizer
+from .model import Llama, all_finite, materialize
+from .quantize import QuantConfig, QuantLinear, empty_quantized, linear_names, pack_int4
+from .rope import inv_frequencies
+from .tokens import Tokenizer
+
+__all__ = ["GGUFLoadError", "TYPES", "KEEPS", "GGUFModel", "is_gguf", "read_gguf", "load_gguf", "rope_scaling_of"]
+
+MAGIC = b"GGUF"
+# The tensor types read here (each tested on files the tests write): floats, llama.cpp's legacy 4/5/8-bit blocks,
+# and the K-quants that llama.cpp's mixes (Q4_K_M and the like) put in one file.
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+KEEPS = ("Q4_0", "Q4_1")  # types keep_quantized holds as llmstep int4, group size 32 (GGUF's block)
+BLOCK = 32
+_OURS = {theirs: ours for ours, theirs in GGUF_NAMES.items()}  # GGUF name (with {i}) -> llmstep module name
+_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+             "general.sampling.top_p": "top_p"}
+
+
+class GGUFLoadError(ValueError):
+    """A GGUF file llmstep cannot load; the message names the file and the key or tensor."""
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise GGUFLoadError("reading GGUF needs the gguf package (llama.cpp's reader): pip install gguf") from None
+    return gguf
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether `path` is a file that starts with GGUF's magic bytes."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+@dataclass
+class GGUFModel:
+    """What a GGUF file holds, read and checked, no weight read yet: `tensors` maps each llmstep state name to the
+    reader's tensor (its bytes still on disk, memory-mapped)."""
+
+    path: Path
+    config: LlamaConfig
+    tokenizer: Tokenizer
+    generation_config: dict
+    tensors: dict
+    types: dict[str, str]  # llmstep state name -> GGML type name
+
+    def quant_config(self, keep_quantized: bool) -> QuantConfig | None:
+        """int4-g32 when keep_quantized and every matmul of the blocks is Q4_0/Q4_1; None to dequantize."""
+        if not keep_quantized:
+            return None
+        with torch.device("meta"):
+            names = linear_names(Llama(self.config))
+        other = next((n for n in names if self.types[f"{n}.weight"] not in KEEPS), None)
+        if other is not None:
+            raise GGUFLoadError(f"{self.path}: keep_quantized holds Q4_0/Q4_1 matrices as llmstep int4, but "
+                                f"{other} is {self.types[other + '.weight']}; load it dequantized instead")
+        return QuantConfig("int4", BLOCK)
+
+
+def _open(path: Path):
+    gguf = _gguf()
+    size = path.stat().st_size
+    if size < 8 or not is_gguf(path):
+        raise GGUFLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as e:
+        raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _fields(reader) -> dict:
+    """key -> value for every metadata field (strings, numbers, bools, lists of them)."""
+    out = {}
+    for key, field in reader.fields.items():
+        try:
+            value = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise GGUFLoadError(f"metadata {key} cannot be read ({e})") from None
+        out[key] = value.tolist() if hasattr(value, "tolist") else value
+    return out
+
+
+def _int(fields: dict, key: str, where: str, default=None) -> int:
+    value = fields.get(key, default)
+    if value is None:
+        raise GGUFLoadError(f"{where}: metadata {key} is missing")
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise GGUFLoadError(f"{where}: metadata {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _float(fields: dict, key: str, where: str, default: float) -> float:
+    value = fields.get(key, default)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise GGUFLoadError(f"{where}: metadata {key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str) -> RopeScaling | None:
+    """A rope_freqs tensor (per pair, how much slower it turns) -> the Llama 3.1 scaling that gives it.
+
+    Llama 3.1's rule (llmstep.core.rope.llama3_scale) keeps fast pairs (factor 1), slows slow ones by `factor`,
+    and in between divides by 1 / ((1 - s) / factor + s) with s linear in the pair's frequency. From the factors:
+    `factor` is the largest, and s at the in-between pairs fixes the two wavelength limits; scaling both by the
+    same number changes nothing, so low_freq_factor is taken as 1 (Llama 3.1's). Checked by recomputing."""
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.size != head_dim // 2 or not np.isfinite(f).all() or (f <= 0).any():
+        raise GGUFLoadError(f"{where}: rope_freqs must hold {head_dim // 2} positive finite factors, one per pair")
+    if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+        return None
+    plain = inv_frequencies(head_dim, theta).double().numpy()
+    factor = float(f.max())
+    mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
+    wavelen = 2 * math.pi / plain
+    slowed = wavelen[f >= factor * (1 - 1e-4)]
+    if mid.sum() >= 2:  # s = (orig / wavelen - low) / (high - low): a line in 1 / wavelen
+        s = (factor / f[mid] - 1) / (factor - 1)
+        slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
+        high = 1 - 1 / intercept  # low_freq_factor = 1: s = 0 at wavelen = orig
+        orig = slope * (high - 1)
+    else:  # one pair or none in between: any limits that put each pair in its region give the same frequencies
+        below = wavelen[mid] if mid.any() else wavelen[f <= 1 + 1e-4]
+        lower = float(below.max()) if below.size else 0.0
+        orig = math.floor(lower) + 1  # slowed pairs must lie above orig, in-between and kept ones below
+        if slowed.size and orig >= slowed.min():
+            raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule")
+        if mid.any():
+            s_mid = (factor / f[mid][0] - 1) / (factor - 1)
+            high = 1 + (orig / lower - 1) / s_mid
+        else:
+            high = math.sqrt(orig / lower) if lower else 2.0
+    try:
+        scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=float(high),
+                              original_max_position_embeddings=max(1, round(orig)))
+    except ConfigError as e:
+        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule ({e})") from None
+    got = plain / inv_frequencies(head_dim, theta, scaling).double().numpy()
+    if not np.allclose(got, f, rtol=1e-4, atol=0):
+        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule (off by up to "
+                            f"{np.abs(got / f - 1).max():.2%})")
+    return scaling
+
+
+def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise GGUFLoadError(f"{where}: general.architecture is {arch!r}; llmstep implements 'llama' only")
+    n_heads = _int(fields, "llama.attention.head_count", where)
+    dim = _int(fields, "llama.embedding_length", where)
+    head_dim = _int(fields, "llama.attention.key_length", where, dim // n_heads if dim % n_heads == 0 else None)
+    if _int(fields, "llama.attention.value_length", where, head_dim) != head_dim:
+        raise GGUFLoadError(f"{where}: llama.attention.value_length differs from key_length; LLaMA uses one head size")
+    if _int(fields, "llama.rope.dimension_count", where, head_dim) != head_dim:
+        raise GGUFLoadError(f"{where}: llama.rope.dimension_count is not the head size: LLaMA 3 rotates whole heads")
+    if "token_embd.weight" not in tensors:
+        raise GGUFLoadError(f"{where}: there is no token_embd.weight tensor")
+    vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists dimensions innermost first
+    theta = _float(fields, "llama.rope.freq_base", where, 10000.0)
+    scaling = None
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        if t.tensor_type.name != "F32":
+            raise GGUFLoadError(f"{where}: rope_freqs.weight must be F32, it is {t.tensor_type.name}")
+        scaling = rope_scaling_of(np.array(t.data), head_dim, theta, where)
+    fields_ids = {"bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+                  "eos_token_id": fields.get("tokenizer.ggml.eos_token_id")}
+    kinds = [t.tensor_type.name for name, t in tensors.items() if len(t.shape) == 2]
+    stored = {"F32": "float32", "F16": "float16"}.get(max(set(kinds), key=kinds.count), "bfloat16")
+    try:
+        return LlamaConfig(
+            vocab_size=_int(fields, "llama.vocab_size", where, vocab), dim=dim,
+            n_layers=_int(fields, "llama.block_count", where), n_heads=n_heads,
+            n_kv_heads=_int(fields, "llama.attention.head_count_kv", where, n_heads),
+            hidden_dim=_int(fields, "llama.feed_forward_length", where),
+            norm_eps=_float(fields, "llama.attention.layer_norm_rms_epsilon", where, 1e-5), rope_theta=theta,
+            rope_scaling=scaling, max_seq_len=_int(fields, "llama.context_length", where, 2048),
+            tie_embeddings="output.weight" not in tensors, head_dim=head_dim, torch_dtype=stored, **fields_ids)
+    except ConfigError as e:
+        raise GGUFLoadError(f"{where}: {e}") from None
+
+
+def _expected(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF tensor name -> (llmstep state name, shape [out, in] as llmstep holds it)."""
+    c = config
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = {"attention.wq": (q, c.dim), "attention.wk": (kv, c.dim), "attention.wv": (kv, c.dim),
+              "attention.wo": (c.dim, q), "feed_forward.w1": (c.hidden_dim, c.dim),
+              "feed_forward.w3": (c.hidden_dim, c.dim), "feed_forward.w2": (c.dim, c.hidden_dim),
+              "attention_norm": (c.dim,), "ffn_norm": (c.dim,)}
+    out = {"token_embd.weight": ("tok_embeddings.weight", (c.vocab_size, c.dim)),
+           "output_norm.weight": ("norm.weight", (c.dim,))}
+    if not c.tie_embeddings:
+        out["output.weight"] = ("output.weight", (c.vocab_size, c.dim))
+    for i in range(c.n_layers):
+        for theirs, ours in _OURS.items():
+            if "{i}" in theirs:
+                module = ours.format(i=i)
+                out[theirs.format(i=i) + ".weight"] = (module + ".weight", shapes[module.split(".", 2)[2]])
+    return out
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFModel:
+    """Open and check a GGUF file without reading a weight: its config, tokenizer and tensor table."""
+    path = Path(path)
+    reader = _open(path)
+    where = str(path)
+    try:
+        fields = _fields(reader)
+    except GGUFLoadError as e:
+        raise GGUFLoadError(f"{where}: {e}") from None
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(fields, tensors, where)
+    tokenizer = build_tokenizer(fields, where)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise GGUFLoadError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
+                            f"{config.vocab_size}")
+    generation = {ours: fields[key] for key, ours in _SAMPLING.items() if key in fields}
+    try:
+        generation = check_generation_config(generation, f"{where} (general.sampling.*)")
+    except ConfigError as e:
+        raise GGUFLoadError(str(e)) from None
+
+    expected, state, types, problems = _expected(config), {}, {}, []
+    for name, (ours, shape) in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"missing tensor {name} (expected shape {list(shape)})")
+            continue
+        got = tuple(int(d) for d in reversed(t.shape.tolist()))
+        kind = t.tensor_type.name
+        if got != shape:
+            problems.append(f"tensor {name} has shape {list(got)}, the metadata implies {list(shape)}")
+        elif kind not in TYPES:
+            problems.append(f"tensor {name} is {kind}, a type llmstep does not read (it reads {', '.join(TYPES)})")
+        elif len(shape) == 1 and kind not in ("F32", "F16", "BF16"):
+            problems.append(f"tensor {name} (a norm) is {kind}; llmstep expects a float type")
+        state[ours], types[ours] = t, kind
+    for name in tensors:
+        if name not in expected and name != "rope_freqs.weight":
+            problems.append(f"unexpected tensor {name}" + (" (biases are not part of LLaMA 3)" if "bias" in name
+                                                            else ""))
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise GGUFLoadError(f"{where}: " + "; ".join(problems[:5]) + more)
+    return GGUFModel(path, config, tokenizer, generation, state, types)
+
+
+def _rows(name: str, w: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
+    """llama.cpp's q/k row order -> llmstep's (rotate-half pairs); every other tensor as it is."""
+    if name.endswith("attention.wq.weight"):
+        return from_interleaved(w, config.n_heads)
+    if name.endswith("attention.wk.weight"):
+        return from_interleaved(w, config.n_kv_heads)
+    return w
+
+
+def _dequantized(t, name: str, config: LlamaConfig) -> torch.Tensor:
+    """A reader tensor -> float32 [out, in] (or [n]) in llmstep's row order."""
+    gguf = _gguf()
+    w = gguf.quants.dequantize(np.array(t.data), t.tensor_type)  # a copy: the file is mapped read-only
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    return _rows(name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(shape), config)
+
+
+def int4_from_blocks(blocks: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Q4_0 [N, K/32 * 18] or Q4_1 [N, K/32 * 20] bytes -> llmstep int4 (packed codes [N, K/2] uint8, scales and
+    zeros [N, K/32] float32), with (q - 8) * scale + zero = the file's weight (see the module docstring)."""
+    head = 2 if kind == "Q4_0" else 4  # f16 d, then (Q4_1) f16 m
+    b = np.asarray(blocks).reshape(n, k // BLOCK, head + BLOCK // 2)
+    d = torch.from_numpy(b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    nibbles = b[..., head:]  # [N, K/32, 16]: element j in the low nibble, element j + 16 in the high one
+    q = torch.from_numpy(np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(n, k))  # [N, K], 0..15
+    if kind == "Q4_0":
+        zero = torch.zeros_like(d)
+    else:
+        zero = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) + 8 * d
+    return pack_int4(q), d, zero
+
+
+def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: bool = False,
+              progress: bool | None = None) -> tuple[Llama, Tokenizer]:
+    """(model, tokenizer) from a GGUF file; see the module docstring. `dtype` None: float32 on the CPU; on a GPU the
+    file's float type, bfloat16 for a quantized file (llmstep.core.device); `keep_quantized`: Q4_0/Q4_1 matrices
+    stay 4-bit (int4-g32)."""
+    from tqdm.auto import tqdm
+
+    g = read_gguf(path)
+    qc = g.quant_config(keep_quantized)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device, g.config.torch_dtype)
+    check_fits(checkpoint_bytes(g.config, dtype, qc), device, f"{g.path.name} in {str(dtype).removeprefix('torch.')}")
+    kept = set()
+    if qc is not None:
+        with torch.device("meta"):
+            kept = {f"{n}.weight" for n in linear_names(Llama(g.config))}
+    show = g.path.stat().st_size > 2**30 if progress is None else progress
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name, t in tqdm(g.tensors.items(), desc=f"loading {g.path.name}", unit="tensor", disable=not show):
+            if name in kept:
+                n, k = (int(d) for d in reversed(t.shape.tolist()))
+                codes, scales, zeros = int4_from_blocks(np.asarray(t.data), g.types[name], n, k)
+                module = name.removesuffix(".weight")
+                parts = {"weight": codes, "scales": scales, "zeros": zeros}
+                for part, value in parts.items():  # rows permute whole: a block never crosses a row
+                    rows = _rows(name, value, g.config)
+                    state[f"{module}.{part}"] = rows.to(device, dtype if part != "weight" else torch.uint8)
+                continue
+            w = _dequantized(t, name, g.config).to(device, dtype)
+            if not all_finite(w):
+                raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) holds NaN or Inf values in "
+                                    f"{str(dtype).removeprefix('torch.')}; the file is damaged"
+                                    + (" (or too large for float16)" if dtype == torch.float16 else ""))
+            state[name] = w
+    except (ValueError, OSError) as e:
+        if isinstance(e, GGUFLoadError):
+            raise
+        raise GGUFLoadError(f"{g.path}: could not read the weights ({e})") from None
+    if qc is None:
+        return materialize(g.config, state, g.generation_config), g.tokenizer
+    model = materialize(g.config, state, g.generation_config, swap=lambda meta: empty_quantized(meta, qc, dtype))
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.prepare()
+    model.quantization = qc
+    return model, g.tokenizer

@@ -1,0 +1,133 @@
+"""A GGUF file's tokenizer (`tokenizer.ggml.*`) rebuilt as a `tokenizers` tokenizer that gives llama.cpp's ids.
+
+llama.cpp stores a byte-level BPE (`tokenizer.ggml.model = "gpt2"`) as its pieces: every token's text and type
+(normal, control, user-defined, unused), the merges as "left right" strings in rank order, and the name of the
+rule that splits text into words before BPE runs (`tokenizer.ggml.pre`). llama.cpp keeps one regex list per name
+(src/llama-vocab.cpp); the names read here, and the `tokenizers` pre-tokenizer that splits the same way:
+
+    llama-bpe (llama3, llama-v3)  Llama 3's split regex, and a word that is itself a token is taken whole
+                                  (llama.cpp's ignore_merges, the same flag in `tokenizers`)
+    smollm                        every digit alone (\\p{N}), then GPT-2's regex
+    gpt-2                         GPT-2's regex (the one ByteLevel applies)
+
+Any other model or pre-tokenizer is refused by name: a tokenizer that splits text differently from llama.cpp
+would give other ids for the same prompt, and the model would read text it was never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+
+import tokenizers
+
+from .tokens import Tokenizer
+
+__all__ = ["PRE_TOKENIZERS", "GGUFVocabError", "EOG_TEXTS", "build_tokenizer", "pre_tokenizer_spec"]
+
+# Llama 3's pre-tokenizer split (meta-llama/Llama-3.1-8B tokenizer.json); llama.cpp's "llama-bpe" uses the same.
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+_LLAMA3 = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+    _BYTE_LEVEL | {"use_regex": False}]}
+_SMOLLM = {"type": "Sequence", "pretokenizers": [
+    {"type": "Split", "pattern": {"Regex": r"\p{N}"}, "behavior": "Isolated", "invert": False},
+    _BYTE_LEVEL | {"use_regex": True}]}
+_GPT2 = _BYTE_LEVEL | {"use_regex": True}
+# tokenizer.ggml.pre -> (the pre-tokenizer, ignore_merges): llama.cpp's names for the same rule are aliases.
+PRE_TOKENIZERS = {"llama-bpe": (_LLAMA3, True), "llama3": (_LLAMA3, True), "llama-v3": (_LLAMA3, True),
+                  "smollm": (_SMOLLM, False), "gpt-2": (_GPT2, False)}
+# gguf.TokenType values
+NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
+# Control tokens that end a turn, whose text llama.cpp also treats as end-of-generation (llama-vocab.cpp's list).
+EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+             "<end_of_turn>", "<|return|>", "<|call|>")
+
+
+class GGUFVocabError(ValueError):
+    """A GGUF tokenizer llmstep cannot rebuild exactly; the message names the field."""
+
+
+def pre_tokenizer_spec(pre: str, where: str) -> tuple[dict, bool]:
+    """tokenizer.ggml.pre -> (the `tokenizers` pre-tokenizer that splits text as llama.cpp does, ignore_merges)."""
+    if pre not in PRE_TOKENIZERS:
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.pre is {pre!r}, a split rule llmstep does not rebuild "
+                             f"(it reads {', '.join(PRE_TOKENIZERS)}); its ids would differ from llama.cpp's")
+    return PRE_TOKENIZERS[pre]
+
+
+def _split_merge(merge: str, i: int, where: str) -> list[str]:
+    """"left right" -> [left, right], split at the first space after the first character (as llama.cpp does)."""
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.merges[{i}] = {merge!r} is not two pieces joined by a space")
+    return [merge[:cut], merge[cut + 1:]]
+
+
+def build_tokenizer(fields: dict, where: str) -> Tokenizer:
+    """The tokenizer.ggml.* values (`fields`: key -> value, as the gguf reader returns them) -> a Tokenizer whose
+    ids equal llama.cpp's, with the file's bos/eos ids, add_bos and chat template."""
+    model = fields.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.model is {model!r}; llmstep reads byte-level BPE ('gpt2', "
+                             "Llama 3's kind) only, not SentencePiece ('llama') or others")
+    pre, ignore_merges = pre_tokenizer_spec(fields.get("tokenizer.ggml.pre", "default"), where)
+    tokens, types = fields.get("tokenizer.ggml.tokens"), fields.get("tokenizer.ggml.token_type")
+    merges = fields.get("tokenizer.ggml.merges")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.tokens must be a non-empty list of strings")
+    if types is None:
+        types = [NORMAL] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.token_type must give one type per token ({len(tokens)})")
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.merges must be a list of strings")
+    unknown = sorted({t for t in types if t not in (NORMAL, CONTROL, USER_DEFINED, UNUSED)})
+    if unknown:
+        raise GGUFVocabError(f"{where}: token type {unknown[0]} (tokenizer.ggml.token_type) is not one a byte-level "
+                             "BPE uses (normal 1, control 3, user-defined 4, unused 5)")
+
+    vocab: dict[str, int] = {}
+    for i, text in enumerate(tokens):
+        if text in vocab:
+            raise GGUFVocabError(f"{where}: token {text!r} appears twice (ids {vocab[text]} and {i})")
+        vocab[text] = i
+    added = [{"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": kind == CONTROL}
+             for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)]
+    spec = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+        "pre_tokenizer": pre, "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                  "ignore_merges": ignore_merges, "vocab": vocab,
+                  "merges": [_split_merge(m, i, where) for i, m in enumerate(merges)]},
+    }
+    try:
+        tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    except Exception as e:  # tokenizers raises a bare Exception on a spec it cannot build
+        raise GGUFVocabError(f"{where}: the tokenizer cannot be rebuilt: {e}") from None
+
+    def token_id(key: str) -> int | None:
+        value = fields.get(f"tokenizer.ggml.{key}")
+        if value is None:
+            return None
+        if not isinstance(value, int) or not 0 <= value < len(tokens):
+            raise GGUFVocabError(f"{where}: tokenizer.ggml.{key} = {value!r} is not a token id (0..{len(tokens) - 1})")
+        return value
+
+    bos = token_id("bos_token_id")
+    add_bos = fields.get("tokenizer.ggml.add_bos_token", False)  # llama.cpp's default for a BPE vocabulary
+    if not isinstance(add_bos, bool):
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.add_bos_token must be true or false, got {add_bos!r}")
+    if add_bos and bos is None:
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.add_bos_token is set but there is no bos_token_id")
+    ends = [token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    ends += [i for i, kind in enumerate(types) if kind == CONTROL and tokens[i] in EOG_TEXTS]
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GGUFVocabError(f"{where}: tokenizer.chat_template must be a string")
+    return Tokenizer(tok, bos_id=bos, eos_ids=[i for i in ends if i is not None], add_bos=add_bos,
+                     chat_template=template)

@@ -1,0 +1,330 @@
+"""GGUF import (llmstep.core.gguf_load, gguf_vocab): files the tests write with the gguf package, in every tensor
+type the loader reads, load into the function transformers' LlamaForCausalLM computes from the same dequantized
+weights; q/k rows come back in llmstep's order (undone here independently, as GGUF-NOTES describes); Q4_0/Q4_1
+kept as int4 hold the file's codes and weights; the tokenizer gives the ids the file's tokenizer gave; every
+refusal comes before a weight is read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import llmstep
+from llmstep.core.config import LlamaConfig, RopeScaling
+from llmstep.core.gguf import export_gguf, gguf_tensors, gguf_vocab
+from llmstep.core.gguf_load import TYPES, GGUFLoadError, load_gguf, read_gguf, rope_scaling_of
+from llmstep.core.gguf_vocab import GGUFVocabError
+from llmstep.core.model import Llama
+from llmstep.core.quantize import Int4Linear, unpack_int4
+from llmstep.core.rope import inv_frequencies
+from llmstep.core.tokens import Tokenizer
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+SAMPLES = ["ROMEO:\nBut soft, what light through yonder window breaks?", "  two  spaces,\ttabs\n\nand 12345 digits",
+           "Naïve café, 東京 🙂", "<|begin_of_text|>KING:<|eot_id|>", "'s 'LL 'd", "x = f(y) + 3.14159;  # code"]
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # 256 weights a block; gguf-py dequantizes, cannot quantize
+
+
+def tiny_model(**overrides) -> Llama:
+    kw = dict(vocab_size=300, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, max_seq_len=64,
+              tie_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**(kw | overrides))).eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_file) -> Tokenizer:
+    return Tokenizer.from_file(tokenizer_file)
+
+
+def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = "llama", fields: dict | None = None,
+               tensors: dict | None = None):
+    """A GGUF file as llama.cpp's converter lays it out (names, q/k rows, metadata), its matrices in `kind`.
+    Types gguf-py can quantize are quantized from the model; the K-quants get random blocks (scales kept small)."""
+    c = model.config
+    arrays = gguf_tensors(model, "f32") if tensors is None else tensors
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), arch)
+    meta = {"block_count": c.n_layers, "context_length": c.max_seq_len, "embedding_length": c.dim,
+            "feed_forward_length": c.hidden_dim, "attention.head_count": c.n_heads,
+            "attention.head_count_kv": c.n_kv_heads, "rope.freq_base": float(c.rope_theta),
+            "attention.layer_norm_rms_epsilon": float(c.norm_eps), "vocab_size": c.vocab_size}
+    for key, value in meta.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    vocab = gguf_vocab(tokenizer, c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab["pre"])
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    w.add_add_bos_token(True)
+    for key, value in (fields or {}).items():
+        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
+    qtype = gguf.GGMLQuantizationType[kind]
+    for name, (array, _) in arrays.items():
+        if array.ndim == 1:
+            w.add_tensor(name, array)
+        elif kind in K_QUANTS:
+            rows, cols = array.shape
+            nbytes = gguf.quants.quant_shape_to_byte_shape((rows, cols), qtype)
+            blocks = rng.integers(0, 0x3C, size=nbytes, dtype=np.uint8)  # every float16 in a block stays finite
+            w.add_tensor(name, blocks, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def reference_logits(path, ids: list[int]) -> torch.Tensor:
+    """transformers' LlamaForCausalLM on the file's weights, dequantized by gguf-py, q/k rows unpermuted as
+    GGUF-NOTES says (reshape(n, hd/2, 2, in), swap the middle axes): nothing of llmstep's reader is used."""
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    reader = gguf.GGUFReader(str(path))
+    f = {k: v.contents() for k, v in reader.fields.items()}
+    n_heads, n_kv = f["llama.attention.head_count"], f["llama.attention.head_count_kv"]
+    dim, hidden, layers = f["llama.embedding_length"], f["llama.feed_forward_length"], f["llama.block_count"]
+    weights = {}
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        weights[t.name] = gguf.quants.dequantize(np.array(t.data), t.tensor_type).reshape(shape).astype(np.float32)
+
+    def unpermute(w, n):
+        rows, cols = w.shape
+        return w.reshape(n, rows // n // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    state = {"model.embed_tokens.weight": weights["token_embd.weight"],
+             "model.norm.weight": weights["output_norm.weight"]}
+    for i in range(layers):
+        for theirs, hf in names.items():
+            w = weights[f"blk.{i}.{theirs}.weight"]
+            w = unpermute(w, n_heads) if theirs == "attn_q" else unpermute(w, n_kv) if theirs == "attn_k" else w
+            state[f"model.layers.{i}.{hf}.weight"] = w
+    tied = "output.weight" not in weights
+    if not tied:
+        state["lm_head.weight"] = weights["output.weight"]
+    rope = {"rope_type": "default", "rope_theta": float(f["llama.rope.freq_base"])}
+    config = HFConfig(vocab_size=weights["token_embd.weight"].shape[0], hidden_size=dim, intermediate_size=hidden,
+                      num_hidden_layers=layers, num_attention_heads=n_heads, num_key_value_heads=n_kv,
+                      rms_norm_eps=float(f["llama.attention.layer_norm_rms_epsilon"]), tie_word_embeddings=tied,
+                      max_position_embeddings=int(f["llama.context_length"]), rope_parameters=rope)
+    hf = LlamaForCausalLM(config).eval()
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=not tied)
+    if tied:
+        hf.tie_weights()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def assert_close_rel(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-4):
+    err = (got.double() - want.double()).abs().max() / want.double().abs().max()
+    assert err <= rel, f"max error {err:.2e} relative to the largest logit"
+
+
+# ---- the function the file describes --------------------------------------------------------------------
+@pytest.mark.parametrize("kind", TYPES[1:])  # F32 is the next test's round trip
+def test_every_tensor_type_loads_as_the_function_of_its_dequantized_weights(tmp_path, tokenizer, kind):
+    wide = kind in K_QUANTS  # K-quant blocks hold 256 weights: every row must be a multiple of 256 wide
+    model = tiny_model(**(dict(dim=256, hidden_dim=256, n_heads=4, n_kv_heads=2, n_layers=1) if wide else {}))
+    path = write_gguf(tmp_path / f"{kind}.gguf", model, tokenizer, kind)
+    loaded, _ = load_gguf(path, device="cpu", dtype=torch.float32)
+    ids = tokenizer.encode(SAMPLES[0])[:24]
+    got = loaded(torch.tensor([ids]))[0]
+    assert_close_rel(got, reference_logits(path, ids))
+    assert loaded.config.n_kv_heads == model.config.n_kv_heads and loaded.config.tie_embeddings is False
+
+
+@pytest.mark.parametrize("case", ["gqa-llama31-scaling", "mqa", "mha-tied"])
+def test_an_exported_model_comes_back_as_the_same_function(tmp_path, tokenizer, case):
+    overrides = {"gqa-llama31-scaling": dict(rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16)),
+                 "mqa": dict(n_kv_heads=1), "mha-tied": dict(n_kv_heads=8, tie_embeddings=True)}[case]
+    model = tiny_model(**overrides)
+    path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    loaded, tok = llmstep.load(path, device="cpu", dtype="float32")
+    for name, value in model.state_dict().items():  # every weight bit for bit, q/k rows in llmstep's order
+        assert torch.equal(loaded.state_dict()[name], value), name
+    assert torch.allclose(loaded.inv_freq, model.inv_freq, rtol=1e-6, atol=0)
+    c, d = loaded.config, model.config
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.tie_embeddings, c.norm_eps) == \
+           (d.n_heads, d.n_kv_heads, d.head_dim, d.tie_embeddings, pytest.approx(d.norm_eps))
+    ids = tokenizer.encode(SAMPLES[1])
+    assert torch.equal(loaded(torch.tensor([ids])), model(torch.tensor([ids])))
+    assert [tok.encode(s) for s in SAMPLES] == [tokenizer.encode(s) for s in SAMPLES]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_half_precision_files_load_their_own_values(tmp_path, tokenizer, dtype):
+    model = tiny_model()
+    path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype=dtype)
+    half = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    loaded, _ = llmstep.load(path, device="cpu", dtype="float32")
+    w = model.layers[1].feed_forward.w2.weight
+    assert torch.equal(loaded.layers[1].feed_forward.w2.weight, w.to(half).float())
+    assert loaded.config.torch_dtype == {"bf16": "bfloat16", "f16": "float16"}[dtype]
+
+
+def test_llama31_rope_scaling_is_recovered_from_rope_freqs():
+    for head_dim, theta, s in [(128, 500000.0, RopeScaling()), (64, 500000.0, RopeScaling(factor=32.0)),
+                               (64, 10000.0, RopeScaling(factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                                                         original_max_position_embeddings=256))]:
+        factors = (inv_frequencies(head_dim, theta) / inv_frequencies(head_dim, theta, s)).numpy()
+        got = rope_scaling_of(factors, head_dim, theta, "test")
+        assert torch.allclose(inv_frequencies(head_dim, theta, got), inv_frequencies(head_dim, theta, s), rtol=1e-5)
+    assert rope_scaling_of(np.ones(32), 64, 10000.0, "test") is None
+    with pytest.raises(GGUFLoadError, match="Llama 3.1's scaling rule"):
+        rope_scaling_of(np.linspace(1, 3, 32)[::-1].copy(), 64, 10000.0, "test")
+
+
+# ---- Q4_0 / Q4_1 kept as llmstep int4 -------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, tokenizer, kind):
+    model = tiny_model()
+    path = write_gguf(tmp_path / f"{kind}.gguf", model, tokenizer, kind)
+    kept, _ = load_gguf(path, device="cpu", dtype=torch.float32, keep_quantized=True)
+    plain, _ = load_gguf(path, device="cpu", dtype=torch.float32)
+    assert str(kept.quantization) == "int4-g32"
+    reader = gguf.GGUFReader(str(path))
+    blocks = {t.name: np.array(t.data) for t in reader.tensors}
+    for i in range(model.config.n_layers):
+        m = kept.layers[i].feed_forward.w2
+        assert isinstance(m, Int4Linear) and m.group_size == 32
+        want = plain.layers[i].feed_forward.w2.weight  # gguf-py's dequantization
+        if kind == "Q4_0":
+            assert torch.equal(m.dequantized(), want)  # d * (q - 8) either way
+        else:
+            assert (m.dequantized() - want).abs().max() <= 2 * torch.finfo(torch.float32).eps * want.abs().max()
+        # the codes are the file's nibbles: element j of a block in the low nibble of byte j, j + 16 in the high
+        raw = blocks[f"blk.{i}.ffn_down.weight"].reshape(m.out_features, -1, 18 if kind == "Q4_0" else 20)
+        nib = raw[..., -16:]
+        file_codes = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(m.out_features, -1)
+        assert np.array_equal(unpack_int4(m.codes()).numpy(), file_codes)
+    ids = tokenizer.encode(SAMPLES[2])
+    assert_close_rel(kept(torch.tensor([ids]))[0], plain(torch.tensor([ids]))[0], 1e-5)
+
+
+def test_keep_quantized_refuses_a_file_whose_matrices_are_not_q4(tmp_path, tokenizer):
+    path = write_gguf(tmp_path / "q8.gguf", tiny_model(), tokenizer, "Q8_0")
+    with pytest.raises(GGUFLoadError, match=r"layers.0.attention.wq is Q8_0"):
+        load_gguf(path, device="cpu", keep_quantized=True)
+
+
+# ---- refusals, before any weight is read ----------------------------------------------------------------
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("a weight was read before the file was refused")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", boom)
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    for content in (b"", b"not a gguf file at all", b"PK\x03\x04" + bytes(100)):
+        p = tmp_path / "x.gguf"
+        p.write_bytes(content)
+        with pytest.raises((GGUFLoadError, NotADirectoryError), match="not a GGUF file"):
+            llmstep.load(p)
+
+
+def test_a_truncated_file_is_a_clear_error(tmp_path, tokenizer):
+    path = export_gguf(tiny_model(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    data = path.read_bytes()
+    for cut in (40, len(data) // 3, len(data) - 100):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(GGUFLoadError, match="truncated or corrupt"):
+            llmstep.load(tmp_path / "cut.gguf")
+
+
+def test_another_architecture_is_refused_by_name(tmp_path, tokenizer, no_weight_read):
+    path = write_gguf(tmp_path / "q.gguf", tiny_model(), tokenizer, "F16", arch="qwen2")
+    with pytest.raises(GGUFLoadError, match="general.architecture is 'qwen2'"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("tokenizer.ggml.model", "llama", "tokenizer.ggml.model is 'llama'"),
+    ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'"),
+])
+def test_tokenizers_llmstep_cannot_rebuild_are_refused_by_name(tmp_path, tokenizer, no_weight_read, key, value, match):
+    path = write_gguf(tmp_path / "t.gguf", tiny_model(), tokenizer, "F16")
+    reader = gguf.GGUFReader(str(path))
+    fields = {k: v.contents() for k, v in reader.fields.items()}
+    fields[key] = value
+    from llmstep.core.gguf_vocab import build_tokenizer
+
+    with pytest.raises(GGUFVocabError, match=match):
+        build_tokenizer({k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in fields.items()}, "t.gguf")
+
+
+def test_an_unsupported_tensor_type_and_unexpected_tensors_are_refused_by_name(tmp_path, tokenizer, no_weight_read):
+    model = tiny_model()
+    arrays = gguf_tensors(model, "f32")
+    arrays["blk.0.attn_q.bias"] = (np.zeros(64, dtype=np.float32), "F32")
+    path = write_gguf(tmp_path / "b.gguf", model, tokenizer, "F16", tensors=arrays)
+    with pytest.raises(GGUFLoadError, match=r"unexpected tensor blk.0.attn_q.bias \(biases"):
+        load_gguf(path)
+    path = write_gguf(tmp_path / "tq.gguf", tiny_model(dim=256, hidden_dim=256, n_heads=4, n_layers=1), tokenizer,
+                      "TQ2_0")
+    with pytest.raises(GGUFLoadError, match="is TQ2_0, a type llmstep does not read"):
+        load_gguf(path)
+
+
+def test_shapes_that_disagree_with_the_metadata_are_refused(tmp_path, tokenizer, no_weight_read):
+    model = tiny_model()
+    arrays = gguf_tensors(model, "f32")
+    arrays["blk.1.ffn_up.weight"] = (arrays["blk.1.ffn_up.weight"][0][:48], "F32")
+    path = write_gguf(tmp_path / "s.gguf", model, tokenizer, "F16", tensors=arrays)
+    with pytest.raises(GGUFLoadError, match=r"blk.1.ffn_up.weight has shape \[48, 64\].*\[96, 64\]"):
+        load_gguf(path)
+    del arrays["blk.1.ffn_up.weight"]
+    path = write_gguf(tmp_path / "m.gguf", model, tokenizer, "F16", tensors=arrays)
+    with pytest.raises(GGUFLoadError, match="missing tensor blk.1.ffn_up.weight"):
+        load_gguf(path)
+
+
+def test_a_nan_weight_is_refused_naming_the_tensor(tmp_path, tokenizer):
+    model = tiny_model()
+    arrays = gguf_tensors(model, "f32")
+    arrays["blk.1.attn_output.weight"] = (arrays["blk.1.attn_output.weight"][0].copy(), "F32")
+    arrays["blk.1.attn_output.weight"][0][3, 5] = float("nan")  # the export itself refuses NaN: put it in after
+    path = write_gguf(tmp_path / "n.gguf", model, tokenizer, "F32", tensors=arrays)
+    with pytest.raises(GGUFLoadError, match=r"blk.1.attn_output.weight \(layers.1.attention.wo.weight\) holds NaN"):
+        load_gguf(path, device="cpu")
+
+
+# ---- the tokenizer, the names a file is found by --------------------------------------------------------
+def test_the_tokenizer_keeps_bos_eos_add_bos_and_the_chat_template(tmp_path, tokenizer):
+    template = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{% endfor %}"
+    path = write_gguf(tmp_path / "t.gguf", tiny_model(), tokenizer, "F16",
+                      fields={"tokenizer.chat_template": template})
+    g = read_gguf(path)
+    assert g.tokenizer.bos_id == tokenizer.bos_id and g.tokenizer.eos_ids[0] == tokenizer.eos_ids[0]
+    assert g.tokenizer.add_bos is True and g.tokenizer.chat_template == template
+    assert g.tokenizer.encode(SAMPLES[3]) == tokenizer.encode(SAMPLES[3])  # special tokens in text: their ids
+    assert g.tokenizer.encode(SAMPLES[3], special=False) == tokenizer.encode(SAMPLES[3], special=False)
+
+
+def test_a_loaded_gguf_exports_again_to_the_same_file_contents(tmp_path, tokenizer):
+    model = tiny_model(n_kv_heads=1)
+    first = export_gguf(model, tokenizer, tmp_path / "a.gguf", dtype="f32")
+    loaded, tok = llmstep.load(first, device="cpu", dtype="float32")
+    second = export_gguf(loaded, tok, tmp_path / "b.gguf", dtype="f32")
+    a, b = gguf.GGUFReader(str(first)), gguf.GGUFReader(str(second))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors, strict=True):
+        assert np.array_equal(np.array(x.data), np.array(y.data)), x.name
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.pre"):
+        assert a.fields[key].contents() == b.fields[key].contents(), key
