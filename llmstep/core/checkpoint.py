@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from . import registry
 from .config import ConfigError, LlamaConfig, check_generation_config, read_json_object
 from .cost import check_fits, checkpoint_bytes, n_params
 from .device import resolve_device, resolve_dtype
@@ -125,6 +126,8 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
         p = DATA_DIR / "models" / SHIPPED[str(path)]
         if not p.is_dir():
             raise FileNotFoundError(f"the shipped {path} model is missing: expected it at {p}")
+    if not p.exists() and str(path) in registry.MODELS:  # a model `llmstep pull` fetches: its file, or how to get it
+        return registry.require(str(path))
     if not p.exists():
         raise FileNotFoundError(f"no model directory or GGUF file at {p}")
     if not p.is_dir() and not is_gguf(p):

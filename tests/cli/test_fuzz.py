@@ -44,7 +44,7 @@ def bad_paths(tmp_path):
             "device": ["nonsense"], "dtype": ["int3"], "hf_dtype": ["int3"],
             "prompt": [""], "set": ["nope=1", "n_layers=abc"], "corpus": [missing, str(a_file)],
             "sdist": [missing], "models": [missing], "root": [missing, str(a_file)], "gguf": outputs,
-            "peers": ["nope", "", "llama.cpp,llama.cpp"]}
+            "peers": ["nope", "", "llama.cpp,llama.cpp"], "name": ["nope", "", "../x"]}
 
 
 # A valid command line for each (sub)command: the bad value replaces one option at a time.
@@ -58,7 +58,8 @@ def bases(tmp_path):
             ("data", "prepare"): ["data", "prepare", "--sdist", str(tmp_path / "missing.tar.gz"),
                                   "--out", str(tmp_path / "corpus")],
             ("data", "tokenizer"): ["data", "tokenizer", "--out", str(tmp_path / "tok.json")],
-            ("data", "checksums"): ["data", "checksums", str(tmp_path)]}
+            ("data", "checksums"): ["data", "checksums", str(tmp_path)], ("pull",): ["pull"],
+            ("models",): ["models"]}
 
 
 def subparsers(parser: argparse.ArgumentParser, path=()):
