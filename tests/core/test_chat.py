@@ -145,6 +145,18 @@ def test_the_render_equals_transformers_apply_chat_template(bpe, name, conversat
     assert ours.encode_chat(messages, add_generation_prompt) == hf_ids(hf, messages, add_generation_prompt)
 
 
+def test_tools_reach_the_template_as_transformers_passes_them(bpe):
+    """render's tools: Llama 3.1 writes each tool's JSON schema (tojson, indent=4) into the first user turn."""
+    ours, hf = pair(bpe, "llama3.1")
+    weather = {"type": "function", "function": {"name": "weather", "description": "Météo d'une ville",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    messages = CONVERSATIONS["with a system message"]
+    text = render(LLAMA31, messages, True, LLAMA_NAMES, tools=[weather])
+    assert '"description": "Météo d\'une ville"' in text
+    assert text == hf.apply_chat_template(messages, tools=[weather], tokenize=False, add_generation_prompt=True)
+
+
 def test_the_templates_spell_what_their_models_expect(bpe):
     """Two fixed points, so a render that agreed with transformers by accident would still be caught."""
     question = [{"role": "user", "content": " Hi \n"}]
