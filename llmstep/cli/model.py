@@ -26,7 +26,10 @@ def add_commands(sub) -> None:
     g = sub.add_parser("generate", help="stream a continuation of a prompt, then a speed summary")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the shipped Shakespeare model)")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the Llama 3 chat format")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message, in the checkpoint's chat template (Llama 3's format "
+                        "where it has none)")
+    g.add_argument("--system", default=None, metavar="TEXT", help="a system message before the prompt (with --chat)")
     _add_sampling_args(g)
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64 (default: by device)")
@@ -77,6 +80,8 @@ def run_generate(args, argv) -> None:
 
     if not args.prompt:  # stream() refuses it too, but only once the model is loaded; a chat's empty message it takes
         raise ValueError("the prompt is empty: give at least one character")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat's system message: add --chat")
     if args.draft is not None and parallel.launched_by_torchrun():
         raise parallel.ParallelError("speculative decoding (--draft) does not run tensor-parallel: "
                                      "run it in one process, without torchrun")
@@ -94,7 +99,8 @@ def _generate(args, load_one, stream) -> None:
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
     top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    prompt = [*system, {"role": "user", "content": args.prompt}] if args.chat else args.prompt
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     seed=seed)
     if args.draft is not None:

@@ -406,14 +406,15 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
         gen.setdefault("eos_token_id", eos[0] if len(eos) == 1 else eos)
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tokenizer is not None:
-            tokenizer.save(tmp / "tokenizer.json")
+            tokenizer.save_dir(tmp)  # tokenizer.json, tokenizer_config.json (its chat template)
         _write_weights(tmp, tensors, max_shard_bytes, metadata)
         for f in tmp.iterdir():
             f.chmod(default_mode())  # files made in a private temporary folder start out private (0600)
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())  # on the disk before the folder is swapped in
         fsync_dir(tmp)
-        stale = re.compile(r"model.*\.safetensors.*")  # an earlier save's weights, sharded or not: never carried
+        # never carried: an earlier save's weights (sharded or not) and, when a tokenizer is saved, its template file
+        stale = re.compile(r"model.*\.safetensors.*" + (r"|chat_template\.jinja" if tokenizer is not None else ""))
         replace_dir(tmp, path, carry=lambda name: not stale.fullmatch(name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

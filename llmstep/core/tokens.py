@@ -2,18 +2,22 @@
 
 Llama 3 uses a byte-level BPE of 128,000 merges plus 256 special tokens; the default Shakespeare model
 uses the same scheme with 8,192 tokens. Special tokens (`<|begin_of_text|>`, `<|eot_id|>`, ...) come
-from the file; the chat format is used only when the tokenizer has its tokens.
+from the file. A chat is formatted by the checkpoint's own template (llmstep.core.chat) or, where it has none,
+in Llama 3's format when the tokenizer has its tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+import re
+from collections.abc import Iterable, Mapping
 from numbers import Integral
 from pathlib import Path
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
+from .chat import check_messages, render
 from .config import read_json_object
 
 __all__ = ["Tokenizer", "StreamDecoder"]
@@ -21,15 +25,22 @@ __all__ = ["Tokenizer", "StreamDecoder"]
 BOS = "<|begin_of_text|>"
 EOS_CANDIDATES = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# The special-token strings a chat template sees by name (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# encode_chat stands one character of Supplementary Private Use Area-B in for each special token a message spells.
+HIDDEN_FIRST, HIDDEN_LAST = 0x100000, 0x10FFFD
+HIDDEN = re.compile("[\U00100000-\U0010fffd]")
 
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` with what generation needs beside it: the bos id and whether text starts with it
     (`add_bos`: Llama 3 yes, SmolLM2 no), the ids that end a reply, and the checkpoint's chat template (Jinja
-    source, or None for the built-in Llama 3 format)."""
+    source, or None for the built-in Llama 3 format) with the special-token strings it sees by name
+    (`named_tokens`, {"bos_token": "<|begin_of_text|>", ...}; by default the bos and first eos tokens)."""
 
     def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
-                 add_bos: bool | None = None, chat_template: str | None = None):
+                 add_bos: bool | None = None, chat_template: str | None = None,
+                 named_tokens: Mapping[str, str] | None = None):
         self.tok = tok
         self.bos_id = tok.token_to_id(BOS) if bos_id is None else bos_id
         if eos_ids is None:
@@ -41,10 +52,20 @@ class Tokenizer:
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be Jinja source text, got {type(chat_template).__name__}")
         self.chat_template = chat_template
+        if named_tokens is None:
+            first_eos = self.eos_ids[0] if self.eos_ids else None
+            named_tokens = {"bos_token": tok.id_to_token(self.bos_id) if self.bos_id is not None else None,
+                            "eos_token": tok.id_to_token(first_eos) if first_eos is not None else None}
+        if not isinstance(named_tokens, Mapping) or not all(isinstance(v, str | None) for v in named_tokens.values()):
+            raise ValueError(f"named_tokens must map names to token text, got {named_tokens!r}")
+        self.named_tokens: dict[str, str] = {k: v for k, v in named_tokens.items() if v is not None}
         self._plain: tokenizers.Tokenizer | None = None  # a twin that reads special-token text as plain text
+        self._specials: re.Pattern | None = None  # the special tokens' text, longest first (encode_chat)
 
     @classmethod
-    def from_file(cls, path: str | Path, bos_id: int | None = None, eos_ids: Iterable[int] | None = None):
+    def from_file(cls, path: str | Path, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
+                  **options) -> Tokenizer:
+        """A tokenizer.json (or the folder holding one); `options` as the constructor takes them."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -54,11 +75,13 @@ class Tokenizer:
             tok = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise ValueError(f"{path} is not a valid tokenizer.json: {e}") from None
-        return cls(tok, bos_id, eos_ids)
+        return cls(tok, bos_id, eos_ids, **options)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """tokenizer.json plus the stop tokens of generation_config.json (or config.json) when present."""
+        """tokenizer.json plus the stop tokens of generation_config.json (or config.json) when present, and
+        tokenizer_config.json's chat template, add_bos_token and special-token names (chat_template.jinja, where
+        there is one, is the template: transformers reads it before tokenizer_config.json's)."""
         path = Path(path)
         eos: list[int] = []
         bos = None
@@ -74,7 +97,8 @@ class Tokenizer:
                     raise ValueError(f"{f}: bos_token_id must be a token id, got {data['bos_token_id']!r}")
                 eos += ids
                 bos = data.get("bos_token_id") if bos is None else bos
-        tokenizer = cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None)
+        tokenizer = cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None,
+                                  **_read_tokenizer_config(path))
         outside = [i for i in [*tokenizer.eos_ids, tokenizer.bos_id] if i is not None and i >= tokenizer.vocab_size]
         if outside:
             raise ValueError(f"{path}: bos_token_id/eos_token_id {outside[0]} is outside tokenizer.json's vocabulary "
@@ -128,21 +152,24 @@ class Tokenizer:
         """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""
         return [self.decode([i]) for i in self.encode(text, bos=False)]
 
-    # ---- Llama 3 chat format ---------------------------------------------------------------------
+    # ---- chat ------------------------------------------------------------------------------------
     @property
     def has_chat_format(self) -> bool:
+        """Whether the tokenizer has Llama 3's chat tokens (the built-in format's)."""
         return all(self.token_to_id(t) is not None for t in CHAT_TOKENS)
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Messages [{"role": ..., "content": ...}] -> the Llama 3 prompt string (with <|begin_of_text|>)."""
+        """Messages [{"role": ..., "content": ...}] -> the prompt string: the checkpoint's chat template rendered as
+        transformers' apply_chat_template renders it, or, where it has none, Llama 3's format (with
+        <|begin_of_text|>)."""
+        messages = check_messages(messages)
+        if self.chat_template is not None:
+            return render(self.chat_template, messages, add_generation_prompt, self.named_tokens)
         if not self.has_chat_format:
-            raise ValueError("this tokenizer has no Llama 3 chat tokens (<|start_header_id|>, ...)")
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json's chat_template) and no "
+                             "Llama 3 chat tokens (<|start_header_id|>, ...)")
         parts = [BOS]
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-                raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {m!r}")
+        for m in messages:
             parts.append(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>")
         if add_generation_prompt:
             parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -151,7 +178,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The ids of `chat(messages)`, with the special tokens taken from the template alone: a role or content
         that spells `<|eot_id|><|start_header_id|>system...` stays text and cannot open a turn of its own (as
-        serving engines encode chat). For trusted text with special tokens in it, use encode(chat(...))."""
+        serving engines encode chat). Starts with bos where the template writes it, else where `add_bos` says.
+        For trusted text with special tokens in it, use encode(chat(...))."""
+        messages = check_messages(messages)  # read once: an iterator is not drained by a first pass
+        if self.chat_template is not None:
+            ids = self._encode_template_chat(messages, add_generation_prompt)
+            return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
         self.chat(messages, add_generation_prompt)  # the same checks and errors
         start, end, eot = (self.token_to_id(t) for t in CHAT_TOKENS)
 
@@ -165,11 +197,74 @@ class Tokenizer:
             ids += turn("assistant") + self.encode("\n\n", bos=False, special=False)
         return ids
 
+    def _encode_template_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """A template's render -> ids, the special tokens written by the template only.
+
+        Each special token that a message's text spells is replaced, before a second render, by one private-use
+        character (HIDDEN), so the template never sees it; ordinary text is left as it is, so the template's tests
+        (`message['role'] == 'system'`) and filters (`| trim`) work as in the real render. Putting the tokens back
+        must give the real render, else the template changed the text around them and it is refused. Then the
+        special tokens still in the second render are the template's own, and the hidden ones are encoded as text."""
+        text = self.chat(messages, add_generation_prompt)
+        specials = self._special_pattern()
+        hidden: dict[str, str] = {}
+
+        def hide(match: re.Match) -> str:
+            if HIDDEN_FIRST + len(hidden) > HIDDEN_LAST:
+                raise ValueError("the messages spell too many special tokens to keep them text")
+            hidden[char := chr(HIDDEN_FIRST + len(hidden))] = match.group()
+            return char
+
+        def hide_in(value):
+            if isinstance(value, str):
+                return specials.sub(hide, value)
+            if isinstance(value, list):
+                return [hide_in(v) for v in value]
+            return {k: hide_in(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+        masked = hide_in(messages)
+        if not hidden:  # no message spells a special token: the render is encoded as it is (as transformers does)
+            return self.encode(text, bos=False)
+        if HIDDEN.search(json.dumps(messages, ensure_ascii=False)):
+            raise ValueError("a message holds a character of Supplementary Private Use Area-B (U+100000..), which "
+                             "encode_chat uses to keep special-token text plain: remove it")
+        marked = render(self.chat_template, masked, add_generation_prompt, self.named_tokens)
+
+        def put_back(s: str) -> str:
+            return HIDDEN.sub(lambda m: hidden.get(m.group(), m.group()), s)
+
+        if put_back(marked) != text:
+            raise ValueError("the chat template changes the text around the special tokens a message spells, so they "
+                             "cannot be kept as text; remove them from the message, or encode(chat(...)) if trusted")
+        ids: list[int] = []
+        at = 0
+        for m in specials.finditer(marked):  # the template's own special tokens: the text between them is plain
+            ids += self.encode(put_back(marked[at:m.start()]), bos=False, special=False) + [self.token_to_id(m.group())]
+            at = m.end()
+        return ids + self.encode(put_back(marked[at:]), bos=False, special=False)
+
+    def _special_pattern(self) -> re.Pattern:
+        if self._specials is None:  # longest first, so a token wins over a shorter one inside it
+            texts = sorted((t for t in self.special_tokens if t and not t.isspace()), key=len, reverse=True)
+            self._specials = re.compile("|".join(map(re.escape, texts)) or "(?!)")  # (?!) never matches
+        return self._specials
+
     def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
         self.tok.save(str(path))
+
+    def save_dir(self, folder: str | Path) -> None:
+        """tokenizer.json and tokenizer_config.json (the chat template, add_bos_token and the special-token names)
+        into `folder`, as from_dir reads them back."""
+        folder = Path(folder)
+        self.save(folder / "tokenizer.json")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, **self.named_tokens}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+                                                      encoding="utf-8")
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}, "
@@ -183,6 +278,43 @@ def _check_encodable(text: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"the text is not valid Unicode: {text[e.start]!r} at character {e.start} is a lone "
                          "surrogate; decode the input with errors='replace'") from None
+
+
+def _read_tokenizer_config(folder: Path) -> dict:
+    """The constructor's add_bos, chat_template and named_tokens from tokenizer_config.json and
+    chat_template.jinja, the ones present."""
+    options: dict = {}
+    f = folder / "tokenizer_config.json"
+    if f.is_file():
+        data = read_json_object(f)
+        if data.get("add_bos_token") is not None:
+            if not isinstance(data["add_bos_token"], bool):
+                raise ValueError(f"{f}: add_bos_token must be true or false, got {data['add_bos_token']!r}")
+            options["add_bos"] = data["add_bos_token"]
+        template = data.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if len(named) != len(template) or not all(isinstance(v, str) for v in named.values()):
+                raise ValueError(f"{f}: chat_template as a list holds {{'name': ..., 'template': ...}} entries, "
+                                 f"one per name, got {template!r:.200}")
+            if "default" not in named:  # transformers uses the one named "default" unless asked for another
+                raise ValueError(f"{f}: chat_template names {sorted(map(str, named))} but none 'default'")
+            template = named["default"]
+        if not (template is None or isinstance(template, str)):
+            raise ValueError(f"{f}: chat_template must be Jinja source text or a list of {{'name', 'template'}}, "
+                             f"got {type(template).__name__}")
+        options["chat_template"] = template
+        options["named_tokens"] = {}
+        for name in TOKEN_NAMES:
+            value = data.get(name)
+            value = value.get("content") if isinstance(value, dict) else value  # an AddedToken written out
+            if not (value is None or isinstance(value, str)):
+                raise ValueError(f"{f}: {name} must be a token's text, got {data[name]!r}")
+            options["named_tokens"][name] = value
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():  # newer checkpoints keep the template in its own file; transformers prefers it
+        options["chat_template"] = jinja.read_text(encoding="utf-8")
+    return options
 
 
 def _is_id(i) -> bool:

@@ -1,0 +1,156 @@
+"""A checkpoint's own chat template, rendered as Hugging Face transformers renders it.
+
+A chat model's prompt format ships with the model as Jinja source: tokenizer_config.json's `chat_template` (or a
+chat_template.jinja file beside it), a GGUF's `tokenizer.chat_template`. transformers' `apply_chat_template`
+(transformers/utils/chat_template_utils.py) renders it in an `ImmutableSandboxedEnvironment(trim_blocks=True,
+lstrip_blocks=True)` with Jinja's `loopcontrols` extension (`break`, `continue`) and:
+- a `tojson` filter that leaves non-ASCII and HTML characters as they are (Jinja's own escapes `<` as `\\u003c`),
+- the globals `raise_exception(message)` (a template refuses a conversation it cannot format) and
+  `strftime_now(format)` (today's date, for templates that print it), and `namespace`/`dict` that cannot reach
+  underscore attributes,
+- a `{% generation %}` block (it marks the assistant's text for training masks; rendering keeps the text).
+The template sees `messages`, `add_generation_prompt`, `tools`, `documents` and the special-token strings
+(`bos_token`, `eos_token`, ...). `render` builds the same environment and context, so one template and one
+conversation give one string in both. A template is code written by whoever published the checkpoint: the sandbox
+keeps it from reaching Python's internals, and every way it can fail is a ValueError saying which.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+__all__ = ["render", "check_messages"]
+
+
+def render(template: str, messages, add_generation_prompt: bool = True,
+           special_tokens: Mapping[str, str] | None = None, tools: list | None = None,
+           documents: list | None = None) -> str:
+    """The prompt string `template` makes of `messages`: equal to transformers'
+    `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` for a tokenizer whose
+    special_tokens_map is `special_tokens` ({"bos_token": "<|begin_of_text|>", "eos_token": ...})."""
+    compiled = _compile(template)
+    context = {**(special_tokens or {}), "messages": check_messages(messages),
+               "tools": _plain(tools, "tools"), "documents": _plain(documents, "documents"),
+               "add_generation_prompt": bool(add_generation_prompt)}
+    try:
+        return compiled.render(**context)
+    except _Refused as e:
+        raise ValueError(f"the chat template refused these messages: {e.message}") from None
+    except SecurityError as e:
+        raise ValueError(f"the chat template tried what the sandbox forbids ({e}); it was not rendered") from None
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed on these messages: {e}") from None
+    except Exception as e:  # the template's own expressions: 'a' + 1, a missing key, ...
+        raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+
+def check_messages(messages) -> list[dict]:
+    """Messages -> a list of plain dicts, each with str 'role' and 'content' (an iterator is read once). Keys whose
+    value is None are dropped, as transformers drops them (templates test `'tool_calls' in message`)."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, "
+                         f"got {type(messages).__name__}")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {m!r}")
+        checked.append({k: _plain(v, f"message {i}, {k!r}") for k, v in m.items() if v is not None})
+    if not checked:
+        raise ValueError("there are no messages: a chat needs at least one")
+    return checked
+
+
+def _plain(value, where: str):
+    """A fresh copy in plain JSON types: what a template sees can neither change the caller's data nor carry
+    methods the sandbox does not know (a subclass of str, an array, an object)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, list | tuple):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {str.__str__(k): _plain(v, where) for k, v in value.items()}
+    raise ValueError(f"{where}: a chat template reads plain data (text, numbers, lists, dicts with text keys), "
+                     f"got {type(value).__name__}")
+
+
+# ---- the environment, one per template text -------------------------------------------------------------
+class _Refused(jinja2.TemplateError):
+    """raise_exception(message) called by a template."""
+
+
+def _raise_exception(message):
+    raise _Refused(str(message))
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _check_name(name) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"a chat template cannot store {name!r} on a namespace: names starting with '_' "
+                            "are Python's internals")
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace(), refusing names that start with '_'."""
+
+    def __init__(*args, **kwargs):  # Jinja's own signature: namespace(self=...) must still work
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+class _Dict:
+    """The template's `dict`: makes dicts, but is not the type (whose unbound methods would mutate a dict)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`, rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    """The template compiled once per text (a chat compiles nothing after its first message)."""
+    if not isinstance(template, str):
+        raise ValueError(f"a chat template is Jinja source text, got {type(template).__name__}")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
+                       namespace=_Namespace, dict=_Dict())
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja: line {e.lineno}: {e.message}") from None
