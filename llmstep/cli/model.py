@@ -33,6 +33,9 @@ def add_commands(sub) -> None:
     _add_sampling_args(g)
     g.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or float64 (default: by device)")
+    g.add_argument("--keep-quantized", action="store_true",
+                   help="a GGUF file's Q4_0/Q4_1 matrices stay 4-bit (llmstep int4, groups of 32) instead of being "
+                        "dequantized into --dtype")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
@@ -88,7 +91,8 @@ def run_generate(args, argv) -> None:
     if args.draft is not None:
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
     try:
-        _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype), stream)
+        _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype,
+                                     keep_quantized=args.keep_quantized), stream)
     finally:
         parallel.finish()
 

@@ -309,6 +309,9 @@ def load_sharded(path: str | os.PathLike | None = None, group=None, device=None,
 
     The world size is checked against the heads from config.json before any weight is read."""
     path = resolve_model_path(path)
+    if path.is_file():
+        raise ParallelError(f"{path} is a GGUF file; tensor parallelism reads Hugging Face checkpoints slice by slice: "
+                            "load it in one process, or write it as one with llmstep.save")
     config = LlamaConfig.from_hf(path)
     if read_quant_config(path) is not None:
         raise ParallelError(f"{path} is quantised; tensor parallelism in llmstep splits float checkpoints only")
@@ -377,6 +380,8 @@ def load(path: str | os.PathLike | None = None, group=None, device=None, dtype=N
          ) -> tuple[TensorParallelLlama, Tokenizer]:
     """(this rank's model, tokenizer): `llmstep.load` tensor-parallel. Config and tokenizer are checked first."""
     path = resolve_model_path(path)
+    if path.is_file():
+        load_sharded(path)  # refuses a GGUF file, naming why
     config = LlamaConfig.from_hf(path)
     check_split(config, _rank_world(group)[1])
     tokenizer = Tokenizer.from_dir(path)

@@ -279,3 +279,24 @@ def test_a_loaded_gguf_exports_again_to_the_same_file_contents(tmp_path, tokeniz
         assert np.array_equal(np.array(x.data), np.array(y.data)), x.name
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.pre"):
         assert a.fields[key].contents() == b.fields[key].contents(), key
+
+
+def test_the_command_line_loads_a_gguf_file_kept_quantized(tmp_path, tokenizer, capsys):
+    from llmstep.cli import main
+
+    path = write_gguf(tmp_path / "q4.gguf", tiny_model(), tokenizer, "Q4_1")
+    main(["generate", "--model", str(path), "--keep-quantized", "--prompt", "ROMEO:", "--max-new-tokens", "4",
+          "--temperature", "0", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert "[cpu float32]" in err and "decode" in err
+    with pytest.raises(SystemExit):  # a directory has nothing to keep quantized: one line, exit 2
+        main(["generate", "--model", "target", "--keep-quantized", "--prompt", "x", "--max-new-tokens", "1"])
+    assert "keep_quantized applies to GGUF files" in capsys.readouterr().err
+
+
+def test_tensor_parallelism_refuses_a_gguf_file_naming_why(tmp_path, tokenizer):
+    from llmstep.core import parallel
+
+    path = export_gguf(tiny_model(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    with pytest.raises(parallel.ParallelError, match="is a GGUF file; tensor parallelism reads Hugging Face"):
+        parallel.load(path)
