@@ -189,6 +189,13 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise GGUFLoadError(f"{where}: general.architecture is {arch!r}; llmstep implements 'llama' only")
+    if fields.get("llama.expert_count", 0):  # Mixtral is stored as 'llama' with experts
+        raise GGUFLoadError(f"{where}: llama.expert_count is {fields['llama.expert_count']}: a mixture of experts, "
+                            "which llmstep does not implement (one SwiGLU per block)")
+    rope_kind = fields.get("llama.rope.scaling.type", "none")
+    if rope_kind != "none":  # Llama 3.1's scaling travels as the rope_freqs tensor instead
+        raise GGUFLoadError(f"{where}: llama.rope.scaling.type is {rope_kind!r}; llmstep implements plain RoPE and "
+                            "Llama 3.1's scaling (a rope_freqs tensor) only")
     n_heads = _int(fields, "llama.attention.head_count", where)
     dim = _int(fields, "llama.embedding_length", where)
     head_dim = _int(fields, "llama.attention.key_length", where, dim // n_heads if dim % n_heads == 0 else None)

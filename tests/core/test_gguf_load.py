@@ -206,6 +206,17 @@ def test_another_architecture_is_refused_by_name(tmp_path, tokenizer, no_weight_
 
 
 @pytest.mark.parametrize(("key", "value", "match"), [
+    ("llama.expert_count", 8, "a mixture of experts"),
+    ("llama.rope.scaling.type", "yarn", "llama.rope.scaling.type is 'yarn'"),
+])
+def test_llama_files_with_parts_llmstep_does_not_implement_are_refused(tmp_path, tokenizer, no_weight_read, key,
+                                                                       value, match):
+    path = write_gguf(tmp_path / "x.gguf", tiny_model(), tokenizer, "F16", fields={key: value})
+    with pytest.raises(GGUFLoadError, match=match):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
     ("tokenizer.ggml.model", "llama", "tokenizer.ggml.model is 'llama'"),
     ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'"),
 ])
