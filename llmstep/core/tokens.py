@@ -267,8 +267,7 @@ class Tokenizer:
                                                       encoding="utf-8")
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}, "
-                f"add_bos={self.add_bos})")
+        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
 
 
 def _check_encodable(text: str) -> None:
