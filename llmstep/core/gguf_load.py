@@ -35,7 +35,7 @@ import torch
 from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device, resolve_dtype
-from .gguf import GGUF_NAMES, from_interleaved
+from .gguf import GGUF_NAMES, from_interleaved, qk_rows
 from .gguf_vocab import build_tokenizer
 from .model import Llama, all_finite, materialize
 from .quantize import QuantConfig, QuantLinear, empty_quantized, linear_names, pack_int4
@@ -50,7 +50,6 @@ MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 KEEPS = ("Q4_0", "Q4_1")  # types keep_quantized holds as llmstep int4, group size 32 (GGUF's block)
 BLOCK = 32
-_OURS = {theirs: ours for ours, theirs in GGUF_NAMES.items()}  # GGUF name (with {i}) -> llmstep module name
 _SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
              "general.sampling.top_p": "top_p"}
 
@@ -231,22 +230,15 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
 
 
 def _expected(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """GGUF tensor name -> (llmstep state name, shape [out, in] as llmstep holds it)."""
-    c = config
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {"attention.wq": (q, c.dim), "attention.wk": (kv, c.dim), "attention.wv": (kv, c.dim),
-              "attention.wo": (c.dim, q), "feed_forward.w1": (c.hidden_dim, c.dim),
-              "feed_forward.w3": (c.hidden_dim, c.dim), "feed_forward.w2": (c.dim, c.hidden_dim),
-              "attention_norm": (c.dim,), "ffn_norm": (c.dim,)}
-    out = {"token_embd.weight": ("tok_embeddings.weight", (c.vocab_size, c.dim)),
-           "output_norm.weight": ("norm.weight", (c.dim,))}
-    if not c.tie_embeddings:
-        out["output.weight"] = ("output.weight", (c.vocab_size, c.dim))
-    for i in range(c.n_layers):
-        for theirs, ours in _OURS.items():
-            if "{i}" in theirs:
-                module = ours.format(i=i)
-                out[theirs.format(i=i) + ".weight"] = (module + ".weight", shapes[module.split(".", 2)[2]])
+    """GGUF tensor name -> (llmstep state name, shape [out, in] as llmstep holds it), from the model itself."""
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in Llama(config).state_dict().items()}
+    out = {}
+    for ours, theirs in GGUF_NAMES.items():
+        if ours == "output" and config.tie_embeddings:
+            continue  # no output.weight: llama.cpp reuses token_embd
+        for i in range(config.n_layers) if "{i}" in ours else [None]:
+            out[theirs.format(i=i) + ".weight"] = (f"{ours.format(i=i)}.weight", shapes[f"{ours.format(i=i)}.weight"])
     return out
 
 
@@ -296,21 +288,13 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     return GGUFModel(path, config, tokenizer, generation, state, types)
 
 
-def _rows(name: str, w: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
-    """llama.cpp's q/k row order -> llmstep's (rotate-half pairs); every other tensor as it is."""
-    if name.endswith("attention.wq.weight"):
-        return from_interleaved(w, config.n_heads)
-    if name.endswith("attention.wk.weight"):
-        return from_interleaved(w, config.n_kv_heads)
-    return w
-
-
 def _dequantized(t, name: str, config: LlamaConfig) -> torch.Tensor:
     """A reader tensor -> float32 [out, in] (or [n]) in llmstep's row order."""
     gguf = _gguf()
     w = gguf.quants.dequantize(np.array(t.data), t.tensor_type)  # a copy: the file is mapped read-only
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return _rows(name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(shape), config)
+    w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(shape)
+    return qk_rows(name.removesuffix(".weight"), w, config, from_interleaved)
 
 
 def int4_from_blocks(blocks: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -354,7 +338,7 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
                 module = name.removesuffix(".weight")
                 parts = {"weight": codes, "scales": scales, "zeros": zeros}
                 for part, value in parts.items():  # rows permute whole: a block never crosses a row
-                    rows = _rows(name, value, g.config)
+                    rows = qk_rows(module, value, g.config, from_interleaved)
                     state[f"{module}.{part}"] = rows.to(device, dtype if part != "weight" else torch.uint8)
                 continue
             w = _dequantized(t, name, g.config).to(device, dtype)
