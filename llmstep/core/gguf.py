@@ -1,7 +1,7 @@
 """Export a model to GGUF, the one-file format of llama.cpp (and of the tools built on it: ollama, LM Studio, ...).
 
 The file holds the same weights, the shapes llama.cpp needs (`llama.*` keys) and the tokenizer
-(`tokenizer.ggml.*`), written with the `gguf` package (`pip install llmstep[export]`), the way llama.cpp's
+(`tokenizer.ggml.*`), written with the `gguf` package (a dependency of llmstep), the way llama.cpp's
 own converter (convert_hf_to_gguf.py, class LlamaModel) writes a Hugging Face Llama. What changes on the way:
 
 - names: `layers.{i}.attention.wq` -> `blk.{i}.attn_q`, ... (GGUF_NAMES below; gguf.TENSOR_NAMES for LLAMA).

@@ -373,9 +373,9 @@ def test_a_failed_write_leaves_the_old_file_whole(tiny, tmp_path, monkeypatch):
     assert path.read_bytes() == b"the old file" and [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
 
-def test_the_export_extra_is_part_of_dev_so_ci_tests_it():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(extras["export"]) <= set(extras["dev"])
+def test_the_gguf_package_is_installed_with_llmstep_so_ci_tests_it():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["optional-dependencies"]["export"]) <= set(project["dependencies"])
 
 
 # ---- llama.cpp itself, where it is installed -------------------------------------------------------------
