@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
+from functools import cached_property
 from numbers import Integral
 from pathlib import Path
 
@@ -121,16 +122,35 @@ class Tokenizer:
         return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     # ---- encode / decode -------------------------------------------------------------------------
-    def encode(self, text: str, bos: bool | None = None, special: bool = True) -> list[int]:
+    def encode(self, text: str, bos: bool | None = None, special: bool = True, max_tokens: int | None = None
+               ) -> list[int]:
         """Text -> ids, starting with bos where `bos` (None: the tokenizer's own `add_bos`) says so. With
         special=True, special tokens written in the text (`<|eot_id|>`) become their ids; with special=False they
-        are read as the plain characters they are (what untrusted text needs)."""
+        are read as the plain characters they are (what untrusted text needs). With `max_tokens`, text that must
+        make more tokens than that (more bytes than max_tokens of the longest token hold) is refused unread."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         _check_encodable(text)
-        ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
+        if max_tokens is not None and len(text) > max_tokens and len(text.encode()) > max_tokens * self.longest:
+            raise ValueError(f"the text is {len(text.encode()):,} bytes, at least "
+                             f"{len(text.encode()) // self.longest:,} tokens: more than the {max_tokens:,} there is "
+                             "room for")
+        try:
+            ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
+        except BaseException as e:  # the tokenizers library panics (a BaseException) where its regex gives up
+            if type(e).__name__ != "PanicException":
+                raise
+            raise ValueError(f"the tokenizer cannot split this text: {str(e).splitlines()[0]} (its split rule "
+                             "backtracks too much on it; tokenizer.json's pre_tokenizer is at fault)") from None
         bos = self.add_bos if bos is None else bos
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    @cached_property
+    def longest(self) -> int:
+        """Bytes in the longest token (its text decoded alone: never fewer than its bytes), so a text of n bytes
+        makes at least n / longest tokens."""
+        texts = self.tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(1, *(len(t.encode()) for t in texts))
 
     def _plain_tokenizer(self) -> tokenizers.Tokenizer:
         if self._plain is None:  # built once; never mutated afterwards, so threads may share it
