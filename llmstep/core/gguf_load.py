@@ -36,7 +36,7 @@ from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_conf
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device, resolve_dtype
 from .gguf import GGUF_NAMES, from_interleaved, qk_rows
-from .gguf_vocab import build_tokenizer
+from .gguf_vocab import GGUFVocabError, build_tokenizer
 from .model import Llama, all_finite, materialize
 from .quantize import QuantConfig, QuantLinear, empty_quantized, linear_names, pack_int4
 from .rope import inv_frequencies
@@ -172,16 +172,27 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
             high = 1 + (orig / lower - 1) / s_mid
         else:
             high = math.sqrt(orig / lower) if lower else 2.0
-    try:
-        scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=float(high),
-                              original_max_position_embeddings=max(1, round(orig)))
-    except ConfigError as e:
-        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule ({e})") from None
-    got = plain / inv_frequencies(head_dim, theta, scaling).double().numpy()
-    if not np.allclose(got, f, rtol=1e-4, atol=0):
-        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule (off by up to "
-                            f"{np.abs(got / f - 1).max():.2%})")
-    return scaling
+    def error(got) -> float:  # how far the factors a candidate gives are from the file's, relative
+        return float(np.abs(plain / inv_frequencies(head_dim, theta, got).double().numpy() / f - 1).max())
+
+    # The float32 factors a converter wrote give the parameters to ~1e-7: the published ones are round numbers,
+    # so take the roundest that gives the same factors (then inv_freq equals transformers' from config.json).
+    def scaling(digits: int | None) -> RopeScaling | None:
+        try:
+            r = (lambda x: float(x)) if digits is None else (lambda x: round(float(x), digits))
+            return RopeScaling(factor=r(factor), low_freq_factor=1.0, high_freq_factor=r(high),
+                               original_max_position_embeddings=max(1, round(orig)))
+        except ConfigError:
+            return None  # rounded too far (high_freq_factor down to 1, say)
+
+    raw = scaling(None)
+    off = math.inf if raw is None else error(raw)
+    if off > 1e-5:
+        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule (off by up to {off:.1e})")
+    for digits in range(7):  # the roundest parameters that fit the factors as well as the recovered ones do
+        if (candidate := scaling(digits)) is not None and error(candidate) <= max(1e-6, 2 * off):
+            return candidate
+    return raw
 
 
 def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
@@ -197,7 +208,10 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
                             "Llama 3.1's scaling (a rope_freqs tensor) only")
     n_heads = _int(fields, "llama.attention.head_count", where)
     dim = _int(fields, "llama.embedding_length", where)
-    head_dim = _int(fields, "llama.attention.key_length", where, dim // n_heads if dim % n_heads == 0 else None)
+    if "llama.attention.key_length" not in fields and dim % n_heads:
+        raise GGUFLoadError(f"{where}: llama.embedding_length {dim} is not a multiple of llama.attention.head_count "
+                            f"{n_heads}, and there is no llama.attention.key_length to give the head size")
+    head_dim = _int(fields, "llama.attention.key_length", where, dim // n_heads)
     if _int(fields, "llama.attention.value_length", where, head_dim) != head_dim:
         raise GGUFLoadError(f"{where}: llama.attention.value_length differs from key_length; LLaMA uses one head size")
     if _int(fields, "llama.rope.dimension_count", where, head_dim) != head_dim:
@@ -215,7 +229,7 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     fields_ids = {"bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
                   "eos_token_id": fields.get("tokenizer.ggml.eos_token_id")}
     kinds = [t.tensor_type.name for name, t in tensors.items() if len(t.shape) == 2]
-    stored = {"F32": "float32", "F16": "float16"}.get(max(set(kinds), key=kinds.count), "bfloat16")
+    stored = {"F32": "float32", "F16": "float16"}.get(max(set(kinds), key=kinds.count) if kinds else "", "bfloat16")
     try:
         return LlamaConfig(
             vocab_size=_int(fields, "llama.vocab_size", where, vocab), dim=dim,
@@ -253,7 +267,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         raise GGUFLoadError(f"{where}: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
     config = _config(fields, tensors, where)
-    tokenizer = build_tokenizer(fields, where)
+    try:
+        tokenizer = build_tokenizer(fields, where)
+    except GGUFVocabError as e:
+        raise GGUFLoadError(str(e)) from None
     if tokenizer.vocab_size > config.vocab_size:
         raise GGUFLoadError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
                             f"{config.vocab_size}")
@@ -335,6 +352,9 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
             if name in kept:
                 n, k = (int(d) for d in reversed(t.shape.tolist()))
                 codes, scales, zeros = int4_from_blocks(np.asarray(t.data), g.types[name], n, k)
+                if not (all_finite(scales) and all_finite(zeros)):
+                    raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) has NaN or Inf scales; the file is "
+                                        "damaged")
                 module = name.removesuffix(".weight")
                 parts = {"weight": codes, "scales": scales, "zeros": zeros}
                 for part, value in parts.items():  # rows permute whole: a block never crosses a row

@@ -20,6 +20,7 @@ from tokenizers.decoders import DecodeStream
 
 from .chat import check_messages, render
 from .config import read_json_object
+from .files import atomic_write, atomic_write_text
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -279,18 +280,20 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
-        self.tok.save(str(path))
+        """tokenizer.json, written whole or not at all."""
+        with atomic_write(path) as tmp:
+            self.tok.save(str(tmp))
 
     def save_dir(self, folder: str | Path) -> None:
         """tokenizer.json and tokenizer_config.json (the chat template, add_bos_token and the special-token names)
-        into `folder`, as from_dir reads them back."""
+        into `folder` (made if missing), as from_dir reads them back; each file written whole or not at all."""
         folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
         self.save(folder / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, **self.named_tokens}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                      encoding="utf-8")
+        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"

@@ -300,3 +300,107 @@ def test_tensor_parallelism_refuses_a_gguf_file_naming_why(tmp_path, tokenizer):
     path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
     with pytest.raises(parallel.ParallelError, match="is a GGUF file; tensor parallelism reads Hugging Face"):
         parallel.load(path)
+
+
+# ---- what a fresh review found ---------------------------------------------------------------------------------
+def converter_factors(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """rope_freqs as llama.cpp's converter computes them (float32 frequencies, its own loop): not llmstep's code."""
+    import math
+
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wl:
+            out.append(1.0)
+        elif wavelen > low_wl:
+            out.append(s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append(1 / ((1 - smooth) / s.factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize(("head_dim", "theta", "factor", "original"), [(128, 500000.0, 8.0, 8192),
+                                                                       (64, 500000.0, 32.0, 8192)])
+def test_rope_freqs_from_llama_cpps_converter_give_transformers_frequencies_exactly(head_dim, theta, factor,
+                                                                                     original):
+    from transformers import LlamaConfig as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    s = RopeScaling(factor=factor, original_max_position_embeddings=original)  # Llama 3.1 / 3.2's
+    got = rope_scaling_of(converter_factors(head_dim, theta, s), head_dim, theta, "test")
+    hf = HFConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters={
+        "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    assert torch.equal(inv_frequencies(head_dim, theta, got), want.float())
+
+
+def test_a_llama3_file_without_add_bos_token_starts_text_with_bos_as_llama_cpp_does(tokenizer):
+    vocab = gguf_vocab(tokenizer, 300)
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",
+              "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": vocab["types"],
+              "tokenizer.ggml.merges": vocab["merges"], "tokenizer.ggml.bos_token_id": vocab["bos"]}
+    from llmstep.core.gguf_vocab import build_tokenizer
+
+    assert build_tokenizer(fields, "x").add_bos is True
+    assert build_tokenizer(fields | {"tokenizer.ggml.pre": "smollm"}, "x").add_bos is False
+    assert build_tokenizer(fields | {"tokenizer.ggml.add_bos_token": False}, "x").add_bos is False
+
+
+def test_a_saved_gguf_tokenizer_starts_with_bos_in_transformers_too(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    g = read_gguf(export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32"))
+    assert g.tokenizer.add_bos
+    g.tokenizer.save_dir(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert hf(SAMPLES[0])["input_ids"] == g.tokenizer.encode(SAMPLES[0])
+
+
+def test_kept_q4_blocks_with_a_nan_scale_are_refused(tmp_path, tokenizer):
+    path = write_gguf(tmp_path / "q.gguf", random_llama(), tokenizer, "Q4_1")
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    data = bytearray(path.read_bytes())
+    data[t.data_offset:t.data_offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()  # block 0's d
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFLoadError, match=r"blk.0.ffn_up.weight .* NaN or Inf scales"):
+        load_gguf(path, device="cpu", keep_quantized=True)
+    with pytest.raises(GGUFLoadError, match="blk.0.ffn_up.weight .* holds NaN"):
+        load_gguf(path, device="cpu")
+
+
+def test_odd_metadata_is_refused_by_name(tmp_path, tokenizer):
+    model = random_llama()
+    path = write_gguf(tmp_path / "none.gguf", model, tokenizer, "F32", tensors={})
+    with pytest.raises(GGUFLoadError, match="no token_embd.weight"):
+        read_gguf(path)
+    w = gguf.GGUFWriter(str(tmp_path / "heads.gguf"), "llama")
+    for key, value in {"block_count": 1, "embedding_length": 64, "attention.head_count": 7,
+                       "feed_forward_length": 96}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((300, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFLoadError, match="embedding_length 64 is not a multiple of llama.attention.head_count 7"):
+        read_gguf(tmp_path / "heads.gguf")
+
+
+def test_a_user_defined_token_spelled_like_an_end_of_turn_is_a_control_token_and_an_end(tokenizer):
+    from llmstep.core.gguf_vocab import USER_DEFINED, build_tokenizer
+
+    vocab = gguf_vocab(tokenizer, 300)
+    types = list(vocab["types"])
+    eot = vocab["tokens"].index("<|eot_id|>")
+    types[eot] = USER_DEFINED
+    t = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                         "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": types,
+                         "tokenizer.ggml.merges": vocab["merges"]}, "x")
+    assert eot in t.eos_ids and "<|eot_id|>" in t.special_tokens
