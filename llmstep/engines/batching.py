@@ -54,7 +54,7 @@ import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for
+from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for, check_pool
 from ..core.sampling import check_params, sample
 from .compile import Step, tunes_matmuls, warm_up
 from .decoding import (
@@ -292,6 +292,8 @@ class PagedBatcher:
                 check_int(value, name, low=1)
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        # Before any request: the block fits the context and a named pool the memory (None: sized per run, below)
+        check_pool(model.config, kv_blocks or 1, block_size, model.device, model.dtype)
         self.model, self.device, self.n_slots, self.block_size = model, model.device, n_slots, block_size
         self.kv_blocks, self.prefix_caching, self.prefill_chunk = kv_blocks, prefix_caching, prefill_chunk
         self.runner: PagedRunner | None = None
@@ -320,6 +322,7 @@ class PagedBatcher:
                 raise ValueError(f"request {i}: its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need "
                                  f"{need} blocks of {self.block_size} positions, the whole pool has {n_blocks}")
             jobs.append(Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)), plan, stops))
+        check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
         scheduler = BlockScheduler(jobs, self.n_slots, BlockManager(n_blocks, self.block_size, self.prefix_caching),
                                    self.prefill_chunk)
         with exclusive(self._lock, self):
