@@ -54,8 +54,12 @@ def save_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.
                 scalars.setdefault(str(index), {})[key] = value
     header = {"format_version": FORMAT_VERSION, "state": state, "aliases": aliases,
               "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars}}
-    with atomic_write(path) as tmp:
-        save_file(tensors, tmp, metadata={_STATE_KEY: json.dumps(header)})
+    try:
+        with atomic_write(path) as tmp:
+            save_file(tensors, tmp, metadata={_STATE_KEY: json.dumps(header)})
+    except SafetensorError as e:  # safetensors reports its write errors (ENOSPC, EFBIG) as its own type
+        raise OSError(f"{path}: the training checkpoint could not be written ({e}); the previous one, if any, "
+                      "is kept") from None
 
 
 def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -222,3 +222,21 @@ def test_a_tokenizer_file_that_is_not_json_is_named(tmp_path):
     with pytest.raises(SystemExit, match=rf"llmstep train: error: {bad} is not a valid tokenizer.json"):
         llmstep_main(["train", "--preset", "tiny", "--steps", "2", "--quiet", "--out", str(tmp_path / "run"),
                       "--tokenizer", str(bad), "--device", "cpu"])
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_os_error_naming_it(tmp_path):
+    import resource
+
+    from llmstep.shakespeare.train_state import save_train_state
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "ckpt.safetensors"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))  # a file-size limit (Python ignores SIGXFSZ): EFBIG
+    try:
+        with pytest.raises(OSError, match=r"ckpt.safetensors: the training checkpoint could not be written"):
+            save_train_state(path, model, optimizer, {"step": 1})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert list(tmp_path.iterdir()) == []  # no temporary file left
