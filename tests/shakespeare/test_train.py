@@ -296,3 +296,13 @@ def test_resume_validates_the_training_state_header(tmp_path, small_corpus, chan
     rewrite_checkpoint(tmp_path / "run", header=change)
     with pytest.raises(SystemExit, match=r"llmstep train: error: --resume: .*ckpt.safetensors: .*" + match):
         run(tmp_path / "run", small_corpus, "--resume")
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_corpus, monkeypatch):
+    real = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda step, cfg: real(step, cfg) if step < 2 else 1e30)  # blows up at 3
+    with pytest.raises(SystemExit, match=r"llmstep train: error: training diverged at step [34]: .*stopped without "
+                                         r"saving \(.*ckpt.safetensors keeps step 2\)"):
+        run(tmp_path / "run", small_corpus)
+    saved = checkpoint(tmp_path / "run")
+    assert saved["step"] == 2 and all(bool(torch.isfinite(w).all()) for w in saved["model"].values())
