@@ -82,10 +82,8 @@ def run_generate(args, argv) -> None:
                                      "run it in one process, without torchrun")
     if args.draft is not None:
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
-    try:
+    with parallel.leaving():  # the process group, if any, left as the command ended
         _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype), stream)
-    finally:
-        parallel.finish()
 
 
 def _generate(args, load_one, stream) -> None:
