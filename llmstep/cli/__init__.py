@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None):
     Under `torchrun --nproc-per-node N -m llmstep ...` every rank runs the command (tensor-parallel, see
     llmstep.core.parallel) and rank 0 alone prints: the other ranks' stdout and stderr go to os.devnull
     (LLMSTEP_DEBUG=1 keeps them)."""
-    if os.environ.get("RANK", "0") in ("", "0") or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    # Quiet only under torchrun (it sets RANK and WORLD_SIZE together): a stray RANK alone silences nothing.
+    torchrun_rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+    if torchrun_rank in ("", "0") or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         return _main(argv)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         return _main(argv)

@@ -353,3 +353,11 @@ def test_one_rank_is_the_model_itself_without_collectives(checkpoints, monkeypat
     torch.testing.assert_close(full(ids, cache=cf), tp(ids, cache=ct), rtol=0, atol=1e-6)
     torch.testing.assert_close(full(ids[:, :1], cache=cf), tp(ids[:, :1], cache=ct), rtol=0, atol=1e-6)
     assert tp.comm.calls == 0 and ct.nbytes == cf.nbytes
+
+
+def test_a_stray_rank_without_torchrun_silences_nothing(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")  # left over in a shell, or set by another launcher: no WORLD_SIZE
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", ""])
+    assert capsys.readouterr().err == "llmstep generate: error: the prompt is empty: give at least one character\n"
