@@ -121,3 +121,20 @@ def test_the_console_script_exits_0_after_a_command_that_returns_a_record():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr == ""
+
+
+def test_do_sample_false_in_generation_config_means_greedy(tmp_path, tiny_checkpoint, capsys):
+    import json
+    import shutil
+
+    model = tmp_path / "greedy-by-config"
+    shutil.copytree(tiny_checkpoint, model)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.9, "top_p": 0.9}))
+    argv = ["generate", "--model", str(model), "--prompt", "ab", "--max-new-tokens", "12", "--seed", "1"]
+    outputs = []
+    for extra in ([], ["--temperature", "0"], ["--temperature", "0.9"]):
+        cli.main(argv + extra)
+        outputs.append(capsys.readouterr().out)
+    by_config, greedy, sampled = outputs
+    assert by_config == greedy  # the file's do_sample: false wins over its temperature, as in transformers
+    assert sampled != greedy  # a --temperature given on the command line still samples
