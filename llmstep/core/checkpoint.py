@@ -343,6 +343,7 @@ def check_files(path: str | os.PathLike | None) -> tuple[Path, LlamaConfig, Toke
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary is {config.vocab_size}")
+    tokenizer.padded_vocab_size = config.vocab_size  # ids past the tokenizer's, up to this, decode to nothing
     return path, config, tokenizer
 
 

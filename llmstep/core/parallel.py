@@ -406,4 +406,5 @@ def load(path: str | os.PathLike | None = None, group=None, device=None, dtype=N
         if tokenizer.vocab_size > config.vocab_size:
             raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
                                   f"but the model's vocabulary is {config.vocab_size}")
+        tokenizer.padded_vocab_size = config.vocab_size  # as checkpoint.check_files
     return load_sharded(path, group, device, dtype), tokenizer
