@@ -91,6 +91,12 @@ class Request:
     arrival: int = 0
 
 
+# The latest arrival step a run takes. Each engine step before it is recorded (a timeline row, shared by idle
+# steps: ~24 bytes a step), so 10**6 steps cost ~24 MB and a few milliseconds; a workload whose requests come
+# further apart is one with a lower rate than any batching measures.
+MAX_ARRIVAL_STEP = 10**6
+
+
 def check_request(i: int, r: Request, vocab_size: int, limit: int) -> tuple[list[int], set[int]]:
     """Request i checked against sequences of `limit` positions: its prompt ids and stop ids (each read once:
     either may be a one-shot iterator). A bad one raises a ValueError that starts with its index."""
@@ -100,6 +106,9 @@ def check_request(i: int, r: Request, vocab_size: int, limit: int) -> tuple[list
         check_seed(r.seed)
         if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
             raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
+        if r.arrival > MAX_ARRIVAL_STEP:
+            raise ValueError(f"arrival step {r.arrival:,} is past the {MAX_ARRIVAL_STEP:,} steps a run records "
+                             "(every step, idle ones too, is a row of its timeline): compress the idle time")
         stops = stop_id_set(r.stop_ids, vocab_size)
         ids = check_prompt_ids(r.prompt_ids, vocab_size, limit, room="a batch slot's length")
     except ValueError as e:
@@ -246,12 +255,13 @@ class ContinuousBatcher:
         run = scheduler.run
         run.seconds = time.perf_counter() - start
         nonfinite.check()
+        busy = run.busy_slots()  # (busy slots, steps) per distinct row
         run.kv_stats = {"block_size": self.max_len, "blocks_total": self.n_slots,  # a slot is one max_len block
-                        "peak_blocks_used": max((sum(i >= 0 for i in row) for row in run.timeline), default=0),
+                        "peak_blocks_used": max((b for b, _ in busy), default=0),
                         "prefix_hit_tokens": 0, "preemptions": 0,
                         "prefill_tokens": sum(len(run.completions[i].prompt_ids) for _, _, i in run.prefills
                                              if run.completions[i].tokens),  # a request for 0 has no prefill
-                        "decode_tokens": sum(i >= 0 for row in run.timeline for i in row)}
+                        "decode_tokens": sum(b * n for b, n in busy)}
         return run
 
 
