@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 
 from . import bench, export, model, shakespeare
 
@@ -94,7 +96,8 @@ def _main(argv: list[str] | None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args, argv)
+        with _sigterm_raises():
+            return args.run(args, argv)
     except KeyboardInterrupt:
         print(f"llmstep {args.command}: interrupted", file=sys.stderr)
         raise CommandFailed(f"llmstep {args.command}: interrupted", 130) from None
@@ -112,6 +115,31 @@ def _main(argv: list[str] | None):
                 f"report it with the command to {REPORT_TO} ({DEBUG_ENV}=1 shows the traceback)")
         print(line, file=sys.stderr)
         raise CommandFailed(line, 1) from None
+    except Terminated:  # after the library's cleanup ran (a half-written file's temporary removed)
+        print(f"llmstep {args.command}: terminated", file=sys.stderr)
+        raise CommandFailed(f"llmstep {args.command}: terminated", 128 + signal.SIGTERM) from None
+
+
+class Terminated(BaseException):
+    """SIGTERM (`kill`, a job scheduler, torchrun stopping its ranks), raised in the main thread so that every
+    `finally` runs (atomic writes remove their temporary file) and the command ends with one line, exit 143.
+    A BaseException, as KeyboardInterrupt is: no `except Exception` in the library swallows it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def console() -> None:
