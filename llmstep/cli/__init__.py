@@ -96,6 +96,7 @@ def _main(argv: list[str] | None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
+        _check_tensor_parallel(args.command)
         with _sigterm_raises():
             return args.run(args, argv)
     except KeyboardInterrupt:
@@ -118,6 +119,18 @@ def _main(argv: list[str] | None):
     except Terminated:  # after the library's cleanup ran (a half-written file's temporary removed)
         print(f"llmstep {args.command}: terminated", file=sys.stderr)
         raise CommandFailed(f"llmstep {args.command}: terminated", 128 + signal.SIGTERM) from None
+
+
+# The commands that run tensor-parallel under torchrun (llmstep.core.parallel); any other would run once per rank,
+# each rank doing the whole work again (and writing the same files at once), so it is refused there.
+TENSOR_PARALLEL = ("generate", "bench")
+
+
+def _check_tensor_parallel(command: str) -> None:
+    world = os.environ.get("WORLD_SIZE", "1") if "RANK" in os.environ else "1"
+    if command not in TENSOR_PARALLEL and world not in ("", "1"):
+        raise ValueError(f"{command} does not run tensor-parallel (only {' and '.join(TENSOR_PARALLEL)} do): run it "
+                         f"in one process, without torchrun (here WORLD_SIZE is {world})")
 
 
 class Terminated(BaseException):

@@ -361,3 +361,17 @@ def test_a_stray_rank_without_torchrun_silences_nothing(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["generate", "--prompt", ""])
     assert capsys.readouterr().err == "llmstep generate: error: the prompt is empty: give at least one character\n"
+
+
+@pytest.mark.parametrize("argv", [["info", "--preset", "llama-3.2-1b"], ["export", "--gguf", "x.gguf"],
+                                  ["train", "--preset", "tiny", "--steps", "1", "--out", "run"]])
+def test_commands_without_tensor_parallelism_are_refused_under_torchrun(monkeypatch, capsys, tmp_path, argv):
+    monkeypatch.chdir(tmp_path)  # where a command that ran anyway would write
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"llmstep {argv[0]}: error: {argv[0]} does not run tensor-parallel (only "
+                                       "generate and bench do): run it in one process, without torchrun (here "
+                                       "WORLD_SIZE is 2)\n")
