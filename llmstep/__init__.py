@@ -19,6 +19,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
     parallel.py    tensor parallelism on torch.distributed: sharded linears, vocabulary-parallel embedding and
                    head, shard(model, group), per-rank slice loading (torchrun -m llmstep, notebook 11)
+    process_group.py  torchrun's process group: a bounded collective timeout, one rank's error agreed by all
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     gguf_load.py   read a GGUF file (llama.cpp's reader): shape, weights dequantized or Q4 kept as int4, tokenizer
     gguf_vocab.py  a GGUF file's tokenizer rebuilt for `tokenizers`, with llama.cpp's split rules and ids

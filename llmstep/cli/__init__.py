@@ -33,7 +33,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 
 from . import bench, export, hub, model, shakespeare
 
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None):
     Under `torchrun --nproc-per-node N -m llmstep ...` every rank runs the command (tensor-parallel, see
     llmstep.core.parallel) and rank 0 alone prints: the other ranks' stdout and stderr go to os.devnull
     (LLMSTEP_DEBUG=1 keeps them)."""
-    if os.environ.get("RANK", "0") in ("", "0") or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    # Quiet only under torchrun (it sets RANK and WORLD_SIZE together): a stray RANK alone silences nothing.
+    torchrun_rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+    if torchrun_rank in ("", "0") or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         return _main(argv)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         return _main(argv)
@@ -96,7 +100,9 @@ def _main(argv: list[str] | None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args, argv)
+        _check_tensor_parallel(args.command)
+        with _sigterm_raises():
+            return args.run(args, argv)
     except KeyboardInterrupt:
         print(f"llmstep {args.command}: interrupted", file=sys.stderr)
         raise CommandFailed(f"llmstep {args.command}: interrupted", 130) from None
@@ -118,6 +124,43 @@ def _main(argv: list[str] | None):
                 f"report it with the command to {REPORT_TO} ({DEBUG_ENV}=1 shows the traceback)")
         print(line, file=sys.stderr)
         raise CommandFailed(line, 1) from None
+    except Terminated:  # after the library's cleanup ran (a half-written file's temporary removed)
+        print(f"llmstep {args.command}: terminated", file=sys.stderr)
+        raise CommandFailed(f"llmstep {args.command}: terminated", 128 + signal.SIGTERM) from None
+
+
+# The commands that run tensor-parallel under torchrun (llmstep.core.parallel); any other would run once per rank,
+# each rank doing the whole work again (and writing the same files at once), so it is refused there.
+TENSOR_PARALLEL = ("generate", "bench")
+
+
+def _check_tensor_parallel(command: str) -> None:
+    world = os.environ.get("WORLD_SIZE", "1") if "RANK" in os.environ else "1"
+    if command not in TENSOR_PARALLEL and world not in ("", "1"):
+        raise ValueError(f"{command} does not run tensor-parallel (only {' and '.join(TENSOR_PARALLEL)} do): run it "
+                         f"in one process, without torchrun (here WORLD_SIZE is {world})")
+
+
+class Terminated(BaseException):
+    """SIGTERM (`kill`, a job scheduler, torchrun stopping its ranks), raised in the main thread so that every
+    `finally` runs (atomic writes remove their temporary file) and the command ends with one line, exit 143.
+    A BaseException, as KeyboardInterrupt is: no `except Exception` in the library swallows it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set a handler
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def console() -> None:

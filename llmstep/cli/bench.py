@@ -219,7 +219,7 @@ def _run_bench_tp(args, argv) -> dict:
     if args.json:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
     _set_threads(args.threads)
-    try:
+    with parallel.leaving():  # the process group left as the command ended
         group = parallel.init_from_environment(args.device)
         model, source = bench_tp.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed, group)
@@ -231,8 +231,6 @@ def _run_bench_tp(args, argv) -> dict:
         if model.split.rank == 0:
             _write_json(args.json, record)
         return record
-    finally:
-        parallel.finish()
 
 
 def run_peer_bench(args, argv) -> dict:

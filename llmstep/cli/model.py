@@ -15,7 +15,7 @@ from .args import check_draft, nonneg_float, nonneg_int, positive_int, probabili
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=nonneg_int, default=200)
     p.add_argument("--temperature", type=nonneg_float, default=None,
-                   help="0 = greedy (default: generation_config.json, else 0.8)")
+                   help="0 = greedy (default: generation_config.json, 0 if it says do_sample: false; else 0.8)")
     p.add_argument("--top-k", type=nonneg_int, default=None, help="0 = off (default: generation_config.json, else 0)")
     p.add_argument("--top-p", type=probability, default=None,
                    help="1 = off (default: generation_config.json, else 0.95)")
@@ -90,16 +90,16 @@ def run_generate(args, argv) -> None:
                                      "run it in one process, without torchrun")
     if args.draft is not None:
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
-    try:
+    with parallel.leaving():  # the process group, if any, left as the command ended
         _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype,
                                      keep_quantized=args.keep_quantized), stream)
-    finally:
-        parallel.finish()
 
 
 def _generate(args, load_one, stream) -> None:
     model, tokenizer, seed = load_for_command(args, load_one)
     defaults = getattr(model, "generation_config", {}) or {}
+    if defaults.get("do_sample") is False:  # transformers' rule: greedy, whatever temperature the file also gives
+        defaults = defaults | {"temperature": 0.0}
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
     top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)

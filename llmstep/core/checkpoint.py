@@ -145,6 +145,9 @@ def _read_headers(path: Path, files: dict[str, list[str]]
                   ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], dict[str, dict]]:
     """Tensor name -> (file, shape, dtype), and file -> its header's metadata, checking each file's header and
     size without reading data."""
+    # The safetensors library's own bound on a header (MAX_HEADER_SIZE in its src/tensor.rs): no file it writes
+    # or reads has a longer one, so a longer declared length is refused before it costs memory.
+    max_header_bytes = 100_000_000
     found: dict[str, tuple[str, tuple[int, ...], str]] = {}
     metadata: dict[str, dict] = {}
     for file, listed in files.items():
@@ -155,6 +158,9 @@ def _read_headers(path: Path, files: dict[str, list[str]]
                 header_len = int.from_bytes(fh.read(8), "little")
                 if size < 8 or header_len > size - 8:
                     raise CheckpointError(f"{fpath}: truncated or not a safetensors file (header runs past the end)")
+                if header_len > max_header_bytes:  # judged before a byte of it is read
+                    raise CheckpointError(f"{fpath}: declares a {header_len:,}-byte header; safetensors allows at "
+                                          f"most {max_header_bytes:,}: not a safetensors file, or a corrupt one")
                 header = parse_json(fh.read(header_len), f"{fpath}'s header", CheckpointError)
             tensors = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][1])
                        for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
@@ -342,6 +348,7 @@ def check_files(path: str | os.PathLike | None) -> tuple[Path, LlamaConfig, Toke
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary is {config.vocab_size}")
+    tokenizer.padded_vocab_size = config.vocab_size  # ids past the tokenizer's, up to this, decode to nothing
     return path, config, tokenizer
 
 

@@ -7,6 +7,13 @@ a reader, or a program interrupted at any point, sees the old file or the new on
 A set of files that must change together (a checkpoint: config.json and its weights) is written whole into a
 new sibling directory that then takes the old one's place (`replace_dir`): in one atomic exchange where the
 system has one (Linux's renameat2), else in two renames undone if the second fails.
+
+What an output path may be: a new name or an existing regular file. An existing target that is anything else (a
+directory, a device such as /dev/null, a FIFO or `>(process substitution)`, a socket) is refused before any work
+(`check_output_path`) and again by the write itself, so the rename never turns a device into a file. A symlink is
+written through: the file it points to is replaced and the link stays a link (as `>` in a shell does). The
+temporary file is removed when the write is interrupted by an exception, Ctrl-C, or SIGTERM (the CLI turns SIGTERM
+into an exception so that this cleanup runs).
 """
 
 from __future__ import annotations
@@ -17,13 +24,37 @@ import errno
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "check_output_path",
-           "fsync_dir", "replace_dir", "default_mode"]
+           "fsync_dir", "replace_dir", "default_mode", "write_target"]
+
+_KINDS = ((stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (a named or anonymous pipe)"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def write_target(path: str | os.PathLike, what: str = "output") -> Path:
+    """The path a write to `path` replaces: `path` itself, or, for a symlink, the file it points to (written
+    through; a dangling link creates its target). Raises ValueError if that is an existing non-regular file."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: /dev/fd/63 from >(jq .) is the pipe
+    except (FileNotFoundError, NotADirectoryError):  # a new name (or one under a file, refused by the caller)
+        mode = None
+    except OSError as e:
+        raise ValueError(f"{what} path {path}: cannot inspect it ({e.strerror})") from None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise ValueError(f"{what} path {path} is a directory; give a file name")
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        raise ValueError(f"{what} path {path} is {kind}; llmstep writes only new or regular files "
+                         f"(a write replaces the file, which would turn it into a regular file)")
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def default_mode(directory: bool = False) -> int:
@@ -54,6 +85,7 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file name to write")
+    path = write_target(path, "write")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -89,12 +121,11 @@ def atomic_write_json(path: str | os.PathLike, obj, **dumps_kwargs) -> Path:
 
 
 def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
-    """Refuse, before any work, an output path that cannot be written: a directory, a file whose parent is a file,
-    or a directory that is not writable. The parent directory is created if missing. Returns the path."""
+    """Refuse, before any work, an output path that cannot be written: a directory, a device, FIFO or socket, a
+    file whose parent is a file, or a directory that is not writable. The parent directory is created if missing.
+    Returns the path (a symlink is written through, so its target's directory is the one checked)."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{what} path {path} is a directory; give a file name")
-    parent = path.parent
+    parent = write_target(path, what).parent
     for p in (parent, *parent.parents):
         if p.exists():
             if not p.is_dir():

@@ -42,7 +42,12 @@ from .attention import attention
 from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
 
-__all__ = ["BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "gather_blocks", "attend_by_hand"]
+__all__ = ["BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "check_pool", "gather_blocks",
+           "attend_by_hand"]
+
+# What BlockManager keeps per block, in Python objects: a `ref` list slot (8 bytes), a `free` deque slot (8) and
+# one int object (28), rounded up. Counted with the tensors so that the bookkeeping is never built unchecked.
+BOOKKEEPING_BYTES_PER_BLOCK = 64
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
@@ -58,6 +63,24 @@ def block_key(parent: bytes | None, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def _check_sizes(n_blocks, block_size) -> None:
+    for name, value in (("kv_blocks", n_blocks), ("block_size", block_size)):
+        if not hasattr(value, "__index__") or isinstance(value, bool) or operator.index(value) <= 0:
+            raise ValueError(f"a paged KV cache needs a positive integer {name}, got {value!r}")
+
+
+def check_pool(config: LlamaConfig, n_blocks: int, block_size: int, device, dtype: torch.dtype) -> None:
+    """Refuse a pool before anything of it is built (its bookkeeping included): sizes that are not positive
+    integers, a block longer than the model's context (no sequence could fill it), or a pool that the device's
+    free memory cannot hold."""
+    _check_sizes(n_blocks, block_size)
+    if block_size > config.max_seq_len:
+        raise ValueError(f"block_size {block_size} is longer than the model's context ({config.max_seq_len} "
+                         f"positions): no sequence could fill one block; choose at most {config.max_seq_len}")
+    check_fits(kv_cache_bytes(config, n_blocks, block_size, dtype) + n_blocks * BOOKKEEPING_BYTES_PER_BLOCK,
+               device, f"a paged KV cache of {n_blocks:,} blocks x {block_size} positions ({dtype})")
+
+
 class BlockManager:
     """The block pool's bookkeeping: which block is free, who holds it, and which full blocks are cached.
 
@@ -66,9 +89,7 @@ class BlockManager:
     """
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = False):
-        for name, value in (("kv_blocks", n_blocks), ("block_size", block_size)):
-            if not hasattr(value, "__index__") or isinstance(value, bool) or operator.index(value) <= 0:
-                raise ValueError(f"a paged KV cache needs a positive integer {name}, got {value!r}")
+        _check_sizes(n_blocks, block_size)  # the pool's memory: check_pool, before this is built
         self.n_blocks, self.block_size, self.prefix_caching = int(n_blocks), int(block_size), prefix_caching
         self.ref = [0] * self.n_blocks
         self.free: deque[int] = deque(range(self.n_blocks))  # never used, or evicted: no key
@@ -147,11 +168,9 @@ class PagedKVCache:
     slots, slot b * block_size + j being slot j of block b. One flattened row [1, N] per forward (`plan`)."""
 
     def __init__(self, config: LlamaConfig, n_blocks: int, block_size: int = 16, device=None, dtype=torch.float32):
-        BlockManager(n_blocks, block_size)  # the same checks, before anything is allocated
         dtype = torch.get_default_dtype() if dtype is None else dtype
         device = torch.get_default_device() if device is None else device
-        check_fits(kv_cache_bytes(config, n_blocks, block_size, dtype), device,
-                   f"a paged KV cache of {n_blocks} blocks x {block_size} positions ({dtype})")
+        check_pool(config, n_blocks, block_size, device, dtype)
         self.block_size, self.n_blocks = block_size, n_blocks
         shape = (n_blocks * block_size, config.n_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]

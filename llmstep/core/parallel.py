@@ -18,13 +18,14 @@ rank's slices of each safetensors tensor (`safe_open(...).get_slice`): no rank h
 model class is unchanged: the modules are swapped and the instance's class becomes TensorParallelLlama (as
 FSDP2's fully_shard does), whose one difference is a KV cache of this rank's heads (a per-rank config).
 Run it under `torchrun --nproc-per-node N` (gloo on a CPU, NCCL on CUDA GPUs): every rank runs the same
-loop on the same (all-gathered) logits, so with one seed (`agree_seed`) all ranks pick the same tokens.
+loop on the same (all-gathered) logits, so with one seed (`agree_seed`) all ranks pick the same tokens. The
+process group itself (joining it with a bounded timeout, agreeing on a rank's error) is process_group.py: a
+load that fails on one rank (its slice of a weight holds a NaN) fails on every rank, with that rank's message.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,19 +39,30 @@ from torch import nn
 from .checkpoint import CheckpointError, read_generation_config, read_quant_config, resolve_model_path, validate
 from .config import LlamaConfig
 from .cost import check_fits
-from .device import resolve_device, resolve_dtype, synchronize
+from .device import resolve_dtype, synchronize
 from .kv_cache import KVCache
 from .model import Llama, materialize
+from .process_group import (
+    ParallelError,
+    RankFailed,
+    agree_seed,
+    agreeing,
+    finish,
+    init_from_environment,
+    launched_by_torchrun,
+    launched_world_size,
+    leaving,
+    peer_failure,
+    rank_device,
+    timeout_seconds,
+)
 from .tokens import Tokenizer
 
 __all__ = ["ParallelError", "Split", "CommStats", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "ParallelLMHead", "TensorParallelLlama", "check_split", "split", "rank_slices",
            "build_rank_model", "shard", "load_sharded", "load", "launched_by_torchrun", "launched_world_size",
-           "init_from_environment", "rank_device", "agree_seed", "finish", "is_sharded"]
-
-
-class ParallelError(ValueError):
-    """A model that cannot be split over this many ranks, or a setting tensor parallelism does not take."""
+           "init_from_environment", "rank_device", "agree_seed", "finish", "is_sharded", "RankFailed", "leaving",
+           "peer_failure", "timeout_seconds"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,15 +319,33 @@ def load_sharded(path: str | os.PathLike | None = None, group=None, device=None,
     """This rank's shard of a float checkpoint, read slice by slice from its safetensors files: a rank reads
     (and holds) about 1/N of the layers' bytes plus the replicated norms; `model.bytes_read` says how many.
 
-    The world size is checked against the heads from config.json before any weight is read."""
+    The world size is checked against the heads from config.json before any weight is read. Every rank reads its
+    own slices and then agrees with the others (process_group.agreeing): one rank's error is every rank's."""
+    rank, world = _rank_world(group)
+    with agreeing(group):
+        path, config, s, state, read, generation_config, both = _read_shard(path, rank, world, device, dtype)
+    if both:  # as load_model: tied only when the file's head equals the embedding, on every rank's slice
+        same = torch.tensor([int(torch.equal(state["output.weight"], state["tok_embeddings.weight"]))])
+        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+        if same.item():
+            del state["output.weight"]
+        else:
+            config = config.replace(tie_embeddings=False)
+    model = build_rank_model(config, s, state, group, generation_config)
+    model.bytes_read = read
+    return model
+
+
+def _read_shard(path, rank: int, world: int, device, dtype):
+    """load_sharded's local work, no collective: check the files, read this rank's slices -> (path, config,
+    split, state, bytes read, generation config, whether a tied config's file also holds a head)."""
     path = resolve_model_path(path)
     if path.is_file():
-        raise ParallelError(f"{path} is a GGUF file; tensor parallelism reads Hugging Face checkpoints slice by slice: "
-                            "load it in one process, or write it as one with llmstep.save")
+        raise ParallelError(f"{path} is a GGUF file; tensor parallelism reads Hugging Face checkpoints slice by "
+                            "slice: load it in one process, or write it as one with llmstep.save")
     config = LlamaConfig.from_hf(path)
     if read_quant_config(path) is not None:
         raise ParallelError(f"{path} is quantised; tensor parallelism in llmstep splits float checkpoints only")
-    rank, world = _rank_world(group)
     s = split(config, rank, world)  # refuses a world size that cannot split the model, before reading weights
     device = rank_device(device)
     dtype = resolve_dtype(dtype, device, config.torch_dtype)
@@ -349,16 +379,7 @@ def load_sharded(path: str | os.PathLike | None = None, group=None, device=None,
                         else t
     except (SafetensorError, OSError, RuntimeError) as e:
         raise CheckpointError(f"{path}: could not read the weights ({e})") from None
-    if both:  # as load_model: tied only when the file's head equals the embedding, on every rank's slice
-        same = torch.tensor([int(torch.equal(state["output.weight"], state["tok_embeddings.weight"]))])
-        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
-        if same.item():
-            del state["output.weight"]
-        else:
-            config = config.replace(tie_embeddings=False)
-    model = build_rank_model(config, s, state, group, generation_config)
-    model.bytes_read = read
-    return model
+    return path, config, s, state, read, generation_config, both
 
 
 def _slice_numel(shape: tuple[int, ...], sl: tuple[int, int, int] | None) -> int:
@@ -379,68 +400,17 @@ def _read_slice(view, sl: tuple[int, int, int] | None) -> torch.Tensor:
 def load(path: str | os.PathLike | None = None, group=None, device=None, dtype=None
          ) -> tuple[TensorParallelLlama, Tokenizer]:
     """(this rank's model, tokenizer): `llmstep.load` tensor-parallel. Config and tokenizer are checked first."""
-    path = resolve_model_path(path)
-    if path.is_file():
-        load_sharded(path)  # refuses a GGUF file, naming why
-    config = LlamaConfig.from_hf(path)
-    check_split(config, _rank_world(group)[1])
-    tokenizer = Tokenizer.from_dir(path)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
-                              f"but the model's vocabulary is {config.vocab_size}")
+    world = _rank_world(group)[1]
+    with agreeing(group):
+        path = resolve_model_path(path)
+        if path.is_file():
+            raise ParallelError(f"{path} is a GGUF file; tensor parallelism reads Hugging Face checkpoints slice by "
+                                "slice: load it in one process, or write it as one with llmstep.save")
+        config = LlamaConfig.from_hf(path)
+        check_split(config, world)
+        tokenizer = Tokenizer.from_dir(path)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
+                                  f"but the model's vocabulary is {config.vocab_size}")
+        tokenizer.padded_vocab_size = config.vocab_size  # as checkpoint.check_files
     return load_sharded(path, group, device, dtype), tokenizer
-
-
-# --------------------------------------------------------------------------------------------------
-# The process group, as torchrun sets it up
-# --------------------------------------------------------------------------------------------------
-
-
-def launched_by_torchrun() -> bool:
-    """True in a process torchrun started (it sets RANK and WORLD_SIZE), even with --nproc-per-node 1."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def launched_world_size() -> int:
-    """The number of processes torchrun started (its WORLD_SIZE), 1 outside torchrun."""
-    value = os.environ.get("WORLD_SIZE", "1")
-    if not value.isdigit() or int(value) < 1:
-        raise ParallelError(f"WORLD_SIZE is {value!r}; torchrun sets it to the number of processes")
-    return int(value)
-
-
-def rank_device(device=None) -> torch.device:
-    """The device this rank runs on: a CUDA rank takes GPU LOCAL_RANK (one GPU per process); else `device`."""
-    dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is None and dist.is_initialized():
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if dev.type == "mps":
-        raise ParallelError("tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not on MPS")
-    return dev
-
-
-def init_from_environment(device=None):
-    """Join torchrun's process group (gloo on a CPU, NCCL on CUDA) once; return the world group."""
-    dev = resolve_device(device)
-    if not dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-    return dist.group.WORLD
-
-
-def finish() -> None:
-    """Leave the process group, if this process joined one (the end of a torchrun command)."""
-    if dist.is_initialized():
-        dist.barrier()  # a rank that tears its group down while another still talks to it aborts (gloo)
-        dist.destroy_process_group()
-
-
-def agree_seed(seed: int | None, group=None, device: torch.device | str = "cpu") -> int | None:
-    """The seed every rank samples with: `seed` itself, or (None) one drawn on rank 0 and broadcast, so that
-    the ranks, sampling from the same logits, pick the same tokens."""
-    if seed is not None:
-        return seed
-    drawn = torch.tensor([random.SystemRandom().randrange(2**63)], dtype=torch.long, device=device)
-    dist.broadcast(drawn, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return int(drawn.item())

@@ -161,13 +161,17 @@ class Tokenizer:
         return self._plain
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Ids (a list, or a tensor/array) -> text. An id outside the vocabulary is refused by value."""
+        """Ids (a list, or a tensor/array) -> text. A model's vocabulary may be padded past its tokenizer's (to a
+        multiple of 64 or 128, for fast matmuls): an id in that padding (`padded_vocab_size`, set by the loader
+        from config.json) decodes to nothing, as Hugging Face tokenizers decode an id they lack, so a generation
+        that samples one keeps its text. An id outside even the padded vocabulary is refused by value."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or a numpy array
         ids = ids if isinstance(ids, list) else [ids]  # a 0-d tensor
-        bad = next((i for i in ids if not (_is_id(i) and i < self.vocab_size)), None)
+        padded = max(getattr(self, "padded_vocab_size", 0), self.vocab_size)
+        bad = next((i for i in ids if not (_is_id(i) and i < padded)), None)
         if bad is not None:
-            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{self.vocab_size - 1}")
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{padded - 1}")
+        return self.tok.decode([int(i) for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
     def pieces(self, text: str) -> list[str]:
         """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""
@@ -363,6 +367,9 @@ class StreamDecoder:
     def step(self, token_id: int) -> str:
         """The new text this id completes ('' while a character is still incomplete)."""
         self._ids.append(int(token_id))
+        if token_id >= self.tokenizer.vocab_size:  # padding past the tokenizer's ids: nothing, as decode gives
+            self.tokenizer.decode([token_id])  # ... but an id past the padding too is refused, by decode's rule
+            return ""
         text = self._stream.step(self.tokenizer.tok, int(token_id)) or ""
         self._emitted += len(text)
         return text

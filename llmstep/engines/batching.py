@@ -54,7 +54,7 @@ import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for
+from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for, check_pool
 from ..core.sampling import check_params, sample
 from .compile import Step, tunes_matmuls, warm_up
 from .decoding import (
@@ -91,6 +91,12 @@ class Request:
     arrival: int = 0
 
 
+# The latest arrival step a run takes. Each engine step before it is recorded (a timeline row, shared by idle
+# steps: ~24 bytes a step), so 10**6 steps cost ~24 MB and a few milliseconds; a workload whose requests come
+# further apart is one with a lower rate than any batching measures.
+MAX_ARRIVAL_STEP = 10**6
+
+
 def check_request(i: int, r: Request, vocab_size: int, limit: int) -> tuple[list[int], set[int]]:
     """Request i checked against sequences of `limit` positions: its prompt ids and stop ids (each read once:
     either may be a one-shot iterator). A bad one raises a ValueError that starts with its index."""
@@ -100,6 +106,9 @@ def check_request(i: int, r: Request, vocab_size: int, limit: int) -> tuple[list
         check_seed(r.seed)
         if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
             raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
+        if r.arrival > MAX_ARRIVAL_STEP:
+            raise ValueError(f"arrival step {r.arrival:,} is past the {MAX_ARRIVAL_STEP:,} steps a run records "
+                             "(every step, idle ones too, is a row of its timeline): compress the idle time")
         stops = stop_id_set(r.stop_ids, vocab_size)
         ids = check_prompt_ids(r.prompt_ids, vocab_size, limit, room="a batch slot's length")
     except ValueError as e:
@@ -246,12 +255,13 @@ class ContinuousBatcher:
         run = scheduler.run
         run.seconds = time.perf_counter() - start
         nonfinite.check()
+        busy = run.busy_slots()  # (busy slots, steps) per distinct row
         run.kv_stats = {"block_size": self.max_len, "blocks_total": self.n_slots,  # a slot is one max_len block
-                        "peak_blocks_used": max((sum(i >= 0 for i in row) for row in run.timeline), default=0),
+                        "peak_blocks_used": max((b for b, _ in busy), default=0),
                         "prefix_hit_tokens": 0, "preemptions": 0,
                         "prefill_tokens": sum(len(run.completions[i].prompt_ids) for _, _, i in run.prefills
                                              if run.completions[i].tokens),  # a request for 0 has no prefill
-                        "decode_tokens": sum(i >= 0 for row in run.timeline for i in row)}
+                        "decode_tokens": sum(b * n for b, n in busy)}
         return run
 
 
@@ -292,6 +302,8 @@ class PagedBatcher:
                 check_int(value, name, low=1)
         if not isinstance(prefix_caching, bool):
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        # Before any request: the block fits the context and a named pool the memory (None: sized per run, below)
+        check_pool(model.config, kv_blocks or 1, block_size, model.device, model.dtype)
         self.model, self.device, self.n_slots, self.block_size = model, model.device, n_slots, block_size
         self.kv_blocks, self.prefix_caching, self.prefill_chunk = kv_blocks, prefix_caching, prefill_chunk
         self.runner: PagedRunner | None = None
@@ -320,6 +332,7 @@ class PagedBatcher:
                 raise ValueError(f"request {i}: its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need "
                                  f"{need} blocks of {self.block_size} positions, the whole pool has {n_blocks}")
             jobs.append(Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)), plan, stops))
+        check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
         scheduler = BlockScheduler(jobs, self.n_slots, BlockManager(n_blocks, self.block_size, self.prefix_caching),
                                    self.prefill_chunk)
         with exclusive(self._lock, self):

@@ -110,10 +110,9 @@ class FastDecoder:
         self._allocate(cache_len(1, 0, model.config.max_seq_len, rounding=CACHE_ROUNDING) if max_len is None
                        else check_max_len(max_len, model.config.max_seq_len))
 
-    def _allocate(self, max_len: int) -> None:
-        self.max_len = max_len
-        device = self.device
-        self.cache = self.net.new_cache(batch_size=1, max_len=max_len)  # per layer k, v: [1, n_kv, max_len, hd]
+    def _allocate(self, max_len: int) -> None:  # the cache first: if memory refuses it, nothing here has changed
+        cache = self.net.new_cache(batch_size=1, max_len=max_len)  # per layer k, v: [1, n_kv, max_len, hd]
+        self.max_len, self.cache, device = max_len, cache, self.device
         # The run's state on the device, at fixed addresses: a CUDA graph reads and writes them in place.
         self._history = torch.zeros(max_len + 1, dtype=torch.long, device=device)  # [max_len+1]: token at position p
         self._position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]: the pending token's position
@@ -300,11 +299,9 @@ class FastSpeculator:
         self._allocate(cache_len(1, 1, self.limit, reserve=k, rounding=CACHE_ROUNDING) if max_len is None
                        else check_max_len(max_len, self.limit, low=k + 2))
 
-    def _allocate(self, max_len: int) -> None:
-        self.max_len = max_len
-        # per layer k, v: [1, n_kv, max_len, hd], each model its own
-        self.target_cache = self.target.new_cache(batch_size=1, max_len=max_len)
-        self.draft_cache = self.draft.new_cache(batch_size=1, max_len=max_len)
+    def _allocate(self, max_len: int) -> None:  # the caches first: if memory refuses one, nothing has changed
+        caches = [m.new_cache(batch_size=1, max_len=max_len) for m in (self.target, self.draft)]
+        self.max_len, (self.target_cache, self.draft_cache) = max_len, caches  # per layer k, v: [1, n_kv, max_len, hd]
         d, t = self.draft_cache.buffers, self.target_cache.buffers
         compile, mode = self._compile, self._mode
         tune_d, tune_t = tunes_matmuls(self.draft), tunes_matmuls(self.target)

@@ -28,6 +28,8 @@ whose cache catches up with what it knows gets its next token. Tests drive it wi
 
 from __future__ import annotations
 
+import collections
+import itertools
 import math
 import statistics
 import time
@@ -107,11 +109,18 @@ class BatchRun:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else math.nan
 
+    def busy_slots(self) -> list[tuple[int, int]]:
+        """(slots serving a request, how many steps had that row) for each distinct timeline row: idle steps
+        share one row object, so a run with a million idle steps costs a few distinct rows here, not a loop."""
+        steps = collections.Counter(map(id, self.timeline))
+        rows = dict(zip(map(id, self.timeline), self.timeline, strict=True))
+        return [(sum(i >= 0 for i in rows[key]), n) for key, n in steps.items()]
+
     @property
     def slot_utilisation(self) -> float:
         """The share of decode-step rows that served a request rather than a free slot."""
-        rows = [i for step in self.timeline for i in step]
-        return sum(i >= 0 for i in rows) / len(rows) if rows else math.nan
+        rows = len(self.timeline) * self.n_slots
+        return sum(busy * n for busy, n in self.busy_slots()) / rows if rows else math.nan
 
     def summary(self) -> dict:
         lat = [c.latency_steps for c in self.completions]
@@ -171,11 +180,12 @@ class Scheduler:
 
     def begin_step(self) -> None:
         """Skip the steps in which nothing runs and nobody arrives (recorded idle), then let arrivals in."""
-        while not self.queue and not any(self.slots) and self.arrivals[0].completion.arrival > self.step:
-            self.run.timeline.append([-1] * len(self.slots))  # nothing to do until the next request arrives
-            self.run.queued.append(0)
-            self.run.step_seconds.append(0.0)
-            self.step += 1
+        if not self.queue and not any(self.slots) and self.arrivals[0].completion.arrival > self.step:
+            idle = self.arrivals[0].completion.arrival - self.step  # steps with nothing to do until the next arrival
+            self.run.timeline.extend(itertools.repeat([-1] * len(self.slots), idle))  # one row, shared: read-only
+            self.run.queued.extend(itertools.repeat(0, idle))
+            self.run.step_seconds.extend(itertools.repeat(0.0, idle))
+            self.step += idle
         self._step_start = self.clock()
         while self.arrivals and self.arrivals[0].completion.arrival <= self.step:
             job = self.arrivals.popleft()
@@ -384,11 +394,11 @@ class BlockScheduler(Scheduler):
         self.keys.pop(job.id, None)
 
     def begin_step(self) -> None:
-        while not self.queue and not self.slots and self.arrivals[0].completion.arrival > self.step:
-            self.run.timeline.append([-1] * self.run.n_slots)  # nothing to do until the next request arrives
-            self.run.block_tables.append({})
-            self.run.step_tokens.append(0)
-            self.run.queued.append(0)
-            self.run.step_seconds.append(0.0)
-            self.step += 1
+        if not self.queue and not self.slots and self.arrivals[0].completion.arrival > self.step:
+            idle = self.arrivals[0].completion.arrival - self.step  # nothing to do until the next request arrives
+            self.run.timeline.extend(itertools.repeat([-1] * self.run.n_slots, idle))  # one row, shared: read-only
+            self.run.block_tables.extend(itertools.repeat({}, idle))
+            for record, value in ((self.run.step_tokens, 0), (self.run.queued, 0), (self.run.step_seconds, 0.0)):
+                record.extend(itertools.repeat(value, idle))
+            self.step += idle
         super().begin_step()

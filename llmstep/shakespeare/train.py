@@ -41,7 +41,7 @@ from ..core.tokens import Tokenizer as LlamaTokenizer
 from ..lab import runinfo
 from . import data
 from .evaluate import evaluate_model, model_nll
-from .train_state import CHECKPOINT, load_train_state, save_train_state
+from .train_state import CHECKPOINT, first_nonfinite, load_train_state, save_train_state
 
 # --------------------------------------------------------------------------------------------------
 # Settings
@@ -341,11 +341,25 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
              f"{len(train_ids):,} train tokens, {tokens_per_step} tokens/step, {cfg.steps} steps, "
              f"device {device}")
 
+    saved_at = step if resume else None  # the step of the last good checkpoint on disk
+
+    def diverged(what: str) -> ValueError:
+        kept = f"{ckpt_path} keeps step {saved_at}" if saved_at is not None else "no checkpoint was written"
+        return ValueError(f"training diverged at step {step + 1}: {what}; stopped without saving ({kept}); "
+                          f"try a lower --lr than {cfg.lr:g}")
+
     def checkpoint(at_step: int) -> None:
+        nonlocal saved_at
+        tensors = model.state_dict() | {f"optimizer.{i}.{k}": v for i, s in optimizer.state_dict()["state"].items()
+                                        for k, v in s.items() if isinstance(v, torch.Tensor)}
+        bad = first_nonfinite(tensors)
+        if bad is not None:
+            raise diverged(f"{bad} is no longer finite")
         save_train_state(ckpt_path, model, optimizer, {
             "step": at_step, "elapsed_seconds": elapsed, "history": history, "commands": commands,
             "train_config": asdict(cfg), "model_config": asdict(config),
         })
+        saved_at = at_step
 
     last = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
     bar = tqdm(total=cfg.steps, initial=step, unit="step", dynamic_ncols=True, disable=quiet, file=sys.stderr)
@@ -367,6 +381,8 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if not (math.isfinite(loss.item()) and math.isfinite(float(grad_norm))):  # before the step spoils weights
+            raise diverged(f"the loss is {loss.item()} and the gradient norm {float(grad_norm)}")
         optimizer.step()
         step += 1
 

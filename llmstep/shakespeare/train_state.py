@@ -6,6 +6,13 @@ hyperparameters).
 not safetensors is refused before anything in it is interpreted. One file, written atomically
 (llmstep.core.files), so an interrupted save leaves the previous checkpoint whole.
 
+Everything read is validated before it is used, as every other file llmstep reads: a tensor with a NaN or an
+infinity (a weight or an optimizer moment) is refused, the JSON state must have the types and ranges
+`save_train_state`'s caller writes (`check_state`), and the optimizer's hyperparameters in the file must be the
+ones the run's own settings give (a file cannot switch on `maximize` or change eps, betas or the weight decay).
+A checkpoint that cannot be written (a full disk, a file-size limit) is an OSError naming the file; the
+previous checkpoint is kept.
+
 No random-number state is stored: the weights come from the seed and the batch of step s from a generator
 seeded with (seed, s) (llmstep.shakespeare.train), so a resumed run draws what the whole run would have.
 """
@@ -13,7 +20,8 @@ seeded with (seed, s) (llmstep.shakespeare.train), so a resumed run draws what t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -22,7 +30,8 @@ from safetensors.torch import save_file
 
 from ..core.files import atomic_write
 
-__all__ = ["CHECKPOINT", "LEGACY_CHECKPOINT", "TrainStateError", "save_train_state", "load_train_state"]
+__all__ = ["CHECKPOINT", "LEGACY_CHECKPOINT", "TrainStateError", "save_train_state", "load_train_state",
+           "check_state", "first_nonfinite"]
 
 CHECKPOINT = "ckpt.safetensors"
 LEGACY_CHECKPOINT = "ckpt.pt"  # the pickle of llmstep before issue 14: refused, never read
@@ -32,6 +41,51 @@ FORMAT_VERSION = 1
 
 class TrainStateError(ValueError):
     """A training checkpoint that cannot be resumed from; the message names the file."""
+
+
+def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating-point tensor holding a NaN or an infinity; None if all are finite."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def _is_number(value, low: float = 0.0) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= low
+
+
+def check_state(state: dict) -> None:
+    """The JSON state a training run writes: step (an integer >= 0), elapsed_seconds (a finite number >= 0),
+    history (a list of records) and commands (a list of strings). Raises ValueError naming the field."""
+    checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "elapsed_seconds": _is_number,
+              "history": lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v),
+              "commands": lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v)}
+    want = {"step": "an integer >= 0", "elapsed_seconds": "a finite number >= 0",
+            "history": "a list of records", "commands": "a list of strings"}
+    for key, ok in checks.items():
+        if key in state and not ok(state[key]):
+            raise ValueError(f"its state's {key} must be {want[key]}, got {state[key]!r:.80}")
+
+
+def _check_groups(path: Path, groups, optimizer: torch.optim.Optimizer) -> None:
+    """The file's param groups must be the live optimizer's (built from the same settings), lr aside: it is set
+    at every step from the schedule."""
+    live = optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(live) or not all(isinstance(g, dict) for g in groups):
+        raise TrainStateError(f"{path}: its optimizer has {len(groups) if isinstance(groups, list) else groups!r} "
+                              f"parameter groups, this run's has {len(live)}")
+    for i, (saved, own) in enumerate(zip(groups, live, strict=True)):
+        if not isinstance(saved.get("params"), list) or len(saved["params"]) != len(own["params"]):
+            raise TrainStateError(f"{path}: optimizer group {i} does not hold this model's parameters")
+        for key, value in own.items():
+            if key in ("params", "lr", "initial_lr"):
+                continue
+            stored = tuple(saved[key]) if isinstance(saved.get(key), list) else saved.get(key, "missing")
+            if stored != value:
+                raise TrainStateError(f"{path}: optimizer group {i} has {key} {stored!r}, but this run's settings "
+                                      f"give {value!r}; resume with the original arguments")
 
 
 def save_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -54,8 +108,12 @@ def save_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.
                 scalars.setdefault(str(index), {})[key] = value
     header = {"format_version": FORMAT_VERSION, "state": state, "aliases": aliases,
               "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars}}
-    with atomic_write(path) as tmp:
-        save_file(tensors, tmp, metadata={_STATE_KEY: json.dumps(header)})
+    try:
+        with atomic_write(path) as tmp:
+            save_file(tensors, tmp, metadata={_STATE_KEY: json.dumps(header)})
+    except SafetensorError as e:  # safetensors reports its write errors (ENOSPC, EFBIG) as its own type
+        raise OSError(f"{path}: the training checkpoint could not be written ({e}); the previous one, if any, "
+                      "is kept") from None
 
 
 def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -74,7 +132,7 @@ def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.
         with safe_open(path, framework="pt", device="cpu") as f:
             header = json.loads((f.metadata() or {})[_STATE_KEY])
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError, KeyError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (SafetensorError, OSError, KeyError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise TrainStateError(f"{path} is not a training checkpoint written by llmstep ({type(e).__name__}: {e}); "
                               "it is not read any further") from None
     if not isinstance(header, dict) or header.get("format_version") != FORMAT_VERSION:
@@ -82,11 +140,23 @@ def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.
                               f"{FORMAT_VERSION}")
     if not isinstance(header.get("state"), dict):
         raise TrainStateError(f"{path}: its header holds no training state")
+    bad = first_nonfinite(tensors)
+    if bad is not None:
+        raise TrainStateError(f"{path}: tensor {bad} holds NaN or infinite values; a run does not resume from it")
+    try:
+        check_state(header["state"])
+    except ValueError as e:
+        raise TrainStateError(f"{path}: {e}") from None
     if check is not None:
         try:
             check(header["state"])
         except (KeyError, TypeError) as e:
             raise TrainStateError(f"{path}: incomplete training state ({type(e).__name__}: {e})") from None
+    scalars = header.get("optimizer", {}).get("scalars") if isinstance(header.get("optimizer"), dict) else None
+    if not isinstance(scalars, dict) or not all(isinstance(v, dict) and all(_is_number(x, -math.inf)
+                                                for x in v.values()) for v in scalars.values()):
+        raise TrainStateError(f"{path}: its header's optimizer scalars must be finite numbers, got {scalars!r:.80}")
+    _check_groups(path, header["optimizer"].get("param_groups"), optimizer)
     try:
         weights = {k.removeprefix("model."): t for k, t in tensors.items() if k.startswith("model.")}
         weights |= {name: weights[source] for name, source in header["aliases"].items()}
@@ -97,10 +167,11 @@ def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.
                 opt_state.setdefault(int(index), {})[key] = t
         for index, values in header["optimizer"]["scalars"].items():
             opt_state.setdefault(int(index), {}).update(values)
-        groups = header["optimizer"]["param_groups"]
-        for group in groups:
-            if isinstance(group.get("betas"), list):
-                group["betas"] = tuple(group["betas"])  # JSON has no tuples; AdamW's own are tuples
+        groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
+                  for g in header["optimizer"]["param_groups"]]  # JSON has no tuples; AdamW's betas are one
+        for index, values in opt_state.items():
+            if not _is_number(float(values.get("step", 0))):
+                raise ValueError(f"parameter {index}'s optimizer step is {values['step']!r}")
         model.load_state_dict(weights)
         optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     except (KeyError, ValueError, TypeError, RuntimeError) as e:

@@ -3,6 +3,7 @@ exit status 2 (Ctrl-C: 130), never a traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,45 @@ def test_the_console_script_exits_0_after_a_command_that_returns_a_record():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr == ""
+
+
+def test_do_sample_false_in_generation_config_means_greedy(tmp_path, tiny_checkpoint, capsys):
+    import json
+    import shutil
+
+    model = tmp_path / "greedy-by-config"
+    shutil.copytree(tiny_checkpoint, model)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.9, "top_p": 0.9}))
+    argv = ["generate", "--model", str(model), "--prompt", "ab", "--max-new-tokens", "12", "--seed", "1"]
+    outputs = []
+    for extra in ([], ["--temperature", "0"], ["--temperature", "0.9"]):
+        cli.main(argv + extra)
+        outputs.append(capsys.readouterr().out)
+    by_config, greedy, sampled = outputs
+    assert by_config == greedy  # the file's do_sample: false wins over its temperature, as in transformers
+    assert sampled != greedy  # a --temperature given on the command line still samples
+
+
+def test_sigterm_during_a_write_removes_its_temporary_and_says_so(tmp_path):
+    script = """
+import os, signal, time
+from llmstep import cli
+from llmstep.cli import export
+from llmstep.core.files import atomic_write
+
+def run_export(args, argv):  # a command caught by SIGTERM halfway through writing its output
+    with atomic_write(args.gguf) as tmp:
+        tmp.write_text("half")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+export.run_export = run_export
+cli.console()
+"""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.gguf").write_text("the old file")
+    done = subprocess.run([sys.executable, "-c", script, "export", "--gguf", str(out / "model.gguf")],
+                          capture_output=True, text=True, timeout=60, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert (done.returncode, done.stderr) == (143, "llmstep export: terminated\n")
+    assert [p.name for p in out.iterdir()] == ["model.gguf"] and (out / "model.gguf").read_text() == "the old file"

@@ -337,3 +337,37 @@ def test_a_split_rule_that_backtracks_forever_is_a_value_error_not_a_panic(tiny_
     tok = llmstep.Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)))
     with pytest.raises(ValueError, match="the tokenizer cannot split this text"):
         tok.encode("a" * 40 + "b")
+
+
+def test_a_header_longer_than_safetensors_allows_is_refused_before_it_is_read(ckpt, monkeypatch):
+    import builtins
+
+    weights = ckpt / "model.safetensors"
+    declared = 150_000_000  # more than safetensors' 100 MB bound; the (sparse) file is long enough to hold it
+    with open(weights, "wb") as f:
+        f.write(declared.to_bytes(8, "little"))
+        f.truncate(8 + declared + 16)
+    reads = []
+    real_open = builtins.open
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(builtins, "open", lambda p, *a, **k: Counting(real_open(p, *a, **k))
+                        if str(p) == str(weights) else real_open(p, *a, **k))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: declares a 150,000,000-byte header; safetensors "
+                                              r"allows at most 100,000,000"):
+        llmstep.load(ckpt)
+    assert max(reads, default=0) <= 8  # only the length itself was read
+

@@ -71,3 +71,41 @@ def test_a_read_only_directory_is_refused(tmp_path):
     ro.chmod(0o500)
     with pytest.raises(ValueError, match="not writable"):
         files.check_output_path(ro / "out.json")
+
+
+def test_a_fifo_a_socket_and_a_device_are_refused_before_any_work(tmp_path):
+    import socket
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is a FIFO"):
+        files.check_output_path(fifo, "--json")
+    with pytest.raises(ValueError, match="is a FIFO"):
+        files.atomic_write_text(fifo, "x")  # never renamed over: the FIFO stays a FIFO
+    assert os.path.exists(fifo) and not fifo.is_file()
+    with pytest.raises(ValueError, match="is a character device"):
+        files.check_output_path("/dev/null", "--gguf")
+    sock_path = tmp_path / "sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(sock_path))
+        with pytest.raises(ValueError, match="is a socket"):
+            files.atomic_write_bytes(sock_path, b"x")
+    link = tmp_path / "to-fifo"
+    link.symlink_to(fifo)
+    with pytest.raises(ValueError, match="is a FIFO"):
+        files.check_output_path(link)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "sock", "to-fifo"]  # no temporary file
+
+
+def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "record.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert files.check_output_path(link) == link
+    files.atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "real" / "made.json")
+    files.atomic_write_text(dangling, "made")
+    assert dangling.is_symlink() and (tmp_path / "real" / "made.json").read_text() == "made"

@@ -7,9 +7,11 @@ checkpoints cover MHA, GQA and MQA, tied and untied heads, and vocabularies that
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,7 @@ from llmstep.core.config import LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tp_worker.py")
+FAILING_RANK = Path(__file__).with_name("tp_failing_rank.py")
 SLOW = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
                           reason="4 processes on a 2-core machine take ~30 s; set LLMSTEP_SLOW_TESTS=1")
 # name -> transformers overrides (conftest.hf_config: dim 64, 8 query heads, hidden 112, 2 layers, vocab 300).
@@ -36,9 +39,22 @@ CHECKPOINTS = {
 
 
 def torchrun(n: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """torchrun with n ranks; past `timeout` seconds torchrun and its ranks are stopped and the test fails: a hung
+    run never outlives its test."""
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LLMSTEP_DEBUG": ""}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                           *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun passes SIGTERM on to its ranks (each in a session of its own) and exits
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"torchrun {' '.join(args)} ran past {timeout} s (hung)")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +172,46 @@ def test_a_world_size_that_cannot_split_the_heads_is_refused_before_loading(chec
                      "divide n_heads (try 2, 4, 8)"]  # once: rank 0 speaks for all
 
 
+def test_a_rank_that_fails_alone_stops_every_rank_with_its_message(checkpoints, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["mha-tied"], broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"  # [64, 64]: column-parallel, rank 1 holds rows 32..63
+    tensors[name][40, 3] = float("nan")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setenv("LLMSTEP_TP_TIMEOUT", "60")  # a bound for today's code too; the agreement needs no wait
+    done = torchrun(2, "-m", "llmstep", "generate", "--model", str(broken), "--prompt", "x", timeout=90)
+    assert done.returncode != 0, done.stderr[-2000:]  # torchrun exits 1 when a rank fails
+    lines = [line for line in done.stderr.splitlines() if line.startswith("llmstep generate:")]
+    assert lines == [f"llmstep generate: error: rank 1 of 2: {broken / 'model.safetensors'}: tensor {name} holds "
+                     "NaN or Inf values in float32; the checkpoint is damaged"]  # rank 0 says it, for both
+
+
+@pytest.mark.parametrize("mode, words, within", [
+    ("stall", "another rank stopped answering: a collective timed out after 3 s (LLMSTEP_TP_TIMEOUT sets it)", 20),
+    ("crash", "another rank of this run has stopped (its connection closed)", 10),
+], ids=["stall", "crash"])
+def test_a_stalled_or_crashed_rank_ends_the_others_within_the_timeout(monkeypatch, mode, words, within):
+    monkeypatch.setenv("LLMSTEP_TP_TIMEOUT", "3")
+    done = torchrun(2, str(FAILING_RANK), mode, timeout=60)
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["line"].startswith("ParallelError: " + words), record
+    assert record["seconds"] < within
+
+
+def test_the_collective_timeout_is_bounded_and_settable(monkeypatch):
+    monkeypatch.delenv("LLMSTEP_TP_TIMEOUT", raising=False)
+    assert parallel.timeout_seconds() == 300
+    monkeypatch.setenv("LLMSTEP_TP_TIMEOUT", "2.5")
+    assert parallel.timeout_seconds() == 2.5
+    for bad in ("0", "-1", "soon", "1e9"):
+        monkeypatch.setenv("LLMSTEP_TP_TIMEOUT", bad)
+        with pytest.raises(parallel.ParallelError, match=f"LLMSTEP_TP_TIMEOUT is '{bad}'"):
+            parallel.timeout_seconds()
+
+
 def test_torchrun_bench_records_time_and_all_reduce_share(checkpoints, tmp_path):
     out = tmp_path / "tp.json"
     done = torchrun(2, "-m", "llmstep", "bench", "--model", str(checkpoints["mha-tied"]), "--prompt-len", "4",
@@ -268,6 +324,7 @@ def test_load_sharded_takes_only_its_slices_and_equals_shard(checkpoints, monkey
     full = load_model(path, device="cpu", dtype="float32")
     whole = sum(p.nbytes for p in full.parameters())
     monkeypatch.setattr(parallel, "safe_open", _Recorder)
+    monkeypatch.setattr(parallel, "agreeing", lambda group=None: contextlib.nullcontext())  # no other rank to ask
     for rank in range(2):
         monkeypatch.setattr(parallel, "_rank_world", lambda group, rank=rank: (rank, 2))
         _Recorder.taken = []
@@ -296,3 +353,25 @@ def test_one_rank_is_the_model_itself_without_collectives(checkpoints, monkeypat
     torch.testing.assert_close(full(ids, cache=cf), tp(ids, cache=ct), rtol=0, atol=1e-6)
     torch.testing.assert_close(full(ids[:, :1], cache=cf), tp(ids[:, :1], cache=ct), rtol=0, atol=1e-6)
     assert tp.comm.calls == 0 and ct.nbytes == cf.nbytes
+
+
+def test_a_stray_rank_without_torchrun_silences_nothing(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")  # left over in a shell, or set by another launcher: no WORLD_SIZE
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", ""])
+    assert capsys.readouterr().err == "llmstep generate: error: the prompt is empty: give at least one character\n"
+
+
+@pytest.mark.parametrize("argv", [["info", "--preset", "llama-3.2-1b"], ["export", "--gguf", "x.gguf"],
+                                  ["train", "--preset", "tiny", "--steps", "1", "--out", "run"]])
+def test_commands_without_tensor_parallelism_are_refused_under_torchrun(monkeypatch, capsys, tmp_path, argv):
+    monkeypatch.chdir(tmp_path)  # where a command that ran anyway would write
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"llmstep {argv[0]}: error: {argv[0]} does not run tensor-parallel (only "
+                                       "generate and bench do): run it in one process, without torchrun (here "
+                                       "WORLD_SIZE is 2)\n")

@@ -415,3 +415,16 @@ def test_non_finite_logits_are_named_per_request(tiny64):
                       compile=False)
     finally:
         handle.remove()
+
+
+def test_a_sparse_workload_costs_its_requests_not_its_idle_steps(tiny64):
+    from llmstep.engines.batching import MAX_ARRIVAL_STEP
+
+    model, _ = tiny64
+    sparse = [Request([1, 2], 2), Request([3], 2, arrival=MAX_ARRIVAL_STEP)]  # a million idle steps between them
+    run = run_batch(model, sparse, n_slots=2, max_len=16)
+    assert run.steps == MAX_ARRIVAL_STEP + run.completions[1].latency_steps  # every idle step is still recorded
+    assert len({id(row) for row in run.timeline[2:MAX_ARRIVAL_STEP]}) == 1  # ~8 bytes an idle step, not a list each
+    assert run.summary()["slot_utilisation"] == run.kv_stats["decode_tokens"] / (2 * run.steps)
+    with pytest.raises(ValueError, match=r"request 1: arrival step 1,000,001 is past the 1,000,000 steps a run"):
+        run_batch(model, [Request([1], 1), Request([2], 1, arrival=MAX_ARRIVAL_STEP + 1)], n_slots=2, max_len=16)

@@ -250,3 +250,33 @@ def test_a_speculative_stream_broken_off_says_it_was_interrupted(tiny):
         if event.index == 1:
             break
     assert s.result.stop_reason == "interrupted"
+
+
+# ---- a refused request leaves an engine as it was ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory, tokenizer_file):
+    """A model with 600 positions: a cache sized per request starts at 256 slots and can grow."""
+    from conftest import make_checkpoint
+
+    path = tmp_path_factory.mktemp("ctx600")
+    make_checkpoint(path, tokenizer_file, seed=5, max_position_embeddings=600)
+    return llmstep.load(path, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("engine", ["decoder", "speculator"])
+def test_a_request_refused_for_memory_leaves_the_engine_as_it_was(long_context, monkeypatch, engine):
+    from llmstep.core import cost
+
+    model, tok = long_context
+    fast = FastDecoder(model, compile=False) if engine == "decoder" else \
+        FastSpeculator(model, LayerSkipDraft(model, 1), k=2, compile=False)
+    short = fast.generate(PROMPT, 8).tokens
+    long_prompt = (PROMPT * 40)[:250]  # with 8 new tokens: 258 slots, past the first cache's 256
+    monkeypatch.setattr(cost, "free_memory_bytes", lambda device: 1)  # the next cache cannot be had
+    with pytest.raises(cost.MemoryBudgetError):
+        fast.generate(long_prompt, 8)
+    monkeypatch.undo()
+    assert fast.generate(PROMPT, 8).tokens == short  # the old cache still serves
+    long = fast.generate(long_prompt, 8).tokens  # and, now that memory allows, the longer request grows it
+    assert long == llmstep.generate(model, tok, long_prompt, max_new_tokens=8, temperature=0.0, stop_ids=()).tokens

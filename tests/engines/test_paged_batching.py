@@ -10,7 +10,8 @@ from conftest import make_checkpoint
 from llmstep.batching import PagedBatcher, Request, run_batch
 
 import llmstep
-from llmstep.core.paged_kv import BlockManager, blocks_for
+from llmstep.core.cost import MemoryBudgetError
+from llmstep.core.paged_kv import BlockManager, PagedKVCache, blocks_for
 from llmstep.engines.decoding import budget
 from llmstep.engines.scheduler import BlockScheduler, Completion, Job
 
@@ -224,3 +225,36 @@ def test_contiguous_runs_report_their_slots_as_blocks(tiny64):
     assert run.kv_stats == {"block_size": 16, "blocks_total": 3, "peak_blocks_used": 2, "prefix_hit_tokens": 0,
                             "preemptions": 0, "prefill_tokens": 4, "decode_tokens": 4}
     assert run.summary()["kv_blocks_total"] == 3
+
+
+class BuiltUnchecked(Exception):
+    """Raised by the spy below: the pool's bookkeeping was about to be built before its size was judged."""
+
+
+def test_an_absurd_pool_or_block_is_refused_before_anything_is_built(tiny64, monkeypatch):
+    model, _ = tiny64
+
+    def spy(self, n_blocks, *args, **kwargs):
+        raise BuiltUnchecked(f"BlockManager({n_blocks:,}) built before the pool was checked")
+
+    monkeypatch.setattr(BlockManager, "__init__", spy)
+    for kw in (dict(block_size=16, kv_blocks=10**9), dict(block_size=16, kv_blocks=10**7)):
+        with pytest.raises(MemoryBudgetError, match=f"a paged KV cache of {kw['kv_blocks']:,} blocks"):
+            run_batch(model, [Request([1, 2], 2)], kv="paged", **kw)
+        with pytest.raises(MemoryBudgetError, match="GB free"):
+            PagedKVCache(model.config, kw["kv_blocks"], 16, dtype=model.dtype)
+    with pytest.raises(ValueError, match=r"block_size 49 is longer than the model's context \(48 positions\)"):
+        PagedBatcher(model, block_size=49)  # at construction, before any request
+    with pytest.raises(ValueError, match="block_size 1000000 is longer than the model's context"):
+        PagedKVCache(model.config, 1, 10**6, dtype=model.dtype)
+
+
+def test_a_sparse_paged_workload_records_its_idle_steps_at_once(tiny64):
+    from llmstep.engines.batching import MAX_ARRIVAL_STEP
+
+    model, _ = tiny64
+    run = run_batch(model, [Request([1, 2], 2), Request([3], 2, arrival=MAX_ARRIVAL_STEP)], n_slots=2, kv="paged",
+                    block_size=4, kv_blocks=8)
+    assert run.steps == MAX_ARRIVAL_STEP + run.completions[1].latency_steps
+    assert len({id(row) for row in run.timeline[2:MAX_ARRIVAL_STEP]}) == 1
+    assert run.summary()["slot_utilisation"] == 4 / (2 * run.steps)  # 2 requests x 2 decode rows, over every step

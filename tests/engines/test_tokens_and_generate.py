@@ -281,3 +281,21 @@ def test_bad_stop_ids_are_named(loaded, stops, message):
 
     with pytest.raises(ValueError, match=message):
         FastDecoder(model, max_len=16, compile=False).generate([295, 5], 2, stop_ids=stops)
+
+
+def test_a_vocabulary_padded_past_the_tokenizer_decodes_its_padding_to_nothing(tmp_path, tokenizer_file):
+    from conftest import make_checkpoint
+
+    make_checkpoint(tmp_path, tokenizer_file, seed=2, vocab_size=400)  # the tokenizer has 300 ids: 100 padded rows
+    model, tok = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    assert (tok.vocab_size, model.config.vocab_size) == (300, 400)
+    out = llmstep.generate(model, tok, "ab", max_new_tokens=40, temperature=1.5, seed=0, stop_ids=())
+    assert any(t >= 300 for t in out.tokens)  # the run did sample padding (a quarter of the ids)
+    kept = [t for t in out.tokens if t < 300]
+    assert out.text == tok.decode(kept) and len(out.tokens) == 40  # every token kept, the padding silent
+    stream = tok.stream()
+    assert "".join(stream.step(t) for t in out.tokens) + stream.flush() == out.text
+    with pytest.raises(ValueError, match="cannot decode token id 400: ids are integers in 0..399"):
+        tok.decode([5, 400])
+    with pytest.raises(ValueError, match="cannot decode token id 400"):
+        tok.stream().step(400)

@@ -222,3 +222,87 @@ def test_a_tokenizer_file_that_is_not_json_is_named(tmp_path):
     with pytest.raises(SystemExit, match=rf"llmstep train: error: {bad} is not a valid tokenizer.json"):
         llmstep_main(["train", "--preset", "tiny", "--steps", "2", "--quiet", "--out", str(tmp_path / "run"),
                       "--tokenizer", str(bad), "--device", "cpu"])
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_os_error_naming_it(tmp_path):
+    import resource
+
+    from llmstep.shakespeare.train_state import save_train_state
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "ckpt.safetensors"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))  # a file-size limit (Python ignores SIGXFSZ): EFBIG
+    try:
+        with pytest.raises(OSError, match=r"ckpt.safetensors: the training checkpoint could not be written"):
+            save_train_state(path, model, optimizer, {"step": 1})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert list(tmp_path.iterdir()) == []  # no temporary file left
+
+
+def rewrite_checkpoint(out: Path, tensors=None, header=None) -> None:
+    """Change a run's checkpoint as a damaged disk or a hostile file would: tensors[name] = fn(tensor), or
+    header = fn(header) on its JSON header."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = out / "ckpt.safetensors"
+    with safe_open(path, framework="pt") as f:
+        meta = json.loads(f.metadata()["llmstep_train_state"])
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    for name, fn in (tensors or {}).items():
+        stored[name] = fn(stored[name])
+    meta = header(meta) if header else meta
+    save_file(stored, path, metadata={"llmstep_train_state": json.dumps(meta)})
+
+
+def _set(*keys, value):
+    def change(h):
+        d = h
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+        return h
+    return change
+
+
+def test_resume_refuses_non_finite_weights_and_moments(tmp_path, small_corpus):
+    run(tmp_path / "run", small_corpus, "--stop-after", "2")
+    good = (tmp_path / "run" / "ckpt.safetensors").read_bytes()
+    for name in ("model.layers.0.attention.wq.weight", "optimizer.3.exp_avg_sq"):
+        (tmp_path / "run" / "ckpt.safetensors").write_bytes(good)
+        rewrite_checkpoint(tmp_path / "run", tensors={name: lambda t: t.index_fill(0, torch.tensor([0]), math.nan)})
+        with pytest.raises(SystemExit, match=f"--resume: .*ckpt.safetensors: tensor {name} holds NaN"):
+            run(tmp_path / "run", small_corpus, "--resume")
+    assert checkpoint(tmp_path / "run")["step"] == 2  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("change, match", [
+    (_set("state", "step", value=-5), "step must be an integer >= 0, got -5"),
+    (_set("state", "step", value="3"), "step must be an integer >= 0, got '3'"),
+    (_set("state", "history", value=7), "history must be a list of records"),
+    (_set("state", "elapsed_seconds", value=math.inf), "elapsed_seconds must be a finite number"),
+    (_set("optimizer", "param_groups", 0, "maximize", value=True), "group 0 has maximize True, but this run's"),
+    (_set("optimizer", "param_groups", 0, "weight_decay", value=1e30), "group 0 has weight_decay 1e\\+30"),
+    (_set("optimizer", "param_groups", 1, "eps", value=math.nan), "group 1 has eps nan"),
+    (_set("optimizer", "param_groups", value={"a": 1}), "parameter groups"),
+    (_set("optimizer", "scalars", value=[1]), "optimizer scalars must be finite numbers"),
+], ids=["negative-step", "string-step", "history-type", "inf-elapsed", "maximize", "weight-decay", "nan-eps",
+        "groups-type", "scalars-type"])
+def test_resume_validates_the_training_state_header(tmp_path, small_corpus, change, match):
+    run(tmp_path / "run", small_corpus, "--stop-after", "2")
+    rewrite_checkpoint(tmp_path / "run", header=change)
+    with pytest.raises(SystemExit, match=r"llmstep train: error: --resume: .*ckpt.safetensors: .*" + match):
+        run(tmp_path / "run", small_corpus, "--resume")
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_corpus, monkeypatch):
+    real = train.lr_at
+    monkeypatch.setattr(train, "lr_at", lambda step, cfg: real(step, cfg) if step < 2 else 1e30)  # blows up at 3
+    with pytest.raises(SystemExit, match=r"llmstep train: error: training diverged at step [34]: .*stopped without "
+                                         r"saving \(.*ckpt.safetensors keeps step 2\)"):
+        run(tmp_path / "run", small_corpus)
+    saved = checkpoint(tmp_path / "run")
+    assert saved["step"] == 2 and all(bool(torch.isfinite(w).all()) for w in saved["model"].values())
