@@ -223,9 +223,9 @@ def validate(path: Path, config: LlamaConfig, qc: QuantConfig | None = None
 def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
     """The quantisation settings a checkpoint directory records in config.json, or None for a float one (and for
     a GGUF file, whose quantized matrices are dequantized unless the loader is asked to keep them)."""
-    if resolve_model_path(path).is_file():
+    if (path := resolve_model_path(path)).is_file():
         return None
-    file = resolve_model_path(path) / "config.json"
+    file = path / "config.json"
     settings = _read_json(file).get("quantization_config")
     if settings is None:
         return None
@@ -320,12 +320,10 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
     dtype on a GPU and uses float32 on the CPU (the checkpoint's dtype there too above 4B parameters).
     `keep_quantized` (GGUF only): Q4_0/Q4_1 matrices stay 4-bit, as llmstep int4 with groups of 32.
     """
-    resolved = resolve_model_path(path)
-    if resolved.is_file():
-        return load_gguf(resolved, device=device, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
+    if (path := resolve_model_path(path)).is_file():
+        return load_gguf(path, device=device, dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     path, _, tokenizer = check_files(path)  # fail fast on the config and the tokenizer, before any weight is read
-    model = load_model(path, device=device, dtype=dtype, progress=progress, keep_quantized=keep_quantized)
-    return model, tokenizer
+    return load_model(path, device=device, dtype=dtype, progress=progress, keep_quantized=keep_quantized), tokenizer
 
 
 def read_config(path: str | os.PathLike | None) -> LlamaConfig:

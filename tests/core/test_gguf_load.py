@@ -297,9 +297,15 @@ def test_the_command_line_loads_a_gguf_file_kept_quantized(tmp_path, tokenizer, 
 def test_tensor_parallelism_refuses_a_gguf_file_naming_why(tmp_path, tokenizer):
     from llmstep.core import parallel
 
+    import torch.distributed as dist
+
     path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
-    with pytest.raises(parallel.ParallelError, match="is a GGUF file; tensor parallelism reads Hugging Face"):
-        parallel.load(path)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(parallel.ParallelError, match="is a GGUF file; tensor parallelism reads Hugging Face"):
+            parallel.load(path)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- what a fresh review found ---------------------------------------------------------------------------------
