@@ -14,7 +14,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
-    quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
+    quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
+    quantize.py    weight-only int8/int4: the quantized linears and their kernels, swapped into a model
     fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
     parallel.py    tensor parallelism on torch.distributed: sharded linears, vocabulary-parallel embedding and
