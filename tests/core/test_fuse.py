@@ -149,3 +149,16 @@ def test_int4_layers_holding_only_the_kernel_layout_fuse_from_their_recovered_co
     twin4 = fused(q4)
     assert is_fused(twin4) and twin4.layers[0].attention.wqkv.kernel == "packed"
     torch.testing.assert_close(prefill_and_decode(twin4), before, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int4_part_whose_rows_the_cpu_kernels_tiles_do_not_fill_keeps_its_own_layout():
+    """Where int4 copies (the module docstring): CONFIG's q rows (64) fill the CPU kernel's 64-row tiles and become
+    a view of the fused layout; k and v (16 rows each) do not, and keep their own, checked not assumed."""
+    model = random_model(CONFIG, device="cpu", dtype=torch.float32, std=0.1)
+    q4 = quantize(model, QuantConfig("int4", 32), inplace=False)
+    twin = fused(q4)
+    a, wqkv = q4.layers[0].attention, twin.layers[0].attention.wqkv
+    shared = wqkv.kernel_weight.untyped_storage().data_ptr()
+    assert a.wq.kernel_weight.untyped_storage().data_ptr() == shared
+    assert a.wk.kernel_weight.untyped_storage().data_ptr() != shared
+    assert a.wk.weight.untyped_storage().data_ptr() == wqkv.weight.untyped_storage().data_ptr()  # codes: views
