@@ -14,7 +14,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
-    quantize.py    weight-only int8/int4: the arithmetic and the quantized linears
+    quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
+    quantize.py    weight-only int8/int4: the quantized linears and their kernels, swapped into a model
     fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
     parallel.py    tensor parallelism on torch.distributed: sharded linears, vocabulary-parallel embedding and
@@ -43,6 +44,8 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     pictures.py    the course's diagrams, drawn from a config or a run's record (decode step, GQA, cache, rounds, slots)
     explore.py     what the notebooks' explorers compute: pure functions, one per widget
     explorers.py   the notebooks' ipywidgets explorers, each with a static fallback figure
+    probe.py       a first GPU check's measuring pieces: versions and clocks, event timing, no-recompile window,
+                   kernels per step and idle share, compiled-vs-eager agreement (scripts/gpu_probe.py)
     profile.py     one decode step under torch.profiler: the timeline, and its regime (compute, memory, overhead)
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs

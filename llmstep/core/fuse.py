@@ -16,20 +16,30 @@ and state dict; an in-place change to its weights is a change to the twin's; fus
 finds the rows already back to back and copies nothing. Replacing a weight tensor of `model` (a new
 Parameter, `model.to(...)`) leaves the twin with the old one: fuse again after that.
 
-What fuses: plain nn.Linear (no bias) and Int8Linear (int8 rows and their per-row scales stack the same
-way). Int4Linear stays three (two) matmuls: its packed kernel layout and its scale/zero table would have to
-be rebuilt for the stacked rows; the group is left as it is, still correct.
+What fuses: plain nn.Linear (no bias), Int8Linear (int8 rows and their per-row scales stack the same way) and
+Int4Linear (`_fused_int4`): its plain codes, scales and zeros stack by rows like the others, and `prepare()`
+builds the packed kernel's layout for the stacked rows (tinygemm on CUDA, _for_cpu on a CPU), so an int4 layer
+is 4 matmuls too. Where int4 copies, precisely:
+- the kernel's layout is built once for the stacked rows; each part's own layout becomes a view of its rows when
+  the kernel tiles rows in blocks the parts fill (the CPU kernel: 64 rows, tinygemm: 8; every Llama width),
+  else the part keeps its own (checked by comparing, never assumed);
+- the kernel's scale/zero table is [K/g, N, 2]: a part's rows are a strided slice of it, which the kernels do
+  not read correctly (the CPU kernel misreads one silently), so a part's scales and zeros become views of the
+  fused table and the part rebuilds its own small table (2 values a group) on each call of its packed kernel.
+  The fused twin, the one the fast loops run, holds every table once and copies nothing per call;
+- on CUDA, where the plain codes are not held, they are recovered from each part's layout to be stacked.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
 
 from .model import Llama
-from .quantize import Int8Linear
+from .quantize import Int4Linear, Int8Linear
 
 __all__ = ["fused", "fuse_rows", "is_fused", "fuses_by_default"]
 
@@ -72,7 +82,7 @@ def fuse_rows(owners: list[nn.Module], name: str) -> torch.Tensor:
 
 def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
     """One linear computing torch.cat([l(x) for l in linears], -1), sharing their (re-pointed) weights; None
-    when these layers do not stack (a bias, an int4 layer, mixed kinds, different inputs)."""
+    when these layers do not stack (a bias, mixed kinds or kernels, different inputs)."""
     first = linears[0]
     if not all(type(m) is type(first) and m.in_features == first.in_features for m in linears):
         return None
@@ -88,7 +98,53 @@ def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
         fused_layer.weight = fuse_rows(linears, "weight")  # [n_out, in] int8
         fused_layer.scales = fuse_rows(linears, "scales")  # [n_out]
         return fused_layer
+    if type(first) is Int4Linear and len({(m.kernel, m.group_size, m.scales.dtype) for m in linears}) == 1:
+        return _fused_int4(linears)
     return None
+
+
+def _sharing(layer: Int4Linear) -> Int4Linear:
+    """A second Int4Linear holding `layer`'s own tensors."""
+    twin = Int4Linear(layer.in_features, layer.out_features, layer.group_size, device="meta",
+                      dtype=layer.scales.dtype, kernel=layer.kernel)
+    for name in ("weight", "scales", "zeros", "kernel_weight", "scales_and_zeros"):
+        setattr(twin, name, getattr(layer, name))
+    return twin
+
+
+def _fused_int4(parts: list[Int4Linear]) -> Int4Linear:
+    """One Int4Linear for the stacked rows of `parts`, its kernel layout built by prepare(); the parts' codes,
+    scales and zeros (and kernel layouts, where they tile) re-pointed to views of it (module docstring)."""
+    first, n_out = parts[0], sum(m.out_features for m in parts)
+    before = first.__dict__.get("_fused_into", lambda: None)()
+    rows, start = [], 0
+    for m in parts:
+        rows.append(slice(start, start + m.out_features))
+        start += m.out_features
+    if before is not None and before.out_features == n_out and all(  # fused before, and still its views
+            m.scales.data_ptr() == before.scales[r].data_ptr() for m, r in zip(parts, rows, strict=True)):
+        return _sharing(before)
+    layer = Int4Linear(first.in_features, n_out, first.group_size, device="meta", dtype=first.scales.dtype,
+                       kernel=first.kernel)
+    if all(m.weight is not None for m in parts):
+        layer.weight = fuse_rows(parts, "weight")  # [n_out, K/2] codes, the parts' now views of it
+    else:  # CUDA's packed layers hold only the kernel's layout: their codes recovered from it, then stacked
+        layer.weight = torch.cat([m.codes() for m in parts])
+    layer.scales, layer.zeros = fuse_rows(parts, "scales"), fuse_rows(parts, "zeros")  # [n_out, K/g]
+    layer.prepare()  # the kernel's layout and [K/g, n_out, 2] table for the stacked rows; scales, zeros: views
+    for m, r in zip(parts, rows, strict=True):
+        m.scales, m.zeros = layer.scales[r], layer.zeros[r]
+        if m.weight is not None and layer.weight is not None:
+            m.weight = layer.weight[r]
+        if m.kernel == layer.kernel == "packed":
+            m.scales_and_zeros = None  # rebuilt per call from the views (Int4Linear._packed_mm)
+            per_row = layer.kernel_weight.shape[0] / n_out  # layout rows per weight row (CPU 1, tinygemm 1/8)
+            if (r.start * per_row).is_integer() and (r.stop * per_row).is_integer():
+                view = layer.kernel_weight[int(r.start * per_row): int(r.stop * per_row)]
+                if view.shape == m.kernel_weight.shape and torch.equal(view, m.kernel_weight):
+                    m.kernel_weight = view
+        m._fused_into = weakref.ref(layer)
+    return layer
 
 
 def fuses_by_default(model: Llama, compiled: bool) -> bool:
@@ -96,7 +152,8 @@ def fuses_by_default(model: Llama, compiled: bool) -> bool:
     the step is compiled and the model has int8 layers. Inductor concatenates a CPU step's float linears itself
     when it freezes the weights (`cpp.enable_concat_linear`), but not int8 ones: each Int8Linear has its own
     scales, so q, k, v, gate and up stay five `_weight_int8pack_mm` calls a layer (results/profile_cpu_amd.md).
-    An eager CPU loop is left unfused: it gives the teaching loop's tokens bit for bit."""
+    int4 layers fuse on a CPU only when asked (fuse=True): not yet measured there. An eager CPU loop is left
+    unfused: it gives the teaching loop's tokens bit for bit."""
     if model.device.type == "cuda":
         return True
     return compiled and any(isinstance(m, Int8Linear) for m in model.modules())

@@ -4,13 +4,8 @@ Decode at batch 1 reads every weight once per token, so its speed is set by byte
 the matrices in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16)
 while activations, norms and the KV cache stay in the model's dtype.
 
-- int8, per output channel (row): w[n, :] ~= q[n, :] * scale[n], q in [-128, 127], symmetric,
-  scale = max|w[n, :]| / 127. Rounding to the nearest step errs by at most scale / 2 per element.
-- int4, per group of `group_size` consecutive inputs in a row (asymmetric, as in gpt-fast and
-  PyTorch's tinygemm kernels): w ~= (q - 8) * scale + zero, q in [0, 15], scale = (max - min) / 15,
-  zero = min + 8 * scale. Error at most scale / 2 per element of the group. Two q values share one
-  byte: even input index in the high nibble, odd in the low one (the layout
-  torch._convert_weight_to_int4pack reads on CUDA).
+The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
+and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
 
 `quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True)
 for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. This module does no file I/O:
@@ -19,15 +14,18 @@ for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. This modul
 
 The matmul either calls PyTorch's packed kernels (torch._weight_int8pack_mm, torch._weight_int4pack_mm
 on CUDA, torch._weight_int4pack_mm_for_cpu) or dequantises and multiplies; under torch.compile the
-latter is fused into one kernel (gpt-fast's int8 path). `kernel="auto"` picks per mode (see
-`_auto_kernel`) and falls back where this device has no packed kernel; what each costs on this machine
-is measured by `llmstep bench --quantize none int8 int4`.
+latter is fused into one kernel (gpt-fast's int8 path). int4 has a third way, `kernel="reduce"`: the codes
+read as [N, K/g, g/2] bytes, each byte's two nibbles multiplied against the even and odd inputs, scale and
+zero broadcast per group, one sum: under torch.compile one reduction kernel reading half a byte a weight
+(tests/cuda_proofs/test_int4_reduce_trace.py), the candidate to beat tinygemm at one row on a GPU.
+`kernel="auto"` picks per mode and device (`_auto_kernel`; int4 on CUDA: what `prefer_int4_kernel` recorded
+for this GPU, from a measurement) and falls back where this device has no packed kernel; what each costs on
+this machine is measured by `llmstep bench --quantize none int8 int4` and scripts/gpu_probe.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,141 +33,86 @@ from torch import nn
 
 from .config import LlamaConfig
 from .model import Llama, materialize
+from .quant_formats import (
+    DEFAULT_GROUP_SIZE,
+    MODES,
+    QuantConfig,
+    QuantizationError,
+    dequantize_int4,
+    dequantize_int8,
+    nibbles,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize", "check_config",
-           "linear_names", "swap_linears", "empty_quantized", "layer_errors"]
+           "linear_names", "swap_linears", "empty_quantized", "layer_errors", "choose_int4_kernel",
+           "prefer_int4_kernel", "DEFAULT_GROUP_SIZE"]
 
-MODES = ("int8", "int4")
-KERNELS = ("auto", "packed", "dequant")
+KERNELS = ("auto", "packed", "dequant", "reduce")  # "reduce": int4 only
 # The packed kernels are matrix-vector kernels: at more rows than this (a prompt, an eval batch) widening the
 # weights once and calling the ordinary matmul is far faster (on the reference CPU, 100x at 512 rows).
 PACKED_MAX_ROWS = 16
-DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
 
 
-class QuantizationError(ValueError):
-    """Settings that cannot quantise a model; the message names the layer."""
+# int4's kernel on each GPU model, as measured: scripts/gpu_probe.py times tinygemm ("packed") and "reduce" at one
+# row, applies `choose_int4_kernel` and records the winner with `prefer_int4_kernel`. A GPU not measured keeps
+# tinygemm, the kernel PyTorch ships for it; a CPU always keeps its packed kernel.
+_INT4_KERNEL_BY_GPU: dict[str, str] = {}
+REDUCE_MARGIN = 0.05  # "reduce" replaces tinygemm only when 5% faster: closer than that, timing noise decides
 
 
-@dataclass(frozen=True)
-class QuantConfig:
-    mode: str  # "int8" (per output channel) or "int4" (per group, two values per byte)
-    group_size: int | None = None  # int4 only: inputs sharing one scale/zero; None -> DEFAULT_GROUP_SIZE
-    lm_head: bool = False  # also quantise the LM head (tied or not; the embedding lookup stays float)
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise QuantizationError(f"unknown quantization mode {self.mode!r}: choose one of {', '.join(MODES)}")
-        if self.mode == "int4":
-            if self.group_size is None:
-                object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
-            g = self.group_size
-            if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
-                raise QuantizationError(f"int4 group_size must be an even integer >= 2, got {g!r}")
-        elif self.group_size is not None:
-            raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
-
-    @classmethod
-    def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | None = None
-           ) -> QuantConfig:
-        """A QuantConfig from itself, a mode name ("int8", "int4", "int4-g32") or a dict; a group_size or lm_head
-        given overrides the spec's."""
-        if isinstance(spec, dict):
-            spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head")})
-        elif isinstance(spec, str) and spec.startswith("int4-g") and spec[6:].isdigit():
-            spec = cls("int4", int(spec[6:]))
-        elif not isinstance(spec, QuantConfig):
-            spec = cls(str(spec))
-        if group_size is None and lm_head is None:
-            return spec
-        return cls(spec.mode, spec.group_size if group_size is None else group_size,
-                   spec.lm_head if lm_head is None else lm_head)
-
-    def to_dict(self) -> dict:  # what a checkpoint records
-        return asdict(self)
-
-    def __str__(self) -> str:
-        name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}"
-        return name + ("+lm_head" if self.lm_head else "")
+def choose_int4_kernel(us_per_call: dict[str, float], margin: float = REDUCE_MARGIN) -> str:
+    """The selection rule: from microseconds per one-row matmul of "packed" (tinygemm) and "reduce", "reduce"
+    where it is faster by more than `margin`, else "packed"; a kernel missing from the timings (it failed) loses."""
+    packed, reduce = us_per_call.get("packed"), us_per_call.get("reduce")
+    if reduce is None:
+        return "packed"
+    if packed is None:
+        return "reduce"
+    return "reduce" if reduce < (1 - margin) * packed else "packed"
 
 
-# ---- the arithmetic ------------------------------------------------------------------------------
-
-def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> q int8 [N, K], scales [N] (in scale_dtype), with w ~= q * scales[:, None].
-
-    The scale is rounded to scale_dtype first and q computed from the rounded scale, so the bound
-    |w - q * scale| <= scale / 2 holds for the scale that is stored.
-    """
-    w32 = w.detach().float()
-    scales = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12).to(scale_dtype)  # [N]; an all-zero row keeps 1e-12
-    q = torch.round(w32 / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
-    return q, scales
-
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q int8 [N, K], scales [N] -> w [N, K] in dtype."""
-    return (q.float() * scales.float()[:, None]).to(dtype)
+def prefer_int4_kernel(device: torch.device | str, kernel: str | None) -> None:
+    """Record `kernel` ("packed" or "reduce"; None forgets) as int4's `kernel="auto"` on this CUDA device's model
+    of GPU, for every Int4Linear prepared after this in the process."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise QuantizationError(f"int4's kernel is chosen per GPU; {device} keeps its packed kernel")
+    if kernel not in ("packed", "reduce", None):
+        raise QuantizationError(f"int4's measured kernel is 'packed' or 'reduce', got {kernel!r}")
+    name = torch.cuda.get_device_name(device)
+    if kernel is None:
+        _INT4_KERNEL_BY_GPU.pop(name, None)
+    else:
+        _INT4_KERNEL_BY_GPU[name] = kernel
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] with values 0..15 -> [N, K/2] uint8: even index in the high nibble, odd in the low."""
-    pairs = q.to(torch.uint8).contiguous().view(torch.int16)  # [N, K/2]: (even, odd) as one little-endian int16
-    return (((pairs << 4) | (pairs >> 8)) & 0xFF).to(torch.uint8)  # one pass; strided uint8 ops are slow on CPUs
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 -> q [N, K] uint8 with values 0..15 (inverse of pack_int4)."""
-    return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
-
-
-def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, scale_dtype: torch.dtype = torch.float32
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] -> packed uint8 [N, K/2], scales [N, K/g], zeros [N, K/g] with w ~= (q - 8) * scale + zero.
-
-    Per group of g inputs: scale = (max - min) / 15 and zero = min + 8 * scale, so q = 0 is the group's
-    minimum and q = 15 its maximum. Rounded to scale_dtype before q is computed, as for int8.
-    """
-    N, K = w.shape
-    if K % group_size:
-        raise QuantizationError(f"group_size {group_size} does not divide the input dimension {K}")
-    if K % 2:
-        raise QuantizationError(f"the input dimension {K} is odd; int4 packs two weights per byte along it")
-    wg = w.detach().float().view(N, K // group_size, group_size)  # [N, groups, g]
-    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, groups]
-    scales = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype)
-    zeros = (lo + 8 * scales.float()).to(scale_dtype)
-    q = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp_(0, 15)
-    return pack_int4(q.view(N, K)), scales, zeros
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """packed [N, K/2], scales/zeros [N, K/g] -> w [N, K] in dtype."""
-    N, groups = scales.shape
-    q = unpack_int4(packed).view(N, groups, -1).float()  # [N, groups, g]
-    return ((q - 8) * scales.float()[..., None] + zeros.float()[..., None]).view(N, -1).to(dtype)
-
-
-# ---- the modules ---------------------------------------------------------------------------------
-
-def _auto_kernel(mode: str) -> str:
+def _auto_kernel(mode: str, device: torch.device | None = None) -> str:
     """Which matmul to use when the caller does not say. int8: dequantise + matmul (compile fuses the widening
     into the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16;
     kernel="packed" calls that op directly). int4: the packed kernels (tinygemm on CUDA, _for_cpu on a CPU):
-    dequantising a whole int4 matrix per token would read more bytes than the float weights. Where the device
-    has no packed kernel, prepare() finds out and falls back to dequantise + matmul."""
-    return "packed" if mode == "int4" else "dequant"
+    dequantising a whole int4 matrix per token would read more bytes than the float weights; on a GPU whose
+    measurement chose it (`prefer_int4_kernel`), the single-reduction "reduce" path. Where the device has no
+    packed kernel, prepare() finds out and falls back to dequantise + matmul."""
+    if mode != "int4":
+        return "dequant"
+    if device is not None and device.type == "cuda" and _INT4_KERNEL_BY_GPU:
+        return _INT4_KERNEL_BY_GPU.get(torch.cuda.get_device_name(device), "packed")
+    return "packed"
+
+
+def _check_kernel(kernel: str, mode: str) -> None:
+    if kernel not in KERNELS:
+        raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    if kernel == "reduce" and mode != "int4":
+        raise QuantizationError("kernel 'reduce' is int4's single-reduction path; int8 has 'packed' and 'dequant'")
 
 
 CHECK_ROWS = 64  # rows prepare() checks a packed kernel on (all rows: a layer's weights in float while loading)
-
-
-def _nibbles(t: torch.Tensor) -> torch.Tensor:
-    """Any tensor's bytes as a flat stream of 4-bit values, low nibble first."""
-    b = t.contiguous().view(torch.uint8).flatten()
-    return torch.stack([b & 15, b >> 4], dim=-1).flatten()
 
 
 def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -186,6 +129,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))  # [N]
+        _check_kernel(kernel, "int8")
         self.kernel = kernel
 
     @classmethod
@@ -242,6 +186,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
+        _check_kernel(kernel, "int4")
         self.kernel = kernel
         # The packed kernels want their own layouts: built by prepare(), never saved.
         self.register_buffer("kernel_weight", None, persistent=False)
@@ -263,9 +208,10 @@ class Int4Linear(nn.Module):
         codes = self.codes()
         device = codes.device
         if self.kernel == "auto":
-            self.kernel = _auto_kernel("int4")
+            self.kernel = _auto_kernel("int4", device)
         self.kernel_weight = self.scales_and_zeros = None
-        if self.kernel != "packed":
+        if self.kernel != "packed":  # dequant, reduce: the plain codes are all they read
+            self.weight = codes
             return self
         try:
             sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
@@ -303,9 +249,9 @@ class Int4Linear(nn.Module):
         index = torch.arange(N * K, device=packed.device)
         where = torch.zeros(N * K, dtype=torch.long, device=packed.device)  # nibble j holds code where[j]
         for shift in range(0, max(1, (N * K - 1).bit_length()), 4):
-            where |= _nibbles(self._convert(((index >> shift) & 15).view(N, K))).long() << shift
+            where |= nibbles(self._convert(((index >> shift) & 15).view(N, K))).long() << shift
         flat = torch.empty(N * K, dtype=torch.uint8, device=packed.device)
-        flat[where] = _nibbles(packed)
+        flat[where] = nibbles(packed)
         codes = pack_int4(flat.view(N, K))
         if not torch.equal(self._convert(unpack_int4(codes)), packed):
             raise QuantizationError(f"Int4Linear [{N}, {K}]: the kernel's layout does not unpack to plain codes")
@@ -316,12 +262,32 @@ class Int4Linear(nn.Module):
         destination[prefix + "weight"] = self.codes()  # a checkpoint holds the plain codes, whatever is held
 
     def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        sz = self.scales_and_zeros
+        if sz is None:  # a layer whose scales are views of a fused layer's table (llmstep.core.fuse): its own, now
+            sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
         if x2d.device.type == "cuda":
-            return torch._weight_int4pack_mm(x2d, self.kernel_weight, self.group_size, self.scales_and_zeros)
-        return torch._weight_int4pack_mm_for_cpu(x2d, self.kernel_weight, self.group_size, self.scales_and_zeros)
+            return torch._weight_int4pack_mm(x2d, self.kernel_weight, self.group_size, sz)
+        return torch._weight_int4pack_mm_for_cpu(x2d, self.kernel_weight, self.group_size, sz)
+
+    def reduce_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] as one multiply-and-sum over the plain codes (kernel="reduce"): each byte's high
+        nibble weighs the even input, its low nibble the odd one, the group's scale and zero broadcast over it.
+        Eager, it widens the weights like dequantise + matmul; compiled, it is one reduction kernel that reads
+        each byte once (half a byte a weight), with no extern matmul (tests/cuda_proofs)."""
+        N, G = self.scales.shape
+        dtype = torch.promote_types(x2d.dtype, torch.float32)  # accumulate in float32 at least
+        codes = self.weight.view(N, G, -1)  # [N, K/g, g/2] uint8
+        scale, zero = self.scales.to(dtype).unsqueeze(-1), self.zeros.to(dtype).unsqueeze(-1)  # [N, K/g, 1]
+        w_even = ((codes >> 4).to(dtype) - 8) * scale + zero  # [N, K/g, g/2]: inputs 0, 2, 4, ... of each group
+        w_odd = ((codes & 15).to(dtype) - 8) * scale + zero  # inputs 1, 3, 5, ...
+        x_even, x_odd = x2d.to(dtype).view(-1, 1, G, codes.shape[-1], 2).unbind(-1)  # [M, 1, K/g, g/2] each
+        return (w_even * x_even + w_odd * x_odd).sum(dim=(-2, -1))  # [M, N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.kernel == "reduce" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
+            y = self.reduce_mm(x.reshape(-1, self.in_features))
+            return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         if self.kernel == "packed" and (self.weight is None or x.numel() <= PACKED_MAX_ROWS * self.in_features):
             y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales.dtype))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -416,8 +382,7 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     Quantise on the device the model will run on: the packed kernels' layouts are device-specific.
     """
     qc = QuantConfig.of(spec, group_size, lm_head)
-    if kernel not in KERNELS:
-        raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+    _check_kernel(kernel, qc.mode)
     _check(model, qc)
     target = model if inplace else _float_copy(model)
     with torch.no_grad():

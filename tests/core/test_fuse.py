@@ -83,7 +83,7 @@ def test_fuse_rows_stacks_and_repoints_parameters_and_buffers():
     assert b.weight.data_ptr() == whole.data_ptr() + 3 * 4 * whole.element_size()
 
 
-def test_int8_layers_fuse_int4_layers_stay_separate_and_both_stay_exact():
+def test_int8_layers_fuse_exactly_and_hold_nothing_twice():
     model = random_model(CONFIG, device="cpu", dtype=torch.float32, std=0.1)
     q8 = quantize(model, QuantConfig("int8"), inplace=False)
     twin8 = fused(q8)
@@ -91,7 +91,74 @@ def test_int8_layers_fuse_int4_layers_stay_separate_and_both_stay_exact():
     assert twin8.layers[0].feed_forward.w13.scales.shape == (2 * CONFIG.hidden_dim,)
     torch.testing.assert_close(prefill_and_decode(twin8), prefill_and_decode(q8), rtol=1e-5, atol=1e-5)
     assert storage_bytes(q8, twin8) == storage_bytes(q8)
+
+
+# Widths the CPU int4 kernel's 64-row tiles divide (q 128 rows, k and v 64 each, gate and up 256), as every
+# Llama's do; CONFIG's k and v (16 rows) do not.
+CONFIG64 = LlamaConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256, vocab_size=101, max_seq_len=64)
+
+
+def kernel_only(m: nn.Module) -> nn.Module:
+    """What Int4Linear.prepare() leaves on CUDA (the kernel's layout alone), made on the CPU."""
+    for layer in m.modules():
+        if isinstance(layer, Int4Linear) and layer.kernel == "packed":
+            layer.weight = None
+    return m
+
+
+@pytest.mark.parametrize("kernel", ["packed", "dequant", "reduce"])
+@pytest.mark.parametrize("config", [CONFIG, CONFIG64], ids=["k16", "k64"])
+def test_int4_layers_fuse_and_the_twin_computes_the_same_function(kernel, config):
+    model = random_model(config, device="cpu", dtype=torch.float32, std=0.1)
+    q4 = quantize(model, QuantConfig("int4", 32), kernel=kernel, inplace=False)
+    state = {k: v.clone() for k, v in q4.state_dict().items()}
+    before = prefill_and_decode(q4)
+    twin4 = fused(q4)
+    assert is_fused(twin4) and isinstance(twin4.layers[0].attention.wqkv, Int4Linear)
+    assert twin4.layers[0].attention.wqkv.kernel == kernel
+    assert twin4.layers[0].feed_forward.w13.out_features == 2 * config.hidden_dim
+    torch.testing.assert_close(prefill_and_decode(twin4), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prefill_and_decode(q4), before, rtol=1e-6, atol=1e-6)  # the parts, re-pointed
+    after = q4.state_dict()  # what a checkpoint of the model holds (plain codes): unchanged
+    assert list(after) == list(state) and all(torch.equal(after[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("kernel", ["packed", "dequant", "reduce"])
+def test_a_fused_int4_twin_holds_nothing_twice_and_fusing_again_copies_nothing(kernel):
+    model = random_model(CONFIG64, device="cpu", dtype=torch.float32, std=0.1)
+    q4 = quantize(model, QuantConfig("int4", 32), kernel=kernel, inplace=False)
+    held = storage_bytes(q4)
+    first = fused(q4)
+    assert storage_bytes(q4, first) == held  # codes, scales, zeros and kernel layouts: views of the fused rows
+    wk, wqkv = q4.layers[0].attention.wk, first.layers[0].attention.wqkv
+    assert wk.scales.untyped_storage().data_ptr() == wqkv.scales.untyped_storage().data_ptr()
+    if kernel == "packed":
+        assert wk.kernel_weight.untyped_storage().data_ptr() == wqkv.kernel_weight.untyped_storage().data_ptr()
+        assert wk.scales_and_zeros is None  # the part's table: rebuilt per call from the views
+    second = fused(q4)
+    assert storage_bytes(q4, first, second) == held
+    assert second.layers[1].feed_forward.w13.weight.data_ptr() == first.layers[1].feed_forward.w13.weight.data_ptr()
+    torch.testing.assert_close(prefill_and_decode(second), prefill_and_decode(first), rtol=0, atol=0)
+
+
+def test_int4_layers_holding_only_the_kernel_layout_fuse_from_their_recovered_codes():
+    """CUDA's packed int4 layers hold tinygemm's layout alone: fusing recovers their codes and stacks those."""
+    model = random_model(CONFIG64, device="cpu", dtype=torch.float32, std=0.1)
+    q4 = kernel_only(quantize(model, QuantConfig("int4", 32), inplace=False))
+    before = prefill_and_decode(q4)
+    twin4 = fused(q4)
+    assert is_fused(twin4) and twin4.layers[0].attention.wqkv.kernel == "packed"
+    torch.testing.assert_close(prefill_and_decode(twin4), before, rtol=1e-5, atol=1e-5)
+
+
+def test_an_int4_part_whose_rows_the_cpu_kernels_tiles_do_not_fill_keeps_its_own_layout():
+    """Where int4 copies (the module docstring): CONFIG's q rows (64) fill the CPU kernel's 64-row tiles and become
+    a view of the fused layout; k and v (16 rows each) do not, and keep their own, checked not assumed."""
+    model = random_model(CONFIG, device="cpu", dtype=torch.float32, std=0.1)
     q4 = quantize(model, QuantConfig("int4", 32), inplace=False)
-    twin4 = fused(q4)  # the packed layout does not stack: left as three (two) matmuls, the same function
-    assert not is_fused(twin4) and isinstance(twin4.layers[0].attention.wq, Int4Linear)
-    torch.testing.assert_close(prefill_and_decode(twin4), prefill_and_decode(q4), rtol=0, atol=0)
+    twin = fused(q4)
+    a, wqkv = q4.layers[0].attention, twin.layers[0].attention.wqkv
+    shared = wqkv.kernel_weight.untyped_storage().data_ptr()
+    assert a.wq.kernel_weight.untyped_storage().data_ptr() == shared
+    assert a.wk.kernel_weight.untyped_storage().data_ptr() != shared
+    assert a.wk.weight.untyped_storage().data_ptr() == wqkv.weight.untyped_storage().data_ptr()  # codes: views

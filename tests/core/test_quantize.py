@@ -14,11 +14,13 @@ from llmstep.core.quantize import (
     Int8Linear,
     QuantConfig,
     QuantizationError,
+    choose_int4_kernel,
     dequantize_int4,
     dequantize_int8,
     layer_errors,
     linear_names,
     pack_int4,
+    prefer_int4_kernel,
     quantize,
     quantize_int4,
     quantize_int8,
@@ -250,3 +252,79 @@ def test_a_bad_tensor_in_a_quantised_checkpoint_is_named_before_any_is_read(tiny
     monkeypatch.setattr(checkpoint, "safe_open", no_reading)
     with pytest.raises(llmstep.CheckpointError, match=message):
         llmstep.load(path, device="cpu")
+
+
+# ---- int4's single-reduction kernel and how a GPU chooses it (issue 25, item 3) ---------------------------
+
+@torch.no_grad()
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("k,g", [(128, 32), (256, 64), (96, 2)])
+def test_the_reduce_kernel_is_dequantise_then_matmul(rows, k, g):
+    """kernel="reduce" (both nibbles against the even/odd inputs, scale and zero per group, one sum) computes
+    x @ dequantize_int4(...)^T; past PACKED_MAX_ROWS rows (a prompt) it widens the weights once instead."""
+    torch.manual_seed(rows)
+    lin = torch.nn.Linear(k, 48, bias=False)
+    m = Int4Linear.from_linear(lin, group_size=g, kernel="reduce")
+    assert m.kernel == "reduce" and m.kernel_weight is None and m.weight.shape == (48, k // 2)
+    x = torch.randn(1, rows, k)
+    want = x @ dequantize_int4(m.weight, m.scales, m.zeros).T
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.reduce_mm(x[0]), want[0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_reduce_kernel_serves_decode_rows_and_keeps_the_input_dtype(monkeypatch):
+    lin = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    m = Int4Linear.from_linear(lin, group_size=32, kernel="reduce")
+    calls = []
+    real = Int4Linear.reduce_mm
+    monkeypatch.setattr(Int4Linear, "reduce_mm", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    y = m(x)
+    assert calls == [1] and y.dtype == torch.bfloat16 and y.shape == (1, 1, 64)
+    want = x.float() @ m.dequantized().float().T
+    assert float((y.float() - want).norm() / want.norm()) < 1e-2  # bf16 output rounding only
+    m(torch.randn(1, 64, 128, dtype=torch.bfloat16))  # a prompt: dequantise + matmul
+    assert calls == [1]
+
+
+def test_a_reduce_model_holds_the_same_codes_a_checkpoint_holds(tiny):
+    """The reduce kernel reads the plain codes: its state dict is the packed model's, bit for bit."""
+    model, _ = tiny
+    packed = quantize(model, QuantConfig("int4", G), inplace=False).state_dict()
+    reduce = quantize(model, QuantConfig("int4", G), kernel="reduce", inplace=False).state_dict()
+    assert packed.keys() == reduce.keys() and all(torch.equal(packed[k], reduce[k]) for k in packed)
+
+
+def test_the_int4_kernel_rule_prefers_reduce_only_when_clearly_faster():
+    assert choose_int4_kernel({"packed": 10.0, "reduce": 9.0}) == "reduce"
+    assert choose_int4_kernel({"packed": 10.0, "reduce": 9.8}) == "packed"  # within the 5% margin: noise
+    assert choose_int4_kernel({"packed": 10.0, "reduce": 12.0}) == "packed"
+    assert choose_int4_kernel({"packed": 10.0}) == "packed" and choose_int4_kernel({"reduce": 3.0}) == "reduce"
+    assert choose_int4_kernel({}) == "packed"
+
+
+def test_auto_picks_the_kernel_measured_for_this_gpu_and_keeps_the_cpus(monkeypatch):
+    import llmstep.core.quantize as q
+
+    monkeypatch.setattr(q, "_INT4_KERNEL_BY_GPU", {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda = torch.device("cuda")
+    assert q._auto_kernel("int4", cuda) == "packed"  # not measured: tinygemm
+    prefer_int4_kernel(cuda, "reduce")
+    assert q._auto_kernel("int4", cuda) == "reduce" and q._auto_kernel("int8", cuda) == "dequant"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA T4")
+    assert q._auto_kernel("int4", cuda) == "packed"  # another GPU model: its own measurement
+    assert q._auto_kernel("int4", torch.device("cpu")) == "packed"
+    assert Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), group_size=32).kernel == "packed"  # a CPU
+    with pytest.raises(QuantizationError, match="chosen per GPU"):
+        prefer_int4_kernel("cpu", "reduce")
+    with pytest.raises(QuantizationError, match="'packed' or 'reduce'"):
+        prefer_int4_kernel(cuda, "dequant")
+
+
+def test_reduce_is_refused_for_int8():
+    with pytest.raises(QuantizationError, match="int4's single-reduction"):
+        Int8Linear(64, 32, kernel="reduce")
+    with pytest.raises(QuantizationError, match="unknown kernel"):
+        Int4Linear(64, 32, 32, kernel="fast")

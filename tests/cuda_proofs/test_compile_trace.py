@@ -24,9 +24,11 @@ class _Stop(Exception):
     pass
 
 
-def post_grad_ops(module: nn.Module, inputs: list[torch.Tensor], options: dict) -> list[str]:
+def post_grad_ops(module: nn.Module, inputs: list[torch.Tensor], options: dict, trace=torch.fx.symbolic_trace
+                  ) -> list[str]:
     """The call_function targets of `module`'s graph after inductor's post-grad passes, compiled with
-    `options`; inputs and the module's tensors are fake CUDA tensors."""
+    `options`; inputs and the module's tensors are fake CUDA tensors. `trace` makes the FX graph handed to
+    inductor (a forward that branches on its input's shape needs make_fx under the fake mode)."""
     import torch._inductor.config as inductor_config
     import torch._inductor.fx_passes.misc_patterns as misc_patterns
     from torch._inductor.compile_fx import compile_fx
@@ -43,7 +45,7 @@ def post_grad_ops(module: nn.Module, inputs: list[torch.Tensor], options: dict) 
     misc_patterns._misc_patterns_init = lambda input_device=None: None
     try:
         with inductor_config.patch(patched):
-            compile_fx(torch.fx.symbolic_trace(module), inputs)
+            compile_fx(trace(module), inputs)
     except Exception:  # compile_fx wraps _Stop in its own error type
         if not graphs:
             raise

@@ -1,6 +1,7 @@
-"""scripts/gpu_probe.py cannot rot: its dry mode runs every phase on the CPU with tiny shapes and writes the
-JSON lines a GPU run writes; the verdict table and the time budget are checked on made-up records; and
-issue 12's speedup targets are held below what the bytes each layer streams allow."""
+"""scripts/gpu_probe.py cannot rot: its dry mode runs every phase of the first check on the CPU with tiny shapes,
+the quantized ones in child processes as on a GPU, and writes the JSON lines a GPU run writes; the verdict table
+and the time budget are checked on made-up records; and issue 12's speedup targets are held below what the bytes
+each layer streams allow."""
 
 from __future__ import annotations
 
@@ -24,31 +25,79 @@ def probe():
     return module
 
 
-def test_the_dry_run_writes_one_json_line_per_phase(probe, tmp_path, capsys):
-    out = tmp_path / "probe.jsonl"
+@pytest.fixture(scope="module")
+def dry_run(probe, tmp_path_factory):
+    """One dry run of the first check (children included), shared by the tests that read its records."""
+    out = tmp_path_factory.mktemp("probe")
     assert probe.main(["--dry", "--out", str(out)]) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["phase"] for r in rows] == ["machine"] + [name for name, _ in probe.PHASES]
+    return out, [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
+
+
+def test_the_dry_run_writes_one_json_line_per_phase_under_one_folder(probe, dry_run):
+    out, rows = dry_run
+    assert [r["phase"] for r in rows] == ["machine", *probe.FIRST_CHECK]
     assert all(r["status"] == "ok" and r["dry"] for r in rows), [r for r in rows if r["status"] != "ok"]
     decodes = [r for r in rows if "decode_tokens_per_s" in r]
-    assert {r["phase"] for r in decodes} >= {"8b_bf16", "8b_int4", "8b_int8", "1b_bf16", "hf_eager"}
+    assert {r["phase"] for r in decodes} == {"8b_bf16", "8b_int4", "8b_int8", "1b_bf16"}
     for r in decodes:
-        assert r["decode_tokens_per_s"] > 0
+        assert r["decode_tokens_per_s"] > 0 and r["fused"]
     quantized = {r["phase"]: r for r in rows if "speedup_vs_bf16" in r}
     assert set(quantized) == {"8b_int4", "8b_int8"} and all(r["ceiling"] > 1 for r in quantized.values())
     by_phase = {r["phase"]: r for r in rows}
-    assert all(r["fused"] for r in decodes if r["phase"] not in ("hf_static_compile", "hf_eager"))
     one_b = by_phase["1b_bf16"]  # the sampled run (eager here: the eager forward reads its length back per token)
     assert one_b["decode_tokens_per_s_sampled"] > 0 and one_b["syncs_per_token_sampled"] > 0
     assert by_phase["gemv"]["qkv_fused_us"] > 0 and by_phase["gemv"]["qkv_separate_us"] > 0
-    printed = capsys.readouterr().out
-    assert "8B bf16 tok/s >= 225" in printed and "CUDA graph skips" in printed
+    assert {p.name for p in out.iterdir()} >= {"probe.jsonl", "table.txt", "8b_int8.log", "8b_int4.log"}
+    assert "8B bf16 tok/s >= 225" in (out / "table.txt").read_text()
+
+
+def test_every_decode_record_explains_itself(dry_run):
+    """Median and spread of >= 3 timed runs under the recompile guard, the clock after them, a one-step kernel
+    summary and the teacher-forced agreement of the compiled tokens with the eager model."""
+    _, rows = dry_run
+    for r in (r for r in rows if "decode_tokens_per_s" in r):
+        runs = r["decode_tokens_per_s_runs"]
+        assert len(runs["all_runs"]) >= 3 and runs["median"] == r["decode_tokens_per_s"] and runs["spread"] >= 0
+        assert "fail_on_recompile" in r["recompile_guard"] and "sm_clock_mhz_after" in r
+        assert r["one_step"]["kernels_per_step"] > 0 and {"gpu_busy_us_per_step", "idle_share"} <= set(r["one_step"])
+        assert r["teacher_forced"]["agreement"] == 1.0 and r["teacher_forced"]["positions"] == r["tokens"]
+    machine = rows[0]
+    assert {"torch", "cuda", "cudnn", "triton", "nvidia_smi"} <= set(machine["gpu"])
+
+
+def test_gemv_times_distinct_weights_and_both_int4_kernels(dry_run):
+    gemv = next(r for r in dry_run[1] if r["phase"] == "gemv")
+    assert gemv["weights_per_call"] >= 8
+    for name in ("bf16", "int8", "int4_packed", "int4_reduce"):
+        assert gemv[f"{name}_gb_per_s"] > 0 and gemv[f"{name}_us_runs"]["spread"] >= 0
+    assert gemv["int4_packed_kernel"] == "packed" and gemv["int4_reduce_kernel"] == "reduce"
+    assert gemv["int4_kernel_choice"] in ("packed", "reduce")
+
+
+def test_each_quantized_variant_runs_in_its_own_process_int8_first(dry_run):
+    rows = dry_run[1]
+    parent = rows[0]["pid"]
+    children = [r for r in rows if r["phase"] in ("8b_int8", "8b_int4")]
+    assert [r["phase"] for r in children] == ["8b_int8", "8b_int4"]
+    assert len({parent, *(r["pid"] for r in children)}) == 3
+    int4 = children[1]
+    gemv = next(r for r in rows if r["phase"] == "gemv")
+    assert int4["int4_kernel"] == gemv["int4_kernel_choice"]  # the gemv phase's choice reached the child
+    assert {int4["int4_kernel"], int4["other_kernel"]["kernel"]} == {"packed", "reduce"}  # both measured
+    assert int4["other_kernel"]["status"] == "ok" and int4["other_kernel"]["decode_tokens_per_s"] > 0
+
+
+def test_a_crashing_child_loses_nothing_else(probe, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSTEP_PROBE_CRASH", "8b_int8")
+    assert probe.main(["--dry", "--out", str(tmp_path), "--phases", "8b_int8,8b_int4"]) == 0
+    rows = {r["phase"]: r for r in map(json.loads, (tmp_path / "probe.jsonl").read_text().splitlines())}
+    assert rows["8b_int8"]["status"] == "error" and "exited: 3" in rows["8b_int8"]["error"]
+    assert rows["8b_int4"]["status"] == "ok" and rows["8b_int4"]["decode_tokens_per_s"] > 0
 
 
 def test_phases_skip_themselves_when_time_is_short(probe, tmp_path):
-    out = tmp_path / "probe.jsonl"
-    probe.main(["--dry", "--out", str(out), "--budget", "-1"])
-    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
+    probe.main(["--dry", "--out", str(tmp_path), "--budget", "-1"])
+    rows = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()][1:]
     assert rows and all(r["status"] == "skipped" for r in rows)
 
 
@@ -64,6 +113,9 @@ def test_the_verdict_table_passes_fails_and_misses(probe):
     assert verdict["8B bf16 tok/s"] == "PASS" and verdict["8B int8 / bf16"] == "FAIL"
     assert verdict["1B bf16 tok/s"] == "MISSING" and verdict["8B int4 / bf16"] == "MISSING"
     assert verdict["CUDA graph skips"] == "FAIL" and verdict["host syncs per token"] == "FAIL"
+    assert "compiled = eager tokens" not in verdict  # no agreement recorded: no row
+    records[0]["teacher_forced"] = {"agreement": 0.5}
+    assert dict((t.split(" >=")[0], v) for t, _, v in probe.verdicts(records))["compiled = eager tokens"] == "FAIL"
 
 
 def test_no_speedup_target_is_above_its_ceiling_from_the_bytes_streamed(probe):

@@ -1,0 +1,136 @@
+"""The int8 and int4 number formats: a float matrix as codes and scales, and back (pure functions).
+
+- int8, per output channel (row): w[n, :] ~= q[n, :] * scale[n], q in [-128, 127], symmetric,
+  scale = max|w[n, :]| / 127. Rounding to the nearest step errs by at most scale / 2 per element.
+- int4, per group of `group_size` consecutive inputs in a row (asymmetric, as in gpt-fast and
+  PyTorch's tinygemm kernels): w ~= (q - 8) * scale + zero, q in [0, 15], scale = (max - min) / 15,
+  zero = min + 8 * scale. Error at most scale / 2 per element of the group. Two q values share one
+  byte: even input index in the high nibble, odd in the low one (the layout
+  torch._convert_weight_to_int4pack reads on CUDA, and the one a checkpoint holds).
+
+`QuantConfig` names a format (a checkpoint records it); the layers that compute with them are in
+llmstep.core.quantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["QuantConfig", "MODES", "QuantizationError", "DEFAULT_GROUP_SIZE", "quantize_int8", "dequantize_int8",
+           "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles"]
+
+MODES = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
+
+
+class QuantizationError(ValueError):
+    """Settings that cannot quantise a model; the message names the layer."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    mode: str  # "int8" (per output channel) or "int4" (per group, two values per byte)
+    group_size: int | None = None  # int4 only: inputs sharing one scale/zero; None -> DEFAULT_GROUP_SIZE
+    lm_head: bool = False  # also quantise the LM head (tied or not; the embedding lookup stays float)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise QuantizationError(f"unknown quantization mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.mode == "int4":
+            if self.group_size is None:
+                object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
+            g = self.group_size
+            if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+                raise QuantizationError(f"int4 group_size must be an even integer >= 2, got {g!r}")
+        elif self.group_size is not None:
+            raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
+
+    @classmethod
+    def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | None = None
+           ) -> QuantConfig:
+        """A QuantConfig from itself, a mode name ("int8", "int4", "int4-g32") or a dict; a group_size or lm_head
+        given overrides the spec's."""
+        if isinstance(spec, dict):
+            spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head")})
+        elif isinstance(spec, str) and spec.startswith("int4-g") and spec[6:].isdigit():
+            spec = cls("int4", int(spec[6:]))
+        elif not isinstance(spec, QuantConfig):
+            spec = cls(str(spec))
+        if group_size is None and lm_head is None:
+            return spec
+        return cls(spec.mode, spec.group_size if group_size is None else group_size,
+                   spec.lm_head if lm_head is None else lm_head)
+
+    def to_dict(self) -> dict:  # what a checkpoint records
+        return asdict(self)
+
+    def __str__(self) -> str:
+        name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}"
+        return name + ("+lm_head" if self.lm_head else "")
+
+
+# ---- the modules ---------------------------------------------------------------------------------
+
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> q int8 [N, K], scales [N] (in scale_dtype), with w ~= q * scales[:, None].
+
+    The scale is rounded to scale_dtype first and q computed from the rounded scale, so the bound
+    |w - q * scale| <= scale / 2 holds for the scale that is stored.
+    """
+    w32 = w.detach().float()
+    scales = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12).to(scale_dtype)  # [N]; an all-zero row keeps 1e-12
+    q = torch.round(w32 / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q int8 [N, K], scales [N] -> w [N, K] in dtype."""
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] with values 0..15 -> [N, K/2] uint8: even index in the high nibble, odd in the low."""
+    pairs = q.to(torch.uint8).contiguous().view(torch.int16)  # [N, K/2]: (even, odd) as one little-endian int16
+    return (((pairs << 4) | (pairs >> 8)) & 0xFF).to(torch.uint8)  # one pass; strided uint8 ops are slow on CPUs
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 -> q [N, K] uint8 with values 0..15 (inverse of pack_int4)."""
+    return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(-2)  # [N, K/2, 2] -> [N, K]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, scale_dtype: torch.dtype = torch.float32
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> packed uint8 [N, K/2], scales [N, K/g], zeros [N, K/g] with w ~= (q - 8) * scale + zero.
+
+    Per group of g inputs: scale = (max - min) / 15 and zero = min + 8 * scale, so q = 0 is the group's
+    minimum and q = 15 its maximum. Rounded to scale_dtype before q is computed, as for int8.
+    """
+    N, K = w.shape
+    if K % group_size:
+        raise QuantizationError(f"group_size {group_size} does not divide the input dimension {K}")
+    if K % 2:
+        raise QuantizationError(f"the input dimension {K} is odd; int4 packs two weights per byte along it")
+    wg = w.detach().float().view(N, K // group_size, group_size)  # [N, groups, g]
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, groups]
+    scales = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype)
+    zeros = (lo + 8 * scales.float()).to(scale_dtype)
+    q = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp_(0, 15)
+    return pack_int4(q.view(N, K)), scales, zeros
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """packed [N, K/2], scales/zeros [N, K/g] -> w [N, K] in dtype."""
+    N, groups = scales.shape
+    q = unpack_int4(packed).view(N, groups, -1).float()  # [N, groups, g]
+    return ((q - 8) * scales.float()[..., None] + zeros.float()[..., None]).view(N, -1).to(dtype)
+
+
+def nibbles(t: torch.Tensor) -> torch.Tensor:
+    """Any tensor's bytes as a flat stream of 4-bit values, low nibble first."""
+    b = t.contiguous().view(torch.uint8).flatten()
+    return torch.stack([b & 15, b >> 4], dim=-1).flatten()

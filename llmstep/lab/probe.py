@@ -1,0 +1,191 @@
+"""The measuring pieces of a first GPU check (scripts/gpu_probe.py), each one a question a slow figure raises.
+
+- `gpu_state`: which torch, CUDA, cuDNN, Triton and driver ran, and the SM clock when it was read (nvidia-smi):
+  a figure from a throttled or differently built machine explains itself;
+- `no_recompiles`: a timed window in which a recompile is an error, not a silent minute inside the timing
+  (torch.compiler.set_stance("fail_on_recompile"), public since torch 2.6);
+- `time_calls`: seconds per call over several runs, timed with CUDA events on a GPU (no host round trip in the
+  figure), the wall clock elsewhere;
+- `profile_steps`: one decode step's kernels, the time the GPU is busy and the share it idles, from torch.profiler
+  (two runs some steps apart, differenced): a step slower than its bytes allow shows whether the kernels or the
+  gaps between them are to blame;
+- `teacher_forced_agreement`: the compiled loop's tokens against the eager model's choice at every position,
+  given the same history, so one early divergence does not hide the rest;
+- `SyncCounter`: the host syncs a block of code asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..core.device import synchronize
+from .runinfo import timing
+
+__all__ = ["SMI_FIELDS", "gpu_state", "parse_nvidia_smi", "no_recompiles", "time_calls", "kernel_summary",
+           "per_step", "profile_steps", "teacher_forced_agreement", "SyncCounter"]
+
+# What nvidia-smi reports per GPU (`nvidia-smi --help-query-gpu`): the driver, and the clocks a run ran at.
+SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
+
+
+def parse_nvidia_smi(text: str, fields: Sequence[str] = SMI_FIELDS) -> dict:
+    """The first GPU's line of `nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits` as a dict."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    values = [v.strip() for v in line.split(",")]
+    if len(values) != len(fields):
+        raise ValueError(f"nvidia-smi gave {len(values)} values for {len(fields)} fields: {line!r}")
+    out = {}
+    for field, value in zip(fields, values, strict=True):
+        try:
+            out[field] = float(value) if field not in ("name", "driver_version") else value
+        except ValueError:  # "[N/A]", "[Not Supported]"
+            out[field] = None
+    return out
+
+
+def gpu_state() -> dict:
+    """torch's, CUDA's, cuDNN's and Triton's versions, and nvidia-smi's driver and clocks (None where absent,
+    with the reason)."""
+    state = {"torch": torch.__version__, "cuda": torch.version.cuda,
+             "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None}
+    try:
+        import triton
+
+        state["triton"] = triton.__version__
+    except ImportError:
+        state["triton"] = None
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return state | {"nvidia_smi": None, "nvidia_smi_error": "nvidia-smi not found"}
+    try:
+        r = subprocess.run([smi, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return state | {"nvidia_smi": parse_nvidia_smi(r.stdout)}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        return state | {"nvidia_smi": None, "nvidia_smi_error": f"{type(e).__name__}: {e}"[:200]}
+
+
+@contextlib.contextmanager
+def no_recompiles():
+    """Inside: any torch.compile'd function that would compile again raises instead (a timed window's guard)."""
+    with torch.compiler.set_stance("fail_on_recompile"):
+        yield
+
+
+def time_calls(fn: Callable[[], object], device: str | torch.device, calls: int, runs: int = 3) -> dict:
+    """Seconds per call of fn() over `runs` runs of `calls` calls each (after one untimed call): CUDA events
+    around each run on a GPU, so the figure is the device's time, not the host's; `runinfo.timing` of them."""
+    device = torch.device(device)
+    fn()
+    per_call = []
+    for _ in range(runs):
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) / 1e3 / calls)  # elapsed_time is in milliseconds
+        else:
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call.append((time.perf_counter() - t) / calls)
+    return timing(per_call)
+
+
+def kernel_summary(kernels: Sequence[tuple[float, float]], wall_us: float) -> dict:
+    """From (start_us, duration_us) of every kernel of a run that took `wall_us`: how many ran, and for how long at
+    least one was running (overlaps counted once)."""
+    busy, end = 0.0, float("-inf")
+    for start, duration in sorted(kernels):
+        stop = start + duration
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return {"kernels": len(kernels), "busy_us": busy, "wall_us": wall_us}
+
+
+def per_step(short: dict, long: dict, steps: int) -> dict:
+    """Two `kernel_summary`s of runs `steps` decode steps apart, as one step's share: what is common to both
+    (the prompt's prefill, setting up) cancels. idle_share: the part of a step's wall time no kernel runs."""
+    wall = (long["wall_us"] - short["wall_us"]) / steps
+    busy = (long["busy_us"] - short["busy_us"]) / steps
+    return {"kernels_per_step": (long["kernels"] - short["kernels"]) / steps, "gpu_busy_us_per_step": busy,
+            "step_wall_us": wall, "idle_share": min(1.0, max(0.0, 1 - busy / wall)) if wall > 0 else None}
+
+
+def profile_steps(run: Callable[[int], object], device: str | torch.device, steps: int = 8, base: int = 2) -> dict:
+    """One decode step's kernels under torch.profiler, through public calls only: run(n) generates n tokens;
+    run(base) and run(base + steps) are profiled and their difference divided by `steps` (`per_step`). On a CPU
+    there are no kernels: it counts the top-level operators instead (`kind` says which)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop lines on stderr, as in lab.profile
+    cuda = torch.autograd.DeviceType.CUDA
+    summaries = []
+    for n in (base, base + steps):
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            synchronize(device)
+            t = time.perf_counter()
+            run(n)
+            synchronize(device)
+            wall_us = (time.perf_counter() - t) * 1e6
+        events = [e for e in prof.events() if (e.device_type == cuda if gpu else e.cpu_parent is None)]
+        summaries.append(kernel_summary([(e.time_range.start, e.time_range.elapsed_us()) for e in events], wall_us))
+    return per_step(*summaries, steps) | {"kind": "GPU kernels" if gpu else "top-level CPU ops", "steps": steps}
+
+
+@torch.no_grad()
+def teacher_forced_agreement(model: torch.nn.Module, prompt: Sequence[int], generated: Sequence[int]) -> dict:
+    """The share of `generated` (a compiled loop's greedy tokens after `prompt`) that the eager `model` picks
+    too, each position given the same history (one causal forward over prompt + generated[:-1])."""
+    if not generated:
+        return {"agreement": None, "positions": 0, "first_difference": None}
+    device = next(model.parameters()).device
+    ids = torch.tensor([*prompt, *generated[:-1]], device=device)[None]  # [1, T]
+    picks = model(ids)[0, len(prompt) - 1:].argmax(-1).tolist()  # the eager choice at each generated position
+    same = [a == b for a, b in zip(picks, generated, strict=True)]
+    return {"agreement": sum(same) / len(same), "positions": len(same),
+            "first_difference": next((i for i, s in enumerate(same) if not s), None)}
+
+
+class SyncCounter:
+    """Counts host syncs a block of code asks for: Tensor.item/tolist/__bool__/__int__/__float__ and
+    torch.cuda.synchronize (what llmstep's loops call; a kernel's own syncs are not seen)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__")
+
+    def __init__(self):
+        self.count = 0
+
+    def _wrap(self, fn):
+        def counted(*args, **kwargs):
+            self.count += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self):
+        saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+        saved_sync = torch.cuda.synchronize
+        try:
+            for name, fn in saved.items():
+                setattr(torch.Tensor, name, self._wrap(fn))
+            torch.cuda.synchronize = self._wrap(saved_sync)
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.Tensor, name, fn)
+            torch.cuda.synchronize = saved_sync
