@@ -295,9 +295,9 @@ def test_the_command_line_loads_a_gguf_file_kept_quantized(tmp_path, tokenizer, 
 
 
 def test_tensor_parallelism_refuses_a_gguf_file_naming_why(tmp_path, tokenizer):
-    from llmstep.core import parallel
-
     import torch.distributed as dist
+
+    from llmstep.core import parallel
 
     path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
