@@ -236,7 +236,8 @@ def run_peer_bench(args, argv) -> dict:
     record = peers.run_peers(model, names, peers.precisions(model.dtype, args.quantize), tokenizer, checkpoint,
                              args.prompt_len, args.new_tokens, args.repeats, args.threads,
                              args.compile is not False, args.compile_mode,
-                             args.bandwidth, args.bandwidth_bytes, args.seed, log=_log, argv=argv)
+                             args.bandwidth, args.bandwidth_bytes, args.seed, log=_log, argv=argv,
+                             group_size=args.group_size)
     record = {"source": source} | record
     print(peers.format_peers(record))
     _write_json(args.json, record)
