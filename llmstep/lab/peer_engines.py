@@ -135,7 +135,7 @@ def _without_extra_bufts(llama_cpp) -> str:
         return params
 
     lib.llama_model_default_params = without
-    return "extra buffer types off (use_extra_bufts = False: AMX on this CPU)"
+    return "extra buffer types off (use_extra_bufts = False)"
 
 
 def _restore_default_params(llama_cpp) -> None:

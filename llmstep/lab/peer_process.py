@@ -77,8 +77,13 @@ class PeerProcess:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child_end, make, spec), daemon=True)
-        self.process.start()
-        child_end.close()  # the child holds its end: when it dies, recv() here sees end-of-file
+        try:
+            self.process.start()  # pickles make and spec: a model's tensors move to shared memory (/dev/shm)
+        except Exception as e:
+            self.conn.close()
+            raise PeerFailed(f"its process could not start: {_short(e)}") from None
+        finally:
+            child_end.close()  # the child holds its end: when it dies, recv() here sees end-of-file
         self.info = self._answer("starting")
 
     def _answer(self, doing: str):

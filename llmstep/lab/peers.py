@@ -257,14 +257,14 @@ def format_peers(record: dict) -> str:
     """The record as a table: one line per precision and engine (its weights' source after it), then what failed,
     what was skipped, and why."""
     bw = record.get("copy_bandwidth_gb_s")
-    lines = [f"{'precision':<9} {'engine':<30} {'weights':<24} {'decode tok/s':>12} {'spread':>7} "
+    lines = [f"{'precision':<9} {'engine':<30} {'weights':<33} {'decode tok/s':>12} {'spread':>7} "
              f"{'bw share':>8} {'llmstep/x':>9} {'same tok':>8}  source"]
     for row in record["rows"]:
         d = row["decode_tokens_per_s"]
         share = f"{row['copy_bandwidth_share']:.0%}" if row["copy_bandwidth_share"] is not None else "-"
         ratio = f"{row['llmstep_vs_this']:.2f}x" if "llmstep_vs_this" in row else ""
         same = f"{row['same_tokens_as_llmstep']}/{len(row['tokens'])}" if "same_tokens_as_llmstep" in row else ""
-        lines.append(f"{row['precision']:<9} {row['engine'][:30]:<30} {row['weights'][:24]:<24} "
+        lines.append(f"{row['precision']:<9} {row['engine'][:30]:<30} {row['weights'][:33]:<33} "
                      f"{d['median']:>12,.1f} {d['spread']:>7.0%} {share:>8} {ratio:>9} {same:>8}  "
                      f"{row.get('source', '')}" + ("  [lossy: requantized]" if row.get("requantized") else ""))
     lines.append(f"median of {record['repeats']} interleaved repeats, {record['threads']} threads, "

@@ -68,3 +68,8 @@ def test_amx_is_read_from_the_cpu_flags_and_turns_llama_cpps_extra_buffer_types_
     assert on is False and why.startswith("off: this CPU has AMX")
     monkeypatch.setattr(peers, "cpu_has_amx", lambda: False)
     assert peers._extra_bufts(None)[0] is True and peers._extra_bufts(False) == (False, "off (asked)")
+
+
+def test_a_peer_whose_process_cannot_start_is_peer_failed():
+    with pytest.raises(PeerFailed, match="its process could not start: .*pickle"):
+        PeerProcess(lambda spec: None, peer_engines.PeerSpec("fake", "float32", 1, 16))  # a lambda cannot travel

@@ -127,8 +127,10 @@ def test_the_bench_command_runs_llama_cpp_on_a_q4_1_file_and_names_each_rows_sou
     path = write(tmp_path / "m-q4_1.gguf", tokenizer, "Q4_1")
     record = cli.main(["bench", "--model", str(path), "--peers", "llama.cpp", "--no-compile", "--dtype", "bfloat16",
                        "--quantize", "none", "int4", "--prompt-len", "4", "--new-tokens", "3", "--repeats", "1",
-                       "--no-bandwidth"])
+                       "--no-bandwidth", "--llama-cpp-extra-bufts", "off"])
     assert record["failed"] == [] and record["gguf_file"]["matrix_type"] == "Q4_1"
+    assert record["llama_cpp_extra_buffer_types"] == "off (asked)"
+    assert all("extra buffer types off" in r["notes"] for r in record["rows"] if r["engine"].startswith("llama"))
     rows = [(r["precision"], r["engine"].split(" (")[0], r["weights"]) for r in record["rows"]]
     assert rows == [("bfloat16", "llmstep FastDecoder", "bfloat16"), ("bfloat16", "llama.cpp", "GGUF bf16"),
                     ("int4", "llmstep FastDecoder", "int4-g32"), ("int4", "llmstep FastDecoder", "int4-g64"),
