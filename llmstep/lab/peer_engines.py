@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..core.config import LlamaConfig
 from ..core.files import atomic_write_json
 from ..core.model import Llama
 from .bench import hf_twin, time_hf
@@ -42,12 +43,19 @@ class PeerSpec:
     weights: str = ""  # what it runs, in a few words ("GGUF q4_1"), for the table
     source: str = ""  # where those weights come from, for the table and record
     requantized: bool = False  # a second rounding of weights the GGUF file already held quantized (lossy)
-    model: Llama | None = None  # transformers, ctranslate2: the float model (its tensors shared, not copied)
+    # transformers: the model, as torch.save wrote it for this peer. A copy, not the parent's tensors sent through
+    # the pipe: pickling for another process moves a tensor into shared memory (/dev/shm), in the parent too,
+    # which would change how llmstep's own loop reads its weights (and fail where /dev/shm is small).
+    model_file: Path | None = None
+    config: LlamaConfig | None = None  # ctranslate2: the model's shape (its bos/eos ids)
     checkpoint: Path | None = None  # ctranslate2: the checkpoint directory its converter reads
     gguf: Path | None = None  # llama.cpp: the file it loads, or (quantize_to) the file its quantiser reads
     quantize_to: str | None = None  # llama.cpp: "q8_0" / "q4_0" made by llama.cpp's quantiser from `gguf` first
     workdir: Path | None = None  # where the peer may write files (conversions, quantised GGUF)
     extra_bufts: bool = True  # llama.cpp: its extra buffer types (weight repacking); False turns them off
+
+    def load_model(self) -> Llama:
+        return torch.load(self.model_file, weights_only=False)  # written by this benchmark's own process
 
 
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:
@@ -159,7 +167,7 @@ class _CTranslate2:
             # Its converter takes bos/eos from a transformers tokenizer config, which llmstep's checkpoints do not
             # hold; CTranslate2 refuses a null one. Named from the model's config (never used: no stop token).
             config = json.loads((out / "config.json").read_text())
-            c = spec.model.config
+            c = spec.config
             for key, token_id in (("bos_token", c.bos_token_id), ("eos_token", (c.eos_token_id or [None])[0])):
                 if config.get(key) is None:
                     config[key] = vocab[token_id if token_id is not None else 0]
@@ -187,7 +195,7 @@ class _CTranslate2:
 class _Transformers:
     def __init__(self, spec: PeerSpec):
         torch.set_num_threads(spec.threads)
-        self.hf = hf_twin(spec.model)
+        self.hf = hf_twin(spec.load_model())
         self.info = {"name": "transformers generate()", "weights": spec.weights, "source": spec.source}
 
     def run(self, ids: list[int], n: int):

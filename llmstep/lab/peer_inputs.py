@@ -118,6 +118,7 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
     origin = (f"{plan.gguf_file.name} dequantized to {float_name}" if plan.gguf_file is not None
               else f"the {float_name} weights")
     exports: dict[str, Path] = {}
+    saved: dict[int, Path] = {}  # variant number -> its model, saved for a peer's process
 
     def export(kind: str, m: Llama, name: str) -> Path:  # each file written once, when first needed
         if name not in exports:
@@ -154,7 +155,11 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
             v = plan.variants[own]
             if peer != "llama.cpp":
                 ct2 = peer == "ctranslate2"
-                plan.peers.append((own, _with(base, model=model if ct2 else v.model, checkpoint=checkpoint,
+                if not ct2 and own not in saved:  # once per variant, for every peer that runs llmstep's tensors
+                    saved[own] = workdir / f"llmstep-{own}.pt"
+                    torch.save(v.model, saved[own])
+                plan.peers.append((own, _with(base, model_file=None if ct2 else saved[own], config=model.config,
+                                              checkpoint=checkpoint,
                                               weights=f"CTranslate2 {CT2_COMPUTE[precision]}" if ct2
                                               else "llmstep's tensors",
                                               source="its converter on the checkpoint's safetensors" if ct2
