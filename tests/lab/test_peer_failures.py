@@ -46,7 +46,8 @@ def test_a_peer_killed_by_a_signal_and_peers_that_raise_are_recorded_and_the_oth
     for name, make in (("sigill", fake_peers.dies_of_sigill), ("raises", fake_peers.raises_at_start),
                        ("raises-in-runs", fake_peers.raises_in_runs)):
         monkeypatch.setitem(peers.MAKERS, name, make)
-    record = peers.run_peers(tiny(), ["sigill", "transformers", "raises", "raises-in-runs"], ["float32"],
+    model = tiny()
+    record = peers.run_peers(model, ["sigill", "transformers", "raises", "raises-in-runs"], ["float32"],
                              prompt_len=6, new_tokens=4, repeats=2, compile=False, bandwidth=False,
                              log=lambda m: None)
     failed = {f["peer"]: f["why"] for f in record["failed"]}
@@ -56,6 +57,8 @@ def test_a_peer_killed_by_a_signal_and_peers_that_raise_are_recorded_and_the_oth
     assert [r["engine"] for r in record["rows"]] == ["llmstep FastDecoder", "transformers generate()"]
     hf = record["rows"][1]
     assert hf["same_tokens_as_llmstep"] == 4 and len(hf["decode_tokens_per_s"]["all_runs"]) == 2
+    # transformers' process loaded its own copy: llmstep's tensors were not moved into shared memory to reach it
+    assert not any(t.is_shared() for t in model.state_dict().values())
     table = peers.format_peers(record)
     assert "sigill FAILED at float32" in table and "SIGILL" in table and "transformers generate()" in table
 
