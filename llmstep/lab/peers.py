@@ -16,8 +16,9 @@ its `source`, and a row whose weights were rounded a second time from an already
 Each peer runs in its own child process (llmstep.lab.peer_process): a peer that raises or dies (llama.cpp's AMX
 kernels can die with SIGILL on Intel virtual machines) loses its own row, recorded under `failed` with how it
 failed and when, and the other rows still come. On a CPU with AMX llama.cpp's extra buffer types are turned off
-(llmstep.lab.peer_engines), and the record says so (`llama_cpp_extra_buffer_types`). A peer that is not installed,
-or cannot run a precision, is skipped with the reason in the record (`skipped`).
+(llmstep.lab.peer_engines; `--llama-cpp-extra-bufts on|off` overrides), and the record says so
+(`llama_cpp_extra_buffer_types`, and each llama.cpp row's `notes`). A peer that is not installed, or cannot run a
+precision, is skipped with the reason in the record (`skipped`).
 
 Each row holds decode tokens/s (the steps after the first token), prefill tokens/s, how many leading tokens equal
 those of the llmstep row it is compared with, and its roofline: the share of this machine's copy bandwidth
