@@ -5,6 +5,7 @@ The package is laid out in layers; each imports only the layers above it in this
 core/         the model, one module per stage of the token's journey (notebooks 01-07)
     config.py      shapes: one dataclass, Hugging Face config.json, presets
     tokens.py      text <-> ids (tokenizers, Llama 3 special tokens and chat format)
+    chat.py        a checkpoint's own chat template, rendered as transformers renders it (Jinja2 sandbox)
     rope.py        rotary position embedding with Llama 3.1 scaling
     norm.py        RMSNorm
     attention.py   grouped-query attention
@@ -50,6 +51,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs
     peers.py       llama.cpp, CTranslate2, transformers on llmstep's weights next to its compiled loop
+    peer_inputs.py, peer_engines.py, peer_process.py   what each peer runs, the peers, one child process each
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
 shakespeare/  the shipped default: how the two shipped models were made and scored

@@ -109,6 +109,9 @@ def add_commands(sub) -> None:
                    help="instead of the table above: llmstep's compiled loop next to these peers on the same "
                         "weights, at --dtype and each --quantize mode (llama.cpp, ctranslate2, transformers; "
                         "see llmstep.lab.peers)")
+    p.add_argument("--llama-cpp-extra-bufts", choices=["auto", "on", "off"], default="auto",
+                   help="--peers: llama.cpp's extra buffer types (weight repacking); auto: off on a CPU with AMX, "
+                        "whose llama.cpp kernels can die with SIGILL on virtual machines")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", default=None, help="write the whole record here")
     p.set_defaults(run=run_bench)
@@ -251,7 +254,9 @@ def run_peer_bench(args, argv) -> dict:
     record = peers.run_peers(model, names, peers.precisions(model.dtype, args.quantize), tokenizer, checkpoint,
                              args.prompt_len, args.new_tokens, args.repeats, args.threads,
                              args.compile is not False, args.compile_mode,
-                             args.bandwidth, args.bandwidth_bytes, args.seed, log=_log, argv=argv)
+                             args.bandwidth, args.bandwidth_bytes, args.seed, log=_log, argv=argv,
+                             group_size=args.group_size,
+                             extra_bufts={"auto": None, "on": True, "off": False}[args.llama_cpp_extra_bufts])
     record = {"source": source} | record
     print(peers.format_peers(record))
     _write_json(args.json, record)

@@ -145,3 +145,27 @@ def test_roofline_points_put_each_row_at_its_own_bytes_and_rate():
     assert (x8, x32) == (2.0, 0.5)  # the same FLOPs over each row's bytes: fewer bytes, further right
     assert y8 == y32 == pytest.approx(500 * 4e6 / 1e12)
     assert label8 == "int8, llama.cpp: 500 tok/s, 25% of copy bw" and label32 == "float32, llama.cpp: 500 tok/s"
+
+
+def test_the_table_gives_each_rows_bandwidth_share_source_and_what_failed():
+    def row(engine, weights, rate, share, **extra):
+        return {"precision": "int4", "engine": engine, "weights": weights, "source": f"{weights} source",
+                "decode_tokens_per_s": {"median": rate, "spread": 0.05}, "copy_bandwidth_share": share,
+                "tokens": [1, 2, 3]} | extra
+    record = {"repeats": 5, "threads": 2, "prompt_len": 128, "new_tokens": 128, "copy_bandwidth_gb_s": 20.0,
+              "llama_cpp_extra_buffer_types": "off (asked)", "skipped": [],
+              "failed": [{"peer": "llama.cpp", "precision": "int8", "weights": "GGUF q8_0",
+                          "why": "killed by signal SIGILL (Illegal instruction) while warming up"}],
+              "rows": [row("llmstep FastDecoder", "int4-g32", 70.0, 0.42),
+                       row("llama.cpp (llama-cpp-python)", "GGUF q4_1 (the file)", 76.0, 0.37,
+                           llmstep_vs_this=70 / 76, same_tokens_as_llmstep=3),
+                       row("llama.cpp (llama-cpp-python)", "GGUF q4_0 (llama.cpp's quantiser)", 77.0, 0.35,
+                           requantized=True, llmstep_vs_this=70 / 77, same_tokens_as_llmstep=1)]}
+    lines = peers.format_peers(record).splitlines()
+    assert "42%" in lines[1] and "int4-g32 source" in lines[1]
+    assert "37%" in lines[2] and "0.92x" in lines[2] and "3/3" in lines[2] and "lossy" not in lines[2]
+    assert "35%" in lines[3] and "GGUF q4_0 (llama.cpp's quantiser)" in lines[3] and "[lossy: requantized]" in lines[3]
+    assert "copy bandwidth 20.0 GB/s" in lines[4]
+    assert lines[5:] == ["llama.cpp's extra buffer types: off (asked)",
+                         "llama.cpp FAILED at int8 (GGUF q8_0): killed by signal SIGILL (Illegal instruction) "
+                         "while warming up"]
