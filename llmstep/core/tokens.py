@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from numbers import Integral
 from pathlib import Path
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from .chat import check_messages, render
+from .checks import is_int
 from .config import read_json_object
 
 __all__ = ["Tokenizer", "StreamDecoder"]
@@ -318,7 +318,7 @@ def _read_tokenizer_config(folder: Path) -> dict:
 
 
 def _is_id(i) -> bool:
-    return isinstance(i, Integral) and not isinstance(i, bool) and i >= 0
+    return is_int(i) and i >= 0
 
 
 class StreamDecoder:
