@@ -1,10 +1,36 @@
-"""The test-only oracle for GGUF files: transformers' LlamaForCausalLM built from a file's weights, dequantized by
-gguf-py (llama.cpp's reader), its q/k rows put back as GGUF-NOTES describes; nothing of llmstep's reader is used."""
+"""What the GGUF tests share: the test-only oracle (transformers' LlamaForCausalLM built from a file's weights,
+dequantized by gguf-py, llama.cpp's reader, its q/k rows put back as GGUF-NOTES describes; nothing of llmstep's
+reader is used), a small random model, and llama.cpp's greedy tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from llmstep.core.config import LlamaConfig
+from llmstep.core.model import Llama
+
+
+def random_llama(**overrides) -> Llama:
+    """A random GQA model (8 query heads over 2 kv heads), untied head, norms not 1; `overrides` change the config."""
+    kw = dict(vocab_size=300, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, max_seq_len=64,
+              tie_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**(kw | overrides))).eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.uniform_(0.5, 1.5)
+    return model
+
+
+def llama_cpp_greedy(llm, ids: list[int], n: int) -> list[int]:
+    """llama.cpp's first `n` greedy tokens after `ids` (llama_cpp.Llama)."""
+    got = []
+    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+        got.append(token)
+        if len(got) == n:
+            return got
+    return got
 
 
 def reference_logits(path, ids: list[int]) -> torch.Tensor:

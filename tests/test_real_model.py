@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from gguf_oracle import assert_close_rel, reference_logits
+from gguf_oracle import assert_close_rel, llama_cpp_greedy, reference_logits
 
 import llmstep
 from llmstep.cli import main
@@ -99,9 +99,4 @@ def test_exported_again_it_runs_in_llama_cpp_to_the_same_greedy_tokens(smol, tmp
     expected = greedy(model, tok, ids, 12)
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=256, n_threads=2, verbose=False, seed=0)
     assert llm.tokenize(tok.chat(QUESTION).encode(), add_bos=False, special=True) == ids
-    got = []
-    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-        got.append(token)
-        if len(got) == len(expected):
-            break
-    assert got == expected
+    assert llama_cpp_greedy(llm, ids, len(expected)) == expected

@@ -20,7 +20,8 @@ status:
 
 - bad input (a bad flag value, a library ValueError, a missing or unwritable file): `llmstep <command>: error:
   ...`, exit status 2. Flag values are checked while parsing, paths to write before any work starts;
-- Ctrl-C: `llmstep <command>: interrupted`, exit status 130;
+- Ctrl-C: `llmstep <command>: interrupted`, exit status 130; a reader that closes the pipe (`| head`): nothing
+  printed, exit status 141 (as a program killed by SIGPIPE);
 - anything else is a bug: one line naming the exception and where to report it, exit status 1; set
   LLMSTEP_DEBUG=1 to get the whole traceback instead.
 
@@ -99,6 +100,10 @@ def _main(argv: list[str] | None):
     except KeyboardInterrupt:
         print(f"llmstep {args.command}: interrupted", file=sys.stderr)
         raise CommandFailed(f"llmstep {args.command}: interrupted", 130) from None
+    except BrokenPipeError:  # `llmstep generate ... | head`: the reader has what it wanted; end quietly, as cat does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
+        raise CommandFailed(f"llmstep {args.command}: the output's reader went away", 128 + 13) from None  # SIGPIPE
     except BAD_INPUT as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e  # KeyError's str() adds quotes
         message = " ".join(part.strip() for part in str(message).splitlines())  # one line, whatever the message

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
-from ..core.config import PRESETS, LlamaConfig
+from ..core.config import PRESETS, LlamaConfig, RopeScaling, parse_json
 from ..core.files import atomic_write_json, check_output_path
 from ..lab import bench as decode_bench
 from ..lab import bench_batching, runinfo
@@ -40,17 +39,35 @@ def _write_json(path: str | None, record: dict) -> None:
         atomic_write_json(path, record, default=str)
 
 
+# --set KEY=VALUE: the JSON types each LlamaConfig field takes (rope_scaling: an object of RopeScaling's fields).
+_SET_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "int | None": (int, type(None)),
+              "list[int]": (list, int), "RopeScaling | None": (dict, type(None))}
+
+
 def parse_sets(items: list[str]) -> dict:
-    """--set KEY=VALUE ... as LlamaConfig overrides (VALUE in JSON; true/false as booleans)."""
+    """--set KEY=VALUE ... as LlamaConfig overrides (VALUE in JSON; true/false as booleans), each of the JSON type
+    its field takes (checked here: the config's own checks assume the right types)."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in LlamaConfig.__dataclass_fields__:
             raise ValueError(f"--set takes KEY=VALUE with KEY a LlamaConfig field, got {item!r}")
-        try:
-            out[key] = json.loads(value) if value not in ("true", "false") else value == "true"
-        except ValueError:
-            raise ValueError(f"--set {item}: the value must be JSON (a number, a string in quotes, ...)") from None
+        parsed = parse_json(value, f"--set {key}'s value") if value not in ("true", "false") else value == "true"
+        kind = str(LlamaConfig.__dataclass_fields__[key].type)
+        allowed = _SET_TYPES[kind]
+        ok = isinstance(parsed, allowed) and (type(parsed) is not bool or bool in allowed)  # bool is an int too
+        if isinstance(parsed, list):
+            ok = ok and all(type(i) is int for i in parsed)
+        if not ok:
+            raise ValueError(f"--set {key}: {key} takes {kind.replace(' | None', ' or null')}, "
+                             f"got {type(parsed).__name__}")
+        if isinstance(parsed, dict):
+            try:
+                RopeScaling(**parsed)
+            except TypeError as e:
+                raise ValueError(f"--set {key}: {e}; its fields are {', '.join(RopeScaling.__dataclass_fields__)}"
+                                 ) from None
+        out[key] = parsed
     return out
 
 

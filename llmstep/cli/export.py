@@ -26,4 +26,4 @@ def run_export(args, argv) -> None:
     model, tokenizer = load(path, device="cpu")
     out = export_gguf(model, tokenizer, args.gguf, dtype=args.dtype, name=path.name)
     print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB) from {path}; run it with llama.cpp: "
-          f"llama-cli -m {out} -p 'ROMEO:'", file=sys.stderr)
+          f"llama-cli -m {out}", file=sys.stderr)

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from .config import ConfigError, LlamaConfig, check_generation_config, read_json_object
+from .config import ConfigError, LlamaConfig, check_generation_config, parse_json, read_json_object
 from .cost import check_fits, checkpoint_bytes, n_params
 from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
@@ -116,8 +116,8 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = parse_json(index.read_text(), str(index), CheckpointError)["weight_map"]
+        except (KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard files")
@@ -155,7 +155,7 @@ def _read_headers(path: Path, files: dict[str, list[str]]
                 header_len = int.from_bytes(fh.read(8), "little")
                 if size < 8 or header_len > size - 8:
                     raise CheckpointError(f"{fpath}: truncated or not a safetensors file (header runs past the end)")
-                header = json.loads(fh.read(header_len))
+                header = parse_json(fh.read(header_len), f"{fpath}'s header", CheckpointError)
             tensors = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][1])
                        for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
             data_end = max((end for _, _, end in tensors.values()), default=0)
@@ -186,8 +186,8 @@ def validate(path: Path, config: LlamaConfig, qc: QuantConfig | None = None
     for file, meta in metadata.items():  # each file's header must record the settings config.json gives
         recorded = meta.get(_QUANT_KEY)
         try:
-            theirs = None if recorded is None else QuantConfig.of(json.loads(recorded))
-        except (json.JSONDecodeError, QuantizationError, TypeError) as e:
+            theirs = None if recorded is None else QuantConfig.of(parse_json(recorded, _QUANT_KEY))
+        except (ValueError, TypeError) as e:
             raise CheckpointError(f"{path / file}: bad {_QUANT_KEY} in its header ({e})") from None
         if theirs != qc:
             raise CheckpointError(f"{path / file}: its header records quantisation {theirs or 'none'}, but "

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .checks import is_int
 
-__all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "MAX_LAYERS",
-           "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH"]
+__all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "parse_json",
+           "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH"]
 
 # Sanity bounds, checked before anything is built from a config (a per-layer table, a cache). Far above every
 # published Llama (405B: 126 layers, dim 16384, hidden 53248, context 131072, vocabulary 128256); they only stop
@@ -30,12 +30,22 @@ class ConfigError(ValueError):
     """A config that cannot describe a LLaMA-3 model; the message names the field."""
 
 
+def parse_json(text: str | bytes, where: str, error: type[Exception] = ValueError):
+    """JSON text from a file or a flag -> its value; `error` naming `where` for text that is not JSON, or that
+    nests deeper than Python's parser recurses (a hostile '[[[[...' would otherwise be a RecursionError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{where} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise error(f"{where} nests its JSON too deeply to be read (thousands of levels): not a file llmstep "
+                    "wrote or reads") from None
+
+
 def read_json_object(path: Path, error: type[Exception] = ValueError) -> dict:
     """The JSON object in `path` (config.json, generation_config.json); `error` naming the file otherwise."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise error(f"{path} is not valid JSON: {e}") from None
+        data = parse_json(path.read_text(encoding="utf-8"), str(path), error)
     except UnicodeDecodeError as e:
         raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); JSON files must be UTF-8") from None
     if not isinstance(data, dict):

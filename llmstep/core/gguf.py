@@ -1,7 +1,7 @@
 """Export a model to GGUF, the one-file format of llama.cpp (and of the tools built on it: ollama, LM Studio, ...).
 
 The file holds the same weights, the shapes llama.cpp needs (`llama.*` keys) and the tokenizer
-(`tokenizer.ggml.*`), written with the `gguf` package (`pip install llmstep[export]`), the way llama.cpp's
+(`tokenizer.ggml.*`), written with the `gguf` package (a dependency of llmstep), the way llama.cpp's
 own converter (convert_hf_to_gguf.py, class LlamaModel) writes a Hugging Face Llama. What changes on the way:
 
 - names: `layers.{i}.attention.wq` -> `blk.{i}.attn_q`, ... (GGUF_NAMES below; gguf.TENSOR_NAMES for LLAMA).
@@ -43,7 +43,7 @@ from .rope import inv_frequencies
 from .tokens import Tokenizer
 
 __all__ = ["GGUFError", "DTYPES", "CHAT_TEMPLATE", "GGUF_NAMES", "LLAMA3_SPLIT", "export_gguf", "gguf_tensors",
-           "gguf_vocab", "to_interleaved", "from_interleaved", "rope_freq_factors", "pre_tokenizer_name"]
+           "gguf_vocab", "to_interleaved", "from_interleaved", "qk_rows", "rope_freq_factors", "pre_tokenizer_name"]
 
 # --dtype -> (torch dtype, GGML type name, gguf.LlamaFileType name)
 DTYPES = {"f32": (torch.float32, "F32", "ALL_F32"), "bf16": (torch.bfloat16, "BF16", "MOSTLY_BF16"),
@@ -101,12 +101,13 @@ def from_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-def _llama_cpp_rows(name: str, w: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
-    """wq's and wk's rows in llama.cpp's order; every other weight as it is."""
-    if name.endswith("attention.wq"):
-        return to_interleaved(w, config.n_heads)
-    if name.endswith("attention.wk"):
-        return to_interleaved(w, config.n_kv_heads)
+def qk_rows(module: str, w: torch.Tensor, config: LlamaConfig, order=to_interleaved) -> torch.Tensor:
+    """wq's and wk's rows (or their scales') in llama.cpp's order (`order=from_interleaved`: back to llmstep's);
+    every other module's tensor as it is."""
+    if module.endswith("attention.wq"):
+        return order(w, config.n_heads)
+    if module.endswith("attention.wk"):
+        return order(w, config.n_kv_heads)
     return w
 
 
@@ -163,12 +164,12 @@ def gguf_tensors(model: Llama, dtype: str) -> dict[str, tuple[np.ndarray, str]]:
             raise GGUFError(f"{ours} is int4: llmstep's int4 (per group, with a float zero point) has no exact GGUF "
                             "form; export the float checkpoint, or an int8 one (written as Q8_0)")
         if isinstance(m, Int8Linear):  # q [N, K] and scales [N] move row by row, like any weight
-            q, scales = _llama_cpp_rows(ours, m.weight, c), _llama_cpp_rows(ours, m.scales[:, None], c)[:, 0]
+            q, scales = qk_rows(ours, m.weight, c), qk_rows(ours, m.scales[:, None], c)[:, 0]
             array, kind = _q8_0(q, scales, ours), "Q8_0"
         elif m.weight.dim() == 1:  # a norm
             array, kind = _float(m.weight, "f32", ours), "F32"
         else:
-            array, kind = _float(_llama_cpp_rows(ours, m.weight, c), dtype, ours), DTYPES[dtype][1]
+            array, kind = _float(qk_rows(ours, m.weight, c), dtype, ours), DTYPES[dtype][1]
         out[theirs + ".weight"] = (array, kind)
     return out
 

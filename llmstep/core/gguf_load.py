@@ -36,8 +36,8 @@ from .checks import is_int
 from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device, resolve_dtype
-from .gguf import GGUF_NAMES, from_interleaved
-from .gguf_vocab import build_tokenizer
+from .gguf import GGUF_NAMES, from_interleaved, qk_rows
+from .gguf_vocab import GGUFVocabError, build_tokenizer
 from .model import Llama, all_finite, materialize
 from .quantize import QuantConfig, QuantLinear, empty_quantized, linear_names, pack_int4
 from .rope import inv_frequencies
@@ -51,7 +51,6 @@ MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 KEEPS = ("Q4_0", "Q4_1")  # types keep_quantized holds as llmstep int4, group size 32 (GGUF's block)
 BLOCK = 32
-_OURS = {theirs: ours for ours, theirs in GGUF_NAMES.items()}  # GGUF name (with {i}) -> llmstep module name
 _SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
              "general.sampling.top_p": "top_p"}
 
@@ -174,25 +173,46 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
             high = 1 + (orig / lower - 1) / s_mid
         else:
             high = math.sqrt(orig / lower) if lower else 2.0
-    try:
-        scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=float(high),
-                              original_max_position_embeddings=max(1, round(orig)))
-    except ConfigError as e:
-        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule ({e})") from None
-    got = plain / inv_frequencies(head_dim, theta, scaling).double().numpy()
-    if not np.allclose(got, f, rtol=1e-4, atol=0):
-        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule (off by up to "
-                            f"{np.abs(got / f - 1).max():.2%})")
-    return scaling
+    def error(got) -> float:  # how far the factors a candidate gives are from the file's, relative
+        return float(np.abs(plain / inv_frequencies(head_dim, theta, got).double().numpy() / f - 1).max())
+
+    # The float32 factors a converter wrote give the parameters to ~1e-7: the published ones are round numbers,
+    # so take the roundest that gives the same factors (then inv_freq equals transformers' from config.json).
+    def scaling(digits: int | None) -> RopeScaling | None:
+        try:
+            r = (lambda x: float(x)) if digits is None else (lambda x: round(float(x), digits))
+            return RopeScaling(factor=r(factor), low_freq_factor=1.0, high_freq_factor=r(high),
+                               original_max_position_embeddings=max(1, round(orig)))
+        except ConfigError:
+            return None  # rounded too far (high_freq_factor down to 1, say)
+
+    raw = scaling(None)
+    off = math.inf if raw is None else error(raw)
+    if off > 1e-5:
+        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule (off by up to {off:.1e})")
+    for digits in range(7):  # the roundest parameters that fit the factors as well as the recovered ones do
+        if (candidate := scaling(digits)) is not None and error(candidate) <= max(1e-6, 2 * off):
+            return candidate
+    return raw
 
 
 def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise GGUFLoadError(f"{where}: general.architecture is {arch!r}; llmstep implements 'llama' only")
+    if fields.get("llama.expert_count", 0):  # Mixtral is stored as 'llama' with experts
+        raise GGUFLoadError(f"{where}: llama.expert_count is {fields['llama.expert_count']}: a mixture of experts, "
+                            "which llmstep does not implement (one SwiGLU per block)")
+    rope_kind = fields.get("llama.rope.scaling.type", "none")
+    if rope_kind != "none":  # Llama 3.1's scaling travels as the rope_freqs tensor instead
+        raise GGUFLoadError(f"{where}: llama.rope.scaling.type is {rope_kind!r}; llmstep implements plain RoPE and "
+                            "Llama 3.1's scaling (a rope_freqs tensor) only")
     n_heads = _int(fields, "llama.attention.head_count", where)
     dim = _int(fields, "llama.embedding_length", where)
-    head_dim = _int(fields, "llama.attention.key_length", where, dim // n_heads if dim % n_heads == 0 else None)
+    if "llama.attention.key_length" not in fields and dim % n_heads:
+        raise GGUFLoadError(f"{where}: llama.embedding_length {dim} is not a multiple of llama.attention.head_count "
+                            f"{n_heads}, and there is no llama.attention.key_length to give the head size")
+    head_dim = _int(fields, "llama.attention.key_length", where, dim // n_heads)
     if _int(fields, "llama.attention.value_length", where, head_dim) != head_dim:
         raise GGUFLoadError(f"{where}: llama.attention.value_length differs from key_length; LLaMA uses one head size")
     if _int(fields, "llama.rope.dimension_count", where, head_dim) != head_dim:
@@ -210,7 +230,7 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     fields_ids = {"bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
                   "eos_token_id": fields.get("tokenizer.ggml.eos_token_id")}
     kinds = [t.tensor_type.name for name, t in tensors.items() if len(t.shape) == 2]
-    stored = {"F32": "float32", "F16": "float16"}.get(max(set(kinds), key=kinds.count), "bfloat16")
+    stored = {"F32": "float32", "F16": "float16"}.get(max(set(kinds), key=kinds.count) if kinds else "", "bfloat16")
     try:
         return LlamaConfig(
             vocab_size=_int(fields, "llama.vocab_size", where, vocab), dim=dim,
@@ -225,22 +245,15 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
 
 
 def _expected(config: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """GGUF tensor name -> (llmstep state name, shape [out, in] as llmstep holds it)."""
-    c = config
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    shapes = {"attention.wq": (q, c.dim), "attention.wk": (kv, c.dim), "attention.wv": (kv, c.dim),
-              "attention.wo": (c.dim, q), "feed_forward.w1": (c.hidden_dim, c.dim),
-              "feed_forward.w3": (c.hidden_dim, c.dim), "feed_forward.w2": (c.dim, c.hidden_dim),
-              "attention_norm": (c.dim,), "ffn_norm": (c.dim,)}
-    out = {"token_embd.weight": ("tok_embeddings.weight", (c.vocab_size, c.dim)),
-           "output_norm.weight": ("norm.weight", (c.dim,))}
-    if not c.tie_embeddings:
-        out["output.weight"] = ("output.weight", (c.vocab_size, c.dim))
-    for i in range(c.n_layers):
-        for theirs, ours in _OURS.items():
-            if "{i}" in theirs:
-                module = ours.format(i=i)
-                out[theirs.format(i=i) + ".weight"] = (module + ".weight", shapes[module.split(".", 2)[2]])
+    """GGUF tensor name -> (llmstep state name, shape [out, in] as llmstep holds it), from the model itself."""
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in Llama(config).state_dict().items()}
+    out = {}
+    for ours, theirs in GGUF_NAMES.items():
+        if ours == "output" and config.tie_embeddings:
+            continue  # no output.weight: llama.cpp reuses token_embd
+        for i in range(config.n_layers) if "{i}" in ours else [None]:
+            out[theirs.format(i=i) + ".weight"] = (f"{ours.format(i=i)}.weight", shapes[f"{ours.format(i=i)}.weight"])
     return out
 
 
@@ -255,7 +268,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         raise GGUFLoadError(f"{where}: {e}") from None
     tensors = {t.name: t for t in reader.tensors}
     config = _config(fields, tensors, where)
-    tokenizer = build_tokenizer(fields, where)
+    try:
+        tokenizer = build_tokenizer(fields, where)
+    except GGUFVocabError as e:
+        raise GGUFLoadError(str(e)) from None
     if tokenizer.vocab_size > config.vocab_size:
         raise GGUFLoadError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
                             f"{config.vocab_size}")
@@ -290,21 +306,13 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     return GGUFModel(path, config, tokenizer, generation, state, types)
 
 
-def _rows(name: str, w: torch.Tensor, config: LlamaConfig) -> torch.Tensor:
-    """llama.cpp's q/k row order -> llmstep's (rotate-half pairs); every other tensor as it is."""
-    if name.endswith("attention.wq.weight"):
-        return from_interleaved(w, config.n_heads)
-    if name.endswith("attention.wk.weight"):
-        return from_interleaved(w, config.n_kv_heads)
-    return w
-
-
 def _dequantized(t, name: str, config: LlamaConfig) -> torch.Tensor:
     """A reader tensor -> float32 [out, in] (or [n]) in llmstep's row order."""
     gguf = _gguf()
     w = gguf.quants.dequantize(np.array(t.data), t.tensor_type)  # a copy: the file is mapped read-only
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    return _rows(name, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(shape), config)
+    w = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(shape)
+    return qk_rows(name.removesuffix(".weight"), w, config, from_interleaved)
 
 
 def int4_from_blocks(blocks: np.ndarray, kind: str, n: int, k: int) -> tuple[torch.Tensor, ...]:
@@ -345,10 +353,13 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
             if name in kept:
                 n, k = (int(d) for d in reversed(t.shape.tolist()))
                 codes, scales, zeros = int4_from_blocks(np.asarray(t.data), g.types[name], n, k)
+                if not (all_finite(scales) and all_finite(zeros)):
+                    raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) has NaN or Inf scales; the file is "
+                                        "damaged")
                 module = name.removesuffix(".weight")
                 parts = {"weight": codes, "scales": scales, "zeros": zeros}
                 for part, value in parts.items():  # rows permute whole: a block never crosses a row
-                    rows = _rows(name, value, g.config)
+                    rows = qk_rows(module, value, g.config, from_interleaved)
                     state[f"{module}.{part}"] = rows.to(device, dtype if part != "weight" else torch.uint8)
                 continue
             w = _dequantized(t, name, g.config).to(device, dtype)

@@ -38,6 +38,7 @@ _GPT2 = _BYTE_LEVEL | {"use_regex": True}
 # tokenizer.ggml.pre -> (the pre-tokenizer, ignore_merges): llama.cpp's names for the same rule are aliases.
 PRE_TOKENIZERS = {"llama-bpe": (_LLAMA3, True), "llama3": (_LLAMA3, True), "llama-v3": (_LLAMA3, True),
                   "smollm": (_SMOLLM, False), "gpt-2": (_GPT2, False)}
+ADDS_BOS = {"llama-bpe", "llama3", "llama-v3"}  # llama.cpp starts their text with bos unless add_bos_token says no
 # gguf.TokenType values
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 # Control tokens that end a turn, whose text llama.cpp also treats as end-of-generation (llama-vocab.cpp's list).
@@ -72,7 +73,8 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
     if model != "gpt2":
         raise GGUFVocabError(f"{where}: tokenizer.ggml.model is {model!r}; llmstep reads byte-level BPE ('gpt2', "
                              "Llama 3's kind) only, not SentencePiece ('llama') or others")
-    pre, ignore_merges = pre_tokenizer_spec(fields.get("tokenizer.ggml.pre", "default"), where)
+    pre_name = fields.get("tokenizer.ggml.pre", "default")
+    pre, ignore_merges = pre_tokenizer_spec(pre_name, where)
     tokens, types = fields.get("tokenizer.ggml.tokens"), fields.get("tokenizer.ggml.token_type")
     merges = fields.get("tokenizer.ggml.merges")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
@@ -83,6 +85,9 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         raise GGUFVocabError(f"{where}: tokenizer.ggml.token_type must give one type per token ({len(tokens)})")
     if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
         raise GGUFVocabError(f"{where}: tokenizer.ggml.merges must be a list of strings")
+    # llama.cpp reads a user-defined token spelled like an end-of-turn token as a control token (and an end)
+    types = [CONTROL if kind == USER_DEFINED and text in EOG_TEXTS else kind
+             for text, kind in zip(tokens, types, strict=True)]
     unknown = sorted({t for t in types if t not in (NORMAL, CONTROL, USER_DEFINED, UNUSED)})
     if unknown:
         raise GGUFVocabError(f"{where}: token type {unknown[0]} (tokenizer.ggml.token_type) is not one a byte-level "
@@ -98,7 +103,7 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
              for i, kind in enumerate(types) if kind in (CONTROL, USER_DEFINED)]
     spec = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": pre, "post_processor": None,
+        "pre_tokenizer": pre, "post_processor": None,  # set below where text starts with bos
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
@@ -119,11 +124,18 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         return value
 
     bos = token_id("bos_token_id")
-    add_bos = fields.get("tokenizer.ggml.add_bos_token", False)  # llama.cpp's default for a BPE vocabulary
+    add_bos = fields.get("tokenizer.ggml.add_bos_token", pre_name in ADDS_BOS and bos is not None)
     if not isinstance(add_bos, bool):
         raise GGUFVocabError(f"{where}: tokenizer.ggml.add_bos_token must be true or false, got {add_bos!r}")
     if add_bos and bos is None:
         raise GGUFVocabError(f"{where}: tokenizer.ggml.add_bos_token is set but there is no bos_token_id")
+    if add_bos:  # in tokenizer.json too, so that transformers' tokenizer of a saved checkpoint starts with bos
+        spec["post_processor"] = {"type": "TemplateProcessing", "special_tokens": {
+            tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}},
+            "single": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}]}
+        tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
     ends = [token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     ends += [i for i, kind in enumerate(types) if kind == CONTROL and tokens[i] in EOG_TEXTS]
     template = fields.get("tokenizer.chat_template")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 
 import tokenizers
@@ -19,6 +20,7 @@ from tokenizers.decoders import DecodeStream
 from .chat import check_messages, render
 from .checks import is_int
 from .config import read_json_object
+from .files import atomic_write, atomic_write_text
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -121,16 +123,35 @@ class Tokenizer:
         return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     # ---- encode / decode -------------------------------------------------------------------------
-    def encode(self, text: str, bos: bool | None = None, special: bool = True) -> list[int]:
+    def encode(self, text: str, bos: bool | None = None, special: bool = True, max_tokens: int | None = None
+               ) -> list[int]:
         """Text -> ids, starting with bos where `bos` (None: the tokenizer's own `add_bos`) says so. With
         special=True, special tokens written in the text (`<|eot_id|>`) become their ids; with special=False they
-        are read as the plain characters they are (what untrusted text needs)."""
+        are read as the plain characters they are (what untrusted text needs). With `max_tokens`, text that must
+        make more tokens than that (more bytes than max_tokens of the longest token hold) is refused unread."""
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         _check_encodable(text)
-        ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
+        if max_tokens is not None and len(text) > max_tokens and len(text.encode()) > max_tokens * self.longest:
+            raise ValueError(f"the text is {len(text.encode()):,} bytes, at least "
+                             f"{len(text.encode()) // self.longest:,} tokens: more than the {max_tokens:,} there is "
+                             "room for")
+        try:
+            ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
+        except BaseException as e:  # the tokenizers library panics (a BaseException) where its regex gives up
+            if type(e).__name__ != "PanicException":
+                raise
+            raise ValueError(f"the tokenizer cannot split this text: {str(e).splitlines()[0]} (its split rule "
+                             "backtracks too much on it; tokenizer.json's pre_tokenizer is at fault)") from None
         bos = self.add_bos if bos is None else bos
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    @cached_property
+    def longest(self) -> int:
+        """Bytes in the longest token (its text decoded alone: never fewer than its bytes), so a text of n bytes
+        makes at least n / longest tokens."""
+        texts = self.tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(1, *(len(t.encode()) for t in texts))
 
     def _plain_tokenizer(self) -> tokenizers.Tokenizer:
         if self._plain is None:  # built once; never mutated afterwards, so threads may share it
@@ -179,7 +200,7 @@ class Tokenizer:
         """The ids of `chat(messages)`, with the special tokens taken from the template alone: a role or content
         that spells `<|eot_id|><|start_header_id|>system...` stays text and cannot open a turn of its own (as
         serving engines encode chat). Starts with bos where the template writes it, else where `add_bos` says.
-        For trusted text with special tokens in it, use encode(chat(...))."""
+        For trusted text with special tokens in it, use encode(chat(...), bos=False)."""
         messages = check_messages(messages)  # read once: an iterator is not drained by a first pass
         if self.chat_template is not None:
             ids = self._encode_template_chat(messages, add_generation_prompt)
@@ -200,42 +221,48 @@ class Tokenizer:
     def _encode_template_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """A template's render -> ids, the special tokens written by the template only.
 
-        Each special token that a message's text spells is replaced, before a second render, by one private-use
-        character (HIDDEN), so the template never sees it; ordinary text is left as it is, so the template's tests
-        (`message['role'] == 'system'`) and filters (`| trim`) work as in the real render. Putting the tokens back
-        must give the real render, else the template changed the text around them and it is refused. Then the
-        special tokens still in the second render are the template's own, and the hidden ones are encoded as text."""
+        The conversation is rendered a second time with every character of the messages' text (each value but the
+        roles, which templates compare: `message['role'] == 'system'`) other than whitespace replaced by its own
+        private-use character (HIDDEN), so `| trim` still works and nothing a message holds can spell, join into
+        or be turned into a special token (a template's `lower`, `replace('[', '<')` or its own text right after a
+        message's `<|im`); in roles and keys only the characters a special token can start with are replaced.
+        Putting the characters back must give the real render, else the template changed the messages' text and
+        it is refused. The special tokens of that render are then the template's own; the text between them is
+        encoded plain."""
         text = self.chat(messages, add_generation_prompt)
         specials = self._special_pattern()
-        hidden: dict[str, str] = {}
-
-        def hide(match: re.Match) -> str:
-            if HIDDEN_FIRST + len(hidden) > HIDDEN_LAST:
-                raise ValueError("the messages spell too many special tokens to keep them text")
-            hidden[char := chr(HIDDEN_FIRST + len(hidden))] = match.group()
-            return char
-
-        def hide_in(value):
-            if isinstance(value, str):
-                return specials.sub(hide, value)
-            if isinstance(value, list):
-                return [hide_in(v) for v in value]
-            return {k: hide_in(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-        masked = hide_in(messages)
-        if not hidden:  # no message spells a special token: the render is encoded as it is (as transformers does)
-            return self.encode(text, bos=False)
         if HIDDEN.search(json.dumps(messages, ensure_ascii=False)):
             raise ValueError("a message holds a character of Supplementary Private Use Area-B (U+100000..), which "
-                             "encode_chat uses to keep special-token text plain: remove it")
+                             "encode_chat uses to keep the messages' text plain: remove it")
+        hidden: dict[str, str] = {}  # original character -> its stand-in
+        starters = {t[0] for t in self.special_tokens if t}  # what a role or key must not begin a special token with
+
+        def stand_in(c: str) -> str:
+            return hidden.setdefault(c, chr(HIDDEN_FIRST + len(hidden)))
+
+        def hide(value, key=None):
+            if isinstance(value, str) and key == "role":  # compared by templates: only what could start a token
+                return "".join(stand_in(c) if c in starters else c for c in value)
+            if isinstance(value, str):
+                return "".join(c if c.isspace() else stand_in(c) for c in value)
+            if isinstance(value, list):
+                return [hide(v) for v in value]
+            if isinstance(value, dict):
+                return {hide(k, "role"): hide(v, k) for k, v in value.items()}
+            return value
+
+        masked = hide(messages)
+        if HIDDEN_FIRST + len(hidden) > HIDDEN_LAST:
+            raise ValueError("the messages use more distinct characters than encode_chat can keep plain (65,534)")
         marked = render(self.chat_template, masked, add_generation_prompt, self.named_tokens)
+        shown = {v: k for k, v in hidden.items()}
 
         def put_back(s: str) -> str:
-            return HIDDEN.sub(lambda m: hidden.get(m.group(), m.group()), s)
+            return HIDDEN.sub(lambda m: shown.get(m.group(), m.group()), s)
 
         if put_back(marked) != text:
-            raise ValueError("the chat template changes the text around the special tokens a message spells, so they "
-                             "cannot be kept as text; remove them from the message, or encode(chat(...)) if trusted")
+            raise ValueError("the chat template changes the messages' text (beyond trimming it), so special tokens "
+                             "in it could not be kept as text; use encode(chat(...), bos=False) for trusted text")
         ids: list[int] = []
         at = 0
         for m in specials.finditer(marked):  # the template's own special tokens: the text between them is plain
@@ -253,22 +280,23 @@ class Tokenizer:
         return StreamDecoder(self, skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
-        self.tok.save(str(path))
+        """tokenizer.json, written whole or not at all."""
+        with atomic_write(path) as tmp:
+            self.tok.save(str(tmp))
 
     def save_dir(self, folder: str | Path) -> None:
         """tokenizer.json and tokenizer_config.json (the chat template, add_bos_token and the special-token names)
-        into `folder`, as from_dir reads them back."""
+        into `folder` (made if missing), as from_dir reads them back; each file written whole or not at all."""
         folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
         self.save(folder / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, **self.named_tokens}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                      encoding="utf-8")
+        atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids}, "
-                f"add_bos={self.add_bos})")
+        return f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_ids={self.eos_ids})"
 
 
 def _check_encodable(text: str) -> None:

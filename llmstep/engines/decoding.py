@@ -97,7 +97,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty: give at least one character")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, max_tokens=max_seq_len)  # a text far too long is refused before it is read
     elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.encode_chat(list(prompt))
     else:  # token ids, a list or a tensor

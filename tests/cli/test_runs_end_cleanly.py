@@ -102,3 +102,21 @@ def test_eval_draft_finds_the_shipped_draft_and_its_tokenizer(monkeypatch, tmp_p
         cli.main(["eval", "draft", "--json", str(tmp_path / "scores.json")])
     assert seen["models"] == [str(resolve_model_path("draft"))]
     assert (resolve_model_path("draft") / "tokenizer.json").is_file()
+
+
+def test_a_reader_that_closes_the_pipe_ends_generate_quietly_with_141(tiny_checkpoint):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": str(root)}
+    proc = subprocess.Popen([sys.executable, "-m", "llmstep", "generate", "--model", str(tiny_checkpoint), "--prompt",
+                             "ab", "--max-new-tokens", "100000", "--temperature", "1", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.read(1)  # `| head -c 1`
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Errno" not in err and "Traceback" not in err and "internal error" not in err

@@ -286,3 +286,54 @@ def test_an_empty_model_path_is_refused_not_read_as_the_current_folder(tmp_path,
     monkeypatch.chdir(tmp_path)  # a folder that exists: "" would have been it
     with pytest.raises(FileNotFoundError, match="the model path is empty"):
         resolve_model_path("")
+
+
+# ---- hostile sizes and shapes: refused by name, never a RecursionError, a panic or minutes of work -------------
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_json_nested_too_deeply_is_refused_naming_the_file(ckpt):
+    (ckpt / "config.json").write_text('{"a": ' + DEEP + "}")
+    with pytest.raises(ConfigError, match=r"config.json nests its JSON too deeply"):
+        llmstep.load(ckpt)
+
+
+def test_a_safetensors_header_nested_too_deeply_is_refused_naming_the_file(ckpt):
+    header = ('{"x": ' + DEEP + "}").encode()
+    (ckpt / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(CheckpointError, match=r"model.safetensors's header nests its JSON too deeply"):
+        llmstep.load(ckpt)
+
+
+def test_set_values_of_the_wrong_json_type_are_refused_naming_the_field():
+    from llmstep.cli.bench import parse_sets
+
+    assert parse_sets(["dim=128", "norm_eps=1e-6", "eos_token_id=[1, 2]", "rope_scaling=null", "head_dim=null",
+                       "tie_embeddings=true"]) == {"dim": 128, "norm_eps": 1e-6, "eos_token_id": [1, 2],
+                                                   "rope_scaling": None, "head_dim": None, "tie_embeddings": True}
+    for bad, match in [('dim="8"', "dim takes int, got str"), ("dim=1.5", "dim takes int, got float"),
+                       ("dim=true", "dim takes int, got bool"), ("eos_token_id=[1.5]", "eos_token_id takes list"),
+                       ("rope_scaling=5", "rope_scaling takes RopeScaling or null"),
+                       ('rope_scaling={"speed": 2}', "unexpected keyword argument 'speed'"),
+                       ("norm_eps=true", "norm_eps takes float, got bool"), ("dim=" + DEEP, "nests its JSON too")]:
+        with pytest.raises(ValueError, match=match):
+            parse_sets([bad])
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(tiny_checkpoint, monkeypatch):
+    model, tokenizer = llmstep.load(tiny_checkpoint)
+    encoded = []
+    monkeypatch.setattr(tokenizer.tok, "encode", lambda *a, **k: encoded.append(1))  # must never be reached
+    with pytest.raises(ValueError, match=r"at least [\d,]+ tokens: more than the 128 there is room for"):
+        llmstep.generate(model, tokenizer, "ab " * 1_000_000, max_new_tokens=1)
+    assert encoded == []
+
+
+def test_a_split_rule_that_backtracks_forever_is_a_value_error_not_a_panic(tiny_checkpoint):
+    import tokenizers
+
+    spec = json.loads((tiny_checkpoint / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a+)+$"}, "behavior": "Isolated", "invert": False}
+    tok = llmstep.Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)))
+    with pytest.raises(ValueError, match="the tokenizer cannot split this text"):
+        tok.encode("a" * 40 + "b")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+from gguf_oracle import llama_cpp_greedy, random_llama
 
 import llmstep
 from llmstep.core.config import LlamaConfig, RopeScaling
@@ -137,15 +138,8 @@ def shipped():
 
 def tiny_model(vocab_size: int, **overrides) -> Llama:
     """A random GQA model (8 query heads over 2 kv heads), untied head, Llama 3.1 rope scaling, norms not 1."""
-    kw = dict(vocab_size=vocab_size, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, max_seq_len=64,
-              rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16), tie_embeddings=False,
-              torch_dtype="float32")
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(**(kw | overrides))).eval().requires_grad_(False)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-    return model
+    scaling = RopeScaling(factor=8.0, original_max_position_embeddings=16)
+    return random_llama(vocab_size=vocab_size, **({"rope_scaling": scaling} | overrides))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
@@ -379,9 +373,9 @@ def test_a_failed_write_leaves_the_old_file_whole(tiny, tmp_path, monkeypatch):
     assert path.read_bytes() == b"the old file" and [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
 
 
-def test_the_export_extra_is_part_of_dev_so_ci_tests_it():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert set(extras["export"]) <= set(extras["dev"])
+def test_the_gguf_package_is_installed_with_llmstep_so_ci_tests_it():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["optional-dependencies"]["export"]) <= set(project["dependencies"])
 
 
 # ---- llama.cpp itself, where it is installed -------------------------------------------------------------
@@ -399,9 +393,4 @@ def test_llama_cpp_generates_llmsteps_greedy_tokens_from_the_exported_shipped_mo
     for _ in range(32):  # llmstep's greedy continuation, one full forward per token (exact, no cache)
         context.append(int(model(torch.tensor([context]))[0, -1].argmax()))
         expected.append(context[-1])
-    got = []
-    for token in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
-        got.append(token)
-        if len(got) == len(expected):
-            break
-    assert got == expected
+    assert llama_cpp_greedy(llm, ids, len(expected)) == expected

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_oracle import assert_close_rel, reference_logits
+from gguf_oracle import assert_close_rel, random_llama, reference_logits
 
 import llmstep
-from llmstep.core.config import LlamaConfig, RopeScaling
+from llmstep.core.config import RopeScaling
 from llmstep.core.gguf import export_gguf, gguf_tensors, gguf_vocab
 from llmstep.core.gguf_load import TYPES, GGUFLoadError, load_gguf, read_gguf, rope_scaling_of
 from llmstep.core.gguf_vocab import GGUFVocabError
@@ -25,17 +25,6 @@ gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pi
 SAMPLES = ["ROMEO:\nBut soft, what light through yonder window breaks?", "  two  spaces,\ttabs\n\nand 12345 digits",
            "Naïve café, 東京 🙂", "<|begin_of_text|>KING:<|eot_id|>", "'s 'LL 'd", "x = f(y) + 3.14159;  # code"]
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # 256 weights a block; gguf-py dequantizes, cannot quantize
-
-
-def tiny_model(**overrides) -> Llama:
-    kw = dict(vocab_size=300, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=96, max_seq_len=64,
-              tie_embeddings=False, torch_dtype="float32")
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(**(kw | overrides))).eval().requires_grad_(False)
-    for name, p in model.named_parameters():
-        if "norm" in name:
-            p.uniform_(0.5, 1.5)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +79,7 @@ def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = 
 @pytest.mark.parametrize("kind", TYPES[1:])  # F32 is the next test's round trip
 def test_every_tensor_type_loads_as_the_function_of_its_dequantized_weights(tmp_path, tokenizer, kind):
     wide = kind in K_QUANTS  # K-quant blocks hold 256 weights: every row must be a multiple of 256 wide
-    model = tiny_model(**(dict(dim=256, hidden_dim=256, n_heads=4, n_kv_heads=2, n_layers=1) if wide else {}))
+    model = random_llama(**(dict(dim=256, hidden_dim=256, n_heads=4, n_kv_heads=2, n_layers=1) if wide else {}))
     path = write_gguf(tmp_path / f"{kind}.gguf", model, tokenizer, kind)
     loaded, _ = load_gguf(path, device="cpu", dtype=torch.float32)
     ids = tokenizer.encode(SAMPLES[0])[:24]
@@ -103,7 +92,7 @@ def test_every_tensor_type_loads_as_the_function_of_its_dequantized_weights(tmp_
 def test_an_exported_model_comes_back_as_the_same_function(tmp_path, tokenizer, case):
     overrides = {"gqa-llama31-scaling": dict(rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=16)),
                  "mqa": dict(n_kv_heads=1), "mha-tied": dict(n_kv_heads=8, tie_embeddings=True)}[case]
-    model = tiny_model(**overrides)
+    model = random_llama(**overrides)
     path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
     loaded, tok = llmstep.load(path, device="cpu", dtype="float32")
     for name, value in model.state_dict().items():  # every weight bit for bit, q/k rows in llmstep's order
@@ -119,7 +108,7 @@ def test_an_exported_model_comes_back_as_the_same_function(tmp_path, tokenizer, 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_half_precision_files_load_their_own_values(tmp_path, tokenizer, dtype):
-    model = tiny_model()
+    model = random_llama()
     path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype=dtype)
     half = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     loaded, _ = llmstep.load(path, device="cpu", dtype="float32")
@@ -143,7 +132,7 @@ def test_llama31_rope_scaling_is_recovered_from_rope_freqs():
 # ---- Q4_0 / Q4_1 kept as llmstep int4 -------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, tokenizer, kind):
-    model = tiny_model()
+    model = random_llama()
     path = write_gguf(tmp_path / f"{kind}.gguf", model, tokenizer, kind)
     kept, _ = load_gguf(path, device="cpu", dtype=torch.float32, keep_quantized=True)
     plain, _ = load_gguf(path, device="cpu", dtype=torch.float32)
@@ -168,7 +157,7 @@ def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, toke
 
 
 def test_keep_quantized_refuses_a_file_whose_matrices_are_not_q4(tmp_path, tokenizer):
-    path = write_gguf(tmp_path / "q8.gguf", tiny_model(), tokenizer, "Q8_0")
+    path = write_gguf(tmp_path / "q8.gguf", random_llama(), tokenizer, "Q8_0")
     with pytest.raises(GGUFLoadError, match=r"layers.0.attention.wq is Q8_0"):
         load_gguf(path, device="cpu", keep_quantized=True)
 
@@ -191,7 +180,7 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
 
 
 def test_a_truncated_file_is_a_clear_error(tmp_path, tokenizer):
-    path = export_gguf(tiny_model(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
     data = path.read_bytes()
     for cut in (40, len(data) // 3, len(data) - 100):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
@@ -200,8 +189,19 @@ def test_a_truncated_file_is_a_clear_error(tmp_path, tokenizer):
 
 
 def test_another_architecture_is_refused_by_name(tmp_path, tokenizer, no_weight_read):
-    path = write_gguf(tmp_path / "q.gguf", tiny_model(), tokenizer, "F16", arch="qwen2")
+    path = write_gguf(tmp_path / "q.gguf", random_llama(), tokenizer, "F16", arch="qwen2")
     with pytest.raises(GGUFLoadError, match="general.architecture is 'qwen2'"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("llama.expert_count", 8, "a mixture of experts"),
+    ("llama.rope.scaling.type", "yarn", "llama.rope.scaling.type is 'yarn'"),
+])
+def test_llama_files_with_parts_llmstep_does_not_implement_are_refused(tmp_path, tokenizer, no_weight_read, key,
+                                                                       value, match):
+    path = write_gguf(tmp_path / "x.gguf", random_llama(), tokenizer, "F16", fields={key: value})
+    with pytest.raises(GGUFLoadError, match=match):
         load_gguf(path)
 
 
@@ -210,7 +210,7 @@ def test_another_architecture_is_refused_by_name(tmp_path, tokenizer, no_weight_
     ("tokenizer.ggml.pre", "qwen2", "tokenizer.ggml.pre is 'qwen2'"),
 ])
 def test_tokenizers_llmstep_cannot_rebuild_are_refused_by_name(tmp_path, tokenizer, no_weight_read, key, value, match):
-    path = write_gguf(tmp_path / "t.gguf", tiny_model(), tokenizer, "F16")
+    path = write_gguf(tmp_path / "t.gguf", random_llama(), tokenizer, "F16")
     reader = gguf.GGUFReader(str(path))
     fields = {k: v.contents() for k, v in reader.fields.items()}
     fields[key] = value
@@ -221,20 +221,20 @@ def test_tokenizers_llmstep_cannot_rebuild_are_refused_by_name(tmp_path, tokeniz
 
 
 def test_an_unsupported_tensor_type_and_unexpected_tensors_are_refused_by_name(tmp_path, tokenizer, no_weight_read):
-    model = tiny_model()
+    model = random_llama()
     arrays = gguf_tensors(model, "f32")
     arrays["blk.0.attn_q.bias"] = (np.zeros(64, dtype=np.float32), "F32")
     path = write_gguf(tmp_path / "b.gguf", model, tokenizer, "F16", tensors=arrays)
     with pytest.raises(GGUFLoadError, match=r"unexpected tensor blk.0.attn_q.bias \(biases"):
         load_gguf(path)
-    path = write_gguf(tmp_path / "tq.gguf", tiny_model(dim=256, hidden_dim=256, n_heads=4, n_layers=1), tokenizer,
+    path = write_gguf(tmp_path / "tq.gguf", random_llama(dim=256, hidden_dim=256, n_heads=4, n_layers=1), tokenizer,
                       "TQ2_0")
     with pytest.raises(GGUFLoadError, match="is TQ2_0, a type llmstep does not read"):
         load_gguf(path)
 
 
 def test_shapes_that_disagree_with_the_metadata_are_refused(tmp_path, tokenizer, no_weight_read):
-    model = tiny_model()
+    model = random_llama()
     arrays = gguf_tensors(model, "f32")
     arrays["blk.1.ffn_up.weight"] = (arrays["blk.1.ffn_up.weight"][0][:48], "F32")
     path = write_gguf(tmp_path / "s.gguf", model, tokenizer, "F16", tensors=arrays)
@@ -247,7 +247,7 @@ def test_shapes_that_disagree_with_the_metadata_are_refused(tmp_path, tokenizer,
 
 
 def test_a_nan_weight_is_refused_naming_the_tensor(tmp_path, tokenizer):
-    model = tiny_model()
+    model = random_llama()
     arrays = gguf_tensors(model, "f32")
     arrays["blk.1.attn_output.weight"] = (arrays["blk.1.attn_output.weight"][0].copy(), "F32")
     arrays["blk.1.attn_output.weight"][0][3, 5] = float("nan")  # the export itself refuses NaN: put it in after
@@ -259,7 +259,7 @@ def test_a_nan_weight_is_refused_naming_the_tensor(tmp_path, tokenizer):
 # ---- the tokenizer, the names a file is found by --------------------------------------------------------
 def test_the_tokenizer_keeps_bos_eos_add_bos_and_the_chat_template(tmp_path, tokenizer):
     template = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>{% endfor %}"
-    path = write_gguf(tmp_path / "t.gguf", tiny_model(), tokenizer, "F16",
+    path = write_gguf(tmp_path / "t.gguf", random_llama(), tokenizer, "F16",
                       fields={"tokenizer.chat_template": template})
     g = read_gguf(path)
     assert g.tokenizer.bos_id == tokenizer.bos_id and g.tokenizer.eos_ids[0] == tokenizer.eos_ids[0]
@@ -269,7 +269,7 @@ def test_the_tokenizer_keeps_bos_eos_add_bos_and_the_chat_template(tmp_path, tok
 
 
 def test_a_loaded_gguf_exports_again_to_the_same_file_contents(tmp_path, tokenizer):
-    model = tiny_model(n_kv_heads=1)
+    model = random_llama(n_kv_heads=1)
     first = export_gguf(model, tokenizer, tmp_path / "a.gguf", dtype="f32")
     loaded, tok = llmstep.load(first, device="cpu", dtype="float32")
     second = export_gguf(loaded, tok, tmp_path / "b.gguf", dtype="f32")
@@ -284,7 +284,7 @@ def test_a_loaded_gguf_exports_again_to_the_same_file_contents(tmp_path, tokeniz
 def test_the_command_line_loads_a_gguf_file_kept_quantized(tmp_path, tokenizer, capsys):
     from llmstep.cli import main
 
-    path = write_gguf(tmp_path / "q4.gguf", tiny_model(), tokenizer, "Q4_1")
+    path = write_gguf(tmp_path / "q4.gguf", random_llama(), tokenizer, "Q4_1")
     main(["generate", "--model", str(path), "--keep-quantized", "--prompt", "ROMEO:", "--max-new-tokens", "4",
           "--temperature", "0", "--device", "cpu"])
     err = capsys.readouterr().err
@@ -297,6 +297,110 @@ def test_the_command_line_loads_a_gguf_file_kept_quantized(tmp_path, tokenizer, 
 def test_tensor_parallelism_refuses_a_gguf_file_naming_why(tmp_path, tokenizer):
     from llmstep.core import parallel
 
-    path = export_gguf(tiny_model(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
     with pytest.raises(parallel.ParallelError, match="is a GGUF file; tensor parallelism reads Hugging Face"):
         parallel.load(path)
+
+
+# ---- what a fresh review found ---------------------------------------------------------------------------------
+def converter_factors(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """rope_freqs as llama.cpp's converter computes them (float32 frequencies, its own loop): not llmstep's code."""
+    import math
+
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_wl = s.original_max_position_embeddings / s.low_freq_factor
+    high_wl = s.original_max_position_embeddings / s.high_freq_factor
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wl:
+            out.append(1.0)
+        elif wavelen > low_wl:
+            out.append(s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append(1 / ((1 - smooth) / s.factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize(("head_dim", "theta", "factor", "original"), [(128, 500000.0, 8.0, 8192),
+                                                                       (64, 500000.0, 32.0, 8192)])
+def test_rope_freqs_from_llama_cpps_converter_give_transformers_frequencies_exactly(head_dim, theta, factor,
+                                                                                     original):
+    from transformers import LlamaConfig as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    s = RopeScaling(factor=factor, original_max_position_embeddings=original)  # Llama 3.1 / 3.2's
+    got = rope_scaling_of(converter_factors(head_dim, theta, s), head_dim, theta, "test")
+    hf = HFConfig(hidden_size=head_dim * 4, num_attention_heads=4, rope_parameters={
+        "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original})
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    assert torch.equal(inv_frequencies(head_dim, theta, got), want.float())
+
+
+def test_a_llama3_file_without_add_bos_token_starts_text_with_bos_as_llama_cpp_does(tokenizer):
+    vocab = gguf_vocab(tokenizer, 300)
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "llama-bpe",
+              "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": vocab["types"],
+              "tokenizer.ggml.merges": vocab["merges"], "tokenizer.ggml.bos_token_id": vocab["bos"]}
+    from llmstep.core.gguf_vocab import build_tokenizer
+
+    assert build_tokenizer(fields, "x").add_bos is True
+    assert build_tokenizer(fields | {"tokenizer.ggml.pre": "smollm"}, "x").add_bos is False
+    assert build_tokenizer(fields | {"tokenizer.ggml.add_bos_token": False}, "x").add_bos is False
+
+
+def test_a_saved_gguf_tokenizer_starts_with_bos_in_transformers_too(tmp_path, tokenizer):
+    from transformers import AutoTokenizer
+
+    g = read_gguf(export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32"))
+    assert g.tokenizer.add_bos
+    g.tokenizer.save_dir(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert hf(SAMPLES[0])["input_ids"] == g.tokenizer.encode(SAMPLES[0])
+
+
+def test_kept_q4_blocks_with_a_nan_scale_are_refused(tmp_path, tokenizer):
+    path = write_gguf(tmp_path / "q.gguf", random_llama(), tokenizer, "Q4_1")
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_up.weight")
+    data = bytearray(path.read_bytes())
+    data[t.data_offset:t.data_offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()  # block 0's d
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFLoadError, match=r"blk.0.ffn_up.weight .* NaN or Inf scales"):
+        load_gguf(path, device="cpu", keep_quantized=True)
+    with pytest.raises(GGUFLoadError, match="blk.0.ffn_up.weight .* holds NaN"):
+        load_gguf(path, device="cpu")
+
+
+def test_odd_metadata_is_refused_by_name(tmp_path, tokenizer):
+    model = random_llama()
+    path = write_gguf(tmp_path / "none.gguf", model, tokenizer, "F32", tensors={})
+    with pytest.raises(GGUFLoadError, match="no token_embd.weight"):
+        read_gguf(path)
+    w = gguf.GGUFWriter(str(tmp_path / "heads.gguf"), "llama")
+    for key, value in {"block_count": 1, "embedding_length": 64, "attention.head_count": 7,
+                       "feed_forward_length": 96}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((300, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFLoadError, match="embedding_length 64 is not a multiple of llama.attention.head_count 7"):
+        read_gguf(tmp_path / "heads.gguf")
+
+
+def test_a_user_defined_token_spelled_like_an_end_of_turn_is_a_control_token_and_an_end(tokenizer):
+    from llmstep.core.gguf_vocab import USER_DEFINED, build_tokenizer
+
+    vocab = gguf_vocab(tokenizer, 300)
+    types = list(vocab["types"])
+    eot = vocab["tokens"].index("<|eot_id|>")
+    types[eot] = USER_DEFINED
+    t = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+                         "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": types,
+                         "tokenizer.ggml.merges": vocab["merges"]}, "x")
+    assert eot in t.eos_ids and "<|eot_id|>" in t.special_tokens
