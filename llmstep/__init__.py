@@ -14,6 +14,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     mlp.py         SwiGLU feed-forward
     model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
+    chat.py        the checkpoint's chat template, rendered in a Jinja2 sandbox as transformers renders it
+    checks.py      the argument checks every layer shares: an integer (not a bool), a seed, a cache's length
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
     quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
     quantize.py    weight-only int8/int4: the quantized linears and their kernels, swapped into a model
@@ -29,6 +31,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     files.py       atomic writes: nothing the package writes is ever left half-written
     registry.py    the models llmstep knows by name: shipped, or fetched (`llmstep pull`, pinned wheels, sha256-checked)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
+    request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once
+    engine.py      what the engines that own a cache share: one run at a time, cache sizing, warm-up
     decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
     generate.py    the teaching loop: prefill once, decode token by token
     compile.py     how a step is compiled for a device, and warmed up
@@ -81,6 +85,7 @@ from .core.tokens import Tokenizer
 from .engines import batching, fast
 from .engines.drafts import LayerSkipDraft
 from .engines.generate import Generation, generate, stream
+from .engines.request import Request
 from .engines.speculative import SpeculativeGeneration, speculative_generate, speculative_stream
 
 # The public modules keep their short names: `from llmstep.fast import FastDecoder`,
@@ -91,6 +96,6 @@ del _module
 
 __all__ = [
     "CheckpointError", "ConfigError", "Generation", "KVCache", "LayerSkipDraft", "Llama", "LlamaConfig", "RopeScaling",
-    "SpeculativeGeneration", "Tokenizer", "batching", "fast", "generate", "load", "load_model", "sampling", "save",
-    "speculative_generate", "speculative_stream", "stream",
+    "Request", "SpeculativeGeneration", "Tokenizer", "batching", "fast", "generate", "load", "load_model", "sampling",
+    "save", "speculative_generate", "speculative_stream", "stream",
 ]

@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .checks import is_int
+
 __all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "parse_json",
            "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH"]
 
@@ -105,7 +107,7 @@ class LlamaConfig:
         self.eos_token_id = list(self.eos_token_id)
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         # Bounds first: nothing below (nor any caller) builds a per-layer structure from an absurd count.
         bounds = {"n_layers": MAX_LAYERS, "max_seq_len": MAX_CONTEXT, "vocab_size": MAX_VOCAB, "dim": MAX_WIDTH,
@@ -119,7 +121,7 @@ class LlamaConfig:
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}): "
                 "each key/value head serves a whole group of query heads"
             )
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool)):
+        if self.head_dim is not None and not is_int(self.head_dim):
             raise ConfigError(f"head_dim must be an integer, got {self.head_dim!r}")
         if self.head_dim is None:
             if self.dim % self.n_heads:
@@ -139,7 +141,7 @@ class LlamaConfig:
         if not self.rope_theta > 1:  # theta^(-2i/d) must fall from 1 towards 0; Llama 3 uses 500000
             raise ConfigError(f"rope_theta must be greater than 1, got {self.rope_theta}")
         for name, tok in [("bos_token_id", self.bos_token_id)] + [("eos_token_id", t) for t in self.eos_token_id]:
-            if tok is not None and (not isinstance(tok, int) or isinstance(tok, bool)):
+            if tok is not None and not is_int(tok):
                 raise ConfigError(f"{name} must be an integer token id, got {tok!r}")
             if tok is not None and not 0 <= tok < self.vocab_size:
                 raise ConfigError(f"{name} {tok} is outside the vocabulary (size {self.vocab_size})")
@@ -203,7 +205,7 @@ class LlamaConfig:
                 raise ConfigError(f"{where}: llama3 rope scaling ({field}) is missing {', '.join(absent)}")
             values = {k: _number(rope[k], f"{field}.{k}", where) for k in keys[:3]}
             original = rope["original_max_position_embeddings"]
-            if not isinstance(original, int) or isinstance(original, bool):
+            if not is_int(original):
                 raise ConfigError(f"{where}: {field}.original_max_position_embeddings must be an integer, "
                                   f"got {original!r}")
             try:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checks import is_int
 from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device, resolve_dtype
@@ -127,7 +128,7 @@ def _int(fields: dict, key: str, where: str, default=None) -> int:
     value = fields.get(key, default)
     if value is None:
         raise GGUFLoadError(f"{where}: metadata {key} is missing")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise GGUFLoadError(f"{where}: metadata {key} must be a positive integer, got {value!r}")
     return value
 

@@ -37,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .checkpoint import CheckpointError, read_generation_config, read_quant_config, resolve_model_path, validate
+from .checks import is_int
 from .config import LlamaConfig
 from .cost import check_fits
 from .device import resolve_dtype, synchronize
@@ -85,7 +86,7 @@ class Split:
 
 def check_split(config: LlamaConfig, world_size: int) -> None:
     """Refuse a world size that cannot split the heads, the KV heads or the feed-forward: before any loading."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ParallelError(f"the world size must be a positive integer, got {world_size!r}")
     N, c = world_size, config
     if c.n_heads % N:

@@ -7,9 +7,11 @@ exact distribution that `sample` draws from, so tests (and speculative decoding)
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
+
+from .checks import is_int
 
 __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy",
            "draw", "race", "picker"]
@@ -22,7 +24,7 @@ def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float =
             raise ValueError(f"{name} must be a number, got {value!r}")
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (not isinstance(top_k, Integral) or isinstance(top_k, bool) or top_k < 0):
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 means off), got {top_p}")

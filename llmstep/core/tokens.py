@@ -12,13 +12,13 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from functools import cached_property
-from numbers import Integral
 from pathlib import Path
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
 from .chat import check_messages, render
+from .checks import is_int
 from .config import read_json_object
 from .files import atomic_write, atomic_write_text
 
@@ -350,7 +350,7 @@ def _read_tokenizer_config(folder: Path) -> dict:
 
 
 def _is_id(i) -> bool:
-    return isinstance(i, Integral) and not isinstance(i, bool) and i >= 0
+    return is_int(i) and i >= 0
 
 
 class StreamDecoder:

@@ -44,79 +44,25 @@ that are NaN or Inf are flagged per request on the device and reported at the en
 from __future__ import annotations
 
 import itertools
-import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from numbers import Integral
+from collections.abc import Sequence
 
 import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for, check_pool
-from ..core.sampling import check_params, sample
-from .compile import Step, tunes_matmuls, warm_up
-from .decoding import (
-    CACHE_ROUNDING,
-    NonFiniteLogits,
-    budget,
-    cache_len,
-    check_int,
-    check_max_len,
-    check_max_new_tokens,
-    check_prompt_ids,
-    check_seed,
-    exclusive,
-    make_generator,
-    stop_id_set,
-)
+from .compile import Step, tunes_matmuls
+from .decoding import budget, check_int
+from .engine import Engine, Rows
+from .request import MAX_ARRIVAL_STEP, Checked, Request
 from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "make_batcher", "run_batch", "check_request", "POLICIES", "KV_LAYOUTS"]
+           "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
 
 
-@dataclass
-class Request:
-    """One generation request. arrival: the engine step at which it joins the queue."""
-
-    prompt_ids: list[int] | torch.Tensor
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_ids: Iterable[int] = ()  # () never stops early; pass tokenizer.eos_ids to stop at the end of a text
-    arrival: int = 0
-
-
-# The latest arrival step a run takes. Each engine step before it is recorded (a timeline row, shared by idle
-# steps: ~24 bytes a step), so 10**6 steps cost ~24 MB and a few milliseconds; a workload whose requests come
-# further apart is one with a lower rate than any batching measures.
-MAX_ARRIVAL_STEP = 10**6
-
-
-def check_request(i: int, r: Request, vocab_size: int, limit: int) -> tuple[list[int], set[int]]:
-    """Request i checked against sequences of `limit` positions: its prompt ids and stop ids (each read once:
-    either may be a one-shot iterator). A bad one raises a ValueError that starts with its index."""
-    try:
-        check_params(r.temperature, r.top_k, r.top_p)
-        check_max_new_tokens(r.max_new_tokens)
-        check_seed(r.seed)
-        if not isinstance(r.arrival, Integral) or isinstance(r.arrival, bool) or r.arrival < 0:
-            raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
-        if r.arrival > MAX_ARRIVAL_STEP:
-            raise ValueError(f"arrival step {r.arrival:,} is past the {MAX_ARRIVAL_STEP:,} steps a run records "
-                             "(every step, idle ones too, is a row of its timeline): compress the idle time")
-        stops = stop_id_set(r.stop_ids, vocab_size)
-        ids = check_prompt_ids(r.prompt_ids, vocab_size, limit, room="a batch slot's length")
-    except ValueError as e:
-        raise ValueError(f"request {i}: {e}") from None
-    return ids, stops
-
-
-class BatchRunner:
+class BatchRunner(Engine):
     """The model runner: n_slots rows of KV cache, max_len positions each, and the forwards over them.
 
     `prefill` puts one prompt into one row; `step` advances every row by one token. compile: compile the
@@ -127,15 +73,14 @@ class BatchRunner:
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
         check_int(n_slots, "n_slots", low=1)
-        self.model, self.device, self.n_slots = model, model.device, n_slots
-        self.max_len = check_max_len(max_len, model.config.max_seq_len, low=1)  # 1: a step at position 0
+        self.max_len = self._own(model, model.config.max_seq_len if max_len is None else max_len,
+                                 low=1)  # 1: a step at position 0
+        self.n_slots = n_slots
         # per layer k, v: [S, n_kv, max_len, hd]: row s is slot s
         self.cache = model.new_cache(batch_size=n_slots, max_len=self.max_len)
         self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers,
                           tune_matmuls=tunes_matmuls(model))
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
-        self.compile_seconds = 0.0
-        self._warm = False  # run once (eager too) before anything is timed
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
@@ -148,17 +93,12 @@ class BatchRunner:
 
     @torch.no_grad()
     def warmup(self, steps: int = 3) -> float:
-        """Run the step before timing anything: compiled, `steps` times (compile, and on CUDA record its graph);
-        eager, once (the first call's one-off costs). Returns the seconds spent compiling: 0 when eager."""
-        if self._warm:
-            return 0.0
+        """`Engine.warm_once` for the batched step; the cache reset afterwards."""
         # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
         tokens, positions = (torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device) for _ in range(2))
-        seconds = warm_up(self.device, lambda: self.step(tokens, positions), steps=steps if self.compiled else 1)
-        self.compile_seconds = seconds if self.compiled else 0.0
+        seconds = self.warm_once("step", lambda: self.step(tokens, positions), steps=steps)
         self.cache.reset()
-        self._warm = True
-        return self.compile_seconds
+        return seconds
 
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
         """One prompt alone through the model into row `slot`, at positions 0..T-1 -> its last logits [1, vocab]."""
@@ -174,7 +114,7 @@ class BatchRunner:
         return self.step(tokens, positions)
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(Engine):
     """A scheduler and a runner: serves requests in n_slots slots of max_len positions each.
 
     max_len: the slots' length; None sizes them for the requests of each run (`decoding.cache_len` of the
@@ -184,77 +124,65 @@ class ContinuousBatcher:
     on CUDA only. Frozen weights on a CPU: change the model's weights and you need a new batcher.
     """
 
+    room = fixed_room = "a batch slot's length"
+
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
-        self.model, self.device = model, model.device
+        first_len = self._own(model, max_len, low=1)
         self._compile, self._mode = compile, mode
-        self.sized_per_request = max_len is None
-        self._lock = threading.Lock()  # one run at a time: the cache is this batcher's only one
-        self._use_runner(BatchRunner(model, n_slots, cache_len(1, 0, model.config.max_seq_len, rounding=CACHE_ROUNDING)
-                                     if max_len is None else max_len, compile, mode))
+        self._use_runner(BatchRunner(model, n_slots, first_len, compile, mode))
 
     def _use_runner(self, runner: BatchRunner) -> None:
         self.runner, self.n_slots, self.max_len = runner, runner.n_slots, runner.max_len
         self.cache, self.compiled, self.cuda_graphs = runner.cache, runner.compiled, runner.cuda_graphs
 
+    def _allocate(self, max_len: int) -> None:  # a new, longer cache (and step) before any work
+        self._use_runner(BatchRunner(self.model, self.n_slots, max_len, self._compile, self._mode))
+
     def warmup(self) -> float:
-        return self.runner.warmup()
+        seconds = self.runner.warmup()
+        self.compile_seconds += seconds
+        return seconds
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""
-        context = self.model.config.max_seq_len
-        checked = [check_request(i, r, self.model.config.vocab_size, context if self.sized_per_request
-                                 else self.max_len) for i, r in enumerate(requests)]  # all checked before any work
-        slot_len = self.max_len
-        if self.sized_per_request:  # the slots the longest request needs, if more than the cache has
-            slot_len = max([slot_len] + [cache_len(len(ids), r.max_new_tokens, context, rounding=CACHE_ROUNDING)
-                                         for (ids, _), r in zip(checked, requests, strict=True)])
-        jobs = [Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)),
-                    budget(len(ids), r.max_new_tokens, slot_len), stops)
-                for i, ((ids, stops), r) in enumerate(zip(checked, requests, strict=True))]
+        checked = [self.check(r, i) for i, r in enumerate(requests)]  # all checked before any work
+        slot_len = max(self.max_len, self.slots_needed(checked)) if self.sized_per_request else self.max_len
+        jobs = [Job(Completion(id=i, prompt_ids=r.ids, arrival=r.arrival), budget(len(r.ids), r.max_new_tokens,
+                                                                                   slot_len), r.stops)
+                for i, r in enumerate(checked)]
         scheduler = Scheduler(jobs, self.n_slots, policy)  # refuses an unknown policy
-        with exclusive(self._lock, self):
-            if slot_len > self.max_len:  # a new, longer cache (and step) before any work
-                self._use_runner(BatchRunner(self.model, self.n_slots, slot_len, self._compile, self._mode))
-            return self._run(requests, scheduler)
+        with self.running(*checked):
+            return self._run(checked, scheduler)
 
     @torch.inference_mode()
-    def _run(self, requests: Sequence[Request], scheduler: Scheduler) -> BatchRun:
+    def _run(self, requests: Sequence[Checked], scheduler: Scheduler) -> BatchRun:
         self.warmup()
-        generators = {}  # request id -> its generator: one draw per token, as generate makes them
-        runner, device = self.runner, self.device
+        runner, device, rows = self.runner, self.device, Rows(requests, self.device)
         runner.cache.reset()
-        nonfinite = NonFiniteLogits(device, requests=len(requests))  # a flag per request, on the device
         start = time.perf_counter()
         while not scheduler.done:
             synchronize(device)
             scheduler.begin_step()
             while (job := scheduler.admit()) is not None:  # also into a slot freed by a prefill's token
-                r = requests[job.id]
-                generators[job.id] = make_generator(device, r.seed)
                 prefill_start = time.perf_counter()
                 logits = runner.prefill(job.completion.slot, job.completion.prompt_ids)  # [1, vocab]
-                nonfinite.update(logits, torch.tensor([job.id], device=device))
-                token = sample(logits, r.temperature, r.top_k, r.top_p, generators[job.id])  # [1]
-                scheduler.take(job, int(token))  # waits for the device: the scheduler needs the token
+                scheduler.take(job, rows.draw(logits, [job.id])[0])  # waits for the device: the scheduler needs it
                 job.completion.prefill_seconds = time.perf_counter() - prefill_start
             running = scheduler.running()
             if any(running):
                 logits = runner.decode([None if j is None else (j.completion.tokens[-1], j.position)
                                         for j in running])  # [S, vocab]
                 served = [(s, j) for s, j in enumerate(running) if j is not None]
-                rows, ids = (torch.tensor(v, device=device) for v in zip(*[(s, j.id) for s, j in served], strict=True))
-                nonfinite.update(logits[rows], ids)  # on the device: no sync
-                drawn = torch.cat([sample(logits[s:s + 1], requests[j.id].temperature, requests[j.id].top_k,
-                                          requests[j.id].top_p, generators[j.id])
-                                   for s, j in served])  # [served]: one draw per row, with its own generator
-                for (_, job), token_id in zip(served, drawn.tolist(), strict=True):  # one wait for the device
+                slots = torch.tensor([s for s, _ in served], device=device)
+                drawn = rows.draw(logits[slots], [j.id for _, j in served])
+                for (_, job), token_id in zip(served, drawn, strict=True):
                     scheduler.take(job, token_id)
             synchronize(device)
             scheduler.end_step()
         run = scheduler.run
         run.seconds = time.perf_counter() - start
-        nonfinite.check()
+        rows.nonfinite.check()
         busy = run.busy_slots()  # (busy slots, steps) per distinct row
         run.kv_stats = {"block_size": self.max_len, "blocks_total": self.n_slots,  # a slot is one max_len block
                         "peak_blocks_used": max((b for b, _ in busy), default=0),
@@ -284,7 +212,7 @@ class PagedRunner:
         return self.model(tokens, positions, self.cache, keep=keep)[0].float()
 
 
-class PagedBatcher:
+class PagedBatcher(Engine):
     """Continuous batching over a paged KV cache: at most n_slots sequences at once, admitted by free blocks.
 
     kv_blocks: blocks of block_size positions in the pool; None gives the memory a ContinuousBatcher's
@@ -304,47 +232,44 @@ class PagedBatcher:
             raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         # Before any request: the block fits the context and a named pool the memory (None: sized per run, below)
         check_pool(model.config, kv_blocks or 1, block_size, model.device, model.dtype)
-        self.model, self.device, self.n_slots, self.block_size = model, model.device, n_slots, block_size
+        self._own(model, None)  # sequences of the model's context: blocks, not slots, bound them
+        self.n_slots, self.block_size = n_slots, block_size
         self.kv_blocks, self.prefix_caching, self.prefill_chunk = kv_blocks, prefix_caching, prefill_chunk
         self.runner: PagedRunner | None = None
-        self._lock = threading.Lock()
 
-    def pool_blocks(self, checked: list[tuple[list[int], set[int]]], requests: Sequence[Request]) -> int:
+    def pool_blocks(self, checked: Sequence[Checked]) -> int:
+        """kv_blocks, or the blocks of n_slots slots each sized for the longest request."""
         if self.kv_blocks is not None:
             return self.kv_blocks
-        context = self.model.config.max_seq_len
-        slot_len = max([cache_len(len(ids), r.max_new_tokens, context, rounding=CACHE_ROUNDING)
-                        for (ids, _), r in zip(checked, requests, strict=True)], default=1)
-        return self.n_slots * blocks_for(slot_len, self.block_size)
+        return self.n_slots * blocks_for(self.slots_needed(checked), self.block_size)
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
         if policy != "continuous":
             raise ValueError(f"a paged KV cache serves continuous batching only, got policy {policy!r}")
         context = self.model.config.max_seq_len
-        checked = [check_request(i, r, self.model.config.vocab_size, context) for i, r in enumerate(requests)]
-        n_blocks = self.pool_blocks(checked, requests)
+        checked = [self.check(r, i) for i, r in enumerate(requests)]
+        n_blocks = self.pool_blocks(checked)
         jobs = []
-        for i, ((ids, stops), r) in enumerate(zip(checked, requests, strict=True)):
+        for i, r in enumerate(checked):
+            ids = r.ids
             plan = budget(len(ids), r.max_new_tokens, context)
             need = blocks_for(len(ids) + plan.tokens - 1, self.block_size) if plan.tokens else 0
             if need > n_blocks:  # the last token made is never written
                 raise ValueError(f"request {i}: its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need "
                                  f"{need} blocks of {self.block_size} positions, the whole pool has {n_blocks}")
-            jobs.append(Job(Completion(id=i, prompt_ids=ids, arrival=int(r.arrival)), plan, stops))
+            jobs.append(Job(Completion(id=i, prompt_ids=ids, arrival=r.arrival), plan, r.stops))
         check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
         scheduler = BlockScheduler(jobs, self.n_slots, BlockManager(n_blocks, self.block_size, self.prefix_caching),
                                    self.prefill_chunk)
-        with exclusive(self._lock, self):
+        with self.running():
             if self.runner is None or self.runner.cache.n_blocks != n_blocks:
                 self.runner = PagedRunner(self.model, n_blocks, self.block_size)
-            return self._run(requests, scheduler)
+            return self._run(checked, scheduler)
 
     @torch.inference_mode()
-    def _run(self, requests: Sequence[Request], scheduler: BlockScheduler) -> BatchRun:
-        generators = {}  # request id -> its generator: one draw per token made, never again for a recomputed one
-        device = self.device
-        nonfinite = NonFiniteLogits(device, requests=len(requests))
+    def _run(self, requests: Sequence[Checked], scheduler: BlockScheduler) -> BatchRun:
+        device, rows = self.device, Rows(requests, self.device)
         start = time.perf_counter()
         while not scheduler.done:
             synchronize(device)
@@ -357,22 +282,15 @@ class PagedBatcher:
                 for s in work:
                     scheduler.computed_chunk(s)
                 sampled = [s.job for s in work if s.samples]  # none when every chunk is a prompt's middle
-                for job in sampled:
-                    if job.id not in generators:
-                        generators[job.id] = make_generator(device, requests[job.id].seed)
                 if sampled:
-                    nonfinite.update(logits, torch.tensor([j.id for j in sampled], device=device))
-                    drawn = torch.cat([sample(logits[k:k + 1], requests[j.id].temperature, requests[j.id].top_k,
-                                              requests[j.id].top_p, generators[j.id])
-                                       for k, j in enumerate(sampled)])  # [K]: one draw each, its own generator
-                    for job, token_id in zip(sampled, drawn.tolist(), strict=True):  # one wait for the device
+                    for job, token_id in zip(sampled, rows.draw(logits, [j.id for j in sampled]), strict=True):
                         scheduler.take(job, token_id)
             synchronize(device)
             scheduler.end_step()
         run = scheduler.run
         run.seconds = time.perf_counter() - start
         run.kv_stats["kv_bytes"] = self.runner.cache.nbytes
-        nonfinite.check()
+        rows.nonfinite.check()
         return run
 
 

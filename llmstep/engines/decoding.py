@@ -1,10 +1,9 @@
 """The rules every decode loop shares, in one place: the prompt, the budget, the stop, the seed, the result.
 
-generate, FastDecoder, the speculative loops and the batcher all ask the same questions, and each asks
-them here:
+generate, FastDecoder, the speculative loops and the batchers all ask the same questions, and each asks them here:
 
-- is the input usable? `check_prompt_ids`, `check_max_new_tokens`, `check_seed`, `stop_id_set`, `encode_prompt`
-  (types are checked here, once: bytes are not a prompt, a bool or a float is not a seed);
+- is the input usable? `check_prompt_ids`, `stop_id_set`, `encode_prompt` (and core/checks.py's `check_seed`), which
+  a request's one check asks (llmstep/engines/request.py): bytes are not a prompt, a bool or a float is not a seed;
 - how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
   the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
   slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`); a speculative round writes k
@@ -13,74 +12,36 @@ them here:
   the batcher all ask it);
 - has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
   budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
-- which random numbers? `make_generator`: a seeded generator on the model's device;
 - are the numbers finite? `check_finite` (the teaching loops, every step) and `NonFiniteLogits` (the fast
   loops and the batcher keep a flag on the device, one per request in the batcher, and look at it once, at
   the end: no per-token sync);
 - what does a decode read? `step_bytes_by_context` (one step) and `round_bytes` (a speculative round);
-- may this object run now? `exclusive`: FastDecoder, FastSpeculator and ContinuousBatcher own one cache each
-  and refuse a second caller while a run is in progress (`ConcurrentUseError`); generate and
-  speculative_generate allocate their own caches, so many threads may call them on one model;
+- may this object run now? An engine that owns its cache refuses a second caller (`ConcurrentUseError`, raised by
+  llmstep/engines/engine.py); generate and speculative_generate allocate their own, so threads may share them;
 - what does a run report? `DecodeResult`, which every loop's result extends.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from numbers import Integral
 
 import torch
 
+from ..core.checks import SEED_LIMIT, check_int, check_max_len, check_seed, is_int
 from ..core.cost import model_step_cost
 from ..core.tokens import Tokenizer
 
-__all__ = ["check_int", "check_max_new_tokens", "check_seed", "check_max_len", "check_prompt_ids",
-           "NonFiniteLogitsError", "check_finite", "NonFiniteLogits", "ConcurrentUseError", "exclusive", "stop_id_set",
-           "encode_prompt", "make_generator", "room", "CACHE_ROUNDING", "cache_len", "Budget", "budget",
+__all__ = ["SEED_LIMIT", "check_int", "check_seed", "check_max_len", "check_prompt_ids",
+           "NonFiniteLogitsError", "check_finite", "NonFiniteLogits", "ConcurrentUseError", "stop_id_set",
+           "encode_prompt", "room", "CACHE_ROUNDING", "cache_len", "Budget", "budget",
            "round_budget", "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
 
 
 # --------------------------------------------------------------------------------------------------
 # The input
 # --------------------------------------------------------------------------------------------------
-
-
-def check_int(value, name: str, low: int = 0) -> None:
-    """An integer (not a bool, not a float) >= low, or a ValueError that names it."""
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def check_max_new_tokens(max_new_tokens) -> None:
-    check_int(max_new_tokens, "max_new_tokens")
-
-
-SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
-
-
-def check_seed(seed, name: str = "seed") -> None:
-    """None (a fresh seed) or an integer in 0 .. 2**64 - 1; a bool, a float or a string is refused by name."""
-    if seed is None:
-        return
-    if not isinstance(seed, Integral) or isinstance(seed, bool):
-        raise ValueError(f"{name} must be an integer (or None), got {seed!r}")
-    if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"{name} must be in 0 .. 2**64 - 1, got {seed}")
-
-
-def check_max_len(max_len, limit: int, low: int = 2) -> int:
-    """A static cache's slots per sequence: an integer in low .. limit (the model's context), before anything is
-    allocated. None means the model's context."""
-    if max_len is None:
-        return limit
-    if not isinstance(max_len, Integral) or isinstance(max_len, bool) or not low <= max_len <= limit:
-        beyond = f": {max_len} exceeds the model's context" if isinstance(max_len, int) and max_len > limit else ""
-        raise ValueError(f"max_len must be an integer in {low}..{limit} (the model's context), got {max_len!r}{beyond}")
-    return int(max_len)
 
 
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
@@ -94,7 +55,7 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Iterable):
         raise ValueError(f"a prompt must be text, token ids or chat messages, got {type(ids).__name__}")
     ids = list(ids)
-    odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
+    odd = [i for i in ids if not is_int(i)]
     if odd:
         raise ValueError(f"prompt token ids must be integers, got {odd[0]!r}")
     ids = [int(i) for i in ids]
@@ -117,7 +78,7 @@ def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
     if isinstance(stop_ids, str | bytes) or not isinstance(stop_ids, Iterable):
         raise ValueError(f"stop_ids must be a collection of token ids, got {stop_ids!r}")
     ids = [i.item() if torch.is_tensor(i) and i.numel() == 1 else i for i in stop_ids]
-    odd = [i for i in ids if not isinstance(i, Integral) or isinstance(i, bool)]
+    odd = [i for i in ids if not is_int(i)]
     if odd:
         raise ValueError(f"stop_ids must hold integer token ids, got {odd[0]!r}")
     outside = [i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
@@ -142,17 +103,6 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
     else:  # token ids, a list or a tensor
         ids = prompt
     return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
-
-
-def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
-    """A generator on the model's device: seeded runs reproduce exactly, None draws a fresh seed."""
-    check_seed(seed)
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(int(seed))
-    return g
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,20 +154,8 @@ class NonFiniteLogits:
 
 
 class ConcurrentUseError(RuntimeError):
-    """An engine that owns one cache was called while it was already running (from another thread)."""
-
-
-@contextlib.contextmanager
-def exclusive(lock: threading.Lock, owner: object) -> Iterator[None]:
-    """Hold `lock` for one run, or refuse at once: a second caller would write the same cache."""
-    if not lock.acquire(blocking=False):
-        raise ConcurrentUseError(f"this {type(owner).__name__} is already running (in another thread): it owns one "
-                                 "KV cache, so give each thread its own, or call llmstep.generate, which may be "
-                                 "shared")
-    try:
-        yield
-    finally:
-        lock.release()
+    """An engine that owns one cache was called while it was already running (from another thread): see
+    llmstep.engines.engine.Engine.running."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,9 +31,7 @@ with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,27 +42,20 @@ from ..core.fuse import fused, fuses_by_default
 from ..core.model import Llama
 from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
-from .compile import Step, compiles, tunes_matmuls, warm_up
+from .compile import Step, compiles, tunes_matmuls
 from .decoding import (
-    CACHE_ROUNDING,
     DecodeResult,
     NonFiniteLogits,
     budget,
-    cache_len,
     check_int,
-    check_max_len,
-    check_max_new_tokens,
-    check_prompt_ids,
-    check_seed,
     cut_at_stop,
     end_reason,
-    exclusive,
-    make_generator,
     round_budget,
     round_bytes,
     step_bytes_by_context,
-    stop_id_set,
 )
+from .engine import Engine
+from .request import Checked, Request, as_request
 from .speculative import Rounds
 
 __all__ = ["FastResult", "FastDecoder", "FastSpeculativeResult", "FastSpeculator"]
@@ -78,7 +69,7 @@ class FastResult(DecodeResult):
     decode_steps: int = 0  # forwards after the prefill: len(tokens) - 1 when nothing stopped early
 
 
-class FastDecoder:
+class FastDecoder(Engine):
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
     max_len: the cache's slots; None sizes it for each request (`decoding.cache_len`, rounded up), growing it.
@@ -98,17 +89,13 @@ class FastDecoder:
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
                  fuse: bool | None = None):
-        self.model = model
-        self.device = model.device
+        # Never the model's whole context unless asked (131,072 slots are 17 GB for Llama 3.1 8B); either way the
+        # cache is checked against the device's free memory before it is allocated (KVCache).
+        first_len = self._own(model, max_len)
         self._compile, self._mode = compile, mode
         self.fused = fuses_by_default(model, compiles(self.device, compile)) if fuse is None else bool(fuse)
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
-        # Never the model's whole context unless asked (131,072 slots are 17 GB for Llama 3.1 8B); either way the
-        # cache is checked against the device's free memory before it is allocated (KVCache).
-        self.sized_per_request = max_len is None
-        self._lock = threading.Lock()  # one run at a time: the cache is this decoder's only one
-        self._allocate(cache_len(1, 0, model.config.max_seq_len, rounding=CACHE_ROUNDING) if max_len is None
-                       else check_max_len(max_len, model.config.max_seq_len))
+        self._allocate(first_len)
 
     def _allocate(self, max_len: int) -> None:  # the cache first: if memory refuses it, nothing here has changed
         cache = self.net.new_cache(batch_size=1, max_len=max_len)  # per layer k, v: [1, n_kv, max_len, hd]
@@ -123,8 +110,7 @@ class FastDecoder:
         self._step = None  # the public logits step, made when first asked for
         greedy_step = self._advance_step((0, 0, 1.0))  # torch.compile is lazy: nothing compiles before a call
         self.compiled, self.cuda_graphs = greedy_step.compiled, greedy_step.cuda_graphs
-        self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warmup)
-        self._warm: set[tuple] = set()  # the sampling settings whose step has run (eager too) before any timing
+        self._warm.clear()  # the sampling settings whose step has run (eager too) before any timing
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
@@ -163,55 +149,43 @@ class FastDecoder:
 
     @torch.no_grad()
     def warmup(self, steps: int = 3, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> float:
-        """Run the decode step for this sampling setting before timing anything: compiled, `steps` times (compile,
-        and on CUDA record the graph); eager, once (the first call's one-off costs). Returns the seconds spent
-        compiling: 0 when eager or already warm."""
+        """`Engine.warm_once` for this sampling setting's decode step, from position 0 and with a clean cache."""
         check_params(temperature, top_k, top_p)
         sampling = (temperature, top_k, top_p)
         if sampling in self._warm:
             return 0.0
         self._reset()  # from position 0: a run before may have left the position near the cache's end
-        seconds = warm_up(self.device, self._advance_step(sampling), steps=steps if self.compiled else 1)
-        seconds = seconds if self.compiled else 0.0
-        self.compile_seconds += seconds
+        seconds = self.warm_once(sampling, self._advance_step(sampling), steps=steps)
         self._reset()
-        self._warm.add(sampling)
         return seconds
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop_ids: Iterable[int] = (),
-                 sync_every: int = 32) -> FastResult:
-        """Continue prompt_ids (a list of ids) by up to max_new_tokens tokens; see llmstep.generate.
+    def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop_ids=None, sync_every: int = 32) -> FastResult:
+        """Serve a `Request` (or prompt_ids, a list of ids, and the request's other fields as keywords: None keeps
+        the request's, the defaults of llmstep.engines.request): up to max_new_tokens tokens; see llmstep.generate.
 
-        Stops at `stop_ids` (checked every sync_every steps; the tokens after a stop are dropped, so the
-        result is what a loop that checked every token would give). Empty stop_ids: never stop early.
+        Stops at the request's stop ids (checked every sync_every steps; the tokens after a stop are dropped, so the
+        result is what a loop that checked every token would give).
         """
-        check_params(temperature, top_k, top_p)
-        check_max_new_tokens(max_new_tokens)
-        check_seed(seed)
+        request = as_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, stop_ids=stop_ids)
+        r = self.check(request)
         check_int(sync_every, "sync_every", low=1)
-        if self.sized_per_request:
-            ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.model.config.max_seq_len)
-        else:
-            ids = check_prompt_ids(prompt_ids, self.model.config.vocab_size, self.max_len, room="the cache it may fill")
-        stops = stop_id_set(stop_ids, self.model.config.vocab_size)
-        with exclusive(self._lock, self):
-            need = cache_len(len(ids), max_new_tokens, self.model.config.max_seq_len, rounding=CACHE_ROUNDING)
-            if self.sized_per_request and need > self.max_len:
-                self._allocate(need)
-            return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every)
+        with self.running(r):
+            return self._generate(r, sync_every)
 
-    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, sync_every) -> FastResult:
-        sampling = (temperature, top_k, top_p)
-        self.warmup(temperature=temperature, top_k=top_k, top_p=top_p)
-        plan = budget(len(ids), max_new_tokens, self.max_len)
+    def _generate(self, r: Checked, sync_every: int) -> FastResult:
+        ids, sampling, stops = r.ids, r.sampling, r.stops
+        self.warmup(3, *sampling)
+        plan = budget(len(ids), r.max_new_tokens, self.max_len)
         result = FastResult(prompt_ids=ids, stop_reason=plan.stop_reason)
         n = plan.tokens
         if n == 0:
             return result
         device, first = self.device, len(ids)
-        generator = make_generator(device, seed)  # the generator llmstep.generate uses: the same draws
+        generator = r.generator(device)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(sorted(stops), device=device, dtype=torch.long)
 
         self._reset()
@@ -221,7 +195,7 @@ class FastDecoder:
         logits = self.net(prompt, torch.arange(first, device=device), self.cache, last_only=True)[:, -1]
         nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
         nonfinite.update(logits)
-        token = sample(logits.float(), temperature, top_k, top_p, generator)  # [1]
+        token = sample(logits.float(), *sampling, generator)  # [1]
         self._history[first: first + 1] = token  # the pending token, at its position
         self._position.fill_(first)
         synchronize(device)
@@ -233,7 +207,7 @@ class FastDecoder:
         for i in range(1, n):  # per token: one call (one graph replay on CUDA), plus the noise draw when sampling
             if stops and i % sync_every == 0 and bool(torch.isin(self._history[first: first + i], stop_tensor).any()):
                 break  # the one host sync every sync_every steps, and only when stop tokens are watched
-            if temperature != 0:
+            if not r.greedy:
                 self._noise.exponential_(1.0, generator=generator)  # what `sample` would draw at this step
             advance()
             steps += 1
@@ -261,7 +235,7 @@ class FastSpeculativeResult(FastResult, Rounds):
     does, one per forward), so decode_tokens_per_second compares directly with FastDecoder's."""
 
 
-class FastSpeculator:
+class FastSpeculator(Engine):
     """Speculative decoding the way `FastDecoder` decodes: static KV caches written at explicit positions,
     fixed shapes, compiled steps (llmstep.engines.compile).
 
@@ -282,22 +256,21 @@ class FastSpeculator:
     models' q|k|v and gate|up as one matmul each, as FastDecoder's (None: `fuse.fuses_by_default`, for either).
     """
 
+    room = "both models' context"
+
     def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
                  compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
-        self.limit = min(target.config.max_seq_len, draft.config.max_seq_len)  # both models' context
-        self.device, self.k = target.device, k
+        limit = min(target.config.max_seq_len, draft.config.max_seq_len)  # both models' context
+        first_len = self._own(target, max_len, limit, reserve=k, low=k + 2)
+        self.k = k
         compiled = compiles(self.device, compile)
         self.fused = (fuses_by_default(target, compiled) or fuses_by_default(draft, compiled) if fuse is None
                       else bool(fuse))  # as FastDecoder's
         self.target, self.draft = (fused(target), fused(draft)) if self.fused else (target, draft)
         self._compile, self._mode = compile, mode
-        self.sized_per_request = max_len is None
-        self.compile_seconds = 0.0
-        self._lock = threading.Lock()  # one run at a time: the caches are this speculator's only ones
-        self._allocate(cache_len(1, 1, self.limit, reserve=k, rounding=CACHE_ROUNDING) if max_len is None
-                       else check_max_len(max_len, self.limit, low=k + 2))
+        self._allocate(first_len)
 
     def _allocate(self, max_len: int) -> None:  # the caches first: if memory refuses one, nothing has changed
         caches = [m.new_cache(batch_size=1, max_len=max_len) for m in (self.target, self.draft)]
@@ -310,7 +283,7 @@ class FastSpeculator:
         self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
                                  tune_matmuls=tune_d and tune_t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
-        self._warm: set[str] = set()  # the round kinds run once (eager) or compiled
+        self._warm.clear()  # the round kinds run once (eager) or compiled
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
@@ -340,12 +313,7 @@ class FastSpeculator:
 
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3) -> float:
-        """Run a round's steps before timing anything: compiled, `steps` times (compile, and on CUDA record their
-        graphs); eager, once. Returns the seconds spent compiling: 0 when eager."""
-        kind = "greedy" if greedy else "sampling"
-        if kind in self._warm:
-            return 0.0
-
+        """`Engine.warm_once` for a greedy or a sampling round's steps."""
         def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
             return torch.zeros(1, n, dtype=torch.long, device=self.device)
 
@@ -357,42 +325,30 @@ class FastSpeculator:
         else:
             calls = [lambda: self._draft_step(ids(2), arange(2)), lambda: self._draft_step(ids(1), ids(1)),
                      lambda: self._verify_step(ids(self.k + 1), arange(self.k + 1))]
-        seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
-        seconds = seconds if self.compiled else 0.0
-        self.compile_seconds += seconds
-        self._warm.add(kind)
-        return seconds
+        return self.warm_once("greedy" if greedy else "sampling", *calls, steps=steps)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[int] | torch.Tensor, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop_ids: Iterable[int] = ()) -> FastSpeculativeResult:
-        """Continue prompt_ids by up to max_new_tokens tokens, distributed as the target's (see `verify`)."""
-        check_params(temperature, top_k, top_p)
-        check_max_new_tokens(max_new_tokens)
-        check_seed(seed)
-        vocab = self.target.config.vocab_size
-        if self.sized_per_request:
-            ids = check_prompt_ids(prompt_ids, vocab, self.limit, room="both models' context")
-        else:
-            ids = check_prompt_ids(prompt_ids, vocab, self.max_len, room="the cache it may fill")
-        stops = stop_id_set(stop_ids, vocab)
-        with exclusive(self._lock, self):
-            need = cache_len(len(ids), max_new_tokens, self.limit, reserve=self.k, rounding=CACHE_ROUNDING)
-            if self.sized_per_request and need > self.max_len:
-                self._allocate(need)
-            return self._generate(ids, max_new_tokens, temperature, top_k, top_p, seed, stops)
+    def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop_ids=None) -> FastSpeculativeResult:
+        """Serve a `Request` (or prompt_ids and the request's fields, as FastDecoder.generate takes them): up to
+        max_new_tokens tokens, distributed as the target's (see `verify`)."""
+        request = as_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, stop_ids=stop_ids)
+        r = self.check(request)
+        with self.running(r):
+            return self._generate(r)
 
-    def _generate(self, ids, max_new_tokens, temperature, top_k, top_p, seed, stops) -> FastSpeculativeResult:
-        greedy = temperature == 0
+    def _generate(self, r: Checked) -> FastSpeculativeResult:
+        ids, stops, sampling, greedy = r.ids, r.stops, r.sampling, r.greedy
         self.warmup(greedy)
         k, device = self.k, self.device
-        plan = round_budget(len(ids), max_new_tokens, self.max_len, k)  # the rounds' writes fit: no check per round
+        plan = round_budget(len(ids), r.max_new_tokens, self.max_len, k)  # the rounds' writes fit: no check per round
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
         if plan.tokens == 0:
             return result
-        generator = make_generator(device, seed)
-        pick = picker((temperature, top_k, top_p), generator)
+        generator = r.generator(device)
+        pick = picker(sampling, generator)
         for cache in (self.target_cache, self.draft_cache):
             cache.reset()
 
@@ -428,7 +384,7 @@ class FastSpeculator:
                 drafted = torch.cat(proposed, dim=1)  # [1, k]
                 logits = self._verify_step(torch.cat([pair[:, 1:], drafted], dim=1),
                                            torch.arange(L - 1, L + k, device=device)[None])  # [1, k+1, V]
-                p = probs(logits, temperature, top_k, top_p)
+                p = probs(logits, *sampling)
                 n, token = speculative.verify(p, torch.stack(q, dim=1), drafted, generator)
                 nonfinite.update(logits)
             n = int(n)  # the one host sync of the round

@@ -2,34 +2,23 @@
 
 `stream` yields each token as it is made, with its text and how long it took; `generate` runs it to
 the end and returns the whole `Generation`. Each run allocates its own KV cache, so many threads may generate with one
-model at once (the fast loops, which own one cache each, refuse that: llmstep.engines.decoding.exclusive).
+model at once (the fast loops, which own one cache each, refuse that: llmstep.engines.engine.Engine.running).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..core.sampling import check_params, sample
+from ..core.sampling import sample
 from ..core.tokens import Tokenizer
-from .decoding import (
-    DecodeResult,
-    budget,
-    cache_len,
-    check_finite,
-    check_max_new_tokens,
-    check_seed,
-    encode_prompt,
-    end_reason,
-    make_generator,
-    step_bytes_by_context,
-    stop_id_set,
-)
+from .decoding import DecodeResult, budget, cache_len, check_finite, end_reason, step_bytes_by_context
+from .request import Checked, Request, as_request, check_request
 
 __all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate"]
 
@@ -73,29 +62,26 @@ class Stream:
         return self._events
 
 
-def stream(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128, temperature: float = 1.0,
-           top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-           stop_ids: Iterable[int] | None = None) -> Stream:
+def stream(model: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tensor | Request,
+           max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+           top_p: float | None = None, seed: int | None = None, stop_ids=None) -> Stream:
     """Start generating; see `generate` for the arguments. Errors in the arguments are raised here; a forward
     that produces NaN or Inf logits raises `decoding.NonFiniteLogitsError` naming its step."""
-    check_params(temperature, top_k, top_p)
-    check_max_new_tokens(max_new_tokens)
-    check_seed(seed)
-    ids = encode_prompt(tokenizer, prompt, model.config.max_seq_len)
-    stops = stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids, model.config.vocab_size)
-    result = Generation(prompt_ids=ids)
-    events = _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, result)
-    return Stream(events, result)
+    request = as_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, stop_ids=stop_ids)
+    r = check_request(request, model, tokenizer=tokenizer)
+    result = Generation(prompt_ids=r.ids)
+    return Stream(_run(model, tokenizer, r, result), result)
 
 
 @torch.inference_mode()
-def _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed, stops, result) -> Iterator[TokenEvent]:
-    device = model.device
-    n_ctx = cache_len(len(ids), max_new_tokens, model.config.max_seq_len)
-    plan = budget(len(ids), max_new_tokens, n_ctx)
+def _run(model, tokenizer, r: Checked, result: Generation) -> Iterator[TokenEvent]:
+    device, ids, stops = model.device, r.ids, r.stops
+    n_ctx = cache_len(len(ids), r.max_new_tokens, model.config.max_seq_len)
+    plan = budget(len(ids), r.max_new_tokens, n_ctx)
     cache = model.new_cache(batch_size=1, max_len=n_ctx)
     step_bytes = step_bytes_by_context(model, context=len(ids))  # the weights counted once
-    generator = make_generator(device, seed)
+    generator = r.generator(device)
     detok = tokenizer.stream(skip_special_tokens=True)
     x = torch.tensor([ids], device=device)  # [1, T]: the whole prompt, then one token at a time
     position = 0  # where x's first token goes in the cache
@@ -106,7 +92,7 @@ def _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed,
         start = time.perf_counter()
         logits = model(x, cache=cache, last_only=True)[:, -1]  # [1, vocab]
         check_finite(logits, index)  # NaN logits would sample token 0 forever, in silence
-        token = sample(logits, temperature, top_k, top_p, generator)  # [1]
+        token = sample(logits, *r.sampling, generator)  # [1]
         token_id = int(token)  # waits for the device
         seconds = time.perf_counter() - start
         if index == 0:
@@ -129,13 +115,16 @@ def _run(model, tokenizer, ids, max_new_tokens, temperature, top_k, top_p, seed,
         x = token[:, None]  # [1, 1]
 
 
-def generate(model: Llama, tokenizer: Tokenizer, prompt, max_new_tokens: int = 128, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-             stop_ids: Iterable[int] | None = None) -> Generation:
-    """Continue `prompt` (text, token ids, or chat messages) by up to max_new_tokens tokens.
+def generate(model: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tensor | Request,
+             max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, stop_ids=None) -> Generation:
+    """Serve a `Request` (llmstep.engines.request), or continue `prompt` (text, token ids, or chat messages) with
+    the request's other fields as keywords: a keyword left at None keeps the request's value, the defaults every
+    engine shares (128 new tokens, temperature 1.0, top_k 0, top_p 1.0, a fresh seed, stop at the model's end
+    tokens).
 
     temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A seed makes the run
-    reproducible. Stops at the tokenizer's end-of-sequence tokens, or at `stop_ids` when given.
+    reproducible. Stops at `stop_ids` (None: the model's end tokens; (): never early).
     """
     s = stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
     for _ in s:

@@ -26,7 +26,7 @@ llmstep/engines/fast.py, the benchmarks in llmstep/lab/bench_speculative.py.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,10 +35,11 @@ from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
 from ..core.model import Llama
-from ..core.sampling import check_params, draw, picker, probs
+from ..core.sampling import draw, picker, probs
 from ..core.tokens import Tokenizer
 from . import decoding
 from .generate import Generation, Stream, TokenEvent
+from .request import Checked, Request, as_request, check_request
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
            "step_bytes", "draft_cost_ratio", "SpeculativeGeneration", "speculative_stream",
@@ -217,8 +218,7 @@ class SpeculativeGeneration(Generation, Rounds):
 
 
 def check_k(k) -> None:
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k (draft tokens per round) must be an integer >= 1, got {k!r}")
+    decoding.check_int(k, "k (draft tokens per round)", low=1)
 
 
 def check_costs(cost_ratio, verify_costs) -> None:
@@ -240,39 +240,34 @@ def check_pair(target: Llama, draft: Llama) -> None:
         raise ValueError(f"the draft is on {draft.device} and the target on {target.device}: put both on one device")
 
 
-def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt, k: int = 4,
-                       max_new_tokens: int = 128, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                       seed: int | None = None, stop_ids: Iterable[int] | None = None, adaptive: bool = False,
-                       cost_ratio: float | None = None, verify_costs: Sequence[float] | None = None) -> Stream:
+def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tensor | Request,
+                       k: int = 4, max_new_tokens: int | None = None, temperature: float | None = None,
+                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None, stop_ids=None,
+                       adaptive: bool = False, cost_ratio: float | None = None,
+                       verify_costs: Sequence[float] | None = None) -> Stream:
     """Start speculative generation; see `speculative_generate`. Errors in the arguments are raised here."""
-    check_params(temperature, top_k, top_p)
+    request = as_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed, stop_ids=stop_ids)
+    r = check_request(request, target, tokenizer=tokenizer)
     check_k(k)
     check_pair(target, draft)
-    decoding.check_max_new_tokens(max_new_tokens)
-    decoding.check_seed(seed)
     check_costs(cost_ratio, verify_costs)
-    ids = decoding.encode_prompt(tokenizer, prompt, target.config.max_seq_len)
-    stops = decoding.stop_id_set(tokenizer.eos_ids if stop_ids is None else stop_ids,
-                                  target.config.vocab_size)
-    result = SpeculativeGeneration(prompt_ids=ids, k=k)
-    sampling = (temperature, top_k, top_p)
+    result = SpeculativeGeneration(prompt_ids=r.ids, k=k)
     policy = (draft_cost_ratio(target, draft) if cost_ratio is None else cost_ratio, verify_costs) if adaptive else None
-    events = _run(target, draft, tokenizer, ids, k, max_new_tokens, sampling, seed, stops, result, policy)
-    return Stream(events, result)
+    return Stream(_run(target, draft, tokenizer, r, k, result, policy), result)
 
 
 @torch.inference_mode()
-def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, stops, result,
-         policy) -> Iterator[TokenEvent]:
-    device = target.device
-    n_ctx = decoding.cache_len(len(ids), max_new_tokens, target.config.max_seq_len)  # target cache slots
+def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterator[TokenEvent]:
+    device, ids, sampling, stops = target.device, r.ids, r.sampling, r.stops
+    n_ctx = decoding.cache_len(len(ids), r.max_new_tokens, target.config.max_seq_len)  # target cache slots
     n_ctx_draft = min(draft.config.max_seq_len, n_ctx)  # a draft with a shorter context stops proposing
-    plan = decoding.budget(len(ids), max_new_tokens, n_ctx)
+    plan = decoding.budget(len(ids), r.max_new_tokens, n_ctx)
     target_cache = target.new_cache(batch_size=1, max_len=n_ctx)
     draft_cache: KVCache = draft.new_cache(batch_size=1, max_len=n_ctx_draft)
     target_bytes = decoding.step_bytes_by_context(target)  # bytes(context) of a step; weights counted once
     draft_bytes = decoding.step_bytes_by_context(draft)
-    generator = decoding.make_generator(device, seed)
+    generator = r.generator(device)
     detok = tokenizer.stream(skip_special_tokens=True)
     seq = list(ids)  # every token so far; the last one is not yet in either cache
     result.stop_reason = "interrupted" if plan.tokens else plan.stop_reason  # until the last token is made
@@ -374,12 +369,14 @@ def _run(target, draft, tokenizer, ids, k_max, max_new_tokens, sampling, seed, s
             yield emit(t, seconds / len(new))
 
 
-def speculative_generate(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt, k: int = 4,
-                         max_new_tokens: int = 128, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                         seed: int | None = None, stop_ids: Iterable[int] | None = None, adaptive: bool = False,
+def speculative_generate(target: Llama, draft: Llama, tokenizer: Tokenizer,
+                         prompt: str | list | torch.Tensor | Request, k: int = 4, max_new_tokens: int | None = None,
+                         temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                         seed: int | None = None, stop_ids=None, adaptive: bool = False,
                          cost_ratio: float | None = None,
                          verify_costs: Sequence[float] | None = None) -> SpeculativeGeneration:
-    """Continue `prompt` as `llmstep.generate(target, ...)` would, with `draft` proposing k tokens a round.
+    """Serve a `Request` (or continue `prompt`, the request's fields as keywords) as `llmstep.generate(target, ...)`
+    would, with `draft` proposing k tokens a round.
 
     The tokens follow the target's distribution (after temperature, top-k and top-p) exactly; at
     temperature 0 they are the target's greedy tokens. A seed makes a run reproducible, but the random

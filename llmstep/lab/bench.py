@@ -263,7 +263,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         if r["compiled"]:
             log(f"compiling {r['name']} ...")
         r["compile_seconds"] = r["decoder"].warmup()
-        r["decoder"].generate(ids, 2)  # first-call allocations out of the timed runs
+        r["decoder"].generate(ids, 2, temperature=0, stop_ids=())  # first-call allocations out of the timed runs
     hf_model, peers, record["transformers_peers"] = _transformers_peers(model, hf, hf_compile, hf_dtype,
                                                                         prompt.to(device), max_len, log)
     if record["transformers_peers"]["eager"]["why"] == _NOT_INSTALLED:
@@ -271,7 +271,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
 
     for rep in range(repeats):
         for r in runs:
-            res = r["decoder"].generate(ids, new_tokens, temperature=0.0)
+            res = r["decoder"].generate(ids, new_tokens, temperature=0.0, stop_ids=())
             r.setdefault("prefill", []).append(res.prefill_tokens_per_second)
             r.setdefault("decode", []).append(res.decode_tokens_per_second)
             r["tokens"] = res.tokens

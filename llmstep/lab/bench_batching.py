@@ -53,7 +53,7 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
         if rate is not None and i:
             clock += float(torch.empty(1).exponential_(rate, generator=g))
         prompt = torch.randint(0, vocab_size, (between(*prompt_len),), generator=g).tolist()
-        requests.append(Request(prompt, between(*new_tokens), temperature=temperature, seed=seed + i,
+        requests.append(Request(prompt, between(*new_tokens), temperature=temperature, seed=seed + i, stop_ids=(),
                                 arrival=int(clock)))
     return requests
 

@@ -115,8 +115,8 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     for name, runner in runners.items():
         log(f"compiling {name} ...")
         compile_seconds[name] = runner.warmup()
-        runner.generate(prompts[0], 8)  # first-call allocations out of the timed runs
-    reference = [runners["target"].generate(p, max_new_tokens).tokens for p in prompts]
+        runner.generate(prompts[0], 8, temperature=0, stop_ids=())  # first-call allocations out of the timed runs
+    reference = [runners["target"].generate(p, max_new_tokens, temperature=0, stop_ids=()).tokens for p in prompts]
     rates: dict[str, list[float]] = {name: [] for name in runners}
     stats: dict[str, dict] = {}
 
@@ -130,7 +130,7 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
 
     for r in range(repeats):
         for name, runner in runners.items():
-            runs = [runner.generate(p, max_new_tokens) for p in prompts]
+            runs = [runner.generate(p, max_new_tokens, temperature=0, stop_ids=()) for p in prompts]
             rates[name].append(sum(g.decode_steps for g in runs) / sum(g.decode_seconds for g in runs))
             if name != "target":
                 rounds = Rounds(proposed=[n for g in runs for n in g.proposed],

@@ -82,7 +82,7 @@ class _Llmstep:
         self.decoder = FastDecoder(variant.model, compile=compile, mode=compile_mode)
 
     def run(self, ids: list[int], n: int, doing: str = ""):
-        r = self.decoder.generate(ids, n)
+        r = self.decoder.generate(ids, n, temperature=0, stop_ids=())
         return r.prefill_seconds, r.decode_seconds, r.tokens
 
 

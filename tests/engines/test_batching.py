@@ -17,6 +17,8 @@ from llmstep.engines.decoding import NonFiniteLogitsError
 from llmstep.lab import bench_batching
 from llmstep.lab.bench_batching import measure_batch_scaling, random_workload
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
+
 
 def main(argv: list[str]) -> dict:
     """`llmstep batch ...`: the command lives in llmstep.cli."""
@@ -86,11 +88,12 @@ def test_shipped_model_in_float32_batched_gives_the_solo_tokens(shipped):
 
 def test_stop_tokens_end_a_request_inside_the_batch(tiny64):
     model, tok = tiny64
-    base = Request(list(range(3, 12)), max_new_tokens=20)
+    base = Request(list(range(3, 12)), max_new_tokens=20, **GREEDY)
     alone = solo(model, tok, base).tokens
     stop = alone[6]  # a token it makes on the way: stopping there frees its slot early
     first = alone.index(stop)
-    requests = [Request(base.prompt_ids, 20, stop_ids=[stop]), Request([7, 8, 9], 12), Request([1, 2], 10, arrival=2)]
+    requests = [Request(base.prompt_ids, 20, stop_ids=[stop], temperature=0), Request([7, 8, 9], 12, **GREEDY),
+                Request([1, 2], 10, arrival=2, **GREEDY)]
     run = run_batch(model, requests, n_slots=2)
     c = run.completions[0]
     assert c.tokens == alone[: first + 1] and c.stop_reason == "stop"
@@ -102,8 +105,8 @@ def test_a_reused_slot_never_sees_its_previous_occupant(tiny64):
     """One slot: a long request leaves keys at positions a shorter successor never writes. The causal
     mask must hide them (a cache that attended over every written slot would not)."""
     model, tok = tiny64
-    long_req = Request(list(range(1, 31)), max_new_tokens=12)
-    short_req = Request([40, 41, 42], max_new_tokens=12, temperature=1.0, seed=9)
+    long_req = Request(list(range(1, 31)), max_new_tokens=12, **GREEDY)
+    short_req = Request([40, 41, 42], max_new_tokens=12, temperature=1.0, seed=9, stop_ids=())
     run = run_batch(model, [long_req, short_req], n_slots=1)
     assert run.completions[1].slot == run.completions[0].slot == 0
     assert run.completions[1].tokens == solo(model, tok, short_req).tokens
@@ -111,7 +114,8 @@ def test_a_reused_slot_never_sees_its_previous_occupant(tiny64):
 
 def test_the_end_of_the_context_stops_a_request_as_generate_does(tiny64):
     model, tok = tiny64  # 48 positions
-    requests = [Request(list(range(1, 41)), max_new_tokens=30), Request([5] * 45, 10), Request([9, 9], 60)]
+    requests = [Request(list(range(1, 41)), max_new_tokens=30, **GREEDY), Request([5] * 45, 10, **GREEDY),
+                Request([9, 9], 60, **GREEDY)]
     run = run_batch(model, requests, n_slots=2)
     for r, c in zip(requests, run.completions, strict=True):
         alone = solo(model, tok, r)
@@ -123,7 +127,7 @@ def test_continuous_schedule_by_hand(tiny64):
     """Two slots, four requests of 2, 5, 3 and 1 new tokens arriving together (prefill makes the first
     token, and a newcomer also decodes in the step it is admitted)."""
     model, _ = tiny64
-    requests = [Request([1, 2, 3], n) for n in (2, 5, 3, 1)]
+    requests = [Request([1, 2, 3], n, **GREEDY) for n in (2, 5, 3, 1)]
     run = run_batch(model, requests, n_slots=2, policy="continuous")
     assert [c.admitted for c in run.completions] == [0, 0, 1, 3]
     assert [c.finished for c in run.completions] == [0, 3, 2, 3]
@@ -137,7 +141,7 @@ def test_continuous_schedule_by_hand(tiny64):
 def test_static_schedule_by_hand(tiny64):
     """The same requests in static batches: the second batch waits for the slowest of the first."""
     model, _ = tiny64
-    requests = [Request([1, 2, 3], n) for n in (2, 5, 3, 1)]
+    requests = [Request([1, 2, 3], n, **GREEDY) for n in (2, 5, 3, 1)]
     run = run_batch(model, requests, n_slots=2, policy="static")
     assert [c.admitted for c in run.completions] == [0, 0, 4, 4]
     assert [c.finished for c in run.completions] == [0, 3, 5, 4]
@@ -148,7 +152,7 @@ def test_static_schedule_by_hand(tiny64):
 
 def test_idle_steps_until_a_late_arrival(tiny64):
     model, _ = tiny64
-    run = run_batch(model, [Request([1, 2], 2), Request([3, 4], 2, arrival=6)], n_slots=2)
+    run = run_batch(model, [Request([1, 2], 2, **GREEDY), Request([3, 4], 2, arrival=6, **GREEDY)], n_slots=2)
     assert run.completions[1].admitted == 6 and run.completions[1].queued_steps == 0
     assert run.timeline[1:6] == [[-1, -1]] * 5 and run.step_seconds[1:6] == [0.0] * 5
     assert run.timeline[6] == [1, -1] or run.timeline[6] == [-1, 1]
@@ -156,7 +160,7 @@ def test_idle_steps_until_a_late_arrival(tiny64):
 
 def test_zero_new_tokens_and_empty_workload(tiny64):
     model, _ = tiny64
-    run = run_batch(model, [Request([1, 2], 0), Request([3], 3)], n_slots=1)
+    run = run_batch(model, [Request([1, 2], 0, **GREEDY), Request([3], 3, **GREEDY)], n_slots=1)
     assert run.completions[0].tokens == [] and run.completions[0].stop_reason == "length"
     assert len(run.completions[1].tokens) == 3
     empty = run_batch(model, [], n_slots=2)
@@ -191,8 +195,9 @@ def test_a_slot_freed_by_a_prefill_takes_the_next_request_in_the_same_step(tiny6
     """A request that stops at its first token (or wants none) frees its slot during admission: a queued
     request takes it before the decode step, which never runs a free row while anyone waits."""
     model, tok = tiny64
-    first = solo(model, tok, Request([1, 2, 3], 1)).tokens[0]
-    requests = [Request([4, 5], 6), Request([1, 2, 3], 5, stop_ids=[first]), Request([6], 0), Request([7, 8], 3)]
+    first = solo(model, tok, Request([1, 2, 3], 1, **GREEDY)).tokens[0]
+    requests = [Request([4, 5], 6, **GREEDY), Request([1, 2, 3], 5, stop_ids=[first], temperature=0),
+                Request([6], 0, **GREEDY), Request([7, 8], 3, **GREEDY)]
     run = run_batch(model, requests, n_slots=2)
     assert [c.admitted for c in run.completions] == [0, 0, 0, 0]
     assert [c.slot for c in run.completions] == [0, 1, 1, 1]
@@ -210,13 +215,13 @@ def test_stop_ids_and_arrival_of_other_kinds(tiny64):
     import numpy as np
 
     model, tok = tiny64
-    alone = solo(model, tok, Request([1, 2, 3], 10)).tokens
-    c = run_batch(model, [Request([1, 2, 3], 10, stop_ids=iter([alone[4]]))], n_slots=1).completions[0]
+    alone = solo(model, tok, Request([1, 2, 3], 10, **GREEDY)).tokens
+    c = run_batch(model, [Request([1, 2, 3], 10, stop_ids=iter([alone[4]]), temperature=0)], n_slots=1).completions[0]
     assert c.tokens == alone[: alone.index(alone[4]) + 1] and c.stop_reason == "stop"
-    c = run_batch(model, [Request([1, 2, 3], 10, arrival=np.int64(2))], n_slots=1).completions[0]
+    c = run_batch(model, [Request([1, 2, 3], 10, arrival=np.int64(2), **GREEDY)], n_slots=1).completions[0]
     assert c.arrival == c.admitted == 2 and type(c.arrival) is int and c.tokens == alone
     with pytest.raises(ValueError, match="request 0: arrival must be an engine step"):
-        run_batch(model, [Request([1], 2, arrival=True)])
+        run_batch(model, [Request([1], 2, arrival=True, **GREEDY)])
 
 
 def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
@@ -233,16 +238,16 @@ def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
 
 
 @pytest.mark.parametrize(("request_", "message"), [
-    (Request([1] * 48, 4), "request 1: the prompt is 48 tokens, but a batch slot's length is 48"),
-    (Request([], 4), "request 1: the prompt is empty"),
-    (Request([1, 999], 4), "request 1: prompt token id 999 is outside the vocabulary"),
-    (Request([1], 4, temperature=-1), "request 1: temperature must be"),
-    (Request([1], 4, top_p=0), "request 1: top_p"),
-    (Request([1], -2), "request 1: max_new_tokens"),
-    (Request([1], 4, arrival=-1), "request 1: arrival must be an engine step"),
-    (Request([1], 4, arrival=1.5), "request 1: arrival must be an engine step"),
-    (Request([1], 4, stop_ids=7), "request 1: stop_ids must be a collection of token ids, got 7"),
-    (Request([1], 4, stop_ids=[7, 2.5]), "request 1: stop_ids must hold integer token ids, got 2.5"),
+    (Request([1] * 48, 4, **GREEDY), "request 1: the prompt is 48 tokens, but a batch slot's length is 48"),
+    (Request([], 4, **GREEDY), "request 1: the prompt is empty"),
+    (Request([1, 999], 4, **GREEDY), "request 1: prompt token id 999 is outside the vocabulary"),
+    (Request([1], 4, temperature=-1, stop_ids=()), "request 1: temperature must be"),
+    (Request([1], 4, top_p=0, **GREEDY), "request 1: top_p"),
+    (Request([1], -2, **GREEDY), "request 1: max_new_tokens"),
+    (Request([1], 4, arrival=-1, **GREEDY), "request 1: arrival must be an engine step"),
+    (Request([1], 4, arrival=1.5, **GREEDY), "request 1: arrival must be an engine step"),
+    (Request([1], 4, stop_ids=7, temperature=0), "request 1: stop_ids must be a collection of token ids, got 7"),
+    (Request([1], 4, stop_ids=[7, 2.5], temperature=0), "request 1: stop_ids must hold integer token ids, got 2.5"),
 ])
 def test_bad_requests_are_named_before_any_work(tiny64, request_, message, monkeypatch):
     model, _ = tiny64
@@ -250,7 +255,7 @@ def test_bad_requests_are_named_before_any_work(tiny64, request_, message, monke
     calls = []
     monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
     with pytest.raises(ValueError, match=message):
-        batcher.run([Request([1, 2], 3), request_])
+        batcher.run([Request([1, 2], 3, **GREEDY), request_])
     assert calls == []
 
 
@@ -261,7 +266,7 @@ def test_bad_batcher_arguments(tiny64):
     with pytest.raises(ValueError, match="exceeds the model's context"):
         ContinuousBatcher(model, n_slots=2, max_len=49)
     with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
-        run_batch(model, [Request([1], 1)], policy="fifo")
+        run_batch(model, [Request([1], 1, **GREEDY)], policy="fifo")
 
 
 def test_random_workload_is_seeded_and_in_range():
@@ -368,7 +373,8 @@ def long64():
 def test_a_batcher_sizes_its_slots_for_its_requests_not_the_whole_context(long64):
     """max_len None: every slot holds what the longest request needs (decoding.cache_len, rounded), grown when a
     run needs more; the tokens are those of slots the whole context long."""
-    requests = [Request([5, 17, 101], 20), Request([7] * 30, 12, temperature=0.8, seed=3), Request([9], 5, arrival=2)]
+    requests = [Request([5, 17, 101], 20, **GREEDY), Request([7] * 30, 12, temperature=0.8, seed=3, stop_ids=()),
+                Request([9], 5, arrival=2, **GREEDY)]
     batcher = ContinuousBatcher(long64, n_slots=2, compile=False)
     assert batcher.max_len == 256 and batcher.cache.k[0].shape[2] == 256
     sized = batcher.run(requests)
@@ -376,7 +382,7 @@ def test_a_batcher_sizes_its_slots_for_its_requests_not_the_whole_context(long64
     whole = run_batch(long64, requests, n_slots=2, max_len=1024, compile=False)
     assert [c.tokens for c in sized.completions] == [c.tokens for c in whole.completions]
     assert [c.stop_reason for c in sized.completions] == ["length"] * 3
-    batcher.run([Request([5] * 300, 4)])  # 304 slots: the cache grows to 512
+    batcher.run([Request([5] * 300, 4, **GREEDY)])  # 304 slots: the cache grows to 512
     assert batcher.max_len == 512 and batcher.runner.cache.k[0].shape[2] == 512
     assert batcher.cache is batcher.runner.cache
 
@@ -411,7 +417,8 @@ def test_non_finite_logits_are_named_per_request(tiny64):
     handle = model.output.register_forward_hook(hook)
     try:
         with pytest.raises(NonFiniteLogitsError, match=r"request\(s\) 1: their tokens"):
-            run_batch(model, [Request([1, 2], 2), Request([3, 4], 2, arrival=5)], n_slots=1, max_len=16,
+            run_batch(model, [Request([1, 2], 2, **GREEDY), Request([3, 4], 2, arrival=5, **GREEDY)], n_slots=1,
+                      max_len=16,
                       compile=False)
     finally:
         handle.remove()

@@ -14,6 +14,8 @@ from llmstep.engines import cpu_gemm
 from llmstep.engines.compile import compile_step
 from llmstep.engines.fast import FastDecoder
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
+
 slow = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
                           reason="compiles with tuned matmuls on the CPU (~1 min); set LLMSTEP_SLOW_TESTS=1")
 
@@ -113,7 +115,7 @@ def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_ch
     torch._inductor.config.max_autotune_gemm_backends = "CPP"
     try:
         decoder = FastDecoder(model, max_len=64, compile=True)
-        (_, code) = compiled_code(lambda: decoder.generate(prompt, 4))
+        (_, code) = compiled_code(lambda: decoder.generate(prompt, 4, **GREEDY))
     finally:
         torch.set_num_threads(threads)
         torch._inductor.config.max_autotune_gemm_backends = backends

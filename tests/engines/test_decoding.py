@@ -159,18 +159,17 @@ def test_every_loop_ends_where_the_budget_says(loaded, T, max_new_tokens, max_le
     assert model.config.max_seq_len == max_len  # generate's cache ends at the model's context
     prompt = [(7 * i) % tok.vocab_size for i in range(1, T + 1)]
     plan = budget(T, max_new_tokens, max_len)
+    request = Request(prompt, max_new_tokens, temperature=0, stop_ids=[])  # one request for every loop
     runs = {
-        "generate": llmstep.generate(model, tok, prompt, max_new_tokens, temperature=0, stop_ids=[]),
-        "FastDecoder": FastDecoder(model, max_len, compile=False).generate(prompt, max_new_tokens),
-        "speculative_generate": speculative_generate(model, LayerSkipDraft(model, 1), tok, prompt, k=3,
-                                                     max_new_tokens=max_new_tokens, temperature=0, stop_ids=[]),
-        "batching": run_batch(model, [Request(prompt, max_new_tokens)], n_slots=2, max_len=max_len).completions[0],
+        "generate": llmstep.generate(model, tok, request),
+        "FastDecoder": FastDecoder(model, max_len, compile=False).generate(request),
+        "speculative_generate": speculative_generate(model, LayerSkipDraft(model, 1), tok, request, k=3),
+        "batching": run_batch(model, [request], n_slots=2, max_len=max_len).completions[0],
     }
     for name, r in runs.items():
         assert (len(r.tokens), r.stop_reason) == (plan.tokens, plan.stop_reason), name
         assert r.tokens == runs["generate"].tokens, name
-    out = FastSpeculator(model, LayerSkipDraft(model, 1), k=3, max_len=max_len, compile=False).generate(
-        prompt, max_new_tokens)
+    out = FastSpeculator(model, LayerSkipDraft(model, 1), k=3, max_len=max_len, compile=False).generate(request)
     assert out.tokens == runs["generate"].tokens[: len(out.tokens)]
     assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) or (
         out.stop_reason == "context" and len(out.tokens) > plan.tokens - 4)  # a round of k=3 makes up to 4
@@ -184,14 +183,14 @@ def test_every_loop_stops_at_a_stop_token_and_keeps_it(loaded):
     ref = llmstep.generate(model, tok, prompt, 20, temperature=0, stop_ids=[]).tokens
     stop = ref[5]
     expected = ref[: ref.index(stop) + 1]
+    request = Request(prompt, 20, temperature=0, stop_ids=[stop])
     runs = {
-        "generate": llmstep.generate(model, tok, prompt, 20, temperature=0, stop_ids=[stop]),
-        "FastDecoder": FastDecoder(model, 32, compile=False).generate(prompt, 20, stop_ids=[stop], sync_every=3),
-        "speculative_generate": speculative_generate(model, LayerSkipDraft(model, 1), tok, prompt, k=3,
-                                                     max_new_tokens=20, temperature=0, stop_ids=[stop]),
+        "generate": llmstep.generate(model, tok, request),
+        "FastDecoder": FastDecoder(model, 32, compile=False).generate(request, sync_every=3),
+        "speculative_generate": speculative_generate(model, LayerSkipDraft(model, 1), tok, request, k=3),
         "FastSpeculator": FastSpeculator(model, LayerSkipDraft(model, 1), k=3, max_len=32,
-                                         compile=False).generate(prompt, 20, stop_ids=[stop]),
-        "batching": run_batch(model, [Request(prompt, 20, stop_ids=[stop])], n_slots=1, max_len=32).completions[0],
+                                         compile=False).generate(request),
+        "batching": run_batch(model, [request], n_slots=1, max_len=32).completions[0],
     }
     for name, r in runs.items():
         assert (r.tokens, r.stop_reason) == (expected, "stop"), name
@@ -201,7 +200,7 @@ def test_the_teaching_loop_and_the_fast_loop_count_the_same_bytes(loaded):
     model, tok = loaded
     prompt = [5, 17, 101, 42, 7]
     g = llmstep.generate(model, tok, prompt, 12, temperature=0, stop_ids=[])
-    f = FastDecoder(model, 32, compile=False).generate(prompt, 12)
+    f = FastDecoder(model, 32, compile=False).generate(prompt, 12, temperature=0, stop_ids=[])
     exact = sum(model_step_cost(model, context=len(prompt) + i).bytes for i in range(11))
     assert g.decode_bytes == pytest.approx(exact) and f.decode_bytes == pytest.approx(exact)
 
@@ -235,9 +234,9 @@ def test_a_stop_id_outside_the_vocabulary_is_refused_by_every_loop(loaded):
     with pytest.raises(ValueError, match=f"stop id {v} is outside the vocabulary"):
         llmstep.generate(model, tok, "hi", 3, stop_ids=[1, v])
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        FastDecoder(model, compile=False).generate([1, 2], 3, stop_ids=[v + 5])
+        FastDecoder(model, compile=False).generate([1, 2], 3, stop_ids=[v + 5], temperature=0)
     with pytest.raises(ValueError, match="request 0: stop id"):
-        run_batch(model, [Request([1, 2], 3, stop_ids=[-1])], n_slots=1)
+        run_batch(model, [Request([1, 2], 3, stop_ids=[-1], temperature=0)], n_slots=1)
 
 
 def test_an_unknown_compile_mode_is_refused_even_when_nothing_compiles(loaded):

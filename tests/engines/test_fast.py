@@ -13,6 +13,8 @@ from llmstep.core.quantize import Int8Linear, QuantConfig, quantize
 from llmstep.engines.compile import compile_step
 from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
+
 PROMPT = [295, 17, 101, 42, 7, 250, 33]
 
 
@@ -24,7 +26,7 @@ def tiny(tiny_checkpoint):
 def test_greedy_tokens_equal_the_eager_generate_loop(tiny):
     model, tok = tiny
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0, stop_ids=[])
-    fast = FastDecoder(model).generate(PROMPT, max_new_tokens=40, temperature=0)
+    fast = FastDecoder(model).generate(PROMPT, max_new_tokens=40, temperature=0, stop_ids=())
     assert fast.tokens == eager.tokens and len(fast.tokens) == 40
     assert fast.decode_steps == 39 and fast.stop_reason == "length"
 
@@ -39,7 +41,7 @@ def test_seeded_sampling_draws_the_same_tokens(tiny, kw):
 
 def test_stop_tokens_end_the_run_where_the_eager_loop_ends_it(tiny):
     model, tok = tiny
-    free = FastDecoder(model).generate(PROMPT, max_new_tokens=40, temperature=0.9, seed=1).tokens
+    free = FastDecoder(model).generate(PROMPT, max_new_tokens=40, temperature=0.9, seed=1, stop_ids=()).tokens
     stop = free[12]  # a token the run reaches; the stop check runs only every 4 steps
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0.9, seed=1, stop_ids=[stop])
     decoder = FastDecoder(model, max_len=len(PROMPT) + 40, compile=False)
@@ -51,13 +53,13 @@ def test_stop_tokens_end_the_run_where_the_eager_loop_ends_it(tiny):
 def test_a_reused_static_cache_and_a_full_context_behave(tiny):
     model, _ = tiny
     decoder = FastDecoder(model, max_len=32, compile=False)
-    first = decoder.generate(PROMPT, 20)
-    decoder.generate(list(reversed(PROMPT)) * 3, 10)  # leaves other keys and values in the cache
-    assert decoder.generate(PROMPT, 20).tokens == first.tokens  # stale slots are masked, never read
-    full = decoder.generate(PROMPT, 100)
+    first = decoder.generate(PROMPT, 20, **GREEDY)
+    decoder.generate(list(reversed(PROMPT)) * 3, 10, **GREEDY)  # leaves other keys and values in the cache
+    assert decoder.generate(PROMPT, 20, **GREEDY).tokens == first.tokens  # stale slots are masked, never read
+    full = decoder.generate(PROMPT, 100, **GREEDY)
     assert len(full.tokens) == 32 - len(PROMPT) + 1 and full.stop_reason == "context"
     with pytest.raises(ValueError, match="the cache it may fill is 32"):
-        decoder.generate(list(range(40)), 5)
+        decoder.generate(list(range(40)), 5, **GREEDY)
 
 
 def test_quantised_models_run_through_the_same_loop(tiny):
@@ -69,13 +71,13 @@ def test_quantised_models_run_through_the_same_loop(tiny):
         for _ in range(10):  # the plainest loop there is: the model's forward, argmax, feed back
             x = qmodel(x, cache=cache)[:, -1].argmax(-1, keepdim=True)
             eager.append(int(x))
-    assert FastDecoder(qmodel).generate(PROMPT, 10).tokens == eager
+    assert FastDecoder(qmodel).generate(PROMPT, 10, **GREEDY).tokens == eager
 
 
 def test_the_public_step_is_one_token_through_the_model_into_the_decoders_cache(tiny):
     model, _ = tiny
     decoder = FastDecoder(model, max_len=32, compile=False)
-    decoder.generate(PROMPT, 4)  # the cache holds the prompt and three decode steps
+    decoder.generate(PROMPT, 4, **GREEDY)  # the cache holds the prompt and three decode steps
     token, position = torch.tensor([[5]]), torch.tensor([[len(PROMPT) + 3]])
     with torch.no_grad():
         expected = model(token, position, model.new_cache(1, 32), last_only=True)  # a fresh cache: other keys
@@ -103,7 +105,7 @@ def test_a_decoder_sized_per_request_uses_the_one_sizing_rule(tiny):
     decoder = FastDecoder(model, compile=False)
     ctx = model.config.max_seq_len
     assert decoder.max_len == cache_len(1, 0, ctx, rounding=CACHE_ROUNDING)
-    out = decoder.generate(PROMPT, 40)
+    out = decoder.generate(PROMPT, 40, **GREEDY)
     assert decoder.max_len == cache_len(len(PROMPT), 40, ctx, rounding=CACHE_ROUNDING)
     assert out.tokens == llmstep.generate(model, tok, PROMPT, 40, temperature=0, stop_ids=[]).tokens
 
@@ -114,14 +116,14 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
     model, tok = tiny
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0, stop_ids=[])
     decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
-    assert decoder.generate(PROMPT, 24).tokens == eager.tokens
+    assert decoder.generate(PROMPT, 24, **GREEDY).tokens == eager.tokens
     assert decoder.compile_seconds > 0
     # Seeded sampling inside the compiled step: the noise the loop refills is read, not frozen into the code.
     sampled = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0.8, seed=3, stop_ids=[])
-    assert decoder.generate(PROMPT, 24, temperature=0.8, seed=3).tokens == sampled.tokens
+    assert decoder.generate(PROMPT, 24, temperature=0.8, seed=3, stop_ids=()).tokens == sampled.tokens
     # On a CPU the weights are frozen into the compiled step: changing them afterwards changes what the eager
     # model computes but not what the step computes (proof that freezing took effect). Same cache, same input.
-    decoder.generate(PROMPT, 4)  # the cache holds the prompt and three decode steps
+    decoder.generate(PROMPT, 4, **GREEDY)  # the cache holds the prompt and three decode steps
     token, position = torch.tensor([[5]]), torch.tensor([[len(PROMPT) + 3]])
     w = model.layers[0].feed_forward.w2.weight
     saved = w.detach().clone()
@@ -188,9 +190,9 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
 def test_prompt_tensors_hold_one_sequence(tiny):
     model, _ = tiny
     decoder = FastDecoder(model, max_len=32, compile=False)
-    assert decoder.generate(torch.tensor([PROMPT]), 5).tokens == decoder.generate(PROMPT, 5).tokens
+    assert decoder.generate(torch.tensor([PROMPT]), 5, **GREEDY).tokens == decoder.generate(PROMPT, 5, **GREEDY).tokens
     with pytest.raises(ValueError, match=r"got shape \[2, 7\]"):  # not two prompts run as one
-        decoder.generate(torch.tensor([PROMPT, PROMPT]), 5)
+        decoder.generate(torch.tensor([PROMPT, PROMPT]), 5, **GREEDY)
 
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "

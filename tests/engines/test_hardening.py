@@ -18,6 +18,8 @@ from llmstep.engines.drafts import LayerSkipDraft
 from llmstep.engines.fast import FastDecoder, FastSpeculator
 from llmstep.engines.speculative import speculative_generate
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
+
 PROMPT = [295, 17, 101, 42, 7, 250, 33]
 
 
@@ -33,7 +35,7 @@ def test_a_bytes_prompt_is_refused_not_read_as_token_ids(tiny):
     with pytest.raises(ValueError, match="the prompt is bytes"):
         llmstep.generate(model, tok, b"thy", max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt must be text, token ids"):
-        FastDecoder(model, max_len=16, compile=False).generate(b"thy", 2)
+        FastDecoder(model, max_len=16, compile=False).generate(b"thy", 2, **GREEDY)
 
 
 @pytest.mark.parametrize("seed", [1.5, "42", True, -1, 2**64, 2**70])
@@ -44,7 +46,7 @@ def test_a_seed_that_is_not_a_64_bit_integer_is_refused_by_name_before_any_work(
     with pytest.raises(ValueError, match="seed must be"):
         speculative_generate(model, LayerSkipDraft(model, 1), tok, "thy", k=2, max_new_tokens=2, seed=seed)
     with pytest.raises(ValueError, match="seed must be"):
-        FastDecoder(model, max_len=16, compile=False).generate(PROMPT, 2, seed=seed)
+        FastDecoder(model, max_len=16, compile=False).generate(PROMPT, 2, seed=seed, **GREEDY)
 
 
 def test_numpy_and_large_valid_seeds_are_accepted():
@@ -73,7 +75,7 @@ def test_a_lone_surrogate_in_the_prompt_is_a_clear_value_error(tiny):
 def test_fast_decoder_refuses_sync_every_0_and_speculation_refuses_empty_verify_costs(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
-        FastDecoder(model, max_len=16, compile=False).generate(PROMPT, 4, stop_ids=[1], sync_every=0)
+        FastDecoder(model, max_len=16, compile=False).generate(PROMPT, 4, stop_ids=[1], sync_every=0, temperature=0)
     with pytest.raises(ValueError, match="verify_costs must be a non-empty list"):
         speculative_generate(model, LayerSkipDraft(model, 1), tok, "thy", k=2, max_new_tokens=4, adaptive=True,
                              verify_costs=[])
@@ -85,7 +87,8 @@ def test_a_batch_with_one_bad_seed_late_in_the_list_is_refused_up_front_with_its
     calls = []
     handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
     try:
-        requests = [Request(PROMPT, 3, seed=i) for i in range(5)] + [Request(PROMPT, 3, seed=2**70, arrival=9)]
+        requests = [Request(PROMPT, 3, seed=i, **GREEDY) for i in range(5)] + [
+            Request(PROMPT, 3, seed=2**70, arrival=9)]
         with pytest.raises(ValueError, match=r"request 5: seed must be in 0 \.\. 2\*\*64 - 1"):
             batcher.run(requests)
     finally:
@@ -132,11 +135,12 @@ def test_every_loop_reports_nan_weights_instead_of_token_0(tiny):
     with pytest.raises(NonFiniteLogitsError, match="at step 0"):
         speculative_generate(broken, draft, tok, "thy", k=2, max_new_tokens=5)
     with pytest.raises(NonFiniteLogitsError, match="in a run of"):
-        FastDecoder(broken, max_len=32, compile=False).generate(PROMPT, 8, temperature=0.8, seed=0)
+        FastDecoder(broken, max_len=32, compile=False).generate(PROMPT, 8, temperature=0.8, seed=0, stop_ids=())
     for temperature in (0.0, 0.8):
         with pytest.raises(NonFiniteLogitsError, match="in a run of"):
-            FastSpeculator(broken, draft, k=2, max_len=32, compile=False).generate(PROMPT, 8, temperature, seed=0)
-    requests = [Request(PROMPT, 4), Request(PROMPT[:3], 4, temperature=0.5, seed=1)]
+            FastSpeculator(broken, draft, k=2, max_len=32, compile=False).generate(PROMPT, 8, temperature, seed=0,
+                                                                                   stop_ids=())
+    requests = [Request(PROMPT, 4, **GREEDY), Request(PROMPT[:3], 4, temperature=0.5, seed=1, stop_ids=())]
     with pytest.raises(NonFiniteLogitsError, match=r"request\(s\) 0, 1"):
         ContinuousBatcher(broken, n_slots=2, max_len=32, compile=False).run(requests)
 
@@ -147,10 +151,10 @@ def test_nan_logits_late_in_a_fast_run_are_reported_at_its_end(tiny):
     handle = nan_after(model, 5)
     try:
         with pytest.raises(NonFiniteLogitsError, match="in a run of 10 tokens"):
-            decoder.generate(PROMPT, 10)
+            decoder.generate(PROMPT, 10, **GREEDY)
     finally:
         handle.remove()
-    assert len(decoder.generate(PROMPT, 10).tokens) == 10  # the decoder itself is fine afterwards
+    assert len(decoder.generate(PROMPT, 10, **GREEDY).tokens) == 10  # the decoder itself is fine afterwards
 
 
 # ---- one run at a time ----------------------------------------------------------------------------
@@ -193,9 +197,9 @@ def run_two_threads(model, first, second):
 def test_a_shared_fast_decoder_refuses_a_second_thread_and_the_first_keeps_its_tokens(tiny):
     model, _ = tiny
     decoder = FastDecoder(model, max_len=32, compile=False)
-    alone = decoder.generate(PROMPT, 12).tokens
-    first, second = run_two_threads(model, lambda: decoder.generate(PROMPT, 12),
-                                    lambda: decoder.generate(list(reversed(PROMPT)), 12))
+    alone = decoder.generate(PROMPT, 12, **GREEDY).tokens
+    first, second = run_two_threads(model, lambda: decoder.generate(PROMPT, 12, **GREEDY),
+                                    lambda: decoder.generate(list(reversed(PROMPT)), 12, **GREEDY))
     assert isinstance(second, ConcurrentUseError) and "already running" in str(second)
     assert first.tokens == alone
 
@@ -203,11 +207,12 @@ def test_a_shared_fast_decoder_refuses_a_second_thread_and_the_first_keeps_its_t
 def test_a_shared_speculator_and_batcher_refuse_a_second_thread(tiny):
     model, _ = tiny
     spec = FastSpeculator(model, LayerSkipDraft(model, 1), k=2, max_len=32, compile=False)
-    alone = spec.generate(PROMPT, 10).tokens
-    first, second = run_two_threads(model, lambda: spec.generate(PROMPT, 10), lambda: spec.generate(PROMPT, 10))
+    alone = spec.generate(PROMPT, 10, **GREEDY).tokens
+    first, second = run_two_threads(model, lambda: spec.generate(PROMPT, 10, **GREEDY),
+                                    lambda: spec.generate(PROMPT, 10, **GREEDY))
     assert isinstance(second, ConcurrentUseError) and first.tokens == alone
     batcher = ContinuousBatcher(model, n_slots=2, max_len=32, compile=False)
-    requests = [Request(PROMPT, 6), Request(PROMPT[:4], 6)]
+    requests = [Request(PROMPT, 6, **GREEDY), Request(PROMPT[:4], 6, **GREEDY)]
     alone = [c.tokens for c in batcher.run(requests).completions]
     first, second = run_two_threads(model, lambda: batcher.run(requests), lambda: batcher.run(requests))
     assert isinstance(second, ConcurrentUseError) and [c.tokens for c in first.completions] == alone

@@ -15,6 +15,8 @@ from llmstep.core.paged_kv import BlockManager, PagedKVCache, blocks_for
 from llmstep.engines.decoding import budget
 from llmstep.engines.scheduler import BlockScheduler, Completion, Job
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
+
 
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory, tokenizer_file):
@@ -107,9 +109,10 @@ def test_every_request_gets_the_tokens_it_gets_alone(tiny64, checked_steps, name
 
 def test_requests_that_run_into_the_context_and_stop_tokens_end_as_alone(tiny64, checked_steps):
     model, tok = tiny64
-    base = solo(model, tok, Request(list(range(3, 12)), 20)).tokens
-    requests = [Request(list(range(1, 41)), 30), Request([5] * 45, 10), Request([9, 9], 60),
-                Request(list(range(3, 12)), 20, stop_ids=[base[6]]), Request([1, 2], 0)]
+    base = solo(model, tok, Request(list(range(3, 12)), 20, **GREEDY)).tokens
+    requests = [Request(list(range(1, 41)), 30, **GREEDY), Request([5] * 45, 10, **GREEDY),
+                Request([9, 9], 60, **GREEDY),
+                Request(list(range(3, 12)), 20, stop_ids=[base[6]], temperature=0), Request([1, 2], 0, **GREEDY)]
     run = run_batch(model, requests, n_slots=3, kv="paged", block_size=8, kv_blocks=8, prefill_chunk=16)
     for r, c in zip(requests, run.completions, strict=True):
         alone = solo(model, tok, r)
@@ -121,7 +124,7 @@ def test_a_preempted_seeded_request_draws_each_token_once(tiny64, checked_steps)
     """Two long sampled requests in a pool that holds one: the younger is preempted again and again and
     recomputes its tokens, never drawing them again from its generator."""
     model, tok = tiny64
-    requests = [Request(list(range(1, 9)), 30, temperature=1.0, seed=s) for s in (1, 2)]
+    requests = [Request(list(range(1, 9)), 30, temperature=1.0, seed=s, stop_ids=()) for s in (1, 2)]
     run = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=10)
     assert run.kv_stats["preemptions"] >= 1
     for r, c in zip(requests, run.completions, strict=True):
@@ -134,7 +137,8 @@ def test_prefix_caching_computes_a_shared_prompt_once(tiny64):
     its last block is computed again, for the logits of its last token."""
     model, tok = tiny64
     head = list(range(1, 33))
-    requests = [Request(head + [40 + i], 3, arrival=4 * i) for i in range(6)] + [Request(head, 3, arrival=30)]
+    requests = ([Request(head + [40 + i], 3, arrival=4 * i, **GREEDY) for i in range(6)]
+                + [Request(head, 3, arrival=30, **GREEDY)])
     off = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=40)
     on = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=40, prefix_caching=True)
     assert off.kv_stats["prefill_tokens"] == 6 * 33 + 32 and off.kv_stats["prefix_hit_tokens"] == 0
@@ -148,7 +152,7 @@ def test_chunked_prefill_keeps_the_running_sequence_decoding(tiny64):
     """A 40-token prompt arrives while a request decodes: whole, it is one step; in chunks of 8 it takes five
     steps, and the running request makes a token in every one of them."""
     model, _ = tiny64
-    requests = [Request([1, 2, 3], 20), Request(list(range(1, 41)), 2, arrival=3)]
+    requests = [Request([1, 2, 3], 20, **GREEDY), Request(list(range(1, 41)), 2, arrival=3, **GREEDY)]
     run = run_batch(model, requests, n_slots=2, kv="paged", block_size=4, kv_blocks=24, prefill_chunk=8)
     steps = [s for s, row in enumerate(run.timeline) if 1 in row]
     assert steps[:6] == [3, 4, 5, 6, 7, 8] and run.completions[1].tokens  # 5 chunks, then its decode step
@@ -185,15 +189,16 @@ def test_the_youngest_is_preempted_and_returns_first(tiny64):
 
 def test_bad_requests_are_refused_before_the_run_with_their_index(tiny64, monkeypatch):
     model, tok = tiny64
-    good = [Request([1, 2, 3], 4), Request([4, 5], 3, temperature=0.8, seed=1)]
+    good = [Request([1, 2, 3], 4, **GREEDY), Request([4, 5], 3, temperature=0.8, seed=1, stop_ids=())]
     ran = []
     monkeypatch.setattr(PagedBatcher, "_run", lambda self, *a: ran.append(1))
-    for bad, match in [(Request(list(range(1, 40)), 8), "request 1: .* need 12 blocks of 4 positions, the whole pool "
+    for bad, match in [(Request(list(range(1, 40)), 8, **GREEDY),
+                        "request 1: .* need 12 blocks of 4 positions, the whole pool "
                                                         "has 10"),
-                       (Request([], 4), "request 1: .*empty"),
-                       (Request([1], 4, temperature=-1.0), "request 1: .*temperature"),
-                       (Request([1], 4, top_p=0.0), "request 1: .*top_p"),
-                       (Request([1], -2), "request 1: max_new_tokens")]:
+                       (Request([], 4, **GREEDY), "request 1: .*empty"),
+                       (Request([1], 4, temperature=-1.0, stop_ids=()), "request 1: .*temperature"),
+                       (Request([1], 4, top_p=0.0, **GREEDY), "request 1: .*top_p"),
+                       (Request([1], -2, **GREEDY), "request 1: max_new_tokens")]:
         with pytest.raises(ValueError, match=match):
             run_batch(model, [good[0], bad, good[1]], kv="paged", block_size=4, kv_blocks=10)
     assert ran == []  # nothing ran
@@ -204,7 +209,7 @@ def test_bad_requests_are_refused_before_the_run_with_their_index(tiny64, monkey
 
 def test_the_options_belong_to_their_layout(tiny64):
     model, _ = tiny64
-    r = [Request([1, 2], 2)]
+    r = [Request([1, 2], 2, **GREEDY)]
     with pytest.raises(ValueError, match="unknown KV cache layout 'pages'"):
         run_batch(model, r, kv="pages")
     with pytest.raises(ValueError, match="block_size, prefix_caching set the paged KV cache"):
@@ -221,7 +226,7 @@ def test_the_options_belong_to_their_layout(tiny64):
 
 def test_contiguous_runs_report_their_slots_as_blocks(tiny64):
     model, _ = tiny64
-    run = run_batch(model, [Request([1, 2, 3], 4), Request([4], 2)], n_slots=3, max_len=16)
+    run = run_batch(model, [Request([1, 2, 3], 4, **GREEDY), Request([4], 2, **GREEDY)], n_slots=3, max_len=16)
     assert run.kv_stats == {"block_size": 16, "blocks_total": 3, "peak_blocks_used": 2, "prefix_hit_tokens": 0,
                             "preemptions": 0, "prefill_tokens": 4, "decode_tokens": 4}
     assert run.summary()["kv_blocks_total"] == 3

@@ -19,6 +19,8 @@ from llmstep.cli import main as llmstep_main
 from llmstep.engines.drafts import LayerSkipDraft
 from llmstep.engines.speculative import speculative_generate, speculative_stream, verify
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
+
 PROMPT = [5, 17, 101, 42, 7]  # token ids, so no BOS or tokenizer detail gets in the way
 
 
@@ -417,7 +419,7 @@ def test_quantized_self_draft_keeps_the_greedy_output(target, tok):
 @pytest.mark.parametrize("draft_name", ["noisy-copy", "independent", "layer-skip"])
 def test_fast_speculator_greedy_equals_plain_greedy(target, drafts, tok, k, draft_name):
     ref = plain_greedy(target, tok, 40, stop_ids=[])
-    out = FastSpeculator(target, drafts[draft_name], k=k, compile=False).generate(PROMPT, 40)
+    out = FastSpeculator(target, drafts[draft_name], k=k, compile=False).generate(PROMPT, 40, **GREEDY)
     assert out.tokens == ref.tokens and out.stop_reason == "length"
     assert len(out.tokens) == 1 + sum(out.produced) == 40 and out.decode_steps == 39
     assert all(0 <= a <= p == k for a, p in zip(out.accepted, out.proposed, strict=True))
@@ -427,9 +429,9 @@ def test_fast_speculator_reuses_its_caches_and_rolls_over_full_acceptance(target
     speculator = FastSpeculator(target, target, k=3, compile=False)  # a perfect draft: every round accepts all
     ref = plain_greedy(target, tok, 30, stop_ids=[])
     for _ in range(2):  # a second run on the same caches gives the same tokens
-        out = speculator.generate(PROMPT, 30)
+        out = speculator.generate(PROMPT, 30, **GREEDY)
         assert out.tokens == ref.tokens and set(out.accepted) == {3}
-    noisy = FastSpeculator(target, drafts["noisy-copy"], k=4, compile=False).generate(PROMPT, 40)
+    noisy = FastSpeculator(target, drafts["noisy-copy"], k=4, compile=False).generate(PROMPT, 40, **GREEDY)
     assert 0 in noisy.accepted and 4 in noisy.accepted  # rejections and full acceptances both happened
 
 
@@ -448,7 +450,7 @@ def test_fast_speculator_draws_what_speculative_generate_draws(target, drafts, t
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 3, 5, 9])
 def test_fast_speculator_stops_exactly_at_the_budget(target, drafts, tok, max_new_tokens):
     ref = plain_greedy(target, tok, max_new_tokens, stop_ids=[])
-    out = FastSpeculator(target, drafts["layer-skip"], k=6, compile=False).generate(PROMPT, max_new_tokens)
+    out = FastSpeculator(target, drafts["layer-skip"], k=6, compile=False).generate(PROMPT, max_new_tokens, **GREEDY)
     assert out.tokens == ref.tokens and len(out.tokens) == max_new_tokens and out.stop_reason == "length"
 
 
@@ -456,12 +458,12 @@ def test_fast_speculator_stops_at_a_stop_token_inside_a_round(target, tok):
     ref = plain_greedy(target, tok, 30, stop_ids=[])
     stop = ref.tokens[6]
     plain = plain_greedy(target, tok, 30, stop_ids=[stop])
-    out = FastSpeculator(target, target, k=8, compile=False).generate(PROMPT, 30, stop_ids=[stop])
+    out = FastSpeculator(target, target, k=8, compile=False).generate(PROMPT, 30, stop_ids=[stop], temperature=0)
     assert out.tokens == plain.tokens and out.stop_reason == "stop"
 
 
 def test_fast_speculator_stops_where_its_cache_ends(target, drafts, tok):
-    out = FastSpeculator(target, drafts["noisy-copy"], k=4, max_len=20, compile=False).generate(PROMPT, 40)
+    out = FastSpeculator(target, drafts["noisy-copy"], k=4, max_len=20, compile=False).generate(PROMPT, 40, **GREEDY)
     assert out.stop_reason == "context" and 0 < len(out.tokens) < 40
     assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[: len(out.tokens)]
     assert len(PROMPT) + len(out.tokens) + 4 > 20  # one more round would have written past slot 19
@@ -477,16 +479,17 @@ def test_fast_speculator_names_bad_arguments(target, drafts):
         FastSpeculator(target, random_model(1, vocab_size=100), k=2)
     speculator = FastSpeculator(target, draft, k=2, max_len=16, compile=False)
     with pytest.raises(ValueError, match="prompt token id 300 is outside the vocabulary"):
-        speculator.generate([1, 300])
+        speculator.generate([1, 300], **GREEDY)
     with pytest.raises(ValueError, match="prompt is 16 tokens, but the cache it may fill is 16"):
-        speculator.generate(list(range(16)))
+        speculator.generate(list(range(16)), **GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
-        speculator.generate(PROMPT, -1)
+        speculator.generate(PROMPT, -1, **GREEDY)
     with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"):
-        speculator.generate(torch.ones(2, 3, dtype=torch.long))
-    assert speculator.generate(torch.tensor([PROMPT]), 3).tokens == speculator.generate(PROMPT, 3).tokens
+        speculator.generate(torch.ones(2, 3, dtype=torch.long), **GREEDY)
+    assert (speculator.generate(torch.tensor([PROMPT]), 3, **GREEDY).tokens
+            == speculator.generate(PROMPT, 3, **GREEDY).tokens)
     with pytest.raises(ValueError, match="temperature"):
-        speculator.generate(PROMPT, 4, temperature=-1.0)
+        speculator.generate(PROMPT, 4, temperature=-1.0, stop_ids=())
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("LLMSTEP_SLOW_TESTS"),
@@ -494,7 +497,7 @@ def test_fast_speculator_names_bad_arguments(target, drafts):
 def test_compiled_fast_speculator_keeps_the_greedy_output(target, drafts, tok):
     ref = plain_greedy(target, tok, 30, stop_ids=[])
     speculator = FastSpeculator(target, drafts["noisy-copy"], k=3, max_len=48, compile=True)
-    assert speculator.generate(PROMPT, 30).tokens == ref.tokens
+    assert speculator.generate(PROMPT, 30, **GREEDY).tokens == ref.tokens
     assert speculator.compile_seconds > 0
 
 
@@ -522,18 +525,18 @@ def test_fast_speculator_ends_where_the_shared_budget_says_whatever_the_draft(ta
     never depends on how many proposals the draft got accepted."""
     draft = target if draft_name == "perfect" else drafts[draft_name]
     plan = spec.decoding.round_budget(len(PROMPT), 40, 20, 4)
-    out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(PROMPT, 40)
+    out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(PROMPT, 40, **GREEDY)
     assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (12, "context")
     assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[:12]
     prompt = list(range(10, 20))  # the review's case: its budget said "length" and the run ended at 7, "context"
     plan = spec.decoding.round_budget(len(prompt), 10, 20, 4)
-    out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(prompt, 10)
+    out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(prompt, 10, **GREEDY)
     assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (7, "context")
 
 
 def test_fast_speculator_counts_the_bytes_the_teaching_loop_counts(target, tok):
     """A perfect draft with 13 = 1 + 3 * (k + 1) tokens: the same rounds in both loops, so the same bytes."""
-    fast = FastSpeculator(target, target, k=3, compile=False).generate(PROMPT, 13)
+    fast = FastSpeculator(target, target, k=3, compile=False).generate(PROMPT, 13, **GREEDY)
     eager = speculative_generate(target, target, tok, PROMPT, k=3, max_new_tokens=13, temperature=0, stop_ids=[])
     assert fast.tokens == eager.tokens and fast.proposed == eager.proposed == [3, 3, 3]
     assert fast.decode_bytes > 0 and fast.decode_bytes == pytest.approx(eager.decode_bytes, rel=1e-12)
@@ -546,10 +549,10 @@ def test_fast_speculator_sizes_its_caches_for_the_request(tok):
     big = random_model(0, logit_scale=4.0, max_seq_len=1024)
     speculator = FastSpeculator(big, LayerSkipDraft(big, 2), k=4, compile=False)
     assert speculator.max_len == 256 and speculator.target_cache.k[0].shape[2] == 256
-    assert speculator.generate(PROMPT, 20).tokens == llmstep.generate(big, tok, PROMPT, 20, temperature=0,
+    assert speculator.generate(PROMPT, 20, **GREEDY).tokens == llmstep.generate(big, tok, PROMPT, 20, temperature=0,
                                                                       stop_ids=[]).tokens
     assert speculator.max_len == 256
-    out = speculator.generate(PROMPT, 260)  # 5 + 260 + 4 slots: 512
+    out = speculator.generate(PROMPT, 260, **GREEDY)  # 5 + 260 + 4 slots: 512
     assert speculator.max_len == 512 and speculator.draft_cache.k[0].shape[2] == 512
     assert (len(out.tokens), out.stop_reason) == (260, "length")
 

@@ -280,7 +280,7 @@ def test_bad_stop_ids_are_named(loaded, stops, message):
     from llmstep.fast import FastDecoder
 
     with pytest.raises(ValueError, match=message):
-        FastDecoder(model, max_len=16, compile=False).generate([295, 5], 2, stop_ids=stops)
+        FastDecoder(model, max_len=16, compile=False).generate([295, 5], 2, stop_ids=stops, temperature=0)
 
 
 def test_a_vocabulary_padded_past_the_tokenizer_decodes_its_padding_to_nothing(tmp_path, tokenizer_file):

@@ -1,0 +1,43 @@
+"""The checks every layer's arguments share: an integer is an integer (not a bool, not a float), a seed fits a
+torch.Generator, a cache's length fits the model's context. Each error names the argument it refuses."""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+__all__ = ["is_int", "check_int", "SEED_LIMIT", "check_seed", "check_max_len"]
+
+
+def is_int(value) -> bool:
+    """An integer: a Python or numpy int, not a bool (which Python counts as one) and not a float."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_int(value, name: str, low: int = 0) -> None:
+    """An integer >= low, or a ValueError that names it."""
+    if not is_int(value) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """None (a fresh seed) or an integer in 0 .. 2**64 - 1; a bool, a float or a string is refused by name."""
+    if seed is None:
+        return
+    if not is_int(seed):
+        raise ValueError(f"{name} must be an integer (or None), got {seed!r}")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{name} must be in 0 .. 2**64 - 1, got {seed}")
+
+
+def check_max_len(max_len, limit: int, low: int = 2) -> int:
+    """A static cache's slots per sequence: an integer in low .. limit (the model's context), before anything is
+    allocated. None means the model's context."""
+    if max_len is None:
+        return limit
+    if not is_int(max_len) or not low <= max_len <= limit:
+        beyond = f": {max_len} exceeds the model's context" if isinstance(max_len, int) and max_len > limit else ""
+        raise ValueError(f"max_len must be an integer in {low}..{limit} (the model's context), got {max_len!r}{beyond}")
+    return int(max_len)

@@ -1,0 +1,103 @@
+"""What the engines that own a KV cache share (FastDecoder, FastSpeculator, the batchers and their runner): requests
+checked against the positions a sequence may fill, one run at a time (`decoding.ConcurrentUseError` for a second
+caller), the cache grown before the run when a request needs more slots (`decoding.cache_len`, rounded up), and
+each step kind warmed up once before anything is timed; and a batcher's `Rows`: each request's own generator and
+non-finite flag, one draw per row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..core.checks import check_max_len
+from ..core.sampling import sample
+from .compile import warm_up
+from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_len
+from .request import Checked, Request, check_request
+
+__all__ = ["Engine", "Rows"]
+
+
+class Engine:
+    """The base of an engine that owns its cache(s). A subclass calls `_own` in its __init__, and gives
+    `_allocate(max_len)` (a new cache of max_len slots per sequence) when it sizes its cache per request."""
+
+    room = "the model's context"  # what the positions a sequence may fill are, when sized per request
+    fixed_room = "the cache it may fill"  # and when the cache is fixed
+    compiled = False
+
+    def _own(self, model: torch.nn.Module, max_len: int | None, limit: int | None = None, reserve: int = 0,
+             low: int = 2) -> int:
+        """Set up the shared state; returns the cache's first size. max_len: the slots per sequence, fixed (checked
+        in low .. limit), or None: sized for each request. limit: the context (default the model's). reserve:
+        slots a run writes past its last token (a speculative round's k)."""
+        self.model, self.device = model, model.device
+        self.limit = model.config.max_seq_len if limit is None else limit
+        self.reserve, self.sized_per_request = reserve, max_len is None
+        self._lock = threading.Lock()  # one run at a time: the cache is this engine's only one
+        self._warm: set = set()  # the step kinds run (eager too) before any timing
+        self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warm-up)
+        if max_len is None:
+            return cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
+        return check_max_len(max_len, self.limit, low=low)
+
+    def check(self, request: Request, index: int | None = None) -> Checked:
+        """`request.check_request` against this engine's sequences (the context, or the fixed cache's slots)."""
+        if self.sized_per_request:
+            return check_request(request, self.model, self.limit, self.room, index=index)
+        return check_request(request, self.model, self.max_len, self.fixed_room, index=index)
+
+    def slots_needed(self, checked: Sequence[Checked]) -> int:
+        """The slots per sequence the longest of these requests needs (rounded up to CACHE_ROUNDING)."""
+        return max([cache_len(len(c.ids), c.max_new_tokens, self.limit, reserve=self.reserve,
+                              rounding=CACHE_ROUNDING) for c in checked], default=1)
+
+    @contextlib.contextmanager
+    def running(self, *checked: Checked) -> Iterator[None]:
+        """One run at a time (a second caller would write the same cache: refused at once); the cache grown first if
+        these requests need more slots than it has."""
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentUseError(f"this {type(self).__name__} is already running (in another thread): it owns one "
+                                     "KV cache, so give each thread its own, or call llmstep.generate, which may be "
+                                     "shared")
+        try:
+            if self.sized_per_request and checked and (need := self.slots_needed(checked)) > self.max_len:
+                self._allocate(need)
+            yield
+        finally:
+            self._lock.release()
+
+    def warm_once(self, key, *calls: Callable[[], object], steps: int = 3) -> float:
+        """Run the calls of step kind `key` before timing anything, once: compiled, `steps` times (compile, and on
+        CUDA record the graph); eager, once (the first call's one-off costs). Returns the seconds spent
+        compiling: 0 when eager or already warm."""
+        if key in self._warm:
+            return 0.0
+        seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
+        seconds = seconds if self.compiled else 0.0
+        self.compile_seconds += seconds
+        self._warm.add(key)
+        return seconds
+
+
+class Rows:
+    """A batcher's run, per request: its own generator (made at its first draw, never again: a token recomputed
+    after a preemption is not drawn twice) and a non-finite flag on the device, read once at the end."""
+
+    def __init__(self, requests: Sequence[Checked], device: torch.device):
+        self.requests, self.device, self.generators = requests, device, {}
+        self.nonfinite = NonFiniteLogits(device, requests=len(requests))
+
+    def draw(self, logits: torch.Tensor, ids: Sequence[int]) -> list[int]:
+        """logits [B, V], row b of request ids[b] -> one token per row, drawn with its request's own generator: the
+        draw it would get alone (batching changes when a token is made, not which). One wait for the device."""
+        for i in ids:
+            if i not in self.generators:
+                self.generators[i] = self.requests[i].generator(self.device)
+        self.nonfinite.update(logits, torch.tensor(ids, device=self.device))  # on the device: no sync
+        return torch.cat([sample(logits[b:b + 1], *self.requests[i].sampling, self.generators[i])
+                          for b, i in enumerate(ids)]).tolist()
