@@ -50,7 +50,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     explore.py     what the notebooks' explorers compute: pure functions, one per widget
     explorers.py   the notebooks' ipywidgets explorers, each with a static fallback figure
     probe.py       a first GPU check's measuring pieces: versions and clocks, event timing, no-recompile window,
-                   kernels per step and idle share, compiled-vs-eager agreement (scripts/gpu_probe.py)
+                   kernels per step and idle share, compiled-vs-eager agreement (the probe script in scripts/)
     profile.py     one decode step under torch.profiler: the timeline, and its regime (compute, memory, overhead)
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs

@@ -276,12 +276,13 @@ def test_a_request_refused_for_memory_leaves_the_engine_as_it_was(long_context, 
     model, tok = long_context
     fast = FastDecoder(model, compile=False) if engine == "decoder" else \
         FastSpeculator(model, LayerSkipDraft(model, 1), k=2, compile=False)
-    short = fast.generate(PROMPT, 8).tokens
+    short = fast.generate(PROMPT, 8, temperature=0, stop_ids=()).tokens
     long_prompt = (PROMPT * 40)[:250]  # with 8 new tokens: 258 slots, past the first cache's 256
     monkeypatch.setattr(cost, "free_memory_bytes", lambda device: 1)  # the next cache cannot be had
     with pytest.raises(cost.MemoryBudgetError):
-        fast.generate(long_prompt, 8)
+        fast.generate(long_prompt, 8, temperature=0, stop_ids=())
     monkeypatch.undo()
-    assert fast.generate(PROMPT, 8).tokens == short  # the old cache still serves
-    long = fast.generate(long_prompt, 8).tokens  # and, now that memory allows, the longer request grows it
+    assert fast.generate(PROMPT, 8, temperature=0, stop_ids=()).tokens == short  # the old cache still serves
+    # and, now that memory allows, the longer request grows it
+    long = fast.generate(long_prompt, 8, temperature=0, stop_ids=()).tokens
     assert long == llmstep.generate(model, tok, long_prompt, max_new_tokens=8, temperature=0.0, stop_ids=()).tokens
