@@ -5,8 +5,9 @@ Pure Python, no web framework: a request body (parsed JSON) goes in, a `Sampling
 "code"}}`, which the `openai` client raises as `BadRequestError`). The fields are those of OpenAI's
 `/v1/completions` and `/v1/chat/completions`, plus `top_k` (as vLLM accepts it); a field llmstep does not do
 (several choices, logprobs, penalties, ...) is refused by name rather than ignored, so a client never gets an
-answer to a question it did not ask; `ignore_eos` (vLLM's too) lets a benchmark fix every request's length. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a
-completion and the rest of the context for a chat.
+answer to a question it did not ask; `ignore_eos` (vLLM's too) lets a benchmark fix every request's length.
+Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a completion and the rest of the context
+for a chat.
 """
 
 from __future__ import annotations
