@@ -176,10 +176,11 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     return sock
 
 
-def make_server(app: FastAPI, graceful_seconds: float = 2.0):
-    """A uvicorn server for `app` (run it with `.run(sockets=[bind(...)])`). SIGINT/SIGTERM stop it: open
-    streams get graceful_seconds to finish, then are cut; the process then returns normally (exit status 0)
-    rather than dying of the signal again, as uvicorn does by default."""
+def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: float = 2.0):
+    """A uvicorn server for `app` (run it with `.run(sockets=[bind(...)])`). SIGINT/SIGTERM stop it: the engine
+    stops at once (its open streams end with an error event and close), anything still open after
+    graceful_seconds is cut; the process then returns normally (exit status 0) rather than dying of the signal
+    again, as uvicorn does by default."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -195,6 +196,11 @@ def make_server(app: FastAPI, graceful_seconds: float = 2.0):
                 for sig, handler in before.items():
                     signal.signal(sig, handler)
 
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if engine is not None:  # not from the signal handler itself: stopping waits for the current step
+                threading.Thread(target=engine.stop, name="llmstep-engine-stop", daemon=True).start()
+
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds, lifespan="off",
                             access_log=False)
     return Server(config)
@@ -208,7 +214,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
     try:
         sock = bind(host, port)
-        server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len))
+        server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), engine)
         try:
             if ready is not None:
                 ready(host, sock.getsockname()[1])

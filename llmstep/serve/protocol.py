@@ -184,12 +184,11 @@ def _short(value) -> str:
 
 
 class StopText:
-    """Text arriving in pieces, cut before the first stop string: `feed` returns what may leave now (text that
-    could still begin a stop string is held back) and whether a stop string was found; `flush` the rest."""
+    """Text arriving in pieces, cut before the first stop string: `feed` returns what may leave now (the end that
+    could still begin a stop string is held back) and sets `stopped` when one is found; `flush` the rest."""
 
     def __init__(self, stops: list[str]):
         self.stops, self.held, self.stopped = stops, "", False
-        self.hold = max((len(s) for s in stops), default=1) - 1
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -200,8 +199,8 @@ class StopText:
             self.stopped = True
             out, self.held = self.held[:min(cuts)], ""
             return out
-        keep = len(self.held) - self.hold if self.hold else len(self.held)
-        out, self.held = self.held[:max(keep, 0)], self.held[max(keep, 0):]
+        keep = max((n for s in self.stops for n in range(1, len(s)) if self.held.endswith(s[:n])), default=0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
     def flush(self) -> str:
