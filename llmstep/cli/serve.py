@@ -97,9 +97,10 @@ def run_serve(args, argv) -> dict:
     name = args.model or resolve_model_path(None).name
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
 
-    def ready(host: str, port: int) -> None:
+    def ready(host: str, port: int, health: dict) -> None:
         where = f"[{host}]" if ":" in host else host
-        print(f"llmstep serve: {name} on {model.device} at http://{where}:{port}/v1 ({args.slots} slots, paged KV, "
+        print(f"llmstep serve: {name} on {model.device} at http://{where}:{port}/v1 ({args.slots} slots, paged KV "
+              f"{health['kv_blocks_total']} blocks x {health['block_size']} = {health['kv_bytes'] / 1e6:,.0f} MB, "
               f"prefix caching {'on' if args.prefix_caching else 'off'}); Ctrl-C stops it", file=sys.stderr,
               flush=True)
 

@@ -209,15 +209,15 @@ def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: fl
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, n_slots: int = 8,
           block_size: int = 16, kv_blocks: int | None = None, prefix_caching: bool = True,
           prefill_chunk: int | None = 256, max_queue: int = 64, ready=None) -> dict:
-    """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port) is called
-    once the socket listens (port 0 picks a free one)."""
+    """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port, health) is
+    called once the socket listens (port 0 picks a free one), with what /health says."""
     engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
     try:
         sock = bind(host, port)
         server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), engine)
         try:
             if ready is not None:
-                ready(host, sock.getsockname()[1])
+                ready(host, sock.getsockname()[1], engine.health())
             server.run(sockets=[sock])
         finally:
             sock.close()

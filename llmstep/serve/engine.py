@@ -114,7 +114,8 @@ class Engine:
     def health(self) -> dict:
         s, config = self.session, self.session.model.config
         return {"status": "ok" if self.alive else "stopped", "running": s.running, "waiting": s.pending - s.running,
-                "kv_blocks_total": s.n_blocks, "kv_blocks_used": s.blocks.n_used, "slots": s.n_slots,
+                "kv_blocks_total": s.n_blocks, "kv_blocks_used": s.blocks.n_used, "kv_bytes": s.runner.cache.nbytes,
+                "block_size": s.block_size, "prefix_hit_tokens": s.stats["prefix_hit_tokens"], "slots": s.n_slots,
                 "capacity": self.capacity, "device": str(s.device), "dtype": str(s.model.dtype).removeprefix("torch."),
                 "vocab_size": config.vocab_size, "context": config.max_seq_len} | self.stats
 

@@ -94,6 +94,28 @@ def test_streamed_text_equals_the_whole_answer(server, chat):
     assert sum(1 for ch in chunks if ch.choices and (ch.choices[0].text if not chat else True)) >= 2  # in pieces
 
 
+def test_a_seeded_sample_is_generates_sample(server, shipped):
+    url, _ = server
+    model, tokenizer = shipped
+    g = llmstep.generate(model, tokenizer, "ROMEO:", max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=3)
+    r = client(url).completions.create(model="shipped", prompt="ROMEO:", max_tokens=16, temperature=0.9, top_p=0.95,
+                                       seed=3, extra_body={"top_k": 40})
+    assert r.choices[0].text == g.text
+
+
+def test_a_repeated_long_prompt_hits_the_prefix_cache_with_the_same_answer(server, shipped):
+    url, engine = server
+    model, tokenizer = shipped
+    prompt = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:\n"
+    assert len(tokenizer.encode(prompt)) > 2 * 16  # two full blocks of 16 positions at least
+    g = llmstep.generate(model, tokenizer, prompt, max_new_tokens=6, temperature=0)
+    hits = engine.session.stats["prefix_hit_tokens"]
+    answers = [client(url).completions.create(model="shipped", prompt=prompt, max_tokens=6, temperature=0)
+               for _ in range(2)]
+    assert [a.choices[0].text for a in answers] == [g.text, g.text]
+    assert engine.session.stats["prefix_hit_tokens"] - hits >= 2 * 16  # the second reused the first's blocks
+
+
 def test_chat_uses_the_checkpoints_template(server, shipped):
     url, _ = server
     model, tokenizer = shipped
