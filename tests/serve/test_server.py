@@ -106,7 +106,8 @@ def test_a_seeded_sample_is_generates_sample(server, shipped):
 def test_a_repeated_long_prompt_hits_the_prefix_cache_with_the_same_answer(server, shipped):
     url, engine = server
     model, tokenizer = shipped
-    prompt = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:\n"
+    prompt = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+              "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n")
     assert len(tokenizer.encode(prompt)) > 2 * 16  # two full blocks of 16 positions at least
     g = llmstep.generate(model, tokenizer, prompt, max_new_tokens=6, temperature=0)
     hits = engine.session.stats["prefix_hit_tokens"]
@@ -136,6 +137,21 @@ def test_a_stop_string_cuts_the_text_streamed_or_not(server, expected):
                                        stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_held_back_for_a_stop_string_that_never_comes_leaves_at_the_end(server, expected, stream):
+    url, _ = server
+    g = expected["ROMEO:"]
+    never = g.text[-1] + "\u2603"  # begins as the answer ends: its last character waits for the snowman
+    r = client(url).completions.create(model="shipped", prompt="ROMEO:", max_tokens=NEW, temperature=0, stop=never,
+                                       stream=stream)
+    if stream:
+        chunks = list(r)
+        text, reason = "".join(ch.choices[0].text for ch in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = r.choices[0].text, r.choices[0].finish_reason
+    assert (text, reason) == (g.text, "length")
 
 
 def test_an_end_of_sequence_token_ends_the_answer_with_stop_as_in_generate(shipped, expected):
