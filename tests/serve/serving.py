@@ -1,5 +1,7 @@
 """Helpers for the serve tests: a real `llmstep serve` on loopback (uvicorn in a thread on a free port, always torn
-down), the openai client for it, and bounded waits."""
+down), the openai client for it, bounded waits, and the fixtures (imported by the test modules: a conftest.py here
+would be the `conftest` that other test directories import by name): each module makes them
+with `pytest.fixture(scope="module", name=...)(load_shipped)`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,11 @@ import contextlib
 import threading
 import time
 
-import openai
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
 
 TIMEOUT = 120.0  # seconds any one call may take on a loaded 2-core machine: a bound, never a measurement
 
@@ -46,3 +52,17 @@ def wait_for(condition, what: str, timeout: float = TIMEOUT, every: float = 0.05
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every)
+
+
+def load_shipped():
+    """The fixture `shipped`: (model, tokenizer) of the shipped model."""
+    import llmstep
+
+    return llmstep.load()
+
+
+def shared_server(shipped):
+    """The fixture `server`: (url, engine) of one server over the shipped model for a module's tests."""
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=16, prefill_chunk=64) as (url, engine):
+        yield url, engine

@@ -7,9 +7,11 @@ import asyncio
 import math
 
 import pytest
-from serving import running_server
+from serving import load_shipped, running_server
 
 from llmstep.serve.loadgen import percentiles, run_load, summarise
+
+shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
 
 
 def test_percentiles_interpolate_between_ranks_as_numpy():

@@ -8,11 +8,13 @@ import time
 
 import httpx
 import pytest
-from serving import TIMEOUT, client, running_server, wait_for
+from serving import TIMEOUT, client, load_shipped, running_server, shared_server, wait_for
 
 import llmstep
 
 openai = pytest.importorskip("openai")
+shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
+server = pytest.fixture(scope="module", name="server")(shared_server)
 
 PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "To be, or not to be", "KING HENRY:", "First Citizen:\nBefore we",
            "MACBETH: Is this a dagger", "HAMLET:", "O, what a rogue", "Now is the winter", "Friends, Romans",
