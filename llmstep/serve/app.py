@@ -11,7 +11,8 @@ Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/complet
 template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data: {json}` events, then `data: [DONE]`)
 or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens skipped), as `llmstep.generate` does,
 and cut before a `stop` string (the engine then drops the request). The model's end-of-sequence tokens end a
-request with finish_reason "stop"; its max_tokens, or the end of the context, with "length".
+request with finish_reason "stop"; its max_tokens, or the end of the context, with "length". A client that goes
+away, mid-stream or while waiting for a whole answer, has its request dropped at the next token.
 """
 
 from __future__ import annotations
@@ -107,16 +108,21 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
     def sse(body: dict | str) -> str:
         return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
-    async def answer(ids: list[int], sampling: Sampling, chat: bool):
+    async def answer(http: Request, ids: list[int], sampling: Sampling, chat: bool):
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         ticket = generate(ids, sampling)
         if not sampling.stream:
             text, reason, n = "", "length", 0
+            made_so_far = pieces(ticket, sampling)
             try:
-                async for piece, finish, made in pieces(ticket, sampling):
+                async for piece, finish, made in made_so_far:
                     text, reason, n = text + piece, finish, made
+                    if finish is None and await http.is_disconnected():  # nobody waits for the answer: drop it
+                        break
             except EngineStopped as e:
                 raise RequestError(str(e), None, "engine_stopped", status=503, type="server_error") from None
+            finally:
+                await made_so_far.aclose()  # cancels the request in the engine if it has not finished
             use = protocol.usage(len(ids), n)
             return (protocol.chat_body if chat else protocol.completion_body)(rid, model_name, text, reason, use)
 
@@ -146,7 +152,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
     async def completions(request: Request):
         body = await read_body(request)
         ids, sampling = protocol.parse_completion(body, tokenizer.encode, tokenizer.vocab_size)
-        return await answer(ids, sampling, chat=False)
+        return await answer(request, ids, sampling, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -156,7 +162,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
             ids = tokenizer.encode_chat(messages)
         except ValueError as e:
             raise RequestError(f"messages: {e}", "messages", "invalid_value") from None
-        return await answer(ids, sampling, chat=True)
+        return await answer(request, ids, sampling, chat=True)
 
     return app
 

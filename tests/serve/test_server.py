@@ -264,3 +264,14 @@ def test_a_client_gone_mid_stream_frees_its_blocks_and_the_others_go_on(shipped,
         health = engine.health()
         assert health["cancelled"] == 1 and health["kv_blocks_used"] == 0
         assert health["tokens"] < 400  # it left long before its 400 tokens
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_slot(shipped):
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=2) as (url, engine):
+        body = {"model": "shipped", "prompt": "ROMEO:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):  # gives up after 2 s: the connection closes
+            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=2.0))
+        wait_for(lambda: engine.health()["running"] == 0, "the abandoned request to leave")
+        health = engine.health()
+        assert health["cancelled"] == 1 and health["kv_blocks_used"] == 0 and health["tokens"] < 400
