@@ -23,6 +23,7 @@ import json
 import signal
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -34,7 +35,7 @@ from . import protocol
 from .engine import Busy, Engine, EngineStopped
 from .protocol import RequestError, Sampling
 
-__all__ = ["create_app", "make_server", "bind", "serve"]
+__all__ = ["create_app", "make_server", "bind", "serve", "background"]
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: int) -> FastAPI:
@@ -232,3 +233,28 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     if engine.error is not None:
         raise engine.error
     return engine.health()
+
+
+@contextlib.contextmanager
+def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0.0.1", port: int = 0,
+               start_seconds: float = 120.0, **options):
+    """A server in a thread of this process (a notebook's, a test's), on a free port by default: yields
+    (base_url, engine); stopped, its thread joined and its port closed on the way out. options: Engine's."""
+    engine = Engine(model, **options).start()
+    sock = bind(host, port)
+    server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), graceful_seconds=1.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_seconds
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start within {start_seconds:g} s")
+            time.sleep(0.02)
+        where = f"[{host}]" if ":" in host else host
+        yield f"http://{where}:{sock.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(start_seconds)
+        sock.close()
+        engine.stop()

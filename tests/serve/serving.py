@@ -20,27 +20,14 @@ TIMEOUT = 120.0  # seconds any one call may take on a loaded 2-core machine: a b
 
 @contextlib.contextmanager
 def running_server(model, tokenizer, name: str = "shipped", **options):
-    """(base_url, engine) of a server with PagedSession options; stopped, its thread joined, on the way out."""
-    from llmstep.serve.app import bind, create_app, make_server
-    from llmstep.serve.engine import Engine
+    """(base_url, engine) of llmstep.serve.app.background with Engine options; its thread must be gone after."""
+    from llmstep.serve.app import background
 
-    engine = Engine(model, **options).start()
-    sock = bind("127.0.0.1", 0)
-    server = make_server(create_app(engine, tokenizer, name, model.config.max_seq_len), graceful_seconds=1.0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
-        engine.stop()
-        assert not thread.is_alive(), "the server thread did not stop"
+    before = {t for t in threading.enumerate() if t.name == "llmstep-serve"}
+    with background(model, tokenizer, name, start_seconds=TIMEOUT, **options) as (url, engine):
+        yield url, engine
+    assert {t for t in threading.enumerate() if t.name == "llmstep-serve"} <= before, "the server thread is left"
+    assert not engine.alive
 
 
 def client(url: str):
