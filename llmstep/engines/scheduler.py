@@ -402,3 +402,20 @@ class BlockScheduler(Scheduler):
                 record.extend(itertools.repeat(value, idle))
             self.step += idle
         super().begin_step()
+
+    # ---- requests that arrive while it runs (batching.PagedSession, for `llmstep serve`) ---------------
+
+    def submit(self, job: Job) -> None:
+        """A job that arrives now, between engine steps: it joins the queue at the next `begin_step`."""
+        job.completion.arrival = self.step
+        self.arrivals.append(job)
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job wherever it is (arrived, queued or running): its blocks go back to the pool at once;
+        its stop_reason is "interrupted". A job already finished is left as it is."""
+        if job.completion.stop_reason:
+            return
+        for waiting in (self.arrivals, self.queue):
+            if job in waiting:
+                waiting.remove(job)
+        self._finish(job, "interrupted")

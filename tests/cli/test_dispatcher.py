@@ -13,7 +13,8 @@ import pytest
 from llmstep import cli
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = ["generate", "info", "trace", "bench", "speculative", "batch", "train", "eval", "data", "export"]
+COMMANDS = ["generate", "info", "trace", "bench", "speculative", "batch", "train", "eval", "data", "export", "serve",
+            "bench-serve"]
 
 
 def test_every_subcommand_is_dispatched(capsys):

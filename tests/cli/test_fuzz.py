@@ -59,7 +59,8 @@ def bases(tmp_path):
                                   "--out", str(tmp_path / "corpus")],
             ("data", "tokenizer"): ["data", "tokenizer", "--out", str(tmp_path / "tok.json")],
             ("data", "checksums"): ["data", "checksums", str(tmp_path)], ("pull",): ["pull"],
-            ("models",): ["models"]}
+            ("models",): ["models"], ("serve",): ["serve", "--port", "0"],
+            ("bench-serve",): ["bench-serve", "--url", "http://127.0.0.1:9"]}
 
 
 def subparsers(parser: argparse.ArgumentParser, path=()):

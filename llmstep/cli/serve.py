@@ -1,0 +1,136 @@
+"""`llmstep serve` (an OpenAI-compatible server, llmstep.serve) and `llmstep bench-serve` (its load generator)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from .args import nonneg_int, parse_range, positive_int, seed
+
+SERVE_HELP = """\
+Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
+lets anyone who can reach this machine's port use the model: there is no authentication, no TLS and no rate
+limit per client, so do that only on a network you trust, or behind a proxy that adds them.
+
+Talk to it with any OpenAI client, e.g.
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+  client.completions.create(model=client.models.list().data[0].id, prompt="ROMEO:", max_tokens=32)
+SIGINT (Ctrl-C) or SIGTERM stops it: open streams get 2 seconds, then the engine stops."""
+
+
+def rates(text: str) -> list[float]:
+    """Comma-separated requests per second, each > 0 ('inf': all at once)."""
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates per second like 1,2,4 or inf, got {text!r}") from None
+    if not out or any(not (r > 0) for r in out):
+        raise argparse.ArgumentTypeError(f"every rate must be > 0 (inf: all at once), got {text!r}")
+    return out
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over continuous batching (paged KV cache)",
+                       description="Serve a model over HTTP with the OpenAI API (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health), streamed or not, with continuous "
+                                   "batching over the paged KV cache, prefix caching and chunked prefill.",
+                       epilog=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="any name or path llmstep.load takes (default: the shipped model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; see below)")
+    p.add_argument("--port", type=nonneg_int, default=8000, help="TCP port (0: any free one, printed)")
+    p.add_argument("--slots", type=positive_int, default=8, help="most requests decoding at once")
+    p.add_argument("--max-queue", type=nonneg_int, default=64,
+                   help="most requests waiting for a slot; beyond that a request gets HTTP 429 at once")
+    p.add_argument("--kv", choices=["paged"], default="paged",
+                   help="the KV cache layout: blocks (the server admits requests as they come; no contiguous)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="positions per KV block")
+    p.add_argument("--kv-blocks", type=positive_int, default=None,
+                   help="blocks in the pool (default: --slots sequences as long as the model's context)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share and keep full blocks of a common prefix")
+    p.add_argument("--prefill-chunk", type=positive_int, default=256,
+                   help="most prompt tokens per engine step (chunked prefill), so a long prompt does not stall "
+                        "the others' tokens")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(run=run_serve)
+
+    b = sub.add_parser("bench-serve", help="load a running `llmstep serve` at Poisson rates: throughput, TTFT, ITL",
+                       description=_loadgen_doc())
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    b.add_argument("--rate", type=rates, default=[1.0, 2.0, 4.0], help="requests per second, e.g. 1,2,4 (inf: all "
+                   "at once)")
+    b.add_argument("--requests", type=positive_int, default=32, help="requests per rate")
+    b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
+    b.add_argument("--new-tokens", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
+    b.add_argument("--seed", type=seed, default=0)
+    b.add_argument("--json", default=None, help="write the whole record here")
+    b.set_defaults(run=run_bench_serve)
+
+
+def _loadgen_doc() -> str:
+    return ("Send requests at a Poisson rate to a running llmstep serve (streamed completions) and report "
+            "throughput, time to first token and inter-token latency (p50/p90/p99), as vLLM's serving benchmark.")
+
+
+def _serve_module():
+    try:
+        from ..serve import app
+    except ImportError as e:
+        raise ValueError(f"llmstep serve needs the serve extra ({e.name} is missing): pip install -e '.[serve]'") \
+            from None
+    return app
+
+
+def run_serve(args, argv) -> dict:
+    import torch
+
+    from ..core.checkpoint import load
+    from ..core.registry import resolve_model_path
+
+    app = _serve_module()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    name = args.model or resolve_model_path(None).name
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+
+    def ready(host: str, port: int, health: dict) -> None:
+        where = f"[{host}]" if ":" in host else host
+        print(f"llmstep serve: {name} on {model.device} at http://{where}:{port}/v1 ({args.slots} slots, paged KV "
+              f"{health['kv_blocks_total']} blocks x {health['block_size']} = {health['kv_bytes'] / 1e6:,.0f} MB, "
+              f"prefix caching {'on' if args.prefix_caching else 'off'}); Ctrl-C stops it", file=sys.stderr,
+              flush=True)
+
+    stats = app.serve(model, tokenizer, name, args.host, args.port, args.slots, args.block_size, args.kv_blocks,
+                      args.prefix_caching, args.prefill_chunk, args.max_queue, ready=ready)
+    print(f"llmstep serve: stopped after {stats['requests']} requests, {stats['tokens']} tokens", file=sys.stderr)
+    return stats
+
+
+def run_bench_serve(args, argv) -> dict:
+    from ..core.files import atomic_write_json, check_output_path
+    from ..lab import runinfo
+
+    try:
+        import httpx
+
+        from ..serve import loadgen
+    except ImportError as e:
+        raise ValueError(f"llmstep bench-serve needs httpx ({e.name} is missing): pip install -e '.[serve]'") from None
+    if args.json:
+        check_output_path(args.json, "--json")
+    load_before = runinfo.load_average()
+    try:
+        result = loadgen.bench(args.url, args.rate, args.requests, args.prompt_len, args.new_tokens, args.seed,
+                               log=lambda m: print(m, flush=True))
+    except httpx.ConnectError as e:  # nobody listening at --url
+        raise ValueError(f"no server at {args.url}: {e} (start one with llmstep serve)") from None
+    record = runinfo.header("cpu", None, argv, load_before) | result
+    record["runs"] = [r | {"rate_per_second": r["rate_per_second"] if math.isfinite(r["rate_per_second"])
+                           else "inf"} for r in record["runs"]]
+    if args.json:
+        atomic_write_json(args.json, record, default=str)
+    return record

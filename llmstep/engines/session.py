@@ -1,0 +1,138 @@
+"""Continuous batching over the paged KV cache one engine step at a time, for requests that arrive while it runs.
+
+`PagedBatcher.run` (batching.py) serves a workload known in advance: every request and the step it arrives at.
+A server does not know what comes next: `PagedSession` is the same engine step (the block scheduler's
+`schedule`, the paged runner's one flattened forward, one draw per request with its own generator) driven from
+outside, one step per call, with requests submitted and cancelled between steps (`BlockScheduler.submit` and
+`cancel`). A request gets the tokens `PagedBatcher.run` and `llmstep.generate` give it (same seed, same stop
+ids), whenever it arrives. One thread drives a session: `llmstep serve`'s engine thread (llmstep.serve.engine).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ..core.model import Llama
+from ..core.paged_kv import BlockManager, blocks_for
+from ..core.sampling import sample
+from .batching import PagedRunner, Request, check_request
+from .decoding import budget, check_finite, check_int, make_generator
+from .scheduler import BlockScheduler, Completion, Job
+
+__all__ = ["PagedSession", "TokenOut"]
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """What one engine step made for one request: its new token, and why it ended (None: more to come)."""
+
+    id: int
+    token: int
+    finish_reason: str | None  # "stop", "length", "context"
+
+
+class PagedSession:
+    """`PagedBatcher.run`'s loop one engine step at a time, for requests that arrive while it runs (a server).
+
+    `submit` a request at any time between steps (it joins the batch at the next step), `step` once, read the
+    tokens it made, `cancel` a request to free its blocks at once. n_slots, block_size, prefix_caching and
+    prefill_chunk: as PagedBatcher's. n_blocks: the pool, fixed for the session (None: n_slots sequences as
+    long as the model's context). A request's `arrival` is ignored: it arrives when submitted. The
+    per-step record a BatchRun keeps (timeline, block tables) is dropped after each step, so a session can run
+    for as long as a server does; `stats` keeps the cache's counters.
+    """
+
+    def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, n_blocks: int | None = None,
+                 prefix_caching: bool = True, prefill_chunk: int | None = None):
+        check_int(n_slots, "n_slots", low=1)
+        check_int(block_size, "block_size", low=1)
+        if n_blocks is None:
+            n_blocks = n_slots * blocks_for(model.config.max_seq_len, block_size)
+        check_int(n_blocks, "n_blocks", low=1)
+        if prefill_chunk is not None:
+            check_int(prefill_chunk, "prefill_chunk", low=1)
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        self.model, self.device, self.n_slots, self.block_size = model, model.device, n_slots, block_size
+        self.n_blocks, self.closed = n_blocks, False
+        self.runner = PagedRunner(model, n_blocks, block_size)
+        self.blocks = BlockManager(n_blocks, block_size, prefix_caching)
+        self.scheduler = BlockScheduler([], n_slots, self.blocks, prefill_chunk)
+        self.stats = self.scheduler.stats
+        self._jobs: dict[int, tuple[Job, Request, torch.Generator]] = {}  # unfinished: id -> job, request, generator
+        self._ids = itertools.count()
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished (waiting or running)."""
+        return len(self._jobs)
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.slots)
+
+    def submit(self, request: Request) -> int:
+        """Check a request (a ValueError names what is wrong) and queue it; returns its id."""
+        context = self.model.config.max_seq_len
+        ids, stops = check_request(0, request, self.model.config.vocab_size, context)
+        plan = budget(len(ids), request.max_new_tokens, context)
+        need = blocks_for(len(ids) + plan.tokens - 1, self.block_size) if plan.tokens else 0
+        if need > self.n_blocks:  # the last token made is never written
+            raise ValueError(f"its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need {need} blocks of "
+                             f"{self.block_size} positions, the whole pool has {self.n_blocks}")
+        i = next(self._ids)
+        job = Job(Completion(id=i, prompt_ids=ids), plan, stops)
+        self._jobs[i] = (job, request, make_generator(self.device, request.seed))
+        self.scheduler.submit(job)
+        return i
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request (waiting or running): its blocks go back now. Unknown or finished ids are ignored."""
+        entry = self._jobs.pop(request_id, None)
+        if entry is not None:
+            self.scheduler.cancel(entry[0])
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenOut]:
+        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one.
+        Raises NonFiniteLogitsError if a request's logits held NaN or Inf (the model is broken for everyone)."""
+        if self.closed:
+            raise RuntimeError("this PagedSession is closed")
+        scheduler, out = self.scheduler, []
+        if scheduler.done:
+            return out
+        scheduler.begin_step()
+        work = scheduler.schedule()
+        if work:
+            logits = self.runner.forward(work)  # [K, vocab]
+            for s in work:
+                scheduler.computed_chunk(s)
+            sampled = [s.job for s in work if s.samples]
+            if sampled:
+                check_finite(logits, scheduler.step, "the model")
+                drawn = torch.cat([sample(logits[k:k + 1], r.temperature, r.top_k, r.top_p, g)
+                                   for k, (_, r, g) in enumerate(self._jobs[j.id] for j in sampled)])  # [K]
+                for job, token_id in zip(sampled, drawn.tolist(), strict=True):  # one wait for the device
+                    scheduler.take(job, token_id)
+                    reason = job.completion.stop_reason or None
+                    if reason:
+                        del self._jobs[job.id]
+                    out.append(TokenOut(job.id, token_id, reason))
+        for job in [j for j, _, _ in self._jobs.values() if j.completion.stop_reason]:  # wanted 0 tokens
+            del self._jobs[job.id]
+            out.append(TokenOut(job.id, -1, job.completion.stop_reason))
+        scheduler.end_step()
+        run = scheduler.run  # a server's session has no end: keep no per-step record
+        for record in (run.timeline, run.block_tables, run.step_tokens, run.queued, run.step_seconds, run.prefills):
+            record.clear()
+        return out
+
+    def close(self) -> None:
+        """Cancel what is left; the session takes no more steps."""
+        if not self.closed:
+            for i in list(self._jobs):
+                self.cancel(i)
+            self.closed = True

@@ -1,0 +1,260 @@
+"""`llmstep serve`'s HTTP side: the OpenAI routes, server-sent events, errors; and the uvicorn server around them.
+
+Why FastAPI on uvicorn: it is the stack vLLM's and SGLang's OpenAI servers run on, so a learner who reads this
+file can read theirs. uvicorn is an asyncio ASGI server that handles SIGINT/SIGTERM with a graceful shutdown;
+Starlette (under FastAPI) streams a response from an async generator and cancels it when the client goes,
+which is how a disconnect reaches the engine; FastAPI adds the routing and the error handlers. The checking of
+request bodies is ours (llmstep.serve.protocol), not FastAPI's pydantic models, so that every refusal is HTTP
+400 with OpenAI's error body naming the field (FastAPI's own would be a 422 in its own shape).
+
+Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat
+template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data: {json}` events, then `data: [DONE]`)
+or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens skipped), as `llmstep.generate` does,
+and cut before a `stop` string (the engine then drops the request). The model's end-of-sequence tokens end a
+request with finish_reason "stop"; its max_tokens, or the end of the context, with "length". A client that goes
+away, mid-stream or while waiting for a whole answer, has its request dropped at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..core.tokens import Tokenizer
+from ..engines.batching import Request as EngineRequest
+from . import protocol
+from .engine import Busy, Engine, EngineStopped
+from .protocol import RequestError, Sampling
+
+__all__ = ["create_app", "make_server", "bind", "serve", "background"]
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: int) -> FastAPI:
+    """The app over a started engine. model_name: what /v1/models lists and requests may name."""
+    app = FastAPI(title="llmstep serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestError)
+    async def bad_request(_, e: RequestError):
+        return JSONResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+    @app.get("/health")
+    async def health():
+        body = engine.health()
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "llmstep",
+                                            "max_model_len": context}]}
+
+    async def read_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object", None, "invalid_body")
+        if body.get("model") not in (None, model_name):
+            raise RequestError(f"the model {body['model']!r} does not exist: this server serves {model_name!r}",
+                               "model", "model_not_found", status=404)
+        return body
+
+    def generate(ids: list[int], sampling: Sampling) -> tuple[asyncio.Queue, object]:
+        max_new = protocol.check_length(len(ids), sampling, context)
+        request = EngineRequest(ids, max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
+                                top_p=sampling.top_p, seed=sampling.seed,
+                                stop_ids=() if sampling.ignore_eos else tokenizer.eos_ids)
+        try:
+            return engine.submit(request, asyncio.get_running_loop())
+        except Busy as e:
+            raise RequestError(str(e), None, "queue_full", status=429, type="rate_limit_error") from None
+        except EngineStopped as e:
+            raise RequestError(str(e), None, "engine_stopped", status=503, type="server_error") from None
+
+    async def pieces(ticket, sampling: Sampling) -> AsyncIterator[tuple[str, str | None, int]]:
+        """(text, finish_reason, tokens so far) as tokens arrive; the request is cancelled if this stops early."""
+        detok, stop_text = tokenizer.stream(skip_special_tokens=True), protocol.StopText(sampling.stop)
+        n, reason = 0, None
+        try:
+            while reason is None:
+                item = await ticket.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                token, reason = item
+                if token is not None and token >= 0:
+                    n += 1
+                    text = "" if reason == "stop" else detok.step(token)  # a stop token's text is not shown
+                    text = stop_text.feed(text + (detok.flush() if reason else ""))
+                    if stop_text.stopped:
+                        reason = "stop"
+                        engine.cancel(ticket)  # it may still be running: free its slot and blocks now
+                    elif reason:
+                        text += stop_text.flush()
+                    yield text, (None if reason is None else "length" if reason == "context" else reason), n
+                if reason == "interrupted":
+                    raise EngineStopped("the request was dropped")
+        finally:
+            if reason is None:  # the client went away (or the server stops): the engine drops it
+                engine.cancel(ticket)
+
+    def sse(body: dict | str) -> str:
+        return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+    async def answer(http: Request, ids: list[int], sampling: Sampling, chat: bool):
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        ticket = generate(ids, sampling)
+        if not sampling.stream:
+            text, reason, n = "", "length", 0
+            made_so_far = pieces(ticket, sampling)
+            try:
+                async for piece, finish, made in made_so_far:
+                    text, reason, n = text + piece, finish, made
+                    if finish is None and await http.is_disconnected():  # nobody waits for the answer: drop it
+                        break
+            except EngineStopped as e:
+                raise RequestError(str(e), None, "engine_stopped", status=503, type="server_error") from None
+            finally:
+                await made_so_far.aclose()  # cancels the request in the engine if it has not finished
+            use = protocol.usage(len(ids), n)
+            return (protocol.chat_body if chat else protocol.completion_body)(rid, model_name, text, reason, use)
+
+        async def events() -> AsyncIterator[str]:
+            n = 0
+            if chat:
+                yield sse(protocol.chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None))
+            try:
+                async for piece, reason, made in pieces(ticket, sampling):
+                    n = made
+                    if chat:
+                        yield sse(protocol.chat_chunk(rid, model_name, {"content": piece} if piece else {}, reason))
+                    else:
+                        yield sse(protocol.completion_chunk(rid, model_name, piece, reason))
+            except EngineStopped as e:
+                yield sse(protocol.error_body(str(e), "server_error", None, "engine_stopped"))
+                return
+            if sampling.include_usage:
+                use = protocol.usage(len(ids), n)
+                yield sse((protocol.chat_chunk if chat else protocol.completion_chunk)(rid, model_name, "", None, use))
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_body(request)
+        ids, sampling = protocol.parse_completion(body, tokenizer.encode, tokenizer.vocab_size)
+        return await answer(request, ids, sampling, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request)
+        messages, sampling = protocol.parse_chat(body)
+        try:
+            ids = tokenizer.encode_chat(messages)
+        except ValueError as e:
+            raise RequestError(f"messages: {e}", "messages", "invalid_value") from None
+        return await answer(request, ids, sampling, chat=True)
+
+    return app
+
+
+def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
+    """A listening TCP socket (port 0: any free port; read it back with sock.getsockname()[1])."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: float = 2.0):
+    """A uvicorn server for `app` (run it with `.run(sockets=[bind(...)])`). SIGINT/SIGTERM stop it: the engine
+    stops at once (its open streams end with an error event and close), anything still open after
+    graceful_seconds is cut; the process then returns normally (exit status 0) rather than dying of the signal
+    again, as uvicorn does by default."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+                yield
+                return
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if engine is not None:  # not from the signal handler itself: stopping waits for the current step
+                threading.Thread(target=engine.stop, name="llmstep-engine-stop", daemon=True).start()
+
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds, lifespan="off",
+                            access_log=False)
+    return Server(config)
+
+
+def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, n_slots: int = 8,
+          block_size: int = 16, kv_blocks: int | None = None, prefix_caching: bool = True,
+          prefill_chunk: int | None = 256, max_queue: int = 64, ready=None) -> dict:
+    """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port, health) is
+    called once the socket listens (port 0 picks a free one), with what /health says."""
+    engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
+    try:
+        sock = bind(host, port)
+        server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), engine)
+        try:
+            if ready is not None:
+                ready(host, sock.getsockname()[1], engine.health())
+            server.run(sockets=[sock])
+        finally:
+            sock.close()
+    finally:
+        engine.stop()
+    if engine.error is not None:
+        raise engine.error
+    return engine.health()
+
+
+@contextlib.contextmanager
+def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0.0.1", port: int = 0,
+               start_seconds: float = 120.0, **options):
+    """A server in a thread of this process (a notebook's, a test's), on a free port by default: yields
+    (base_url, engine); stopped, its thread joined and its port closed on the way out. options: Engine's."""
+    engine = Engine(model, **options).start()
+    sock = bind(host, port)
+    server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), graceful_seconds=1.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_seconds
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start within {start_seconds:g} s")
+            time.sleep(0.02)
+        where = f"[{host}]" if ":" in host else host
+        yield f"http://{where}:{sock.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(start_seconds)
+        sock.close()
+        engine.stop()

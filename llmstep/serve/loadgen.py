@@ -1,0 +1,143 @@
+"""The load generator: requests arriving at random against a running server, as vLLM's serving benchmark sends them.
+
+Arrivals are a Poisson process at `rate` requests per second (the gaps between them exponential, seeded), so
+requests bunch up and spread out as real users do; rate inf sends them all at once. Each request is a streamed
+/v1/completions of random token ids (prompt length and max_tokens drawn from their ranges, `ignore_eos` so that
+each makes exactly max_tokens), greedy. For every request the client clock records when it was sent, when each
+token's event arrived and when it ended:
+
+- TTFT, time to first token: sent -> first token (queueing + prefill, what a user waits before anything shows);
+- ITL, inter-token latency: the gaps between consecutive tokens of a request (what a user sees as the pace);
+- end-to-end latency; and for the run, output tokens per second and requests per second.
+
+Latencies are summarised as p50/p90/p99 over all requests (ITL over all gaps). A 429 (the server's queue is
+full) counts as refused, not as a latency. The record starts with llmstep.lab.runinfo's header (this client's
+machine and command) and names the server's model, device and options from its /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["RequestTiming", "percentiles", "run_load", "summarise", "bench"]
+
+
+@dataclass
+class RequestTiming:
+    prompt_tokens: int
+    max_tokens: int
+    sent: float = math.nan  # client clock, seconds
+    token_times: list[float] = field(default_factory=list)
+    ended: float = math.nan
+    status: int = 0  # HTTP status; 0: no answer (a connection error)
+    completion_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+def percentiles(values: list[float], ps=(50, 90, 99)) -> dict:
+    """p50/p90/p99 (linear between the closest ranks, numpy's default); nan for no values."""
+    xs = sorted(values)
+    out = {}
+    for p in ps:
+        if not xs:
+            out[f"p{p}"] = math.nan
+            continue
+        k = (len(xs) - 1) * p / 100
+        lo, hi = math.floor(k), math.ceil(k)
+        out[f"p{p}"] = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return out
+
+
+async def _one(client, url: str, model: str, ids: list[int], t: RequestTiming) -> None:
+    body = {"model": model, "prompt": ids, "max_tokens": t.max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            t.status = response.status_code
+            if response.status_code != 200:
+                t.error = (await response.aread()).decode(errors="replace")[:200]
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    t.error = event["error"]["message"]
+                elif event.get("choices"):
+                    t.token_times.append(time.perf_counter())
+                elif event.get("usage"):
+                    t.completion_tokens = event["usage"]["completion_tokens"]
+    except Exception as e:  # a connection refused or cut: recorded, the run goes on
+        t.error = f"{type(e).__name__}: {e}"
+    finally:
+        t.ended = time.perf_counter()
+
+
+async def run_load(url: str, rate: float, requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
+                   seed: int = 0, timeout: float = 600.0) -> tuple[list[RequestTiming], float]:
+    """Send `requests` requests at a Poisson `rate` per second; returns their timings and the run's seconds."""
+    import httpx
+
+    url = url.rstrip("/")
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+        health = (await client.get(f"{url}/health")).json()
+        model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        timings, prompts = [], []
+        for _ in range(requests):
+            n = rng.randint(*prompt_len)
+            prompts.append([rng.randrange(health["vocab_size"]) for _ in range(n)])
+            timings.append(RequestTiming(n, rng.randint(*new_tokens)))
+        gaps = [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(requests)]
+        start, tasks = time.perf_counter(), []
+        for ids, t, gap in zip(prompts, timings, gaps, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(_one(client, url, model, ids, t)))
+        await asyncio.gather(*tasks)
+    return timings, time.perf_counter() - start
+
+
+def summarise(timings: list[RequestTiming], seconds: float, rate: float) -> dict:
+    ok = [t for t in timings if t.ok and t.token_times]
+    ttft = [t.token_times[0] - t.sent for t in ok]
+    itl = [b - a for t in ok for a, b in zip(t.token_times[:-1], t.token_times[1:], strict=True)]
+    e2e = [t.ended - t.sent for t in ok]
+    tokens = sum(len(t.token_times) for t in ok)
+    ms = lambda xs: {k: v * 1e3 for k, v in percentiles(xs).items()}  # noqa: E731
+    return {"rate_per_second": rate, "requests": len(timings), "completed": len(ok),
+            "refused_429": sum(t.status == 429 for t in timings),
+            "failed": sum(not t.ok and t.status != 429 for t in timings), "seconds": seconds,
+            "output_tokens": tokens, "output_tokens_per_second": tokens / seconds if seconds else math.nan,
+            "requests_per_second": len(ok) / seconds if seconds else math.nan,
+            "ttft_ms": ms(ttft), "itl_ms": ms(itl), "e2e_latency_ms": ms(e2e),
+            "errors": sorted({t.error for t in timings if t.error})[:5]}
+
+
+def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
+          seed: int = 0, log=print) -> dict:
+    """One run per rate against the server at url; returns {"server": its /health, "runs": [summary, ...]}."""
+    import httpx
+
+    server = httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()
+    runs = []
+    for rate in rates:
+        timings, seconds = asyncio.run(run_load(url, rate, requests, prompt_len, new_tokens, seed))
+        runs.append(summarise(timings, seconds, rate))
+        r = runs[-1]
+        log(f"rate {rate:g}/s: {r['completed']}/{r['requests']} done ({r['refused_429']} refused) in "
+            f"{seconds:.1f} s, {r['output_tokens_per_second']:.1f} tok/s | TTFT p50 {r['ttft_ms']['p50']:.0f} "
+            f"p90 {r['ttft_ms']['p90']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms | ITL p50 {r['itl_ms']['p50']:.0f} "
+            f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms")
+    return {"server": server | {"url": url}, "workload": {"requests": requests, "prompt_len": list(prompt_len),
+                                                         "new_tokens": list(new_tokens), "seed": seed},
+            "runs": runs}

@@ -1,0 +1,33 @@
+"""The load generator against a real server: every request answered with exactly its max_tokens (ignore_eos), a
+time to first token and max_tokens - 1 inter-token gaps each; and its percentiles."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from serving import load_shipped, running_server
+
+from llmstep.serve.loadgen import percentiles, run_load, summarise
+
+shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
+
+
+def test_percentiles_interpolate_between_ranks_as_numpy():
+    assert percentiles([1.0, 2.0, 3.0, 4.0]) == {"p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+    assert all(math.isnan(v) for v in percentiles([]).values())
+
+
+def test_a_poisson_load_is_answered_and_timed(shipped):
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=4) as (url, engine):
+        timings, seconds = asyncio.run(run_load(url, rate=50.0, requests=6, prompt_len=(4, 12), new_tokens=(3, 6),
+                                                seed=1))
+    assert all(t.ok for t in timings), [t.error for t in timings]
+    assert [len(t.token_times) for t in timings] == [t.max_tokens for t in timings]
+    assert [t.completion_tokens for t in timings] == [t.max_tokens for t in timings]
+    record = summarise(timings, seconds, 50.0)
+    assert record["completed"] == 6 and record["output_tokens"] == sum(t.max_tokens for t in timings)
+    assert 0 < record["ttft_ms"]["p50"] <= record["ttft_ms"]["p99"] <= record["e2e_latency_ms"]["p99"]
+    assert record["itl_ms"]["p50"] > 0 and record["refused_429"] == record["failed"] == 0
