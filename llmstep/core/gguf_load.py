@@ -280,6 +280,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         generation = check_generation_config(generation, f"{where} (general.sampling.*)")
     except ConfigError as e:
         raise GGUFLoadError(str(e)) from None
+    if tokenizer.eos_ids:  # every end-of-turn token the file names, as llama.cpp stops at: what every engine stops at
+        generation["eos_token_id"] = list(tokenizer.eos_ids)
 
     expected, state, types, problems = _expected(config), {}, {}, []
     for name, (ours, shape) in expected.items():

@@ -18,8 +18,9 @@ import torch
 from ..core.model import Llama
 from ..core.paged_kv import BlockManager, blocks_for
 from ..core.sampling import sample
-from .batching import PagedRunner, Request, check_request
-from .decoding import budget, check_finite, check_int, make_generator
+from .batching import PagedRunner
+from .decoding import budget, check_finite, check_int
+from .request import Checked, Request, check_request
 from .scheduler import BlockScheduler, Completion, Job
 
 __all__ = ["PagedSession", "TokenOut"]
@@ -62,7 +63,7 @@ class PagedSession:
         self.blocks = BlockManager(n_blocks, block_size, prefix_caching)
         self.scheduler = BlockScheduler([], n_slots, self.blocks, prefill_chunk)
         self.stats = self.scheduler.stats
-        self._jobs: dict[int, tuple[Job, Request, torch.Generator]] = {}  # unfinished: id -> job, request, generator
+        self._jobs: dict[int, tuple[Job, Checked, torch.Generator]] = {}  # unfinished: id -> job, request, generator
         self._ids = itertools.count()
 
     @property
@@ -77,15 +78,16 @@ class PagedSession:
     def submit(self, request: Request) -> int:
         """Check a request (a ValueError names what is wrong) and queue it; returns its id."""
         context = self.model.config.max_seq_len
-        ids, stops = check_request(0, request, self.model.config.vocab_size, context)
-        plan = budget(len(ids), request.max_new_tokens, context)
+        checked = check_request(request, self.model, context)
+        ids, stops = checked.ids, checked.stops
+        plan = budget(len(ids), checked.max_new_tokens, context)
         need = blocks_for(len(ids) + plan.tokens - 1, self.block_size) if plan.tokens else 0
         if need > self.n_blocks:  # the last token made is never written
             raise ValueError(f"its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need {need} blocks of "
                              f"{self.block_size} positions, the whole pool has {self.n_blocks}")
         i = next(self._ids)
         job = Job(Completion(id=i, prompt_ids=ids), plan, stops)
-        self._jobs[i] = (job, request, make_generator(self.device, request.seed))
+        self._jobs[i] = (job, checked, checked.generator(self.device))
         self.scheduler.submit(job)
         return i
 
@@ -113,7 +115,7 @@ class PagedSession:
             sampled = [s.job for s in work if s.samples]
             if sampled:
                 check_finite(logits, scheduler.step, "the model")
-                drawn = torch.cat([sample(logits[k:k + 1], r.temperature, r.top_k, r.top_p, g)
+                drawn = torch.cat([sample(logits[k:k + 1], *r.sampling, g)
                                    for k, (_, r, g) in enumerate(self._jobs[j.id] for j in sampled)])  # [K]
                 for job, token_id in zip(sampled, drawn.tolist(), strict=True):  # one wait for the device
                     scheduler.take(job, token_id)

@@ -59,7 +59,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
     async def read_body(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
             raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_body")
@@ -72,7 +72,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
         max_new = protocol.check_length(len(ids), sampling, context)
         request = EngineRequest(ids, max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
                                 top_p=sampling.top_p, seed=sampling.seed,
-                                stop_ids=() if sampling.ignore_eos else tokenizer.eos_ids)
+                                stop_ids=() if sampling.ignore_eos else None)  # None: the model's end tokens
         try:
             return engine.submit(request, asyncio.get_running_loop())
         except Busy as e:

@@ -49,7 +49,7 @@ def test_requests_submitted_while_others_run_get_their_solo_tokens(tiny64, optio
 def test_a_cancelled_request_frees_its_blocks_and_the_others_go_on(tiny64):
     model, tok = tiny64
     session = PagedSession(model, n_slots=4, block_size=4)
-    keep = Request([5, 6, 7], max_new_tokens=12)
+    keep = Request([5, 6, 7], max_new_tokens=12, temperature=0, stop_ids=())
     drop, kept = session.submit(Request(list(range(20, 33)), max_new_tokens=30)), session.submit(keep)
     tokens = []
     for _ in range(3):

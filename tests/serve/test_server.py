@@ -163,11 +163,11 @@ def test_an_end_of_sequence_token_ends_the_answer_with_stop_as_in_generate(shipp
 
     model, tokenizer = shipped
     eos = expected["ROMEO:"].tokens[3]
-    ending = copy.copy(tokenizer)
-    ending.eos_ids = [eos]
-    g = llmstep.generate(model, ending, "ROMEO:", max_new_tokens=NEW, temperature=0)
+    ending = copy.copy(model)  # its own generation_config: the end tokens every engine stops at
+    ending.generation_config = model.generation_config | {"eos_token_id": [eos]}
+    g = llmstep.generate(ending, tokenizer, "ROMEO:", max_new_tokens=NEW, temperature=0)
     assert g.stop_reason == "stop" and len(g.tokens) < NEW
-    with running_server(model, ending, n_slots=2) as (url, _):
+    with running_server(ending, tokenizer, n_slots=2) as (url, _):
         for stream in (False, True):
             r = client(url).completions.create(model="shipped", prompt="ROMEO:", max_tokens=NEW, temperature=0,
                                                stream=stream, stream_options={"include_usage": True} if stream
