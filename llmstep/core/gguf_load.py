@@ -275,6 +275,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise GGUFLoadError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
                             f"{config.vocab_size}")
+    tokenizer.padded_vocab_size = config.vocab_size  # as checkpoint.check_files: padding ids decode to nothing
     generation = {ours: fields[key] for key, ours in _SAMPLING.items() if key in fields}
     try:
         generation = check_generation_config(generation, f"{where} (general.sampling.*)")

@@ -33,7 +33,7 @@ def tokenizer(tokenizer_file) -> Tokenizer:
 
 
 def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = "llama", fields: dict | None = None,
-               tensors: dict | None = None):
+               tensors: dict | None = None, n_tokens: int | None = None):
     """A GGUF file as llama.cpp's converter lays it out (names, q/k rows, metadata), its matrices in `kind`.
     Types gguf-py can quantize are quantized from the model; the K-quants get random blocks (scales kept small)."""
     c = model.config
@@ -46,7 +46,7 @@ def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = 
             "attention.layer_norm_rms_epsilon": float(c.norm_eps), "vocab_size": c.vocab_size}
     for key, value in meta.items():
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
-    vocab = gguf_vocab(tokenizer, c.vocab_size)
+    vocab = gguf_vocab(tokenizer, n_tokens or c.vocab_size)  # n_tokens: fewer than the embedding's rows
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab["pre"])
     w.add_token_list(vocab["tokens"])
@@ -410,3 +410,13 @@ def test_a_user_defined_token_spelled_like_an_end_of_turn_is_a_control_token_and
                          "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": types,
                          "tokenizer.ggml.merges": vocab["merges"]}, "x")
     assert eot in t.eos_ids and "<|eot_id|>" in t.special_tokens
+
+
+def test_a_file_whose_vocabulary_is_padded_past_its_tokens_decodes_the_padding_to_nothing(tmp_path, tokenizer):
+    model = random_llama(vocab_size=320)  # 20 rows the tokenizer does not name (as padded vocabularies are)
+    path = write_gguf(tmp_path / "padded.gguf", model, tokenizer, "F32", n_tokens=300)
+    g = read_gguf(path)
+    assert (g.tokenizer.vocab_size, g.config.vocab_size) == (300, 320)
+    assert g.tokenizer.decode([5, 310]) == g.tokenizer.decode([5])
+    with pytest.raises(ValueError, match="cannot decode token id 320"):
+        g.tokenizer.decode([320])
