@@ -105,3 +105,14 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_file):
 @pytest.fixture(scope="session")
 def sample_text() -> str:
     return TEXT
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory, tokenizer_file):
+    """A float64 model (batched and single-row matmuls agree to ~1e-15: token equality is exact), 48 positions."""
+    path = tmp_path_factory.mktemp("tiny64paged")
+    make_checkpoint(path, tokenizer_file, seed=3, max_position_embeddings=48, num_hidden_layers=3)
+    import llmstep
+
+    model, tok = llmstep.load(path, dtype="float32")
+    return model.double(), tok

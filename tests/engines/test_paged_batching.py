@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_checkpoint
 from llmstep.batching import PagedBatcher, Request, run_batch
 
 import llmstep
@@ -16,15 +15,6 @@ from llmstep.engines.decoding import budget
 from llmstep.engines.scheduler import BlockScheduler, Completion, Job
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
-
-
-@pytest.fixture(scope="module")
-def tiny64(tmp_path_factory, tokenizer_file):
-    """A float64 model (batched and single-row matmuls agree to ~1e-15: token equality is exact), 48 positions."""
-    path = tmp_path_factory.mktemp("tiny64paged")
-    make_checkpoint(path, tokenizer_file, seed=3, max_position_embeddings=48, num_hidden_layers=3)
-    model, tok = llmstep.load(path, dtype="float32")
-    return model.double(), tok
 
 
 def solo(model, tok, r: Request):

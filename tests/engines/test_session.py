@@ -5,21 +5,10 @@ cancelled one frees its blocks at once and the others go on; bad requests are re
 from __future__ import annotations
 
 import pytest
-from conftest import make_checkpoint
 from llmstep.batching import Request
 from test_paged_batching import check_blocks, solo, workload
 
-import llmstep
 from llmstep.engines.session import PagedSession
-
-
-@pytest.fixture(scope="module")
-def tiny64(tmp_path_factory, tokenizer_file):
-    """A float64 model (batched and single-row matmuls agree: token equality is exact), 48 positions."""
-    path = tmp_path_factory.mktemp("tiny64session")
-    make_checkpoint(path, tokenizer_file, seed=3, max_position_embeddings=48, num_hidden_layers=3)
-    model, tok = llmstep.load(path, dtype="float32")
-    return model.double(), tok
 
 
 @pytest.mark.parametrize("options", [dict(block_size=4), dict(block_size=4, prefill_chunk=5),
