@@ -62,11 +62,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     decoders = [build(v) for v in a.variants]
     ids = torch.randint(0, 8192, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    first = [d.generate(ids, 32).tokens for d in decoders]
+    first = [d.generate(ids, 32, temperature=0, stop_ids=()).tokens for d in decoders]
     rates: list[list[float]] = [[] for _ in decoders]
     for _ in range(a.rounds):
         for i, d in enumerate(decoders):
-            r = d.generate(ids, a.tokens)
+            r = d.generate(ids, a.tokens, temperature=0, stop_ids=())
             rates[i].append(r.decode_steps / r.decode_seconds)
     for i, v in enumerate(a.variants):
         ratio = statistics.median(x / y for x, y in zip(rates[i], rates[0], strict=True))

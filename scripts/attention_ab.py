@@ -35,10 +35,10 @@ def main(which: str) -> None:
     ids = tok.encode("ROMEO:\nBut soft, what light through yonder window breaks?\n", bos=True)
     decoder = FastDecoder(model, compile=True, max_len=512)
     decoder.warmup()
-    decoder.generate(ids, 8)
+    decoder.generate(ids, 8, temperature=0, stop_ids=())
     rates = []
     for _ in range(5):
-        result = decoder.generate(ids, 256)
+        result = decoder.generate(ids, 256, temperature=0, stop_ids=())
         rates.append(result.decode_steps / result.decode_seconds)
     print(which, f"{sorted(rates)[2]:.1f} tok/s (median of 5)", [round(r, 1) for r in rates])
 

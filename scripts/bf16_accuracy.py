@@ -17,7 +17,8 @@ def main() -> None:
     ref = load_model("target", dtype=torch.float32, device="cpu")
     bf16 = load_model("target", dtype=torch.bfloat16, device="cpu")
     ids = torch.randint(0, 8192, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    seq = FastDecoder(ref, max_len=256, compile=False).generate(ids, 100).tokens  # the float32 greedy continuation
+    seq = FastDecoder(ref, max_len=256, compile=False).generate(
+        ids, 100, temperature=0, stop_ids=()).tokens  # the float32 greedy continuation
     r = ref(torch.tensor([ids + seq]))[0, len(ids) - 1 : -1].float()  # [100, V]: float32 logits at each step
     for name, compiled in [("eager bf16", False), ("compiled bf16 (max-autotune)", True)]:
         decoder = FastDecoder(bf16, max_len=256, compile=compiled, mode="max-autotune" if compiled else None)

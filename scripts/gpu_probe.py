@@ -129,7 +129,7 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
-SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.95, seed=0)  # every sampling op inside the captured step
+SAMPLED = dict(temperature=0.8, top_k=50, top_p=0.95, seed=0, stop_ids=())  # every sampling op in the captured step
 
 
 def sm_clock_mhz(p: Probe) -> float | None:
@@ -157,17 +157,17 @@ def decode(p: Probe, model, sampled: bool = False) -> dict:
     decoder = FastDecoder(model, max_len=p.prompt_len + p.new_tokens, compile=p.compile, fuse=True)
     compile_s = decoder.warmup()
     prompt = list(range(1, p.prompt_len + 1))
-    rates, result, syncs = timed_generations(p, decoder, prompt, temperature=0.0)
+    rates, result, syncs = timed_generations(p, decoder, prompt, temperature=0.0, stop_ids=())
     row = {"decode_tokens_per_s": rates["median"], "decode_tokens_per_s_runs": rates, "tokens": len(result.tokens),
            "compile_s": round(compile_s, 1), "cuda_graphs": decoder.cuda_graphs, "fused": decoder.fused,
            "syncs_per_token": syncs, "gb_per_s": result.bandwidth_gb_per_second, "sm_clock_mhz_after": sm_clock_mhz(p),
            "recompile_guard": "torch.compiler.set_stance('fail_on_recompile') around the timed runs"}
     with torch.no_grad():
         row["teacher_forced"] = teacher_forced_agreement(model, prompt, list(result.tokens))
-        row["one_step"] = profile_steps(lambda n: decoder.generate(prompt, n, temperature=0.0), p.device,
+        row["one_step"] = profile_steps(lambda n: decoder.generate(prompt, n, temperature=0.0, stop_ids=()), p.device,
                                         steps=min(8, p.new_tokens - 2))
     if sampled:
-        sampling = {k: v for k, v in SAMPLED.items() if k != "seed"}
+        sampling = {k: v for k, v in SAMPLED.items() if k not in ("seed", "stop_ids")}  # what the step compiles
         row["compile_sampled_s"] = round(decoder.warmup(**sampling), 1)
         rates, _, syncs = timed_generations(p, decoder, prompt, **SAMPLED)
         row |= {"decode_tokens_per_s_sampled": rates["median"], "syncs_per_token_sampled": syncs}
@@ -330,7 +330,7 @@ def _hf(p: Probe, compiled: bool) -> dict:
             time_hf(twin, ids, p.new_tokens, extra)  # compile, record the graphs
         one, full, tokens = time_hf(twin, ids, p.new_tokens, extra)
         ours = FastDecoder(model, max_len=p.prompt_len + p.new_tokens, compile=False).generate(
-            ids[0].tolist(), p.new_tokens, temperature=0.0).tokens
+            ids[0].tolist(), p.new_tokens, temperature=0.0, stop_ids=()).tokens
     import transformers
 
     return {"decode_tokens_per_s": (p.new_tokens - 1) / max(full - one, 1e-9), "compiled": compiled,

@@ -65,7 +65,7 @@ def main() -> None:
         if guarded:
             Step.unguarded, original = (lambda self: self), Step.unguarded
         try:
-            r = decoder.generate(ids[:1], n + 1)
+            r = decoder.generate(ids[:1], n + 1, temperature=0, stop_ids=())
         finally:
             if guarded:
                 Step.unguarded = original

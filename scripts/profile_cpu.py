@@ -85,10 +85,10 @@ def main() -> None:
 def run(decoder: FastDecoder, ids: list[int], a: argparse.Namespace, t: float) -> None:
     decoder.warmup()
     print(f"compile {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    decoder.generate(ids, 8)
+    decoder.generate(ids, 8, temperature=0, stop_ids=())
     rates = []
     for _ in range(a.repeats):
-        r = decoder.generate(ids, 128)
+        r = decoder.generate(ids, 128, temperature=0, stop_ids=())
         rates.append(r.decode_steps / r.decode_seconds)
     print(f"{a.dtype} {a.set}: median {statistics.median(rates):.1f} tok/s, "
           f"min {min(rates):.1f}, max {max(rates):.1f} ({a.repeats} runs of 128 tokens)")

@@ -19,6 +19,8 @@ from llmstep.core.model import Llama
 from llmstep.engines.fast import FastDecoder
 from llmstep.lab.hardware import random_model
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs compare
+
 CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab_size=97, max_seq_len=64)
 
 
@@ -70,10 +72,10 @@ def test_masked_paths_fold_the_query_heads_instead_of_expanding_kv(calls, monkey
     model = random_llama()
     cache = model.new_cache(2, 32)
     model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 2], [0, 1, 2]]), cache)  # batch: masked
-    eager = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4).tokens
+    eager = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4, **GREEDY).tokens
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path a compiled step traces,
     monkeypatch.setattr(attention_module, "_plain_ops_here", lambda q: False)  # as on CUDA (the CPU's is plain ops):
-    traced = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4).tokens  # every slot, masked
+    traced = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4, **GREEDY).tokens  # every slot, masked
     assert traced == eager
     assert calls and all(fast_kernel_args(c) for c in calls), calls
     assert sum(c["mask"] for c in calls) >= 2 * CONFIG.n_layers

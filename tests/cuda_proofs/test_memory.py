@@ -11,6 +11,8 @@ from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
 from llmstep.engines.fast import FastDecoder
 from llmstep.lab.hardware import random_model
 
+GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs compare
+
 GB = 1e9
 
 
@@ -33,12 +35,12 @@ def test_a_longer_request_grows_the_cache_and_gives_the_tokens_of_a_fresh_decode
     model = random_model(LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab_size=97,
                                      max_seq_len=1024), device="cpu", dtype=torch.float32, std=0.1)
     decoder = FastDecoder(model, compile=False)
-    short = decoder.generate([1, 2, 3], 8).tokens
+    short = decoder.generate([1, 2, 3], 8, **GREEDY).tokens
     assert decoder.max_len == 256
-    long = decoder.generate([1, 2, 3], 300).tokens
+    long = decoder.generate([1, 2, 3], 300, **GREEDY).tokens
     assert decoder.max_len == 512 and len(long) == 300
-    assert long == FastDecoder(model, max_len=400, compile=False).generate([1, 2, 3], 300).tokens
-    assert decoder.generate([1, 2, 3], 8).tokens == short and decoder.max_len == 512  # reused, not shrunk
+    assert long == FastDecoder(model, max_len=400, compile=False).generate([1, 2, 3], 300, **GREEDY).tokens
+    assert decoder.generate([1, 2, 3], 8, **GREEDY).tokens == short and decoder.max_len == 512  # reused, not shrunk
 
 
 def weights_bytes(model: Llama) -> int:
