@@ -43,10 +43,11 @@ class PeerSpec:
     weights: str = ""  # what it runs, in a few words ("GGUF q4_1"), for the table
     source: str = ""  # where those weights come from, for the table and record
     requantized: bool = False  # a second rounding of weights the GGUF file already held quantized (lossy)
-    # transformers: the model, as torch.save wrote it for this peer. A copy, not the parent's tensors sent through
+    # transformers: the model, as llmstep.save wrote it for this peer. A copy, not the parent's tensors sent through
     # the pipe: pickling for another process moves a tensor into shared memory (/dev/shm), in the parent too,
     # which would change how llmstep's own loop reads its weights (and fail where /dev/shm is small).
     model_file: Path | None = None
+    dtype: torch.dtype | None = None  # the saved model's dtype, as it is loaded back
     config: LlamaConfig | None = None  # ctranslate2: the model's shape (its bos/eos ids)
     checkpoint: Path | None = None  # ctranslate2: the checkpoint directory its converter reads
     gguf: Path | None = None  # llama.cpp: the file it loads, or (quantize_to) the file its quantiser reads
@@ -55,7 +56,9 @@ class PeerSpec:
     extra_bufts: bool = True  # llama.cpp: its extra buffer types (weight repacking); False turns them off
 
     def load_model(self) -> Llama:
-        return torch.load(self.model_file, weights_only=False)  # written by this benchmark's own process
+        from ..core.checkpoint import load_model
+
+        return load_model(self.model_file, device="cpu", dtype=self.dtype)  # safetensors: no pickle
 
 
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.checkpoint import save
 from ..core.gguf import GGUFError, export_gguf
 from ..core.gguf_load import KEEPS, GGUFLoadError, is_gguf, load_gguf, read_gguf
 from ..core.model import Llama
@@ -156,9 +157,9 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
             if peer != "llama.cpp":
                 ct2 = peer == "ctranslate2"
                 if not ct2 and own not in saved:  # once per variant, for every peer that runs llmstep's tensors
-                    saved[own] = workdir / f"llmstep-{own}.pt"
-                    torch.save(v.model, saved[own])
-                plan.peers.append((own, _with(base, model_file=None if ct2 else saved[own], config=model.config,
+                    saved[own] = save(v.model, workdir / f"llmstep-{own}")  # safetensors, as any checkpoint
+                plan.peers.append((own, _with(base, model_file=None if ct2 else saved[own], dtype=v.model.dtype,
+                                              config=model.config,
                                               checkpoint=checkpoint,
                                               weights=f"CTranslate2 {CT2_COMPUTE[precision]}" if ct2
                                               else "llmstep's tensors",
