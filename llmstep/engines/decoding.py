@@ -6,8 +6,8 @@ generate, FastDecoder, the speculative loops and the batchers all ask the same q
   a request's one check asks (llmstep/engines/request.py): bytes are not a prompt, a bool or a float is not a seed;
 - how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
   the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
-  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`); a speculative round writes k
-  slots past the last token it keeps, so `round_budget` reserves them, once, up front;
+  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`), in every engine (a speculative
+  loop whose next round would write past its cache goes on with the target alone);
 - how big a cache does a run need? `cache_len`, the one sizing rule (generate, FastDecoder, FastSpeculator and
   the batcher all ask it);
 - has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
@@ -36,7 +36,7 @@ from ..core.tokens import Tokenizer
 __all__ = ["SEED_LIMIT", "check_int", "check_seed", "check_max_len", "check_prompt_ids",
            "NonFiniteLogitsError", "check_finite", "NonFiniteLogits", "ConcurrentUseError", "stop_id_set",
            "encode_prompt", "room", "CACHE_ROUNDING", "cache_len", "Budget", "budget",
-           "round_budget", "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
+           "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,16 +194,6 @@ def budget(prompt_len: int, max_new_tokens: int, max_len: int) -> Budget:
     """The budget of a run of a prompt_len-token prompt for max_new_tokens in a cache of max_len slots."""
     n = min(max_new_tokens, room(prompt_len, max_len))
     return Budget(n, "length" if n == max_new_tokens else "context")
-
-
-def round_budget(prompt_len: int, max_new_tokens: int, max_len: int, k: int) -> Budget:
-    """The budget of a speculative run whose rounds each write k + 1 slots: the pending token's and k proposals',
-    k of them past the last token a round may keep. So the rounds' tokens fit a cache k slots shorter; the
-    first token, the prefill's, needs no round."""
-    plan = budget(prompt_len, max_new_tokens, max_len - k)
-    if plan.tokens == 0 and max_new_tokens > 0 and room(prompt_len, max_len) > 0:
-        return Budget(1, "length" if max_new_tokens == 1 else "context")  # the prefill's token alone
-    return plan
 
 
 def end_reason(tokens: list[int], stops: set[int], plan: Budget) -> str | None:

@@ -50,7 +50,6 @@ from .decoding import (
     check_int,
     cut_at_stop,
     end_reason,
-    round_budget,
     round_bytes,
     step_bytes_by_context,
 )
@@ -248,22 +247,23 @@ class FastSpeculator(Engine):
 
     The rule is `speculative.verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
     numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
-    fits the budget. A round writes all k + 1 of its tokens, so the budget (`decoding.round_budget`, decided
-    once, up front) reserves k slots: a run ends ("context") where that budget says.
+    fits the budget, which is every engine's (`decoding.budget`): a round writes all k + 1 of its tokens, so
+    where the next round would write past either cache (the end of a fixed cache, or of a draft whose context
+    is shorter than the target's) the target goes on alone, one token a step, as `speculative_generate` does.
 
-    max_len: both caches' slots; None sizes them for each request (`decoding.cache_len` with the k reserved
-    slots, rounded to CACHE_ROUNDING), growing them when a longer request comes, as FastDecoder does. fuse: both
-    models' q|k|v and gate|up as one matmul each, as FastDecoder's (None: `fuse.fuses_by_default`, for either).
+    max_len: the target's cache slots (the draft's: as many, at most its context); None sizes them for each
+    request (`decoding.cache_len` with k slots reserved for the rounds, rounded to CACHE_ROUNDING), growing
+    them when a longer request comes, as FastDecoder does. fuse: both models' q|k|v and gate|up as one matmul
+    each, as FastDecoder's (None: `fuse.fuses_by_default`, for either).
     """
 
-    room = "both models' context"
+    room = "the target's context"
 
     def __init__(self, target: Llama, draft: Llama, k: int = 4, max_len: int | None = None,
                  compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
-        limit = min(target.config.max_seq_len, draft.config.max_seq_len)  # both models' context
-        first_len = self._own(target, max_len, limit, reserve=k, low=k + 2)
+        first_len = self._own(target, max_len, reserve=k, low=k + 2)
         self.k = k
         compiled = compiles(self.device, compile)
         self.fused = (fuses_by_default(target, compiled) or fuses_by_default(draft, compiled) if fuse is None
@@ -273,13 +273,15 @@ class FastSpeculator(Engine):
         self._allocate(first_len)
 
     def _allocate(self, max_len: int) -> None:  # the caches first: if memory refuses one, nothing has changed
-        caches = [m.new_cache(batch_size=1, max_len=max_len) for m in (self.target, self.draft)]
-        self.max_len, (self.target_cache, self.draft_cache) = max_len, caches  # per layer k, v: [1, n_kv, max_len, hd]
+        caches = [m.new_cache(batch_size=1, max_len=min(max_len, m.config.max_seq_len))  # a draft: at most its context
+                  for m in (self.target, self.draft)]
+        self.max_len, (self.target_cache, self.draft_cache) = max_len, caches  # per layer k, v: [1, n_kv, slots, hd]
         d, t = self.draft_cache.buffers, self.target_cache.buffers
         compile, mode = self._compile, self._mode
         tune_d, tune_t = tunes_matmuls(self.draft), tunes_matmuls(self.target)
         self._draft_step = Step(self._draft, self.device, compile, mode, static=d, tune_matmuls=tune_d)
         self._verify_step = Step(self._verify, self.device, compile, mode, static=t, tune_matmuls=tune_t)
+        self._target_step = Step(self._target_next, self.device, compile, mode, static=t, tune_matmuls=tune_t)
         self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
                                  tune_matmuls=tune_d and tune_t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
@@ -292,6 +294,10 @@ class FastSpeculator(Engine):
     def _verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, k+1] at positions [1, k+1] -> the target's logits [1, k+1, V] (float32)."""
         return self.target(tokens, positions, self.target_cache).float()
+
+    def _target_next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """token [1, 1] at position [1, 1] -> the target's logits after it [1, V] (float32): a step without a draft."""
+        return self.target(token, position, self.target_cache, last_only=True)[:, -1].float()
 
     def _greedy_round(self, pair: torch.Tensor, position: torch.Tensor):
         """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1],
@@ -312,8 +318,9 @@ class FastSpeculator(Engine):
         return drafted, n, token, finite & torch.isfinite(logits).all()
 
     @torch.no_grad()
-    def warmup(self, greedy: bool = True, steps: int = 3) -> float:
-        """`Engine.warm_once` for a greedy or a sampling round's steps."""
+    def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False) -> float:
+        """`Engine.warm_once` for a greedy or a sampling round's steps (alone: and the target's step without a
+        draft, which a run takes once a round no longer fits the caches)."""
         def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
             return torch.zeros(1, n, dtype=torch.long, device=self.device)
 
@@ -325,7 +332,10 @@ class FastSpeculator(Engine):
         else:
             calls = [lambda: self._draft_step(ids(2), arange(2)), lambda: self._draft_step(ids(1), ids(1)),
                      lambda: self._verify_step(ids(self.k + 1), arange(self.k + 1))]
-        return self.warm_once("greedy" if greedy else "sampling", *calls, steps=steps)
+        seconds = self.warm_once("greedy" if greedy else "sampling", *calls, steps=steps)
+        if alone:
+            seconds += self.warm_once("alone", lambda: self._target_step(ids(1), ids(1)), steps=steps)
+        return seconds
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
@@ -341,9 +351,13 @@ class FastSpeculator(Engine):
 
     def _generate(self, r: Checked) -> FastSpeculativeResult:
         ids, stops, sampling, greedy = r.ids, r.stops, r.sampling, r.greedy
-        self.warmup(greedy)
         k, device = self.k, self.device
-        plan = round_budget(len(ids), r.max_new_tokens, self.max_len, k)  # the rounds' writes fit: no check per round
+        plan = budget(len(ids), r.max_new_tokens, self.max_len)  # every engine's budget
+        # A round with its pending token at position L - 1 writes the target's slots L-1 .. L+k-1 and the draft's
+        # L-2 .. L+k-2; a draft whose context cannot hold the prompt never proposes.
+        draft_slots = self.draft_cache.max_len if len(ids) <= self.draft_cache.max_len else 0
+        last_round = min(self.max_len, draft_slots + 1) - k  # the last L a round fits at
+        self.warmup(greedy, alone=plan.tokens > 1 and len(ids) + plan.tokens - 1 > last_round)
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
         if plan.tokens == 0:
             return result
@@ -359,7 +373,8 @@ class FastSpeculator(Engine):
         nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
         nonfinite.update(logits)
         token, _ = pick(logits)  # [1]
-        self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
+        if draft_slots:
+            self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
         seq = ids + [int(token)]
         result.tokens = seq[len(ids):]
         result.prefill_seconds = time.perf_counter() - start
@@ -367,7 +382,17 @@ class FastSpeculator(Engine):
         target_bytes, draft_bytes = step_bytes_by_context(self.target), step_bytes_by_context(self.draft)
         start = time.perf_counter()
         while (reason := end_reason(result.tokens, stops, plan)) is None:
-            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet; L + k <= max_len
+            L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
+            if L > last_round:  # the target alone, as speculative_generate's rounds of k = 0
+                position = torch.full((1, 1), L - 1, device=device)
+                logits = self._target_step(torch.tensor([seq[-1:]], device=device), position)  # [1, V]
+                nonfinite.update(logits)
+                new = [int(pick(logits)[0])]
+                result.record(0, 0, 1)
+                result.decode_bytes += round_bytes(target_bytes, draft_bytes, L, 0)
+                seq += new
+                result.tokens += new
+                continue
             pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
             if greedy:
                 drafted, n, token, finite = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))

@@ -462,11 +462,33 @@ def test_fast_speculator_stops_at_a_stop_token_inside_a_round(target, tok):
     assert out.tokens == plain.tokens and out.stop_reason == "stop"
 
 
-def test_fast_speculator_stops_where_its_cache_ends(target, drafts, tok):
+def test_fast_speculator_fills_its_cache_with_the_target_alone_where_a_round_no_longer_fits(target, drafts, tok):
     out = FastSpeculator(target, drafts["noisy-copy"], k=4, max_len=20, compile=False).generate(PROMPT, 40, **GREEDY)
-    assert out.stop_reason == "context" and 0 < len(out.tokens) < 40
-    assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[: len(out.tokens)]
-    assert len(PROMPT) + len(out.tokens) + 4 > 20  # one more round would have written past slot 19
+    plan = spec.decoding.budget(len(PROMPT), 40, 20)  # every engine's budget: the cache's 20 slots, all of them
+    assert (len(out.tokens), out.stop_reason) == (plan.tokens, "context") == (16, "context")
+    assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[:16]
+    assert out.proposed[-1] == 0 and out.produced[-1] == 1  # the last round would write past slot 19
+
+
+def test_fast_speculator_goes_on_with_the_target_alone_past_a_shorter_draft_context(tok):
+    """As speculative_generate does (test_context_limits_of_target_and_draft): the draft's context ends its
+    proposals, not the request; a prompt longer than the draft's context gets no proposals at all."""
+    target = random_model(3, logit_scale=4.0, max_seq_len=24)
+    draft = noisy_copy(target, 0.2, seed=4)
+    draft.config = draft.config.replace(max_seq_len=16)
+    ref = plain_greedy(target, tok, 50, stop_ids=[])
+    speculator = FastSpeculator(target, draft, k=4, compile=False)
+    out = speculator.generate(PROMPT, 50, **GREEDY)
+    assert (out.tokens, out.stop_reason) == (ref.tokens, "context") and len(out.tokens) == 24 - len(PROMPT) + 1
+    assert out.proposed[0] == 4 and out.proposed[-1] == 0 and speculator.draft_cache.max_len == 16
+    eager = speculative_generate(target, draft, tok, PROMPT, k=4, max_new_tokens=50, temperature=0, stop_ids=[])
+    assert out.tokens == eager.tokens
+    long_prompt = list(range(1, 18))  # 17 tokens: more than the draft's 16 slots
+    alone = speculator.generate(long_prompt, 5, **GREEDY)
+    assert alone.tokens == llmstep.generate(target, tok, long_prompt, 5, temperature=0, stop_ids=[]).tokens
+    assert set(alone.proposed) == {0}
+    sampled = speculator.generate(PROMPT, 50, temperature=1.0, seed=5, stop_ids=[])
+    assert (len(sampled.tokens), sampled.stop_reason) == (len(ref.tokens), "context")
 
 
 def test_fast_speculator_names_bad_arguments(target, drafts):
@@ -521,17 +543,17 @@ def test_compiled_benchmark_runs_and_compares_tokens(tiny_checkpoint, capsys, tm
 
 @pytest.mark.parametrize("draft_name", ["perfect", "noisy-copy", "independent"])
 def test_fast_speculator_ends_where_the_shared_budget_says_whatever_the_draft(target, drafts, tok, draft_name):
-    """The rounds' k slots are reserved once, up front (decoding.round_budget): how many tokens a run makes
-    never depends on how many proposals the draft got accepted."""
+    """Every engine's budget (decoding.budget): how many tokens a run makes never depends on how many proposals
+    the draft got accepted, nor on the k slots a round writes past its last kept token."""
     draft = target if draft_name == "perfect" else drafts[draft_name]
-    plan = spec.decoding.round_budget(len(PROMPT), 40, 20, 4)
+    plan = spec.decoding.budget(len(PROMPT), 40, 20)
     out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(PROMPT, 40, **GREEDY)
-    assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (12, "context")
-    assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[:12]
+    assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (16, "context")
+    assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[:16]
     prompt = list(range(10, 20))  # the review's case: its budget said "length" and the run ended at 7, "context"
-    plan = spec.decoding.round_budget(len(prompt), 10, 20, 4)
+    plan = spec.decoding.budget(len(prompt), 10, 20)
     out = FastSpeculator(target, draft, k=4, max_len=20, compile=False).generate(prompt, 10, **GREEDY)
-    assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (7, "context")
+    assert (len(out.tokens), out.stop_reason) == (plan.tokens, plan.stop_reason) == (10, "length")
 
 
 def test_fast_speculator_counts_the_bytes_the_teaching_loop_counts(target, tok):
