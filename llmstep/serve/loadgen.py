@@ -137,7 +137,8 @@ def summarise(timings: list[RequestTiming], seconds: float, rate: float) -> dict
 
 def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
           seed: int = 0, log=print, shared_prefix: int = 0) -> dict:
-    """One run per rate against the server at url; returns {"server": its /health, "runs": [summary, ...]}."""
+    """One run per rate against the server at url; returns {"server": its /health before, "runs": [summary, ...],
+    "server_after": its /health after (the counters: prefix cache hits, refusals, tokens)}."""
     import httpx
 
     server = httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()
@@ -154,4 +155,4 @@ def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, in
     return {"server": server | {"url": url}, "workload": {"requests": requests, "prompt_len": list(prompt_len),
                                                          "new_tokens": list(new_tokens), "seed": seed,
                                                          "shared_prefix": shared_prefix},
-            "runs": runs}
+            "runs": runs, "server_after": httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()}
