@@ -53,6 +53,8 @@ def add_commands(sub) -> None:
     p.add_argument("--prefill-chunk", type=positive_int, default=256,
                    help="most prompt tokens per engine step (chunked prefill), so a long prompt does not stall "
                         "the others' tokens")
+    p.add_argument("--no-chunked-prefill", dest="prefill_chunk", action="store_const", const=None,
+                   help="compute each prompt whole in the step that admits it (the running requests wait for it)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
@@ -66,6 +68,9 @@ def add_commands(sub) -> None:
     b.add_argument("--requests", type=positive_int, default=32, help="requests per rate")
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
+    b.add_argument("--shared-prefix", type=nonneg_int, default=0,
+                   help="tokens of one system prompt every request starts with, before its own --prompt-len "
+                        "tokens (what prefix caching shares; default 0: none)")
     b.add_argument("--seed", type=seed, default=0)
     b.add_argument("--json", default=None, help="write the whole record here")
     b.set_defaults(run=run_bench_serve)
@@ -101,8 +106,9 @@ def run_serve(args, argv) -> dict:
         where = f"[{host}]" if ":" in host else host
         print(f"llmstep serve: {name} on {model.device} at http://{where}:{port}/v1 ({args.slots} slots, paged KV "
               f"{health['kv_blocks_total']} blocks x {health['block_size']} = {health['kv_bytes'] / 1e6:,.0f} MB, "
-              f"prefix caching {'on' if args.prefix_caching else 'off'}); Ctrl-C stops it", file=sys.stderr,
-              flush=True)
+              f"prefix caching {'on' if args.prefix_caching else 'off'}, chunked prefill "
+              f"{'off' if args.prefill_chunk is None else f'{args.prefill_chunk} tokens a step'}); Ctrl-C stops it",
+              file=sys.stderr, flush=True)
 
     stats = app.serve(model, tokenizer, name, args.host, args.port, args.slots, args.block_size, args.kv_blocks,
                       args.prefix_caching, args.prefill_chunk, args.max_queue, ready=ready)
@@ -125,7 +131,7 @@ def run_bench_serve(args, argv) -> dict:
     load_before = runinfo.load_average()
     try:
         result = loadgen.bench(args.url, args.rate, args.requests, args.prompt_len, args.new_tokens, args.seed,
-                               log=lambda m: print(m, flush=True))
+                               log=lambda m: print(m, flush=True), shared_prefix=args.shared_prefix)
     except httpx.ConnectError as e:  # nobody listening at --url
         raise ValueError(f"no server at {args.url}: {e} (start one with llmstep serve)") from None
     record = runinfo.header("cpu", None, argv, load_before) | result

@@ -63,6 +63,7 @@ class Engine:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
         self.session = PagedSession(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)
+        self.options = {"prefix_caching": prefix_caching, "prefill_chunk": prefill_chunk}  # what /health reports
         self.capacity = n_slots + max_queue
         self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "refused": 0, "tokens": 0, "steps": 0}
         self._inbox: deque[tuple[str, Ticket]] = deque()
@@ -117,7 +118,7 @@ class Engine:
                 "kv_blocks_total": s.n_blocks, "kv_blocks_used": s.blocks.n_used, "kv_bytes": s.runner.cache.nbytes,
                 "block_size": s.block_size, "prefix_hit_tokens": s.stats["prefix_hit_tokens"], "slots": s.n_slots,
                 "capacity": self.capacity, "device": str(s.device), "dtype": str(s.model.dtype).removeprefix("torch."),
-                "vocab_size": config.vocab_size, "context": config.max_seq_len} | self.stats
+                "vocab_size": config.vocab_size, "context": config.max_seq_len} | self.options | self.stats
 
     # ---- the engine thread ----------------------------------------------------------------------------
 

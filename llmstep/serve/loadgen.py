@@ -3,7 +3,8 @@
 Arrivals are a Poisson process at `rate` requests per second (the gaps between them exponential, seeded), so
 requests bunch up and spread out as real users do; rate inf sends them all at once. Each request is a streamed
 /v1/completions of random token ids (prompt length and max_tokens drawn from their ranges, `ignore_eos` so that
-each makes exactly max_tokens), greedy. For every request the client clock records when it was sent, when each
+each makes exactly max_tokens), greedy; with `shared_prefix` every prompt starts with the same system prompt (what
+prefix caching shares). For every request the client clock records when it was sent, when each
 token's event arrived and when it ended:
 
 - TTFT, time to first token: sent -> first token (queueing + prefill, what a user waits before anything shows);
@@ -24,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["RequestTiming", "percentiles", "run_load", "summarise", "bench"]
+__all__ = ["RequestTiming", "percentiles", "system_prompt", "run_load", "summarise", "bench"]
 
 
 @dataclass
@@ -83,21 +84,32 @@ async def _one(client, url: str, model: str, ids: list[int], t: RequestTiming) -
         t.ended = time.perf_counter()
 
 
+def system_prompt(n: int, vocab_size: int) -> list[int]:
+    """The `n` random token ids every request of a shared-prefix load starts with: the same for every seed, so a
+    warm-up run with another seed fills the server's prefix cache for the timed run."""
+    rng = random.Random("llmstep system prompt")  # a str seed: the same in every process (no hash randomisation)
+    return [rng.randrange(vocab_size) for _ in range(n)]
+
+
 async def run_load(url: str, rate: float, requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
-                   seed: int = 0, timeout: float = 600.0) -> tuple[list[RequestTiming], float]:
-    """Send `requests` requests at a Poisson `rate` per second; returns their timings and the run's seconds."""
+                   seed: int = 0, timeout: float = 600.0, shared_prefix: int = 0) -> tuple[list[RequestTiming], float]:
+    """Send `requests` requests at a Poisson `rate` per second; returns their timings and the run's seconds.
+    shared_prefix: every prompt starts with the same `system_prompt` of that many tokens, then its own
+    prompt_len tokens (a chat server's system prompt: what prefix caching shares)."""
     import httpx
 
+    if shared_prefix < 0:
+        raise ValueError(f"shared_prefix must be >= 0 tokens, got {shared_prefix!r}")
     url = url.rstrip("/")
     rng = random.Random(seed)
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         health = (await client.get(f"{url}/health")).json()
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        timings, prompts = [], []
+        system, timings, prompts = system_prompt(shared_prefix, health["vocab_size"]), [], []
         for _ in range(requests):
             n = rng.randint(*prompt_len)
-            prompts.append([rng.randrange(health["vocab_size"]) for _ in range(n)])
-            timings.append(RequestTiming(n, rng.randint(*new_tokens)))
+            prompts.append(system + [rng.randrange(health["vocab_size"]) for _ in range(n)])
+            timings.append(RequestTiming(shared_prefix + n, rng.randint(*new_tokens)))
         gaps = [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(requests)]
         start, tasks = time.perf_counter(), []
         for ids, t, gap in zip(prompts, timings, gaps, strict=True):
@@ -124,14 +136,16 @@ def summarise(timings: list[RequestTiming], seconds: float, rate: float) -> dict
 
 
 def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
-          seed: int = 0, log=print) -> dict:
-    """One run per rate against the server at url; returns {"server": its /health, "runs": [summary, ...]}."""
+          seed: int = 0, log=print, shared_prefix: int = 0) -> dict:
+    """One run per rate against the server at url; returns {"server": its /health before, "runs": [summary, ...],
+    "server_after": its /health after (the counters: prefix cache hits, refusals, tokens)}."""
     import httpx
 
     server = httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()
     runs = []
     for rate in rates:
-        timings, seconds = asyncio.run(run_load(url, rate, requests, prompt_len, new_tokens, seed))
+        timings, seconds = asyncio.run(run_load(url, rate, requests, prompt_len, new_tokens, seed,
+                                                shared_prefix=shared_prefix))
         runs.append(summarise(timings, seconds, rate))
         r = runs[-1]
         log(f"rate {rate:g}/s: {r['completed']}/{r['requests']} done ({r['refused_429']} refused) in "
@@ -139,5 +153,6 @@ def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, in
             f"p90 {r['ttft_ms']['p90']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms | ITL p50 {r['itl_ms']['p50']:.0f} "
             f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms")
     return {"server": server | {"url": url}, "workload": {"requests": requests, "prompt_len": list(prompt_len),
-                                                         "new_tokens": list(new_tokens), "seed": seed},
-            "runs": runs}
+                                                         "new_tokens": list(new_tokens), "seed": seed,
+                                                         "shared_prefix": shared_prefix},
+            "runs": runs, "server_after": httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()}

@@ -31,3 +31,18 @@ def test_a_poisson_load_is_answered_and_timed(shipped):
     assert record["completed"] == 6 and record["output_tokens"] == sum(t.max_tokens for t in timings)
     assert 0 < record["ttft_ms"]["p50"] <= record["ttft_ms"]["p99"] <= record["e2e_latency_ms"]["p99"]
     assert record["itl_ms"]["p50"] > 0 and record["refused_429"] == record["failed"] == 0
+
+
+def test_a_shared_system_prompt_is_what_the_prefix_cache_finds(shipped):
+    model, tokenizer = shipped
+    load = dict(rate=math.inf, prompt_len=(4, 12), new_tokens=(2, 3), shared_prefix=32)
+    with running_server(model, tokenizer, n_slots=4, block_size=16) as (url, engine):
+        asyncio.run(run_load(url, requests=1, seed=1, **load))  # the warm-up fills the cache with the 2 blocks
+        before = engine.health()["prefix_hit_tokens"]
+        timings, _ = asyncio.run(run_load(url, requests=4, seed=0, **load))
+        assert all(t.ok for t in timings) and all(36 <= t.prompt_tokens <= 44 for t in timings)
+        assert engine.health()["prefix_hit_tokens"] - before == 4 * 32  # each found the prompt's 2 full blocks
+    with running_server(model, tokenizer, n_slots=4, prefix_caching=False, prefill_chunk=None) as (url, engine):
+        asyncio.run(run_load(url, requests=3, seed=0, **load))
+        health = engine.health()
+        assert (health["prefix_hit_tokens"], health["prefix_caching"], health["prefill_chunk"]) == (0, False, None)

@@ -1,0 +1,48 @@
+"""scripts/bench_serve.py, the one command that records results/serve.md, cannot rot: on the shipped model with a
+tiny load it starts `llmstep serve` as a child process for the load curve and for each prefix-caching x
+chunked-prefill setting, runs the load generator against each, stops each, and writes one record naming every
+server's options."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
+
+
+def test_one_command_records_the_curve_and_the_four_settings(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    started = []
+    real_server = script.Server
+
+    class Server(real_server):
+        def __init__(self, flags):
+            super().__init__(flags)
+            started.append(self)
+
+    script.Server = Server
+    out = tmp_path / "serve.json"
+    script.main(["--models", "target", "--rate", "1000,inf", "--requests", "2", "--prompt-len", "2:4",
+                 "--new-tokens", "2:3", "--shared-prefix", "32", "--shared-rate", "1000", "--threads", "1",
+                 "--out", str(out)])
+    runs = json.loads(out.read_text())["models"]["target"]
+    assert [r["rate_per_second"] for r in runs["load_curve"]["runs"]] == [1000.0, "inf"]  # JSON has no infinity
+    assert all(r["completed"] == 2 for r in runs["load_curve"]["runs"])
+    settings = {key: (run["server"]["prefix_caching"], run["server"]["prefill_chunk"], run["runs"][0]["completed"])
+                for key, run in runs["shared_prefix"].items()}
+    assert settings == {"prefix caching on, chunked prefill 64": (True, 64, 2),
+                        "prefix caching on, chunked prefill off": (True, None, 2),
+                        "prefix caching off, chunked prefill 64": (False, 64, 2),
+                        "prefix caching off, chunked prefill off": (False, None, 2)}
+    # the warm-up put the system prompt's 2 full blocks in the cache: each timed request found them, if caching is on
+    assert [run["server_after"]["prefix_hit_tokens"] for run in runs["shared_prefix"].values()] == [64, 64, 0, 0]
+    assert len(started) == 5 and all(s.proc.poll() is not None for s in started)  # every server stopped

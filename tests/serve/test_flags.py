@@ -1,0 +1,47 @@
+"""`llmstep serve`'s and `bench-serve`'s flags reach the engine and the load: chunked prefill can be turned off,
+and `--shared-prefix` starts every request with one system prompt (which the prefix cache then finds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from serving import load_shipped, running_server
+
+from llmstep.cli import main
+
+shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
+
+
+@pytest.mark.parametrize("flags, chunk, caching", [([], 256, True), (["--prefill-chunk", "32"], 32, True),
+                                                   (["--no-chunked-prefill", "--no-prefix-caching"], None, False)])
+def test_serve_passes_prefill_chunk_and_prefix_caching_to_the_engine(flags, chunk, caching, monkeypatch, capsys):
+    from llmstep.serve import app
+
+    seen = {}
+
+    def fake_serve(model, tokenizer, name, host, port, n_slots, block_size, kv_blocks, prefix_caching,
+                   prefill_chunk, max_queue, ready):
+        seen.update(prefix_caching=prefix_caching, prefill_chunk=prefill_chunk)
+        ready(host, 1234, {"kv_blocks_total": 1, "block_size": 16, "kv_bytes": 0})
+        return {"requests": 0, "tokens": 0}
+
+    monkeypatch.setattr(app, "serve", fake_serve)
+    main(["serve", *flags])
+    assert seen == {"prefix_caching": caching, "prefill_chunk": chunk}
+    said = capsys.readouterr().err
+    assert ("chunked prefill off" if chunk is None else f"chunked prefill {chunk} tokens a step") in said, said
+
+
+def test_bench_serve_shared_prefix_starts_every_request_with_one_system_prompt(shipped, tmp_path):
+    model, tokenizer = shipped
+    out = tmp_path / "serve.json"
+    with running_server(model, tokenizer, n_slots=2, block_size=16) as (url, engine):
+        # two runs of one request each, the same seed: the second finds the first's full blocks, the shared 32
+        # tokens' 2 (a prompt of 2-4 random tokens alone fills no block, so without the prefix it finds none)
+        main(["bench-serve", "--url", url, "--rate", "1000,1000", "--requests", "1", "--prompt-len", "2:4",
+              "--new-tokens", "2:2", "--shared-prefix", "32", "--json", str(out)])
+        hits = engine.health()["prefix_hit_tokens"]
+    record = json.loads(out.read_text())
+    assert record["workload"]["shared_prefix"] == 32 and hits == 32
+    assert [r["completed"] for r in record["runs"]] == [1, 1]
