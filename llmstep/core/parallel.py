@@ -48,6 +48,7 @@ from .process_group import (
     RankFailed,
     agree_seed,
     agreeing,
+    collective_device,
     finish,
     init_from_environment,
     launched_by_torchrun,
@@ -62,8 +63,8 @@ from .tokens import Tokenizer
 __all__ = ["ParallelError", "Split", "CommStats", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "ParallelLMHead", "TensorParallelLlama", "check_split", "split", "rank_slices",
            "build_rank_model", "shard", "load_sharded", "load", "launched_by_torchrun", "launched_world_size",
-           "init_from_environment", "rank_device", "agree_seed", "finish", "is_sharded", "RankFailed", "leaving",
-           "peer_failure", "timeout_seconds"]
+           "init_from_environment", "rank_device", "collective_device", "agree_seed", "finish", "is_sharded",
+           "RankFailed", "leaving", "peer_failure", "timeout_seconds"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -326,7 +327,8 @@ def load_sharded(path: str | os.PathLike | None = None, group=None, device=None,
     with agreeing(group):
         path, config, s, state, read, generation_config, both = _read_shard(path, rank, world, device, dtype)
     if both:  # as load_model: tied only when the file's head equals the embedding, on every rank's slice
-        same = torch.tensor([int(torch.equal(state["output.weight"], state["tok_embeddings.weight"]))])
+        same = torch.tensor([int(torch.equal(state["output.weight"], state["tok_embeddings.weight"]))],
+                            device=collective_device(group))
         dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
         if same.item():
             del state["output.weight"]

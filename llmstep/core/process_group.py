@@ -31,8 +31,8 @@ import torch.distributed as dist
 from .device import resolve_device
 
 __all__ = ["ParallelError", "RankFailed", "TIMEOUT_SECONDS", "TIMEOUT_ENV", "timeout_seconds", "agree", "agreeing",
-           "peer_failure", "launched_by_torchrun", "launched_world_size", "rank_device", "init_from_environment",
-           "finish", "leaving", "agree_seed"]
+           "peer_failure", "launched_by_torchrun", "launched_world_size", "local_rank", "collective_device",
+           "rank_device", "init_from_environment", "finish", "leaving", "agree_seed"]
 
 TIMEOUT_SECONDS = 300  # see the module docstring
 TIMEOUT_ENV = "LLMSTEP_TP_TIMEOUT"
@@ -66,16 +66,16 @@ def timeout_seconds() -> float:
     return seconds
 
 
-def _device(group) -> torch.device:
-    """Where the backend's collectives take their tensors: a CUDA tensor for NCCL, the CPU for gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+def collective_device(group=None) -> torch.device:
+    """Where the group's collectives take their tensors, the one rule every collective in llmstep follows: NCCL
+    takes only CUDA tensors on this rank's own GPU (cuda:LOCAL_RANK, see local_rank); gloo, CPU tensors."""
+    return torch.device("cuda", local_rank()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def agree(error: BaseException | None, group=None) -> None:
     """Every rank calls this at the same point, with the error its own work raised (or None). Returns if no
     rank failed; else raises RankFailed with the first failing rank's message on every rank."""
-    device = _device(group)
+    device = collective_device(group)
     failed = torch.tensor([0 if error is None else 1], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
@@ -135,11 +135,22 @@ def launched_world_size() -> int:
     return int(value)
 
 
+def local_rank() -> int:
+    """This process's GPU: torchrun's LOCAL_RANK (one GPU per process), else the current CUDA device (a group
+    joined without torchrun, after torch.cuda.set_device)."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        return torch.cuda.current_device()
+    if not value.isdigit():
+        raise ParallelError(f"LOCAL_RANK is {value!r}; torchrun sets it to this process's index on its machine")
+    return int(value)
+
+
 def rank_device(device=None) -> torch.device:
     """The device this rank runs on: a CUDA rank takes GPU LOCAL_RANK (one GPU per process); else `device`."""
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None and dist.is_initialized():
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        dev = torch.device("cuda", local_rank())
     if dev.type == "mps":
         raise ParallelError("tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not on MPS")
     return dev
@@ -152,7 +163,7 @@ def init_from_environment(device=None):
     timeout = datetime.timedelta(seconds=timeout_seconds())
     if not dist.is_initialized():
         if dev.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank())
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
     return dist.group.WORLD
 
@@ -183,11 +194,12 @@ def leaving() -> Iterator[None]:
     finish()
 
 
-def agree_seed(seed: int | None, group=None, device: torch.device | str = "cpu") -> int | None:
+def agree_seed(seed: int | None, group=None, device: torch.device | str | None = None) -> int | None:
     """The seed every rank samples with: `seed` itself, or (None) one drawn on rank 0 and broadcast, so that
-    the ranks, sampling from the same logits, pick the same tokens."""
+    the ranks, sampling from the same logits, pick the same tokens. The broadcast runs on the group's device
+    (collective_device); `device` is accepted for older callers and not used."""
     if seed is not None:
         return seed
-    drawn = torch.tensor([random.SystemRandom().randrange(2**63)], dtype=torch.long, device=device)
+    drawn = torch.tensor([random.SystemRandom().randrange(2**63)], dtype=torch.long, device=collective_device(group))
     dist.broadcast(drawn, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(drawn.item())
