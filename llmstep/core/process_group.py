@@ -31,8 +31,8 @@ import torch.distributed as dist
 from .device import resolve_device
 
 __all__ = ["ParallelError", "RankFailed", "TIMEOUT_SECONDS", "TIMEOUT_ENV", "timeout_seconds", "agree", "agreeing",
-           "peer_failure", "launched_by_torchrun", "launched_world_size", "local_rank", "collective_device",
-           "rank_device", "init_from_environment", "finish", "leaving", "agree_seed"]
+           "peer_failure", "launched_by_torchrun", "launched_world_size", "launched_rank", "local_rank",
+           "collective_device", "rank_device", "init_from_environment", "finish", "leaving", "agree_seed"]
 
 TIMEOUT_SECONDS = 300  # see the module docstring
 TIMEOUT_ENV = "LLMSTEP_TP_TIMEOUT"
@@ -129,9 +129,17 @@ def launched_by_torchrun() -> bool:
 
 def launched_world_size() -> int:
     """The number of processes torchrun started (its WORLD_SIZE), 1 outside torchrun."""
-    value = os.environ.get("WORLD_SIZE", "1")
+    value = os.environ["WORLD_SIZE"] if launched_by_torchrun() else "1"
     if not value.isdigit() or int(value) < 1:
         raise ParallelError(f"WORLD_SIZE is {value!r}; torchrun sets it to the number of processes")
+    return int(value)
+
+
+def launched_rank() -> int:
+    """This process's rank under torchrun (its RANK), 0 outside torchrun (a stray RANK alone is not torchrun)."""
+    value = os.environ["RANK"] if launched_by_torchrun() else "0"
+    if not value.isdigit():
+        raise ParallelError(f"RANK is {value!r}; torchrun sets it to this process's rank")
     return int(value)
 
 
