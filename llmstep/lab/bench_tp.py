@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..core.checks import check_int
 from ..core.config import LlamaConfig
 from ..core.cost import decode_step_cost, dtype_bytes, model_bytes
 from ..core.device import resolve_dtype, synchronize
@@ -43,7 +44,6 @@ from ..core.parallel import (
     rank_slices,
     split,
 )
-from ..engines.decoding import check_int
 from . import runinfo
 from .bench import choose_model
 from .hardware import DATASHEETS
