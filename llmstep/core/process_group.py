@@ -183,7 +183,8 @@ def finish(error: BaseException | None = None) -> None:
     is nobody to wait for: the others learn of it from the closed connection."""
     if dist.is_initialized():
         if error is None or isinstance(error, RankFailed):
-            dist.barrier()
+            device = collective_device()  # NCCL's barrier is a collective on a GPU too: this rank's own
+            dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
         dist.destroy_process_group()
 
 

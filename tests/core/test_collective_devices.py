@@ -74,12 +74,19 @@ def nccl(monkeypatch, tmp_path):
             return real(*args, **kwargs)
         return collective
 
+    def barrier(*args, device_ids=None, **kwargs):  # NCCL's barrier runs on the GPUs device_ids names
+        handed.append(("barrier", [torch.device("cuda", i) for i in device_ids or []]))
+        return real_barrier(*args, **kwargs)
+
     for name in COLLECTIVES:
         monkeypatch.setattr(dist, name, recorded(name, getattr(dist, name)))
+    real_barrier = dist.barrier
+    monkeypatch.setattr(dist, "barrier", barrier)
     try:
         yield mode, handed
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def wrong(handed) -> list:
@@ -128,3 +135,10 @@ def test_the_tp_benchmark_hands_its_timings_and_its_lone_all_reduce_the_ranks_gp
     assert record["world_size"] == 1
     assert {name for name, _ in handed} == {"all_gather", "all_reduce"}  # per-rank timings; the lone all-reduce
     assert wrong(handed) == []
+
+
+def test_leaving_the_group_waits_for_the_others_on_the_ranks_gpu(nccl):
+    mode, handed = nccl
+    process_group.finish()
+    assert handed == [("barrier", [GPU])]
+    assert not dist.is_initialized()
