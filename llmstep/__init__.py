@@ -21,9 +21,13 @@ core/         the model, one module per stage of the token's journey (notebooks 
     quantize.py    weight-only int8/int4: the quantized linears and their kernels, swapped into a model
     fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
+    checkpoint_layout.py  a checkpoint directory parsed once: config, quantisation, tensor names, index, headers
+    loader.py      the one loader: every tensor through a slicer (whole, or a rank's share), checked finite
     parallel.py    tensor parallelism on torch.distributed: sharded linears, vocabulary-parallel embedding and
                    head, shard(model, group), per-rank slice loading (torchrun -m llmstep, notebook 11)
-    process_group.py  torchrun's process group: a bounded collective timeout, one rank's error agreed by all
+    parallel_split.py  who holds what under tensor parallelism: each rank's heads, units and vocabulary rows
+    process_group.py  torchrun's process group, the one place for it: RANK/WORLD_SIZE/LOCAL_RANK, joining with
+                   a bounded timeout, each collective's device, one rank's error agreed by all
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     gguf_load.py   read a GGUF file (llama.cpp's reader): shape, weights dequantized or Q4 kept as int4, tokenizer
     gguf_vocab.py  a GGUF file's tokenizer rebuilt for `tokenizers`, with llama.cpp's split rules and ids

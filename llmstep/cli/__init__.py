@@ -40,6 +40,7 @@ import signal
 import sys
 import threading
 
+from ..core.process_group import ParallelError, launched_by_torchrun, launched_rank, launched_world_size
 from . import bench, export, hub, model, serve, shakespeare
 
 __all__ = ["main", "console", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
@@ -92,8 +93,11 @@ def main(argv: list[str] | None = None):
     llmstep.core.parallel) and rank 0 alone prints: the other ranks' stdout and stderr go to os.devnull
     (LLMSTEP_DEBUG=1 keeps them)."""
     # Quiet only under torchrun (it sets RANK and WORLD_SIZE together): a stray RANK alone silences nothing.
-    torchrun_rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
-    if torchrun_rank in ("", "0") or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+    try:
+        quiet = launched_rank() != 0
+    except ParallelError:  # a RANK torchrun would not set: speak
+        quiet = False
+    if not quiet or os.environ.get(DEBUG_ENV, "") not in ("", "0"):
         return _main(argv)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         return _main(argv)
@@ -138,8 +142,8 @@ TENSOR_PARALLEL = ("generate", "bench")
 
 
 def _check_tensor_parallel(command: str) -> None:
-    world = os.environ.get("WORLD_SIZE", "1") if "RANK" in os.environ else "1"
-    if command not in TENSOR_PARALLEL and world not in ("", "1"):
+    world = launched_world_size()
+    if command not in TENSOR_PARALLEL and world != 1:
         raise ValueError(f"{command} does not run tensor-parallel (only {' and '.join(TENSOR_PARALLEL)} do): run it "
                          f"in one process, without torchrun (here WORLD_SIZE is {world})")
 
@@ -171,7 +175,7 @@ def console() -> None:
     (A console script hands what its function returns to sys.exit, which would print a benchmark's record on
     stderr and exit 1.)"""
     main()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if launched_by_torchrun():
         # Under torchrun, after the process group is gone: skip the interpreter's teardown, where gloo's threads
         # sometimes end the process with "terminate called without an active exception" (SIGABRT) after
         # everything was printed and written (seen after llmstep.lab.bench_tp's timed all-reduces).

@@ -73,7 +73,7 @@ def load_for_command(args, load_one):
         return (*load_one(), args.seed)
     group = parallel.init_from_environment(args.device)
     model, tokenizer = parallel.load(args.model, group, device=args.device, dtype=args.dtype)
-    return model, tokenizer, parallel.agree_seed(args.seed, group, device=model.device)
+    return model, tokenizer, parallel.agree_seed(args.seed, group)
 
 
 def run_generate(args, argv) -> None:

@@ -3,14 +3,25 @@ torch.Generator, a cache's length fits the model's context. Each error names the
 
 from __future__ import annotations
 
-from numbers import Integral
+import math
+from numbers import Integral, Real
 
-__all__ = ["is_int", "check_int", "SEED_LIMIT", "check_seed", "check_max_len"]
+__all__ = ["is_int", "is_number", "is_finite_number", "check_int", "SEED_LIMIT", "check_seed", "check_max_len"]
 
 
 def is_int(value) -> bool:
     """An integer: a Python or numpy int, not a bool (which Python counts as one) and not a float."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number: an int or a float (numpy's too), not a bool."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def is_finite_number(value) -> bool:
+    """A real number that is neither infinite nor NaN (not a bool)."""
+    return is_number(value) and math.isfinite(value)
 
 
 def check_int(value, name: str, low: int = 0) -> None:

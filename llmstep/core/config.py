@@ -12,9 +12,10 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from .checks import is_int
+from .checks import is_finite_number, is_int, is_number
 
 __all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "parse_json",
+           "read_json_object", "read_config_json",
            "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH"]
 
 # Sanity bounds, checked before anything is built from a config (a per-layer table, a cache). Far above every
@@ -53,6 +54,18 @@ def read_json_object(path: Path, error: type[Exception] = ValueError) -> dict:
     return data
 
 
+def read_config_json(path: str | os.PathLike) -> tuple[dict, Path]:
+    """(the JSON object, its file) of a config.json, or of the directory holding one: parsed, not yet checked."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a config.json file")
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    return read_json_object(path, ConfigError), path
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1's `llama3` RoPE frequency scaling (meta-llama/Llama-3.1-8B config.json)."""
@@ -65,7 +78,7 @@ class RopeScaling:
     def __post_init__(self):
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            if not is_finite_number(value):
                 raise ConfigError(f"rope_scaling.{name} must be a finite number, got {value!r}")
         if not self.factor >= 1.0:
             raise ConfigError(f"rope_scaling.factor must be >= 1, got {self.factor}")
@@ -134,7 +147,7 @@ class LlamaConfig:
             raise ConfigError(f"head_dim must be a positive even number (RoPE rotates pairs) with n_heads x head_dim "
                               f"<= {MAX_WIDTH:,}, got {self.head_dim}")
         for name, value in (("norm_eps", self.norm_eps), ("rope_theta", self.rope_theta)):
-            if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            if not is_finite_number(value):
                 raise ConfigError(f"{name} must be a finite number, got {value!r}")
         if not 0 < self.norm_eps < 1:  # added to a mean square before its root: 1e-5 or 1e-6 in every Llama
             raise ConfigError(f"norm_eps must be between 0 and 1, got {self.norm_eps}")
@@ -154,23 +167,16 @@ class LlamaConfig:
 
     # ---- Hugging Face config.json ----------------------------------------------------------------
     @classmethod
-    def from_hf(cls, source: str | os.PathLike | dict) -> LlamaConfig:
-        """Read a Hugging Face Llama config: a dict, a config.json file, or a directory holding one.
+    def from_hf(cls, source: str | os.PathLike | dict, where: str = "config") -> LlamaConfig:
+        """Read a Hugging Face Llama config: a dict (its errors naming `where`, the file it came from), a
+        config.json file, or a directory holding one.
 
         Accepts both the published Llama 3.x files (top-level `rope_theta` and `rope_scaling`) and the
         newer `rope_parameters` form.
         """
-        where = "config"
         if not isinstance(source, dict):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
+            source, path = read_config_json(source)
             where = str(path)
-            if path.is_dir():
-                raise ConfigError(f"{path} is a directory, not a config.json file")
-            if not path.is_file():
-                raise FileNotFoundError(f"no config.json at {path}")
-            source = read_json_object(path, ConfigError)
         hf = dict(source)
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
@@ -289,7 +295,7 @@ class LlamaConfig:
 
 def _number(value, name: str, where: str) -> float:
     """A config.json number as a finite float, or a ConfigError naming the field and the file."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    if not is_number(value):
         raise ConfigError(f"{where}: {name} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise ConfigError(f"{where}: {name} must be a finite number, got {value!r}")
@@ -313,7 +319,7 @@ def check_generation_config(gen: dict, where: str) -> dict:
         value = gen.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not ok(value):
+        if not is_finite_number(value) or not ok(value):
             raise ConfigError(f"{where}: {name} must be {what}, got {value!r}")
     if "do_sample" in gen and not isinstance(gen["do_sample"], bool):
         raise ConfigError(f"{where}: do_sample must be true or false, got {gen['do_sample']!r}")

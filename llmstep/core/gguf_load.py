@@ -32,14 +32,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checks import is_int
+from .checks import is_finite_number, is_int
 from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
 from .cost import check_fits, checkpoint_bytes
-from .device import resolve_device, resolve_dtype
+from .device import resolve_device
 from .gguf import GGUF_NAMES, from_interleaved, qk_rows
 from .gguf_vocab import GGUFVocabError, build_tokenizer
+from .loader import check_finite, dtype_name, load_dtype, quantized
 from .model import Llama, all_finite, materialize
-from .quantize import QuantConfig, QuantLinear, empty_quantized, linear_names, pack_int4
+from .quantize import QuantConfig, empty_quantized, linear_names, pack_int4
 from .rope import inv_frequencies
 from .tokens import Tokenizer
 
@@ -135,7 +136,7 @@ def _int(fields: dict, key: str, where: str, default=None) -> int:
 
 def _float(fields: dict, key: str, where: str, default: float) -> float:
     value = fields.get(key, default)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise GGUFLoadError(f"{where}: metadata {key} must be a finite number, got {value!r}")
     return float(value)
 
@@ -335,16 +336,17 @@ def int4_from_blocks(blocks: np.ndarray, kind: str, n: int, k: int) -> tuple[tor
 
 def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: bool = False,
               progress: bool | None = None) -> tuple[Llama, Tokenizer]:
-    """(model, tokenizer) from a GGUF file; see the module docstring. `dtype` None: float32 on the CPU; on a GPU the
-    file's float type, bfloat16 for a quantized file (llmstep.core.device); `keep_quantized`: Q4_0/Q4_1 matrices
-    stay 4-bit (int4-g32)."""
+    """(model, tokenizer) from a GGUF file; see the module docstring. `dtype` None: float32 on the CPU (the file's
+    float type above 4B parameters, as every loader: llmstep.core.loader.load_dtype); on a GPU the file's float
+    type, bfloat16 for a quantized file (llmstep.core.device); `keep_quantized`: Q4_0/Q4_1 matrices stay 4-bit
+    (int4-g32)."""
     from tqdm.auto import tqdm
 
     g = read_gguf(path)
     qc = g.quant_config(keep_quantized)
     device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device, g.config.torch_dtype)
-    check_fits(checkpoint_bytes(g.config, dtype, qc), device, f"{g.path.name} in {str(dtype).removeprefix('torch.')}")
+    dtype = load_dtype(g.config, device, dtype)  # the one rule every loader follows (llmstep.core.loader)
+    check_fits(checkpoint_bytes(g.config, dtype, qc), device, f"{g.path.name} in {dtype_name(dtype)}")
     kept = set()
     if qc is not None:
         with torch.device("meta"):
@@ -356,7 +358,7 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
             if name in kept:
                 n, k = (int(d) for d in reversed(t.shape.tolist()))
                 codes, scales, zeros = int4_from_blocks(np.asarray(t.data), g.types[name], n, k)
-                if not (all_finite(scales) and all_finite(zeros)):
+                if not (all_finite(scales) and all_finite(zeros)):  # float32 here: no check_finite wording
                     raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) has NaN or Inf scales; the file is "
                                         "damaged")
                 module = name.removesuffix(".weight")
@@ -366,10 +368,7 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
                     state[f"{module}.{part}"] = rows.to(device, dtype if part != "weight" else torch.uint8)
                 continue
             w = _dequantized(t, name, g.config).to(device, dtype)
-            if not all_finite(w):
-                raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) holds NaN or Inf values in "
-                                    f"{str(dtype).removeprefix('torch.')}; the file is damaged"
-                                    + (" (or too large for float16)" if dtype == torch.float16 else ""))
+            check_finite(w, f"{g.path}: tensor {t.name} ({name})", dtype, GGUFLoadError, "the file")
             state[name] = w
     except (ValueError, OSError) as e:
         if isinstance(e, GGUFLoadError):
@@ -378,8 +377,4 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
     if qc is None:
         return materialize(g.config, state, g.generation_config), g.tokenizer
     model = materialize(g.config, state, g.generation_config, swap=lambda meta: empty_quantized(meta, qc, dtype))
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            m.prepare()
-    model.quantization = qc
-    return model, g.tokenizer
+    return quantized(model, qc), g.tokenizer

@@ -13,7 +13,8 @@ vocabulary, padded with zero rows to a multiple of N: an id outside a rank's row
 all-reduce assembles each token's row; the head's logit slices are all-gathered and the padding cut off.
 The norms are replicated (dim numbers each).
 
-`shard(model, group)` makes a rank's model from a loaded one; `load_sharded(path, group)` reads only the
+Who holds what is one rule (parallel_split.py). `shard(model, group)` makes a rank's model from a loaded one;
+`load_sharded(path, group)` is the one loader (llmstep.core.loader) with a RankSlicer, which reads only the
 rank's slices of each safetensors tensor (`safe_open(...).get_slice`): no rank holds the whole model. The
 model class is unchanged: the modules are swapped and the instance's class becomes TensorParallelLlama (as
 FSDP2's fully_shard does), whose one difference is a KV cache of this rank's heads (a per-rank config).
@@ -25,6 +26,7 @@ load that fails on one rank (its slice of a weight holds a NaN) fails on every r
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -33,114 +35,39 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .checkpoint import CheckpointError, read_generation_config, read_quant_config, resolve_model_path, validate
-from .checks import is_int
+from .checkpoint_layout import Checkpoint, checkpoint_tokenizer, read_checkpoint
 from .config import LlamaConfig
-from .cost import check_fits
-from .device import resolve_dtype, synchronize
+from .device import synchronize
 from .kv_cache import KVCache
+from .loader import Slicer, build, load_dtype, read_state
 from .model import Llama, materialize
+from .parallel_split import VOCAB_ROWS, Split, check_split, pad_rows, rank_slices, split
 from .process_group import (
     ParallelError,
     RankFailed,
     agree_seed,
     agreeing,
+    collective_device,
     finish,
     init_from_environment,
     launched_by_torchrun,
     launched_world_size,
     leaving,
+    local_rank,
     peer_failure,
     rank_device,
     timeout_seconds,
 )
+from .registry import resolve_model_path
 from .tokens import Tokenizer
 
 __all__ = ["ParallelError", "Split", "CommStats", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "ParallelLMHead", "TensorParallelLlama", "check_split", "split", "rank_slices",
            "build_rank_model", "shard", "load_sharded", "load", "launched_by_torchrun", "launched_world_size",
-           "init_from_environment", "rank_device", "agree_seed", "finish", "is_sharded", "RankFailed", "leaving",
-           "peer_failure", "timeout_seconds"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Who holds what: one rule, used by shard (slicing tensors in memory) and load_sharded (slicing files)
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Split:
-    """What rank `rank` of `world` holds."""
-
-    rank: int
-    world: int
-    heads: int  # query heads per rank: n_heads / world
-    kv_heads: int  # KV heads this rank holds: n_kv_heads / world, or 1 when there are fewer KV heads than ranks
-    kv_start: int  # its first KV head
-    hidden: int  # SwiGLU units per rank: hidden_dim / world
-    vocab_rows: int  # embedding / LM head rows per rank: ceil(vocab / world), the last rank's padded with zeros
-
-
-def check_split(config: LlamaConfig, world_size: int) -> None:
-    """Refuse a world size that cannot split the heads, the KV heads or the feed-forward: before any loading."""
-    if not is_int(world_size) or world_size < 1:
-        raise ParallelError(f"the world size must be a positive integer, got {world_size!r}")
-    N, c = world_size, config
-    if c.n_heads % N:
-        raise ParallelError(f"cannot split {c.n_heads} query heads over {N} ranks: the world size must divide "
-                            f"n_heads (try {', '.join(str(d) for d in _divisors(c.n_heads) if d > 1)})")
-    if c.n_kv_heads % N and N % c.n_kv_heads:
-        raise ParallelError(f"cannot split {c.n_kv_heads} KV heads over {N} ranks: the world size must divide "
-                            "n_kv_heads, or n_kv_heads divide the world size (then each KV head is replicated)")
-    if c.hidden_dim % N:
-        raise ParallelError(f"cannot split the feed-forward's {c.hidden_dim} units over {N} ranks: "
-                            "the world size must divide hidden_dim")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-
-
-def split(config: LlamaConfig, rank: int, world_size: int) -> Split:
-    check_split(config, world_size)
-    if not 0 <= rank < world_size:
-        raise ParallelError(f"rank {rank} is outside the world of {world_size} ranks")
-    heads = config.n_heads // world_size
-    if config.n_kv_heads % world_size == 0:
-        kv_heads = config.n_kv_heads // world_size
-        kv_start = rank * kv_heads
-    else:  # fewer KV heads than ranks: this rank's query heads all read one KV head (n_rep >= heads)
-        kv_heads, kv_start = 1, rank * heads // (config.n_heads // config.n_kv_heads)
-    return Split(rank, world_size, heads, kv_heads, kv_start, config.hidden_dim // world_size,
-                 -(-config.vocab_size // world_size))
-
-
-def rank_slices(config: LlamaConfig, s: Split) -> dict[str, tuple[int, int, int]]:
-    """llmstep state name -> (dim, start, stop): the rows (dim 0) or columns (dim 1) of the full tensor this
-    rank holds. Names not listed (the norms) are replicated whole."""
-    hd, r = config.head_dim, s.rank
-    q = (r * s.heads * hd, (r + 1) * s.heads * hd)
-    kv = (s.kv_start * hd, (s.kv_start + s.kv_heads) * hd)
-    h = (r * s.hidden, (r + 1) * s.hidden)
-    vocab = (0, r * s.vocab_rows, min((r + 1) * s.vocab_rows, config.vocab_size))
-    out = {"tok_embeddings.weight": vocab}
-    if not config.tie_embeddings:
-        out["output.weight"] = vocab
-    for i in range(config.n_layers):
-        p = f"layers.{i}."
-        out |= {p + "attention.wq.weight": (0, *q), p + "attention.wk.weight": (0, *kv),
-                p + "attention.wv.weight": (0, *kv), p + "attention.wo.weight": (1, *q),
-                p + "feed_forward.w1.weight": (0, *h), p + "feed_forward.w3.weight": (0, *h),
-                p + "feed_forward.w2.weight": (1, *h)}
-    return out
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """A vocabulary slice [n, dim] padded with zero rows to [rows, dim] (the last rank's, when N does not divide)."""
-    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])])
+           "init_from_environment", "rank_device", "collective_device", "local_rank", "agree_seed", "finish",
+           "is_sharded", "RankFailed", "leaving", "peer_failure", "timeout_seconds", "RankSlicer", "pad_rows"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,111 +234,96 @@ def shard(model: Llama, group=None) -> TensorParallelLlama:
             continue
         dim, start, stop = rank_slices(config, s).get(name, (0, 0, tensor.shape[0]))
         piece = tensor.narrow(dim, start, stop - start).clone()  # its own memory: the whole model can go
-        state[name] = _pad_rows(piece, s.vocab_rows) if name in ("tok_embeddings.weight", "output.weight") else piece
+        state[name] = pad_rows(piece, s.vocab_rows) if name in ("tok_embeddings.weight", "output.weight") else piece
     return build_rank_model(config, s, state, group, getattr(model, "generation_config", None))
 
 
 # --------------------------------------------------------------------------------------------------
-# Reading only this rank's slices
+# Reading only this rank's slices: the one loader (llmstep.core.loader) with a rank's slicer
 # --------------------------------------------------------------------------------------------------
 
 
-def load_sharded(path: str | os.PathLike | None = None, group=None, device=None, dtype=None) -> TensorParallelLlama:
-    """This rank's shard of a float checkpoint, read slice by slice from its safetensors files: a rank reads
-    (and holds) about 1/N of the layers' bytes plus the replicated norms; `model.bytes_read` says how many.
+class RankSlicer(Slicer):
+    """Rank s.rank's rows or columns of each tensor (rank_slices), read from the file alone (safetensors'
+    get_slice), its vocabulary rows padded to s.vocab_rows; the norms whole."""
+
+    direct = False  # slices are read on the CPU, then moved
+
+    def __init__(self, config: LlamaConfig, s: Split, group=None):
+        self.split, self.group = s, group
+        self.slices = rank_slices(config, s)
+        if config.tie_embeddings:  # a tied config whose file also holds a head: sliced as the embedding
+            self.slices["output.weight"] = self.slices["tok_embeddings.weight"]
+
+    def shape(self, ours: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if ours not in self.slices:
+            return shape
+        dim, start, stop = self.slices[ours]
+        return tuple(stop - start if i == dim else size for i, size in enumerate(shape))
+
+    def need(self, ckpt: Checkpoint, dtype: torch.dtype) -> tuple[int, str]:
+        numel = sum(math.prod(self.shape(ours, shape)) for ours, shape, _ in ckpt.tensors[1].values())
+        return numel * dtype.itemsize, f"rank {self.split.rank}'s shard of {ckpt.path.name}"
+
+    def read(self, file, name: str, ours: str) -> torch.Tensor:
+        view = file.get_slice(name)
+        if ours not in self.slices:
+            return view[:]
+        dim, start, stop = self.slices[ours]
+        return view[start:stop] if dim == 0 else view[:, start:stop]  # only those rows' bytes are read
+
+    def place(self, ours: str, t: torch.Tensor) -> torch.Tensor:
+        return pad_rows(t, self.split.vocab_rows) if ours in VOCAB_ROWS else t
+
+    def all_ranks(self, flag: bool) -> bool:
+        every = torch.tensor([int(flag)], device=collective_device(self.group))
+        dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(every.item())
+
+    def materialize(self, config: LlamaConfig, state: dict[str, torch.Tensor], generation_config: dict
+                    ) -> TensorParallelLlama:
+        return build_rank_model(config, self.split, state, self.group, generation_config)
+
+
+def load_sharded(path: str | os.PathLike | Checkpoint | None = None, group=None, device=None, dtype=None
+                 ) -> TensorParallelLlama:
+    """This rank's shard of a float checkpoint (a directory, or one already read), read slice by slice from its
+    safetensors files: a rank reads (and holds) about 1/N of the layers' bytes plus the replicated norms;
+    `model.bytes_read` says how many.
 
     The world size is checked against the heads from config.json before any weight is read. Every rank reads its
     own slices and then agrees with the others (process_group.agreeing): one rank's error is every rank's."""
     rank, world = _rank_world(group)
     with agreeing(group):
-        path, config, s, state, read, generation_config, both = _read_shard(path, rank, world, device, dtype)
-    if both:  # as load_model: tied only when the file's head equals the embedding, on every rank's slice
-        same = torch.tensor([int(torch.equal(state["output.weight"], state["tok_embeddings.weight"]))])
-        dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
-        if same.item():
-            del state["output.weight"]
-        else:
-            config = config.replace(tie_embeddings=False)
-    model = build_rank_model(config, s, state, group, generation_config)
-    model.bytes_read = read
+        ckpt = path if isinstance(path, Checkpoint) else _checkpoint(path)
+        if ckpt.quantization is not None:
+            raise ParallelError(f"{ckpt.path} is quantised; tensor parallelism in llmstep splits float checkpoints "
+                                "only")
+        s = split(ckpt.config, rank, world)  # refuses a world size that cannot split the model, before any read
+        slicer = RankSlicer(ckpt.config, s, group)
+        device = rank_device(device)
+        dtype = load_dtype(ckpt.config, device, dtype)
+        state, taken = read_state(ckpt, device, dtype, slicer, progress=False)
+    model = build(ckpt, state, dtype, slicer)  # a tied head: tied only if equal on every rank (a collective)
+    model.bytes_read = taken
     return model
 
 
-def _read_shard(path, rank: int, world: int, device, dtype):
-    """load_sharded's local work, no collective: check the files, read this rank's slices -> (path, config,
-    split, state, bytes read, generation config, whether a tied config's file also holds a head)."""
+def _checkpoint(path) -> Checkpoint:
     path = resolve_model_path(path)
     if path.is_file():
         raise ParallelError(f"{path} is a GGUF file; tensor parallelism reads Hugging Face checkpoints slice by "
                             "slice: load it in one process, or write it as one with llmstep.save")
-    config = LlamaConfig.from_hf(path)
-    if read_quant_config(path) is not None:
-        raise ParallelError(f"{path} is quantised; tensor parallelism in llmstep splits float checkpoints only")
-    s = split(config, rank, world)  # refuses a world size that cannot split the model, before reading weights
-    device = rank_device(device)
-    dtype = resolve_dtype(dtype, device, config.torch_dtype)
-    found, expected = validate(path, config)
-    generation_config = read_generation_config(path)
-    slices = rank_slices(config, s)
-    both = config.tie_embeddings and "lm_head.weight" in expected  # a tied config whose file also has a head
-    if both:
-        slices["output.weight"] = slices["tok_embeddings.weight"]
-    rank_bytes = sum(_slice_numel(shape, slices.get(ours)) for ours, shape, _ in expected.values())
-    check_fits(rank_bytes * torch.empty((), dtype=dtype).element_size(), device,
-               f"rank {rank}'s shard of {path.name}")
-
-    state: dict[str, torch.Tensor] = {}
-    read = 0
-    by_file: dict[str, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(found[name][0], []).append(name)
-    try:
-        for file, names in by_file.items():
-            with safe_open(path / file, framework="pt", device="cpu") as f:
-                for name in names:
-                    ours = expected[name][0]
-                    t = _read_slice(f.get_slice(name), slices.get(ours))
-                    read += t.nbytes
-                    t = t.to(device=device, dtype=dtype)
-                    if not torch.isfinite(t).all():
-                        raise CheckpointError(f"{path / file}: tensor {name} holds NaN or Inf values in "
-                                              f"{str(dtype).removeprefix('torch.')}; the checkpoint is damaged")
-                    state[ours] = _pad_rows(t, s.vocab_rows) if ours in ("tok_embeddings.weight", "output.weight") \
-                        else t
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: could not read the weights ({e})") from None
-    return path, config, s, state, read, generation_config, both
-
-
-def _slice_numel(shape: tuple[int, ...], sl: tuple[int, int, int] | None) -> int:
-    n = 1
-    for i, size in enumerate(shape):
-        n *= (sl[2] - sl[1]) if sl is not None and sl[0] == i else size
-    return n
-
-
-def _read_slice(view, sl: tuple[int, int, int] | None) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) start:stop of a safetensors tensor, reading only those bytes' rows."""
-    if sl is None:
-        return view[:]
-    dim, start, stop = sl
-    return view[start:stop] if dim == 0 else view[:, start:stop]
+    return read_checkpoint(path)
 
 
 def load(path: str | os.PathLike | None = None, group=None, device=None, dtype=None
          ) -> tuple[TensorParallelLlama, Tokenizer]:
-    """(this rank's model, tokenizer): `llmstep.load` tensor-parallel. Config and tokenizer are checked first."""
+    """(this rank's model, tokenizer): `llmstep.load` tensor-parallel. The directory is read once; its config
+    and tokenizer are checked first."""
     world = _rank_world(group)[1]
     with agreeing(group):
-        path = resolve_model_path(path)
-        if path.is_file():
-            raise ParallelError(f"{path} is a GGUF file; tensor parallelism reads Hugging Face checkpoints slice by "
-                                "slice: load it in one process, or write it as one with llmstep.save")
-        config = LlamaConfig.from_hf(path)
-        check_split(config, world)
-        tokenizer = Tokenizer.from_dir(path)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise CheckpointError(f"{path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
-                                  f"but the model's vocabulary is {config.vocab_size}")
-        tokenizer.padded_vocab_size = config.vocab_size  # as checkpoint.check_files
-    return load_sharded(path, group, device, dtype), tokenizer
+        ckpt = _checkpoint(path)
+        check_split(ckpt.config, world)
+        tokenizer = checkpoint_tokenizer(ckpt)
+    return load_sharded(ckpt, group, device, dtype), tokenizer

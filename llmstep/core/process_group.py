@@ -31,8 +31,8 @@ import torch.distributed as dist
 from .device import resolve_device
 
 __all__ = ["ParallelError", "RankFailed", "TIMEOUT_SECONDS", "TIMEOUT_ENV", "timeout_seconds", "agree", "agreeing",
-           "peer_failure", "launched_by_torchrun", "launched_world_size", "rank_device", "init_from_environment",
-           "finish", "leaving", "agree_seed"]
+           "peer_failure", "launched_by_torchrun", "launched_world_size", "launched_rank", "local_rank",
+           "collective_device", "rank_device", "init_from_environment", "finish", "leaving", "agree_seed"]
 
 TIMEOUT_SECONDS = 300  # see the module docstring
 TIMEOUT_ENV = "LLMSTEP_TP_TIMEOUT"
@@ -66,16 +66,16 @@ def timeout_seconds() -> float:
     return seconds
 
 
-def _device(group) -> torch.device:
-    """Where the backend's collectives take their tensors: a CUDA tensor for NCCL, the CPU for gloo."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
+def collective_device(group=None) -> torch.device:
+    """Where the group's collectives take their tensors, the one rule every collective in llmstep follows: NCCL
+    takes only CUDA tensors on this rank's own GPU (cuda:LOCAL_RANK, see local_rank); gloo, CPU tensors."""
+    return torch.device("cuda", local_rank()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def agree(error: BaseException | None, group=None) -> None:
     """Every rank calls this at the same point, with the error its own work raised (or None). Returns if no
     rank failed; else raises RankFailed with the first failing rank's message on every rank."""
-    device = _device(group)
+    device = collective_device(group)
     failed = torch.tensor([0 if error is None else 1], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
     if not failed.item():
@@ -129,9 +129,28 @@ def launched_by_torchrun() -> bool:
 
 def launched_world_size() -> int:
     """The number of processes torchrun started (its WORLD_SIZE), 1 outside torchrun."""
-    value = os.environ.get("WORLD_SIZE", "1")
+    value = os.environ["WORLD_SIZE"] if launched_by_torchrun() else "1"
     if not value.isdigit() or int(value) < 1:
         raise ParallelError(f"WORLD_SIZE is {value!r}; torchrun sets it to the number of processes")
+    return int(value)
+
+
+def launched_rank() -> int:
+    """This process's rank under torchrun (its RANK), 0 outside torchrun (a stray RANK alone is not torchrun)."""
+    value = os.environ["RANK"] if launched_by_torchrun() else "0"
+    if not value.isdigit():
+        raise ParallelError(f"RANK is {value!r}; torchrun sets it to this process's rank")
+    return int(value)
+
+
+def local_rank() -> int:
+    """This process's GPU: torchrun's LOCAL_RANK (one GPU per process), else the current CUDA device (a group
+    joined without torchrun, after torch.cuda.set_device)."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        return torch.cuda.current_device()
+    if not value.isdigit():
+        raise ParallelError(f"LOCAL_RANK is {value!r}; torchrun sets it to this process's index on its machine")
     return int(value)
 
 
@@ -139,7 +158,7 @@ def rank_device(device=None) -> torch.device:
     """The device this rank runs on: a CUDA rank takes GPU LOCAL_RANK (one GPU per process); else `device`."""
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None and dist.is_initialized():
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        dev = torch.device("cuda", local_rank())
     if dev.type == "mps":
         raise ParallelError("tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not on MPS")
     return dev
@@ -152,7 +171,7 @@ def init_from_environment(device=None):
     timeout = datetime.timedelta(seconds=timeout_seconds())
     if not dist.is_initialized():
         if dev.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_rank())
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
     return dist.group.WORLD
 
@@ -164,7 +183,8 @@ def finish(error: BaseException | None = None) -> None:
     is nobody to wait for: the others learn of it from the closed connection."""
     if dist.is_initialized():
         if error is None or isinstance(error, RankFailed):
-            dist.barrier()
+            device = collective_device()  # NCCL's barrier is a collective on a GPU too: this rank's own
+            dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
         dist.destroy_process_group()
 
 
@@ -183,11 +203,12 @@ def leaving() -> Iterator[None]:
     finish()
 
 
-def agree_seed(seed: int | None, group=None, device: torch.device | str = "cpu") -> int | None:
+def agree_seed(seed: int | None, group=None, device: torch.device | str | None = None) -> int | None:
     """The seed every rank samples with: `seed` itself, or (None) one drawn on rank 0 and broadcast, so that
-    the ranks, sampling from the same logits, pick the same tokens."""
+    the ranks, sampling from the same logits, pick the same tokens. The broadcast runs on the group's device
+    (collective_device); `device` is accepted for older callers and not used."""
     if seed is not None:
         return seed
-    drawn = torch.tensor([random.SystemRandom().randrange(2**63)], dtype=torch.long, device=device)
+    drawn = torch.tensor([random.SystemRandom().randrange(2**63)], dtype=torch.long, device=collective_device(group))
     dist.broadcast(drawn, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(drawn.item())

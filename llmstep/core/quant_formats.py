@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .checks import is_int
+
 __all__ = ["QuantConfig", "MODES", "QuantizationError", "DEFAULT_GROUP_SIZE", "quantize_int8", "dequantize_int8",
            "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles"]
 
@@ -42,7 +44,7 @@ class QuantConfig:
             if self.group_size is None:
                 object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZE)
             g = self.group_size
-            if not isinstance(g, int) or isinstance(g, bool) or g < 2 or g % 2:
+            if not is_int(g) or g < 2 or g % 2:
                 raise QuantizationError(f"int4 group_size must be an even integer >= 2, got {g!r}")
         elif self.group_size is not None:
             raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")

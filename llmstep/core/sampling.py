@@ -7,11 +7,10 @@ exact distribution that `sample` draws from, so tests (and speculative decoding)
 from __future__ import annotations
 
 import math
-from numbers import Real
 
 import torch
 
-from .checks import is_int
+from .checks import is_int, is_number
 
 __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy",
            "draw", "race", "picker"]
@@ -20,7 +19,7 @@ __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", 
 def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> None:
     """Raise ValueError naming the bad argument (a bool or a string is not a number)."""
     for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if not isinstance(value, Real) or isinstance(value, bool):
+        if not is_number(value):
             raise ValueError(f"{name} must be a number, got {value!r}")
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")

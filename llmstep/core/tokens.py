@@ -80,17 +80,20 @@ class Tokenizer:
         return cls(tok, bos_id, eos_ids, **options)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, parsed: Mapping[str, dict] | None = None) -> Tokenizer:
         """tokenizer.json plus the stop tokens of generation_config.json (or config.json) when present, and
         tokenizer_config.json's chat template, add_bos_token and special-token names (chat_template.jinja, where
-        there is one, is the template: transformers reads it before tokenizer_config.json's)."""
+        there is one, is the template: transformers reads it before tokenizer_config.json's).
+
+        `parsed`: generation_config.json and config.json as already read (file name -> object, a file absent
+        when the folder has none), so that a loader reads each file once."""
         path = Path(path)
         eos: list[int] = []
         bos = None
         for name in ("generation_config.json", "config.json"):
             f = path / name
-            if f.is_file():
-                data = read_json_object(f)
+            data = (read_json_object(f) if f.is_file() else None) if parsed is None else parsed.get(name)
+            if data is not None:
                 ids = data.get("eos_token_id")
                 ids = [ids] if isinstance(ids, int) else ids or []
                 if not isinstance(ids, list) or not all(_is_id(i) for i in ids):

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from ..core.checkpoint import hf_names, load_model, read_config, resolve_model_path
+from ..core.checks import is_int
 from ..core.config import LlamaConfig
 from ..core.cost import (
     MemoryBudgetError,
@@ -208,7 +209,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
     device, config = model.device, model.config
     check_int(repeats, "repeats", low=1)
     check_int(prompt_len, "prompt_len", low=1)
-    if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 2:
+    if not is_int(new_tokens) or new_tokens < 2:
         raise ValueError(f"new_tokens must be an integer >= 2 (one token from the prefill, then decode steps), "
                          f"got {new_tokens!r}")
     if prompt_len + new_tokens > config.max_seq_len:

@@ -11,10 +11,10 @@ import statistics
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from functools import partial
-from numbers import Integral
 
 import torch
 
+from ..core.checks import is_int
 from ..core.cost import model_step_cost
 from ..core.model import Llama
 from ..core.paged_kv import BlockManager
@@ -36,7 +36,7 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
     """n_requests with prompt lengths and output lengths drawn uniformly from the given (low, high) ranges,
     random prompt ids, no stop tokens (each writes exactly its new tokens), arriving as a Poisson process
     of `rate` requests per engine step (None: all at step 0). Seeded: the same seed, the same workload."""
-    if not isinstance(n_requests, Integral) or isinstance(n_requests, bool) or not 0 <= n_requests <= MAX_REQUESTS:
+    if not is_int(n_requests) or not 0 <= n_requests <= MAX_REQUESTS:
         raise ValueError(f"n_requests must be an integer in 0..{MAX_REQUESTS:,}, got {n_requests!r}")
     for name, (lo, hi) in (("prompt_len", prompt_len), ("new_tokens", new_tokens)):
         if not 1 <= lo <= hi:
@@ -84,7 +84,7 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
 @torch.inference_mode()
 def check_context(context: int, config) -> None:
     """The decode-step timing's context: room for it and the step's own token in the model's context."""
-    if not isinstance(context, Integral) or isinstance(context, bool) or not 0 <= context < config.max_seq_len:
+    if not is_int(context) or not 0 <= context < config.max_seq_len:
         raise ValueError(f"context must be an integer in 0..{config.max_seq_len - 1} (the model's context less "
                          f"the step's own token), got {context!r}")
 

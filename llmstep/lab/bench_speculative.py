@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..core.checks import check_int
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
-from ..engines.decoding import check_int
 from ..engines.fast import FastDecoder, FastSpeculator
 from ..engines.generate import generate
 from ..engines.speculative import (
@@ -152,8 +152,7 @@ def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repea
     prompts, ks = list(prompts), list(ks)
     if not prompts or not ks:
         raise ValueError("give at least one prompt and one k")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 2:
-        raise ValueError(f"max_new_tokens must be an integer >= 2, got {max_new_tokens!r}")
+    check_int(max_new_tokens, "max_new_tokens", low=2)
     check_int(repeats, "repeats", low=1)
     for k in ks:
         check_k(k)

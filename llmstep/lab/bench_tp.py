@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..core.checks import check_int
 from ..core.config import LlamaConfig
 from ..core.cost import decode_step_cost, dtype_bytes, model_bytes
 from ..core.device import resolve_dtype, synchronize
@@ -37,12 +38,12 @@ from ..core.parallel import (
     TensorParallelLlama,
     build_rank_model,
     check_split,
+    collective_device,
     load_sharded,
     rank_device,
     rank_slices,
     split,
 )
-from ..engines.decoding import check_int
 from . import runinfo
 from .bench import choose_model
 from .hardware import DATASHEETS
@@ -150,15 +151,17 @@ def bench_model(model: str | None = None, preset: str | None = None, random_weig
     return load_sharded(path, group, device, dtype), source
 
 
-def time_all_reduce(nbytes: int, group=None, device="cpu", dtype=torch.float32, repeats: int = 200) -> float:
-    """Median seconds of one all-reduce of nbytes, alone (after 20 untimed ones)."""
+def time_all_reduce(nbytes: int, group=None, device=None, dtype=torch.float32, repeats: int = 200) -> float:
+    """Median seconds of one all-reduce of nbytes, alone (after 20 untimed ones), on `device` (None: the group's,
+    llmstep.core.process_group.collective_device)."""
+    device = collective_device(group) if device is None else torch.device(device)
     x = torch.zeros(max(1, nbytes // dtype_bytes(dtype)), device=device, dtype=dtype)
     times = []
     for i in range(repeats + 20):
-        synchronize(torch.device(device))
+        synchronize(device)
         start = time.perf_counter()
         dist.all_reduce(x, group=group)
-        synchronize(torch.device(device))
+        synchronize(device)
         if i >= 20:
             times.append(time.perf_counter() - start)
     return runinfo.median(times)
@@ -197,9 +200,11 @@ def measure(model: TensorParallelLlama, prompt_len: int = 32, new_tokens: int = 
             shares.append(comm.seconds / sum(steps))
             tokens = out
     world = dist.get_world_size(group)  # (one rank runs no collective: its share is 0, no spread)
-    mine = torch.tensor([runinfo.median(per_token), runinfo.median(shares)], dtype=torch.float64)
+    mine = torch.tensor([runinfo.median(per_token), runinfo.median(shares)], dtype=torch.float64,
+                        device=collective_device(group))  # [2], where the group's collectives take tensors
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
+    every = [t.cpu() for t in every]
     dim_bytes = model.config.dim * dtype_bytes(model.dtype)
     collectives = comm.by_kind.get("all_reduce", 0) // (new_tokens - 1)
     return runinfo.header(device, model.dtype, argv, load_before) | {
@@ -210,7 +215,7 @@ def measure(model: TensorParallelLlama, prompt_len: int = 32, new_tokens: int = 
         "per_rank": [{"rank": r, "per_token_seconds": float(t[0]), "all_reduce_share": float(t[1])}
                      for r, t in enumerate(every)],
         "all_reduces_per_token": collectives, "all_reduce_bytes": dim_bytes,
-        "all_reduce_seconds_alone": time_all_reduce(dim_bytes, group, device, model.dtype),
+        "all_reduce_seconds_alone": time_all_reduce(dim_bytes, group, dtype=model.dtype),
         "weight_bytes_per_rank": sum(p.nbytes for p in model.parameters()), "tokens": tokens,
         "threads_per_rank": torch.get_num_threads(),
     }

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import check_int
 from ..core.config import LlamaConfig
 from ..core.cost import kv_bytes_per_token, model_bytes, n_params
 from ..core.model import Llama
@@ -76,8 +77,7 @@ def step_stages(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str 
     """The stages of one decode step after `context` tokens, in the order a token meets them ("other", the
     time between stages, is left out). Bytes and FLOPs from llmstep.lab.trace.stage_costs on a meta-device
     model; with a `trace` of a model of this config, each stage's measured time too."""
-    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
-        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    check_int(context, "context")
     if trace is not None and trace.context != context:
         raise ValueError(f"the trace was taken after {trace.context} tokens, not {context}")
     model = shape_model(config, dtype)
@@ -172,8 +172,7 @@ def plot_cache_growth(config: LlamaConfig, prompt_len: int, max_new_tokens: int,
     import matplotlib.pyplot as plt
 
     for what, v, low in (("prompt_len", prompt_len, 1), ("max_new_tokens", max_new_tokens, 1), ("batch", batch, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"{what} must be an integer >= {low}, got {v!r}")
+        check_int(v, what, low)
     per_token = batch * kv_bytes_per_token(config, dtype)
     slots = cache_len(prompt_len, max_new_tokens, config.max_seq_len)
     steps = list(range(0, min(max_new_tokens, slots - prompt_len) + 1))  # 0: after the prefill

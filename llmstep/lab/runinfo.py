@@ -29,8 +29,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._version import __version__
+from ..core.checks import check_int
 from ..core.device import resolve_device, synchronize
-from ..engines.decoding import check_int
 
 __all__ = ["describe", "machine", "header", "time_repeats", "versions", "load_average",
            "command_line", "median", "spread", "timing"]
@@ -109,8 +109,7 @@ def time_repeats(fn: Callable[[], object], device: str | torch.device, repeats: 
     inits, compilation), the device synchronised around each. Callers summarise: the fastest run (STREAM's
     convention, the least disturbed by everything else the machine does) or the `median`."""
     check_int(repeats, "repeats", low=1)
-    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    check_int(warmup, "warmup")
     device = torch.device(device)
     for _ in range(warmup):
         fn()

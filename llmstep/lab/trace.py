@@ -27,11 +27,11 @@ from torch import nn
 
 from ..core import attention as attention_module
 from ..core import model as model_module
+from ..core.checks import check_int
 from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
 from ..core.model import Llama
 from ..core.sampling import check_params, sample
-from ..engines.decoding import check_int
 from .runinfo import median, time_repeats
 
 __all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "expected_calls", "trace_step", "plot_trace"]
@@ -256,8 +256,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
     token again; the median time of each stage is reported, and the median of as many untraced steps (after one
     untraced warm-up step).
     """
-    if not isinstance(context, int) or isinstance(context, bool) or context < 0:
-        raise ValueError(f"context must be an integer >= 0, got {context!r}")
+    check_int(context, "context")
     if context + 1 > model.config.max_seq_len:
         raise ValueError(f"context {context} leaves no room for a new token in the model's "
                          f"{model.config.max_seq_len}-token window")

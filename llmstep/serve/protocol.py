@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+
+from ..core.checks import is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "error_body", "StopText",
            "completion_body", "completion_chunk", "chat_body", "chat_chunk", "usage", "MAX_STOP_STRINGS"]
@@ -61,7 +62,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, Real) or isinstance(value, bool) or not (low < value if low_open else low <= value) \
+    if not is_number(value) or not (low < value if low_open else low <= value) \
             or value > high:
         span = f"{'(' if low_open else '['}{low}, {high}]"
         raise RequestError(f"{name} must be a number in {span}, got {value!r}", name, "invalid_value")
@@ -72,7 +73,7 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < low or (high is not None and value > high):
+    if not is_int(value) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise RequestError(f"{name} must be an integer {span}, got {value!r}", name, "invalid_value")
     return int(value)
@@ -120,8 +121,7 @@ def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sa
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
         return encode(prompt), sampling
-    if isinstance(prompt, list) and prompt and all(isinstance(i, Integral) and not isinstance(i, bool)
-                                                    for i in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(i) for i in prompt):
         bad = [i for i in prompt if not 0 <= i < vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt",

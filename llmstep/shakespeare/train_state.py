@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..core.checks import is_finite_number, is_int
 from ..core.files import atomic_write
 
 __all__ = ["CHECKPOINT", "LEGACY_CHECKPOINT", "TrainStateError", "save_train_state", "load_train_state",
@@ -52,13 +53,13 @@ def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> str | None:
 
 
 def _is_number(value, low: float = 0.0) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= low
+    return is_finite_number(value) and value >= low
 
 
 def check_state(state: dict) -> None:
     """The JSON state a training run writes: step (an integer >= 0), elapsed_seconds (a finite number >= 0),
     history (a list of records) and commands (a list of strings). Raises ValueError naming the field."""
-    checks = {"step": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    checks = {"step": lambda v: is_int(v) and v >= 0,
               "elapsed_seconds": _is_number,
               "history": lambda v: isinstance(v, list) and all(isinstance(r, dict) for r in v),
               "commands": lambda v: isinstance(v, list) and all(isinstance(c, str) for c in v)}

@@ -96,12 +96,12 @@ def test_validation_happens_before_any_weight_is_read(ckpt, monkeypatch):
     tensors = load_file(ckpt / "model.safetensors")
     tensors["model.norm.weight"] = torch.zeros(3)
     save_file(tensors, ckpt / "model.safetensors")
-    import llmstep.core.checkpoint as checkpoint
+    import llmstep.core.loader as loader
 
     def no_reading(*a, **k):
         raise AssertionError("weights were read before validation finished")
 
-    monkeypatch.setattr(checkpoint, "safe_open", no_reading)
+    monkeypatch.setattr(loader, "safe_open", no_reading)
     with pytest.raises(CheckpointError, match="model.norm.weight"):
         llmstep.load(ckpt)
 

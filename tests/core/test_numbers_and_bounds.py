@@ -156,12 +156,12 @@ def test_absurd_sizes_are_refused_at_once(ckpt, change, message):
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_any_weight_is_read(ckpt, monkeypatch):
-    import llmstep.core.checkpoint as checkpoint
+    import llmstep.core.loader as loader
 
     cfg = json.loads((ckpt / "config.json").read_text())
     rewrite_config(ckpt, {"vocab_size": 200, "bos_token_id": None, "eos_token_id": None})
     (ckpt / "generation_config.json").unlink()
-    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(CheckpointError, match="tokenizer.json has 300 tokens, but the model's vocabulary is 200"):
         llmstep.load(ckpt)
     assert cfg["vocab_size"] == 300
@@ -206,10 +206,10 @@ def test_a_random_405b_is_refused_on_a_24gb_machine_with_a_message(monkeypatch):
 
 
 def test_a_checkpoint_that_cannot_fit_is_refused_before_any_weight_is_read(ckpt, monkeypatch):
-    import llmstep.core.checkpoint as checkpoint
+    import llmstep.core.loader as loader
 
     _free(monkeypatch, 1000)
-    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(loader, "safe_open", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(cost.MemoryBudgetError, match=r"ckpt in float32 needs about 0.00 GB, but cpu has 0.00 GB"):
         llmstep.load(ckpt, device="cpu", dtype="float32")
 

@@ -21,7 +21,7 @@ import torch
 from conftest import make_checkpoint
 
 from llmstep import cli
-from llmstep.core import parallel
+from llmstep.core import loader, parallel
 from llmstep.core.checkpoint import load_model
 from llmstep.core.config import LlamaConfig
 
@@ -323,7 +323,7 @@ def test_load_sharded_takes_only_its_slices_and_equals_shard(checkpoints, monkey
     path = checkpoints[name]
     full = load_model(path, device="cpu", dtype="float32")
     whole = sum(p.nbytes for p in full.parameters())
-    monkeypatch.setattr(parallel, "safe_open", _Recorder)
+    monkeypatch.setattr(loader, "safe_open", _Recorder)
     monkeypatch.setattr(parallel, "agreeing", lambda group=None: contextlib.nullcontext())  # no other rank to ask
     for rank in range(2):
         monkeypatch.setattr(parallel, "_rank_world", lambda group, rank=rank: (rank, 2))

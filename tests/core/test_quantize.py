@@ -235,7 +235,7 @@ def test_a_bad_tensor_in_a_quantised_checkpoint_is_named_before_any_is_read(tiny
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    import llmstep.core.checkpoint as checkpoint
+    import llmstep.core.loader as loader
 
     model, tok = tiny
     path = llmstep.save(quantize(model, "int8", inplace=False), tmp_path / "q8", tokenizer=tok)
@@ -249,7 +249,7 @@ def test_a_bad_tensor_in_a_quantised_checkpoint_is_named_before_any_is_read(tiny
     def no_reading(*a, **k):
         raise AssertionError("weights were read before validation finished")
 
-    monkeypatch.setattr(checkpoint, "safe_open", no_reading)
+    monkeypatch.setattr(loader, "safe_open", no_reading)
     with pytest.raises(llmstep.CheckpointError, match=message):
         llmstep.load(path, device="cpu")
 
