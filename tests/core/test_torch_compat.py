@@ -4,7 +4,6 @@ are off below the floor and from the ceiling on; pyproject's floor is the torch 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import re
 import types
@@ -19,12 +18,6 @@ from llmstep.core import torch_compat
 from llmstep.core.quantize import Int4Linear, Int8Linear, dequantize_int4
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def force_missing(monkeypatch, name: str) -> None:
-    """Feature `name` reported missing, whatever this torch has (for pieces torch itself still needs)."""
-    feature = torch_compat.FEATURES[name]
-    monkeypatch.setitem(torch_compat.FEATURES, name, dataclasses.replace(feature, probe=lambda: "forced off"))
 
 
 def in_range() -> bool:
@@ -53,20 +46,18 @@ def test_the_floor_is_pyprojects_environment_ymls_and_the_torch_ci_installs():
 
 
 # The private name each probe looks for, and where: taken away, the probe must name it.
-PIECES = [
-    ("int8_mm", "torch", "_weight_int8pack_mm"),
-    ("int4_mm_cpu", "torch", "_weight_int4pack_mm_for_cpu"),
-    ("int4_mm_cpu", "torch", "_convert_weight_to_int4pack_for_cpu"),
-    ("int4_mm_cuda", "torch", "_weight_int4pack_mm"),
-    ("int4_mm_cuda", "torch", "_convert_weight_to_int4pack"),
-    ("inductor_modes", "torch._inductor", "list_mode_options"),
-    ("inductor_options", "torch._inductor", "list_options"),
-    ("freezing", "torch._inductor.config", "freezing"),
-    ("static_addresses", "torch._dynamo", "mark_static_address"),
-    ("unguarded", "torch._dynamo.eval_frame", "_debug_get_cache_entry_list"),
-    ("micro_gemm", "torch._inductor.codegen.cpp_micro_gemm", "register_micro_gemm"),
-    ("micro_gemm", "torch._inductor.cpu_vec_isa", "VecAVX512VNNI"),
-]
+PIECES = [(name, path.rpartition(".")[0], path.rpartition(".")[2]) for name, paths in {
+    "int8_mm": ["torch._weight_int8pack_mm"],
+    "int4_mm_cpu": ["torch._weight_int4pack_mm_for_cpu", "torch._convert_weight_to_int4pack_for_cpu"],
+    "int4_mm_cuda": ["torch._weight_int4pack_mm", "torch._convert_weight_to_int4pack"],
+    "inductor_modes": ["torch._inductor.list_mode_options"],
+    "inductor_options": ["torch._inductor.list_options"],
+    "freezing": ["torch._inductor.config.freezing"],
+    "static_addresses": ["torch._dynamo.mark_static_address"],
+    "unguarded": ["torch._dynamo.eval_frame._debug_get_cache_entry_list"],
+    "micro_gemm": ["torch._inductor.codegen.cpp_micro_gemm.register_micro_gemm",
+                   "torch._inductor.cpu_vec_isa.VecAVX512VNNI", "torch._inductor.select_algorithm.KernelTemplate"],
+}.items() for path in paths]
 
 
 @pytest.mark.skipif(not in_range(), reason="a torch outside the tested range: its gated pieces are off")
