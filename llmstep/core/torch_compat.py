@@ -6,28 +6,29 @@ not, what is missing and what llmstep does instead (its fallback). Each fallback
 may be slower. A torch upgrade is then a review of this one file: `features()` lists what the running torch
 has, and tests/core/test_torch_compat.py takes each piece away in turn and runs its fallback.
 
-The supported range: torch FLOOR (pyproject.toml's floor, the torch CI installs and every test runs on) up to,
-not including, CEILING. No older torch can be tested here: the one wheel the project's machines hold is
-CI's, so the floor is the torch the tests prove, not an older one they cannot. Outside the range the probes
-still decide by what they find, except for the features marked `gated`: a wrong guess there would not raise
-but give wrong numbers or run stale code (a C++ kernel written against inductor's template interface, compiled
-code called without its guards), so outside the tested range they are off and their fallback runs.
+The supported range: torch FLOOR (pyproject.toml's floor: the torch CI installs and every test runs on) up to,
+not including, CEILING. The floor is the torch the tests prove: CI has no older CPU build of torch to run a
+second lane on. Outside the range the probes still decide by what they find, except for the features marked
+`gated`: a wrong guess there would not raise but give wrong numbers or run stale code (a C++ kernel written
+against inductor's template interface, compiled code called without its guards), so outside the tested range
+they are off and their fallback runs.
 
-| feature            | private torch names                                           | fallback                     |
-|--------------------|---------------------------------------------------------------|------------------------------|
-| int8_mm            | torch._weight_int8pack_mm                                      | dequantise + matmul          |
-| int4_mm_cpu        | torch._convert_weight_to_int4pack_for_cpu, _weight_int4pack_mm_for_cpu | dequantise + matmul |
-| int4_mm_cuda       | torch._convert_weight_to_int4pack, torch._weight_int4pack_mm   | dequantise + matmul          |
-| inductor_modes     | torch._inductor.list_mode_options                              | torch 2.13's table (MODES)   |
-| inductor_options   | torch._inductor.list_options                                   | every option passed as given |
-| freezing           | torch._inductor.config.freezing (held set while a step traces) | no frozen weights            |
-| static_addresses   | torch._dynamo.mark_static_address                              | tensors left unmarked        |
-| unguarded (gated)  | torch._dynamo.eval_frame._debug_get_cache_entry_list           | the guarded compiled call    |
-| micro_gemm (gated) | torch._inductor.codegen.cpp_micro_gemm, cpu_vec_isa, select_algorithm | inductor's own kernels |
+| feature            | private torch names                                    | fallback                          |
+|--------------------|--------------------------------------------------------|-----------------------------------|
+| int8_mm            | _weight_int8pack_mm                                    | dequantise + matmul               |
+| int4_mm_cpu        | _convert_weight_to_int4pack_for_cpu, _weight_int4pack_mm_for_cpu | dequantise + matmul     |
+| int4_mm_cuda       | _convert_weight_to_int4pack, _weight_int4pack_mm       | dequantise + matmul               |
+| inductor_modes     | _inductor.list_mode_options                            | torch 2.13's table (MODES)        |
+| inductor_options   | _inductor.list_options                                 | every option passed as given      |
+| freezing           | _inductor.config.freezing, held set while a step traces | no frozen weights                |
+| static_addresses   | _dynamo.mark_static_address                            | tensors left unmarked             |
+| unguarded (gated)  | _dynamo.eval_frame._debug_get_cache_entry_list         | the guarded compiled call         |
+| micro_gemm (gated) | _inductor.codegen.cpp_micro_gemm, cpu_vec_isa, select_algorithm | inductor's own kernels   |
 
-The public switch for guards, `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`, skips the guards of
-every compiled call made under it and leaves torch.compile's wrapper in each call; `unguarded_code` checks one
-step's guards once and returns the compiled code itself (scripts/overhead_cpu.py times the two).
+(every name under `torch.`). The public switch for guards, `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`,
+checks only the guards that tell a function's compiled versions apart, for every compiled call made under it, and
+still runs torch.compile's wrapper each call; `unguarded_code` checks all of one step's guards once and returns
+the compiled code itself (scripts/overhead_cpu.py times both).
 """
 
 from __future__ import annotations
