@@ -32,6 +32,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     gguf_load.py   read a GGUF file (llama.cpp's reader): shape, weights dequantized or Q4 kept as int4, tokenizer
     gguf_vocab.py  a GGUF file's tokenizer rebuilt for `tokenizers`, with llama.cpp's split rules and ids
     device.py      the device, the dtype policy, synchronisation
+    torch_compat.py  every private PyTorch name llmstep uses: a probe, a fallback and the tested torch range each
     files.py       atomic writes: nothing the package writes is ever left half-written
     registry.py    the models llmstep knows by name: shipped, or fetched (`llmstep pull`, pinned wheels, sha256-checked)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)

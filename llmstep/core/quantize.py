@@ -12,8 +12,8 @@ for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. This modul
 `llmstep.save` writes a quantised model in its packed form and `llmstep.load` reads it back
 (llmstep.core.checkpoint).
 
-The matmul either calls PyTorch's packed kernels (torch._weight_int8pack_mm, torch._weight_int4pack_mm
-on CUDA, torch._weight_int4pack_mm_for_cpu) or dequantises and multiplies; under torch.compile the
+The matmul either calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private
+torch ops, reached through llmstep.core.torch_compat) or dequantises and multiplies; under torch.compile the
 latter is fused into one kernel (gpt-fast's int8 path). int4 has a third way, `kernel="reduce"`: the codes
 read as [N, K/g, g/2] bytes, each byte's two nibbles multiplied against the even and odd inputs, scale and
 zero broadcast per group, one sum: under torch.compile one reduction kernel reading half a byte a weight
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import torch_compat
 from .config import LlamaConfig
 from .model import Llama, materialize
 from .quant_formats import (
@@ -97,7 +98,8 @@ def _auto_kernel(mode: str, device: torch.device | None = None) -> str:
     kernel="packed" calls that op directly). int4: the packed kernels (tinygemm on CUDA, _for_cpu on a CPU):
     dequantising a whole int4 matrix per token would read more bytes than the float weights; on a GPU whose
     measurement chose it (`prefer_int4_kernel`), the single-reduction "reduce" path. Where the device has no
-    packed kernel, prepare() finds out and falls back to dequantise + matmul."""
+    packed kernel, prepare() finds out and falls back to dequantise + matmul; where this torch has none
+    (`torch_compat`), "dequant"."""
     if mode != "int4":
         return "dequant"
     if device is not None and device.type == "cuda" and _INT4_KERNEL_BY_GPU:
@@ -144,13 +146,15 @@ class Int8Linear(nn.Module):
         """Settle the kernel for the weights' device; check the packed one against the reference once."""
         if self.kernel == "auto":
             self.kernel = _auto_kernel("int8")
+        if self.kernel == "packed" and torch_compat.missing("int8_mm"):
+            self.kernel = "dequant"  # this torch has no int8 kernel
         if self.kernel == "packed":
             x = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype)
             try:
-                got = torch._weight_int8pack_mm(x, self.weight, self.scales)[:, :CHECK_ROWS]
+                got = torch_compat.int8_mm(x, self.weight, self.scales)[:, :CHECK_ROWS]
                 r = got.shape[1]
                 ok = _agrees(got, F.linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
-            except (RuntimeError, NotImplementedError, AttributeError):
+            except (RuntimeError, NotImplementedError):  # not for this device, dtype or shape
                 ok = False
             if not ok:
                 self.kernel = "dequant"
@@ -159,7 +163,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.kernel == "packed" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
-            y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+            y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul
 
@@ -210,6 +214,8 @@ class Int4Linear(nn.Module):
         if self.kernel == "auto":
             self.kernel = _auto_kernel("int4", device)
         self.kernel_weight = self.scales_and_zeros = None
+        if self.kernel == "packed" and torch_compat.missing("int4_mm_cuda" if device.type == "cuda" else "int4_mm_cpu"):
+            self.kernel = "dequant"  # this torch has no int4 kernel for the device
         if self.kernel != "packed":  # dequant, reduce: the plain codes are all they read
             self.weight = codes
             return self
@@ -220,7 +226,7 @@ class Int4Linear(nn.Module):
             r = min(CHECK_ROWS, self.out_features)
             want = F.linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
             ok = _agrees(self._packed_mm(x)[:, :r], want)
-        except (RuntimeError, NotImplementedError, AttributeError):
+        except (RuntimeError, NotImplementedError):
             ok = False
         if not ok:  # this device, dtype or shape has no packed kernel: dequantise + matmul
             self.kernel, self.kernel_weight, self.scales_and_zeros, self.weight = "dequant", None, None, codes
@@ -235,8 +241,8 @@ class Int4Linear(nn.Module):
         if q.device.type == "cuda":
             # tinygemm: bf16 activations, K a multiple of inner_k_tiles * 16, N of 8 (PyTorch's checks).
             inner_k_tiles = 8 if self.in_features % 128 == 0 else 4 if self.in_features % 64 == 0 else 2
-            return torch._convert_weight_to_int4pack(pack_int4(q).contiguous(), inner_k_tiles)
-        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            return torch_compat.int4_pack_cuda(pack_int4(q).contiguous(), inner_k_tiles)
+        return torch_compat.int4_pack_cpu(q.to(torch.int32))
 
     def codes(self) -> torch.Tensor:
         """The plain codes [N, K/2] (pack_int4's layout): held, or recovered from the kernel's layout.
@@ -265,9 +271,7 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros
         if sz is None:  # a layer whose scales are views of a fused layer's table (llmstep.core.fuse): its own, now
             sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-        if x2d.device.type == "cuda":
-            return torch._weight_int4pack_mm(x2d, self.kernel_weight, self.group_size, sz)
-        return torch._weight_int4pack_mm_for_cpu(x2d, self.kernel_weight, self.group_size, sz)
+        return torch_compat.int4_mm(x2d, self.kernel_weight, self.group_size, sz)
 
     def reduce_mm(self, x2d: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] as one multiply-and-sum over the plain codes (kernel="reduce"): each byte's high

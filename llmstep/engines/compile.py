@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import time
 import types
-import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 
+from ..core import torch_compat
 from ..core.device import synchronize
 from . import cpu_gemm
 
 __all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
-
-# Inductor's matmul tuner (torch 2.13) reads a tensor's size through the deprecated TypedStorage and warns once per
-# process; the warning is about inductor's own code, not the caller's, so the tuned steps compile without it.
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module="torch._inductor.select_algorithm")
 
 
 def compile_options(device: torch.device, mode: str | None = None, tune_matmuls: bool = True) -> dict:
@@ -39,7 +35,7 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     CUDA: mode "reduce-overhead", i.e. CUDA graphs, plus gpt-fast's `coordinate_descent_tuning`: with it
     inductor turns every 1-row matmul (a decode step's) into a fused multiply-and-sum that it tunes to
     bandwidth, int8's widening fused in; without it, 1-row bf16 matmuls go to cuBLAS and int8's
-    `F.linear(x, w.to(x.dtype)) * scales` is rewritten to the extern torch._weight_int8pack_mm, slow at one
+    `F.linear(x, w.to(x.dtype)) * scales` is rewritten to the extern int8 weight-only kernel, slow at one
     row (tests/cuda_proofs/test_compile_trace.py traces both with fake CUDA tensors).
     CPU: freeze the weights into the compiled code (`freezing`: packed layouts, constant folding),
     concatenate the linears that read one input (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become
@@ -53,24 +49,22 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     threads, 1.8x oneDNN's at 1: results/profile_cpu_amd.md, session 7); elsewhere the widening kernel won 1.33x
     with 2 threads but lost (0.64x) with 1, so a f16 model, or a bf16 one without the kernel, on one thread keeps
     oneDNN. `compile_step` registers the kernel with inductor (`cpu_gemm.install`) before it compiles a CPU step.
+    Options this torch's inductor does not know are left out (`torch_compat.known_options`): the step compiles
+    without them.
     """
     best = mode is None
     if mode is None:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
-    import torch._inductor
-
-    try:
-        options = dict(torch._inductor.list_mode_options(mode))
-    except RuntimeError as e:  # "Unrecognized mode=..., should be one of: ..."
-        raise ValueError(f"unknown torch.compile mode {mode!r}: {e}") from None
+    options = torch_compat.mode_options(mode)  # ValueError for an unknown mode
     if device.type == "cuda":
         options |= {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True}
     if device.type == "cpu":
-        options |= {"freezing": True, "cpp.enable_concat_linear": True, "cpp_wrapper": True}
+        options |= {"freezing": not torch_compat.missing("freezing"), "cpp.enable_concat_linear": True,
+                    "cpp_wrapper": True}
         if best and tune_matmuls:  # tuned quietly: inductor prints every shape's timings to stderr by default
             options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
                         "max_autotune_report_choices_stats": False}
-    return options
+    return torch_compat.known_options(options)
 
 
 def compiles(device: torch.device, compile: bool | None) -> bool:
@@ -119,11 +113,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     if device.type == "cpu":
         cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (~2 s)
     for t in (*static, *(() if options.get("freezing") else refilled)):
-        torch._dynamo.mark_static_address(t)
-    # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
-    # this same step anew, and a process that builds more than 8 of them would hit the default limit.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    traced = own_code(fn)
+        torch_compat.mark_static_address(t)
+    traced = own_code(fn)  # its own code object: Dynamo's limit of compiled versions counts this step's alone
     compiled = torch.compile(traced, options=options, fullgraph=True, dynamic=False)
     if uses_cuda_graphs(device, mode):
 
@@ -134,17 +125,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         return graphed_step
     if not options.get("freezing"):
         return compiled
-    import torch._inductor.config as inductor_config
-
-    def frozen_step(*args):
-        # Dynamo decides whether parameters become constants from the global `freezing` flag when it
-        # traces, not from compile's options: hold it set while a call may trace (cost: ~1 us a call).
-        before, inductor_config.freezing = inductor_config.freezing, True
-        try:
-            return compiled(*args)
-        finally:
-            inductor_config.freezing = before
-
+    frozen_step = torch_compat.holding_freezing(compiled)  # the flag Dynamo reads when it traces, held set
     frozen_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
     return frozen_step
 
@@ -175,27 +156,24 @@ class Step:
         it reads changes but the values in its tensors (FastDecoder's decode loop).
 
         A compiled call first runs torch.compile's Python wrapper and Dynamo's frame hook, which evaluates
-        every guard of the compiled code (~560 checks of the model, cache and global state: 50-70 us, and
-        60-80 us more for the wrapper, of a ~1 ms CPU step; scripts/overhead_cpu.py). Here the guards are
-        evaluated once, now, and the call returned is Dynamo's compiled code itself. A state the guards
-        refuse (a new shape, thread count, grad mode) gets the step as it is, which recompiles. Eager steps,
-        CUDA graphs and a torch without Dynamo's cache-entry API also get the step as it is."""
+        every guard of the compiled code (hundreds of checks of the model, cache and global state: a visible
+        share of a small CPU step; scripts/overhead_cpu.py times it). Here the guards are evaluated once, now,
+        and the call returned is Dynamo's compiled code itself. A state the guards refuse (a new shape, thread
+        count, grad mode) gets the step as it is, which recompiles. Eager steps, CUDA graphs and a torch whose
+        Dynamo cannot be asked (`torch_compat.FEATURES["unguarded"]`) also get the step as it is. The public
+        switch, `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`, checks only the guards that tell a
+        step's compiled versions apart (none, for a step compiled once), for every compiled call made under it,
+        and still runs the wrapper and the frame hook each call."""
         traced = getattr(self.fn, "traced", None)
         if traced is None:
             return self
         code, closure = traced.__code__, traced.__closure__
         f_locals = {"args": ()} | {name: cell.cell_contents for name, cell in zip(code.co_freevars, closure,
                                                                                     strict=True)}
-        try:  # Dynamo's cache-entry API (torch 2.1 on); any other torch gets the guarded step
-            from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-            entries = _debug_get_cache_entry_list(code)
-            passed = [e for e in entries if e.guard_manager.check(f_locals)]  # the frame Dynamo would see
-        except (ImportError, AttributeError, RuntimeError, TypeError):
+        compiled = torch_compat.unguarded_code(traced, f_locals)  # the frame Dynamo would see
+        if compiled is None:
             return self
-        if len(passed) != 1:
-            return self
-        return types.FunctionType(passed[0].code, traced.__globals__, "step", None, closure)
+        return types.FunctionType(compiled, traced.__globals__, "step", None, closure)
 
 
 def warm_up(device: torch.device, *calls: Callable[[], object], steps: int = 3) -> float:

@@ -13,8 +13,8 @@ the same function to within float32 rounding (tests/engines/test_cpu_gemm.py hol
 
 `install()` registers it with inductor once per process (compile.compile_step calls it for a CPU step) where
 the CPU has AVX-512 BF16 and no AMX (with AMX, inductor's own AMX kernel multiplies bf16 tiles). Inductor's registry
-is internal to torch: with a torch older than TESTED_FROM, or one whose registry has changed shape, `install`
-registers nothing and says why (`skipped`).
+is internal to torch (llmstep.core.torch_compat's `micro_gemm`): outside the torch range it was tested on, or with
+a registry of another shape, `install` registers nothing and says why (`skipped`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import hashlib
 
 import torch
 
+from ..core import torch_compat
+
 __all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
-TESTED_FROM = "2.13"
 _state: dict[str, object] = {"why": None, "cls": None}  # cls: the registered kernel class, once installed
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
@@ -148,44 +149,25 @@ def install() -> bool:
     """Register the kernel with inductor's GEMM template (once per process); True when it is registered."""
     if installed() or _state["why"]:
         return installed()
-    if torch.__version__ < TESTED_FROM:  # the template's kernel interface is internal: used where it was tested
-        _state["why"] = f"torch {torch.__version__} is older than {TESTED_FROM}, the first torch it was tested with"
+    if why := torch_compat.missing("micro_gemm"):  # inductor's registry is internal: used where it was tested
+        _state["why"] = f"inductor's C++ GEMM micro-kernel registry is not used: {why}"
         return False
-    try:
-        import torch._inductor.select_algorithm as select_algorithm  # first: inductor's codegen modules import it
-        from torch._inductor.codegen import cpp_micro_gemm as mg
-        from torch._inductor.cpu_vec_isa import VecAMX, VecAVX512VNNI, pick_vec_isa
-    except ImportError as e:
-        _state["why"] = f"this torch's inductor has no C++ GEMM micro-kernel registry ({e})"
-        return False
-    isa = pick_vec_isa()
-    if isinstance(isa, VecAMX):
+    isa = torch_compat.cpu_vector_isa()
+    if isa == "amx":
         _state["why"] = "the CPU has AMX: inductor's own AMX kernel multiplies bf16 there"
         return False
-    if not (isinstance(isa, VecAVX512VNNI) and isa.is_avx512_bf16_supported()):
-        _state["why"] = f"the CPU's vector ISA ({isa or 'none'}) has no AVX-512 BF16"
+    if isa != "avx512_bf16":
+        _state["why"] = f"the CPU's vector ISA ({isa}) has no AVX-512 BF16"
         return False
 
     def fits(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
         return alpha == 1 and k % 2 == 0
 
-    class BF16Dot(mg.CppMicroGemm):
-        def codegen_define(self, kernel) -> str:
-            options = {"declare_kernel": self.get_kernel_declaration(), "kernel": kernel,
-                       **self.get_common_options()}
-            return select_algorithm.KernelTemplate._template_from_string(_ENTRY).render(options)
-
-        def get_b_layout(self):
-            return mg.LayoutType.VNNI2
-
     try:  # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
-        configs = mg.generate_gemm_config(VecAVX512VNNI, [(4, 64, 32), (1, 64, 32)], input_dtype=torch.bfloat16,
-                                          output_dtype=torch.float, extra_check=fits)
-        mg.register_micro_gemm(*configs)(BF16Dot)
+        _state["cls"] = torch_compat.register_micro_gemm("BF16Dot", _ENTRY, [(4, 64, 32), (1, 64, 32)], fits)
     except (AttributeError, TypeError, AssertionError) as e:
         _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
         return False
-    _state["cls"] = BF16Dot
     _tag(True)
     return True
 
@@ -210,13 +192,9 @@ def withheld(when: bool = True):
     if not when or not install():
         yield
         return
-    from torch._inductor.codegen import cpp_micro_gemm as mg
-
-    cls = _state["cls"]
-    configs = mg.micro_gemm_configs.pop(cls)
     _tag(False)
     try:
-        yield
+        with torch_compat.micro_gemm_withheld(_state["cls"]):
+            yield
     finally:
-        mg.micro_gemm_configs[cls] = configs
         _tag(True)

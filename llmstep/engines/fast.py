@@ -143,7 +143,8 @@ class FastDecoder(Engine):
 
     def _reset(self) -> None:
         self.cache.reset()
-        torch._foreach_zero_([self._history, self._position])
+        self._history.zero_()
+        self._position.zero_()
         self._finite.fill_(True)
 
     @torch.no_grad()

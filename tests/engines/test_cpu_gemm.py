@@ -76,6 +76,26 @@ def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(kerne
 
 
 @slow
+def test_without_the_kernel_the_template_runs_inductors_own_and_computes_the_same_matmul():
+    """The fallback where this torch's registry cannot be used (llmstep.core.torch_compat's micro_gemm): inductor's
+    registry as torch ships it, whose kernels give the matmul to within the same bf16 rounding."""
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(66, 200, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linear.weight.copy_(torch.randn(200, 66, generator=g))
+    x = torch.randn(3, 66, generator=g).to(torch.bfloat16)
+    torch._inductor.config.max_autotune_gemm_backends, before = "CPP", torch._inductor.config.max_autotune_gemm_backends
+    try:
+        with cpu_gemm.withheld(), torch.no_grad():  # a no-op where the kernel is not installed
+            step = compile_step(lambda x: linear(x), torch.device("cpu"), mode="max-autotune-no-cudagraphs")
+            out, code = compiled_code(step, x)
+    finally:
+        torch._inductor.config.max_autotune_gemm_backends = before
+    assert not any(cpu_gemm.KERNEL_NAME in c for c in code)
+    want = x.double() @ linear.weight.double().T  # [3, 200]
+    assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+@slow
 def test_a_weight_computed_in_the_step_is_packed_first(kernel):
     """A bmm's second operand is no frozen weight: the template hands it over unpacked ([K, N]) and the kernel packs
     each 64 columns into pairs along k itself (reading it as packed gave errors the size of the outputs)."""
