@@ -47,12 +47,11 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     C++ (`cpp_wrapper`), not from Python; by default (mode None) tune the matmuls (below).
     "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
     does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
-    `tune_matmuls` (`tunes_matmuls(model)`): on an AMD EPYC without AMX the templates won 1.79x for float32
-    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel). For bf16 weights the template
-    runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16 (2.1x the widening kernel's step at 2
-    threads, 1.8x oneDNN's at 1: results/profile_cpu_amd.md, session 7); elsewhere the widening kernel won 1.33x
-    with 2 threads but lost (0.64x) with 1, so a f16 model, or a bf16 one without the kernel, on one thread keeps
-    oneDNN. `compile_step` registers the kernel with inductor (`cpu_gemm.install`) before it compiles a CPU step.
+    `tune_matmuls` (`tunes_matmuls(model)`): on a CPU without AMX the templates beat oneDNN's matmuls for float32
+    and int4 weights, and did nothing for int8 (which keeps its packed kernel). For bf16 weights the template
+    runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16; elsewhere the template's widening kernel
+    helped with 2 threads but lost to oneDNN with 1, so a f16 model, or a bf16 one without the kernel, on one
+    thread keeps oneDNN. (The A/B behind each choice: scripts/ab_cpu.py; the runs: results/archive/.) `compile_step` registers the kernel with inductor (`cpu_gemm.install`) before it compiles a CPU step.
     """
     best = mode is None
     if mode is None:
@@ -117,7 +116,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     graph may reuse their memory: use what a step returns before calling it again."""
     options = compile_options(device, mode, tune_matmuls)
     if device.type == "cpu":
-        cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (~2 s)
+        cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch._dynamo.mark_static_address(t)
     # Dynamo keeps one compiled version per code object and shape: every decoder, batcher or batch size compiles
@@ -138,7 +137,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
 
     def frozen_step(*args):
         # Dynamo decides whether parameters become constants from the global `freezing` flag when it
-        # traces, not from compile's options: hold it set while a call may trace (cost: ~1 us a call).
+        # traces, not from compile's options: hold it set while a call may trace (two attribute writes a call).
         before, inductor_config.freezing = inductor_config.freezing, True
         try:
             return compiled(*args)
@@ -175,8 +174,8 @@ class Step:
         it reads changes but the values in its tensors (FastDecoder's decode loop).
 
         A compiled call first runs torch.compile's Python wrapper and Dynamo's frame hook, which evaluates
-        every guard of the compiled code (~560 checks of the model, cache and global state: 50-70 us, and
-        60-80 us more for the wrapper, of a ~1 ms CPU step; scripts/overhead_cpu.py). Here the guards are
+        every guard of the compiled code (hundreds of checks of the model, cache and global state), a cost
+        that matters beside a small model's CPU step (scripts/overhead_cpu.py measures it). Here the guards are
         evaluated once, now, and the call returned is Dynamo's compiled code itself. A state the guards
         refuse (a new shape, thread count, grad mode) gets the step as it is, which recompiles. Eager steps,
         CUDA graphs and a torch without Dynamo's cache-entry API also get the step as it is."""
