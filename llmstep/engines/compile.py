@@ -51,7 +51,8 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     and int4 weights, and did nothing for int8 (which keeps its packed kernel). For bf16 weights the template
     runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16; elsewhere the template's widening kernel
     helped with 2 threads but lost to oneDNN with 1, so a f16 model, or a bf16 one without the kernel, on one
-    thread keeps oneDNN. (The A/B behind each choice: scripts/ab_cpu.py; the runs: results/archive/.) `compile_step` registers the kernel with inductor (`cpu_gemm.install`) before it compiles a CPU step.
+    thread keeps oneDNN (the A/B behind each choice: scripts/ab_cpu.py). `compile_step` registers the kernel
+    with inductor (`cpu_gemm.install`) before it compiles a CPU step.
     """
     best = mode is None
     if mode is None:
