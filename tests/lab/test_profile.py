@@ -130,6 +130,7 @@ def test_profile_ops_counts_each_operator_per_step_not_per_run(model):
 
 
 @pytest.mark.parametrize(("name", "kind"), [("aten::mm", "matmul"), ("aten::_weight_int8pack_mm", "matmul"),
+                                            ("aten::addmm", "matmul"), ("aten::_softmax", "attention"),
                                             ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
                                             ("cpp_fused_add_mean_mul_pow_rsqrt_0", "norm/rope/elementwise"),
                                             ("aten::empty_strided", "other")])
