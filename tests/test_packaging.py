@@ -80,9 +80,10 @@ def test_the_command_is_the_cli_package():
     assert (ROOT / "llmstep" / "cli" / "__init__.py").is_file()
 
 
-def test_the_version_is_written_once_for_python_and_once_for_pip():
+def test_the_version_pip_installs_is_the_one_python_and_every_record_report():
     import llmstep
-    from llmstep._version import __version__
+    from llmstep.lab import runinfo
 
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["version"] == __version__ == llmstep.__version__
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert llmstep.__version__ == version  # written twice: pyproject.toml for pip, llmstep/_version.py for Python
+    assert runinfo.versions()["llmstep"] == version  # what a benchmark's record says it measured
