@@ -58,7 +58,8 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     explorers.py   the notebooks' ipywidgets explorers, each with a static fallback figure
     probe.py       a first GPU check's measuring pieces: versions and clocks, event timing, no-recompile window,
                    kernels per step and idle share, compiled-vs-eager agreement (the probe script in scripts/)
-    profile.py     one decode step under torch.profiler: the timeline, and its regime (compute, memory, overhead)
+    profile.py     one decode step under torch.profiler: the timeline, and its regime (compute, memory, overhead);
+                   many steps' operators by self time (`llmstep profile`)
     bench.py, bench_speculative.py, bench_batching.py   the benchmarks
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs
     peers.py       llama.cpp, CTranslate2, transformers on llmstep's weights next to its compiled loop

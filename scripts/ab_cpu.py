@@ -1,4 +1,4 @@
-"""In-process A/B of compiled CPU decode steps (results/profile_cpu_amd.md), for a shared, noisy machine.
+"""In-process A/B of compiled CPU decode steps for a shared, noisy machine (scripts/README.md).
 
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant

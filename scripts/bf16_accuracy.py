@@ -1,4 +1,4 @@
-"""Teacher-forced check of the bf16 decode paths against the float32 model (results/README.md, "bf16 rounding").
+"""Teacher-forced check of the bf16 decode paths against the float32 model (results/README.md, claim 4).
 
     OMP_NUM_THREADS=2 python scripts/bf16_accuracy.py     # ~1 minute on a 2-core CPU (one max-autotune compile)
 

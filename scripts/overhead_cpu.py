@@ -1,4 +1,4 @@
-"""What a compiled CPU decode step costs around its kernels (issue 13, results/profile_cpu_amd.md).
+"""What a compiled CPU decode step costs around its kernels (scripts/README.md).
 
     python scripts/overhead_cpu.py bfloat16 --rounds 20 --tokens 64 --threads 1
 

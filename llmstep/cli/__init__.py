@@ -4,6 +4,7 @@
     llmstep generate --prompt "ROMEO:" --draft draft    the same, with speculative decoding
     llmstep info --preset llama-3.1-8b                  parameters and bytes per token of a shape
     llmstep trace --context 256                         where one decode step spends its time
+    llmstep profile --dtype bfloat16                    a compiled decode step's operators, by self time
     llmstep bench --preset llama-3.2-1b                 decode at the memory wall, float and quantized
     llmstep speculative --bench                         speculative decoding against the target alone
     llmstep batch --slots 1,4,8                         static vs continuous batching on a random workload
@@ -15,7 +16,7 @@
     llmstep train|eval|data ...                         how the shipped Shakespeare models were made
 
 The command line is argparse and printing only: one module per group of commands (model.py: generate,
-info, trace; bench.py: bench, speculative, batch; export.py: export; hub.py: pull, models; serve.py: serve,
+info, trace, profile; bench.py: bench, speculative, batch; export.py: export; hub.py: pull, models; serve.py: serve,
 bench-serve; shakespeare.py: train, eval, data), each registering its parsers and a `run(args, argv)`; the
 flags' value types are in args.py.
 The library raises its own errors; `main` is the one place that turns them into one line on stderr and an exit

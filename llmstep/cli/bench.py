@@ -132,7 +132,8 @@ def add_commands(sub) -> None:
                    help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")
     s.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune (see llmstep.fast)")
     s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's choice)")
-    s.add_argument("--out", default="results/speculative_cpu.json")
+    s.add_argument("--out", default=None, help="write the record to this JSON file, after every repeat (default: "
+                   "no file; results/ holds the records its README cites, written only when asked)")
     s.set_defaults(run=run_speculative)
 
     b = sub.add_parser("batch", help="static vs continuous batching on a random workload",
@@ -272,7 +273,8 @@ def run_speculative(args, argv) -> dict:
         raise ValueError("nothing to do: pass --bench")
     if args.compile and args.temperature != 0:
         raise ValueError("--compile measures greedy decoding: leave --temperature at 0")
-    check_output_path(args.out, "--out")  # before any work: a late failure would lose the run
+    if args.out is not None:
+        check_output_path(args.out, "--out")  # before any work: a late failure would lose the run
     check_draft(args.draft, args.target)  # a bad or missing draft is refused before the target is loaded
     _set_threads(args.threads)
     target, tokenizer = load(args.target, device=args.device, dtype=args.dtype)
@@ -294,8 +296,9 @@ def run_speculative(args, argv) -> dict:
             print(f"{name:>9} {r['decode_tokens_per_second']:8.1f} {r['speedup']:8.2f} {r['acceptance_rate']:7.1%} "
                   f"{r['tokens_per_target_forward']:8.2f} {r['theory_tokens_per_forward']:7.2f}"
                   + (f"  same tokens as the target alone: {r['matching_tokens']}" if "matching_tokens" in r else ""))
-    _write_json(args.out, report)
-    print(f"wrote {args.out}")
+    if args.out is not None:
+        _write_json(args.out, report)
+        print(f"wrote {args.out}")
     return report
 
 

@@ -1,4 +1,5 @@
-"""`llmstep generate`, `info` and `trace`: a model's text, its size and cost, one decode step timed."""
+"""`llmstep generate`, `info`, `trace` and `profile`: a model's text, its size and cost, one decode step timed
+stage by stage, and where a (compiled) decode step's time goes, operator by operator."""
 
 from __future__ import annotations
 
@@ -61,6 +62,28 @@ def add_commands(sub) -> None:
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None)
     t.set_defaults(run=run_trace)
+
+    f = sub.add_parser("profile", help="decode rate, then a decode step's operators by self time (torch.profiler)",
+                       description="The decode rate of FastDecoder (greedy, a random prompt), then --steps decode "
+                                   "steps under torch.profiler: each operator's self time per step and the share "
+                                   "of matmul, attention and elementwise work.")
+    f.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
+    f.add_argument("--device", default=None)
+    f.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: by device)")
+    f.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the model in --dtype")
+    f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="the compiled step, FastDecoder's default settings (default: on)")
+    f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
+    f.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's)")
+    f.add_argument("--prompt-len", type=positive_int, default=128, help="random prompt tokens; the profiled "
+                   "step sits at this position")
+    f.add_argument("--new-tokens", type=positive_int, default=128)
+    f.add_argument("--repeats", type=positive_int, default=5, help="timed decode runs (median reported)")
+    f.add_argument("--steps", type=positive_int, default=100, help="decode steps under the profiler")
+    f.add_argument("--rate-only", action="store_true", help="the decode rate alone, no profile")
+    f.add_argument("--top", type=positive_int, default=25, help="operators listed")
+    f.set_defaults(run=run_profile)
 
 
 def load_for_command(args, load_one):
@@ -164,3 +187,37 @@ def run_trace(args, argv) -> None:
     print(f"one decode step, {args.context} tokens of context, {model.device.type} {model.dtype}; "
           f"math-unit busy share against {peak:.2f} TFLOP/s measured here")
     print(trace.table(peak_tflops=peak))
+
+
+def run_profile(args, argv) -> dict:
+    import statistics
+
+    from ..core.checkpoint import load_model
+    from ..core.quantize import quantize
+    from ..engines.fast import FastDecoder
+    from ..lab.profile import decode_rates, profile_ops
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    if args.prompt_len + args.new_tokens > model.config.max_seq_len:
+        raise ValueError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceed the model's "
+                         f"{model.config.max_seq_len}-token context")
+    if args.quantize != "none":
+        quantize(model, args.quantize)
+    decoder = FastDecoder(model, max_len=args.prompt_len + args.new_tokens, compile=args.compile,
+                          mode=args.compile_mode)
+    compile_seconds = decoder.warmup()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+    rates = decode_rates(decoder, ids, args.new_tokens, args.repeats)
+    what = f"{model.device.type} {str(model.dtype).removeprefix('torch.')}" + \
+        (f" {args.quantize}" if args.quantize != "none" else "") + (" compiled" if decoder.compiled else " eager")
+    print(f"[{what}] decode {statistics.median(rates):,.1f} tok/s, median of {args.repeats} runs of "
+          f"{args.new_tokens} tokens (min {min(rates):,.1f}, max {max(rates):,.1f}); compile {compile_seconds:.1f} s")
+    record = {"decode_tokens_per_s_runs": rates, "compiled": decoder.compiled}
+    if not args.rate_only:
+        ops = profile_ops(decoder, context=args.prompt_len, steps=args.steps)
+        print(ops.table(args.top))
+        record["us_per_step_by_kind"] = ops.by_kind()
+    return record

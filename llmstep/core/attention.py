@@ -81,9 +81,8 @@ def _plain_ops_here(q: torch.Tensor) -> bool:
 def _compiled_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA's function as plain ops, scores and probabilities in float32 as its CPU kernel keeps them: what a
     compiled CPU step runs for one sequence (whose every query row sees at least its own key, so no row is all
-    masked). Inductor calls SDPA's CPU kernel as an opaque op, ~20 us a call at one query row, mostly setup;
-    these it fuses into its own loops: a decode step 1.06x (bf16) to 1.17x (int4) faster at 1 thread on the
-    AMD EPYC (results/cpu_amd.md, session 6).
+    masked). Inductor calls SDPA's CPU kernel as an opaque op whose fixed setup dominates at one query row;
+    these plain ops it fuses into its own loops, which made the compiled CPU decode step faster.
     q [B, n_kv, R, hd], k/v [B, n_kv, S, hd], mask [B, 1, R, S] -> [B, n_kv, R, hd]."""
     scores = q.float() @ k.float().transpose(-2, -1) * q.shape[-1] ** -0.5  # [B, n_kv, R, S]
     scores = scores.masked_fill(~mask, float("-inf"))

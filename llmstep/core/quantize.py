@@ -55,7 +55,7 @@ __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequan
 
 KERNELS = ("auto", "packed", "dequant", "reduce")  # "reduce": int4 only
 # The packed kernels are matrix-vector kernels: at more rows than this (a prompt, an eval batch) widening the
-# weights once and calling the ordinary matmul is far faster (on the reference CPU, 100x at 512 rows).
+# weights once and calling the ordinary matmul is far faster (the packed kernel repeats its work per row).
 PACKED_MAX_ROWS = 16
 
 

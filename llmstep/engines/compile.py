@@ -43,12 +43,12 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     C++ (`cpp_wrapper`), not from Python; by default (mode None) tune the matmuls (below).
     "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
     does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
-    `tune_matmuls` (`tunes_matmuls(model)`): on an AMD EPYC without AMX the templates won 1.79x for float32
-    (1 thread), 1.08x for int4, nothing for int8 (which keeps its packed kernel). For bf16 weights the template
-    runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16 (2.1x the widening kernel's step at 2
-    threads, 1.8x oneDNN's at 1: results/profile_cpu_amd.md, session 7); elsewhere the widening kernel won 1.33x
-    with 2 threads but lost (0.64x) with 1, so a f16 model, or a bf16 one without the kernel, on one thread keeps
-    oneDNN. `compile_step` registers the kernel with inductor (`cpu_gemm.install`) before it compiles a CPU step.
+    `tune_matmuls` (`tunes_matmuls(model)`): on a CPU without AMX the templates beat oneDNN's matmuls for float32
+    and int4 weights, and did nothing for int8 (which keeps its packed kernel). For bf16 weights the template
+    runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16; elsewhere the template's widening kernel
+    helped with 2 threads but lost to oneDNN with 1, so a f16 model, or a bf16 one without the kernel, on one
+    thread keeps oneDNN (the A/B behind each choice: scripts/ab_cpu.py). `compile_step` registers the kernel
+    with inductor (`cpu_gemm.install`) before it compiles a CPU step.
     Options this torch's inductor does not know are left out (`torch_compat.known_options`): the step compiles
     without them.
     """
@@ -111,7 +111,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     graph may reuse their memory: use what a step returns before calling it again."""
     options = compile_options(device, mode, tune_matmuls)
     if device.type == "cpu":
-        cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (~2 s)
+        cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)
     traced = own_code(fn)  # its own code object: Dynamo's limit of compiled versions counts this step's alone

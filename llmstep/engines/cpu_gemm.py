@@ -2,9 +2,9 @@
 
 A decode step's matmuls are one row of activations against every weight (a GEMV). On a CPU inductor's tuned
 step runs them in its C++ GEMM template, whose micro-kernel for bf16 weights on a CPU without AMX widens every
-weight to float32 for an FMA (`CppMicroGemmFP32Vec`): on the AMD EPYC of results/cpu_amd.md that made the bf16
-loop 0.61-0.81x llama.cpp's, whose own kernel multiplies bf16 pairs directly with AVX-512 BF16's `vdpbf16ps`
-(32 products a instruction, float32 sums). This module gives the template that kernel: weights packed in
+weight to float32 for an FMA (`CppMicroGemmFP32Vec`): one widening instruction per weight before the
+multiply, where llama.cpp's own kernel multiplies bf16 pairs directly with AVX-512 BF16's `vdpbf16ps` (32 products
+a instruction, float32 sums). This module gives the template that kernel: weights packed in
 pairs along k (the template's VNNI2 layout, as for AMX), each activation pair broadcast, float32 accumulators.
 
 The products of two bf16 numbers are exact in float32 and the sums are float32, as the widening kernel's are;

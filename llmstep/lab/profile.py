@@ -4,7 +4,9 @@
 (`torch.profiler`) instead. `profile_step` runs `FastDecoder`'s decode step, eager or compiled, warms it up, then
 records one step: every operator the step ran on the host (top level and one level down) and, on a GPU, every
 kernel, each with its start and duration in microseconds from the start of the step. `plot_timeline` draws them
-as a timeline, one row per kind of event.
+as a timeline, one row per kind of event. `profile_ops` is the other view, behind `llmstep profile`: many steps
+under the profiler, each operator's self time per step, largest first, and its share by kind (matmul, attention,
+elementwise), which says where a compiled step's time goes once its timeline is too dense to read.
 
 `regime` places a measured step in one of three regimes, from its bytes and FLOPs (llmstep.core.cost's
 accounting) and the machine's two ceilings:
@@ -21,6 +23,7 @@ by that floor; slower than that, most of its time is neither bytes nor FLOPs, an
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +36,8 @@ from ..engines.decoding import check_int
 from ..engines.fast import FastDecoder
 from .runinfo import median, spread, time_repeats
 
-__all__ = ["Event", "StepProfile", "Regime", "profile_step", "regime", "plot_timeline"]
+__all__ = ["Event", "StepProfile", "Regime", "profile_step", "regime", "plot_timeline", "OpTime", "OpProfile",
+           "op_kind", "profile_ops", "decode_rates"]
 
 
 @dataclass(frozen=True)
@@ -193,3 +197,99 @@ def plot_timeline(profiles: dict[str, StepProfile], ax=None, min_us: float = 0.0
     ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for _, c in top], [n for n, _ in top], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.01, 1.0), title="operators (first 12)", title_fontsize=7)
     return ax
+
+
+# ---- operators over many steps (`llmstep profile`) -------------------------------------------------------------
+
+KINDS = (  # (kind, substrings of a profiler op name, lower case): the first match wins
+    ("matmul", ("linear", "mkldnn", "mm", "gemm", "int8pack", "int4pack", "addmm")),
+    ("attention", ("attention", "sdpa", "flash", "softmax", "bmm")),
+    ("norm/rope/elementwise", ("cpp_fused", "triton", "copy", "add", "mul", "rsqrt", "mean", "pow", "cat", "index",
+                               "silu")),
+)
+
+
+def op_kind(name: str) -> str:
+    """The kind of work a profiler op name stands for: matmul, attention, norm/rope/elementwise or other."""
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
+
+
+@dataclass(frozen=True)
+class OpTime:
+    name: str  # the operator as torch.profiler names it (aten::mm, an inductor kernel, a compiled region)
+    calls_per_step: float
+    us_per_step: float  # its self time on the host (time inside it, not in the operators it calls)
+
+    @property
+    def kind(self) -> str:
+        return op_kind(self.name)
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    ops: list[OpTime]  # by self time per step, largest first
+    steps: int
+    wall_us_per_step: float  # the profiled steps' wall clock (the profiler adds its own cost)
+
+    @property
+    def total_us_per_step(self) -> float:
+        return sum(op.us_per_step for op in self.ops)
+
+    def by_kind(self) -> dict[str, float]:
+        """Self time per step by kind, largest first."""
+        out: dict[str, float] = {}
+        for op in self.ops:
+            out[op.kind] = out.get(op.kind, 0.0) + op.us_per_step
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def table(self, n: int = 25) -> str:
+        total = self.total_us_per_step or 1.0
+        lines = [f"{self.steps} steps profiled: {self.wall_us_per_step:,.0f} us/step wall, "
+                 f"{self.total_us_per_step:,.0f} us/step in ops (self time)"]
+        lines += [f"  {kind:<24} {us:9,.0f} us/step {100 * us / total:6.1f}%" for kind, us in self.by_kind().items()]
+        lines.append(f"{'op':<70} {'calls/step':>10} {'us/step':>9} {'us/call':>8}")
+        for op in self.ops[:n]:
+            lines.append(f"{op.name[:70]:<70} {op.calls_per_step:10.1f} {op.us_per_step:9.1f} "
+                         f"{op.us_per_step / op.calls_per_step:8.2f}")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def profile_ops(decoder: FastDecoder, context: int, steps: int = 100, warmup: int = 10) -> OpProfile:
+    """`steps` decode steps of `decoder` (its logits step: eager or compiled, as the decoder was built) at position
+    `context`, after `warmup` unprofiled ones, under torch.profiler: each operator's self host time per step."""
+    check_int(context, "context", low=0)
+    check_int(steps, "steps", low=1)
+    check_int(warmup, "warmup", low=0)
+    if context + 1 > decoder.cache.max_len:
+        raise ValueError(f"profile_ops: context {context} leaves no room for a token in the decoder's "
+                         f"{decoder.cache.max_len}-slot cache")
+    device = decoder.device
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
+    position = torch.full((1, 1), context, dtype=torch.long, device=device)  # [1, 1]
+    for _ in range(warmup):
+        decoder.step(token, position)
+    synchronize(device)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # see profile_step
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            decoder.step(token, position)
+        synchronize(device)
+    wall = (time.perf_counter() - start) / steps
+    ops = [OpTime(e.key, e.count / steps, e.self_cpu_time_total / steps)
+           for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    return OpProfile(sorted(ops, key=lambda op: -op.us_per_step), steps, wall * 1e6)
+
+
+def decode_rates(decoder: FastDecoder, prompt_ids: list[int], new_tokens: int, repeats: int) -> list[float]:
+    """Greedy decode tokens/s of `repeats` runs of `decoder.generate` (never stopping early), after one untimed
+    run: the rate the profile is read against."""
+    check_int(repeats, "repeats", low=1)
+    decoder.generate(prompt_ids, new_tokens, temperature=0, stop_ids=())
+    rates = []
+    for _ in range(repeats):
+        r = decoder.generate(prompt_ids, new_tokens, temperature=0, stop_ids=())
+        rates.append(r.decode_steps / r.decode_seconds)
+    return rates

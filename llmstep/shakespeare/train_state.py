@@ -35,7 +35,7 @@ __all__ = ["CHECKPOINT", "LEGACY_CHECKPOINT", "TrainStateError", "save_train_sta
            "check_state", "first_nonfinite"]
 
 CHECKPOINT = "ckpt.safetensors"
-LEGACY_CHECKPOINT = "ckpt.pt"  # the pickle of llmstep before issue 14: refused, never read
+LEGACY_CHECKPOINT = "ckpt.pt"  # an older llmstep's pickle checkpoint: refused, never read (a pickle runs code)
 _STATE_KEY = "llmstep_train_state"
 FORMAT_VERSION = 1
 

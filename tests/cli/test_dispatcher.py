@@ -80,6 +80,16 @@ def test_python_dash_m_llmstep_exits_2_with_one_line_on_stderr():
                            "(see llmstep info --help)\n") and done.stdout == ""
 
 
+def test_the_speculative_benchmark_writes_a_file_only_when_asked(tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """Run from anywhere (the repository's root included), it leaves no file behind unless --out names one: a
+    default path once overwrote a record that results/ cites."""
+    monkeypatch.chdir(tmp_path)
+    report = cli.main(["speculative", "--bench", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "1",
+                       "--max-new-tokens", "4", "--repeats", "1"])
+    assert {"target", "k=1"} <= set(report["results"])
+    assert list(tmp_path.iterdir()) == [] and "wrote" not in capsys.readouterr().out
+
+
 def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, capsys):
     out = tmp_path / "spec.json"
     argv = ["speculative", "--bench", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "1,2",

@@ -109,3 +109,16 @@ def test_a_symlink_is_written_through_and_stays_a_link(tmp_path):
     dangling.symlink_to(tmp_path / "real" / "made.json")
     files.atomic_write_text(dangling, "made")
     assert dangling.is_symlink() and (tmp_path / "real" / "made.json").read_text() == "made"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_default_mode_is_what_the_os_gives_a_new_file_and_directory(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        (tmp_path / "f").touch()
+        (tmp_path / "d").mkdir()
+        file_mode, dir_mode = files.default_mode(), files.default_mode(directory=True)
+    finally:
+        os.umask(old)
+    assert file_mode == (tmp_path / "f").stat().st_mode & 0o777 and dir_mode == (tmp_path / "d").stat().st_mode & 0o777
+    assert os.umask(old) == old  # the umask it read is put back

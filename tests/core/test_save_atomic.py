@@ -114,10 +114,17 @@ def test_save_refuses_a_file_as_its_directory(tiny_checkpoint, tmp_path):
 
 
 def test_save_into_a_new_directory_gives_it_the_usual_mode(tiny_checkpoint, tmp_path):
+    """What mkdir and open give under the process's umask, not the private 0o700 / 0o600 of the temporary folder
+    the checkpoint is written in."""
     model, _ = llmstep.load(tiny_checkpoint)
-    out = llmstep.save(model, tmp_path / "new")
-    assert out.stat().st_mode & 0o777 == files.default_mode(directory=True)
-    assert (out / "config.json").stat().st_mode & 0o777 == files.default_mode()
+    umask = os.umask(0o027)
+    try:
+        out = llmstep.save(model, tmp_path / "new")
+    finally:
+        os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()} == dict.fromkeys(
+        (f.name for f in out.iterdir()), 0o640)
 
 
 def test_save_refuses_non_finite_weights_before_writing_anything(tmp_path):

@@ -54,9 +54,13 @@ def test_each_reason_a_peer_cannot_run_is_named(monkeypatch, tmp_path):
     monkeypatch.undo()
     assert peers.why_not("transformers", "int8", None, None).startswith("no weight-only int8/int4")
     assert peers.why_not("transformers", "float32", None, None) is None
-    if importlib.util.find_spec("ctranslate2") is not None:
-        assert "checkpoint directory" in peers.why_not("ctranslate2", "float32", None, None)
-        assert peers.why_not("ctranslate2", "int4", tmp_path, None) == "no int4 weights on a CPU in CTranslate2"
+    monkeypatch.setattr(importlib.util, "find_spec", missing("ctranslate2"))
+    assert peers.why_not("ctranslate2", "float32", tmp_path, None).startswith("not installed (pip install ")
+    monkeypatch.undo()  # installed or not (these are refused before it is imported), CTranslate2 is refused:
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "ctranslate2" else real(name, *a))
+    assert "checkpoint directory" in peers.why_not("ctranslate2", "float32", None, None)  # without safetensors
+    assert peers.why_not("ctranslate2", "int4", tmp_path, None) == "no int4 weights on a CPU in CTranslate2"
 
 
 def test_bad_settings_are_refused_before_any_peer_is_built():

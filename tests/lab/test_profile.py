@@ -11,7 +11,7 @@ import torch
 
 from llmstep import Llama, LlamaConfig
 from llmstep.core.cost import StepCost, model_step_cost
-from llmstep.lab.profile import plot_timeline, profile_step, regime
+from llmstep.lab.profile import decode_rates, op_kind, plot_timeline, profile_ops, profile_step, regime
 
 CFG = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=112, max_seq_len=64)
 COST = StepCost(weight_bytes=1e9, kv_bytes=0.0, flops=2e9)  # 1 GB, 2 GFLOP: 2 FLOPs per byte
@@ -111,3 +111,66 @@ def test_profile_step_leaves_stderr_quiet_and_a_users_kineto_level_alone():
     loud = subprocess.run([sys.executable, "-c", script], env=env | {"KINETO_LOG_LEVEL": "0"}, capture_output=True,
                           text=True, timeout=120)
     assert loud.returncode == 0 and "profiler_start" in loud.stderr  # the user's own setting wins
+
+
+# ---- operators over many steps: `llmstep profile` ----------------------------------------------------------
+
+def test_profile_ops_counts_each_operator_per_step_not_per_run(model):
+    from llmstep.engines.fast import FastDecoder
+
+    decoder = FastDecoder(model, max_len=16, compile=False)
+    ops = profile_ops(decoder, context=8, steps=3, warmup=1)
+    assert ops.steps == 3 and ops.wall_us_per_step > 0
+    calls = {op.name: op.calls_per_step for op in ops.ops}
+    assert calls["aten::linear"] == 7 * CFG.n_layers + 1  # q, k, v, o, w1, w3, w2 per layer, and the LM head
+    assert [op.us_per_step for op in ops.ops] == sorted((op.us_per_step for op in ops.ops), reverse=True)
+    kinds = ops.by_kind()
+    assert sum(kinds.values()) == pytest.approx(ops.total_us_per_step) and kinds["matmul"] > 0
+    assert ops.table(3).count("\n") == 1 + len(kinds) + 3  # the header, one line per kind, the title, 3 ops
+
+
+@pytest.mark.parametrize(("name", "kind"), [("aten::mm", "matmul"), ("aten::_weight_int8pack_mm", "matmul"),
+                                            ("aten::addmm", "matmul"), ("aten::_softmax", "attention"),
+                                            ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+                                            ("cpp_fused_add_mean_mul_pow_rsqrt_0", "norm/rope/elementwise"),
+                                            ("aten::empty_strided", "other")])
+def test_op_kind_names_the_work_an_operator_does(name, kind):
+    assert op_kind(name) == kind
+
+
+def test_profile_ops_refuses_a_position_past_the_decoders_cache(model):
+    from llmstep.engines.fast import FastDecoder
+
+    decoder = FastDecoder(model, max_len=8, compile=False)
+    with pytest.raises(ValueError, match="context 8 leaves no room"):
+        profile_ops(decoder, context=8)
+    with pytest.raises(ValueError, match="steps"):
+        profile_ops(decoder, context=2, steps=0)
+
+
+def test_decode_rates_times_each_repeat_after_an_untimed_run(model):
+    from llmstep.engines.fast import FastDecoder
+
+    decoder = FastDecoder(model, max_len=16, compile=False)
+    runs = []
+    generate = decoder.generate
+
+    def counting(*args, **kwargs):
+        runs.append(args[1])
+        return generate(*args, **kwargs)
+
+    decoder.generate = counting
+    rates = decode_rates(decoder, [1, 2, 3], new_tokens=5, repeats=2)
+    assert runs == [5, 5, 5] and len(rates) == 2 and all(r > 0 for r in rates)
+
+
+def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint, capsys):
+    from llmstep.cli import CommandFailed, main
+
+    record = main(["profile", "--model", str(tiny_checkpoint), "--no-compile", "--prompt-len", "8", "--new-tokens",
+                   "4", "--repeats", "2", "--steps", "2", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "eager] decode" in out and "median of 2 runs of 4 tokens" in out and "2 steps profiled" in out
+    assert len(record["decode_tokens_per_s_runs"]) == 2 and record["us_per_step_by_kind"]["matmul"] > 0
+    with pytest.raises(CommandFailed, match="exceed the model's 128-token context"):
+        main(["profile", "--model", str(tiny_checkpoint), "--prompt-len", "100", "--new-tokens", "29"])
