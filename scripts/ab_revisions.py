@@ -1,0 +1,88 @@
+"""Two checkouts of llmstep, the same benchmarks, interleaved: did a change of code (not of machine) change speed?
+
+    python scripts/ab_revisions.py BEFORE_DIR AFTER_DIR --rounds 3 --out results/relayout_ab_cpu.json
+
+Each round runs, for each checkout (the order alternating from round to round), one process per benchmark with
+PYTHONPATH set to that checkout: `llmstep bench` (the fast loop, compiled, greedy) and `llmstep batch` (the
+continuous batcher, contiguous and paged KV, eager). So both sides see the same machine within a minute of each
+other, and the paired ratio after / before of each round is steadier than figures taken apart. The tokens of both
+sides are compared: a change that alters them is not a speed question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from llmstep.core.files import atomic_write_json
+
+BENCHES = {
+    "fast loop, float32, compiled (decode tok/s)": (
+        ["bench", "--compile", "--no-eager", "--no-hf", "--no-bandwidth", "--quantize", "none", "--dtype", "float32",
+         "--new-tokens", "128", "--repeats", "3"],
+        lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"])),
+    "continuous batcher, contiguous KV, 8 slots (tok/s)": (
+        ["batch", "--slots", "8", "--requests", "32", "--batch-sizes", "1", "--kv", "contiguous"],
+        lambda r: (r["runs"][-1]["tokens_per_second"], [c["tokens"] for c in r["runs"][-1]["completions"]])),
+    "continuous batcher, paged KV, 8 slots (tok/s)": (
+        ["batch", "--slots", "8", "--requests", "32", "--batch-sizes", "1", "--kv", "paged"],
+        lambda r: (r["runs"][-1]["tokens_per_second"], [c["tokens"] for c in r["runs"][-1]["completions"]])),
+}
+
+
+def run(checkout: Path, args: list[str], threads: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "record.json"
+        env = os.environ | {"PYTHONPATH": str(checkout)}
+        subprocess.run([sys.executable, "-m", "llmstep", *args, "--threads", str(threads), "--json", str(out)],
+                       env=env, check=True, stdout=subprocess.DEVNULL, cwd=tmp)
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("before", type=Path)
+    p.add_argument("after", type=Path)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    sides = {"before": a.before.resolve(), "after": a.after.resolve()}
+    figures = {name: {"before": [], "after": []} for name in BENCHES}
+    same_tokens = {name: True for name in BENCHES}
+    for i in range(a.rounds):
+        order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
+        for name, (args, read) in BENCHES.items():
+            tokens = {}
+            for side in order:
+                value, tokens[side] = read(run(sides[side], args, a.threads))
+                figures[name][side].append(value)
+                print(f"round {i + 1} {side:6s} {name}: {value:.1f}", flush=True)
+            same_tokens[name] &= tokens["before"] == tokens["after"]
+    summary = {}
+    for name, f in figures.items():
+        ratios = [after / before for before, after in zip(f["before"], f["after"])]
+        summary[name] = {"before": f["before"], "after": f["after"], "median_before": statistics.median(f["before"]),
+                         "median_after": statistics.median(f["after"]), "paired_ratios": ratios,
+                         "median_ratio": statistics.median(ratios), "same_tokens": same_tokens[name]}
+        print(f"{name}: before {summary[name]['median_before']:.1f}, after {summary[name]['median_after']:.1f}, "
+              f"after/before {summary[name]['median_ratio']:.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)}), "
+              f"same tokens: {same_tokens[name]}")
+    if a.out:
+        load = os.getloadavg()[0]
+        record = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
+                  "rounds": a.rounds, "load_average_1min_after": load,
+                  "revisions": {s: subprocess.run(["git", "-C", str(d), "rev-parse", "HEAD"], capture_output=True,
+                                                  text=True).stdout.strip() for s, d in sides.items()},
+                  "results": summary}
+        atomic_write_json(a.out, record)
+
+
+if __name__ == "__main__":
+    main()
