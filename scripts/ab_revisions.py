@@ -67,7 +67,7 @@ def main() -> None:
             same_tokens[name] &= tokens["before"] == tokens["after"]
     summary = {}
     for name, f in figures.items():
-        ratios = [after / before for before, after in zip(f["before"], f["after"])]
+        ratios = [after / before for before, after in zip(f["before"], f["after"], strict=True)]
         summary[name] = {"before": f["before"], "after": f["after"], "median_before": statistics.median(f["before"]),
                          "median_after": statistics.median(f["after"]), "paired_ratios": ratios,
                          "median_ratio": statistics.median(ratios), "same_tokens": same_tokens[name]}
