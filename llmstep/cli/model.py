@@ -9,7 +9,7 @@ import torch
 
 from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
-from .args import check_draft, nonneg_float, nonneg_int, positive_int, probability, seed
+from .args import add_attention_arg, check_draft, nonneg_float, nonneg_int, positive_int, probability, seed
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +42,7 @@ def add_commands(sub) -> None:
     g.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens proposed per round (with --draft)")
     g.add_argument("--adaptive-k", action="store_true",
                    help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
+    add_attention_arg(g)
     g.set_defaults(run=run_generate)
 
     i = sub.add_parser("info", help="parameters and per-token cost of a checkpoint or a preset shape")
@@ -60,6 +61,7 @@ def add_commands(sub) -> None:
     t.add_argument("--repeats", type=positive_int, default=5)
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None)
+    add_attention_arg(t)
     t.set_defaults(run=run_trace)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..core import attention_backend
 from ..core.checks import check_max_len
 from ..core.sampling import sample
 from .compile import warm_up
@@ -39,7 +40,7 @@ class Engine:
         self.limit = model.config.max_seq_len if limit is None else limit
         self.reserve, self.sized_per_request = reserve, max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this engine's only one
-        self._warm: set = set()  # the step kinds run (eager too) before any timing
+        self._warm: set = set()  # (step kind, attention backend) run (eager too) before any timing
         self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warm-up)
         if max_len is None:
             return cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
@@ -71,16 +72,21 @@ class Engine:
         finally:
             self._lock.release()
 
+    def is_warm(self, key) -> bool:
+        """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes the
+        backend in: under another, it compiles again, so it is warmed again)."""
+        return (key, attention_backend.current()) in self._warm
+
     def warm_once(self, key, *calls: Callable[[], object], steps: int = 3) -> float:
-        """Run the calls of step kind `key` before timing anything, once: compiled, `steps` times (compile, and on
-        CUDA record the graph); eager, once (the first call's one-off costs). Returns the seconds spent
-        compiling: 0 when eager or already warm."""
-        if key in self._warm:
+        """Run the calls of step kind `key` before timing anything, once per attention backend: compiled, `steps`
+        times (compile, and on CUDA record the graph); eager, once (the first call's one-off costs). Returns the
+        seconds spent compiling: 0 when eager or already warm."""
+        if self.is_warm(key):
             return 0.0
         seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
         seconds = seconds if self.compiled else 0.0
         self.compile_seconds += seconds
-        self._warm.add(key)
+        self._warm.add((key, attention_backend.current()))
         return seconds
 
 
