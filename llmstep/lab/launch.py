@@ -7,7 +7,7 @@ there. So the command names the device and the dtype for every child, chosen onc
 - `rank_device(ranks, device)`: CUDA (NCCL) only when every rank has a GPU of its own (ranks <= GPUs), else
   the CPU (gloo), where any number of ranks runs;
 - `llmstep_command(args, ranks, device, dtype)`: `python -m llmstep ARGS --device D --dtype T`, under
-  `torch.distributed.run --standalone --nproc-per-node N` when ranks > 1.
+  `launcher(ranks)` (`torch.distributed.run --standalone --nproc-per-node N` when ranks > 1).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from ..core.device import resolve_device, resolve_dtype
 from ..engines.decoding import check_int
 
-__all__ = ["rank_device", "backend", "llmstep_command"]
+__all__ = ["rank_device", "backend", "launcher", "llmstep_command"]
 
 
 def rank_device(ranks: int, device: str | torch.device | None = None) -> torch.device:
@@ -44,6 +44,15 @@ def backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def launcher(ranks: int = 1, python: str = sys.executable) -> list[str]:
+    """What starts `ranks` Python processes: the interpreter alone for 1, torchrun (standalone: one machine) for more.
+    A script run under it chooses its own device: name it there."""
+    check_int(ranks, "ranks", low=1)
+    if ranks == 1:
+        return [python]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+
+
 def llmstep_command(args: Sequence[str], ranks: int = 1, device: str | torch.device | None = None,
                     dtype: str | torch.dtype | None = None, python: str = sys.executable) -> list[str]:
     """argv for `llmstep ARGS` in `ranks` processes (1: a plain child; more: torchrun), every one told the device
@@ -54,6 +63,4 @@ def llmstep_command(args: Sequence[str], ranks: int = 1, device: str | torch.dev
         raise ValueError(f"{given[0]} in args: pass device= and dtype= instead (every child gets them)")
     dev = rank_device(ranks, device)
     dtype_name = str(resolve_dtype(dtype, dev)).removeprefix("torch.")
-    launch = [python] if ranks == 1 else [python, "-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc-per-node={ranks}"]
-    return [*launch, "-m", "llmstep", *args, "--device", dev.type, "--dtype", dtype_name]
+    return [*launcher(ranks, python), "-m", "llmstep", *args, "--device", dev.type, "--dtype", dtype_name]

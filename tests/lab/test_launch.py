@@ -56,3 +56,9 @@ def test_one_process_is_a_plain_child_told_its_device_and_dtype(monkeypatch):
                     "--dtype", "bfloat16"]
     with pytest.raises(ValueError, match="--device in args: pass device="):
         launch.llmstep_command(["generate", "--device", "cuda"], ranks=2)
+
+
+def test_a_script_runs_under_the_same_launcher_and_names_its_own_device():
+    assert launch.launcher(1) == [sys.executable]
+    assert launch.launcher(3, python="py") == ["py", "-m", "torch.distributed.run", "--standalone",
+                                               "--nproc-per-node=3"]
