@@ -9,6 +9,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     rope.py        rotary position embedding with Llama 3.1 scaling
     norm.py        RMSNorm
     attention.py   grouped-query attention
+    attention_backend.py  which SDPA kernel runs (PyTorch's choice, or math/flash/efficient/cudnn by name)
     kv_cache.py    the preallocated KV cache, written at explicit positions
     paged_kv.py    the paged KV cache: blocks, block tables, prefix caching
     mlp.py         SwiGLU feed-forward
@@ -64,6 +65,7 @@ lab/          measuring (notebooks 00, 05, 07-09 and the benchmarks)
     bench_tp.py    tensor parallelism measured (per-token time, all-reduce share) and modelled for N GPUs
     peers.py       llama.cpp, CTranslate2, transformers on llmstep's weights next to its compiled loop
     peer_inputs.py, peer_engines.py, peer_process.py   what each peer runs, the peers, one child process each
+    launch.py      the command for llmstep's child processes (one, or N ranks under torchrun), device and dtype named
     runinfo.py     what every measurement records (machine, versions, load, command: one header), and how
                    it times repeats (warm-up, fastest or median)
 shakespeare/  the shipped default: how the two shipped models were made and scored

@@ -45,6 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from probe_report import QUANT, TARGETS, ideal_speedup, table, verdicts  # noqa: E402, F401 (the tests read these here)
 
+from llmstep.core import attention_backend  # noqa: E402
 from llmstep.core.config import LlamaConfig  # noqa: E402
 from llmstep.core.files import check_output_path  # noqa: E402
 from llmstep.core.quantize import (  # noqa: E402
@@ -161,6 +162,7 @@ def decode(p: Probe, model, sampled: bool = False) -> dict:
     row = {"decode_tokens_per_s": rates["median"], "decode_tokens_per_s_runs": rates, "tokens": len(result.tokens),
            "compile_s": round(compile_s, 1), "cuda_graphs": decoder.cuda_graphs, "fused": decoder.fused,
            "syncs_per_token": syncs, "gb_per_s": result.bandwidth_gb_per_second, "sm_clock_mhz_after": sm_clock_mhz(p),
+           "attention": attention_backend.describe(p.device),  # asked / allowed; one_step: the kernels that ran
            "recompile_guard": "torch.compiler.set_stance('fail_on_recompile') around the timed runs"}
     with torch.no_grad():
         row["teacher_forced"] = teacher_forced_agreement(model, prompt, list(result.tokens))
@@ -285,7 +287,7 @@ def run_child(p: Probe, phase: str) -> dict:
     ok = {r["phase"]: r for r in p.records if r.get("status") == "ok"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--out", str(p.out_dir),
            "--budget", f"{p.left():.0f}", "--new-tokens", str(p.new_tokens), "--prompt-len", str(p.prompt_len)]
-    cmd += ["--dry"] * p.dry
+    cmd += ["--dry"] * p.dry + ["--attention", attention_backend.current()]
     if "8b_bf16" in ok:
         cmd += ["--bf16-tokens-per-s", str(ok["8b_bf16"]["decode_tokens_per_s"])]
     if "int4_kernel_choice" in ok.get("gemv", {}):
@@ -392,10 +394,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--phases", default=None, help="'all', or a comma-separated subset of "
                     + ",".join(n for n, _ in PHASES) + " (default: " + ",".join(FIRST_CHECK) + ")")
+    ap.add_argument("--attention", choices=attention_backend.BACKENDS, default="auto",
+                    help="SDPA kernel for every phase (llmstep.core.attention_backend; default: PyTorch's choice)")
     ap.add_argument("--child", choices=CHILD_PHASES, help=argparse.SUPPRESS)  # one quantized phase, this process
     ap.add_argument("--bf16-tokens-per-s", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--int4-kernel", choices=("packed", "reduce"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    with attention_backend.attention_backend(args.attention):
+        return _main(args, argv)
+
+
+def _main(args, argv: list[str] | None) -> int:
     if not args.dry and not torch.cuda.is_available():
         print("gpu_probe: no CUDA device here; use --dry to check the probe on the CPU", file=sys.stderr)
         return 2

@@ -22,8 +22,9 @@ flags' value types are in args.py.
 The library raises its own errors; `main` is the one place that turns them into one line on stderr and an exit
 status:
 
-- bad input (a bad flag value, a library ValueError, a missing or unwritable file): `llmstep <command>: error:
-  ...`, exit status 2. Flag values are checked while parsing, paths to write before any work starts;
+- bad input (a bad flag value, a library ValueError, a missing or unwritable file, an --attention kernel PyTorch
+  lacks here): `llmstep <command>: error: ...`, exit status 2. Flag values are checked while parsing, paths to
+  write before any work starts;
 - Ctrl-C: `llmstep <command>: interrupted`, exit status 130; a reader that closes the pipe (`| head`): nothing
   printed, exit status 141 (as a program killed by SIGPIPE);
 - anything else is a bug: one line naming the exception and where to report it, exit status 1; set
@@ -109,7 +110,7 @@ def _main(argv: list[str] | None):
     args = build_parser().parse_args(argv)
     try:
         _check_tensor_parallel(args.command)
-        with _sigterm_raises():
+        with _sigterm_raises(), _attention(getattr(args, "attention", "auto")):
             return args.run(args, argv)
     except KeyboardInterrupt:
         print(f"llmstep {args.command}: interrupted", file=sys.stderr)
@@ -147,6 +148,23 @@ def _check_tensor_parallel(command: str) -> None:
     if command not in TENSOR_PARALLEL and world != 1:
         raise ValueError(f"{command} does not run tensor-parallel (only {' and '.join(TENSOR_PARALLEL)} do): run it "
                          f"in one process, without torchrun (here WORLD_SIZE is {world})")
+
+
+@contextlib.contextmanager
+def _attention(name: str):
+    """The command runs with --attention's kernel (llmstep.core.attention_backend); a kernel PyTorch cannot use
+    for a call here (one the device lacks) is bad input, named with the flag, not a bug."""
+    from ..core.attention_backend import attention_backend
+
+    with attention_backend(name):
+        try:
+            yield
+        except RuntimeError as e:
+            sdpa_refused = "scaled_dot_product_attention" in str(e) or "No available kernel" in str(e)
+            if name == "auto" or not sdpa_refused:
+                raise
+            raise ValueError(f"--attention {name}: PyTorch has no {name} kernel for this model's attention here "
+                             f"({str(e).strip().splitlines()[0]}); use auto, or math") from None
 
 
 class Terminated(BaseException):

@@ -14,7 +14,7 @@ import math
 from ..engines.decoding import check_seed
 
 __all__ = ["COUNT_LIMIT", "positive_int", "nonneg_int", "seed", "nonneg_float", "positive_float", "probability",
-           "fraction", "parse_ints", "parse_range", "int_at_most"]
+           "fraction", "parse_ints", "parse_range", "int_at_most", "add_attention_arg"]
 
 # The largest count a flag takes (tokens, repeats, requests, threads, ...): far beyond any context or machine
 # here, and small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
@@ -115,6 +115,16 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high <= COUNT_LIMIT:
         raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH <= {COUNT_LIMIT}, got {text!r}")
     return low, high
+
+
+def add_attention_arg(p: argparse.ArgumentParser) -> None:
+    """--attention: the kernel every scaled_dot_product_attention call runs with (llmstep.core.attention_backend),
+    set by `llmstep.cli` around the whole command."""
+    from ..core.attention_backend import BACKENDS
+
+    p.add_argument("--attention", choices=BACKENDS, default="auto",
+                   help="attention kernel: auto = PyTorch's choice; math, flash, efficient or cudnn restrict it to "
+                        "one (a kernel the device lacks is an error)")
 
 
 def check_draft(draft: str, target: str | None) -> None:

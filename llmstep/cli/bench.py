@@ -12,6 +12,7 @@ from ..core.files import atomic_write_json, check_output_path
 from ..lab import bench as decode_bench
 from ..lab import bench_batching, runinfo
 from .args import (
+    add_attention_arg,
     check_draft,
     int_at_most,
     nonneg_float,
@@ -114,6 +115,7 @@ def add_commands(sub) -> None:
                         "whose llama.cpp kernels can die with SIGILL on virtual machines")
     p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", default=None, help="write the whole record here")
+    add_attention_arg(p)
     p.set_defaults(run=run_bench)
 
     s = sub.add_parser("speculative", help="measure speculative decoding against the target alone",
@@ -134,6 +136,7 @@ def add_commands(sub) -> None:
     s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's choice)")
     s.add_argument("--out", default=None, help="write the record to this JSON file, after every repeat (default: "
                    "no file; results/ holds the records its README cites, written only when asked)")
+    add_attention_arg(s)
     s.set_defaults(run=run_speculative)
 
     b = sub.add_parser("batch", help="static vs continuous batching on a random workload",
@@ -164,6 +167,7 @@ def add_commands(sub) -> None:
                    help="--kv paged: most prompt tokens per engine step (default: whole prompts)")
     b.add_argument("--seed", type=seed, default=0)
     b.add_argument("--json", default=None, help="write the whole record here")
+    add_attention_arg(b)
     b.set_defaults(run=run_batch)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
-from .args import check_draft, nonneg_float, nonneg_int, positive_int, probability, seed
+from .args import add_attention_arg, check_draft, nonneg_float, nonneg_int, positive_int, probability, seed
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,7 @@ def add_commands(sub) -> None:
     g.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens proposed per round (with --draft)")
     g.add_argument("--adaptive-k", action="store_true",
                    help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
+    add_attention_arg(g)
     g.set_defaults(run=run_generate)
 
     i = sub.add_parser("info", help="parameters and per-token cost of a checkpoint or a preset shape")
@@ -61,6 +62,7 @@ def add_commands(sub) -> None:
     t.add_argument("--repeats", type=positive_int, default=5)
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default=None)
+    add_attention_arg(t)
     t.set_defaults(run=run_trace)
 
     f = sub.add_parser("profile", help="decode rate, then a decode step's operators by self time (torch.profiler)",

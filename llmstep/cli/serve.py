@@ -6,7 +6,7 @@ import argparse
 import math
 import sys
 
-from .args import nonneg_int, parse_range, positive_int, seed
+from .args import add_attention_arg, nonneg_int, parse_range, positive_int, seed
 
 SERVE_HELP = """\
 Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
@@ -58,6 +58,7 @@ def add_commands(sub) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    add_attention_arg(p)
     p.set_defaults(run=run_serve)
 
     b = sub.add_parser("bench-serve", help="load a running `llmstep serve` at Poisson rates: throughput, TTFT, ITL",

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import attention_backend
 from .config import LlamaConfig
 from .rope import apply_rope
 
@@ -117,5 +118,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.write(layer, positions, k, v, kv_len)  # [B, n_kv, S, hd]
-        out = sdpa(q, k, v, mask)  # [B, n_heads, T, hd]
+        with attention_backend.kernels():  # the kernel asked for (attention_backend.py); none named: PyTorch's
+            out = sdpa(q, k, v, mask)  # [B, n_heads, T, hd]
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

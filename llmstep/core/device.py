@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16"]
+__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -34,6 +34,16 @@ def native_bf16(device: torch.device) -> bool:
     """Whether this CUDA GPU does bfloat16 in hardware (compute capability 8.0 on: A100, H100, RTX 30xx/40xx).
     T4- and V100-class GPUs only emulate it, slowly: torch.cuda.is_bf16_supported() says yes for them too."""
     return device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def half_dtype(device: str | torch.device) -> torch.dtype:
+    """The 16-bit float to run and measure in on `device`: bfloat16 where it is done in hardware (a CUDA GPU of
+    compute capability 8.0 on; a CPU, whose bf16 matmuls oneDNN runs natively or widens), float16 on a CUDA GPU
+    that only emulates bfloat16 (T4, V100: a bf16 figure there measures the emulation) and on MPS."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if native_bf16(device) else torch.float16
+    return torch.float16 if device.type == "mps" else torch.bfloat16
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, stored: str = "bfloat16") -> torch.dtype:

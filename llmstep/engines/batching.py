@@ -65,22 +65,33 @@ __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatche
 class BatchRunner(Engine):
     """The model runner: n_slots rows of KV cache, max_len positions each, and the forwards over them.
 
-    `prefill` puts one prompt into one row; `step` advances every row by one token. compile: compile the
-    step (llmstep.engines.compile; on CUDA with CUDA graphs), None on CUDA only. Frozen weights on a CPU:
-    change the model's weights and you need a new runner.
+    `prefill` puts one prompt into one row; `step` advances every row by one token. max_len: the positions per
+    row; None sizes the rows to what is asked of them: a prompt or a step past their end grows them first (to the
+    next bucket, `decoding.cache_bucket`, keeping what they hold), never the whole context up front unless a
+    request needs it. compile: compile the step (llmstep.engines.compile; on CUDA with CUDA graphs), None on
+    CUDA only; a grown cache gets its step compiled anew. Frozen weights on a CPU: change the model's weights and
+    you need a new runner.
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
         check_int(n_slots, "n_slots", low=1)
-        self.max_len = self._own(model, model.config.max_seq_len if max_len is None else max_len,
-                                 low=1)  # 1: a step at position 0
-        self.n_slots = n_slots
-        # per layer k, v: [S, n_kv, max_len, hd]: row s is slot s
-        self.cache = model.new_cache(batch_size=n_slots, max_len=self.max_len)
-        self._step = Step(self._decode_step, self.device, compile, mode, static=self.cache.buffers,
-                          tune_matmuls=tunes_matmuls(model))
+        self.n_slots, self._compile, self._mode, self.cache = n_slots, compile, mode, None
+        self._allocate(self._own(model, max_len, low=1))  # 1: a step at position 0
+
+    def _allocate(self, max_len: int) -> None:
+        """A cache of max_len positions per row holding what the old one held (its rows' keys, values, lengths),
+        and its step."""
+        cache = self.model.new_cache(batch_size=self.n_slots, max_len=max_len)  # per layer k, v: [S, n_kv, max_len, hd]
+        if self.cache is not None:
+            for old, new in zip(self.cache.k + self.cache.v, cache.k + cache.v, strict=True):
+                new[:, :, :old.shape[2]].copy_(old)  # [S, n_kv, old max_len, hd]
+            cache.lengths.copy_(self.cache.lengths)
+        self.max_len, self.cache = max_len, cache
+        self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
+                          tune_matmuls=tunes_matmuls(self.model))
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
+        self._warm.clear()  # the new step has not run
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
@@ -102,6 +113,8 @@ class BatchRunner(Engine):
 
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
         """One prompt alone through the model into row `slot`, at positions 0..T-1 -> its last logits [1, vocab]."""
+        if self.sized_per_request:
+            self.grow(len(prompt_ids))
         prompt = torch.tensor([prompt_ids], device=self.device)  # [1, T]
         positions = torch.arange(prompt.shape[1], device=self.device)
         return self.model(prompt, positions, self.cache.slot(slot), last_only=True)[:, -1].float()
@@ -109,6 +122,8 @@ class BatchRunner(Engine):
     def decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
         """One step for every slot: rows[s] = (token, position) of slot s, or None for a free slot, which rides
         along with token 0 at position 0 (fixed shapes; nothing reads it) -> logits [S, vocab]."""
+        if self.sized_per_request:
+            self.grow(1 + max((r[1] for r in rows if r is not None), default=0))
         tokens = torch.tensor([[0 if r is None else r[0]] for r in rows], device=self.device)  # [S, 1]
         positions = torch.tensor([[0 if r is None else r[1]] for r in rows], device=self.device)  # [S, 1]
         return self.step(tokens, positions)

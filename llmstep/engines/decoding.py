@@ -9,7 +9,7 @@ generate, FastDecoder, the speculative loops and the batchers all ask the same q
   slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`), in every engine (a speculative
   loop whose next round would write past its cache goes on with the target alone);
 - how big a cache does a run need? `cache_len`, the one sizing rule (generate, FastDecoder, FastSpeculator and
-  the batcher all ask it);
+  the batcher all ask it); and an engine that keeps its cache grows it to `cache_bucket`, a power of two;
 - has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
   budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
 - are the numbers finite? `check_finite` (the teaching loops, every step) and `NonFiniteLogits` (the fast
@@ -35,7 +35,7 @@ from ..core.tokens import Tokenizer
 
 __all__ = ["SEED_LIMIT", "check_int", "check_seed", "check_max_len", "check_prompt_ids",
            "NonFiniteLogitsError", "check_finite", "NonFiniteLogits", "ConcurrentUseError", "stop_id_set",
-           "encode_prompt", "room", "CACHE_ROUNDING", "cache_len", "Budget", "budget",
+           "encode_prompt", "room", "CACHE_ROUNDING", "cache_len", "cache_bucket", "Budget", "budget",
            "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
 
 
@@ -180,6 +180,15 @@ def cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int, reserve: i
     are 17 GB for Llama 3.1 8B."""
     need = max(prompt_len + max_new_tokens + reserve, prompt_len + 1)
     return min(max_seq_len, -(-need // rounding) * rounding)
+
+
+def cache_bucket(slots: int, max_seq_len: int) -> int:
+    """The slots an engine that keeps its cache across runs grows it to when a run needs `slots`: the next power of
+    two, at least CACHE_ROUNDING, at most the context. A new cache size is a new compiled step (on CUDA a minute or
+    more for an 8B model: compiled and captured again), so an interactive session whose context grows to n tokens
+    compiles about log2(n / CACHE_ROUNDING) times, not n / CACHE_ROUNDING; the cache holds at most twice what it
+    needs (an engine falls back to `slots` where the device's memory refuses the bucket)."""
+    return min(max_seq_len, max(CACHE_ROUNDING, 1 << (slots - 1).bit_length()))
 
 
 @dataclass(frozen=True)

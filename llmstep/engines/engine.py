@@ -1,6 +1,7 @@
 """What the engines that own a KV cache share (FastDecoder, FastSpeculator, the batchers and their runner): requests
 checked against the positions a sequence may fill, one run at a time (`decoding.ConcurrentUseError` for a second
-caller), the cache grown before the run when a request needs more slots (`decoding.cache_len`, rounded up), and
+caller), the cache grown before the run when a request needs more slots (`decoding.cache_len`, grown to the next
+power-of-two bucket, `decoding.cache_bucket`, so a growing session compiles its steps O(log n) times), and
 each step kind warmed up once before anything is timed; and a batcher's `Rows`: each request's own generator and
 non-finite flag, one draw per row.
 """
@@ -13,10 +14,12 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..core import attention_backend
 from ..core.checks import check_max_len
+from ..core.cost import MemoryBudgetError
 from ..core.sampling import sample
 from .compile import warm_up
-from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_len
+from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_bucket, cache_len
 from .request import Checked, Request, check_request
 
 __all__ = ["Engine", "Rows"]
@@ -39,7 +42,7 @@ class Engine:
         self.limit = model.config.max_seq_len if limit is None else limit
         self.reserve, self.sized_per_request = reserve, max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this engine's only one
-        self._warm: set = set()  # the step kinds run (eager too) before any timing
+        self._warm: set = set()  # (step kind, attention backend) run (eager too) before any timing
         self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warm-up)
         if max_len is None:
             return cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
@@ -65,22 +68,37 @@ class Engine:
                                      "KV cache, so give each thread its own, or call llmstep.generate, which may be "
                                      "shared")
         try:
-            if self.sized_per_request and checked and (need := self.slots_needed(checked)) > self.max_len:
-                self._allocate(need)
+            if self.sized_per_request and checked:
+                self.grow(self.slots_needed(checked))
             yield
         finally:
             self._lock.release()
 
+    def is_warm(self, key) -> bool:
+        """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes the
+        backend in: under another, it compiles again, so it is warmed again)."""
+        return (key, attention_backend.current()) in self._warm
+
+    def grow(self, slots: int) -> None:
+        """A cache sized per request made to hold `slots` per sequence: if it holds fewer, a new one of the next
+        bucket (`decoding.cache_bucket`), or of just `slots` where the device's memory refuses the bucket."""
+        if slots <= self.max_len:
+            return
+        try:
+            self._allocate(cache_bucket(slots, self.limit))
+        except MemoryBudgetError:
+            self._allocate(slots)
+
     def warm_once(self, key, *calls: Callable[[], object], steps: int = 3) -> float:
-        """Run the calls of step kind `key` before timing anything, once: compiled, `steps` times (compile, and on
-        CUDA record the graph); eager, once (the first call's one-off costs). Returns the seconds spent
-        compiling: 0 when eager or already warm."""
-        if key in self._warm:
+        """Run the calls of step kind `key` before timing anything, once per attention backend: compiled, `steps`
+        times (compile, and on CUDA record the graph); eager, once (the first call's one-off costs). Returns the
+        seconds spent compiling: 0 when eager or already warm."""
+        if self.is_warm(key):
             return 0.0
         seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
         seconds = seconds if self.compiled else 0.0
         self.compile_seconds += seconds
-        self._warm.add(key)
+        self._warm.add((key, attention_backend.current()))
         return seconds
 
 

@@ -152,7 +152,7 @@ class FastDecoder(Engine):
         """`Engine.warm_once` for this sampling setting's decode step, from position 0 and with a clean cache."""
         check_params(temperature, top_k, top_p)
         sampling = (temperature, top_k, top_p)
-        if sampling in self._warm:
+        if self.is_warm(sampling):
             return 0.0
         self._reset()  # from position 0: a run before may have left the position near the cache's end
         seconds = self.warm_once(sampling, self._advance_step(sampling), steps=steps)

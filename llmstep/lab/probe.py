@@ -11,7 +11,8 @@
   gaps between them are to blame;
 - `teacher_forced_agreement`: the compiled loop's tokens against the eager model's choice at every position,
   given the same history, so one early divergence does not hide the rest;
-- `SyncCounter`: the host syncs a block of code asks for.
+- `SyncCounter`: the host syncs a block of code asks for;
+- `attention_kernels`: which of SDPA's kernels ran (flash, memory-efficient, cuDNN, math), from a profile's names.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..core.device import synchronize
 from .runinfo import timing
 
 __all__ = ["SMI_FIELDS", "gpu_state", "parse_nvidia_smi", "no_recompiles", "time_calls", "kernel_summary",
-           "per_step", "profile_steps", "teacher_forced_agreement", "SyncCounter"]
+           "per_step", "profile_steps", "teacher_forced_agreement", "SyncCounter", "ATTENTION_KERNELS",
+           "attention_kernels"]
 
 # What nvidia-smi reports per GPU (`nvidia-smi --help-query-gpu`): the driver, and the clocks a run ran at.
 SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
@@ -103,6 +105,28 @@ def time_calls(fn: Callable[[], object], device: str | torch.device, calls: int,
     return timing(per_call)
 
 
+# Each SDPA kernel by the names a profile shows for it: the ATen op a host-side call records (eager, or an extern
+# kernel of a compiled step), and the GPU kernel's own name (all a CUDA graph's replay leaves). The GPU names are
+# PyTorch 2.13's (flash: pytorch_flash::flash_fwd*; efficient: fmha_cutlassF*; cuDNN: cudnn_generated_*sdpa*).
+ATTENTION_KERNELS = {"flash": ("_scaled_dot_product_flash_attention", "flash_fwd"),
+                     "efficient": ("_scaled_dot_product_efficient_attention", "_efficient_attention_forward",
+                                   "fmha_cutlass"),
+                     "cudnn": ("_scaled_dot_product_cudnn_attention", "cudnn_generated"),
+                     "math": ("_scaled_dot_product_attention_math",)}
+
+
+def attention_kernels(names: Sequence[str]) -> dict[str, int]:
+    """How many of `names` (a profile's op and kernel names) are each SDPA kernel's (ATTENTION_KERNELS); the
+    kernels that never ran are left out. A compiled CPU step's attention, plain ops, shows none."""
+    counts: dict[str, int] = {}
+    for name in names:
+        for kernel, marks in ATTENTION_KERNELS.items():
+            if any(mark in name for mark in marks):
+                counts[kernel] = counts.get(kernel, 0) + 1
+                break
+    return counts
+
+
 def kernel_summary(kernels: Sequence[tuple[float, float]], wall_us: float) -> dict:
     """From (start_us, duration_us) of every kernel of a run that took `wall_us`: how many ran, and for how long at
     least one was running (overlaps counted once)."""
@@ -144,7 +168,9 @@ def profile_steps(run: Callable[[int], object], device: str | torch.device, step
             wall_us = (time.perf_counter() - t) * 1e6
         events = [e for e in prof.events() if (e.device_type == cuda if gpu else e.cpu_parent is None)]
         summaries.append(kernel_summary([(e.time_range.start, e.time_range.elapsed_us()) for e in events], wall_us))
-    return per_step(*summaries, steps) | {"kind": "GPU kernels" if gpu else "top-level CPU ops", "steps": steps}
+        attention = attention_kernels([e.name for e in prof.events()])  # of the longer run: it did every step kind
+    return per_step(*summaries, steps) | {"kind": "GPU kernels" if gpu else "top-level CPU ops", "steps": steps,
+                                          "attention_kernels": attention}
 
 
 @torch.no_grad()

@@ -10,7 +10,8 @@ summarised here with `median` and `spread`.
 
 - `describe(device)`: the device llmstep would use, in a few fields a learner can read;
 - `machine(device, dtype)`: the CPU, its cores, torch's threads, the device and the dtype;
-- `header(device, dtype, argv, load_before)`: the one run-metadata block of every benchmark's record;
+- `header(device, dtype, argv, load_before)`: the one run-metadata block of every benchmark's record (with the
+  attention backend asked for: llmstep.core.attention_backend.describe);
 - `time_repeats(fn, device, repeats, warmup)`: fn() timed `repeats` times after `warmup` untimed runs;
 - `versions()`: llmstep, torch and python (and whatever else a record names);
 - `load_average()`: the 1-minute load average, recorded before and after a run (other work skews timings);
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._version import __version__
+from ..core import attention_backend
 from ..core.checks import check_int
 from ..core.device import resolve_device, synchronize
 
@@ -98,9 +100,11 @@ def command_line(argv: Sequence[str], prog: str = "llmstep") -> str:
 def header(device: str | torch.device, dtype: torch.dtype | None, argv: Sequence[str] | None,
            load_before: float | None, **versions_extra: str | None) -> dict:
     """The run metadata every benchmark's record starts with: the command, the machine, the versions and the
-    1-minute load average before the run and now (taken when the record is finished)."""
+    1-minute load average before the run and now (taken when the record is finished), and the attention backend
+    (what was asked; on CUDA the kernels PyTorch may pick from)."""
     return {"command": None if argv is None else command_line(argv), "machine": machine(device, dtype),
-            "versions": versions(**versions_extra), "load_average_1min_before_after": [load_before, load_average()]}
+            "versions": versions(**versions_extra), "load_average_1min_before_after": [load_before, load_average()],
+            "attention": attention_backend.describe(device)}
 
 
 

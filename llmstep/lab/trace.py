@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..core import attention as attention_module
+from ..core import attention_backend
 from ..core import model as model_module
 from ..core.checks import check_int
 from ..core.cost import StepCost, model_step_cost
@@ -107,6 +108,7 @@ class Trace:
     device: str
     dtype: str
     repeats: int
+    attention: dict = field(default_factory=dict)  # the attention backend asked for (attention_backend.describe)
 
     @property
     def traced_seconds(self) -> float:
@@ -307,7 +309,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
     calls = dict(expected, other=0)
     rows = [StageRow(s, calls[s], seconds[s], costs[s][0], costs[s][1], seconds[s] / total) for s in STAGES]
     return Trace(rows, context, median(untraced), model_step_cost(model, context),
-                 str(device), str(model.dtype).removeprefix("torch."), repeats)
+                 str(device), str(model.dtype).removeprefix("torch."), repeats, attention_backend.describe(device))
 
 
 def plot_trace(trace: Trace, ax=None, peak_tflops: float | None = None):

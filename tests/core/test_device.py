@@ -29,3 +29,16 @@ def test_the_cpu_gets_float32_and_mps_float16():
     assert dev.resolve_dtype(None, torch.device("cpu"), stored="bfloat16") == torch.float32
     assert dev.resolve_dtype(None, torch.device("mps"), stored="bfloat16") == torch.float16
     assert not dev.native_bf16(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("major, expected", [(9, torch.bfloat16), (8, torch.bfloat16), (7, torch.float16)])
+def test_the_half_dtype_a_gpu_is_measured_in_is_float16_where_bfloat16_is_emulated(monkeypatch, major, expected):
+    """Notebooks 00 and 05 measure a GPU's 16-bit speed in `half_dtype`: a T4 (7.5) in float16, not emulated bf16."""
+    gpu(monkeypatch, major)
+    assert torch.cuda.is_bf16_supported(including_emulation=True)  # what a bf16 check that allows emulation says
+    assert dev.half_dtype("cuda") == dev.half_dtype(torch.device("cuda", 0)) == expected
+
+
+def test_the_half_dtype_is_bfloat16_on_the_cpu_and_float16_on_mps():
+    assert dev.half_dtype("cpu") == torch.bfloat16
+    assert dev.half_dtype("mps") == torch.float16

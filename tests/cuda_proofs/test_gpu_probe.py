@@ -27,9 +27,10 @@ def probe():
 
 @pytest.fixture(scope="module")
 def dry_run(probe, tmp_path_factory):
-    """One dry run of the first check (children included), shared by the tests that read its records."""
+    """One dry run of the first check (children included), shared by the tests that read its records; attention by
+    the math kernel (--attention), which every phase's process must be told."""
     out = tmp_path_factory.mktemp("probe")
-    assert probe.main(["--dry", "--out", str(out)]) == 0
+    assert probe.main(["--dry", "--out", str(out), "--attention", "math"]) == 0
     return out, [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
 
 
@@ -61,6 +62,8 @@ def test_every_decode_record_explains_itself(dry_run):
         assert "fail_on_recompile" in r["recompile_guard"] and "sm_clock_mhz_after" in r
         assert r["one_step"]["kernels_per_step"] > 0 and {"gpu_busy_us_per_step", "idle_share"} <= set(r["one_step"])
         assert r["teacher_forced"]["agreement"] == 1.0 and r["teacher_forced"]["positions"] == r["tokens"]
+        assert r["attention"] == {"asked": "math"}, r["phase"]  # the child processes' phases too
+        assert set(r["one_step"]["attention_kernels"]) == {"math"}  # the profile's: the dry run is eager
     machine = rows[0]
     assert {"torch", "cuda", "cudnn", "triton", "nvidia_smi"} <= set(machine["gpu"])
 

@@ -7,8 +7,10 @@ import torch
 
 from llmstep.core.config import LlamaConfig
 from llmstep.core.model import Llama
-from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
+from llmstep.engines.batching import BatchRunner
+from llmstep.engines.decoding import CACHE_ROUNDING, cache_bucket, cache_len
 from llmstep.engines.fast import FastDecoder
+from llmstep.engines.request import Request
 from llmstep.lab.hardware import random_model
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs compare
@@ -63,3 +65,51 @@ def test_notebook_05s_8b_allocation_on_cuda_fits_20_gb():
     total = weights_bytes(model) + model.new_cache(1, 64).nbytes + 2**30 + 2 * 2**30
     assert 16 * GB < weights_bytes(model) < 16.1 * GB
     assert total <= 20 * GB, total / GB
+
+
+def test_cache_buckets_are_powers_of_two_from_256_to_the_context():
+    assert [cache_bucket(n, 131072) for n in (1, 256, 257, 512, 513, 5000, 131072)] == \
+        [256, 256, 512, 512, 1024, 8192, 131072]
+    assert cache_bucket(700, 1000) == 1000 and cache_bucket(3, 100) == 100  # never past the context
+
+
+def test_an_interactive_session_on_8b_reallocates_its_cache_log_n_times_not_every_256_tokens(monkeypatch):
+    """A chat whose context grows by 150 tokens a turn to 16k tokens: each new cache size is a new compiled step on
+    CUDA (a minute or more for 8B). Counted on the meta device: the sizing, no forward."""
+    made = []
+    real = FastDecoder._allocate
+    monkeypatch.setattr(FastDecoder, "_allocate", lambda self, n: made.append(n) or real(self, n))
+    cfg = LlamaConfig.preset("llama-3.1-8b")
+    decoder = FastDecoder(meta_llama(cfg), compile=False)
+    for turn in range(1, 109):  # the last needs 16,299 slots
+        request = decoder.check(Request(list(range(1, 150 * turn)), 100))
+        with decoder.running(request):
+            assert decoder.max_len >= 150 * turn + 99
+    assert made == [256, 512, 1024, 2048, 4096, 8192, 16384]  # 6 growths; rounding to 256 made 63
+    assert decoder.cache.nbytes < 2.2 * GB  # 16,384 slots of 128 KiB, for the last turn's 16,299
+
+
+def test_a_batch_runner_sized_per_request_starts_small_on_8b_and_grows_on_demand():
+    """BatchRunner(max_len=None) used to take the whole context for every slot: 8 x 17.2 GB = 137 GB for 8B."""
+    runner = BatchRunner(meta_llama(LlamaConfig.preset("llama-3.1-8b")), n_slots=8, compile=False)
+    assert runner.max_len == CACHE_ROUNDING and runner.cache.nbytes < 0.3 * GB  # 8 x 256 slots: 268 MB
+    runner.grow(5000)
+    assert runner.max_len == 8192 and runner.cache.nbytes < 8.7 * GB
+
+
+@torch.no_grad()
+def test_a_batch_runner_grown_mid_run_gives_the_logits_of_one_sized_for_it_from_the_start():
+    model = random_model(LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab_size=97,
+                                     max_seq_len=1024), device="cpu", dtype=torch.float32, std=0.1)
+    prompts = [[1 + i % 90 for i in range(250)], [5, 6, 7]]
+    grown, fixed = BatchRunner(model, 2, compile=False), BatchRunner(model, 2, max_len=512, compile=False)
+    logits = {}
+    for name, runner in (("grown", grown), ("fixed", fixed)):
+        rows = [(int(runner.prefill(s, p).argmax()), len(p)) for s, p in enumerate(prompts)]
+        steps = []
+        for _ in range(12):  # the first row crosses position 256: the grown runner's cache grows under it
+            out = runner.decode(rows)  # [2, vocab]
+            steps.append(out)
+            rows = [(int(out[s].argmax()), pos + 1) for s, (_, pos) in enumerate(rows)]
+        logits[name] = torch.stack(steps)
+    assert grown.max_len == 512 and torch.equal(logits["grown"], logits["fixed"])

@@ -1,0 +1,82 @@
+"""Which kernel computes scaled_dot_product_attention: PyTorch's choice, or the one the caller names.
+
+SDPA (attention.py's `sdpa`, the model's one call site) has several kernels: on CUDA flash (FlashAttention-2),
+memory-efficient (xFormers' cutlass kernels), cuDNN's fused attention and the math path (plain matmuls and a
+softmax in float32); on a CPU flash and math. PyTorch picks the first that takes the arguments, in its own
+order of preference (on a Hopper GPU with a recent cuDNN, cuDNN first). Which one ran matters on a GPU: their
+speeds differ, and not every one survives CUDA-graph capture equally well. So:
+
+    with attention_backend("flash"):   # or "math", "efficient", "cudnn"; "auto" is PyTorch's choice
+        decoder.generate(...)
+
+restricts every SDPA call inside to that kernel (torch.nn.attention.sdpa_kernel, entered at the call site).
+A kernel that cannot take the call (one the device lacks: "efficient" on a CPU) is PyTorch's error, not a
+silent fallback. The choice is process-wide while the block runs (a server's engine thread sees it too);
+a compiled step traced under one choice bakes it in, and Dynamo guards on it, so a step called under another
+choice compiles again. "math" computes what `attention.attention` (the textbook formula) does, to rounding.
+
+`describe(device)` is what a record says about it: what was asked, and on CUDA which kernels PyTorch may use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+__all__ = ["BACKENDS", "attention_backend", "check_backend", "current", "kernels", "describe"]
+
+# The names a caller (and the --attention flag) may give, and PyTorch's kernel for each; "auto": no restriction.
+_KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+BACKENDS = ("auto", *_KERNELS)
+
+_chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
+
+
+def check_backend(name: str) -> str:
+    """name if it is one of BACKENDS, else a ValueError listing them."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def current() -> str:
+    """The attention backend SDPA calls run with now ("auto" outside any `attention_backend` block)."""
+    return _chosen
+
+
+@contextlib.contextmanager
+def attention_backend(name: str) -> Iterator[str]:
+    """Inside, every SDPA call of llmstep's model runs with kernel `name` ("auto": PyTorch's choice)."""
+    global _chosen
+    before, _chosen = _chosen, check_backend(name)
+    try:
+        yield name
+    finally:
+        _chosen = before
+
+
+def kernels() -> contextlib.AbstractContextManager:
+    """The context the SDPA call site enters: nothing for "auto", else sdpa_kernel restricted to the chosen kernel."""
+    if _chosen == "auto":
+        return contextlib.nullcontext()
+    return sdpa_kernel([_KERNELS[_chosen]])
+
+
+def describe(device: str | torch.device) -> dict:
+    """What a record says about attention: the backend asked for, and on CUDA the kernels PyTorch may pick from
+    (its global switches, torch.backends.cuda.*_sdp_enabled, narrowed to the one asked for) and which are built
+    in. Which kernel did run only a profile shows (llmstep.lab.probe.attention_kernels)."""
+    device = torch.device(device)
+    out: dict = {"asked": _chosen}
+    if device.type == "cuda":
+        enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
+                   "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                   "cudnn": torch.backends.cuda.cudnn_sdp_enabled()}
+        out["allowed"] = [k for k, on in enabled.items() if on and _chosen in ("auto", k)]
+        out["flash_built"] = torch.backends.cuda.is_flash_attention_available()
+        out["cudnn_version"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return out

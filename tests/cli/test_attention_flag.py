@@ -1,0 +1,41 @@
+"""--attention on the commands that run the model: the kernel reaches the run, its records say which was asked,
+and a kernel the device lacks ends the command with one line naming the flag (bad input, exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmstep import cli
+from llmstep.core import attention_backend
+
+TINY_BENCH = ["bench", "--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=64", "n_heads=4", "n_kv_heads=2",
+              "hidden_dim=128", "vocab_size=512", "max_seq_len=64", "--dtype", "float32", "--device", "cpu",
+              "--threads", "1", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1", "--no-hf",
+              "--no-bandwidth"]
+
+
+def test_bench_records_the_backend_asked_for_and_runs_under_it(monkeypatch):
+    seen = []
+    real = attention_backend.kernels
+    monkeypatch.setattr(attention_backend, "kernels", lambda: seen.append(attention_backend.current()) or real())
+    record = cli.main([*TINY_BENCH, "--attention", "math"])
+    assert record["attention"] == {"asked": "math"}
+    assert seen and set(seen) == {"math"}  # every attention call of the run
+    assert cli.main(TINY_BENCH)["attention"] == {"asked": "auto"} and attention_backend.current() == "auto"
+
+
+def test_a_kernel_the_cpu_lacks_is_bad_input_named_by_its_flag(capsys):
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(["generate", "--prompt", "ROMEO:", "--device", "cpu", "--max-new-tokens", "2", "--temperature", "0",
+                  "--attention", "efficient"])
+    assert failed.value.code == 2
+    assert str(failed.value).startswith("llmstep generate: error: --attention efficient: PyTorch has no efficient")
+    with pytest.raises(cli.CommandFailed, match="invalid choice: 'fast'"):
+        cli.main(["batch", "--attention", "fast"])
+
+
+@pytest.mark.parametrize("command", ["generate", "trace", "bench", "batch", "speculative", "serve"])
+def test_every_command_that_runs_the_model_takes_the_flag(command):
+    prompt = ["--prompt", "x"] if command == "generate" else []
+    args = cli.build_parser().parse_args([command, "--attention", "cudnn", *prompt])
+    assert args.attention == "cudnn"
