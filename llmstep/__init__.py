@@ -11,7 +11,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     attention.py   grouped-query attention
     attention_backend.py  which SDPA kernel runs (PyTorch's choice, or math/flash/efficient/cudnn by name)
     kv_cache.py    the preallocated KV cache, written at explicit positions
-    paged_kv.py    the paged KV cache: blocks, block tables, prefix caching
+    paged_kv.py    the paged KV cache: the block pool (reference counts, prefix cache, LRU), the blocks' tensors
     mlp.py         SwiGLU feed-forward
     model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
@@ -46,7 +46,8 @@ engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
     speculative.py the acceptance rule, its theory, the teaching loop
     drafts.py      the drafts: the target's first layers, a quantized twin, another checkpoint
-    scheduler.py   continuous batching's scheduler: queues, policy, admission, KV blocks (pure Python, no tensors)
+    scheduler.py   continuous batching's schedulers: queues, policy, admission, token budget (pure Python, no tensors)
+    kv_manager.py  the KV-cache manager: each request's block table and prefix keys, over the block pool
     batching.py    continuous batching's runners (the KV cache, the batched step), ContinuousBatcher, PagedBatcher
     session.py     PagedSession: the paged batcher's engine step one at a time, requests submitted and cancelled
                    between steps (what a server drives)

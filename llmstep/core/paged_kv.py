@@ -7,9 +7,10 @@ the blocks its positions live in (position p is slot p % block_size of block tab
 takes one more block only when it fills the last. Nothing is reserved ahead; the waste is at most one
 partly filled block per sequence.
 
-Two parts, as vLLM separates them:
-- `BlockManager` (pure Python, no tensors): the free pool, reference counts, and prefix caching. A full
-  block is keyed by the hash of its tokens and of every token before it (a chain: the key of block i
+Two parts here, as vLLM separates them (which request holds which blocks is the KV-cache manager's,
+llmstep/engines/kv_manager.py):
+- `BlockPool` (pure Python, no tensors, no requests): the free blocks, reference counts, and prefix caching.
+  A full block is keyed by the hash of its tokens and of every token before it (a chain: the key of block i
   hashes the key of block i-1 and block i's tokens), so two prompts that share their first 256 tokens
   share those blocks. Blocks of finished sequences stay cached, with reference count 0, until the pool
   needs them; the least recently used is evicted first. Only full blocks are shared, and a full block is
@@ -42,10 +43,10 @@ from .attention import attention
 from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
 
-__all__ = ["BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "check_pool", "gather_blocks",
-           "attend_by_hand"]
+__all__ = ["BlockPool", "BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "check_pool",
+           "gather_blocks", "attend_by_hand"]
 
-# What BlockManager keeps per block, in Python objects: a `ref` list slot (8 bytes), a `free` deque slot (8) and
+# What BlockPool keeps per block, in Python objects: a `ref` list slot (8 bytes), a `free` deque slot (8) and
 # one int object (28), rounded up. Counted with the tensors so that the bookkeeping is never built unchecked.
 BOOKKEEPING_BYTES_PER_BLOCK = 64
 
@@ -81,8 +82,8 @@ def check_pool(config: LlamaConfig, n_blocks: int, block_size: int, device, dtyp
                device, f"a paged KV cache of {n_blocks:,} blocks x {block_size} positions ({dtype})")
 
 
-class BlockManager:
-    """The block pool's bookkeeping: which block is free, who holds it, and which full blocks are cached.
+class BlockPool:
+    """The blocks' bookkeeping: which block is free, how many hold it, and which full blocks are cached.
 
     ref[b]: how many live sequences hold block b. A block with ref 0 is either free or, with prefix caching,
     cached (its key in `cached`, its place in the LRU order `evictable`) until the pool needs it back.
@@ -107,6 +108,11 @@ class BlockManager:
     def n_used(self) -> int:
         return self.n_blocks - self.n_free
 
+    def can_allocate(self, n: int, holding: Sequence[int] = ()) -> bool:
+        """Whether n blocks can be handed out once the cached blocks `holding` are held (one nobody holds yet
+        counts as free until then)."""
+        return n <= self.n_free - sum(b in self.evictable for b in holding)
+
     def allocate(self) -> int:
         """One block for a sequence to write: a free one, else the least recently used cached one (evicted)."""
         if self.free:
@@ -115,7 +121,7 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)
             del self.cached[self.key_of.pop(block)]
         else:
-            raise RuntimeError("the KV block pool is empty: the scheduler must check n_free first")
+            raise RuntimeError("the KV block pool is empty: check can_allocate first")
         self.ref[block] = 1
         self.peak_used = max(self.peak_used, self.n_used)
         return block
@@ -151,6 +157,9 @@ class BlockManager:
                     self.evictable[block] = None
                 else:
                     self.free.append(block)
+
+
+BlockManager = BlockPool  # its former name
 
 
 @dataclass

@@ -51,10 +51,11 @@ import torch
 
 from ..core.device import synchronize
 from ..core.model import Llama
-from ..core.paged_kv import BlockManager, PagedKVCache, blocks_for, check_pool
+from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
 from .compile import Step, tunes_matmuls
 from .decoding import budget, check_int
 from .engine import Engine, Rows
+from .kv_manager import KVCacheManager, check_fits
 from .request import MAX_ARRIVAL_STEP, Checked, Request
 from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
 
@@ -227,6 +228,17 @@ class PagedRunner:
         return self.model(tokens, positions, self.cache, keep=keep)[0].float()
 
 
+def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **pool) -> None:
+    """A paged engine's options, each refused by its name; pool: the pool's size by its name (None: sized later)."""
+    check_int(n_slots, "n_slots", low=1)
+    check_int(block_size, "block_size", low=1)
+    for name, value in (*pool.items(), ("prefill_chunk", prefill_chunk)):
+        if value is not None:
+            check_int(value, name, low=1)
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+
+
 class PagedBatcher(Engine):
     """Continuous batching over a paged KV cache: at most n_slots sequences at once, admitted by free blocks.
 
@@ -238,13 +250,7 @@ class PagedBatcher(Engine):
 
     def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, kv_blocks: int | None = None,
                  prefix_caching: bool = False, prefill_chunk: int | None = None):
-        check_int(n_slots, "n_slots", low=1)
-        check_int(block_size, "block_size", low=1)
-        for name, value in (("kv_blocks", kv_blocks), ("prefill_chunk", prefill_chunk)):
-            if value is not None:
-                check_int(value, name, low=1)
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, kv_blocks=kv_blocks)
         # Before any request: the block fits the context and a named pool the memory (None: sized per run, below)
         check_pool(model.config, kv_blocks or 1, block_size, model.device, model.dtype)
         self._own(model, None)  # sequences of the model's context: blocks, not slots, bound them
@@ -267,16 +273,12 @@ class PagedBatcher(Engine):
         n_blocks = self.pool_blocks(checked)
         jobs = []
         for i, r in enumerate(checked):
-            ids = r.ids
-            plan = budget(len(ids), r.max_new_tokens, context)
-            need = blocks_for(len(ids) + plan.tokens - 1, self.block_size) if plan.tokens else 0
-            if need > n_blocks:  # the last token made is never written
-                raise ValueError(f"request {i}: its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need "
-                                 f"{need} blocks of {self.block_size} positions, the whole pool has {n_blocks}")
-            jobs.append(Job(Completion(id=i, prompt_ids=ids, arrival=r.arrival), plan, r.stops))
+            plan = budget(len(r.ids), r.max_new_tokens, context)
+            check_fits(len(r.ids), plan.tokens, n_blocks, self.block_size, index=i)
+            jobs.append(Job(Completion(id=i, prompt_ids=r.ids, arrival=r.arrival), plan, r.stops))
         check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
-        scheduler = BlockScheduler(jobs, self.n_slots, BlockManager(n_blocks, self.block_size, self.prefix_caching),
-                                   self.prefill_chunk)
+        kv = KVCacheManager(n_blocks, self.block_size, self.prefix_caching)
+        scheduler = BlockScheduler(jobs, self.n_slots, kv, self.prefill_chunk)
         with self.running():
             if self.runner is None or self.runner.cache.n_blocks != n_blocks:
                 self.runner = PagedRunner(self.model, n_blocks, self.block_size)
@@ -290,16 +292,12 @@ class PagedBatcher(Engine):
             synchronize(device)
             scheduler.begin_step()
             work = scheduler.schedule()
-            if not work and scheduler.queue and not scheduler.slots:  # each request fits the pool alone
+            if not work and scheduler.queue and not scheduler.running:  # each request fits the pool alone
                 raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
             if work:
                 logits = self.runner.forward(work)  # [K, vocab]
-                for s in work:
-                    scheduler.computed_chunk(s)
-                sampled = [s.job for s in work if s.samples]  # none when every chunk is a prompt's middle
-                if sampled:
-                    for job, token_id in zip(sampled, rows.draw(logits, [j.id for j in sampled]), strict=True):
-                        scheduler.take(job, token_id)
+                sampled = [s.job.id for s in work if s.samples]  # none when every chunk is a prompt's middle
+                scheduler.update(work, rows.draw(logits, sampled) if sampled else [])
             synchronize(device)
             scheduler.end_step()
         run = scheduler.run

@@ -1,8 +1,8 @@
-"""Continuous batching's scheduler: which request runs in which slot at every engine step. Pure Python.
+"""Continuous batching's schedulers: which request runs at every engine step, and how much of it. Pure Python.
 
-The scheduler owns the queues and the policy and touches no tensor (vLLM v1 splits a serving engine the
-same way: scheduler, KV-cache manager, model runner). An engine step, as `ContinuousBatcher.run` drives it
-(llmstep/engines/batching.py):
+A scheduler owns the queues, the policy and the token budget and touches no tensor (vLLM v1 splits a serving
+engine the same way: scheduler, KV-cache manager, model runner). `Scheduler` serves a contiguous cache's slots;
+an engine step, as `ContinuousBatcher.run` drives it (llmstep/engines/batching.py):
 
 1. `begin_step`: requests that have arrived join the queue (static batching also opens its next batch
    here, but only when every slot is free);
@@ -16,14 +16,16 @@ same way: scheduler, KV-cache manager, model runner). An engine step, as `Contin
 
 What a slot is stays inside `admit` (`_free_slot`): one row of max_len positions, reserved whole.
 
-`BlockScheduler` is the same loop over a paged KV cache (llmstep.core.paged_kv): admission by free
-blocks, not free slots, and no difference between prefill and decode. A sequence has tokens it knows (its
-prompt and what it made) and tokens in the cache; each step, `schedule` gives every running sequence the
-next of its known tokens to compute (one, when decoding; up to the step's `prefill_chunk` budget of prompt
-tokens, when prefilling) and the blocks they need, admits waiting ones while blocks, the budget and
-`n_slots` allow (their cached prefix first, with prefix caching), and preempts the youngest running
-sequence when the pool runs dry (its blocks freed, its known tokens recomputed when it returns). A sequence
-whose cache catches up with what it knows gets its next token. Tests drive it with made-up tokens too.
+`BlockScheduler` is the same loop over a paged KV cache (llmstep.core.paged_kv), with no difference between
+prefill and decode. It decides who computes how many tokens; which blocks hold them is its KV-cache manager's
+(llmstep/engines/kv_manager.py), which answers "this request's blocks" or "cannot fit". A sequence has tokens it
+knows (its prompt and what it made) and tokens in the cache; each step, `schedule` gives every running sequence
+the next of its known tokens to compute (one, when decoding; up to the step's `prefill_chunk` budget of prompt
+tokens, when prefilling), admits waiting ones while the manager fits them (their cached prefix first, with prefix
+caching), the budget and `n_slots` allow, and preempts the youngest running sequence when the manager cannot fit
+an older one's tokens (its blocks freed, its known tokens recomputed when it returns); `update` records what the
+forward computed and the tokens it gave. A sequence whose cache catches up with what it knows gets its next
+token. Tests drive it with made-up tokens too.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..core.paged_kv import BlockManager, SeqChunk, block_key, blocks_for
+from ..core.paged_kv import SeqChunk
 from .decoding import Budget, DecodeResult, end_reason
+from .kv_manager import KVCacheManager
 
 __all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "BlockScheduler", "Scheduled"]
 
@@ -138,12 +141,13 @@ class BatchRun:
 
 @dataclass
 class Job:
-    """One request as the scheduler sees it: its record, its budget and its stop tokens (no tensors)."""
+    """One request as a scheduler sees it: its record, its budget and its stop tokens (no tensors)."""
 
     completion: Completion
     plan: Budget  # decoding.budget(prompt length, max_new_tokens, a slot's length)
     stops: set[int]
     arrived_at: float = math.nan  # clock time at the start of its arrival step
+    computed: int = 0  # paged: how many of its known tokens the KV cache holds
 
     @property
     def id(self) -> int:
@@ -154,43 +158,94 @@ class Job:
         """Where its newest token goes in its slot: after its prompt and the tokens before it."""
         return len(self.completion.prompt_ids) + len(self.completion.tokens) - 1
 
+    @property
+    def known(self) -> list[int]:
+        """Its prompt and the tokens it made: what the cache holds before it samples the next."""
+        return self.completion.prompt_ids + self.completion.tokens
 
-class Scheduler:
-    """The queue, the slots and the policy for one run over `jobs` (in submission order).
 
-    clock: the wall clock for the per-request seconds (a test may pass its own).
-    """
+class _Schedule:
+    """What both schedulers share in one run over `jobs` (in submission order): the arrivals and the queue, the
+    engine step and its clock, and the records. A subclass says whether anyone runs (`busy`) and what a request
+    that ends gives back (`_leave`). clock: the wall clock for the per-request seconds (a test may pass its own)."""
 
-    def __init__(self, jobs: list[Job], n_slots: int, policy: str = "continuous",
-                 clock: Callable[[], float] = time.perf_counter):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        self.jobs, self.policy, self.clock = jobs, policy, clock
+    def __init__(self, jobs: list[Job], n_slots: int, policy: str, clock: Callable[[], float]):
+        self.clock = clock
         self.run = BatchRun(policy, n_slots, [j.completion for j in jobs])
         self.arrivals = deque(sorted(jobs, key=lambda j: j.completion.arrival))  # stable: FIFO within a step
         self.queue: deque[Job] = deque()
-        self.slots: list[Job | None] = [None] * n_slots
         self.step = 0
-        self._static_batch: deque[int] = deque()  # the slots a static batch still has to fill this step
         self._step_start = math.nan
 
     @property
+    def busy(self) -> bool:
+        raise NotImplementedError
+
+    @property
     def done(self) -> bool:
-        return not (self.arrivals or self.queue or any(self.slots))
+        return not (self.arrivals or self.queue or self.busy)
 
     def begin_step(self) -> None:
         """Skip the steps in which nothing runs and nobody arrives (recorded idle), then let arrivals in."""
-        if not self.queue and not any(self.slots) and self.arrivals[0].completion.arrival > self.step:
-            idle = self.arrivals[0].completion.arrival - self.step  # steps with nothing to do until the next arrival
-            self.run.timeline.extend(itertools.repeat([-1] * len(self.slots), idle))  # one row, shared: read-only
-            self.run.queued.extend(itertools.repeat(0, idle))
-            self.run.step_seconds.extend(itertools.repeat(0.0, idle))
-            self.step += idle
+        if not self.queue and not self.busy and self.arrivals[0].completion.arrival > self.step:
+            self._idle(self.arrivals[0].completion.arrival - self.step)
         self._step_start = self.clock()
         while self.arrivals and self.arrivals[0].completion.arrival <= self.step:
             job = self.arrivals.popleft()
             job.arrived_at = self._step_start
             self.queue.append(job)
+
+    def _idle(self, steps: int) -> None:
+        """Record `steps` steps with nothing to do until the next arrival, at once."""
+        run = self.run
+        run.timeline.extend(itertools.repeat([-1] * run.n_slots, steps))  # one row, shared: read-only
+        run.queued.extend(itertools.repeat(0, steps))
+        run.step_seconds.extend(itertools.repeat(0.0, steps))
+        self.step += steps
+
+    def take(self, job: Job, token_id: int) -> None:
+        """Record a request's new token; it leaves if that ends it."""
+        c = job.completion
+        if not c.tokens:
+            c.first_token_seconds = self.clock() - job.arrived_at
+        c.tokens.append(token_id)
+        reason = end_reason(c.tokens, job.stops, job.plan)
+        if reason:
+            self._finish(job, reason)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        c = job.completion
+        c.stop_reason, c.finished = reason, self.step
+        c.latency_seconds = self.clock() - job.arrived_at
+        self._leave(job)
+
+    def _leave(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def end_step(self) -> None:
+        self.run.step_seconds.append(self.clock() - self._step_start)
+        self.step += 1
+
+
+class Scheduler(_Schedule):
+    """The queue, the slots and the policy for one run over `jobs` (in submission order): n_slots rows of a
+    contiguous cache. clock: the wall clock for the per-request seconds (a test may pass its own)."""
+
+    def __init__(self, jobs: list[Job], n_slots: int, policy: str = "continuous",
+                 clock: Callable[[], float] = time.perf_counter):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        super().__init__(jobs, n_slots, policy, clock)
+        self.policy = policy
+        self.slots: list[Job | None] = [None] * n_slots
+        self._static_batch: deque[int] = deque()  # the slots a static batch still has to fill this step
+
+    @property
+    def busy(self) -> bool:
+        return any(self.slots)
+
+    def begin_step(self) -> None:
+        super().begin_step()
         if self.policy == "static" and not any(self.slots):  # a static batch forms only when all of it is done
             self._static_batch = deque(range(min(len(self.slots), len(self.queue))))
 
@@ -220,25 +275,8 @@ class Scheduler:
         self.run.queued.append(len(self.queue))
         return list(self.slots)
 
-    def take(self, job: Job, token_id: int) -> None:
-        """Record a request's new token; free its slot if that ends it."""
-        c = job.completion
-        if not c.tokens:
-            c.first_token_seconds = self.clock() - job.arrived_at
-        c.tokens.append(token_id)
-        reason = end_reason(c.tokens, job.stops, job.plan)
-        if reason:
-            self._finish(job, reason)
-
-    def _finish(self, job: Job, reason: str) -> None:
-        c = job.completion
-        c.stop_reason, c.finished = reason, self.step
-        c.latency_seconds = self.clock() - job.arrived_at
-        self.slots[c.slot] = None
-
-    def end_step(self) -> None:
-        self.run.step_seconds.append(self.clock() - self._step_start)
-        self.step += 1
+    def _leave(self, job: Job) -> None:
+        self.slots[job.completion.slot] = None
 
     def dry_run(self, token_id: int) -> BatchRun:
         """Run the schedule to its end without a model: every prefill and every decode makes `token_id` (not a
@@ -266,68 +304,49 @@ class Scheduled:
     samples: bool  # the cache catches up with what it knows: the forward's last logits give its next token
 
 
-class BlockScheduler(Scheduler):
-    """Continuous batching over a pool of KV blocks (`BlockManager`): at most n_slots sequences run at once,
-    admitted by free blocks; prefill_chunk: the most prompt tokens one step computes (None: whole prompts)."""
+class BlockScheduler(_Schedule):
+    """Continuous batching over KV blocks: at most n_slots sequences run at once (`running`, oldest admitted
+    first), each admitted when the KV-cache manager `kv` fits it; prefill_chunk: the most prompt tokens one step
+    computes (None: whole prompts)."""
 
-    def __init__(self, jobs: list[Job], n_slots: int, blocks: BlockManager, prefill_chunk: int | None = None,
+    def __init__(self, jobs: list[Job], n_slots: int, kv: KVCacheManager, prefill_chunk: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         super().__init__(jobs, n_slots, "continuous", clock)
-        self.blocks, self.prefill_chunk = blocks, prefill_chunk
-        self.slots = []  # the running sequences, oldest admission first (a list without free entries)
-        self.tables: dict[int, list[int]] = {}  # job id -> its block table
-        self.computed: dict[int, int] = {}  # job id -> tokens in the cache
-        self.keys: dict[int, list[bytes]] = {}  # job id -> its full blocks' prefix-cache keys, as far as computed
-        self.stats = {"block_size": blocks.block_size, "blocks_total": blocks.n_blocks, "peak_blocks_used": 0,
+        self.kv, self.prefill_chunk = kv, prefill_chunk
+        self.running: list[Job] = []
+        self.stats = {"block_size": kv.block_size, "blocks_total": kv.n_blocks, "peak_blocks_used": 0,
                       "prefix_hit_tokens": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
         self.run.kv_stats = self.stats
 
-    @staticmethod
-    def known(job: Job) -> list[int]:
-        return job.completion.prompt_ids + job.completion.tokens
-
-    def _keys(self, job: Job, n_full: int) -> list[bytes]:
-        """The prefix-cache keys of the first n_full blocks of the job's known tokens (the chain, extended)."""
-        keys, known, bs = self.keys.setdefault(job.id, []), self.known(job), self.blocks.block_size
-        while len(keys) < n_full:
-            keys.append(block_key(keys[-1] if keys else None, known[len(keys) * bs:(len(keys) + 1) * bs]))
-        return keys[:n_full]
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
 
     def _grow(self, job: Job, n: int) -> bool:
-        """Blocks for n more tokens of a running job, preempting the youngest others while the pool is dry;
-        False if the job itself was the youngest left and was preempted."""
-        table = self.tables[job.id]
-        need = blocks_for(self.computed[job.id] + n, self.blocks.block_size) - len(table)
-        while need > self.blocks.n_free:
-            victim = self.slots[-1]
-            self._preempt(victim)
+        """Blocks for n more tokens of a running job. While they cannot fit, the youngest running job is preempted
+        (its blocks freed; it waits first in the queue and recomputes what it knows on return): False if that was
+        the job itself."""
+        while self.kv.allocate(job.id, job.computed + n) is None:
+            victim = self.running.pop()
+            self.kv.free(victim.id)
+            victim.computed = 0
+            self.queue.appendleft(victim)
+            self.stats["preemptions"] += 1
             if victim is job:
                 return False
-        table += [self.blocks.allocate() for _ in range(need)]
         return True
 
-    def _preempt(self, job: Job) -> None:
-        """Free a running job's blocks; it waits first in the queue and recomputes what it knows on return."""
-        self.blocks.release(self.tables.pop(job.id))
-        self.computed.pop(job.id)
-        self.slots.remove(job)
-        self.queue.appendleft(job)
-        self.stats["preemptions"] += 1
-
     def _admit(self, job: Job, room: float) -> int:
-        """Take a waiting job if blocks allow: its cached prefix, then blocks for up to `room` tokens. Returns
-        the tokens to compute now (0: not admitted)."""
-        known, bs = self.known(job), self.blocks.block_size
-        hits = self.blocks.cached_prefix(self._keys(job, (len(known) - 1) // bs))  # leave a token to compute
-        n = int(min(len(known) - len(hits) * bs, room))
-        need = blocks_for(len(hits) * bs + n, bs) - len(hits)
-        if n < 1 or need > self.blocks.n_free - sum(b in self.blocks.evictable for b in hits):
+        """Take a waiting job if the manager fits it: its cached prefix, then blocks for up to `room` tokens.
+        Returns the tokens to compute now (0: not admitted)."""
+        known = job.known
+        prefix = self.kv.cached_prefix(job.id, known)
+        n = int(min(len(known) - prefix.n_tokens, room))
+        if n < 1 or self.kv.allocate(job.id, prefix.n_tokens + n, prefix) is None:
             return 0
-        self.blocks.hold(hits)
-        self.tables[job.id] = hits + [self.blocks.allocate() for _ in range(need)]
-        self.computed[job.id] = len(hits) * bs
-        self.stats["prefix_hit_tokens"] += len(hits) * bs
-        self.slots.append(job)
+        job.computed = prefix.n_tokens
+        self.stats["prefix_hit_tokens"] += prefix.n_tokens
+        self.running.append(job)
         c = job.completion
         if c.admitted < 0:
             c.admitted = self.step
@@ -339,16 +358,16 @@ class BlockScheduler(Scheduler):
         room = math.inf if self.prefill_chunk is None else self.prefill_chunk  # prompt tokens left this step
         plan: list[tuple[Job, int]] = []
         preempted = self.stats["preemptions"]
-        for job in list(self.slots):
-            if job not in self.slots:  # preempted for an older one in this loop
+        for job in list(self.running):
+            if job not in self.running:  # preempted for an older one in this loop
                 continue
-            left = len(self.known(job)) - self.computed[job.id]
+            left = len(job.known) - job.computed
             decoding = left == 1 and bool(job.completion.tokens)  # its newest token: not the prompt budget's
             n = 1 if decoding else int(min(left, room))
             if n and self._grow(job, n):
                 plan.append((job, n))
                 room -= 0 if decoding else n
-        while self.queue and self.stats["preemptions"] == preempted and len(self.slots) < self.run.n_slots:
+        while self.queue and self.stats["preemptions"] == preempted and len(self.running) < self.run.n_slots:
             job = self.queue[0]
             if job.plan.tokens == 0:  # wants no token: done without a forward
                 self.queue.popleft()
@@ -363,47 +382,39 @@ class BlockScheduler(Scheduler):
             room -= n
         out = []
         for job, n in plan:
-            start, known = self.computed[job.id], self.known(job)
+            start, known = job.computed, job.known
             decode = n == 1 and bool(job.completion.tokens) and start == len(known) - 1
             self.stats["decode_tokens" if decode else "prefill_tokens"] += n
-            out.append(Scheduled(job, SeqChunk(self.tables[job.id], start, n), known[start:start + n],
+            out.append(Scheduled(job, SeqChunk(self.kv.table(job.id), start, n), known[start:start + n],
                                  start + n == len(known)))
-        self.stats["peak_blocks_used"] = self.blocks.peak_used
+        self.stats["peak_blocks_used"] = self.kv.pool.peak_used
         self.run.timeline.append([s.job.id for s in out] + [-1] * (self.run.n_slots - len(out)))
-        self.run.block_tables.append({s.job.id: list(self.tables[s.job.id]) for s in out})
+        self.run.block_tables.append({s.job.id: list(s.chunk.table) for s in out})
         self.run.step_tokens.append(sum(n for _, n in plan))
         self.run.queued.append(len(self.queue))
         return out
 
-    def computed_chunk(self, s: Scheduled) -> None:
-        """The forward wrote s's tokens: count them, and cache the blocks they filled (with prefix caching)."""
-        job, bs = s.job, self.blocks.block_size
-        before, after = self.computed[job.id], self.computed[job.id] + s.chunk.n_tokens
-        self.computed[job.id] = after
-        for b, key in enumerate(self._keys(job, after // bs)[before // bs:], start=before // bs):
-            self.blocks.register(self.tables[job.id][b], key)
+    def update(self, work: Sequence[Scheduled], tokens: Sequence[int]) -> None:
+        """The forward computed `work`: each chunk's tokens are in the cache (the blocks they filled cached, with
+        prefix caching); then record `tokens`, one per chunk that samples, in order."""
+        for s in work:
+            stop = s.chunk.start + s.chunk.n_tokens
+            self.kv.cache_blocks(s.job.id, s.job.known, s.chunk.start, stop)
+            s.job.computed = stop
+        for job, token_id in zip([s.job for s in work if s.samples], tokens, strict=True):
+            self.take(job, token_id)
 
-    def _finish(self, job: Job, reason: str) -> None:
-        c = job.completion
-        c.stop_reason, c.finished = reason, self.step
-        c.latency_seconds = self.clock() - job.arrived_at
-        if job in self.slots:
-            self.slots.remove(job)
-            self.blocks.release(self.tables.pop(job.id))
-            self.computed.pop(job.id)
-        self.keys.pop(job.id, None)
+    def _leave(self, job: Job) -> None:
+        if job in self.running:
+            self.running.remove(job)
+        self.kv.free(job.id)
 
-    def begin_step(self) -> None:
-        if not self.queue and not self.slots and self.arrivals[0].completion.arrival > self.step:
-            idle = self.arrivals[0].completion.arrival - self.step  # nothing to do until the next request arrives
-            self.run.timeline.extend(itertools.repeat([-1] * self.run.n_slots, idle))  # one row, shared: read-only
-            self.run.block_tables.extend(itertools.repeat({}, idle))
-            for record, value in ((self.run.step_tokens, 0), (self.run.queued, 0), (self.run.step_seconds, 0.0)):
-                record.extend(itertools.repeat(value, idle))
-            self.step += idle
-        super().begin_step()
+    def _idle(self, steps: int) -> None:
+        self.run.block_tables.extend(itertools.repeat({}, steps))
+        self.run.step_tokens.extend(itertools.repeat(0, steps))
+        super()._idle(steps)
 
-    # ---- requests that arrive while it runs (batching.PagedSession, for `llmstep serve`) ---------------
+    # ---- requests that arrive while it runs (session.PagedSession, for `llmstep serve`) -----------------
 
     def submit(self, job: Job) -> None:
         """A job that arrives now, between engine steps: it joins the queue at the next `begin_step`."""

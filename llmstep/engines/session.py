@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ..core.model import Llama
-from ..core.paged_kv import BlockManager, blocks_for
+from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
-from .batching import PagedRunner
-from .decoding import budget, check_finite, check_int
+from .batching import PagedRunner, check_paged_options
+from .decoding import budget, check_finite
+from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
 from .scheduler import BlockScheduler, Completion, Job
 
@@ -48,20 +49,15 @@ class PagedSession:
 
     def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, n_blocks: int | None = None,
                  prefix_caching: bool = True, prefill_chunk: int | None = None):
-        check_int(n_slots, "n_slots", low=1)
-        check_int(block_size, "block_size", low=1)
+        check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, n_blocks=n_blocks)
         if n_blocks is None:
             n_blocks = n_slots * blocks_for(model.config.max_seq_len, block_size)
-        check_int(n_blocks, "n_blocks", low=1)
-        if prefill_chunk is not None:
-            check_int(prefill_chunk, "prefill_chunk", low=1)
-        if not isinstance(prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         self.model, self.device, self.n_slots, self.block_size = model, model.device, n_slots, block_size
         self.n_blocks, self.closed = n_blocks, False
         self.runner = PagedRunner(model, n_blocks, block_size)
-        self.blocks = BlockManager(n_blocks, block_size, prefix_caching)
-        self.scheduler = BlockScheduler([], n_slots, self.blocks, prefill_chunk)
+        self.kv = KVCacheManager(n_blocks, block_size, prefix_caching)
+        self.blocks = self.kv.pool  # its counters: n_used, peak_used
+        self.scheduler = BlockScheduler([], n_slots, self.kv, prefill_chunk)
         self.stats = self.scheduler.stats
         self._jobs: dict[int, tuple[Job, Checked, torch.Generator]] = {}  # unfinished: id -> job, request, generator
         self._ids = itertools.count()
@@ -73,20 +69,16 @@ class PagedSession:
 
     @property
     def running(self) -> int:
-        return len(self.scheduler.slots)
+        return len(self.scheduler.running)
 
     def submit(self, request: Request) -> int:
         """Check a request (a ValueError names what is wrong) and queue it; returns its id."""
         context = self.model.config.max_seq_len
         checked = check_request(request, self.model, context)
-        ids, stops = checked.ids, checked.stops
-        plan = budget(len(ids), checked.max_new_tokens, context)
-        need = blocks_for(len(ids) + plan.tokens - 1, self.block_size) if plan.tokens else 0
-        if need > self.n_blocks:  # the last token made is never written
-            raise ValueError(f"its prompt ({len(ids)} tokens) and {plan.tokens} new tokens need {need} blocks of "
-                             f"{self.block_size} positions, the whole pool has {self.n_blocks}")
+        plan = budget(len(checked.ids), checked.max_new_tokens, context)
+        check_fits(len(checked.ids), plan.tokens, self.n_blocks, self.block_size)
         i = next(self._ids)
-        job = Job(Completion(id=i, prompt_ids=ids), plan, stops)
+        job = Job(Completion(id=i, prompt_ids=checked.ids), plan, checked.stops)
         self._jobs[i] = (job, checked, checked.generator(self.device))
         self.scheduler.submit(job)
         return i
@@ -110,19 +102,17 @@ class PagedSession:
         work = scheduler.schedule()
         if work:
             logits = self.runner.forward(work)  # [K, vocab]
-            for s in work:
-                scheduler.computed_chunk(s)
-            sampled = [s.job for s in work if s.samples]
+            sampled, drawn = [s.job for s in work if s.samples], []
             if sampled:
                 check_finite(logits, scheduler.step, "the model")
-                drawn = torch.cat([sample(logits[k:k + 1], *r.sampling, g)
-                                   for k, (_, r, g) in enumerate(self._jobs[j.id] for j in sampled)])  # [K]
-                for job, token_id in zip(sampled, drawn.tolist(), strict=True):  # one wait for the device
-                    scheduler.take(job, token_id)
-                    reason = job.completion.stop_reason or None
-                    if reason:
-                        del self._jobs[job.id]
-                    out.append(TokenOut(job.id, token_id, reason))
+                drawn = torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
+                                   enumerate(self._jobs[j.id] for j in sampled)]).tolist()  # one wait for the device
+            scheduler.update(work, drawn)
+            for job, token_id in zip(sampled, drawn, strict=True):
+                reason = job.completion.stop_reason or None
+                if reason:
+                    del self._jobs[job.id]
+                out.append(TokenOut(job.id, token_id, reason))
         for job in [j for j, _, _ in self._jobs.values() if j.completion.stop_reason]:  # wanted 0 tokens
             del self._jobs[job.id]
             out.append(TokenOut(job.id, -1, job.completion.stop_reason))

@@ -17,9 +17,9 @@ import torch
 from ..core.checks import is_int
 from ..core.cost import model_step_cost
 from ..core.model import Llama
-from ..core.paged_kv import BlockManager
 from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, run_batch
 from ..engines.decoding import budget, cache_len
+from ..engines.kv_manager import KVCacheManager
 from ..engines.scheduler import BatchRun, BlockScheduler, Completion, Job, Scheduler
 from . import runinfo
 
@@ -229,13 +229,12 @@ def schedule_capacity(requests: list[Request], context: int, contiguous_slots: i
     contiguous = Scheduler(jobs(), contiguous_slots, clock=lambda: float(next(ticks)))
     contiguous.dry_run(0)
     kv_blocks = contiguous_slots * slot_len // block_size
-    paged = BlockScheduler(jobs(), len(requests), BlockManager(kv_blocks, block_size), clock=lambda: float(next(ticks)))
+    paged = BlockScheduler(jobs(), len(requests), KVCacheManager(kv_blocks, block_size),
+                           clock=lambda: float(next(ticks)))
     while not paged.done:
         paged.begin_step()
-        for work in paged.schedule():
-            paged.computed_chunk(work)
-            if work.samples:
-                paged.take(work.job, 0)
+        work = paged.schedule()
+        paged.update(work, [0] * sum(s.samples for s in work))
         paged.end_step()
     c, p = _mean_running_while_full(contiguous.run), _mean_running_while_full(paged.run)
     return {"slot_len": slot_len, "kv_blocks": kv_blocks, "contiguous_mean_sequences_while_full": c,

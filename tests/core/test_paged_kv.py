@@ -9,7 +9,7 @@ import torch
 from llmstep.core.attention import sdpa
 from llmstep.core.config import LlamaConfig
 from llmstep.core.paged_kv import (
-    BlockManager,
+    BlockPool,
     PagedKVCache,
     SeqChunk,
     attend_by_hand,
@@ -39,7 +39,7 @@ def test_block_keys_chain_the_whole_prefix():
 
 
 def test_allocate_and_release_return_every_block():
-    m = BlockManager(3, 4)
+    m = BlockPool(3, 4)
     blocks = [m.allocate() for _ in range(3)]
     assert sorted(blocks) == [0, 1, 2] and m.n_free == 0 and m.n_used == 3 and m.peak_used == 3
     with pytest.raises(RuntimeError, match="pool is empty"):
@@ -49,7 +49,7 @@ def test_allocate_and_release_return_every_block():
 
 
 def test_prefix_cache_shares_holds_and_evicts_least_recently_used_first():
-    m = BlockManager(4, 2, prefix_caching=True)
+    m = BlockPool(4, 2, prefix_caching=True)
     k1 = block_key(None, [1, 2])
     k2 = block_key(k1, [3, 4])
     a = [m.allocate(), m.allocate()]
@@ -61,6 +61,7 @@ def test_prefix_cache_shares_holds_and_evicts_least_recently_used_first():
     m.release(a)
     m.release(a)  # both gone: cached, reference 0, evictable, still found
     assert m.n_free == 4 and m.cached_prefix([k1, k2]) == a and list(m.evictable) == [a[1], a[0]]
+    assert m.can_allocate(2, holding=a) and not m.can_allocate(3, holding=a)  # held, they are no longer free
     fresh = [m.allocate(), m.allocate()]  # the never-used blocks go first
     assert set(fresh).isdisjoint(a) and m.cached_prefix([k1, k2]) == a
     evicted = m.allocate()  # then the least recently used cached block: the tail of the prefix
@@ -71,7 +72,7 @@ def test_prefix_cache_shares_holds_and_evicts_least_recently_used_first():
 
 
 def test_without_prefix_caching_nothing_is_found_or_kept():
-    m = BlockManager(2, 2)
+    m = BlockPool(2, 2)
     b = m.allocate()
     m.register(b, block_key(None, [1, 2]))
     assert m.cached_prefix([block_key(None, [1, 2])]) == []
@@ -82,7 +83,7 @@ def test_without_prefix_caching_nothing_is_found_or_kept():
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, None])
 def test_a_pool_needs_positive_integer_sizes(bad):
     with pytest.raises(ValueError, match="kv_blocks"):
-        BlockManager(bad, 4)
+        BlockPool(bad, 4)
     with pytest.raises(ValueError, match="block_size"):
         PagedKVCache(CONFIG, 4, bad)
 

@@ -10,8 +10,9 @@ from llmstep.batching import PagedBatcher, Request, run_batch
 
 import llmstep
 from llmstep.core.cost import MemoryBudgetError
-from llmstep.core.paged_kv import BlockManager, PagedKVCache, blocks_for
+from llmstep.core.paged_kv import BlockPool, PagedKVCache, blocks_for
 from llmstep.engines.decoding import budget
+from llmstep.engines.kv_manager import KVCacheManager
 from llmstep.engines.scheduler import BlockScheduler, Completion, Job
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
@@ -40,15 +41,16 @@ def workload(vocab: int, n: int = 8, seed: int = 0, shared: int = 0) -> list[Req
 def check_blocks(s: BlockScheduler) -> None:
     """The pool holds exactly the live sequences' blocks: each table a full block per block_size tokens in
     the cache plus at most one partial; every block's reference count is its holders; nothing lost."""
-    m, bs = s.blocks, s.blocks.block_size
-    holders = [b for t in s.tables.values() for b in t]
+    m, bs = s.kv.pool, s.kv.block_size
+    tables = {j.id: s.kv.table(j.id) for j in s.running}
+    assert set(s.kv.tables) == set(tables)  # only running sequences hold blocks
+    holders = [b for t in tables.values() for b in t]
     assert m.ref == [holders.count(b) for b in range(m.n_blocks)]
-    assert m.n_used == len(set(holders)) <= sum(s.computed[j] // bs + 1 for j in s.tables)
-    for j, table in s.tables.items():
-        assert len(table) == blocks_for(s.computed[j], bs), j
+    assert m.n_used == len(set(holders)) <= sum(j.computed // bs + 1 for j in s.running)
+    for j in s.running:
+        assert len(tables[j.id]) == blocks_for(j.computed, bs), j.id
     assert len(m.free) + len(m.evictable) + m.n_used == m.n_blocks
     assert set(m.free).isdisjoint(m.evictable) and set(m.free).isdisjoint(holders)
-    assert set(s.tables) == {j.id for j in s.slots}
 
 
 @pytest.fixture
@@ -88,7 +90,7 @@ def test_every_request_gets_the_tokens_it_gets_alone(tiny64, checked_steps, name
     assert {"block_size", "blocks_total", "peak_blocks_used", "prefix_hit_tokens", "preemptions"} <= set(stats)
     assert 0 < stats["peak_blocks_used"] <= stats["blocks_total"]
     (s,) = checked_steps
-    assert s.blocks.n_used == 0 and s.blocks.n_free == s.blocks.n_blocks and not s.tables  # every block back
+    assert s.kv.pool.n_used == 0 and s.kv.pool.n_free == s.kv.n_blocks and not s.kv.tables  # every block back
     if name in ("preempting", "everything"):
         assert stats["preemptions"] > 0  # the small pool did force recomputation
     if name in ("prefix", "everything"):
@@ -159,22 +161,20 @@ def test_the_youngest_is_preempted_and_returns_first(tiny64):
     at the head of the queue, and nobody fails."""
     jobs = [Job(Completion(id=i, prompt_ids=[1, 2, 3]), budget(3, 6, 48), set()) for i in range(3)]
     ticks = iter(range(10**6))
-    s = BlockScheduler(jobs, 3, BlockManager(6, 2), clock=lambda: float(next(ticks)))
+    s = BlockScheduler(jobs, 3, KVCacheManager(6, 2), clock=lambda: float(next(ticks)))
     preempted_at = []
     while not s.done:
         s.begin_step()
         before = s.stats["preemptions"]
-        for w in s.schedule():
-            s.computed_chunk(w)
-            if w.samples:
-                s.take(w.job, 7)
+        work = s.schedule()
+        s.update(work, [7] * sum(w.samples for w in work))
         if s.stats["preemptions"] > before:
             preempted_at.append((s.step, s.queue[0].id))
         check_blocks(s)
         s.end_step()
     assert preempted_at and all(i == 2 for _, i in preempted_at[:1])  # the youngest goes first
     assert all(len(c.tokens) == 6 for c in s.run.completions)
-    assert s.blocks.n_used == 0
+    assert s.kv.pool.n_used == 0
 
 
 def test_bad_requests_are_refused_before_the_run_with_their_index(tiny64, monkeypatch):
@@ -230,9 +230,9 @@ def test_an_absurd_pool_or_block_is_refused_before_anything_is_built(tiny64, mon
     model, _ = tiny64
 
     def spy(self, n_blocks, *args, **kwargs):
-        raise BuiltUnchecked(f"BlockManager({n_blocks:,}) built before the pool was checked")
+        raise BuiltUnchecked(f"BlockPool({n_blocks:,}) built before the pool was checked")
 
-    monkeypatch.setattr(BlockManager, "__init__", spy)
+    monkeypatch.setattr(BlockPool, "__init__", spy)
     for kw in (dict(block_size=16, kv_blocks=10**9), dict(block_size=16, kv_blocks=10**7)):
         with pytest.raises(MemoryBudgetError, match=f"a paged KV cache of {kw['kv_blocks']:,} blocks"):
             run_batch(model, [Request([1, 2], 2)], kv="paged", **kw)
