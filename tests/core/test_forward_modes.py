@@ -13,7 +13,7 @@ from llmstep.core.kv_cache import Cache, KVCache
 from llmstep.core.model import LAST
 from llmstep.core.paged_kv import PagedKVCache, SeqChunk
 from llmstep.engines.batching import BatchRunner
-from llmstep.engines.fast import FastDecoder
+from llmstep.engines.fast import FastDecoder, FastSpeculator
 from llmstep.lab.hardware import random_model
 
 CONFIG = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab_size=97, max_seq_len=64)
@@ -97,6 +97,7 @@ def test_an_engine_sets_the_flag_with_its_compiled_step_and_its_steps_pass_it_on
     assert len(steps) == 3 * CONFIG.n_layers and all(r["S"] == 16 and r["plain"] for r in steps)
     assert FastDecoder(model, max_len=16, compile=True).static  # compiled lazily: nothing compiles here
     assert BatchRunner(model, n_slots=2, max_len=16, compile=True).static
+    assert FastSpeculator(model, model, k=2, max_len=16, compile=True).static
 
 
 def test_a_mask_is_a_mask_or_a_bool_tensor_and_nothing_else():
@@ -116,6 +117,20 @@ def test_a_mask_is_a_mask_or_a_bool_tensor_and_nothing_else():
         Mask(tensor[0, 0])
     with pytest.raises(TypeError, match="causal=True"):
         Mask(tensor, causal=True)
+
+
+@torch.no_grad()
+def test_a_block_takes_the_notebooks_masks(model):
+    """The notebooks call a block with CAUSAL and with a bool tensor from causal_mask: both are the causal block."""
+    from llmstep.core.rope import rope_cos_sin
+
+    x = torch.randn(1, 5, CONFIG.dim, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(5)[None]
+    cos, sin = rope_cos_sin(model.inv_freq, positions, x.dtype)
+    block = model.layers[0]
+    by_tensor = block(x, cos, sin, positions, causal_mask(positions, positions))
+    torch.testing.assert_close(block(x, cos, sin, positions, CAUSAL), by_tensor)
+    assert not torch.allclose(block(x, cos, sin, positions, UNMASKED), by_tensor)
 
 
 @torch.no_grad()

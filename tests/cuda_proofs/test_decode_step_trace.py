@@ -145,6 +145,7 @@ def test_the_decode_step_traces_whole_with_no_graph_break(sampling):
     """Dynamo itself (fullgraph=True refuses any graph break), on CPU tensors: the same Python as on CUDA."""
     model = random_model(CONFIG, device="cpu", dtype=torch.float32)
     decoder = FastDecoder(model, max_len=MAX_LEN, compile=False, fuse=True)
+    decoder.static = True  # what a compiled decoder sets: the model's path for a compiler
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(partial(decoder._advance, *sampling), backend="eager", fullgraph=True)()

@@ -154,4 +154,6 @@ def test_the_compiled_decode_path_asks_no_host_sync_per_token(probe, monkeypatch
         with counter.counting():
             decoder.generate([1, 2, 3], n)
         counts.append(counter.count)
-    assert counts[0] == counts[1] <= 3, counts  # the prompt's and the final copy of the tokens
+    # the prompt's and the final copy of the tokens, and the two reads of the eager prefill's cache mask (its filled
+    # length, and whether it starts at 0): as many for 20 tokens as for 4
+    assert counts[0] == counts[1] <= 4, counts
