@@ -9,13 +9,16 @@ beyond a sequence's length is never read.
 
 The mask is the slow part on a GPU: PyTorch's flash kernel takes no mask, and the kernels that take one
 do not broadcast KV heads (`enable_gqa`), so a mask with GQA falls to the math path, which expands K/V to
-every query head and builds the scores in float32. So the model passes a mask only where one is needed:
-CAUSAL (no mask: `is_causal`) when the keys are exactly the T queries' own tokens from position 0, None
-when every key is visible (one token decoding over its filled cache), and a boolean mask otherwise, with
-each KV head's n_rep query heads folded into its rows so that no K/V is expanded (`sdpa`).
+every query head and builds the scores in float32. So the model says a mask (`Mask`) as cheaply as it can:
+CAUSAL (no tensor: `is_causal`) when the keys are exactly the T queries' own tokens from position 0,
+UNMASKED when every key is visible (one token decoding over its filled cache), and an explicit boolean
+one otherwise, with each KV head's n_rep query heads folded into its rows so that no K/V is expanded.
+`sdpa` is the one place that picks the attention path, from the mask and the caller's `static` flag.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +28,35 @@ from . import attention_backend
 from .config import LlamaConfig
 from .rope import apply_rope
 
-__all__ = ["Attention", "attention", "causal_mask", "sdpa", "CAUSAL"]
+__all__ = ["Attention", "attention", "causal_mask", "sdpa", "Mask", "CAUSAL", "UNMASKED"]
 
-CAUSAL = "causal"  # mask sentinel: query i sees keys 0..i, the keys being these T tokens at positions 0..T-1
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys each query sees: UNMASKED (every key), CAUSAL (query i sees keys 0..i, the keys being these T
+    tokens at positions 0..T-1) or explicit, Mask(visible) with visible [B or 1, 1, T, S] bool, True where a key
+    is visible (`causal_mask` makes one). The two named ones need no tensor (`sdpa` gives SDPA no mask)."""
+
+    visible: torch.Tensor | None = None  # [B or 1, 1, T, S] bool; None: UNMASKED or CAUSAL
+    causal: bool = False
+
+    def __post_init__(self):
+        v = self.visible
+        if v is not None and (self.causal or not isinstance(v, torch.Tensor) or v.dtype != torch.bool or v.dim() != 4):
+            raise TypeError(f"Mask(visible) takes a bool tensor [B, 1, T, S], True where a key is visible, and no "
+                            f"causal flag; got {getattr(v, 'dtype', type(v))} {list(getattr(v, 'shape', []))}, "
+                            f"causal={self.causal}")
+
+
+UNMASKED, CAUSAL = Mask(), Mask(causal=True)
+
+
+def as_mask(mask: Mask | torch.Tensor) -> Mask:
+    """A Mask as it is; a bool tensor [B, 1, T, S] as the explicit Mask it is. Anything else is refused."""
+    if not isinstance(mask, (Mask, torch.Tensor)):
+        raise TypeError(f"an attention mask is a Mask (UNMASKED, CAUSAL, Mask(visible)) or a bool tensor "
+                        f"[B, 1, T, S]; got {type(mask).__name__} {mask!r}")
+    return mask if isinstance(mask, Mask) else Mask(mask)
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -51,37 +80,37 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | str | None) -> torch.Tensor:
-    """`attention` by PyTorch's fused kernels, choosing the arguments that keep them fast.
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.Tensor,
+         static: bool = False) -> torch.Tensor:
+    """`attention` by PyTorch's fused kernels: the one place that picks the attention path.
 
-    q [B, n_heads, T, hd], k/v [B, n_kv, S, hd], mask [B, 1, T, S], CAUSAL or None -> [B, n_heads, T, hd].
-    With a mask, the n_rep query heads that share a KV head are stacked as n_rep * T rows of that head
-    (they see the same keys), so SDPA needs neither GQA broadcast nor expanded K/V.
+    q [B, n_heads, T, hd], k/v [B, n_kv, S, hd], mask a Mask or a bool tensor [B, 1, T, S] -> [B, n_heads, T, hd].
+    - UNMASKED, CAUSAL: SDPA with no mask tensor (flash on CUDA), the KV heads broadcast by `enable_gqa`;
+    - explicit, one query head per KV head: SDPA with the mask;
+    - explicit with GQA: the n_rep query heads that share a KV head stacked as n_rep * T rows of that head (they
+      see the same keys), so SDPA needs neither GQA broadcast nor expanded K/V; in a static step (traced for
+      torch.compile, `Llama.forward`'s flag) of one sequence on a CPU, as plain ops (`_compiled_cpu_sdpa`).
     """
+    mask = as_mask(mask)
     gqa = q.shape[1] != k.shape[1]
-    if mask is None or isinstance(mask, str):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=mask == CAUSAL, enable_gqa=gqa)
+    if mask.visible is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, enable_gqa=gqa)
     if not gqa:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible)
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, n_kv, (H // n_kv) * T, hd)  # [B, n_kv, n_rep*T, hd]: head h = g*n_rep + r, row r*T + t
-    mask = mask.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
-    if _plain_ops_here(q):
-        out = _compiled_cpu_sdpa(q, k, v, mask)
+    rows = mask.visible.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
+    if static and B == 1 and q.device.type == "cpu":
+        out = _compiled_cpu_sdpa(q, k, v, rows)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, n_kv, n_rep*T, hd]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows)  # [B, n_kv, n_rep*T, hd]
     return out.view(B, H, T, hd)
-
-
-def _plain_ops_here(q: torch.Tensor) -> bool:
-    """Whether this masked call runs as plain ops (`_compiled_cpu_sdpa`): one sequence, in a compiled CPU step."""
-    return q.shape[0] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling()
 
 
 def _compiled_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """SDPA's function as plain ops, scores and probabilities in float32 as its CPU kernel keeps them: what a
-    compiled CPU step runs for one sequence (whose every query row sees at least its own key, so no row is all
+    static CPU step runs for one sequence (whose every query row sees at least its own key, so no row is all
     masked). Inductor calls SDPA's CPU kernel as an opaque op whose fixed setup dominates at one query row;
     these plain ops it fuses into its own loops, which made the compiled CPU decode step faster.
     q [B, n_kv, R, hd], k/v [B, n_kv, S, hd], mask [B, 1, R, S] -> [B, n_kv, R, hd]."""
@@ -100,12 +129,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)  # HF: o_proj
         self.wqkv: nn.Module | None = None  # wq|wk|wv stacked as one matmul, set by llmstep.core.fuse
 
-    def forward(self, x, cos, sin, positions, mask, cache=None, layer: int = 0,
-                kv_len: int | None = None):
-        """x [B, T, dim] -> [B, T, dim]. With a cache (kv_cache.KVCache, paged_kv.PagedKVCache), this step's
-        keys and values are stored at `positions` and the queries attend over what the cache hands back (the
-        contiguous one: its first kv_len slots). The mask hides what is not theirs to see; None means every
-        key is visible; CAUSAL means the keys are these tokens at positions 0..T-1."""
+    def forward(self, x, cos, sin, positions, mask: Mask | torch.Tensor, cache=None, layer: int = 0,
+                kv_len: int | None = None, static: bool = False):
+        """x [B, T, dim] -> [B, T, dim]. With a cache (kv_cache.Cache), this step's keys and values are stored at
+        `positions` and the queries attend over what the cache hands back (the contiguous one: its first kv_len
+        slots), the mask hiding what is not theirs to see. static: the step is traced for a compiler (`sdpa`)."""
         B, T, _ = x.shape
         if self.wqkv is None:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)  # [B, T, n_heads*hd], [B, T, n_kv*hd] twice
@@ -119,5 +147,5 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.write(layer, positions, k, v, kv_len)  # [B, n_kv, S, hd]
         with attention_backend.kernels():  # the kernel asked for (attention_backend.py); none named: PyTorch's
-            out = sdpa(q, k, v, mask)  # [B, n_heads, T, hd]
+            out = sdpa(q, k, v, mask, static)  # [B, n_heads, T, hd]
         return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

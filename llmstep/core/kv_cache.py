@@ -5,24 +5,48 @@ the cache beyond a sequence's length is never read: rolling back after a rejecte
 is just moving `lengths` back, and a batch slot is reused by writing over it.
 
 The cache also says what a forward attends over (`mask`): the model's one forward asks its cache, so the
-contiguous cache here and the paged one (`paged_kv.py`) answer the same three calls: `mask(positions)`,
-`write(layer, positions, k, v, kv_len)` and `advance(positions)`.
+contiguous cache here and the paged one (`paged_kv.py`) are both a `Cache`, the calls the forward makes.
 """
 
 from __future__ import annotations
 
 import operator
+from abc import ABC, abstractmethod
 
 import torch
 
-from .attention import CAUSAL, causal_mask
+from .attention import CAUSAL, UNMASKED, Mask, causal_mask
 from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
 
-__all__ = ["KVCache"]
+__all__ = ["Cache", "KVCache"]
 
 
-class KVCache:
+class Cache(ABC):
+    """What `Llama.forward` and `Attention` ask of a KV cache, in the order they ask it."""
+
+    batch_size: int  # the rows of tokens [B, T] one forward takes
+
+    @abstractmethod
+    def positions(self, T: int) -> torch.Tensor:
+        """Where the next T tokens of every row go when the caller gives no positions -> [B, T]."""
+
+    @abstractmethod
+    def mask(self, positions: torch.Tensor, static: bool = False) -> tuple[Mask, int | None]:
+        """What queries at positions [B, T] attend over: (mask, kv_len), kv_len the slots `write` hands back
+        (None: all). static: a step traced for a compiler, fixed shapes and nothing read back to the host."""
+
+    @abstractmethod
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer's k, v [B, n_kv, T, hd] at positions [B, T] -> the keys and values to attend [B, n_kv, S, hd]."""
+
+    @abstractmethod
+    def advance(self, positions: torch.Tensor) -> None:
+        """After every layer has written: these positions [B, T] now hold tokens."""
+
+
+class KVCache(Cache):
     """Preallocated keys and values, one buffer per layer.
 
     k[i], v[i]: [batch, n_kv_heads, max_len, head_dim] - layer i's keys and values (lists of n_layers tensors:
@@ -67,24 +91,24 @@ class KVCache:
         """Where the next T tokens go by default: after each sequence's length -> [B, T]."""
         return self.lengths[:, None] + torch.arange(T, device=self.lengths.device)
 
-    def mask(self, positions: torch.Tensor) -> tuple[torch.Tensor | str | None, int | None]:
+    def mask(self, positions: torch.Tensor, static: bool = False) -> tuple[Mask, int | None]:
         """What queries at positions [B, T] attend over: (mask, kv_len), the mask as cheap as it can be
         (`attention.sdpa`), kv_len the slots to read (None: all of them).
 
-        Compiled: static shapes, every slot, the mask hiding the unwritten ones. Eager: the filled slots only;
-        one sequence decoding one token sees all of them (None), one sequence's prefill into an empty cache
-        sees exactly its own tokens (CAUSAL), anything else gets a boolean mask [B, 1, T, kv_len]."""
+        Static: every slot, the mask hiding the unwritten ones. Otherwise the filled slots only; one sequence
+        decoding one token sees all of them (UNMASKED), one sequence's prefill into an empty cache sees exactly
+        its own tokens (CAUSAL), anything else gets an explicit mask [B, 1, T, kv_len]."""
         B, T = positions.shape
-        if torch.compiler.is_compiling():
-            return causal_mask(positions, torch.arange(self.max_len, device=positions.device)), None
+        if static:
+            return Mask(causal_mask(positions, torch.arange(self.max_len, device=positions.device))), None
         kv_len = int(positions.max()) + 1
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is past the KV cache's {self.max_len} slots")
         if B == 1 and T == 1:
-            return None, kv_len
+            return UNMASKED, kv_len
         if B == 1 and kv_len == T and bool((positions[0] == torch.arange(T, device=positions.device)).all()):
             return CAUSAL, kv_len
-        return causal_mask(positions, torch.arange(kv_len, device=positions.device)), kv_len
+        return Mask(causal_mask(positions, torch.arange(kv_len, device=positions.device))), kv_len
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int | None = None):
         """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's cache up to kv_len [B, n_kv, S, hd]."""

@@ -14,16 +14,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .attention import CAUSAL, Attention, causal_mask
+from .attention import CAUSAL, Attention, Mask, causal_mask
 from .config import LlamaConfig
 from .cost import check_fits, model_bytes
-from .kv_cache import KVCache
+from .kv_cache import Cache, KVCache
 from .mlp import FeedForward
 from .norm import RMSNorm
-from .paged_kv import PagedKVCache
 from .rope import config_inv_frequencies, rope_cos_sin
 
-__all__ = ["Block", "Llama", "all_finite", "materialize"]
+__all__ = ["Block", "Llama", "LAST", "all_finite", "materialize"]
+
+LAST = slice(-1, None)  # Llama.forward's keep: the last token's logits only, [B, 1, vocab]
 
 
 class Block(nn.Module):
@@ -36,8 +37,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)  # HF: post_attention_layernorm
         self.feed_forward = FeedForward(config.dim, config.hidden_dim)  # HF: mlp
 
-    def forward(self, x, cos, sin, positions, mask, cache=None, layer=0, kv_len=None):
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask, cache, layer, kv_len)
+    def forward(self, x, cos, sin, positions, mask: Mask | torch.Tensor, cache=None, layer=0, kv_len=None,
+                static=False):
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions, mask, cache, layer, kv_len, static)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -70,17 +72,26 @@ class Llama(nn.Module):
         max_len = self.config.max_seq_len if max_len is None else max_len
         return KVCache(self.config, batch_size, max_len, device=self.device, dtype=self.dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | PagedKVCache | None = None, last_only: bool = False,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only, [B, K, vocab] for the K
-        token indices in `keep`).
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: Cache | None = None,
+                keep: torch.Tensor | slice | None = None, *, static: bool = False,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, vocab], or [B, K, vocab] for the token indices `keep` picks (a tensor
+        [K], or LAST: [B, 1, vocab]). last_only=True is keep=LAST.
 
         positions [B, T] or [T]: where these tokens sit in their sequences. Default: 0..T-1 without a
-        cache, continuing after cache.lengths with one. With no cache this is a plain causal forward. A paged
-        cache takes one flattened row [1, N] of several sequences' tokens, as its `plan` laid them out
-        (llmstep.core.paged_kv).
+        cache, continuing after the cache's lengths with one. With no cache this is a plain causal forward. A
+        paged cache takes one flattened row [1, N] of several sequences' tokens, as its `plan` laid them out
+        (llmstep.core.paged_kv). static: the engine traces this forward for a compiler (llmstep.engines.compile):
+        fixed shapes (a contiguous cache attends every slot, masked), no value read back to the host, attention
+        as ops the compiler can fuse (`attention.sdpa`). Exact either way.
         """
+        if isinstance(keep, bool) or (last_only and keep is not None):
+            raise TypeError(f"keep picks token indices (a tensor [K], or LAST), got keep={keep!r}"
+                            f"{' with last_only' if last_only else ''}: last_only=True is keep=LAST")
+        keep = LAST if last_only else keep
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"cache must be a llmstep KV cache (kv_cache.Cache: model.new_cache(), a PagedKVCache), "
+                            f"got {type(cache).__name__}")
         B, T = tokens.shape
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the KV cache holds {cache.batch_size} sequences but the tokens hold {B}: "
@@ -89,23 +100,21 @@ class Llama(nn.Module):
             # The keys are these tokens: at 0..T-1 a causal mask needs no tensor (SDPA's is_causal).
             default_positions = positions is None
             positions = (torch.arange(T, device=tokens.device) if default_positions else positions).expand(B, T)
-            mask, kv_len = CAUSAL if default_positions else causal_mask(positions, positions), None  # [B, 1, T, T]
+            mask, kv_len = CAUSAL if default_positions else Mask(causal_mask(positions, positions)), None  # [B,1,T,T]
         else:
             # The cache says what these positions attend over (kv_cache.KVCache.mask, paged_kv.PagedKVCache.mask)
             positions = (cache.positions(T) if positions is None else positions).expand(B, T)  # [B, T]
-            mask, kv_len = cache.mask(positions)
+            mask, kv_len = cache.mask(positions, static)
 
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # [B, T, head_dim]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, mask, cache, i, kv_len)
+            x = layer(x, cos, sin, positions, mask, cache, i, kv_len, static)
         if cache is not None:
             cache.advance(positions)
-        if last_only:
-            x = x[:, -1:]
-        elif keep is not None:
-            x = x[:, keep]  # [B, len(keep), dim]: only the tokens whose next token is wanted
-        return self.output(self.norm(x))  # [B, T, vocab]
+        if keep is not None:
+            x = x[:, keep]  # [B, K, dim]: only the tokens whose next token is wanted
+        return self.output(self.norm(x))  # [B, T or K, vocab]
 
 
 def all_finite(t: torch.Tensor) -> bool:

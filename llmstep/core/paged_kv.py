@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import attention
+from .attention import Mask, attention
 from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
+from .kv_cache import Cache
 
 __all__ = ["BlockPool", "BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "check_pool",
            "gather_blocks", "attend_by_hand"]
@@ -172,7 +173,7 @@ class SeqChunk:
     n_tokens: int
 
 
-class PagedKVCache:
+class PagedKVCache(Cache):
     """Keys and values in blocks: k[i], v[i] [n_blocks * block_size, n_kv_heads, head_dim] - layer i's token
     slots, slot b * block_size + j being slot j of block b. One flattened row [1, N] per forward (`plan`)."""
 
@@ -224,12 +225,12 @@ class PagedKVCache:
     def positions(self, T: int) -> torch.Tensor:
         raise ValueError("a paged KV cache serves the layout `plan` made: pass the positions plan returned")
 
-    def mask(self, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """The planned forward's mask [1, 1, N, S] and no kv_len (the keys are the gathered ones)."""
+    def mask(self, positions: torch.Tensor, static: bool = False) -> tuple[Mask, None]:
+        """The planned forward's mask [1, 1, N, S] and no kv_len (the keys are the gathered ones), static or not."""
         if self._plan is None or positions.shape != (1, self._plan[0].shape[0]):
             raise ValueError(f"positions {list(positions.shape)} are not the planned layout: call plan() first "
                              "and pass the positions it returns")
-        return self._plan[2], None
+        return Mask(self._plan[2]), None
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: None = None):
         """Store k, v [1, n_kv, N, hd] in the planned slots; return every planned sequence's context, gathered

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.device import synchronize
-from ..core.model import Llama
+from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
 from .compile import Step, tunes_matmuls
 from .decoding import budget, check_int
@@ -92,11 +92,12 @@ class BatchRunner(Engine):
         self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
                           tune_matmuls=tunes_matmuls(self.model))
         self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
+        self.static = self.compiled  # the step's forward mode (`Engine.static`)
         self._warm.clear()  # the new step has not run
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
-        return self.model(tokens, positions, self.cache, last_only=True)[:, -1].float()
+        return self.model(tokens, positions, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): one token for every slot, each
@@ -118,7 +119,7 @@ class BatchRunner(Engine):
             self.grow(len(prompt_ids))
         prompt = torch.tensor([prompt_ids], device=self.device)  # [1, T]
         positions = torch.arange(prompt.shape[1], device=self.device)
-        return self.model(prompt, positions, self.cache.slot(slot), last_only=True)[:, -1].float()
+        return self.model(prompt, positions, self.cache.slot(slot), keep=LAST)[:, -1].float()
 
     def decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
         """One step for every slot: rows[s] = (token, position) of slot s, or None for a free slot, which rides

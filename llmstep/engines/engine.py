@@ -32,6 +32,7 @@ class Engine:
     room = "the model's context"  # what the positions a sequence may fill are, when sized per request
     fixed_room = "the cache it may fill"  # and when the cache is fixed
     compiled = False
+    static = False  # the steps' Llama.forward(static=...): set with `compiled` (a compiled step needs fixed shapes)
 
     def _own(self, model: torch.nn.Module, max_len: int | None, limit: int | None = None, reserve: int = 0,
              low: int = 2) -> int:

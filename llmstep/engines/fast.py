@@ -39,7 +39,7 @@ import torch
 
 from ..core.device import synchronize
 from ..core.fuse import fused, fuses_by_default
-from ..core.model import Llama
+from ..core.model import LAST, Llama
 from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
 from .compile import Step, compiles, tunes_matmuls
@@ -109,11 +109,12 @@ class FastDecoder(Engine):
         self._step = None  # the public logits step, made when first asked for
         greedy_step = self._advance_step((0, 0, 1.0))  # torch.compile is lazy: nothing compiles before a call
         self.compiled, self.cuda_graphs = greedy_step.compiled, greedy_step.cuda_graphs
+        self.static = self.compiled  # the steps' forward mode (`Engine.static`)
         self._warm.clear()  # the sampling settings whose step has run (eager too) before any timing
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
-        return self.net(token, position, self.cache, last_only=True)[:, -1].float()
+        return self.net(token, position, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
@@ -192,7 +193,7 @@ class FastDecoder(Engine):
         prompt = torch.tensor([ids], device=device)  # [1, T]
         synchronize(device)
         start = time.perf_counter()
-        logits = self.net(prompt, torch.arange(first, device=device), self.cache, last_only=True)[:, -1]
+        logits = self.net(prompt, torch.arange(first, device=device), self.cache, keep=LAST)[:, -1]
         nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
         nonfinite.update(logits)
         token = sample(logits.float(), *sampling, generator)  # [1]
@@ -286,19 +287,20 @@ class FastSpeculator(Engine):
         self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
                                  tune_matmuls=tune_d and tune_t)
         self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
+        self.static = self.compiled  # the steps' forward mode (`Engine.static`)
         self._warm.clear()  # the round kinds run once (eager) or compiled
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
-        return self.draft(tokens, positions, self.draft_cache, last_only=True)[:, -1].float()
+        return self.draft(tokens, positions, self.draft_cache, keep=LAST, static=self.static)[:, -1].float()
 
     def _verify(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, k+1] at positions [1, k+1] -> the target's logits [1, k+1, V] (float32)."""
-        return self.target(tokens, positions, self.target_cache).float()
+        return self.target(tokens, positions, self.target_cache, static=self.static).float()
 
     def _target_next(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1] at position [1, 1] -> the target's logits after it [1, V] (float32): a step without a draft."""
-        return self.target(token, position, self.target_cache, last_only=True)[:, -1].float()
+        return self.target(token, position, self.target_cache, keep=LAST, static=self.static)[:, -1].float()
 
     def _greedy_round(self, pair: torch.Tensor, position: torch.Tensor):
         """pair [1, 2] at positions position-1, position ([1, 1]) -> (drafted [1, k], n [1], next token [1],
@@ -370,12 +372,12 @@ class FastSpeculator(Engine):
         synchronize(device)
         start = time.perf_counter()
         prompt, positions = torch.tensor([ids], device=device), torch.arange(len(ids), device=device)  # [1, T], [T]
-        logits = self.target(prompt, positions, self.target_cache, last_only=True)[:, -1].float()  # [1, V]
+        logits = self.target(prompt, positions, self.target_cache, keep=LAST)[:, -1].float()  # [1, V]
         nonfinite = NonFiniteLogits(device)  # a flag on the device, read once at the end
         nonfinite.update(logits)
         token, _ = pick(logits)  # [1]
         if draft_slots:
-            self.draft(prompt, positions, self.draft_cache, last_only=True)  # only its cache is wanted
+            self.draft(prompt, positions, self.draft_cache, keep=LAST)  # only its cache is wanted
         seq = ids + [int(token)]
         result.tokens = seq[len(ids):]
         result.prefill_seconds = time.perf_counter() - start

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.device import synchronize
-from ..core.model import Llama
+from ..core.model import LAST, Llama
 from ..core.sampling import sample
 from ..core.tokens import Tokenizer
 from .decoding import DecodeResult, budget, cache_len, check_finite, end_reason, step_bytes_by_context
@@ -90,7 +90,7 @@ def _run(model, tokenizer, r: Checked, result: Generation) -> Iterator[TokenEven
     for index in range(plan.tokens):
         synchronize(device)
         start = time.perf_counter()
-        logits = model(x, cache=cache, last_only=True)[:, -1]  # [1, vocab]
+        logits = model(x, cache=cache, keep=LAST)[:, -1]  # [1, vocab]
         check_finite(logits, index)  # NaN logits would sample token 0 forever, in silence
         token = sample(logits, *r.sampling, generator)  # [1]
         token_id = int(token)  # waits for the device

@@ -34,7 +34,7 @@ import torch
 from ..core.cost import model_step_cost
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
-from ..core.model import Llama
+from ..core.model import LAST, Llama
 from ..core.sampling import draw, picker, probs
 from ..core.tokens import Tokenizer
 from . import decoding
@@ -118,7 +118,7 @@ def measure_costs(target: Llama, draft: Llama, k_max: int = 8, context: int = 64
     """Time the forwards a round is made of: (a draft forward in target forwards, [the target's
     (k+1)-token forward in one-token forwards, for k = 0..k_max]). Each time is the fastest of `repeats`
     runs: other work on the machine only ever adds time."""
-    def seconds(model: Llama, n_tokens: int, last_only: bool) -> float:
+    def seconds(model: Llama, n_tokens: int, keep: slice | None) -> float:
         cache = model.new_cache(max_len=context + n_tokens)
         model(torch.zeros(1, context, dtype=torch.long, device=model.device), cache=cache)
         x = torch.ones(1, n_tokens, dtype=torch.long, device=model.device)
@@ -127,13 +127,13 @@ def measure_costs(target: Llama, draft: Llama, k_max: int = 8, context: int = 64
             cache.rollback(context)
             synchronize(model.device)
             start = time.perf_counter()
-            model(x, cache=cache, last_only=last_only)
+            model(x, cache=cache, keep=keep)
             synchronize(model.device)
             times.append(time.perf_counter() - start)
         return min(times[2:])
 
-    one = seconds(target, 1, last_only=False)
-    return seconds(draft, 1, last_only=True) / one, [seconds(target, k + 1, False) / one for k in range(k_max + 1)]
+    one = seconds(target, 1, keep=None)
+    return seconds(draft, 1, keep=LAST) / one, [seconds(target, k + 1, None) / one for k in range(k_max + 1)]
 
 
 def step_bytes(model: Llama, context: int = 0) -> float:
@@ -294,11 +294,11 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
 
     pick = picker(sampling, generator)
     x = torch.tensor([seq], device=device)  # [1, T]
-    logits = target(x, cache=target_cache, last_only=True)[:, -1]  # [1, V]
+    logits = target(x, cache=target_cache, keep=LAST)[:, -1]  # [1, V]
     decoding.check_finite(logits, 0)
     token, _ = pick(logits)  # [1]
     if len(seq) <= n_ctx_draft:
-        draft(x, cache=draft_cache, last_only=True)  # only its cache is wanted
+        draft(x, cache=draft_cache, keep=LAST)  # only its cache is wanted
     seq.append(int(token))
     result.prefill_seconds = time.perf_counter() - start
     yield emit(seq[-1], result.prefill_seconds)
@@ -322,7 +322,7 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
         proposed, q = [], []
         x = torch.tensor([seq[draft_len:L]], device=device) if k else None
         for i in range(k):
-            draft_logits = draft(x, cache=draft_cache, last_only=True)[:, -1]  # [1, V]
+            draft_logits = draft(x, cache=draft_cache, keep=LAST)[:, -1]  # [1, V]
             decoding.check_finite(draft_logits, len(result.tokens) + i, "the draft")
             token, q_i = pick(draft_logits)  # [1], [1, V]
             x = token[:, None]  # [1, 1]

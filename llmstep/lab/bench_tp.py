@@ -33,7 +33,7 @@ from ..core.checks import check_int
 from ..core.config import LlamaConfig
 from ..core.cost import decode_step_cost, dtype_bytes, model_bytes
 from ..core.device import resolve_dtype, synchronize
-from ..core.model import Llama
+from ..core.model import LAST, Llama
 from ..core.parallel import (
     TensorParallelLlama,
     build_rank_model,
@@ -183,7 +183,7 @@ def measure(model: TensorParallelLlama, prompt_len: int = 32, new_tokens: int = 
     load_before = runinfo.load_average()
     for rep in range(repeats + 1):  # the first is a warm-up
         cache = model.new_cache(1, prompt_len + new_tokens)
-        x = model(prompt.to(device), cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        x = model(prompt.to(device), cache=cache, keep=LAST)[:, -1].argmax(-1, keepdim=True)  # [1, 1]
         comm.reset()
         comm.timing = True
         steps = []
@@ -191,7 +191,7 @@ def measure(model: TensorParallelLlama, prompt_len: int = 32, new_tokens: int = 
         for _ in range(new_tokens - 1):
             synchronize(device)
             start = time.perf_counter()
-            x = model(x, cache=cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+            x = model(x, cache=cache, keep=LAST)[:, -1].argmax(-1, keepdim=True)
             out.append(int(x))  # waits for the device
             steps.append(time.perf_counter() - start)
         comm.timing = False

@@ -31,7 +31,7 @@ from ..core import model as model_module
 from ..core.checks import check_int
 from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
-from ..core.model import Llama
+from ..core.model import LAST, Llama
 from ..core.sampling import check_params, sample
 from .runinfo import median, time_repeats
 
@@ -274,12 +274,12 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
         ids = torch.tensor([list(prompt_ids[:context + 1])], device=device)
     cache = model.new_cache(batch_size=1, max_len=context + 1)
     if context:
-        model(ids[:, :context], cache=cache, last_only=True)  # prefill: the cache now holds `context` tokens
+        model(ids[:, :context], cache=cache, keep=LAST)  # prefill: the cache now holds `context` tokens
     token = ids[:, context:]  # [1, 1]: the token whose step is traced
 
     def step():
         cache.rollback(context)
-        logits = model(token, cache=cache, last_only=True)[:, -1]  # [1, vocab]
+        logits = model(token, cache=cache, keep=LAST)[:, -1]  # [1, vocab]
         return sample(logits, temperature, top_k, top_p, g)
 
     untraced = time_repeats(step, device, repeats, warmup=1)  # the ordinary step, no marks
@@ -294,7 +294,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
             clock.calls = dict.fromkeys(STAGES, 0)
             cache.rollback(context)
             clock.start()
-            logits = model(token, cache=cache, last_only=True)[:, -1]
+            logits = model(token, cache=cache, keep=LAST)[:, -1]
             sample_timed(logits, temperature, top_k, top_p, g)
             missing = {s: (clock.calls[s], n) for s, n in expected.items() if clock.calls[s] != n}
             if missing:

@@ -124,7 +124,7 @@ def test_the_gather_by_hand_equals_the_package_path():
     k, v = (torch.randn(1, cfg.n_kv_heads, N, hd, dtype=torch.float64) for _ in range(2))
     k_all, v_all = cache.write(0, positions, k, v)
     mask, kv_len = cache.mask(positions)
-    assert kv_len is None and mask.shape == (1, 1, N, N)
+    assert kv_len is None and mask.visible.shape == (1, 1, N, N)
     fast = sdpa(q, k_all, v_all, mask)[0]  # [n_heads, N, hd]
     start = 0
     for table, n in zip(tables, lengths, strict=True):

@@ -73,9 +73,12 @@ def test_masked_paths_fold_the_query_heads_instead_of_expanding_kv(calls, monkey
     cache = model.new_cache(2, 32)
     model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 2], [0, 1, 2]]), cache)  # batch: masked
     eager = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4, **GREEDY).tokens
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the path a compiled step traces,
-    monkeypatch.setattr(attention_module, "_plain_ops_here", lambda q: False)  # as on CUDA (the CPU's is plain ops):
-    traced = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4, **GREEDY).tokens  # every slot, masked
+    # the path a compiled step traces, as on CUDA (SDPA, not the CPU's plain ops)
+    monkeypatch.setattr(attention_module, "_compiled_cpu_sdpa",
+                        lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    decoder = FastDecoder(model, max_len=16, compile=False)
+    decoder.static = True
+    traced = decoder.generate([1, 2, 3], 4, **GREEDY).tokens  # every slot, masked
     assert traced == eager
     assert calls and all(fast_kernel_args(c) for c in calls), calls
     assert sum(c["mask"] for c in calls) >= 2 * CONFIG.n_layers

@@ -70,12 +70,8 @@ def decode_step_graph(fuse: bool, sampling=SAMPLING) -> tuple[list[str], list[to
     with mode:
         cpu = [torch.empty(t.shape, dtype=t.dtype) for t in [t for _, t in named] + state]
         cuda = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in cpu]
-        real_is_compiling = torch.compiler.is_compiling
-        torch.compiler.is_compiling = lambda: True  # the model's compiled path: every slot, masked
-        try:
-            gm = make_fx(step, pre_dispatch=True)(*cpu)
-        finally:
-            torch.compiler.is_compiling = real_is_compiling
+        decoder.static = True  # the model's compiled path: every slot, masked
+        gm = make_fx(step, pre_dispatch=True)(*cpu)
     for node in gm.graph.nodes:  # the trace's own device arguments (arange, zeros) -> CUDA
         node.args = tuple(torch.device("cuda") if a == torch.device("cpu") else a for a in node.args)
         if node.kwargs.get("device") is not None:
@@ -149,6 +145,7 @@ def test_the_decode_step_traces_whole_with_no_graph_break(sampling):
     """Dynamo itself (fullgraph=True refuses any graph break), on CPU tensors: the same Python as on CUDA."""
     model = random_model(CONFIG, device="cpu", dtype=torch.float32)
     decoder = FastDecoder(model, max_len=MAX_LEN, compile=False, fuse=True)
+    decoder.static = True  # what a compiled decoder sets: the model's path for a compiler
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(partial(decoder._advance, *sampling), backend="eager", fullgraph=True)()

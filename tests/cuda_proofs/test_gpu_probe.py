@@ -137,7 +137,7 @@ def test_no_speedup_target_is_above_its_ceiling_from_the_bytes_streamed(probe):
 
 
 def test_the_compiled_decode_path_asks_no_host_sync_per_token(probe, monkeypatch):
-    """The path a compiled step traces (torch.compiler.is_compiling() true) reads no position back to the host:
+    """The path a compiled step traces (the static forward, run eagerly) reads no position back to the host:
     a run's host syncs (Tensor.item/tolist/bool/int/float, cuda.synchronize) do not grow with its length."""
     import torch
 
@@ -146,12 +146,14 @@ def test_the_compiled_decode_path_asks_no_host_sync_per_token(probe, monkeypatch
 
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, hidden_dim=128, vocab_size=97, max_seq_len=64)
     model = random_model(cfg, device="cpu", dtype=torch.float32)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     counts = []
     for n in (4, 20):
         decoder = FastDecoder(model, max_len=32, compile=False)
+        decoder.static = True
         counter = probe.SyncCounter()
         with counter.counting():
             decoder.generate([1, 2, 3], n)
         counts.append(counter.count)
-    assert counts[0] == counts[1] <= 3, counts  # the prompt's and the final copy of the tokens
+    # the prompt's and the final copy of the tokens, and the two reads of the eager prefill's cache mask (its filled
+    # length, and whether it starts at 0): as many for 20 tokens as for 4
+    assert counts[0] == counts[1] <= 4, counts
