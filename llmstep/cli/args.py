@@ -123,8 +123,10 @@ def add_attention_arg(p: argparse.ArgumentParser) -> None:
     from ..core.attention_backend import BACKENDS
 
     p.add_argument("--attention", choices=BACKENDS, default="auto",
-                   help="attention kernel: auto = PyTorch's choice; math, flash, efficient or cudnn restrict it to "
-                        "one (a kernel the device lacks is an error)")
+                   help="attention kernel: auto = PyTorch's choice (and on CUDA FlexAttention over the filled "
+                        "blocks in a compiled decode step); math, flash, efficient or cudnn restrict SDPA to one "
+                        "(a kernel the device lacks is an error); flex: FlexAttention in compiled decode steps "
+                        "on any device")
 
 
 def check_draft(draft: str, target: str | None) -> None:

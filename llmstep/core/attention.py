@@ -23,12 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from . import attention_backend
 from .config import LlamaConfig
 from .rope import apply_rope
 
-__all__ = ["Attention", "attention", "causal_mask", "sdpa", "Mask", "CAUSAL", "UNMASKED"]
+__all__ = ["Attention", "attention", "causal_mask", "sdpa", "flex_decode", "FLEX_BLOCK", "Mask", "CAUSAL", "UNMASKED"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,12 @@ class Mask:
 
     visible: torch.Tensor | None = None  # [B or 1, 1, T, S] bool; None: UNMASKED or CAUSAL
     causal: bool = False
+    last: torch.Tensor | None = None  # [B]: with one query a row, the visible keys are exactly slots 0..last[b]
 
     def __post_init__(self):
+        if self.last is not None and (self.visible is None or self.visible.shape[2] != 1):
+            raise TypeError("Mask(last=...) says which prefix of the slots one query a row sees: it needs the explicit "
+                            "mask [B, 1, 1, S] it summarises")
         v = self.visible
         if v is not None and (self.causal or not isinstance(v, torch.Tensor) or v.dtype != torch.bool or v.dim() != 4):
             raise TypeError(f"Mask(visible) takes a bool tensor [B, 1, T, S], True where a key is visible, and no "
@@ -89,12 +94,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
     - explicit, one query head per KV head: SDPA with the mask;
     - explicit with GQA: the n_rep query heads that share a KV head stacked as n_rep * T rows of that head (they
       see the same keys), so SDPA needs neither GQA broadcast nor expanded K/V; in a static step (traced for
-      torch.compile, `Llama.forward`'s flag) of one sequence on a CPU, as plain ops (`_compiled_cpu_sdpa`).
+      torch.compile, `Llama.forward`'s flag) of one sequence on a CPU, as plain ops (`_compiled_cpu_sdpa`);
+    - a static decode step (one query a row, `Mask.last` set) where `attention_backend.flex_decode` says so, and the
+      cache is whole FLEX_BLOCKs: FlexAttention over the filled blocks only (`flex_decode`).
     """
     mask = as_mask(mask)
     gqa = q.shape[1] != k.shape[1]
     if mask.visible is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, enable_gqa=gqa)
+    if mask.last is not None and static and k.shape[2] % FLEX_BLOCK == 0 and attention_backend.flex_decode(q.device):
+        return flex_decode(q, k, v, mask.last)
     if not gqa:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible)
     B, H, T, hd = q.shape
@@ -106,6 +115,29 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows)  # [B, n_kv, n_rep*T, hd]
     return out.view(B, H, T, hd)
+
+
+FLEX_BLOCK = 128  # slots per block of FlexAttention's block mask (its default block size)
+
+
+def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """One query a row over the filled slots only: q [B, n_heads, 1, hd], k/v [B, n_kv, S, hd] (S a multiple of
+    FLEX_BLOCK), last [B] the last filled slot of each row -> [B, n_heads, 1, hd], the same as SDPA with the
+    mask slots <= last. The block mask is made here from `last` (no host sync, fixed shapes: a compiled step and
+    a CUDA graph take it): the blocks before last's are fully visible, last's block is masked by position, and
+    FlexAttention never visits the blocks after it, so a step reads the tokens a row holds, not the cache."""
+    B, S = q.shape[0], k.shape[2]
+    n = S // FLEX_BLOCK
+    full = (last // FLEX_BLOCK).to(torch.int32).view(B, 1, 1)  # [B, 1, 1]: whole blocks before last's
+    blocks = torch.arange(n, dtype=torch.int32, device=q.device).view(1, 1, 1, n).expand(B, 1, 1, n)  # [B, 1, 1, n]
+    partial = (blocks + full.view(B, 1, 1, 1)) % n  # [B, 1, 1, n]: last's block first (only it is read)
+
+    def visible(b, h, q_idx, kv_idx):
+        return kv_idx <= last[b]
+
+    block_mask = BlockMask.from_kv_blocks(torch.ones_like(full), partial.contiguous(), full, blocks.contiguous(),
+                                          BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(1, S))
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _compiled_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,13 @@ silent fallback. The choice is process-wide while the block runs (a server's eng
 a compiled step traced under one choice bakes it in, and Dynamo guards on it, so a step called under another
 choice compiles again. "math" computes what `attention.attention` (the textbook formula) does, to rounding.
 
+One more name is llmstep's own, "flex": the decode step of a compiled loop (one query a sequence over a static
+cache, where the keys visible are exactly the slots filled so far) runs FlexAttention (torch.nn.attention.
+flex_attention) with a block mask built from the positions in the step itself, so the kernel visits only the
+128-slot blocks that hold tokens instead of reading every slot of the cache and masking most of them. "auto"
+takes it on CUDA (`flex_decode`), where the rest of the cache is memory a decode step would read for nothing;
+on a CPU the compiled step keeps its plain-op attention unless "flex" is asked for. Every other call is SDPA's.
+
 `describe(device)` is what a record says about it: what was asked, and on CUDA which kernels PyTorch may use.
 """
 
@@ -26,12 +33,12 @@ from collections.abc import Iterator
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["BACKENDS", "attention_backend", "check_backend", "current", "kernels", "describe"]
+__all__ = ["BACKENDS", "attention_backend", "check_backend", "current", "kernels", "flex_decode", "describe"]
 
 # The names a caller (and the --attention flag) may give, and PyTorch's kernel for each; "auto": no restriction.
 _KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-BACKENDS = ("auto", *_KERNELS)
+BACKENDS = ("auto", *_KERNELS, "flex")
 
 _chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
 
@@ -61,9 +68,15 @@ def attention_backend(name: str) -> Iterator[str]:
 
 def kernels() -> contextlib.AbstractContextManager:
     """The context the SDPA call site enters: nothing for "auto", else sdpa_kernel restricted to the chosen kernel."""
-    if _chosen == "auto":
+    if _chosen in ("auto", "flex"):
         return contextlib.nullcontext()
     return sdpa_kernel([_KERNELS[_chosen]])
+
+
+def flex_decode(device: torch.device) -> bool:
+    """Whether a static decode step on `device` attends with FlexAttention over the filled blocks: asked ("flex"),
+    or by default ("auto") on CUDA."""
+    return _chosen == "flex" or (_chosen == "auto" and device.type == "cuda")
 
 
 def describe(device: str | torch.device) -> dict:
@@ -71,7 +84,7 @@ def describe(device: str | torch.device) -> dict:
     (its global switches, torch.backends.cuda.*_sdp_enabled, narrowed to the one asked for) and which are built
     in. Which kernel did run only a profile shows (llmstep.lab.probe.attention_kernels)."""
     device = torch.device(device)
-    out: dict = {"asked": _chosen}
+    out: dict = {"asked": _chosen, "decode_step": "flex" if flex_decode(device) else "sdpa"}
     if device.type == "cuda":
         enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
                    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),

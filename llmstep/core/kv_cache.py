@@ -95,12 +95,15 @@ class KVCache(Cache):
         """What queries at positions [B, T] attend over: (mask, kv_len), the mask as cheap as it can be
         (`attention.sdpa`), kv_len the slots to read (None: all of them).
 
-        Static: every slot, the mask hiding the unwritten ones. Otherwise the filled slots only; one sequence
+        Static: every slot, the mask hiding the unwritten ones (with one query a row, also the last slot it
+        sees: FlexAttention's decode reads only the blocks up to it, `attention_backend`). Otherwise the filled
+        slots only; one sequence
         decoding one token sees all of them (UNMASKED), one sequence's prefill into an empty cache sees exactly
         its own tokens (CAUSAL), anything else gets an explicit mask [B, 1, T, kv_len]."""
         B, T = positions.shape
-        if static:
-            return Mask(causal_mask(positions, torch.arange(self.max_len, device=positions.device))), None
+        if static:  # one query a row sees slots 0..its position: `last` lets attention skip the rest (sdpa)
+            visible = causal_mask(positions, torch.arange(self.max_len, device=positions.device))
+            return Mask(visible, last=positions[:, 0] if T == 1 else None), None
         kv_len = int(positions.max()) + 1
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is past the KV cache's {self.max_len} slots")

@@ -19,9 +19,9 @@ def test_bench_records_the_backend_asked_for_and_runs_under_it(monkeypatch):
     real = attention_backend.kernels
     monkeypatch.setattr(attention_backend, "kernels", lambda: seen.append(attention_backend.current()) or real())
     record = cli.main([*TINY_BENCH, "--attention", "math"])
-    assert record["attention"] == {"asked": "math"}
+    assert record["attention"] == {"asked": "math", "decode_step": "sdpa"}
     assert seen and set(seen) == {"math"}  # every attention call of the run
-    assert cli.main(TINY_BENCH)["attention"] == {"asked": "auto"} and attention_backend.current() == "auto"
+    assert cli.main(TINY_BENCH)["attention"] == {"asked": "auto", "decode_step": "sdpa"} and attention_backend.current() == "auto"
 
 
 def test_a_kernel_the_cpu_lacks_is_bad_input_named_by_its_flag(capsys):

@@ -84,10 +84,10 @@ def test_the_profile_shows_which_kernel_ran(model):
 
 
 def test_records_say_which_backend_was_asked_for(model):
-    assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "auto"}
+    assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "auto", "decode_step": "sdpa"}
     with attention_backend("math"):
-        assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "math"}
-        assert trace_step(model, context=4, repeats=1).attention == {"asked": "math"}
+        assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "math", "decode_step": "sdpa"}
+        assert trace_step(model, context=4, repeats=1).attention == {"asked": "math", "decode_step": "sdpa"}
 
 
 def test_on_cuda_the_record_lists_the_kernels_pytorch_may_pick(monkeypatch):

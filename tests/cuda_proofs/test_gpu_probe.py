@@ -62,7 +62,7 @@ def test_every_decode_record_explains_itself(dry_run):
         assert "fail_on_recompile" in r["recompile_guard"] and "sm_clock_mhz_after" in r
         assert r["one_step"]["kernels_per_step"] > 0 and {"gpu_busy_us_per_step", "idle_share"} <= set(r["one_step"])
         assert r["teacher_forced"]["agreement"] == 1.0 and r["teacher_forced"]["positions"] == r["tokens"]
-        assert r["attention"] == {"asked": "math"}, r["phase"]  # the child processes' phases too
+        assert r["attention"] == {"asked": "math", "decode_step": "sdpa"}, r["phase"]  # the child processes' phases too
         assert set(r["one_step"]["attention_kernels"]) == {"math"}  # the profile's: the dry run is eager
     machine = rows[0]
     assert {"torch", "cuda", "cudnn", "triton", "nvidia_smi"} <= set(machine["gpu"])
