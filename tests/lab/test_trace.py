@@ -101,8 +101,14 @@ def test_plot_trace_draws_one_bar_pair_per_stage(model):
     assert len(ax.patches) == 2 * len(STAGES)
 
 
-def test_traced_step_takes_about_as_long_as_an_ordinary_step(model):
-    t = trace_step(model, context=8, repeats=3)
-    # the marks add some overhead; a trace that forked the forward or doubled the work would be far off
-    assert t.traced_seconds < 10 * t.step_seconds + 0.05
-    assert t.step_seconds < 10 * t.traced_seconds + 0.05
+def test_a_traced_step_runs_the_forward_once_per_repeat_like_an_ordinary_step(model):
+    """The marks wrap the ordinary forward: a trace that forked the forward or doubled the work would run it more
+    often. Counted, not timed (a timing bound fails on a loaded machine)."""
+    tokens = []
+    handle = model.register_forward_pre_hook(lambda m, args, kwargs: tokens.append(args[0].shape[1]),
+                                             with_kwargs=True)
+    try:
+        trace_step(model, context=8, repeats=3)
+    finally:
+        handle.remove()
+    assert tokens == [8] + [1] * (1 + 3) + [1] * 3  # the prefill, warm-up + 3 ordinary steps, 3 traced steps
