@@ -119,7 +119,7 @@ def test_every_bad_value_of_every_option_of_every_command_is_one_line_and_exit_s
         checked += 1
     assert not failures, f"{len(failures)} of {checked} cases:\n" + "\n".join(failures)
     assert checked > 300  # the table covers every command's options
-    assert time.perf_counter() - start < 30
+    assert time.perf_counter() - start < 90  # no case does the work it was refused (loose: a loaded machine)
 
 
 def test_the_error_names_the_option_and_comes_before_anything_is_printed(tmp_path, tripwires, capsys):

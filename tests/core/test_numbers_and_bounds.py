@@ -152,7 +152,7 @@ def test_absurd_sizes_are_refused_at_once(ckpt, change, message):
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=message):
         llmstep.load(ckpt)
-    assert time.perf_counter() - start < 2  # was 27 s and 4 GB for a million layers
+    assert time.perf_counter() - start < 10  # was 27 s and 4 GB for a million layers (bound loose: a loaded machine)
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_any_weight_is_read(ckpt, monkeypatch):
