@@ -60,7 +60,7 @@ def bases(tmp_path):
             ("data", "tokenizer"): ["data", "tokenizer", "--out", str(tmp_path / "tok.json")],
             ("data", "checksums"): ["data", "checksums", str(tmp_path)], ("pull",): ["pull"],
             ("models",): ["models"], ("serve",): ["serve", "--port", "0"],
-            ("bench-serve",): ["bench-serve", "--url", "http://127.0.0.1:9"]}
+            ("bench-serve",): ["bench-serve", "--url", "http://127.0.0.1:9"], ("profile",): ["profile"]}
 
 
 def subparsers(parser: argparse.ArgumentParser, path=()):
