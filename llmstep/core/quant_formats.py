@@ -6,7 +6,7 @@
   PyTorch's tinygemm kernels): w ~= (q - 8) * scale + zero, q in [0, 15], scale = (max - min) / 15,
   zero = min + 8 * scale. Error at most scale / 2 per element of the group. Two q values share one
   byte: even input index in the high nibble, odd in the low one (the layout
-  torch._convert_weight_to_int4pack reads on CUDA, and the one a checkpoint holds).
+  tinygemm's packing reads on CUDA, `torch_compat.int4_pack_cuda`, and the one a checkpoint holds).
 
 `QuantConfig` names a format (a checkpoint records it); the layers that compute with them are in
 llmstep.core.quantize.
