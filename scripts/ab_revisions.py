@@ -52,13 +52,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--only", default="", help="only the benchmarks whose name contains this, e.g. paged")
     a = p.parse_args()
+    benches = {name: bench for name, bench in BENCHES.items() if a.only in name}
     sides = {"before": a.before.resolve(), "after": a.after.resolve()}
-    figures = {name: {"before": [], "after": []} for name in BENCHES}
-    same_tokens = {name: True for name in BENCHES}
+    figures = {name: {"before": [], "after": []} for name in benches}
+    same_tokens = {name: True for name in benches}
     for i in range(a.rounds):
         order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
-        for name, (args, read) in BENCHES.items():
+        for name, (args, read) in benches.items():
             tokens = {}
             for side in order:
                 value, tokens[side] = read(run(sides[side], args, a.threads))
