@@ -106,10 +106,10 @@ def test_the_model_decodes_the_same_logits_and_tokens_through_flex():
 def test_the_compiled_decode_step_with_flex_traces_whole_and_keeps_the_tokens_as_its_cache_grows():
     """FastDecoder compiles its step with fullgraph=True: a graph break in the FlexAttention path would raise. The
     second request outgrows the first cache (256 -> 512 slots): the block mask follows the new size."""
-    import llmstep
-
-    model, _ = llmstep.load("target", device="cpu", dtype="float32")
-    short, long = list(range(1, 40)), list(range(3, 300))
+    config = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=300,
+                         max_seq_len=512)
+    model = random_model(config, device="cpu", dtype=torch.float32, std=0.5)  # one layer: a short compile
+    short, long = list(range(1, 40)), [t % 300 for t in range(3, 300)]
     refs = [FastDecoder(model, compile=False).generate(p, n, temperature=0, stop_ids=[]).tokens
             for p, n in ((short, 20), (long, 20))]
     with attention_backend("flex"):
