@@ -27,3 +27,21 @@ def test_the_header_says_each_thing_once(path):
 def test_the_outputs_come_from_one_run_top_to_bottom(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert [c["execution_count"] for c in cells] == list(range(1, len(cells) + 1))
+
+
+# 10's header still carries the stray line; its owner fixes it in another branch (session 10, issue 28). strict: once
+# it is fixed this xfail fails, and the mark must go.
+_STRAY_HEADER_LINE = {"10_kv_cache_wall.ipynb"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="stray header line"))
+                                  if p.name in _STRAY_HEADER_LINE else p for p in NOTEBOOKS], ids=lambda p: p.name)
+def test_the_header_fields_leave_no_stray_fragment(path):
+    """The paragraph of the three fields balances its brackets and ends with the **Runs in:** line: a fragment left by
+    an edit, e.g. the tail of an older "Runs in" after the new one, shows as an unmatched ")" or a line after it."""
+    text = "".join(json.loads(path.read_text())["cells"][0]["source"])
+    fields = next(p for p in text.split("\n\n") if p.startswith(FIELDS[0]))
+    assert fields.count("(") == fields.count(")"), fields
+    lines = fields.split("\n")
+    for before, line in zip(lines, lines[1:]):
+        assert line.startswith(FIELDS) or not before.startswith(FIELDS[-1]), f"{path.name}: stray line {line!r}"
