@@ -37,11 +37,14 @@ _STRAY_HEADER_LINE = {"10_kv_cache_wall.ipynb"}
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="stray header line"))
                                   if p.name in _STRAY_HEADER_LINE else p for p in NOTEBOOKS], ids=lambda p: p.name)
 def test_the_header_fields_leave_no_stray_fragment(path):
-    """The paragraph of the three fields balances its brackets and ends with the **Runs in:** line: a fragment left by
-    an edit, e.g. the tail of an older "Runs in" after the new one, shows as an unmatched ")" or a line after it."""
+    """From **You will learn:** to the end of the **Runs in:** paragraph the brackets balance, and no line that ends
+    a sentence is followed by one that starts in lower case: a fragment left by an edit, e.g. the tail of an older
+    "Runs in" after the new one, shows as an unmatched ")" or as a sentence that starts mid-way."""
     text = "".join(json.loads(path.read_text())["cells"][0]["source"])
-    fields = next(p for p in text.split("\n\n") if p.startswith(FIELDS[0]))
-    assert fields.count("(") == fields.count(")"), fields
+    start, runs = text.index(FIELDS[0]), text.index(FIELDS[-1])
+    end = text.find("\n\n", runs)
+    fields = text[start:] if end < 0 else text[start:end]
+    assert fields.count("(") == fields.count(")"), f"{path.name}: unbalanced brackets in {fields!r}"
     lines = fields.split("\n")
-    for before, line in zip(lines, lines[1:]):
-        assert line.startswith(FIELDS) or not before.startswith(FIELDS[-1]), f"{path.name}: stray line {line!r}"
+    for before, line in zip(lines[:-1], lines[1:], strict=True):
+        assert not (before.rstrip().endswith((".", ".)")) and line[:1].islower()), f"{path.name}: stray line {line!r}"
