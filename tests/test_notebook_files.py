@@ -27,3 +27,24 @@ def test_the_header_says_each_thing_once(path):
 def test_the_outputs_come_from_one_run_top_to_bottom(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert [c["execution_count"] for c in cells] == list(range(1, len(cells) + 1))
+
+
+# 10's header still carries the stray line; its owner fixes it in another branch (session 10, issue 28). strict: once
+# it is fixed this xfail fails, and the mark must go.
+_STRAY_HEADER_LINE = {"10_kv_cache_wall.ipynb"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="stray header line"))
+                                  if p.name in _STRAY_HEADER_LINE else p for p in NOTEBOOKS], ids=lambda p: p.name)
+def test_the_header_fields_leave_no_stray_fragment(path):
+    """From **You will learn:** to the end of the **Runs in:** paragraph the brackets balance, and no line that ends
+    a sentence is followed by one that starts in lower case: a fragment left by an edit, e.g. the tail of an older
+    "Runs in" after the new one, shows as an unmatched ")" or as a sentence that starts mid-way."""
+    text = "".join(json.loads(path.read_text())["cells"][0]["source"])
+    start, runs = text.index(FIELDS[0]), text.index(FIELDS[-1])
+    end = text.find("\n\n", runs)
+    fields = text[start:] if end < 0 else text[start:end]
+    assert fields.count("(") == fields.count(")"), f"{path.name}: unbalanced brackets in {fields!r}"
+    lines = fields.split("\n")
+    for before, line in zip(lines[:-1], lines[1:], strict=True):
+        assert not (before.rstrip().endswith((".", ".)")) and line[:1].islower()), f"{path.name}: stray line {line!r}"
