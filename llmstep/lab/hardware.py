@@ -57,13 +57,17 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | No
 
 
 def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-                   n: int | None = None, repeats: int = 3) -> float:
+                   n: int | None = None, repeats: int = 3, shape: tuple[int, int, int] | None = None) -> float:
     """Matrix-multiply throughput in TFLOP/s: an [n x n] @ [n x n] product is 2 n^3 FLOPs.
 
     dtype None: float32 on the CPU (bf16/fp16 matmuls there are often emulated and slow), bfloat16 on
     a CUDA GPU that has it (else float16), float16 on MPS. The default n (2048 on a CPU, 8192 on a
     GPU) is large enough to keep the math units busy: this is the compute ceiling. The fastest of `repeats`
     runs counts, after one warm-up (as for measure_bandwidth).
+    shape (m, k, n'): time [m x k] @ [k x n'] instead (2 m k n' FLOPs), laid out as nn.Linear multiplies, the
+    input by a transposed [n' x k] weight: the roof of a roofline whose points are products of that shape and
+    dtype. A roof measured on another shape can sit below such points: the matmul library picks its kernel
+    and blocking by shape, so one square product is not every product's ceiling.
     """
     dev = resolve_device(device)
     if dtype is None:
@@ -73,11 +77,24 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
             dtype = torch.float16 if dev.type == "mps" else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    check_int(repeats, "repeats", low=1)
+    g = torch.Generator(device=dev).manual_seed(0)
+    if shape is not None:
+        if n is not None:
+            raise ValueError(f"measure_matmul: give n (a square product) or shape, not both (n={n}, shape={shape})")
+        if not isinstance(shape, tuple) or len(shape) != 3:
+            raise ValueError(f"measure_matmul: shape must be a tuple (m, k, n), got {shape!r}")
+        for name, value in zip(("m", "k", "n"), shape, strict=True):
+            check_int(value, f"shape's {name}", low=1)
+        rows, inner, cols = shape
+        x = torch.randn(rows, inner, device=dev, dtype=dtype, generator=g)  # [m, k]: the input rows
+        w = torch.randn(cols, inner, device=dev, dtype=dtype, generator=g)  # [n, k]: a weight, as nn.Linear holds it
+        out = torch.empty(rows, cols, device=dev, dtype=dtype)  # [m, n]
+        seconds = min(time_repeats(lambda: torch.matmul(x, w.T, out=out), dev, repeats))
+        return 2 * rows * inner * cols / seconds / 1e12
     if n is None:
         n = 8192 if dev.type == "cuda" else 2048
     check_int(n, "n", low=1)
-    check_int(repeats, "repeats", low=1)
-    g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     c = torch.empty(n, n, device=dev, dtype=dtype)

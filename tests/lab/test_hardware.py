@@ -115,3 +115,27 @@ def test_roofline_is_the_lower_of_the_two_ceilings():
     assert attainable_tflops(chip, 1e4) == chip.tensor_tflops
     with pytest.raises(ValueError, match="intensity"):
         attainable_tflops(chip, 0)
+
+
+def test_matmul_of_a_given_shape_is_timed_as_nn_linear_multiplies_and_counts_its_own_flops(monkeypatch):
+    # A roofline's compute roof is measured on its points' shape ([T x d] @ [d x n], the weight transposed as
+    # nn.Linear holds it): 2 T d n FLOPs over the fastest run, not a square product's 2 n^3.
+    from llmstep.lab import hardware
+
+    timed = []
+
+    def fake_time_repeats(fn, device, repeats):
+        timed.append(fn())  # the product each timed run makes
+        return [0.5, 0.25, 0.75][:repeats]
+
+    monkeypatch.setattr(hardware, "time_repeats", fake_time_repeats)
+    tflops = measure_matmul("cpu", torch.float32, repeats=3, shape=(4, 8, 16))
+    assert tflops == 2 * 4 * 8 * 16 / 0.25 / 1e12  # the fastest of the runs counts
+    assert timed[0].shape == (4, 16)  # [m, k] @ [k, n] -> [m, n]
+    assert measure_matmul("cpu", torch.float32, n=8, repeats=2) == 2 * 8**3 / 0.25 / 1e12  # the square, as before
+    with pytest.raises(ValueError, match="not both"):
+        measure_matmul("cpu", n=8, shape=(4, 8, 16))
+    with pytest.raises(ValueError, match="shape's k"):
+        measure_matmul("cpu", shape=(4, 0, 16))
+    with pytest.raises(ValueError, match="tuple"):
+        measure_matmul("cpu", shape=(4, 8))
