@@ -13,7 +13,7 @@ sampling explorer does.
     attention_explorer     layer and head: who attends to whom in a prompt (03)
     quant_explorer         bits and group size: error against bytes per weight (07)
     speculative_explorer   acceptance, k, cost ratio: the expected speedup (08)
-    batching_explorer      slots, arrival rate, policy: the slots over time (09)
+    batching_explorer      slots, arrival rate, policy: the slots and the queue over time (09)
     journey_explorer       one decode step, stage by stage: shapes, bytes and time (05)
 """
 
@@ -303,12 +303,15 @@ def speculative_explorer(acceptance: float = 0.7, cost_ratio: float = 0.1, fallb
 # ---- batching (09) -----------------------------------------------------------------------------------
 
 def draw_batching(n_slots: int, arrival_rate: float, policy: str, n_requests: int = 24, seed: int = 0):
+    """The slots' timeline and, below it, the queue (requests waiting for a slot) over the same engine steps."""
     run = explore.simulate_batching(n_slots, arrival_rate, n_requests, policy, seed)
     s = run.summary()
-    return pictures.plot_batching_slots(run), (
+    waited = [c.queued_steps for c in run.completions]
+    return pictures.plot_batching_slots(run, queue=True), (
         f"{policy}, {n_slots} slots, {arrival_rate:g} requests per step: {s['engine_steps']} steps for "
         f"{s['tokens']} tokens, slots busy {s['slot_utilisation']:.0%}, latency {s['mean_latency_steps']:.1f} "
-        f"steps on average (at most {s['max_latency_steps']})")
+        f"steps on average (at most {s['max_latency_steps']}); queue at most {max(run.queued)} waiting, "
+        f"{sum(waited) / len(waited):.1f} steps waited on average")
 
 
 def batching_explorer(fallback: bool = True):

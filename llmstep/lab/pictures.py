@@ -9,7 +9,7 @@ from its `BatchRun.timeline`. Change the config and the picture changes with it.
     plot_gqa(config)               which query heads share which key/value head
     plot_cache_growth(config, ...) the KV cache over one generation: prefill, then a token's worth per step
     plot_speculative_rounds(run)   each round's accepted, rejected, discarded and bonus tokens
-    plot_batching_slots(run)       which request sat in which slot at every engine step
+    plot_batching_slots(run)       which request sat in which slot at every engine step (and the queue)
 """
 
 from __future__ import annotations
@@ -244,18 +244,27 @@ def plot_speculative_rounds(run: Rounds, tokens: list[str] | None = None, max_ro
     return fig
 
 
-def plot_batching_slots(run: BatchRun, max_steps: int | None = None):
+def plot_batching_slots(run: BatchRun, max_steps: int | None = None, queue: bool = False):
     """Slots (rows) over engine steps (columns), each cell coloured by the request decoding in it (white: a free
-    slot); a dot marks a prompt's prefill. From the run's own record: BatchRun.timeline and .prefills."""
+    slot); a dot marks a prompt's prefill. queue: below it, on the same step axis, the requests that have arrived
+    and wait for a slot at each step (after its admissions). From the run's own record: BatchRun.timeline,
+    .prefills and .queued."""
     import matplotlib.pyplot as plt
     import numpy as np
 
     steps = run.steps if max_steps is None else min(run.steps, max_steps)
     if not steps:
         raise ValueError("the run has no engine steps to draw")
+    if queue and len(run.queued) < steps:
+        raise ValueError(f"the run records the queue for {len(run.queued)} of its {steps} steps: no queue to draw")
     grid = np.array(run.timeline[:steps], dtype=float).T  # [slots, steps]: request id, -1 free
     grid[grid < 0] = np.nan
-    fig, ax = plt.subplots(figsize=(min(14, 2 + 0.18 * steps), 0.45 * run.n_slots + 1.4))
+    width, height = min(14, 2 + 0.18 * steps), 0.45 * run.n_slots + 1.4
+    if queue:
+        fig, (ax, qax) = plt.subplots(2, 1, figsize=(width, height + 1.6), sharex=True,
+                                      gridspec_kw={"height_ratios": [max(1.0, 0.45 * run.n_slots), 1.2]})
+    else:
+        fig, ax = plt.subplots(figsize=(width, height))
     cmap = plt.get_cmap("tab20").with_extremes(bad="white")
     ax.imshow(np.mod(grid, 20), cmap=cmap, vmin=0, vmax=19, aspect="auto", interpolation="nearest")
     for step, slot, rid in run.prefills:
@@ -266,5 +275,12 @@ def plot_batching_slots(run: BatchRun, max_steps: int | None = None):
     ax.set_xlabel("engine step (dot: a request's prompt prefilled into the slot)")
     ax.set_title(f"{run.policy} batching, {run.n_slots} slots, {len(run.completions)} requests: "
                  f"{run.steps} steps, slots busy {run.slot_utilisation:.0%}", fontsize=10)
+    if queue:
+        waiting = run.queued[:steps]
+        qax.step(range(steps), waiting, where="mid", color="tab:red")
+        qax.fill_between(range(steps), waiting, step="mid", color="tab:red", alpha=0.3)
+        qax.set(xlabel="engine step", ylabel="waiting", ylim=(0, max(1, max(waiting)) * 1.15))
+        qax.set_title(f"the queue: requests arrived and waiting for a slot (at most {max(waiting)})", fontsize=9)
+        qax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -238,6 +238,28 @@ def test_every_explorer_renders_and_answers_its_controls(lab):
     assert check_widgets(lab, "explorers.ipynb", expected=n) == []
 
 
+
+def test_the_batching_explorer_draws_the_queue_and_redraws_it(lab):
+    """The queue view in a browser: the explorer's summary and figure show the queue beside the slots, and one
+    step of the slots slider redraws both for the new number of slots."""
+    (lab[2] / "queue.ipynb").write_text(json.dumps(notebook(["from llmstep.lab import explorers",
+                                                             "explorers.batching_explorer(fallback=False)"])))
+    context = lab[3].new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    text = """() => document.querySelector('[data-test-widget="0"] .widget-output').innerText"""
+    try:
+        assert open_and_run(page, lab, "queue.ipynb") == 1
+        page.wait_for_function("""() => document.querySelector('[data-test-widget="0"] .widget-output img')""",
+                               timeout=CHANGE_S * 1000)
+        before = page.evaluate(text)
+        assert "4 slots" in before and "queue at most" in before
+        assert move_a_control(page, 0) == "slider"  # the first slider: slots, 4 -> 5
+        page.wait_for_function(f"() => ({text})().includes('5 slots')", timeout=CHANGE_S * 1000)
+        assert "queue at most" in page.evaluate(text)
+    finally:
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+        context.close()
+
 def widgets_made(path: Path) -> int:
     """How many widgets with an output area the notebook's code makes: its calls of an explorer (any callee whose
     name ends in "explorer") and of ipywidgets' `interactive`, read from each cell's syntax tree (so not in comments

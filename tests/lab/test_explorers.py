@@ -180,6 +180,21 @@ def test_the_batching_simulation_is_the_schedulers_and_repeatable():
         explore.simulate_batching(3, 1.0, policy="fifo")
 
 
+
+def test_the_batching_explorer_shows_the_queue_the_scheduler_recorded():
+    """Beside the slots, the queue: requests waiting at each engine step, read from the run's own record."""
+    run = explore.simulate_batching(2, 1.0, n_requests=12, seed=1)
+    fig, text = explorers.draw_batching(2, 1.0, "continuous", n_requests=12, seed=1)
+    slots, queue = fig.axes
+    assert slots.images[0].get_array().shape == (2, run.steps)  # the slots' timeline above
+    assert list(queue.lines[0].get_ydata()) == run.queued  # the queue below, step by step
+    assert max(run.queued) > 0 and f"queue at most {max(run.queued)} waiting" in text  # 12 requests, 2 slots: a queue
+    waited = [c.queued_steps for c in run.completions]
+    assert f"{sum(waited) / len(waited):.1f} steps waited on average" in text
+    idle = explore.simulate_batching(16, 0.1, n_requests=6, seed=1)  # more slots than requests: nobody waits
+    _, text = explorers.draw_batching(16, 0.1, "continuous", n_requests=6, seed=1)
+    assert max(idle.queued) == 0 and "queue at most 0 waiting" in text
+
 # ---- the widgets, without a browser ---------------------------------------------------------------------
 
 def summary(box) -> str:

@@ -134,3 +134,20 @@ def test_the_slots_picture_is_the_runs_timeline():
     assert (image.mask == (expected < 0).numpy()).all()
     assert (image.data[~image.mask] == expected[expected >= 0].numpy()).all()
     assert len([line for line in fig.axes[0].lines if line.get_marker() == "."]) == len(s.run.prefills)
+
+
+def test_the_queue_under_the_slots_is_the_runs_record():
+    jobs = [Job(Completion(id=i, prompt_ids=[1] * 3, arrival=0), budget(3, n, 48), set()) for i, n in
+            enumerate((2, 5, 3, 1, 4))]
+    s = Scheduler(jobs, 2, "continuous")
+    s.dry_run(7)
+    fig = pictures.plot_batching_slots(s.run, queue=True)
+    slots, queue = fig.axes
+    assert slots.images[0].get_array().shape == (2, s.run.steps)
+    # step 0: 0 and 1 admitted, 3 wait; 1: 0 done, 2 admitted, 2 wait; 2: both slots busy, 2 wait; 3: 1 done and 3
+    # done at its prefill, 4 admitted: none wait
+    assert list(queue.lines[0].get_ydata()) == s.run.queued == [3, 2, 2, 0, 0, 0]
+    assert len(pictures.plot_batching_slots(s.run).axes) == 1  # without queue=: the slots alone
+    s.run.queued.clear()
+    with pytest.raises(ValueError, match="queue"):
+        pictures.plot_batching_slots(s.run, queue=True)
