@@ -31,11 +31,7 @@ def test_the_outputs_come_from_one_run_top_to_bottom(path):
 
 # 10's header still carries the stray line; its owner fixes it in another branch (session 10, issue 28). strict: once
 # it is fixed this xfail fails, and the mark must go.
-_STRAY_HEADER_LINE = {"10_kv_cache_wall.ipynb"}
-
-
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="stray header line"))
-                                  if p.name in _STRAY_HEADER_LINE else p for p in NOTEBOOKS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_the_header_fields_leave_no_stray_fragment(path):
     """From **You will learn:** to the end of the **Runs in:** paragraph the brackets balance, and no line that ends
     a sentence is followed by one that starts in lower case: a fragment left by an edit, e.g. the tail of an older
