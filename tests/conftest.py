@@ -103,6 +103,15 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_file):
 
 
 @pytest.fixture(scope="session")
+def one_layer_checkpoint(tmp_path_factory, tokenizer_file):
+    """tiny_checkpoint with one block: for the compiled-step tests, which are about the loop around the block (a
+    torch.compile on the CPU takes time in proportion to the graph, and a second block adds nothing they check)."""
+    path = tmp_path_factory.mktemp("tiny-1-layer")
+    make_checkpoint(path, tokenizer_file, num_hidden_layers=1, rope_parameters=LLAMA3_SCALING)
+    return path
+
+
+@pytest.fixture(scope="session")
 def sample_text() -> str:
     return TEXT
 

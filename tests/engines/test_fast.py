@@ -23,6 +23,13 @@ def tiny(tiny_checkpoint):
     return llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def one_layer(one_layer_checkpoint):
+    """The compiled-step tests' model: what they prove is about the loop around a block (the static cache, the
+    sampling inside the step, the frozen weights), which one block shows; each compile is about half as long."""
+    return llmstep.load(one_layer_checkpoint, device="cpu", dtype=torch.float32)
+
+
 def test_greedy_tokens_equal_the_eager_generate_loop(tiny):
     model, tok = tiny
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=40, temperature=0, stop_ids=[])
@@ -112,8 +119,8 @@ def test_a_decoder_sized_per_request_uses_the_one_sizing_rule(tiny):
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
                     "set LLMSTEP_SLOW_TESTS=1")
-def test_compiled_step_gives_the_eager_tokens(tiny):
-    model, tok = tiny
+def test_compiled_step_gives_the_eager_tokens(one_layer):
+    model, tok = one_layer
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0, stop_ids=[])
     decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
     assert decoder.generate(PROMPT, 24, **GREEDY).tokens == eager.tokens
@@ -143,9 +150,9 @@ def test_compiled_step_gives_the_eager_tokens(tiny):
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
                     "set LLMSTEP_SLOW_TESTS=1")
 @pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_compiled_quantized_step_gives_its_eager_tokens(tiny, quant):
+def test_compiled_quantized_step_gives_its_eager_tokens(one_layer, quant):
     """Frozen weights, concatenated matmuls, fused dequantisation: still the function the eager model computes."""
-    model, _ = tiny
+    model, _ = one_layer
     qmodel = quantize(model, QuantConfig(quant, 16 if quant == "int4" else None), inplace=False)
     eager = FastDecoder(qmodel, max_len=len(PROMPT) + 24, compile=False)
     compiled = FastDecoder(qmodel, max_len=len(PROMPT) + 24, compile=True)
