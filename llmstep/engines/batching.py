@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
-from .compile import Step, tunes_matmuls
 from .decoding import budget, check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
@@ -60,7 +59,7 @@ from .request import MAX_ARRIVAL_STEP, Checked, Request
 from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
+           "paged_step", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
 
 
 class BatchRunner(Engine):
@@ -77,8 +76,8 @@ class BatchRunner(Engine):
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
         check_int(n_slots, "n_slots", low=1)
-        self.n_slots, self._compile, self._mode, self.cache = n_slots, compile, mode, None
-        self._allocate(self._own(model, max_len, low=1))  # 1: a step at position 0
+        self.n_slots, self.cache = n_slots, None
+        self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))  # 1: a step at position 0
 
     def _allocate(self, max_len: int) -> None:
         """A cache of max_len positions per row holding what the old one held (its rows' keys, values, lengths),
@@ -89,11 +88,7 @@ class BatchRunner(Engine):
                 new[:, :, :old.shape[2]].copy_(old)  # [S, n_kv, old max_len, hd]
             cache.lengths.copy_(self.cache.lengths)
         self.max_len, self.cache = max_len, cache
-        self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
-                          tune_matmuls=tunes_matmuls(self.model))
-        self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
-        self.static = self.compiled  # the step's forward mode (`Engine.static`)
-        self._warm.clear()  # the new step has not run
+        self._step = self._step_of(self._decode_step, self.cache.buffers)
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
@@ -145,16 +140,12 @@ class ContinuousBatcher(Engine):
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
-        first_len = self._own(model, max_len, low=1)
-        self._compile, self._mode = compile, mode
-        self._use_runner(BatchRunner(model, n_slots, first_len, compile, mode))
+        self.n_slots = n_slots  # checked by the runner
+        self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))
 
-    def _use_runner(self, runner: BatchRunner) -> None:
-        self.runner, self.n_slots, self.max_len = runner, runner.n_slots, runner.max_len
-        self.cache, self.compiled, self.cuda_graphs = runner.cache, runner.compiled, runner.cuda_graphs
-
-    def _allocate(self, max_len: int) -> None:  # a new, longer cache (and step) before any work
-        self._use_runner(BatchRunner(self.model, self.n_slots, max_len, self._compile, self._mode))
+    def _allocate(self, max_len: int) -> None:  # a new runner, with a longer cache, before any work
+        self.runner = BatchRunner(self.model, self.n_slots, max_len, self._compile, self._mode)
+        self.max_len, self.cache = max_len, self.runner.cache
 
     def warmup(self) -> float:
         seconds = self.runner.warmup()
@@ -229,6 +220,25 @@ class PagedRunner:
         return self.model(tokens, positions, self.cache, keep=keep)[0].float()
 
 
+def paged_step(scheduler: BlockScheduler, runner: PagedRunner,
+               draw: Callable[[torch.Tensor, list[Job]], list[int]]) -> list[Job]:
+    """One engine step over a paged cache, `PagedBatcher.run`'s and `PagedSession.step`'s: the scheduler's work,
+    the runner's one forward, a token for each sequence that samples (`draw(logits [K, vocab], their jobs)`,
+    one wait for the device), recorded by the scheduler. Returns those jobs: each one's new token is its last."""
+    synchronize(runner.device)
+    scheduler.begin_step()
+    work = scheduler.schedule()
+    if not work and scheduler.queue and not scheduler.running:  # each request fits the pool alone
+        raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
+    sampled = [s.job for s in work if s.samples]  # none when every chunk is a prompt's middle
+    if work:
+        logits = runner.forward(work)  # [K, vocab]
+        scheduler.update(work, draw(logits, sampled) if sampled else [])
+    synchronize(runner.device)
+    scheduler.end_step()
+    return sampled
+
+
 def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **pool) -> None:
     """A paged engine's options, each refused by its name; pool: the pool's size by its name (None: sized later)."""
     check_int(n_slots, "n_slots", low=1)
@@ -287,20 +297,10 @@ class PagedBatcher(Engine):
 
     @torch.inference_mode()
     def _run(self, requests: Sequence[Checked], scheduler: BlockScheduler) -> BatchRun:
-        device, rows = self.device, Rows(requests, self.device)
+        rows = Rows(requests, self.device)
         start = time.perf_counter()
         while not scheduler.done:
-            synchronize(device)
-            scheduler.begin_step()
-            work = scheduler.schedule()
-            if not work and scheduler.queue and not scheduler.running:  # each request fits the pool alone
-                raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
-            if work:
-                logits = self.runner.forward(work)  # [K, vocab]
-                sampled = [s.job.id for s in work if s.samples]  # none when every chunk is a prompt's middle
-                scheduler.update(work, rows.draw(logits, sampled) if sampled else [])
-            synchronize(device)
-            scheduler.end_step()
+            paged_step(scheduler, self.runner, lambda logits, jobs: rows.draw(logits, [j.id for j in jobs]))
         run = scheduler.run
         run.seconds = time.perf_counter() - start
         run.kv_stats["kv_bytes"] = self.runner.cache.nbytes

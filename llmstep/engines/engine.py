@@ -18,7 +18,7 @@ from ..core import attention_backend
 from ..core.checks import check_max_len
 from ..core.cost import MemoryBudgetError
 from ..core.sampling import sample
-from .compile import warm_up
+from .compile import Step, compile_options, compiles, tunes_matmuls, uses_cuda_graphs, warm_up
 from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_bucket, cache_len
 from .request import Checked, Request, check_request
 
@@ -26,28 +26,38 @@ __all__ = ["Engine", "Rows"]
 
 
 class Engine:
-    """The base of an engine that owns its cache(s). A subclass calls `_own` in its __init__, and gives
-    `_allocate(max_len)` (a new cache of max_len slots per sequence) when it sizes its cache per request."""
+    """The base of an engine that owns its cache(s). A subclass calls `_own` in its __init__, makes its steps with
+    `_step_of`, and gives `_allocate(max_len)` (a new cache of max_len slots per sequence, and its steps) when it
+    sizes its cache per request."""
 
     room = "the model's context"  # what the positions a sequence may fill are, when sized per request
     fixed_room = "the cache it may fill"  # and when the cache is fixed
-    compiled = False
-    static = False  # the steps' Llama.forward(static=...): set with `compiled` (a compiled step needs fixed shapes)
 
     def _own(self, model: torch.nn.Module, max_len: int | None, limit: int | None = None, reserve: int = 0,
-             low: int = 2) -> int:
+             low: int = 2, compile: bool | None = False, mode: str | None = None) -> int:
         """Set up the shared state; returns the cache's first size. max_len: the slots per sequence, fixed (checked
         in low .. limit), or None: sized for each request. limit: the context (default the model's). reserve:
-        slots a run writes past its last token (a speculative round's k)."""
+        slots a run writes past its last token (a speculative round's k). compile, mode: the steps' (`Step`)."""
         self.model, self.device = model, model.device
         self.limit = model.config.max_seq_len if limit is None else limit
         self.reserve, self.sized_per_request = reserve, max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this engine's only one
         self._warm: set = set()  # (step kind, attention backend) run (eager too) before any timing
         self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warm-up)
-        if max_len is None:
-            return cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
-        return check_max_len(max_len, self.limit, low=low)
+        first = (cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
+                 if max_len is None else check_max_len(max_len, self.limit, low=low))
+        if mode is not None:
+            compile_options(self.device, mode)  # an unknown mode is refused whether or not the steps compile
+        self._compile, self._mode, self.compiled = compile, mode, compiles(self.device, compile)
+        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
+        self.static = self.compiled  # the steps' Llama.forward(static=...): a compiled step needs fixed shapes
+        return first
+
+    def _step_of(self, fn: Callable, static: Sequence[torch.Tensor], *models: torch.nn.Module, **options) -> Step:
+        """fn as this engine's step (`compile.Step`, compiled as the engine is), writing `static` in place; models:
+        those it runs (default the engine's), its matmuls tuned where every one's are (`tunes_matmuls`)."""
+        return Step(fn, self.device, self._compile, self._mode, static=static,
+                    tune_matmuls=all(tunes_matmuls(m) for m in models or [self.model]), **options)
 
     def check(self, request: Request, index: int | None = None) -> Checked:
         """`request.check_request` against this engine's sequences (the context, or the fixed cache's slots)."""
@@ -89,6 +99,7 @@ class Engine:
             self._allocate(cache_bucket(slots, self.limit))
         except MemoryBudgetError:
             self._allocate(slots)
+        self._warm.clear()  # the new steps have not run
 
     def warm_once(self, key, *calls: Callable[[], object], steps: int = 3) -> float:
         """Run the calls of step kind `key` before timing anything, once per attention backend: compiled, `steps`

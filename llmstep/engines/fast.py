@@ -42,7 +42,7 @@ from ..core.fuse import fused, fuses_by_default
 from ..core.model import LAST, Llama
 from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
-from .compile import Step, compiles, tunes_matmuls
+from .compile import Step
 from .decoding import (
     DecodeResult,
     NonFiniteLogits,
@@ -90,9 +90,8 @@ class FastDecoder(Engine):
                  fuse: bool | None = None):
         # Never the model's whole context unless asked (131,072 slots are 17 GB for Llama 3.1 8B); either way the
         # cache is checked against the device's free memory before it is allocated (KVCache).
-        first_len = self._own(model, max_len)
-        self._compile, self._mode = compile, mode
-        self.fused = fuses_by_default(model, compiles(self.device, compile)) if fuse is None else bool(fuse)
+        first_len = self._own(model, max_len, compile=compile, mode=mode)
+        self.fused = fuses_by_default(model, self.compiled) if fuse is None else bool(fuse)
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
         self._allocate(first_len)
 
@@ -107,10 +106,6 @@ class FastDecoder(Engine):
         self._state = (*self.cache.buffers, self._history, self._position, self._finite)  # written by the step
         self._advances: dict[tuple, Step] = {}  # one compiled step per sampling setting (its constants)
         self._step = None  # the public logits step, made when first asked for
-        greedy_step = self._advance_step((0, 0, 1.0))  # torch.compile is lazy: nothing compiles before a call
-        self.compiled, self.cuda_graphs = greedy_step.compiled, greedy_step.cuda_graphs
-        self.static = self.compiled  # the steps' forward mode (`Engine.static`)
-        self._warm.clear()  # the sampling settings whose step has run (eager too) before any timing
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
@@ -120,8 +115,7 @@ class FastDecoder(Engine):
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
         decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
         if self._step is None:
-            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
-                              tune_matmuls=tunes_matmuls(self.model))
+            self._step = self._step_of(self._decode_step, self.cache.buffers)
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -137,9 +131,8 @@ class FastDecoder(Engine):
 
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
-            self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
-                                            self._mode, static=self._state, refilled=(self._noise,),
-                                            tune_matmuls=tunes_matmuls(self.model))
+            self._advances[sampling] = self._step_of(partial(self._advance, *sampling), self._state,
+                                                     refilled=(self._noise,))
         return self._advances[sampling]
 
     def _reset(self) -> None:
@@ -265,13 +258,11 @@ class FastSpeculator(Engine):
                  compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
-        first_len = self._own(target, max_len, reserve=k, low=k + 2)
+        first_len = self._own(target, max_len, reserve=k, low=k + 2, compile=compile, mode=mode)
         self.k = k
-        compiled = compiles(self.device, compile)
-        self.fused = (fuses_by_default(target, compiled) or fuses_by_default(draft, compiled) if fuse is None
-                      else bool(fuse))  # as FastDecoder's
+        self.fused = (fuses_by_default(target, self.compiled) or fuses_by_default(draft, self.compiled)
+                      if fuse is None else bool(fuse))  # as FastDecoder's
         self.target, self.draft = (fused(target), fused(draft)) if self.fused else (target, draft)
-        self._compile, self._mode = compile, mode
         self._allocate(first_len)
 
     def _allocate(self, max_len: int) -> None:  # the caches first: if memory refuses one, nothing has changed
@@ -279,16 +270,10 @@ class FastSpeculator(Engine):
                   for m in (self.target, self.draft)]
         self.max_len, (self.target_cache, self.draft_cache) = max_len, caches  # per layer k, v: [1, n_kv, slots, hd]
         d, t = self.draft_cache.buffers, self.target_cache.buffers
-        compile, mode = self._compile, self._mode
-        tune_d, tune_t = tunes_matmuls(self.draft), tunes_matmuls(self.target)
-        self._draft_step = Step(self._draft, self.device, compile, mode, static=d, tune_matmuls=tune_d)
-        self._verify_step = Step(self._verify, self.device, compile, mode, static=t, tune_matmuls=tune_t)
-        self._target_step = Step(self._target_next, self.device, compile, mode, static=t, tune_matmuls=tune_t)
-        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
-                                 tune_matmuls=tune_d and tune_t)
-        self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
-        self.static = self.compiled  # the steps' forward mode (`Engine.static`)
-        self._warm.clear()  # the round kinds run once (eager) or compiled
+        self._draft_step = self._step_of(self._draft, d, self.draft)
+        self._verify_step = self._step_of(self._verify, t, self.target)
+        self._target_step = self._step_of(self._target_next, t, self.target)
+        self._greedy_step = self._step_of(self._greedy_round, d + t, self.draft, self.target)
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""

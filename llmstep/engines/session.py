@@ -18,7 +18,7 @@ import torch
 from ..core.model import Llama
 from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
-from .batching import PagedRunner, check_paged_options
+from .batching import PagedRunner, check_paged_options, paged_step
 from .decoding import budget, check_finite
 from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
@@ -95,32 +95,27 @@ class PagedSession:
         Raises NonFiniteLogitsError if a request's logits held NaN or Inf (the model is broken for everyone)."""
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
-        scheduler, out = self.scheduler, []
-        if scheduler.done:
+        out = []
+        if self.scheduler.done:
             return out
-        scheduler.begin_step()
-        work = scheduler.schedule()
-        if work:
-            logits = self.runner.forward(work)  # [K, vocab]
-            sampled, drawn = [s.job for s in work if s.samples], []
-            if sampled:
-                check_finite(logits, scheduler.step, "the model")
-                drawn = torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
-                                   enumerate(self._jobs[j.id] for j in sampled)]).tolist()  # one wait for the device
-            scheduler.update(work, drawn)
-            for job, token_id in zip(sampled, drawn, strict=True):
-                reason = job.completion.stop_reason or None
-                if reason:
-                    del self._jobs[job.id]
-                out.append(TokenOut(job.id, token_id, reason))
+        for job in paged_step(self.scheduler, self.runner, self._draw):
+            reason = job.completion.stop_reason or None
+            if reason:
+                del self._jobs[job.id]
+            out.append(TokenOut(job.id, job.completion.tokens[-1], reason))
         for job in [j for j, _, _ in self._jobs.values() if j.completion.stop_reason]:  # wanted 0 tokens
             del self._jobs[job.id]
             out.append(TokenOut(job.id, -1, job.completion.stop_reason))
-        scheduler.end_step()
-        run = scheduler.run  # a server's session has no end: keep no per-step record
+        run = self.scheduler.run  # a server's session has no end: keep no per-step record
         for record in (run.timeline, run.block_tables, run.step_tokens, run.queued, run.step_seconds, run.prefills):
             record.clear()
         return out
+
+    def _draw(self, logits: torch.Tensor, jobs: list[Job]) -> list[int]:
+        """logits [K, vocab], row k of jobs[k] -> one token each, drawn with its request's own generator."""
+        check_finite(logits, self.scheduler.step, "the model")
+        return torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
+                          enumerate(self._jobs[j.id] for j in jobs)]).tolist()
 
     def close(self) -> None:
         """Cancel what is left; the session takes no more steps."""
