@@ -1,44 +1,27 @@
 """Continuous batching: many requests share the model, and one decode step advances all of them.
 
-At batch 1 a decode step streams every weight to make one token. The same pass can serve B sequences:
-the weights are read once, and each extra row adds only its own KV cache and a row of arithmetic, so B
-requests decoding together make ~B tokens per weight pass, until the math or the KV cache catches up.
+At batch 1 a decode step streams every weight to make one token. The same pass can serve B sequences: the weights
+are read once, and each extra row adds only its own KV cache and a row of arithmetic, so B requests decoding
+together make ~B tokens per weight pass, until the math or the KV cache catches up.
 
-*Static* batching takes B requests, runs them until the longest is done, then takes the next B: a slot
-whose request finished early sits idle. *Continuous* batching (Orca, Yu et al. 2022; vLLM) admits a
-waiting request into a slot the moment one frees. Every engine step:
+*Static* batching takes B requests, runs them until the longest is done, then takes the next B: a slot whose
+request finished early sits idle. *Continuous* batching (Orca, Yu et al. 2022; vLLM) admits a waiting request into
+a slot the moment one frees. Every engine step, arrivals join the queue; free slots take requests from it (static:
+only when every slot is free), each newcomer's prompt prefilled alone into its own row of the cache
+(`cache.slot(i)`), which gives its first token; then one decode step for all slots: tokens [S, 1] at positions
+[S, 1], every row at its own position. A free slot rides along with a dummy token at position 0 (fixed shapes, as
+CUDA graphs need): nothing reads it, and keys an earlier occupant left past a row's position are hidden by the
+causal mask. The scheduler (scheduler.py) decides who runs; the runner (`BatchRunner`) owns the cache and does the
+forwards; `ContinuousBatcher` drives both and samples each row with its request's own generator, so a request gets
+the tokens `llmstep.generate` gives it alone (up to the float rounding of a batched matmul; exact in float64).
 
-1. requests that have arrived join the queue;
-2. free slots take requests from the queue (static: only when every slot is free); each newcomer's
-   prompt is prefilled alone into its own row of the cache (`cache.slot(i)`), which gives its first token
-   (a newcomer done at once, stopped by that token, frees its slot for the next in the queue);
-3. one decode step for all slots: tokens [S, 1] at positions [S, 1], every row at its own position, the
-   model's one forward. A free slot rides along with a dummy token at position 0 (fixed shapes, as CUDA
-   graphs need): nothing reads it, and the next prompt in that row overwrites it. Keys that an earlier
-   occupant left beyond a row's position are hidden by the causal mask, which compares positions;
-4. requests that hit a stop token, their max_new_tokens, or the end of their slot leave.
-
-The scheduler (llmstep/engines/scheduler.py, pure Python) decides steps 1, 2 and 4; the runner here
-(`BatchRunner`) owns the KV cache and does the forwards of steps 2 and 3; `ContinuousBatcher` drives
-both and samples each row.
-
-Each request samples with its own generator, one draw per row, from `llmstep.sampling`: its tokens are
-the ones `llmstep.generate` gives it alone with the same seed and the same cache size. Batching changes
-when a token is made, not which token (up to the float rounding of a batched matmul; exact in float64).
-
-Over a paged KV cache (`PagedBatcher`, kv="paged"; llmstep.core.paged_kv) a sequence holds blocks, not a
-slot: admission asks for free blocks, and a sequence takes one more as it fills its last. There is no
-separate prefill: each engine step is one forward over a flattened row [1, N] holding every running
-sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al.
-2023, "Sarathi"), each token at its own position, written to its own block slot, attending to its own
-sequence's keys (vLLM lays a step out the same way). When the pool runs dry the youngest sequence is
-preempted: its blocks go back and it recomputes what it knew when it returns (its generator keeps its
-place: a token is drawn once). With prefix caching a newcomer starts after the longest prefix of full
-blocks already computed by anyone. That step runs eager: its shapes change every step.
-
-Every request is checked before any work (a bad one is refused with its index, and nothing runs). A
-batcher owns its cache: one `run` at a time (a second thread gets `decoding.ConcurrentUseError`). Logits
-that are NaN or Inf are flagged per request on the device and reported at the end of the run.
+Over a paged KV cache (`PagedBatcher`; llmstep.core.paged_kv) a sequence holds blocks, not a slot, and there is no
+separate prefill: each engine step is one eager forward over a flattened row [1, N] holding every running
+sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al. 2023,
+"Sarathi"), each token at its own position, in its own block slot, attending to its own sequence's keys (as vLLM
+lays a step out). When the pool runs dry the youngest sequence is preempted and recomputes what it knew when it
+returns (its generator keeps its place); with prefix caching a newcomer starts after the longest prefix of full
+blocks anyone computed. Every request is checked before any work (a bad one is refused with its index).
 """
 
 from __future__ import annotations
@@ -52,7 +35,7 @@ import torch
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
-from .decoding import budget, check_int
+from .decoding import check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
 from .request import MAX_ARRIVAL_STEP, Checked, Request
@@ -65,12 +48,8 @@ __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatche
 class BatchRunner(Engine):
     """The model runner: n_slots rows of KV cache, max_len positions each, and the forwards over them.
 
-    `prefill` puts one prompt into one row; `step` advances every row by one token. max_len: the positions per
-    row; None sizes the rows to what is asked of them: a prompt or a step past their end grows them first (to the
-    next bucket, `decoding.cache_bucket`, keeping what they hold), never the whole context up front unless a
-    request needs it. compile: compile the step (llmstep.engines.compile; on CUDA with CUDA graphs), None on
-    CUDA only; a grown cache gets its step compiled anew. Frozen weights on a CPU: change the model's weights and
-    you need a new runner.
+    `prefill` puts one prompt into one row; `step` advances every row by one token. max_len None: the rows grow to
+    what is asked of them (`Engine.grow`, keeping what they hold). compile, mode: the step's (`compile.Step`).
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
@@ -127,13 +106,8 @@ class BatchRunner(Engine):
 
 
 class ContinuousBatcher(Engine):
-    """A scheduler and a runner: serves requests in n_slots slots of max_len positions each.
-
-    max_len: the slots' length; None sizes them for the requests of each run (`decoding.cache_len` of the
-    longest, rounded to CACHE_ROUNDING), growing the cache (a new runner) only when a run needs more: never
-    the model's whole context for every slot unless a request needs it.
-    compile: compile the decode step (see llmstep.engines.compile; on CUDA with CUDA graphs). None compiles
-    on CUDA only. Frozen weights on a CPU: change the model's weights and you need a new batcher.
+    """A scheduler and a runner: serves requests in n_slots slots of max_len positions each (None: sized for the
+    requests of each run, a new runner only when a run needs more). compile, mode: the runner's.
     """
 
     room = fixed_room = "a batch slot's length"
@@ -156,9 +130,7 @@ class ContinuousBatcher(Engine):
         """Serve every request; returns their completions (in submission order) and the timeline."""
         checked = [self.check(r, i) for i, r in enumerate(requests)]  # all checked before any work
         slot_len = max(self.max_len, self.slots_needed(checked)) if self.sized_per_request else self.max_len
-        jobs = [Job(Completion(id=i, prompt_ids=r.ids, arrival=r.arrival), budget(len(r.ids), r.max_new_tokens,
-                                                                                   slot_len), r.stops)
-                for i, r in enumerate(checked)]
+        jobs = [Job.of(r, i, slot_len) for i, r in enumerate(checked)]
         scheduler = Scheduler(jobs, self.n_slots, policy)  # refuses an unknown policy
         with self.running(*checked):
             return self._run(checked, scheduler)
@@ -253,10 +225,9 @@ def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **po
 class PagedBatcher(Engine):
     """Continuous batching over a paged KV cache: at most n_slots sequences at once, admitted by free blocks.
 
-    kv_blocks: blocks of block_size positions in the pool; None gives the memory a ContinuousBatcher's
-    n_slots slots would take for the same requests (each slot sized for the longest). prefix_caching: full
-    blocks are shared between sequences with the same tokens so far, and kept after them (LRU).
-    prefill_chunk: the most prompt tokens an engine step computes (None: a whole prompt at once).
+    kv_blocks: blocks of block_size positions in the pool; None gives the memory a ContinuousBatcher's n_slots
+    slots would take for the same requests. prefix_caching: full blocks shared between sequences with the same
+    tokens so far, and kept after them (LRU). prefill_chunk: the most prompt tokens a step computes (None: all).
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, kv_blocks: int | None = None,
@@ -279,14 +250,11 @@ class PagedBatcher(Engine):
         """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
         if policy != "continuous":
             raise ValueError(f"a paged KV cache serves continuous batching only, got policy {policy!r}")
-        context = self.model.config.max_seq_len
         checked = [self.check(r, i) for i, r in enumerate(requests)]
         n_blocks = self.pool_blocks(checked)
-        jobs = []
-        for i, r in enumerate(checked):
-            plan = budget(len(r.ids), r.max_new_tokens, context)
-            check_fits(len(r.ids), plan.tokens, n_blocks, self.block_size, index=i)
-            jobs.append(Job(Completion(id=i, prompt_ids=r.ids, arrival=r.arrival), plan, r.stops))
+        jobs = [Job.of(r, i, self.limit) for i, r in enumerate(checked)]
+        for i, job in enumerate(jobs):
+            check_fits(len(job.completion.prompt_ids), job.plan.tokens, n_blocks, self.block_size, index=i)
         check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
         kv = KVCacheManager(n_blocks, self.block_size, self.prefix_caching)
         scheduler = BlockScheduler(jobs, self.n_slots, kv, self.prefill_chunk)

@@ -1,24 +1,13 @@
-"""The rules every decode loop shares, in one place: the prompt, the budget, the stop, the seed, the result.
+"""The rules every decode loop shares, in one place: the prompt, the budget, the stop, the result.
 
 generate, FastDecoder, the speculative loops and the batchers all ask the same questions, and each asks them here:
-
-- is the input usable? `check_prompt_ids`, `stop_id_set`, `encode_prompt` (and core/checks.py's `check_seed`), which
-  a request's one check asks (llmstep/engines/request.py): bytes are not a prompt, a bool or a float is not a seed;
-- how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
-  the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
-  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`), in every engine (a speculative
-  loop whose next round would write past its cache goes on with the target alone);
-- how big a cache does a run need? `cache_len`, the one sizing rule (generate, FastDecoder, FastSpeculator and
-  the batcher all ask it); and an engine that keeps its cache grows it to `cache_bucket`, a power of two;
-- has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
-  budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
-- are the numbers finite? `check_finite` (the teaching loops, every step) and `NonFiniteLogits` (the fast
-  loops and the batcher keep a flag on the device, one per request in the batcher, and look at it once, at
-  the end: no per-token sync);
-- what does a decode read? `step_bytes_by_context` (one step) and `round_bytes` (a speculative round);
-- may this object run now? An engine that owns its cache refuses a second caller (`ConcurrentUseError`, raised by
-  llmstep/engines/engine.py); generate and speculative_generate allocate their own, so threads may share them;
-- what does a run report? `DecodeResult`, which every loop's result extends.
+is the input usable (the checks a request's one check asks, llmstep/engines/request.py); how big a cache does a run
+need (`cache_len`, the one sizing rule; `cache_bucket` for an engine that keeps its cache) and how many new tokens
+fit in it (`budget`: the last token sampled is never written, so max_len slots hold a prompt of T tokens and
+max_len - T + 1 new ones); has the sequence ended (`end_reason`: a stop token, kept as its last token, else the
+budget); are the logits finite (`check_finite` every step in the teaching loops, `NonFiniteLogits` on the device in
+the others: no per-token sync); what does a decode read (`step_bytes_by_context`, `round_bytes`); and what does a
+run report (`DecodeResult`, which every loop's result extends).
 """
 
 from __future__ import annotations
@@ -39,9 +28,7 @@ __all__ = ["SEED_LIMIT", "check_int", "check_seed", "check_max_len", "check_prom
            "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
 
 
-# --------------------------------------------------------------------------------------------------
-# The input
-# --------------------------------------------------------------------------------------------------
+# ---- The input ---------------------------------------------------------------------------------------------
 
 
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
@@ -105,9 +92,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
     return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
 
 
-# --------------------------------------------------------------------------------------------------
-# Non-finite numbers, and one run at a time
-# --------------------------------------------------------------------------------------------------
+# ---- Non-finite numbers, and one run at a time -------------------------------------------------------------
 
 
 class NonFiniteLogitsError(ValueError):
@@ -158,9 +143,7 @@ class ConcurrentUseError(RuntimeError):
     llmstep.engines.engine.Engine.running."""
 
 
-# --------------------------------------------------------------------------------------------------
-# The budget: how many new tokens fit, and why a run ends
-# --------------------------------------------------------------------------------------------------
+# ---- The budget: how many new tokens fit, and why a run ends -----------------------------------------------
 
 
 def room(prefix_len: int, max_len: int) -> int:
@@ -239,9 +222,7 @@ def round_bytes(target_bytes: Callable[[int], float], draft_bytes: Callable[[int
     return target_bytes(L - 1) + sum(draft_bytes(L - 1 + i) for i in range(k))
 
 
-# --------------------------------------------------------------------------------------------------
-# The result every loop returns
-# --------------------------------------------------------------------------------------------------
+# ---- The result every loop returns -------------------------------------------------------------------------
 
 
 @dataclass

@@ -1,9 +1,7 @@
 """What the engines that own a KV cache share (FastDecoder, FastSpeculator, the batchers and their runner): requests
-checked against the positions a sequence may fill, one run at a time (`decoding.ConcurrentUseError` for a second
-caller), the cache grown before the run when a request needs more slots (`decoding.cache_len`, grown to the next
-power-of-two bucket, `decoding.cache_bucket`, so a growing session compiles its steps O(log n) times), and
-each step kind warmed up once before anything is timed; and a batcher's `Rows`: each request's own generator and
-non-finite flag, one draw per row.
+checked against the positions a sequence may fill, one run at a time, the cache grown before a run that needs more
+slots (to a power-of-two bucket: a growing session compiles its steps O(log n) times), their steps made and warmed
+up once before anything is timed; and a batcher's `Rows`: each request's own generator and non-finite flag.
 """
 
 from __future__ import annotations

@@ -1,32 +1,18 @@
 """The decode loop without the overhead: a static KV cache, the step compiled whole, sampling on the device.
 
-`llmstep.generate` is the teaching loop: it waits for every token, turns it into text and counts its
-bytes before the next step starts. At batch 1 a step of a small model is mostly that overhead, and on
-a GPU the hundreds of kernel launches per step cost more than the weights take to stream. This loop
-removes what is not the model:
-
-- the KV cache is allocated once (`model.new_cache`, max_len slots; by default sized for the request) and
-  written at explicit positions, so every decode step has the same shapes: token [1, 1] at position [1, 1];
-- that step (`model(token, position, cache)`, the same forward as everywhere else: nothing here forks
-  the model's math) is compiled whole with torch.compile (llmstep/engines/compile.py): on CUDA as a CUDA
-  graph, replayed with one launch per token; on a CPU with the weights frozen into the compiled code.
-  Frozen means frozen: change the model's weights and you need a new decoder;
-- the step is the whole token: the pending token read from the run's history on the device, sampled
-  there (`llmstep.sampling`'s exponential race, no torch.multinomial sync), written back, the position
-  advanced; q|k|v and gate|up fused where that pays (llmstep.core.fuse). Tokens reach the host once at the end, or
-  every `sync_every` steps when stop tokens are watched;
-- the prompt goes through the model's one forward (PyTorch's fused scaled_dot_product_attention) once.
-
-A FastDecoder or FastSpeculator owns its cache: one run at a time (a second thread's `generate` gets
-`decoding.ConcurrentUseError`). NaN or Inf logits are flagged on the device each step and reported at the end
-of the run (`decoding.NonFiniteLogitsError`), without a host sync per token.
+`llmstep.generate`, the teaching loop, waits for every token, turns it into text and counts its bytes before the
+next step starts. At batch 1 a step of a small model is mostly that overhead (on a GPU, also the hundreds of kernel
+launches per step). This loop keeps only the model: the KV cache is allocated once and written at explicit
+positions, so every decode step has the same shapes (token [1, 1] at position [1, 1]); the step is the model's one
+forward and the sampling, on the device (`llmstep.sampling`'s exponential race: no torch.multinomial sync), compiled
+whole (llmstep/engines/compile.py: a CUDA graph on CUDA, the weights frozen in on a CPU). Tokens reach the host once
+at the end, or every `sync_every` steps when stop tokens are watched; NaN or Inf logits are flagged on the device
+and reported at the end (`decoding.NonFiniteLogitsError`).
 
 With compile=False it is the plain eager model in the same loop, and it gives the tokens `llmstep.generate`
 gives: greedy, and seeded sampling (the same generator, the same draws in the same order, on any device).
 Compiled or fused, the draws are the same and the logits equal up to rounding (tests/engines/test_fast.py).
-
-`FastSpeculator` runs speculative decoding the same way: static caches, fixed shapes, compiled rounds,
-with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
+`FastSpeculator` runs speculative decoding the same way, with the rule of llmstep/engines/speculative.py.
 """
 
 from __future__ import annotations
@@ -71,25 +57,18 @@ class FastResult(DecodeResult):
 class FastDecoder(Engine):
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
-    max_len: the cache's slots; None sizes it for each request (`decoding.cache_len`, rounded up), growing it.
-    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a long run).
-    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA and, on a CPU, the default with
-    every matmul tuned (the CPU's fastest); "max-autotune" also tunes the rest. See llmstep.engines.compile.
-    fuse: run a twin of the model with q|k|v and gate|up as one matmul each (llmstep.core.fuse: the same
-    function, no weight held twice). None (`fuse.fuses_by_default`): on CUDA, and on a CPU for a compiled step
-    of a model with int8 layers (the compiled CPU step concatenates float matmuls itself, not int8 ones).
+    max_len: the cache's slots; None sizes it for each request, growing it (`Engine.grow`). compile, mode: the
+    step's (llmstep.engines.compile.Step; None compiles on CUDA only). fuse: run a twin of the model with q|k|v and
+    gate|up as one matmul each (llmstep.core.fuse: the same function; None: `fuse.fuses_by_default`).
 
-    The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position), so on CUDA
-    one graph replay makes one token and the host only queues replays. A seeded draw needs Exp(1) noise from
-    the run's torch.Generator, which no compiled graph can take (dynamo refuses a Generator; inductor's own RNG
-    draws other numbers than eager's): the loop refills a fixed noise buffer from it before each sampled step
-    (one launch, no sync), the [1, V] draw `llmstep.generate` makes, in its order, on any device.
+    The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position): on CUDA one
+    graph replay makes one token. A seeded draw needs Exp(1) noise from the run's torch.Generator, which no
+    compiled graph can take (dynamo refuses a Generator; inductor's RNG draws other numbers): the loop refills a
+    fixed noise buffer from it before each sampled step (one launch, no sync), the draw `llmstep.generate` makes.
     """
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
                  fuse: bool | None = None):
-        # Never the model's whole context unless asked (131,072 slots are 17 GB for Llama 3.1 8B); either way the
-        # cache is checked against the device's free memory before it is allocated (KVCache).
         first_len = self._own(model, max_len, compile=compile, mode=mode)
         self.fused = fuses_by_default(model, self.compiled) if fuse is None else bool(fuse)
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
@@ -218,9 +197,7 @@ class FastDecoder(Engine):
         return result
 
 
-# --------------------------------------------------------------------------------------------------
-# Speculative decoding, the fast way: static caches, compiled draft steps and verification
-# --------------------------------------------------------------------------------------------------
+# ---- Speculative decoding, the fast way: static caches, compiled draft steps and verification --------------
 
 
 @dataclass
@@ -230,26 +207,19 @@ class FastSpeculativeResult(FastResult, Rounds):
 
 
 class FastSpeculator(Engine):
-    """Speculative decoding the way `FastDecoder` decodes: static KV caches written at explicit positions,
-    fixed shapes, compiled steps (llmstep.engines.compile).
+    """Speculative decoding the way `FastDecoder` decodes: static KV caches, fixed shapes, compiled steps.
 
-    Each round the draft first reads two tokens, the one before the pending token and the pending one:
-    when the last round accepted all k proposals the first of them is new to the draft's cache, and
-    otherwise it rewrites a slot with the token already there. Then every round has the same shapes,
-    whatever was accepted. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
-    forward, the greedy rule) is one compiled call and one host sync. With sampling the draft steps and
-    the verification are separate calls, since each draw comes from the host's generator.
+    Each round the draft first reads two tokens, the one before the pending token and the pending one (new to its
+    cache when the last round accepted all k proposals, else rewriting a slot with the token already there), so
+    every round has the same shapes. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
+    forward, the greedy rule) is one compiled call and one host sync; with sampling the draft steps and the
+    verification are separate calls, since each draw comes from the host's generator.
 
-    The rule is `speculative.verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
-    numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
-    fits the budget, which is every engine's (`decoding.budget`): a round writes all k + 1 of its tokens, so
-    where the next round would write past either cache (the end of a fixed cache, or of a draft whose context
-    is shorter than the target's) the target goes on alone, one token a step, as `speculative_generate` does.
-
-    max_len: the target's cache slots (the draft's: as many, at most its context); None sizes them for each
-    request (`decoding.cache_len` with k slots reserved for the rounds, rounded to CACHE_ROUNDING), growing
-    them when a longer request comes, as FastDecoder does. fuse: both models' q|k|v and gate|up as one matmul
-    each, as FastDecoder's (None: `fuse.fuses_by_default`, for either).
+    The rule is `speculative_generate`'s (`verify`, `verify_greedy`), its random numbers drawn in the same order;
+    k is fixed (one compilation per k). Where the next round would write past either cache, the target goes on
+    alone, one token a step, as `speculative_generate` does. max_len: the target's cache slots (the draft's as
+    many, at most its context); None: sized for each request with k slots reserved, as FastDecoder's. fuse: as
+    FastDecoder's, for both models.
     """
 
     room = "the target's context"
