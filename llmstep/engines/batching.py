@@ -59,8 +59,7 @@ class BatchRunner(Engine):
         self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))  # 1: a step at position 0
 
     def _allocate(self, max_len: int) -> None:
-        """A cache of max_len positions per row holding what the old one held (its rows' keys, values, lengths),
-        and its step."""
+        """A cache of max_len positions per row holding what the old one held, and its step."""
         cache = self.model.new_cache(batch_size=self.n_slots, max_len=max_len)  # per layer k, v: [S, n_kv, max_len, hd]
         if self.cache is not None:
             for old, new in zip(self.cache.k + self.cache.v, cache.k + cache.v, strict=True):
@@ -74,8 +73,7 @@ class BatchRunner(Engine):
         return self.model(tokens, positions, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): one token for every slot, each
-        row at its own position. With CUDA graphs, use the logits before the next call."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call)."""
         return self._step(tokens, positions)
 
     @torch.no_grad()
@@ -96,8 +94,7 @@ class BatchRunner(Engine):
         return self.model(prompt, positions, self.cache.slot(slot), keep=LAST)[:, -1].float()
 
     def decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
-        """One step for every slot: rows[s] = (token, position) of slot s, or None for a free slot, which rides
-        along with token 0 at position 0 (fixed shapes; nothing reads it) -> logits [S, vocab]."""
+        """rows[s]: (token, position) of slot s, or None for a free slot (token 0 at position 0) -> logits [S, V]."""
         if self.sized_per_request:
             self.grow(1 + max((r[1] for r in rows if r is not None), default=0))
         tokens = torch.tensor([[0 if r is None else r[0]] for r in rows], device=self.device)  # [S, 1]
@@ -182,8 +179,7 @@ class PagedRunner:
         self.cache = PagedKVCache(model.config, n_blocks, block_size, device=model.device, dtype=model.dtype)
 
     def forward(self, work: Sequence[Scheduled]) -> torch.Tensor:
-        """The step's chunks in order -> logits [K, vocab] (float32) after the last token of each of the K
-        chunks that sample."""
+        """The step's chunks -> logits [K, vocab] (float32) after the last token of each of the K that sample."""
         positions = self.cache.plan([s.chunk for s in work])  # [1, N]
         tokens = torch.tensor([[t for s in work for t in s.tokens]], device=self.device)  # [1, N]
         ends = itertools.accumulate(s.chunk.n_tokens for s in work)

@@ -107,10 +107,8 @@ def check_finite(logits: torch.Tensor, step: int, what: str = "the model") -> No
 
 
 class NonFiniteLogits:
-    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end.
-
-    requests: None, one flag for the run; n, one flag per request (the batcher: `update(logits, ids)` with
-    logits [B, V] of requests ids [B])."""
+    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end. requests: None,
+    one flag for the run; n, one per request (the batcher: `update(logits [B, V], ids [B])`)."""
 
     def __init__(self, device: torch.device, requests: int | None = None):
         self.per_request = requests is not None
@@ -139,8 +137,7 @@ class NonFiniteLogits:
 
 
 class ConcurrentUseError(RuntimeError):
-    """An engine that owns one cache was called while it was already running (from another thread): see
-    llmstep.engines.engine.Engine.running."""
+    """An engine that owns one cache was called while it was already running (`Engine.running`)."""
 
 
 # ---- The budget: how many new tokens fit, and why a run ends -----------------------------------------------
@@ -157,20 +154,16 @@ CACHE_ROUNDING = 256  # slots: an engine's cache sized per request is rounded up
 
 def cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int, reserve: int = 0, rounding: int = 1) -> int:
     """The slots a run needs, the one sizing rule: the prompt, its new tokens and `reserve` more (a speculative
-    round's k slots written past the last token it keeps), at least one past the prompt, rounded up to
-    `rounding` (an engine that keeps its cache across runs uses CACHE_ROUNDING), at most the model's context.
-    A one-shot loop (generate) takes rounding 1; never the whole context unless a run needs it: 131,072 slots
-    are 17 GB for Llama 3.1 8B."""
+    round's k slots written past the last token it keeps), at least one past the prompt, rounded up to `rounding`,
+    at most the model's context: never the whole context unless a run needs it (17 GB for Llama 3.1 8B)."""
     need = max(prompt_len + max_new_tokens + reserve, prompt_len + 1)
     return min(max_seq_len, -(-need // rounding) * rounding)
 
 
 def cache_bucket(slots: int, max_seq_len: int) -> int:
     """The slots an engine that keeps its cache across runs grows it to when a run needs `slots`: the next power of
-    two, at least CACHE_ROUNDING, at most the context. A new cache size is a new compiled step (on CUDA a minute or
-    more for an 8B model: compiled and captured again), so an interactive session whose context grows to n tokens
-    compiles about log2(n / CACHE_ROUNDING) times, not n / CACHE_ROUNDING; the cache holds at most twice what it
-    needs (an engine falls back to `slots` where the device's memory refuses the bucket)."""
+    two, at least CACHE_ROUNDING, at most the context. A new size is a new compiled step, so a session whose context
+    grows to n tokens compiles about log2(n / CACHE_ROUNDING) times; the cache holds at most twice what it needs."""
     return min(max_seq_len, max(CACHE_ROUNDING, 1 << (slots - 1).bit_length()))
 
 
@@ -206,10 +199,8 @@ def cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
 
 
 def step_bytes_by_context(model: torch.nn.Module, context: int = 0) -> Callable[[int], float]:
-    """bytes(c): what one decode step of `model` reads with c tokens in its cache (llmstep.core.cost's
-    model_step_cost). Every step reads all the weights; what happens once per run is the walk over the
-    modules that counts them: the count is linear in c (the weights, plus the same KV bytes per cached
-    token), so two evaluations give every step."""
+    """bytes(c): what one decode step of `model` reads with c tokens in its cache (`core.cost.model_step_cost`),
+    linear in c (the weights, plus the same KV bytes per cached token): two walks over the modules per run."""
     at = model_step_cost(model, context=context).bytes
     per_token = model_step_cost(model, context=context + 1).bytes - at
     return lambda c: at + (c - context) * per_token
@@ -227,11 +218,8 @@ def round_bytes(target_bytes: Callable[[int], float], draft_bytes: Callable[[int
 
 @dataclass
 class DecodeResult:
-    """A prompt, the tokens made after it, why they ended, and how long it took.
-
-    Every loop's result extends it and gives `decode_steps` (the forwards after the prefill: one per token
-    after the first) and `decode_seconds` (their time), as fields or from its own timings.
-    """
+    """A prompt, the tokens made after it, why they ended, and how long it took. Every loop's result extends it and
+    gives `decode_steps` (the forwards after the prefill) and `decode_seconds` (their time)."""
 
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)  # new tokens, a final stop token included

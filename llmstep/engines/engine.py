@@ -70,8 +70,7 @@ class Engine:
 
     @contextlib.contextmanager
     def running(self, *checked: Checked) -> Iterator[None]:
-        """One run at a time (a second caller would write the same cache: refused at once); the cache grown first if
-        these requests need more slots than it has."""
+        """One run at a time (a second caller is refused at once), the cache grown first for these requests."""
         if not self._lock.acquire(blocking=False):
             raise ConcurrentUseError(f"this {type(self).__name__} is already running (in another thread): it owns one "
                                      "KV cache, so give each thread its own, or call llmstep.generate, which may be "
@@ -84,13 +83,12 @@ class Engine:
             self._lock.release()
 
     def is_warm(self, key) -> bool:
-        """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes the
-        backend in: under another, it compiles again, so it is warmed again)."""
+        """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes it in)."""
         return (key, attention_backend.current()) in self._warm
 
     def grow(self, slots: int) -> None:
-        """A cache sized per request made to hold `slots` per sequence: if it holds fewer, a new one of the next
-        bucket (`decoding.cache_bucket`), or of just `slots` where the device's memory refuses the bucket."""
+        """At least `slots` per sequence: a new cache of the next bucket (`decoding.cache_bucket`), or of just `slots`
+        where the device's memory refuses the bucket."""
         if slots <= self.max_len:
             return
         try:
@@ -100,9 +98,8 @@ class Engine:
         self._warm.clear()  # the new steps have not run
 
     def warm_once(self, key, *calls: Callable[[], object], steps: int = 3) -> float:
-        """Run the calls of step kind `key` before timing anything, once per attention backend: compiled, `steps`
-        times (compile, and on CUDA record the graph); eager, once (the first call's one-off costs). Returns the
-        seconds spent compiling: 0 when eager or already warm."""
+        """Run the calls of step kind `key` once per attention backend before timing anything: `steps` times when
+        compiled (on CUDA the graph is recorded too), else once. Returns the seconds spent compiling (0: eager)."""
         if self.is_warm(key):
             return 0.0
         seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
@@ -121,8 +118,8 @@ class Rows:
         self.nonfinite = NonFiniteLogits(device, requests=len(requests))
 
     def draw(self, logits: torch.Tensor, ids: Sequence[int]) -> list[int]:
-        """logits [B, V], row b of request ids[b] -> one token per row, drawn with its request's own generator: the
-        draw it would get alone (batching changes when a token is made, not which). One wait for the device."""
+        """logits [B, V], row b of request ids[b] -> one token per row, drawn with its request's own generator (the
+        draw it would get alone). One wait for the device."""
         for i in ids:
             if i not in self.generators:
                 self.generators[i] = self.requests[i].generator(self.device)

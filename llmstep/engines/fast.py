@@ -136,12 +136,8 @@ class FastDecoder(Engine):
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop_ids=None, sync_every: int = 32) -> FastResult:
-        """Serve a `Request` (or prompt_ids, a list of ids, and the request's other fields as keywords: None keeps
-        the request's, the defaults of llmstep.engines.request): up to max_new_tokens tokens; see llmstep.generate.
-
-        Stops at the request's stop ids (checked every sync_every steps; the tokens after a stop are dropped, so the
-        result is what a loop that checked every token would give).
-        """
+        """Serve a `Request` (or prompt_ids and the request's other fields as keywords), as llmstep.generate does.
+        Stop ids are checked every sync_every steps; the tokens after a stop are dropped."""
         request = as_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, stop_ids=stop_ids)
         r = self.check(request)

@@ -127,12 +127,9 @@ def generate(model: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tens
              max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_ids=None) -> Generation:
     """Serve a `Request` (llmstep.engines.request), or continue `prompt` (text, token ids, or chat messages) with
-    the request's other fields as keywords: a keyword left at None keeps the request's value, the defaults every
-    engine shares (128 new tokens, temperature 1.0, top_k 0, top_p 1.0, a fresh seed, stop at the model's end
-    tokens).
-
-    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A seed makes the run
-    reproducible. Stops at `stop_ids` (None: the model's end tokens; (): never early).
+    the request's other fields as keywords (None keeps the request's value: the defaults every engine shares).
+    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A seed makes the run reproducible.
+    Stops at `stop_ids` (None: the model's end tokens; (): never early).
     """
     s = stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
     for _ in s:

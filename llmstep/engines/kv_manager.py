@@ -35,9 +35,8 @@ class Prefix:
 
 
 class KVCacheManager:
-    """Block tables for requests over a pool of n_blocks blocks of block_size positions (prefix_caching: full
-    blocks shared between requests with the same tokens so far, and kept after them, least recently used
-    evicted first)."""
+    """Block tables for requests over a pool of n_blocks blocks of block_size positions (prefix_caching: as
+    `PagedBatcher`'s)."""
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = False):
         self.pool = BlockPool(n_blocks, block_size, prefix_caching)

@@ -89,10 +89,9 @@ class Checked:
 def check_request(request: Request, model: torch.nn.Module, limit: int | None = None,
                   room: str = "the model's context", tokenizer: Tokenizer | None = None,
                   index: int | None = None) -> Checked:
-    """Every field of `request` checked for `model`, once, before any work: a ValueError naming the field (and,
-    given an index, starting "request {index}: "). limit: the positions a sequence may fill (default the model's
-    context; `room` says what they are); the prompt must leave one for a new token. tokenizer: text and chat
-    messages are encoded with it (without one, the prompt must be token ids)."""
+    """Every field of `request` checked for `model` before any work: a ValueError naming the field (given an index,
+    starting "request {index}: "). limit: the positions a sequence may fill (default the model's context; `room`
+    names them). tokenizer: text and chat messages are encoded with it (else the prompt must be token ids)."""
     r, vocab = request, model.config.vocab_size
     limit = model.config.max_seq_len if limit is None else limit
     try:

@@ -68,11 +68,8 @@ class Completion(DecodeResult):
 
 @dataclass
 class BatchRun:
-    """A finished run: every request's completion, and the slots' timeline for plotting.
-
-    timeline[s][i]: the request id slot i decoded for in engine step s, or -1 when the slot was free.
-    prefills: (engine step, slot, request id) for every prompt prefilled.
-    """
+    """A finished run: every request's completion, and the slots' timeline for plotting. timeline[s][i]: the
+    request id slot i decoded for in engine step s (-1: free); prefills: (engine step, slot, request id)."""
 
     policy: str
     n_slots: int
@@ -158,8 +155,7 @@ class Job:
 
 class _Schedule:
     """What both schedulers share in one run over `jobs` (in submission order): the arrivals and the queue, the
-    engine step and its clock, and the records. A subclass says whether anyone runs (`busy`) and what a request
-    that ends gives back (`_leave`). clock: the wall clock for the per-request seconds (a test may pass its own)."""
+    engine step and its clock (a test may pass its own), and the records; a subclass gives `busy` and `_leave`."""
 
     def __init__(self, jobs: list[Job], n_slots: int, policy: str, clock: Callable[[], float]):
         self.clock = clock
@@ -296,9 +292,8 @@ class Scheduled:
 
 
 class BlockScheduler(_Schedule):
-    """Continuous batching over KV blocks: at most n_slots sequences run at once (`running`, oldest admitted
-    first), each admitted when the KV-cache manager `kv` fits it; prefill_chunk: the most prompt tokens one step
-    computes (None: whole prompts)."""
+    """At most n_slots sequences at once (`running`, oldest admitted first), each admitted when the KV-cache
+    manager `kv` fits it; prefill_chunk: the most prompt tokens a step computes (None: whole prompts)."""
 
     def __init__(self, jobs: list[Job], n_slots: int, kv: KVCacheManager, prefill_chunk: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):

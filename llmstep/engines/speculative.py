@@ -18,9 +18,8 @@ the target's argmax": the output is plain greedy decoding's, token for token.
 With a per-token acceptance probability a, one target forward yields on average (1 - a^(k+1)) / (1 - a)
 tokens (Leviathan et al., eq. 1). Both KV caches roll back after a rejection by moving their lengths back.
 
-Layout: the acceptance rule (pure, batched), the theory, the teaching loop. The drafts (a layer-skipping
-self-draft, a quantized twin, a checkpoint) are in llmstep/engines/drafts.py. The compiled loop (`FastSpeculator`) is in
-llmstep/engines/fast.py, the benchmarks in llmstep/lab/bench_speculative.py.
+Here: the acceptance rule (pure, batched), the theory, the teaching loop. The drafts are in drafts.py, the
+compiled loop (`FastSpeculator`) in fast.py.
 """
 
 from __future__ import annotations
