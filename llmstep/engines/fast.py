@@ -91,8 +91,7 @@ class FastDecoder(Engine):
         return self.net(token, position, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
-        decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use or clone the logits before the next call)."""
         if self._step is None:
             self._step = self._step_of(self._decode_step, self.cache.buffers)
         return self._step(token, position)
@@ -273,8 +272,7 @@ class FastSpeculator(Engine):
 
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False) -> float:
-        """`Engine.warm_once` for a greedy or a sampling round's steps (alone: and the target's step without a
-        draft, which a run takes once a round no longer fits the caches)."""
+        """`Engine.warm_once` for a greedy or a sampling round's steps (alone: and the target's step alone)."""
         def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
             return torch.zeros(1, n, dtype=torch.long, device=self.device)
 
@@ -295,8 +293,7 @@ class FastSpeculator(Engine):
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop_ids=None) -> FastSpeculativeResult:
-        """Serve a `Request` (or prompt_ids and the request's fields, as FastDecoder.generate takes them): up to
-        max_new_tokens tokens, distributed as the target's (see `verify`)."""
+        """Serve a `Request` (or prompt_ids and its fields) as FastDecoder.generate does, with the target's tokens."""
         request = as_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, stop_ids=stop_ids)
         r = self.check(request)

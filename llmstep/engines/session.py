@@ -84,8 +84,8 @@ class PagedSession:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOut]:
-        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one.
-        Raises NonFiniteLogitsError if a request's logits held NaN or Inf (the model is broken for everyone)."""
+        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one;
+        NonFiniteLogitsError at once if a request's logits held NaN or Inf (the model is broken for everyone)."""
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
         out = []
