@@ -1,107 +1,79 @@
 """Continuous batching: many requests share the model, and one decode step advances all of them.
 
-At batch 1 a decode step streams every weight to make one token. The same pass can serve B sequences:
-the weights are read once, and each extra row adds only its own KV cache and a row of arithmetic, so B
-requests decoding together make ~B tokens per weight pass, until the math or the KV cache catches up.
+At batch 1 a decode step streams every weight to make one token. The same pass can serve B sequences: the weights
+are read once, and each extra row adds only its own KV cache and a row of arithmetic, so B requests decoding
+together make ~B tokens per weight pass, until the math or the KV cache catches up.
 
-*Static* batching takes B requests, runs them until the longest is done, then takes the next B: a slot
-whose request finished early sits idle. *Continuous* batching (Orca, Yu et al. 2022; vLLM) admits a
-waiting request into a slot the moment one frees. Every engine step:
+*Static* batching takes B requests, runs them until the longest is done, then takes the next B: a slot whose
+request finished early sits idle. *Continuous* batching (Orca, Yu et al. 2022; vLLM) admits a waiting request into
+a slot the moment one frees. Every engine step, arrivals join the queue; free slots take requests from it (static:
+only when every slot is free), each newcomer's prompt prefilled alone into its own row of the cache
+(`cache.slot(i)`), which gives its first token; then one decode step for all slots: tokens [S, 1] at positions
+[S, 1], every row at its own position. A free slot rides along with a dummy token at position 0 (fixed shapes, as
+CUDA graphs need): nothing reads it, and keys an earlier occupant left past a row's position are hidden by the
+causal mask. The scheduler (scheduler.py) decides who runs; the runner (`BatchRunner`) owns the cache and does the
+forwards; `ContinuousBatcher` drives both and samples each row with its request's own generator, so a request gets
+the tokens `llmstep.generate` gives it alone (up to the float rounding of a batched matmul; exact in float64).
 
-1. requests that have arrived join the queue;
-2. free slots take requests from the queue (static: only when every slot is free); each newcomer's
-   prompt is prefilled alone into its own row of the cache (`cache.slot(i)`), which gives its first token
-   (a newcomer done at once, stopped by that token, frees its slot for the next in the queue);
-3. one decode step for all slots: tokens [S, 1] at positions [S, 1], every row at its own position, the
-   model's one forward. A free slot rides along with a dummy token at position 0 (fixed shapes, as CUDA
-   graphs need): nothing reads it, and the next prompt in that row overwrites it. Keys that an earlier
-   occupant left beyond a row's position are hidden by the causal mask, which compares positions;
-4. requests that hit a stop token, their max_new_tokens, or the end of their slot leave.
-
-The scheduler (llmstep/engines/scheduler.py, pure Python) decides steps 1, 2 and 4; the runner here
-(`BatchRunner`) owns the KV cache and does the forwards of steps 2 and 3; `ContinuousBatcher` drives
-both and samples each row.
-
-Each request samples with its own generator, one draw per row, from `llmstep.sampling`: its tokens are
-the ones `llmstep.generate` gives it alone with the same seed and the same cache size. Batching changes
-when a token is made, not which token (up to the float rounding of a batched matmul; exact in float64).
-
-Over a paged KV cache (`PagedBatcher`, kv="paged"; llmstep.core.paged_kv) a sequence holds blocks, not a
-slot: admission asks for free blocks, and a sequence takes one more as it fills its last. There is no
-separate prefill: each engine step is one forward over a flattened row [1, N] holding every running
-sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al.
-2023, "Sarathi"), each token at its own position, written to its own block slot, attending to its own
-sequence's keys (vLLM lays a step out the same way). When the pool runs dry the youngest sequence is
-preempted: its blocks go back and it recomputes what it knew when it returns (its generator keeps its
-place: a token is drawn once). With prefix caching a newcomer starts after the longest prefix of full
-blocks already computed by anyone. That step runs eager: its shapes change every step.
-
-Every request is checked before any work (a bad one is refused with its index, and nothing runs). A
-batcher owns its cache: one `run` at a time (a second thread gets `decoding.ConcurrentUseError`). Logits
-that are NaN or Inf are flagged per request on the device and reported at the end of the run.
+Over a paged KV cache (`PagedBatcher`; llmstep.core.paged_kv) a sequence holds blocks, not a slot, and there is no
+separate prefill: each engine step is one eager forward over a flattened row [1, N] holding every running
+sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al. 2023,
+"Sarathi"), each token at its own position, in its own block slot, attending to its own sequence's keys (as vLLM
+lays a step out). When the pool runs dry the youngest sequence is preempted and recomputes what it knew when it
+returns (its generator keeps its place); with prefix caching a newcomer starts after the longest prefix of full
+blocks anyone computed. Every request is checked before any work (a bad one is refused with its index).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
-from .compile import Step, tunes_matmuls
-from .decoding import budget, check_int
+from .decoding import check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
 from .request import MAX_ARRIVAL_STEP, Checked, Request
 from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
+           "paged_step", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
 
 
 class BatchRunner(Engine):
     """The model runner: n_slots rows of KV cache, max_len positions each, and the forwards over them.
 
-    `prefill` puts one prompt into one row; `step` advances every row by one token. max_len: the positions per
-    row; None sizes the rows to what is asked of them: a prompt or a step past their end grows them first (to the
-    next bucket, `decoding.cache_bucket`, keeping what they hold), never the whole context up front unless a
-    request needs it. compile: compile the step (llmstep.engines.compile; on CUDA with CUDA graphs), None on
-    CUDA only; a grown cache gets its step compiled anew. Frozen weights on a CPU: change the model's weights and
-    you need a new runner.
+    `prefill` puts one prompt into one row; `step` advances every row by one token. max_len None: the rows grow to
+    what is asked of them (`Engine.grow`, keeping what they hold). compile, mode: the step's (`compile.Step`).
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
         check_int(n_slots, "n_slots", low=1)
-        self.n_slots, self._compile, self._mode, self.cache = n_slots, compile, mode, None
-        self._allocate(self._own(model, max_len, low=1))  # 1: a step at position 0
+        self.n_slots, self.cache = n_slots, None
+        self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))  # 1: a step at position 0
 
     def _allocate(self, max_len: int) -> None:
-        """A cache of max_len positions per row holding what the old one held (its rows' keys, values, lengths),
-        and its step."""
+        """A cache of max_len positions per row holding what the old one held, and its step."""
         cache = self.model.new_cache(batch_size=self.n_slots, max_len=max_len)  # per layer k, v: [S, n_kv, max_len, hd]
         if self.cache is not None:
             for old, new in zip(self.cache.k + self.cache.v, cache.k + cache.v, strict=True):
                 new[:, :, :old.shape[2]].copy_(old)  # [S, n_kv, old max_len, hd]
             cache.lengths.copy_(self.cache.lengths)
         self.max_len, self.cache = max_len, cache
-        self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
-                          tune_matmuls=tunes_matmuls(self.model))
-        self.compiled, self.cuda_graphs = self._step.compiled, self._step.cuda_graphs
-        self.static = self.compiled  # the step's forward mode (`Engine.static`)
-        self._warm.clear()  # the new step has not run
+        self._step = self._step_of(self._decode_step, self.cache.buffers)
 
     def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
         return self.model(tokens, positions, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): one token for every slot, each
-        row at its own position. With CUDA graphs, use the logits before the next call."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call)."""
         return self._step(tokens, positions)
 
     @torch.no_grad()
@@ -122,8 +94,7 @@ class BatchRunner(Engine):
         return self.model(prompt, positions, self.cache.slot(slot), keep=LAST)[:, -1].float()
 
     def decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
-        """One step for every slot: rows[s] = (token, position) of slot s, or None for a free slot, which rides
-        along with token 0 at position 0 (fixed shapes; nothing reads it) -> logits [S, vocab]."""
+        """rows[s]: (token, position) of slot s, or None for a free slot (token 0 at position 0) -> logits [S, V]."""
         if self.sized_per_request:
             self.grow(1 + max((r[1] for r in rows if r is not None), default=0))
         tokens = torch.tensor([[0 if r is None else r[0]] for r in rows], device=self.device)  # [S, 1]
@@ -132,29 +103,20 @@ class BatchRunner(Engine):
 
 
 class ContinuousBatcher(Engine):
-    """A scheduler and a runner: serves requests in n_slots slots of max_len positions each.
-
-    max_len: the slots' length; None sizes them for the requests of each run (`decoding.cache_len` of the
-    longest, rounded to CACHE_ROUNDING), growing the cache (a new runner) only when a run needs more: never
-    the model's whole context for every slot unless a request needs it.
-    compile: compile the decode step (see llmstep.engines.compile; on CUDA with CUDA graphs). None compiles
-    on CUDA only. Frozen weights on a CPU: change the model's weights and you need a new batcher.
+    """A scheduler and a runner: serves requests in n_slots slots of max_len positions each (None: sized for the
+    requests of each run, a new runner only when a run needs more). compile, mode: the runner's.
     """
 
     room = fixed_room = "a batch slot's length"
 
     def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
                  mode: str | None = None):
-        first_len = self._own(model, max_len, low=1)
-        self._compile, self._mode = compile, mode
-        self._use_runner(BatchRunner(model, n_slots, first_len, compile, mode))
+        self.n_slots = n_slots  # checked by the runner
+        self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))
 
-    def _use_runner(self, runner: BatchRunner) -> None:
-        self.runner, self.n_slots, self.max_len = runner, runner.n_slots, runner.max_len
-        self.cache, self.compiled, self.cuda_graphs = runner.cache, runner.compiled, runner.cuda_graphs
-
-    def _allocate(self, max_len: int) -> None:  # a new, longer cache (and step) before any work
-        self._use_runner(BatchRunner(self.model, self.n_slots, max_len, self._compile, self._mode))
+    def _allocate(self, max_len: int) -> None:  # a new runner, with a longer cache, before any work
+        self.runner = BatchRunner(self.model, self.n_slots, max_len, self._compile, self._mode)
+        self.max_len, self.cache = max_len, self.runner.cache
 
     def warmup(self) -> float:
         seconds = self.runner.warmup()
@@ -165,9 +127,7 @@ class ContinuousBatcher(Engine):
         """Serve every request; returns their completions (in submission order) and the timeline."""
         checked = [self.check(r, i) for i, r in enumerate(requests)]  # all checked before any work
         slot_len = max(self.max_len, self.slots_needed(checked)) if self.sized_per_request else self.max_len
-        jobs = [Job(Completion(id=i, prompt_ids=r.ids, arrival=r.arrival), budget(len(r.ids), r.max_new_tokens,
-                                                                                   slot_len), r.stops)
-                for i, r in enumerate(checked)]
+        jobs = [Job.of(r, i, slot_len) for i, r in enumerate(checked)]
         scheduler = Scheduler(jobs, self.n_slots, policy)  # refuses an unknown policy
         with self.running(*checked):
             return self._run(checked, scheduler)
@@ -219,14 +179,32 @@ class PagedRunner:
         self.cache = PagedKVCache(model.config, n_blocks, block_size, device=model.device, dtype=model.dtype)
 
     def forward(self, work: Sequence[Scheduled]) -> torch.Tensor:
-        """The step's chunks in order -> logits [K, vocab] (float32) after the last token of each of the K
-        chunks that sample."""
+        """The step's chunks -> logits [K, vocab] (float32) after the last token of each of the K that sample."""
         positions = self.cache.plan([s.chunk for s in work])  # [1, N]
         tokens = torch.tensor([[t for s in work for t in s.tokens]], device=self.device)  # [1, N]
         ends = itertools.accumulate(s.chunk.n_tokens for s in work)
         keep = torch.tensor([e - 1 for e, s in zip(ends, work, strict=True) if s.samples],
                             dtype=torch.long, device=self.device)  # [K]
         return self.model(tokens, positions, self.cache, keep=keep)[0].float()
+
+
+def paged_step(scheduler: BlockScheduler, runner: PagedRunner,
+               draw: Callable[[torch.Tensor, list[Job]], list[int]]) -> list[Job]:
+    """One engine step over a paged cache, `PagedBatcher.run`'s and `PagedSession.step`'s: the scheduler's work,
+    the runner's one forward, a token for each sequence that samples (`draw(logits [K, vocab], their jobs)`,
+    one wait for the device), recorded by the scheduler. Returns those jobs: each one's new token is its last."""
+    synchronize(runner.device)
+    scheduler.begin_step()
+    work = scheduler.schedule()
+    if not work and scheduler.queue and not scheduler.running:  # each request fits the pool alone
+        raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
+    sampled = [s.job for s in work if s.samples]  # none when every chunk is a prompt's middle
+    if work:
+        logits = runner.forward(work)  # [K, vocab]
+        scheduler.update(work, draw(logits, sampled) if sampled else [])
+    synchronize(runner.device)
+    scheduler.end_step()
+    return sampled
 
 
 def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **pool) -> None:
@@ -243,10 +221,9 @@ def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **po
 class PagedBatcher(Engine):
     """Continuous batching over a paged KV cache: at most n_slots sequences at once, admitted by free blocks.
 
-    kv_blocks: blocks of block_size positions in the pool; None gives the memory a ContinuousBatcher's
-    n_slots slots would take for the same requests (each slot sized for the longest). prefix_caching: full
-    blocks are shared between sequences with the same tokens so far, and kept after them (LRU).
-    prefill_chunk: the most prompt tokens an engine step computes (None: a whole prompt at once).
+    kv_blocks: blocks of block_size positions in the pool; None gives the memory a ContinuousBatcher's n_slots
+    slots would take for the same requests. prefix_caching: full blocks shared between sequences with the same
+    tokens so far, and kept after them (LRU). prefill_chunk: the most prompt tokens a step computes (None: all).
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, kv_blocks: int | None = None,
@@ -269,14 +246,11 @@ class PagedBatcher(Engine):
         """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
         if policy != "continuous":
             raise ValueError(f"a paged KV cache serves continuous batching only, got policy {policy!r}")
-        context = self.model.config.max_seq_len
         checked = [self.check(r, i) for i, r in enumerate(requests)]
         n_blocks = self.pool_blocks(checked)
-        jobs = []
-        for i, r in enumerate(checked):
-            plan = budget(len(r.ids), r.max_new_tokens, context)
-            check_fits(len(r.ids), plan.tokens, n_blocks, self.block_size, index=i)
-            jobs.append(Job(Completion(id=i, prompt_ids=r.ids, arrival=r.arrival), plan, r.stops))
+        jobs = [Job.of(r, i, self.limit) for i, r in enumerate(checked)]
+        for i, job in enumerate(jobs):
+            check_fits(len(job.completion.prompt_ids), job.plan.tokens, n_blocks, self.block_size, index=i)
         check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
         kv = KVCacheManager(n_blocks, self.block_size, self.prefix_caching)
         scheduler = BlockScheduler(jobs, self.n_slots, kv, self.prefill_chunk)
@@ -287,20 +261,10 @@ class PagedBatcher(Engine):
 
     @torch.inference_mode()
     def _run(self, requests: Sequence[Checked], scheduler: BlockScheduler) -> BatchRun:
-        device, rows = self.device, Rows(requests, self.device)
+        rows = Rows(requests, self.device)
         start = time.perf_counter()
         while not scheduler.done:
-            synchronize(device)
-            scheduler.begin_step()
-            work = scheduler.schedule()
-            if not work and scheduler.queue and not scheduler.running:  # each request fits the pool alone
-                raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
-            if work:
-                logits = self.runner.forward(work)  # [K, vocab]
-                sampled = [s.job.id for s in work if s.samples]  # none when every chunk is a prompt's middle
-                scheduler.update(work, rows.draw(logits, sampled) if sampled else [])
-            synchronize(device)
-            scheduler.end_step()
+            paged_step(scheduler, self.runner, lambda logits, jobs: rows.draw(logits, [j.id for j in jobs]))
         run = scheduler.run
         run.seconds = time.perf_counter() - start
         run.kv_stats["kv_bytes"] = self.runner.cache.nbytes

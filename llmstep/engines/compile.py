@@ -1,17 +1,10 @@
 """How a decode step is compiled for a device, and warmed up before anything is timed.
 
-FastDecoder, FastSpeculator and the batcher each run a small step (one token through the model, a
-speculative round, one token for every slot) thousands of times with the same shapes. `Step` is that
-function, eager or compiled whole with torch.compile (`compile_step`):
-
-- on CUDA with mode "reduce-overhead", which records it once as a CUDA graph and replays it with one
-  launch per token;
-- on a CPU with the weights frozen into the compiled code (packed for oneDNN, q/k/v and gate/up each
-  concatenated into one matmul) and a C++ wrapper between the kernels instead of Python. Frozen means
-  frozen: change the model's weights and you need a new step.
-
-`warm_up` runs the steps before timing: compiling takes seconds (tens on a CPU), and a CUDA graph is
-recorded on the second or third call.
+FastDecoder, FastSpeculator and the batcher each run a small step (one token through the model, a speculative
+round, one token for every slot) thousands of times with the same shapes. `Step` is that function, eager or
+compiled whole with torch.compile (`compile_step`): on CUDA as a CUDA graph, replayed with one launch per token;
+on a CPU with the weights frozen into the compiled code (change the model's weights and you need a new step).
+`warm_up` runs the steps before timing: compiling takes seconds (tens on a CPU).
 """
 
 from __future__ import annotations
@@ -32,25 +25,15 @@ __all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "
 def compile_options(device: torch.device, mode: str | None = None, tune_matmuls: bool = True) -> dict:
     """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
-    CUDA: mode "reduce-overhead", i.e. CUDA graphs, plus gpt-fast's `coordinate_descent_tuning`: with it
-    inductor turns every 1-row matmul (a decode step's) into a fused multiply-and-sum that it tunes to
-    bandwidth, int8's widening fused in; without it, 1-row bf16 matmuls go to cuBLAS and int8's
-    `F.linear(x, w.to(x.dtype)) * scales` is rewritten to the extern int8 weight-only kernel, slow at one
-    row (tests/cuda_proofs/test_compile_trace.py traces both with fake CUDA tensors).
-    CPU: freeze the weights into the compiled code (`freezing`: packed layouts, constant folding),
-    concatenate the linears that read one input (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 become
-    one matmul each, so a step makes 4 weight passes per layer instead of 7), and call the kernels from
-    C++ (`cpp_wrapper`), not from Python; by default (mode None) tune the matmuls (below).
-    "max-autotune" also times inductor's own C++ GEMM templates against oneDNN for every matmul shape. A CPU step
-    does that for its matmuls by default too (mode None: `max_autotune_gemm`, a few seconds more compile) when
-    `tune_matmuls` (`tunes_matmuls(model)`): on a CPU without AMX the templates beat oneDNN's matmuls for float32
-    and int4 weights, and did nothing for int8 (which keeps its packed kernel). For bf16 weights the template
-    runs `cpu_gemm`'s dot-product kernel where the CPU has AVX-512 BF16; elsewhere the template's widening kernel
-    helped with 2 threads but lost to oneDNN with 1, so a f16 model, or a bf16 one without the kernel, on one
-    thread keeps oneDNN (the A/B behind each choice: scripts/ab_cpu.py). `compile_step` registers the kernel
-    with inductor (`cpu_gemm.install`) before it compiles a CPU step.
-    Options this torch's inductor does not know are left out (`torch_compat.known_options`): the step compiles
-    without them.
+    CUDA: "reduce-overhead" (CUDA graphs) plus gpt-fast's `coordinate_descent_tuning`, with which inductor turns
+    every 1-row matmul into a fused multiply-and-sum tuned to bandwidth, int8's widening fused in
+    (tests/cuda_proofs/test_compile_trace.py traces both with fake CUDA tensors).
+    CPU: the weights frozen into the code (`freezing`: packed layouts, constant folding), the linears that read one
+    input concatenated (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 one matmul each), the kernels called from
+    C++ (`cpp_wrapper`); with mode None and `tune_matmuls` (`tunes_matmuls(model)`) every matmul shape also timed
+    against inductor's C++ GEMM templates (`max_autotune_gemm`; "max-autotune" tunes the rest too), whose bf16
+    kernel is `cpu_gemm`'s where the CPU has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default).
+    Options this torch's inductor does not know are left out (`torch_compat.known_options`).
     """
     best = mode is None
     if mode is None:
@@ -90,9 +73,8 @@ def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
 
 
 def own_code(fn: Callable) -> types.FunctionType:
-    """fn behind a function whose code object is its own: Dynamo keeps its compiled versions per code object,
-    so a step compiled from this holds its one entry there, not one among every decoder's of the process
-    (a bound method or a partial of one class all share one code object)."""
+    """fn behind a function whose code object is its own: Dynamo keeps compiled versions per code object, so this
+    step's entry is its own, not one among every decoder's of the process (a bound method shares its class's)."""
     def step(*args):
         return fn(*args)
 
@@ -101,14 +83,11 @@ def own_code(fn: Callable) -> types.FunctionType:
 
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
                  refilled: Iterable[torch.Tensor] = (), tune_matmuls: bool = True):
-    """fn compiled whole for `device` (see `compile_options`), fixed shapes; `static` are tensors it
-    updates in place every call (a KV cache): fixed addresses let a CUDA graph write them directly.
-    `refilled` are tensors fn only reads and the caller refills in place between calls (random numbers):
-    fixed addresses too where nothing is frozen (CUDA: the graph reads them where they are), left unmarked
-    where the weights are frozen, since freezing folds every fixed-address tensor fn does not write into a
-    constant of the compiled code.
-    With CUDA graphs, each call first tells PyTorch that the last call's outputs are consumed, so the
-    graph may reuse their memory: use what a step returns before calling it again."""
+    """fn compiled whole for `device` (see `compile_options`), fixed shapes. static: tensors it updates in place
+    every call (a KV cache), at fixed addresses a CUDA graph writes directly. refilled: tensors it only reads and
+    the caller refills in place (random numbers), at fixed addresses too unless the weights are frozen (freezing
+    would fold them into constants). With CUDA graphs a call reuses the last call's outputs' memory: use what a
+    step returns before calling it again."""
     options = compile_options(device, mode, tune_matmuls)
     if device.type == "cpu":
         cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
@@ -131,13 +110,9 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
 
 
 class Step:
-    """A loop's step: `fn` itself, or fn compiled for `device` (`compile_step`).
-
-    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a benchmark or a
-    long run, not for one short generation). mode: torch.compile's mode; None is "reduce-overhead" (CUDA
-    graphs) on CUDA, the default with tuned matmuls on a CPU; "max-autotune" tunes more. static: the tensors fn
-    writes in place (`KVCache.buffers`); refilled: those it only reads and the caller refills (`compile_step`);
-    tune_matmuls: `tunes_matmuls(model)` of the model the step runs (`compile_options`).
+    """A loop's step: `fn` itself, or fn compiled for `device` (`compile_step`; compile None: on CUDA only, since a
+    CPU compile takes tens of seconds). mode: torch.compile's (None: this device's best, `compile_options`);
+    static, refilled: `compile_step`'s; tune_matmuls: `tunes_matmuls(model)` of the model the step runs.
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
@@ -152,18 +127,15 @@ class Step:
         return self.fn(*args)
 
     def unguarded(self) -> Callable[[], object]:
-        """This step (it takes no arguments) as a plain call for a loop that makes it many times while nothing
-        it reads changes but the values in its tensors (FastDecoder's decode loop).
+        """This step (it takes no arguments) as a plain call for a loop that makes it many times while nothing it
+        reads changes but the values in its tensors (FastDecoder's decode loop).
 
-        A compiled call first runs torch.compile's Python wrapper and Dynamo's frame hook, which evaluates
-        every guard of the compiled code (hundreds of checks of the model, cache and global state: a visible
-        share of a small CPU step; scripts/overhead_cpu.py times it). Here the guards are evaluated once, now,
-        and the call returned is Dynamo's compiled code itself. A state the guards refuse (a new shape, thread
-        count, grad mode) gets the step as it is, which recompiles. Eager steps, CUDA graphs and a torch whose
-        Dynamo cannot be asked (`torch_compat.FEATURES["unguarded"]`) also get the step as it is. The public
-        switch, `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`, checks only the guards that tell a
-        step's compiled versions apart (none, for a step compiled once), for every compiled call made under it,
-        and still runs the wrapper and the frame hook each call."""
+        A compiled call first runs torch.compile's wrapper and Dynamo's frame hook, which evaluates every guard
+        (hundreds of checks of the model, cache and global state; scripts/overhead_cpu.py times them). Here the
+        guards are evaluated once, now, and the call returned is Dynamo's compiled code itself. A state the guards
+        refuse gets the step as it is (which recompiles); so do eager steps, CUDA graphs and a torch whose Dynamo
+        cannot be asked (`torch_compat.FEATURES["unguarded"]`). The public switch,
+        `torch.compiler.set_stance(skip_guard_eval_unsafe=True)`, still runs the wrapper and the hook each call."""
         traced = getattr(self.fn, "traced", None)
         if traced is None:
             return self

@@ -1,20 +1,16 @@
 """A bf16 dot-product micro-kernel for inductor's C++ GEMM template, on CPUs with AVX-512 BF16 and no AMX.
 
-A decode step's matmuls are one row of activations against every weight (a GEMV). On a CPU inductor's tuned
-step runs them in its C++ GEMM template, whose micro-kernel for bf16 weights on a CPU without AMX widens every
-weight to float32 for an FMA (`CppMicroGemmFP32Vec`): one widening instruction per weight before the
-multiply, where llama.cpp's own kernel multiplies bf16 pairs directly with AVX-512 BF16's `vdpbf16ps` (32 products
-a instruction, float32 sums). This module gives the template that kernel: weights packed in
-pairs along k (the template's VNNI2 layout, as for AMX), each activation pair broadcast, float32 accumulators.
+A decode step's matmuls are GEMVs. On a CPU without AMX, the micro-kernel of inductor's tuned C++ GEMM template
+widens every bf16 weight to float32 before its FMA (`CppMicroGemmFP32Vec`), where llama.cpp multiplies bf16 pairs
+directly with AVX-512 BF16's `vdpbf16ps`. This module gives the template that kernel: weights packed in pairs along
+k (the template's VNNI2 layout, as for AMX), each activation pair broadcast, float32 accumulators. bf16 products
+are exact in float32 and the sums float32, as the widening kernel's; only the order of the additions differs (and
+`vdpbf16ps` treats subnormal inputs as zero), so the step is the same function to within float32 rounding
+(tests/engines/test_cpu_gemm.py holds it to a float64 matmul).
 
-The products of two bf16 numbers are exact in float32 and the sums are float32, as the widening kernel's are;
-only the order of the additions differs (and `vdpbf16ps` treats subnormal inputs as zero), so the step stays
-the same function to within float32 rounding (tests/engines/test_cpu_gemm.py holds it to a float64 matmul).
-
-`install()` registers it with inductor once per process (compile.compile_step calls it for a CPU step) where
-the CPU has AVX-512 BF16 and no AMX (with AMX, inductor's own AMX kernel multiplies bf16 tiles). Inductor's registry
-is internal to torch (llmstep.core.torch_compat's `micro_gemm`): outside the torch range it was tested on, or with
-a registry of another shape, `install` registers nothing and says why (`skipped`).
+`install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has AVX-512
+BF16 and no AMX. Inductor's registry is internal to torch (llmstep.core.torch_compat's `micro_gemm`): outside the
+tested torch range, or with a registry of another shape, `install` registers nothing and says why (`skipped`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""The rules every decode loop shares, in one place: the prompt, the budget, the stop, the seed, the result.
+"""The rules every decode loop shares, in one place: the prompt, the budget, the stop, the result.
 
 generate, FastDecoder, the speculative loops and the batchers all ask the same questions, and each asks them here:
-
-- is the input usable? `check_prompt_ids`, `stop_id_set`, `encode_prompt` (and core/checks.py's `check_seed`), which
-  a request's one check asks (llmstep/engines/request.py): bytes are not a prompt, a bool or a float is not a seed;
-- how many new tokens may this run make, and why would it end? `budget`: max_new_tokens, or fewer when
-  the cache is full. The last token sampled is never written (nothing reads it), so a cache of max_len
-  slots holds a prompt of T tokens and max_len - T + 1 new ones (`room`), in every engine (a speculative
-  loop whose next round would write past its cache goes on with the target alone);
-- how big a cache does a run need? `cache_len`, the one sizing rule (generate, FastDecoder, FastSpeculator and
-  the batcher all ask it); and an engine that keeps its cache grows it to `cache_bucket`, a power of two;
-- has the sequence ended? `end_reason`: a stop token ends it (and is kept as its last token), else the
-  budget does; `cut_at_stop` cuts a list of tokens made ahead (a round, a batch of steps) at the first stop;
-- are the numbers finite? `check_finite` (the teaching loops, every step) and `NonFiniteLogits` (the fast
-  loops and the batcher keep a flag on the device, one per request in the batcher, and look at it once, at
-  the end: no per-token sync);
-- what does a decode read? `step_bytes_by_context` (one step) and `round_bytes` (a speculative round);
-- may this object run now? An engine that owns its cache refuses a second caller (`ConcurrentUseError`, raised by
-  llmstep/engines/engine.py); generate and speculative_generate allocate their own, so threads may share them;
-- what does a run report? `DecodeResult`, which every loop's result extends.
+is the input usable (the checks a request's one check asks, llmstep/engines/request.py); how big a cache does a run
+need (`cache_len`, the one sizing rule; `cache_bucket` for an engine that keeps its cache) and how many new tokens
+fit in it (`budget`: the last token sampled is never written, so max_len slots hold a prompt of T tokens and
+max_len - T + 1 new ones); has the sequence ended (`end_reason`: a stop token, kept as its last token, else the
+budget); are the logits finite (`check_finite` every step in the teaching loops, `NonFiniteLogits` on the device in
+the others: no per-token sync); what does a decode read (`step_bytes_by_context`, `round_bytes`); and what does a
+run report (`DecodeResult`, which every loop's result extends).
 """
 
 from __future__ import annotations
@@ -39,9 +28,7 @@ __all__ = ["SEED_LIMIT", "check_int", "check_seed", "check_max_len", "check_prom
            "end_reason", "cut_at_stop", "step_bytes_by_context", "round_bytes", "DecodeResult"]
 
 
-# --------------------------------------------------------------------------------------------------
-# The input
-# --------------------------------------------------------------------------------------------------
+# ---- The input ---------------------------------------------------------------------------------------------
 
 
 def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model's context") -> list[int]:
@@ -105,9 +92,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
     return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
 
 
-# --------------------------------------------------------------------------------------------------
-# Non-finite numbers, and one run at a time
-# --------------------------------------------------------------------------------------------------
+# ---- Non-finite numbers, and one run at a time -------------------------------------------------------------
 
 
 class NonFiniteLogitsError(ValueError):
@@ -122,10 +107,8 @@ def check_finite(logits: torch.Tensor, step: int, what: str = "the model") -> No
 
 
 class NonFiniteLogits:
-    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end.
-
-    requests: None, one flag for the run; n, one flag per request (the batcher: `update(logits, ids)` with
-    logits [B, V] of requests ids [B])."""
+    """A flag on the device: `update(logits)` every step (no host sync), `check()` once at the end. requests: None,
+    one flag for the run; n, one per request (the batcher: `update(logits [B, V], ids [B])`)."""
 
     def __init__(self, device: torch.device, requests: int | None = None):
         self.per_request = requests is not None
@@ -154,13 +137,10 @@ class NonFiniteLogits:
 
 
 class ConcurrentUseError(RuntimeError):
-    """An engine that owns one cache was called while it was already running (from another thread): see
-    llmstep.engines.engine.Engine.running."""
+    """An engine that owns one cache was called while it was already running (`Engine.running`)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# The budget: how many new tokens fit, and why a run ends
-# --------------------------------------------------------------------------------------------------
+# ---- The budget: how many new tokens fit, and why a run ends -----------------------------------------------
 
 
 def room(prefix_len: int, max_len: int) -> int:
@@ -174,20 +154,16 @@ CACHE_ROUNDING = 256  # slots: an engine's cache sized per request is rounded up
 
 def cache_len(prompt_len: int, max_new_tokens: int, max_seq_len: int, reserve: int = 0, rounding: int = 1) -> int:
     """The slots a run needs, the one sizing rule: the prompt, its new tokens and `reserve` more (a speculative
-    round's k slots written past the last token it keeps), at least one past the prompt, rounded up to
-    `rounding` (an engine that keeps its cache across runs uses CACHE_ROUNDING), at most the model's context.
-    A one-shot loop (generate) takes rounding 1; never the whole context unless a run needs it: 131,072 slots
-    are 17 GB for Llama 3.1 8B."""
+    round's k slots written past the last token it keeps), at least one past the prompt, rounded up to `rounding`,
+    at most the model's context: never the whole context unless a run needs it (17 GB for Llama 3.1 8B)."""
     need = max(prompt_len + max_new_tokens + reserve, prompt_len + 1)
     return min(max_seq_len, -(-need // rounding) * rounding)
 
 
 def cache_bucket(slots: int, max_seq_len: int) -> int:
     """The slots an engine that keeps its cache across runs grows it to when a run needs `slots`: the next power of
-    two, at least CACHE_ROUNDING, at most the context. A new cache size is a new compiled step (on CUDA a minute or
-    more for an 8B model: compiled and captured again), so an interactive session whose context grows to n tokens
-    compiles about log2(n / CACHE_ROUNDING) times, not n / CACHE_ROUNDING; the cache holds at most twice what it
-    needs (an engine falls back to `slots` where the device's memory refuses the bucket)."""
+    two, at least CACHE_ROUNDING, at most the context. A new size is a new compiled step, so a session whose context
+    grows to n tokens compiles about log2(n / CACHE_ROUNDING) times; the cache holds at most twice what it needs."""
     return min(max_seq_len, max(CACHE_ROUNDING, 1 << (slots - 1).bit_length()))
 
 
@@ -223,10 +199,8 @@ def cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
 
 
 def step_bytes_by_context(model: torch.nn.Module, context: int = 0) -> Callable[[int], float]:
-    """bytes(c): what one decode step of `model` reads with c tokens in its cache (llmstep.core.cost's
-    model_step_cost). Every step reads all the weights; what happens once per run is the walk over the
-    modules that counts them: the count is linear in c (the weights, plus the same KV bytes per cached
-    token), so two evaluations give every step."""
+    """bytes(c): what one decode step of `model` reads with c tokens in its cache (`core.cost.model_step_cost`),
+    linear in c (the weights, plus the same KV bytes per cached token): two walks over the modules per run."""
     at = model_step_cost(model, context=context).bytes
     per_token = model_step_cost(model, context=context + 1).bytes - at
     return lambda c: at + (c - context) * per_token
@@ -239,18 +213,13 @@ def round_bytes(target_bytes: Callable[[int], float], draft_bytes: Callable[[int
     return target_bytes(L - 1) + sum(draft_bytes(L - 1 + i) for i in range(k))
 
 
-# --------------------------------------------------------------------------------------------------
-# The result every loop returns
-# --------------------------------------------------------------------------------------------------
+# ---- The result every loop returns -------------------------------------------------------------------------
 
 
 @dataclass
 class DecodeResult:
-    """A prompt, the tokens made after it, why they ended, and how long it took.
-
-    Every loop's result extends it and gives `decode_steps` (the forwards after the prefill: one per token
-    after the first) and `decode_seconds` (their time), as fields or from its own timings.
-    """
+    """A prompt, the tokens made after it, why they ended, and how long it took. Every loop's result extends it and
+    gives `decode_steps` (the forwards after the prefill) and `decode_seconds` (their time)."""
 
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)  # new tokens, a final stop token included

@@ -18,13 +18,10 @@ __all__ = ["LayerSkipDraft", "parse_draft", "resolve_draft", "check_same_tokeniz
 
 
 class LayerSkipDraft(Llama):
-    """The target's first n_layers blocks, then its final norm and LM head, sharing its weights.
-
-    A draft for any model, with no second checkpoint (self-speculative decoding: Zhang et al. 2023,
-    "Draft & Verify"; Elhoushi et al. 2024, "LayerSkip"). It is a `Llama` whose layer list is a prefix
-    of the target's, so the forward path is the same one; it keeps its own, shallower KV cache.
-    An early exit the model was not trained for agrees with the full stack less often than a trained
-    draft does, and the LM head is read in full each time, so expect a smaller gain.
+    """The target's first n_layers blocks, then its final norm and LM head, sharing its weights: a draft for any
+    model, with no second checkpoint (self-speculative decoding: Zhang et al. 2023, "Draft & Verify"; Elhoushi et
+    al. 2024, "LayerSkip"), with its own, shallower KV cache. An early exit the model was not trained for agrees
+    with the full stack less often than a trained draft does, and the LM head is read in full: a smaller gain.
     """
 
     def __init__(self, target: Llama, n_layers: int):

@@ -1,9 +1,7 @@
 """What the engines that own a KV cache share (FastDecoder, FastSpeculator, the batchers and their runner): requests
-checked against the positions a sequence may fill, one run at a time (`decoding.ConcurrentUseError` for a second
-caller), the cache grown before the run when a request needs more slots (`decoding.cache_len`, grown to the next
-power-of-two bucket, `decoding.cache_bucket`, so a growing session compiles its steps O(log n) times), and
-each step kind warmed up once before anything is timed; and a batcher's `Rows`: each request's own generator and
-non-finite flag, one draw per row.
+checked against the positions a sequence may fill, one run at a time, the cache grown before a run that needs more
+slots (to a power-of-two bucket: a growing session compiles its steps O(log n) times), their steps made and warmed
+up once before anything is timed; and a batcher's `Rows`: each request's own generator and non-finite flag.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from ..core import attention_backend
 from ..core.checks import check_max_len
 from ..core.cost import MemoryBudgetError
 from ..core.sampling import sample
-from .compile import warm_up
+from .compile import Step, compile_options, compiles, tunes_matmuls, uses_cuda_graphs, warm_up
 from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_bucket, cache_len
 from .request import Checked, Request, check_request
 
@@ -26,28 +24,38 @@ __all__ = ["Engine", "Rows"]
 
 
 class Engine:
-    """The base of an engine that owns its cache(s). A subclass calls `_own` in its __init__, and gives
-    `_allocate(max_len)` (a new cache of max_len slots per sequence) when it sizes its cache per request."""
+    """The base of an engine that owns its cache(s). A subclass calls `_own` in its __init__, makes its steps with
+    `_step_of`, and gives `_allocate(max_len)` (a new cache of max_len slots per sequence, and its steps) when it
+    sizes its cache per request."""
 
     room = "the model's context"  # what the positions a sequence may fill are, when sized per request
     fixed_room = "the cache it may fill"  # and when the cache is fixed
-    compiled = False
-    static = False  # the steps' Llama.forward(static=...): set with `compiled` (a compiled step needs fixed shapes)
 
     def _own(self, model: torch.nn.Module, max_len: int | None, limit: int | None = None, reserve: int = 0,
-             low: int = 2) -> int:
+             low: int = 2, compile: bool | None = False, mode: str | None = None) -> int:
         """Set up the shared state; returns the cache's first size. max_len: the slots per sequence, fixed (checked
         in low .. limit), or None: sized for each request. limit: the context (default the model's). reserve:
-        slots a run writes past its last token (a speculative round's k)."""
+        slots a run writes past its last token (a speculative round's k). compile, mode: the steps' (`Step`)."""
         self.model, self.device = model, model.device
         self.limit = model.config.max_seq_len if limit is None else limit
         self.reserve, self.sized_per_request = reserve, max_len is None
         self._lock = threading.Lock()  # one run at a time: the cache is this engine's only one
         self._warm: set = set()  # (step kind, attention backend) run (eager too) before any timing
         self.compile_seconds = 0.0  # spent in the first calls of the compiled steps (warm-up)
-        if max_len is None:
-            return cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
-        return check_max_len(max_len, self.limit, low=low)
+        first = (cache_len(1, min(reserve, 1), self.limit, reserve=reserve, rounding=CACHE_ROUNDING)
+                 if max_len is None else check_max_len(max_len, self.limit, low=low))
+        if mode is not None:
+            compile_options(self.device, mode)  # an unknown mode is refused whether or not the steps compile
+        self._compile, self._mode, self.compiled = compile, mode, compiles(self.device, compile)
+        self.cuda_graphs = self.compiled and uses_cuda_graphs(self.device, mode)
+        self.static = self.compiled  # the steps' Llama.forward(static=...): a compiled step needs fixed shapes
+        return first
+
+    def _step_of(self, fn: Callable, static: Sequence[torch.Tensor], *models: torch.nn.Module, **options) -> Step:
+        """fn as this engine's step (`compile.Step`, compiled as the engine is), writing `static` in place; models:
+        those it runs (default the engine's), its matmuls tuned where every one's are (`tunes_matmuls`)."""
+        return Step(fn, self.device, self._compile, self._mode, static=static,
+                    tune_matmuls=all(tunes_matmuls(m) for m in models or [self.model]), **options)
 
     def check(self, request: Request, index: int | None = None) -> Checked:
         """`request.check_request` against this engine's sequences (the context, or the fixed cache's slots)."""
@@ -62,8 +70,7 @@ class Engine:
 
     @contextlib.contextmanager
     def running(self, *checked: Checked) -> Iterator[None]:
-        """One run at a time (a second caller would write the same cache: refused at once); the cache grown first if
-        these requests need more slots than it has."""
+        """One run at a time (a second caller is refused at once), the cache grown first for these requests."""
         if not self._lock.acquire(blocking=False):
             raise ConcurrentUseError(f"this {type(self).__name__} is already running (in another thread): it owns one "
                                      "KV cache, so give each thread its own, or call llmstep.generate, which may be "
@@ -76,24 +83,23 @@ class Engine:
             self._lock.release()
 
     def is_warm(self, key) -> bool:
-        """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes the
-        backend in: under another, it compiles again, so it is warmed again)."""
+        """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes it in)."""
         return (key, attention_backend.current()) in self._warm
 
     def grow(self, slots: int) -> None:
-        """A cache sized per request made to hold `slots` per sequence: if it holds fewer, a new one of the next
-        bucket (`decoding.cache_bucket`), or of just `slots` where the device's memory refuses the bucket."""
+        """At least `slots` per sequence: a new cache of the next bucket (`decoding.cache_bucket`), or of just `slots`
+        where the device's memory refuses the bucket."""
         if slots <= self.max_len:
             return
         try:
             self._allocate(cache_bucket(slots, self.limit))
         except MemoryBudgetError:
             self._allocate(slots)
+        self._warm.clear()  # the new steps have not run
 
     def warm_once(self, key, *calls: Callable[[], object], steps: int = 3) -> float:
-        """Run the calls of step kind `key` before timing anything, once per attention backend: compiled, `steps`
-        times (compile, and on CUDA record the graph); eager, once (the first call's one-off costs). Returns the
-        seconds spent compiling: 0 when eager or already warm."""
+        """Run the calls of step kind `key` once per attention backend before timing anything: `steps` times when
+        compiled (on CUDA the graph is recorded too), else once. Returns the seconds spent compiling (0: eager)."""
         if self.is_warm(key):
             return 0.0
         seconds = warm_up(self.device, *calls, steps=steps if self.compiled else 1)
@@ -112,8 +118,8 @@ class Rows:
         self.nonfinite = NonFiniteLogits(device, requests=len(requests))
 
     def draw(self, logits: torch.Tensor, ids: Sequence[int]) -> list[int]:
-        """logits [B, V], row b of request ids[b] -> one token per row, drawn with its request's own generator: the
-        draw it would get alone (batching changes when a token is made, not which). One wait for the device."""
+        """logits [B, V], row b of request ids[b] -> one token per row, drawn with its request's own generator (the
+        draw it would get alone). One wait for the device."""
         for i in ids:
             if i not in self.generators:
                 self.generators[i] = self.requests[i].generator(self.device)

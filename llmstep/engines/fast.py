@@ -1,32 +1,18 @@
 """The decode loop without the overhead: a static KV cache, the step compiled whole, sampling on the device.
 
-`llmstep.generate` is the teaching loop: it waits for every token, turns it into text and counts its
-bytes before the next step starts. At batch 1 a step of a small model is mostly that overhead, and on
-a GPU the hundreds of kernel launches per step cost more than the weights take to stream. This loop
-removes what is not the model:
-
-- the KV cache is allocated once (`model.new_cache`, max_len slots; by default sized for the request) and
-  written at explicit positions, so every decode step has the same shapes: token [1, 1] at position [1, 1];
-- that step (`model(token, position, cache)`, the same forward as everywhere else: nothing here forks
-  the model's math) is compiled whole with torch.compile (llmstep/engines/compile.py): on CUDA as a CUDA
-  graph, replayed with one launch per token; on a CPU with the weights frozen into the compiled code.
-  Frozen means frozen: change the model's weights and you need a new decoder;
-- the step is the whole token: the pending token read from the run's history on the device, sampled
-  there (`llmstep.sampling`'s exponential race, no torch.multinomial sync), written back, the position
-  advanced; q|k|v and gate|up fused where that pays (llmstep.core.fuse). Tokens reach the host once at the end, or
-  every `sync_every` steps when stop tokens are watched;
-- the prompt goes through the model's one forward (PyTorch's fused scaled_dot_product_attention) once.
-
-A FastDecoder or FastSpeculator owns its cache: one run at a time (a second thread's `generate` gets
-`decoding.ConcurrentUseError`). NaN or Inf logits are flagged on the device each step and reported at the end
-of the run (`decoding.NonFiniteLogitsError`), without a host sync per token.
+`llmstep.generate`, the teaching loop, waits for every token, turns it into text and counts its bytes before the
+next step starts. At batch 1 a step of a small model is mostly that overhead (on a GPU, also the hundreds of kernel
+launches per step). This loop keeps only the model: the KV cache is allocated once and written at explicit
+positions, so every decode step has the same shapes (token [1, 1] at position [1, 1]); the step is the model's one
+forward and the sampling, on the device (`llmstep.sampling`'s exponential race: no torch.multinomial sync), compiled
+whole (llmstep/engines/compile.py: a CUDA graph on CUDA, the weights frozen in on a CPU). Tokens reach the host once
+at the end, or every `sync_every` steps when stop tokens are watched; NaN or Inf logits are flagged on the device
+and reported at the end (`decoding.NonFiniteLogitsError`).
 
 With compile=False it is the plain eager model in the same loop, and it gives the tokens `llmstep.generate`
 gives: greedy, and seeded sampling (the same generator, the same draws in the same order, on any device).
 Compiled or fused, the draws are the same and the logits equal up to rounding (tests/engines/test_fast.py).
-
-`FastSpeculator` runs speculative decoding the same way: static caches, fixed shapes, compiled rounds,
-with the rule of llmstep/engines/speculative.py (`verify`, `verify_greedy`).
+`FastSpeculator` runs speculative decoding the same way, with the rule of llmstep/engines/speculative.py.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ from ..core.fuse import fused, fuses_by_default
 from ..core.model import LAST, Llama
 from ..core.sampling import check_params, greedy, picker, probs, race, sample
 from . import speculative
-from .compile import Step, compiles, tunes_matmuls
+from .compile import Step
 from .decoding import (
     DecodeResult,
     NonFiniteLogits,
@@ -71,28 +57,20 @@ class FastResult(DecodeResult):
 class FastDecoder(Engine):
     """One model, one static cache, one (optionally compiled) decode step; call `generate` many times.
 
-    max_len: the cache's slots; None sizes it for each request (`decoding.cache_len`, rounded up), growing it.
-    compile: None compiles on CUDA only (a CPU compile takes tens of seconds: worth it for a long run).
-    mode: torch.compile's mode; None is "reduce-overhead" (CUDA graphs) on CUDA and, on a CPU, the default with
-    every matmul tuned (the CPU's fastest); "max-autotune" also tunes the rest. See llmstep.engines.compile.
-    fuse: run a twin of the model with q|k|v and gate|up as one matmul each (llmstep.core.fuse: the same
-    function, no weight held twice). None (`fuse.fuses_by_default`): on CUDA, and on a CPU for a compiled step
-    of a model with int8 layers (the compiled CPU step concatenates float matmuls itself, not int8 ones).
+    max_len: the cache's slots; None sizes it for each request, growing it (`Engine.grow`). compile, mode: the
+    step's (llmstep.engines.compile.Step; None compiles on CUDA only). fuse: run a twin of the model with q|k|v and
+    gate|up as one matmul each (llmstep.core.fuse: the same function; None: `fuse.fuses_by_default`).
 
-    The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position), so on CUDA
-    one graph replay makes one token and the host only queues replays. A seeded draw needs Exp(1) noise from
-    the run's torch.Generator, which no compiled graph can take (dynamo refuses a Generator; inductor's own RNG
-    draws other numbers than eager's): the loop refills a fixed noise buffer from it before each sampled step
-    (one launch, no sync), the [1, V] draw `llmstep.generate` makes, in its order, on any device.
+    The decode step (`_advance`) makes a whole token in place in fixed buffers (history, position): on CUDA one
+    graph replay makes one token. A seeded draw needs Exp(1) noise from the run's torch.Generator, which no
+    compiled graph can take (dynamo refuses a Generator; inductor's RNG draws other numbers): the loop refills a
+    fixed noise buffer from it before each sampled step (one launch, no sync), the draw `llmstep.generate` makes.
     """
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
                  fuse: bool | None = None):
-        # Never the model's whole context unless asked (131,072 slots are 17 GB for Llama 3.1 8B); either way the
-        # cache is checked against the device's free memory before it is allocated (KVCache).
-        first_len = self._own(model, max_len)
-        self._compile, self._mode = compile, mode
-        self.fused = fuses_by_default(model, compiles(self.device, compile)) if fuse is None else bool(fuse)
+        first_len = self._own(model, max_len, compile=compile, mode=mode)
+        self.fused = fuses_by_default(model, self.compiled) if fuse is None else bool(fuse)
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
         self._allocate(first_len)
 
@@ -107,21 +85,15 @@ class FastDecoder(Engine):
         self._state = (*self.cache.buffers, self._history, self._position, self._finite)  # written by the step
         self._advances: dict[tuple, Step] = {}  # one compiled step per sampling setting (its constants)
         self._step = None  # the public logits step, made when first asked for
-        greedy_step = self._advance_step((0, 0, 1.0))  # torch.compile is lazy: nothing compiles before a call
-        self.compiled, self.cuda_graphs = greedy_step.compiled, greedy_step.cuda_graphs
-        self.static = self.compiled  # the steps' forward mode (`Engine.static`)
-        self._warm.clear()  # the sampling settings whose step has run (eager too) before any timing
 
     def _decode_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model."""
         return self.net(token, position, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """token [1, 1], position [1, 1] -> logits [1, vocab] (float32): one token through the model into this
-        decoder's cache, maybe compiled. With CUDA graphs, use (or clone) the logits before the next call."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use or clone the logits before the next call)."""
         if self._step is None:
-            self._step = Step(self._decode_step, self.device, self._compile, self._mode, static=self.cache.buffers,
-                              tune_matmuls=tunes_matmuls(self.model))
+            self._step = self._step_of(self._decode_step, self.cache.buffers)
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -137,9 +109,8 @@ class FastDecoder(Engine):
 
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
-            self._advances[sampling] = Step(partial(self._advance, *sampling), self.device, self._compile,
-                                            self._mode, static=self._state, refilled=(self._noise,),
-                                            tune_matmuls=tunes_matmuls(self.model))
+            self._advances[sampling] = self._step_of(partial(self._advance, *sampling), self._state,
+                                                     refilled=(self._noise,))
         return self._advances[sampling]
 
     def _reset(self) -> None:
@@ -164,12 +135,8 @@ class FastDecoder(Engine):
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop_ids=None, sync_every: int = 32) -> FastResult:
-        """Serve a `Request` (or prompt_ids, a list of ids, and the request's other fields as keywords: None keeps
-        the request's, the defaults of llmstep.engines.request): up to max_new_tokens tokens; see llmstep.generate.
-
-        Stops at the request's stop ids (checked every sync_every steps; the tokens after a stop are dropped, so the
-        result is what a loop that checked every token would give).
-        """
+        """Serve a `Request` (or prompt_ids and the request's other fields as keywords), as llmstep.generate does.
+        Stop ids are checked every sync_every steps; the tokens after a stop are dropped."""
         request = as_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, stop_ids=stop_ids)
         r = self.check(request)
@@ -225,9 +192,7 @@ class FastDecoder(Engine):
         return result
 
 
-# --------------------------------------------------------------------------------------------------
-# Speculative decoding, the fast way: static caches, compiled draft steps and verification
-# --------------------------------------------------------------------------------------------------
+# ---- Speculative decoding, the fast way: static caches, compiled draft steps and verification --------------
 
 
 @dataclass
@@ -237,26 +202,19 @@ class FastSpeculativeResult(FastResult, Rounds):
 
 
 class FastSpeculator(Engine):
-    """Speculative decoding the way `FastDecoder` decodes: static KV caches written at explicit positions,
-    fixed shapes, compiled steps (llmstep.engines.compile).
+    """Speculative decoding the way `FastDecoder` decodes: static KV caches, fixed shapes, compiled steps.
 
-    Each round the draft first reads two tokens, the one before the pending token and the pending one:
-    when the last round accepted all k proposals the first of them is new to the draft's cache, and
-    otherwise it rewrites a slot with the token already there. Then every round has the same shapes,
-    whatever was accepted. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
-    forward, the greedy rule) is one compiled call and one host sync. With sampling the draft steps and
-    the verification are separate calls, since each draw comes from the host's generator.
+    Each round the draft first reads two tokens, the one before the pending token and the pending one (new to its
+    cache when the last round accepted all k proposals, else rewriting a slot with the token already there), so
+    every round has the same shapes. At temperature 0 the whole round (k draft steps, the target's (k+1)-token
+    forward, the greedy rule) is one compiled call and one host sync; with sampling the draft steps and the
+    verification are separate calls, since each draw comes from the host's generator.
 
-    The rule is `speculative.verify` / `verify_greedy`, the same as `speculative_generate`'s, with the random
-    numbers drawn in the same order; k is fixed (one compilation per k) and the last round keeps what
-    fits the budget, which is every engine's (`decoding.budget`): a round writes all k + 1 of its tokens, so
-    where the next round would write past either cache (the end of a fixed cache, or of a draft whose context
-    is shorter than the target's) the target goes on alone, one token a step, as `speculative_generate` does.
-
-    max_len: the target's cache slots (the draft's: as many, at most its context); None sizes them for each
-    request (`decoding.cache_len` with k slots reserved for the rounds, rounded to CACHE_ROUNDING), growing
-    them when a longer request comes, as FastDecoder does. fuse: both models' q|k|v and gate|up as one matmul
-    each, as FastDecoder's (None: `fuse.fuses_by_default`, for either).
+    The rule is `speculative_generate`'s (`verify`, `verify_greedy`), its random numbers drawn in the same order;
+    k is fixed (one compilation per k). Where the next round would write past either cache, the target goes on
+    alone, one token a step, as `speculative_generate` does. max_len: the target's cache slots (the draft's as
+    many, at most its context); None: sized for each request with k slots reserved, as FastDecoder's. fuse: as
+    FastDecoder's, for both models.
     """
 
     room = "the target's context"
@@ -265,13 +223,11 @@ class FastSpeculator(Engine):
                  compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
-        first_len = self._own(target, max_len, reserve=k, low=k + 2)
+        first_len = self._own(target, max_len, reserve=k, low=k + 2, compile=compile, mode=mode)
         self.k = k
-        compiled = compiles(self.device, compile)
-        self.fused = (fuses_by_default(target, compiled) or fuses_by_default(draft, compiled) if fuse is None
-                      else bool(fuse))  # as FastDecoder's
+        self.fused = (fuses_by_default(target, self.compiled) or fuses_by_default(draft, self.compiled)
+                      if fuse is None else bool(fuse))  # as FastDecoder's
         self.target, self.draft = (fused(target), fused(draft)) if self.fused else (target, draft)
-        self._compile, self._mode = compile, mode
         self._allocate(first_len)
 
     def _allocate(self, max_len: int) -> None:  # the caches first: if memory refuses one, nothing has changed
@@ -279,16 +235,10 @@ class FastSpeculator(Engine):
                   for m in (self.target, self.draft)]
         self.max_len, (self.target_cache, self.draft_cache) = max_len, caches  # per layer k, v: [1, n_kv, slots, hd]
         d, t = self.draft_cache.buffers, self.target_cache.buffers
-        compile, mode = self._compile, self._mode
-        tune_d, tune_t = tunes_matmuls(self.draft), tunes_matmuls(self.target)
-        self._draft_step = Step(self._draft, self.device, compile, mode, static=d, tune_matmuls=tune_d)
-        self._verify_step = Step(self._verify, self.device, compile, mode, static=t, tune_matmuls=tune_t)
-        self._target_step = Step(self._target_next, self.device, compile, mode, static=t, tune_matmuls=tune_t)
-        self._greedy_step = Step(self._greedy_round, self.device, compile, mode, static=d + t,
-                                 tune_matmuls=tune_d and tune_t)
-        self.compiled, self.cuda_graphs = self._greedy_step.compiled, self._greedy_step.cuda_graphs
-        self.static = self.compiled  # the steps' forward mode (`Engine.static`)
-        self._warm.clear()  # the round kinds run once (eager) or compiled
+        self._draft_step = self._step_of(self._draft, d, self.draft)
+        self._verify_step = self._step_of(self._verify, t, self.target)
+        self._target_step = self._step_of(self._target_next, t, self.target)
+        self._greedy_step = self._step_of(self._greedy_round, d + t, self.draft, self.target)
 
     def _draft(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """tokens [1, T] at positions [1, T] -> the draft's logits after the last one [1, V] (float32)."""
@@ -322,8 +272,7 @@ class FastSpeculator(Engine):
 
     @torch.no_grad()
     def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False) -> float:
-        """`Engine.warm_once` for a greedy or a sampling round's steps (alone: and the target's step without a
-        draft, which a run takes once a round no longer fits the caches)."""
+        """`Engine.warm_once` for a greedy or a sampling round's steps (alone: and the target's step alone)."""
         def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
             return torch.zeros(1, n, dtype=torch.long, device=self.device)
 
@@ -344,8 +293,7 @@ class FastSpeculator(Engine):
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop_ids=None) -> FastSpeculativeResult:
-        """Serve a `Request` (or prompt_ids and the request's fields, as FastDecoder.generate takes them): up to
-        max_new_tokens tokens, distributed as the target's (see `verify`)."""
+        """Serve a `Request` (or prompt_ids and its fields) as FastDecoder.generate does, with the target's tokens."""
         request = as_request(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, stop_ids=stop_ids)
         r = self.check(request)

@@ -17,7 +17,7 @@ from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.sampling import sample
 from ..core.tokens import Tokenizer
-from .decoding import DecodeResult, budget, cache_len, check_finite, end_reason, step_bytes_by_context
+from .decoding import Budget, DecodeResult, budget, cache_len, check_finite, end_reason, step_bytes_by_context
 from .request import Checked, Request, as_request, check_request
 
 __all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate"]
@@ -98,33 +98,38 @@ def _run(model, tokenizer, r: Checked, result: Generation) -> Iterator[TokenEven
         if index == 0:
             result.prefill_seconds = seconds
         else:
-            result.step_seconds.append(seconds)
             result.decode_bytes += step_bytes(position)
         position += x.shape[1]
-        result.tokens.append(token_id)
-        reason = end_reason(result.tokens, stops, plan)
-        is_stop = reason == "stop"
-        text = "" if is_stop else detok.step(token_id)
-        if reason:  # the last token: nothing held back
-            text += detok.flush()
-            result.stop_reason = reason
-        result.text += text
-        yield TokenEvent(token_id, text, index, seconds, is_stop)
-        if reason:
+        event = emit(result, detok, token_id, seconds, stops, plan)
+        yield event
+        if event.stop:  # else the budget ends the loop
             break
         x = token[:, None]  # [1, 1]
+
+
+def emit(result: Generation, detok, token_id: int, seconds: float, stops: set[int], plan: Budget) -> TokenEvent:
+    """A new token, made in `seconds` (the prefill's for the first), added to `result` with its text (none for a
+    stop token; the last also flushes what the detokenizer held back) -> its event."""
+    index = len(result.tokens)
+    result.tokens.append(token_id)
+    if index:
+        result.step_seconds.append(seconds)
+    reason = end_reason(result.tokens, stops, plan)
+    text = "" if reason == "stop" else detok.step(token_id)
+    if reason:  # the last token: nothing held back
+        text += detok.flush()
+        result.stop_reason = reason
+    result.text += text
+    return TokenEvent(token_id, text, index, seconds, reason == "stop")
 
 
 def generate(model: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tensor | Request,
              max_new_tokens: int | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, stop_ids=None) -> Generation:
     """Serve a `Request` (llmstep.engines.request), or continue `prompt` (text, token ids, or chat messages) with
-    the request's other fields as keywords: a keyword left at None keeps the request's value, the defaults every
-    engine shares (128 new tokens, temperature 1.0, top_k 0, top_p 1.0, a fresh seed, stop at the model's end
-    tokens).
-
-    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A seed makes the run
-    reproducible. Stops at `stop_ids` (None: the model's end tokens; (): never early).
+    the request's other fields as keywords (None keeps the request's value: the defaults every engine shares).
+    temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A seed makes the run reproducible.
+    Stops at `stop_ids` (None: the model's end tokens; (): never early).
     """
     s = stream(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop_ids)
     for _ in s:

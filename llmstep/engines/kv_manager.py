@@ -1,12 +1,8 @@
 """The KV-cache manager: which blocks of the pool hold which request's tokens. Pure Python, no tensors.
 
-vLLM v1's split: the scheduler decides who computes how many tokens (llmstep/engines/scheduler.py); this manager
-finds blocks for them; the block pool (`llmstep.core.paged_kv.BlockPool`) hands blocks out, counts their holders,
-keeps the prefix cache, and knows nothing of requests. The scheduler asks `cached_prefix` (how much of a new
-request is already cached: a `Prefix`) and `allocate` (its block table, or None: cannot fit, nothing changed),
-and says `cache_blocks` after a forward wrote a request's tokens and `free` when a request leaves.
-
-A block table: block table[p // block_size] holds position p. A request's prefix keys chain its full blocks
+vLLM v1's split: the scheduler decides who computes how many tokens; this manager finds blocks for them; the block
+pool (`llmstep.core.paged_kv.BlockPool`) hands blocks out, counts their holders, keeps the prefix cache, and knows
+nothing of requests. block table[p // block_size] holds position p. A request's prefix keys chain its full blocks
 (`core.paged_kv.block_key`): the key of block i hashes the key of block i-1 and block i's tokens.
 """
 
@@ -39,9 +35,8 @@ class Prefix:
 
 
 class KVCacheManager:
-    """Block tables for requests over a pool of n_blocks blocks of block_size positions (prefix_caching: full
-    blocks shared between requests with the same tokens so far, and kept after them, least recently used
-    evicted first)."""
+    """Block tables for requests over a pool of n_blocks blocks of block_size positions (prefix_caching: as
+    `PagedBatcher`'s)."""
 
     def __init__(self, n_blocks: int, block_size: int, prefix_caching: bool = False):
         self.pool = BlockPool(n_blocks, block_size, prefix_caching)

@@ -1,12 +1,9 @@
 """One request, as vLLM's `SamplingParams`: what a caller asks for, one set of defaults, checked once.
 
-Every engine takes a `Request` (generate and stream, speculative_generate, FastDecoder, FastSpeculator, the batchers;
-tensor parallelism runs generate on a sharded model), and its keyword arguments are the request's fields
-(`FastDecoder.generate(ids, 20, temperature=0)` is `.generate(Request(ids, 20, temperature=0))`; a keyword left at
-None keeps the request's value). The defaults are fixed, not read from the checkpoint, so a request means the same
-in every engine and on every model: 128 new tokens, temperature 1.0, top_k 0 and top_p 1.0 (off), a fresh seed, and
-stop at the model's end tokens (`end_ids`), kept as the last token. `check_request` checks every field where the
-request enters and gives the `Checked` request an engine runs (tests/engines/test_request.py).
+Every engine takes a `Request`, and its keyword arguments are the request's fields (`FastDecoder.generate(ids, 20,
+temperature=0)` is `.generate(Request(ids, 20, temperature=0))`; a keyword left at None keeps the request's value).
+The defaults are fixed, not read from the checkpoint, so a request means the same in every engine and on every
+model. `check_request` checks every field where the request enters and gives the `Checked` request an engine runs.
 """
 
 from __future__ import annotations
@@ -92,10 +89,9 @@ class Checked:
 def check_request(request: Request, model: torch.nn.Module, limit: int | None = None,
                   room: str = "the model's context", tokenizer: Tokenizer | None = None,
                   index: int | None = None) -> Checked:
-    """Every field of `request` checked for `model`, once, before any work: a ValueError naming the field (and,
-    given an index, starting "request {index}: "). limit: the positions a sequence may fill (default the model's
-    context; `room` says what they are); the prompt must leave one for a new token. tokenizer: text and chat
-    messages are encoded with it (without one, the prompt must be token ids)."""
+    """Every field of `request` checked for `model` before any work: a ValueError naming the field (given an index,
+    starting "request {index}: "). limit: the positions a sequence may fill (default the model's context; `room`
+    names them). tokenizer: text and chat messages are encoded with it (else the prompt must be token ids)."""
     r, vocab = request, model.config.vocab_size
     limit = model.config.max_seq_len if limit is None else limit
     try:

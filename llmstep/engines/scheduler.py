@@ -1,31 +1,16 @@
 """Continuous batching's schedulers: which request runs at every engine step, and how much of it. Pure Python.
 
-A scheduler owns the queues, the policy and the token budget and touches no tensor (vLLM v1 splits a serving
-engine the same way: scheduler, KV-cache manager, model runner). `Scheduler` serves a contiguous cache's slots;
-an engine step, as `ContinuousBatcher.run` drives it (llmstep/engines/batching.py):
+A scheduler owns the queues, the policy and the token budget and touches no tensor (vLLM v1 splits a serving engine
+the same way: scheduler, KV-cache manager, model runner). `Scheduler` serves a contiguous cache's slots, in the
+engine step batching.py describes: `begin_step` (arrivals join the queue), `admit` until None (the next request and
+its slot, whose prefill's token `take` records), `running` (whom the batched decode serves), `take` each token,
+`end_step`. A request leaves when `decoding.end_reason` says so. What a slot is stays inside `_free_slot`.
 
-1. `begin_step`: requests that have arrived join the queue (static batching also opens its next batch
-   here, but only when every slot is free);
-2. `admit`, until it returns None: the next queued request and the slot it gets; the runner prefills
-   its prompt into that slot and `take` records the token that gives (a request done at once, stopped by
-   that token or wanting none, frees its slot for the next in the queue, in the same step);
-3. `running`: whom the step's batched decode serves, one entry per slot (None: a free slot); the runner
-   makes one token for each and `take` records them;
-4. `end_step`. A request leaves when `decoding.end_reason` says so: a stop token, its max_new_tokens, or
-   the end of its slot (`decoding.budget`).
-
-What a slot is stays inside `admit` (`_free_slot`): one row of max_len positions, reserved whole.
-
-`BlockScheduler` is the same loop over a paged KV cache (llmstep.core.paged_kv), with no difference between
-prefill and decode. It decides who computes how many tokens; which blocks hold them is its KV-cache manager's
-(llmstep/engines/kv_manager.py), which answers "this request's blocks" or "cannot fit". A sequence has tokens it
-knows (its prompt and what it made) and tokens in the cache; each step, `schedule` gives every running sequence
-the next of its known tokens to compute (one, when decoding; up to the step's `prefill_chunk` budget of prompt
-tokens, when prefilling), admits waiting ones while the manager fits them (their cached prefix first, with prefix
-caching), the budget and `n_slots` allow, and preempts the youngest running sequence when the manager cannot fit
-an older one's tokens (its blocks freed, its known tokens recomputed when it returns); `update` records what the
-forward computed and the tokens it gave. A sequence whose cache catches up with what it knows gets its next
-token. Tests drive it with made-up tokens too.
+`BlockScheduler` is the same loop over a paged KV cache, with no difference between prefill and decode: each step
+`schedule` gives every running sequence the next of its known tokens (its prompt and what it made) to compute, one
+when decoding, up to `prefill_chunk` prompt tokens when prefilling; admits waiting ones while its KV-cache manager
+(llmstep/engines/kv_manager.py) fits them; and preempts the youngest when the manager cannot fit an older one's
+tokens. `update` records what the forward computed and the tokens it gave. Tests drive both with made-up tokens.
 """
 
 from __future__ import annotations
@@ -40,8 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.paged_kv import SeqChunk
-from .decoding import Budget, DecodeResult, end_reason
+from .decoding import Budget, DecodeResult, budget, end_reason
 from .kv_manager import KVCacheManager
+from .request import Checked
 
 __all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "BlockScheduler", "Scheduled"]
 
@@ -82,11 +68,8 @@ class Completion(DecodeResult):
 
 @dataclass
 class BatchRun:
-    """A finished run: every request's completion, and the slots' timeline for plotting.
-
-    timeline[s][i]: the request id slot i decoded for in engine step s, or -1 when the slot was free.
-    prefills: (engine step, slot, request id) for every prompt prefilled.
-    """
+    """A finished run: every request's completion, and the slots' timeline for plotting. timeline[s][i]: the
+    request id slot i decoded for in engine step s (-1: free); prefills: (engine step, slot, request id)."""
 
     policy: str
     n_slots: int
@@ -149,6 +132,12 @@ class Job:
     arrived_at: float = math.nan  # clock time at the start of its arrival step
     computed: int = 0  # paged: how many of its known tokens the KV cache holds
 
+    @classmethod
+    def of(cls, request: Checked, index: int, max_len: int) -> Job:
+        """Request `index`, checked, as a job whose sequence may fill max_len positions."""
+        return cls(Completion(id=index, prompt_ids=request.ids, arrival=request.arrival),
+                   budget(len(request.ids), request.max_new_tokens, max_len), request.stops)
+
     @property
     def id(self) -> int:
         return self.completion.id
@@ -166,8 +155,7 @@ class Job:
 
 class _Schedule:
     """What both schedulers share in one run over `jobs` (in submission order): the arrivals and the queue, the
-    engine step and its clock, and the records. A subclass says whether anyone runs (`busy`) and what a request
-    that ends gives back (`_leave`). clock: the wall clock for the per-request seconds (a test may pass its own)."""
+    engine step and its clock (a test may pass its own), and the records; a subclass gives `busy` and `_leave`."""
 
     def __init__(self, jobs: list[Job], n_slots: int, policy: str, clock: Callable[[], float]):
         self.clock = clock
@@ -228,8 +216,7 @@ class _Schedule:
 
 
 class Scheduler(_Schedule):
-    """The queue, the slots and the policy for one run over `jobs` (in submission order): n_slots rows of a
-    contiguous cache. clock: the wall clock for the per-request seconds (a test may pass its own)."""
+    """The queue, the slots and the policy for one run: n_slots rows of a contiguous cache."""
 
     def __init__(self, jobs: list[Job], n_slots: int, policy: str = "continuous",
                  clock: Callable[[], float] = time.perf_counter):
@@ -305,9 +292,8 @@ class Scheduled:
 
 
 class BlockScheduler(_Schedule):
-    """Continuous batching over KV blocks: at most n_slots sequences run at once (`running`, oldest admitted
-    first), each admitted when the KV-cache manager `kv` fits it; prefill_chunk: the most prompt tokens one step
-    computes (None: whole prompts)."""
+    """At most n_slots sequences at once (`running`, oldest admitted first), each admitted when the KV-cache
+    manager `kv` fits it; prefill_chunk: the most prompt tokens a step computes (None: whole prompts)."""
 
     def __init__(self, jobs: list[Job], n_slots: int, kv: KVCacheManager, prefill_chunk: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):

@@ -1,11 +1,9 @@
 """Continuous batching over the paged KV cache one engine step at a time, for requests that arrive while it runs.
 
-`PagedBatcher.run` (batching.py) serves a workload known in advance: every request and the step it arrives at.
-A server does not know what comes next: `PagedSession` is the same engine step (the block scheduler's
-`schedule`, the paged runner's one flattened forward, one draw per request with its own generator) driven from
-outside, one step per call, with requests submitted and cancelled between steps (`BlockScheduler.submit` and
-`cancel`). A request gets the tokens `PagedBatcher.run` and `llmstep.generate` give it (same seed, same stop
-ids), whenever it arrives. One thread drives a session: `llmstep serve`'s engine thread (llmstep.serve.engine).
+`PagedBatcher.run` serves a workload known in advance. A server does not know what comes next: `PagedSession` is
+the same engine step (`batching.paged_step`) driven from outside, one step per call, with requests submitted and
+cancelled between steps. A request gets the tokens `PagedBatcher.run` and `llmstep.generate` give it, whenever it
+arrives. One thread drives a session: `llmstep serve`'s engine thread (llmstep.serve.engine).
 """
 
 from __future__ import annotations
@@ -18,11 +16,11 @@ import torch
 from ..core.model import Llama
 from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
-from .batching import PagedRunner, check_paged_options
-from .decoding import budget, check_finite
+from .batching import PagedRunner, check_paged_options, paged_step
+from .decoding import check_finite
 from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
-from .scheduler import BlockScheduler, Completion, Job
+from .scheduler import BlockScheduler, Job
 
 __all__ = ["PagedSession", "TokenOut"]
 
@@ -37,14 +35,11 @@ class TokenOut:
 
 
 class PagedSession:
-    """`PagedBatcher.run`'s loop one engine step at a time, for requests that arrive while it runs (a server).
+    """`PagedBatcher.run`'s loop one engine step at a time: `submit` a request between steps (it joins at the next;
+    its `arrival` is ignored), `step`, read the tokens it made, `cancel` a request to free its blocks at once.
 
-    `submit` a request at any time between steps (it joins the batch at the next step), `step` once, read the
-    tokens it made, `cancel` a request to free its blocks at once. n_slots, block_size, prefix_caching and
-    prefill_chunk: as PagedBatcher's. n_blocks: the pool, fixed for the session (None: n_slots sequences as
-    long as the model's context). A request's `arrival` is ignored: it arrives when submitted. The
-    per-step record a BatchRun keeps (timeline, block tables) is dropped after each step, so a session can run
-    for as long as a server does; `stats` keeps the cache's counters.
+    n_slots, block_size, prefix_caching, prefill_chunk: PagedBatcher's. n_blocks: the pool, fixed (None: n_slots
+    sequences of the model's context). No per-step record is kept (a server runs for ever); `stats` counts.
     """
 
     def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, n_blocks: int | None = None,
@@ -73,15 +68,13 @@ class PagedSession:
 
     def submit(self, request: Request) -> int:
         """Check a request (a ValueError names what is wrong) and queue it; returns its id."""
-        context = self.model.config.max_seq_len
-        checked = check_request(request, self.model, context)
-        plan = budget(len(checked.ids), checked.max_new_tokens, context)
-        check_fits(len(checked.ids), plan.tokens, self.n_blocks, self.block_size)
-        i = next(self._ids)
-        job = Job(Completion(id=i, prompt_ids=checked.ids), plan, checked.stops)
-        self._jobs[i] = (job, checked, checked.generator(self.device))
+        checked = check_request(request, self.model)
+        job = Job.of(checked, -1, self.model.config.max_seq_len)  # its arrival: set by `submit`
+        check_fits(len(checked.ids), job.plan.tokens, self.n_blocks, self.block_size)
+        job.completion.id = next(self._ids)  # a refused request takes no id
+        self._jobs[job.id] = (job, checked, checked.generator(self.device))
         self.scheduler.submit(job)
-        return i
+        return job.id
 
     def cancel(self, request_id: int) -> None:
         """Drop a request (waiting or running): its blocks go back now. Unknown or finished ids are ignored."""
@@ -91,36 +84,31 @@ class PagedSession:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOut]:
-        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one.
-        Raises NonFiniteLogitsError if a request's logits held NaN or Inf (the model is broken for everyone)."""
+        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one;
+        NonFiniteLogitsError at once if a request's logits held NaN or Inf (the model is broken for everyone)."""
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
-        scheduler, out = self.scheduler, []
-        if scheduler.done:
+        out = []
+        if self.scheduler.done:
             return out
-        scheduler.begin_step()
-        work = scheduler.schedule()
-        if work:
-            logits = self.runner.forward(work)  # [K, vocab]
-            sampled, drawn = [s.job for s in work if s.samples], []
-            if sampled:
-                check_finite(logits, scheduler.step, "the model")
-                drawn = torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
-                                   enumerate(self._jobs[j.id] for j in sampled)]).tolist()  # one wait for the device
-            scheduler.update(work, drawn)
-            for job, token_id in zip(sampled, drawn, strict=True):
-                reason = job.completion.stop_reason or None
-                if reason:
-                    del self._jobs[job.id]
-                out.append(TokenOut(job.id, token_id, reason))
+        for job in paged_step(self.scheduler, self.runner, self._draw):
+            reason = job.completion.stop_reason or None
+            if reason:
+                del self._jobs[job.id]
+            out.append(TokenOut(job.id, job.completion.tokens[-1], reason))
         for job in [j for j, _, _ in self._jobs.values() if j.completion.stop_reason]:  # wanted 0 tokens
             del self._jobs[job.id]
             out.append(TokenOut(job.id, -1, job.completion.stop_reason))
-        scheduler.end_step()
-        run = scheduler.run  # a server's session has no end: keep no per-step record
+        run = self.scheduler.run  # a server's session has no end: keep no per-step record
         for record in (run.timeline, run.block_tables, run.step_tokens, run.queued, run.step_seconds, run.prefills):
             record.clear()
         return out
+
+    def _draw(self, logits: torch.Tensor, jobs: list[Job]) -> list[int]:
+        """logits [K, vocab], row k of jobs[k] -> one token each, drawn with its request's own generator."""
+        check_finite(logits, self.scheduler.step, "the model")
+        return torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
+                          enumerate(self._jobs[j.id] for j in jobs)]).tolist()
 
     def close(self) -> None:
         """Cancel what is left; the session takes no more steps."""

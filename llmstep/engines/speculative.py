@@ -18,9 +18,8 @@ the target's argmax": the output is plain greedy decoding's, token for token.
 With a per-token acceptance probability a, one target forward yields on average (1 - a^(k+1)) / (1 - a)
 tokens (Leviathan et al., eq. 1). Both KV caches roll back after a rejection by moving their lengths back.
 
-Layout: the acceptance rule (pure, batched), the theory, the teaching loop. The drafts (a layer-skipping
-self-draft, a quantized twin, a checkpoint) are in llmstep/engines/drafts.py. The compiled loop (`FastSpeculator`) is in
-llmstep/engines/fast.py, the benchmarks in llmstep/lab/bench_speculative.py.
+Here: the acceptance rule (pure, batched), the theory, the teaching loop. The drafts are in drafts.py, the
+compiled loop (`FastSpeculator`) in fast.py.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from ..core.model import LAST, Llama
 from ..core.sampling import draw, picker, probs
 from ..core.tokens import Tokenizer
 from . import decoding
-from .generate import Generation, Stream, TokenEvent
+from .generate import Generation, Stream, TokenEvent, emit
 from .request import Checked, Request, as_request, check_request
 
 __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
@@ -46,9 +45,7 @@ __all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_s
            "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
 
 
-# --------------------------------------------------------------------------------------------------
-# The acceptance rule
-# --------------------------------------------------------------------------------------------------
+# ---- The acceptance rule -----------------------------------------------------------------------------------
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, proposed: torch.Tensor,
@@ -87,9 +84,7 @@ def verify_greedy(target_logits: torch.Tensor, proposed: torch.Tensor) -> tuple[
     return n, best.gather(1, n[:, None])[:, 0]
 
 
-# --------------------------------------------------------------------------------------------------
-# The theory (Leviathan et al. 2023, section 3)
-# --------------------------------------------------------------------------------------------------
+# ---- The theory (Leviathan et al. 2023, section 3) ---------------------------------------------------------
 
 
 def expected_tokens_per_forward(a: float, k: int) -> float:
@@ -146,9 +141,7 @@ def draft_cost_ratio(target: Llama, draft: Llama) -> float:
     return step_bytes(draft) / step_bytes(target)
 
 
-# --------------------------------------------------------------------------------------------------
-# The teaching loop
-# --------------------------------------------------------------------------------------------------
+# ---- The teaching loop -------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
@@ -272,19 +265,6 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
     seq = list(ids)  # every token so far; the last one is not yet in either cache
     result.stop_reason = "interrupted" if plan.tokens else plan.stop_reason  # until the last token is made
 
-    def emit(token_id: int, seconds: float) -> TokenEvent:
-        index = len(result.tokens)
-        result.tokens.append(token_id)
-        if index:
-            result.step_seconds.append(seconds)
-        reason = decoding.end_reason(result.tokens, stops, plan)
-        text = "" if reason == "stop" else detok.step(token_id)
-        if reason:  # the last token: flush the text
-            text += detok.flush()
-            result.stop_reason = reason
-        result.text += text
-        return TokenEvent(token_id, text, index, seconds, reason == "stop")
-
     if plan.tokens == 0:
         return
     # Prefill both models on the prompt; the target's last logits give the first token.
@@ -301,7 +281,7 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
         draft(x, cache=draft_cache, keep=LAST)  # only its cache is wanted
     seq.append(int(token))
     result.prefill_seconds = time.perf_counter() - start
-    yield emit(seq[-1], result.prefill_seconds)
+    yield emit(result, detok, seq[-1], result.prefill_seconds, stops, plan)
 
     target_len, draft_len = len(seq) - 1, int(draft_cache.lengths[0])  # positions held by each cache
     k = k_max
@@ -366,7 +346,7 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
         result.decode_bytes += decoding.round_bytes(target_bytes, draft_bytes, L, k)
         for t in new:
             seq.append(t)
-            yield emit(t, seconds / len(new))
+            yield emit(result, detok, t, seconds / len(new), stops, plan)
 
 
 def speculative_generate(target: Llama, draft: Llama, tokenizer: Tokenizer,
