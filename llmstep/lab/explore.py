@@ -204,24 +204,30 @@ class SpeculativeCurve:
     speedups: list[float]  # speedups[k - 1]: the expected speedup with k draft tokens per round
     tokens_per_forward: list[float]  # the same for the tokens one target forward yields
     best_k: int
+    verify_cost: float = 1.0  # a (k+1)-token target forward, in one-token forwards (the same for every k)
 
     @property
     def best_speedup(self) -> float:
         return self.speedups[self.best_k - 1]
 
 
-def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16) -> SpeculativeCurve:
+def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16,
+                      verify_cost: float = 1.0) -> SpeculativeCurve:
     """Expected speedup over target-only decoding for k = 1..k_max (Leviathan et al.; llmstep.engines.speculative),
-    with a memory-bound verification (one (k+1)-token forward costs one one-token forward)."""
+    when a draft forward costs `cost_ratio` target forwards and verifying k+1 tokens costs `verify_cost` one-token
+    forwards, for every k (1: a memory-bound verification; notebook 08 measures it)."""
     if not (isinstance(acceptance, int | float) and 0 <= acceptance <= 1):
         raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
     if not (isinstance(cost_ratio, int | float) and cost_ratio >= 0):
         raise ValueError(f"cost_ratio must be a number >= 0, got {cost_ratio!r}")
+    if not (isinstance(verify_cost, int | float) and math.isfinite(verify_cost) and verify_cost > 0):
+        raise ValueError(f"verify_cost must be a number > 0 (one-token forwards), got {verify_cost!r}")
     check_k(k_max)
     ks = range(1, k_max + 1)
-    return SpeculativeCurve(acceptance, cost_ratio, [expected_speedup(acceptance, k, cost_ratio) for k in ks],
+    return SpeculativeCurve(acceptance, cost_ratio,
+                            [expected_speedup(acceptance, k, cost_ratio, verify_cost) for k in ks],
                             [expected_tokens_per_forward(acceptance, k) for k in ks],
-                            best_k(acceptance, cost_ratio, k_max))
+                            best_k(acceptance, cost_ratio, k_max, [verify_cost]), verify_cost)
 
 
 # ---- batching (09) -----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ sampling explorer does.
     kv_memory_explorer     model, context, batch, dtype: the KV cache next to the weights (03)
     attention_explorer     layer and head: who attends to whom in a prompt (03)
     quant_explorer         bits and group size: error against bytes per weight (07)
-    speculative_explorer   acceptance, k, cost ratio: the expected speedup (08)
+    speculative_explorer   acceptance, k, draft and verify costs: the expected speedup (08)
     batching_explorer      slots, arrival rate, policy: the slots and the queue over time (09)
     journey_explorer       one decode step, stage by stage: shapes, bytes and time (05)
 """
@@ -266,10 +266,10 @@ def quant_explorer(w: torch.Tensor | None = None, fallback: bool = True):
 
 # ---- speculative decoding (08) ----------------------------------------------------------------------
 
-def draw_speculative(acceptance: float, k: int, cost_ratio: float, k_max: int = 16):
+def draw_speculative(acceptance: float, k: int, cost_ratio: float, k_max: int = 16, verify_cost: float = 1.0):
     import matplotlib.pyplot as plt
 
-    curve = explore.speculative_curve(acceptance, cost_ratio, k_max)
+    curve = explore.speculative_curve(acceptance, cost_ratio, k_max, verify_cost)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     ks = range(1, k_max + 1)
     left.plot(ks, curve.speedups, ".-")
@@ -279,24 +279,34 @@ def draw_speculative(acceptance: float, k: int, cost_ratio: float, k_max: int = 
     left.set(xlabel="k (draft tokens per round)", ylabel="expected speedup", title="speedup against k")
     left.legend(fontsize=8)
     rates = [i / 100 for i in range(100)]
-    right.plot(rates, [explore.speculative_curve(a, cost_ratio, k).speedups[-1] for a in rates])
+    right.plot(rates, [explore.speculative_curve(a, cost_ratio, k, verify_cost).speedups[-1] for a in rates])
     right.plot([acceptance], [curve.speedups[k - 1]], "o", color="C3", ms=9)
     right.axhline(1, color="0.5", lw=0.8)
     right.set(xlabel="acceptance rate a", ylabel="expected speedup", title=f"speedup against a, k = {k}")
     fig.tight_layout()
-    return fig, (f"a = {acceptance:.2f}, k = {k}, draft costs {cost_ratio:.2f} of a target forward: "
-                 f"{curve.tokens_per_forward[k - 1]:.2f} tokens per target forward, speedup "
-                 f"{curve.speedups[k - 1]:.2f}x (best: k = {curve.best_k}, {curve.best_speedup:.2f}x)")
+    return fig, (f"a = {acceptance:.2f}, k = {k}, draft costs {cost_ratio:.2f} of a target forward, verifying "
+                 f"k + 1 tokens {verify_cost:.2f}: {curve.tokens_per_forward[k - 1]:.2f} tokens per target forward, "
+                 f"speedup {curve.speedups[k - 1]:.2f}x (best: k = {curve.best_k}, {curve.best_speedup:.2f}x)")
 
 
-def speculative_explorer(acceptance: float = 0.7, cost_ratio: float = 0.1, fallback: bool = True):
+def speculative_explorer(acceptance: float = 0.7, cost_ratio: float = 0.1, fallback: bool = True, *,
+                         verify_cost: float = 1.0, k: int = 4):
+    """Sliders over acceptance, k, the draft's cost (in target forwards) and the cost of verifying k+1 tokens (in
+    one-token forwards; 1 when decode is memory-bound), starting at the values given: pass measured ones to
+    start at the measured speedup. A slider's range widens to take a starting value outside it."""
     import ipywidgets as widgets
 
-    controls = {"acceptance": widgets.FloatSlider(value=acceptance, min=0.0, max=0.99, step=0.01,
-                                                  description="acceptance", continuous_update=False),
-                "k": widgets.IntSlider(value=4, min=1, max=16, description="k", continuous_update=False),
-                "cost_ratio": widgets.FloatSlider(value=cost_ratio, min=0.0, max=1.0, step=0.01,
-                                                  description="cost ratio", continuous_update=False)}
+    if not (isinstance(k, int) and 1 <= k <= 16):
+        raise ValueError(f"speculative_explorer: k must be an integer in 1..16 (the slider's range), got {k!r}")
+
+    def slider(name, value, low, high, step, cls=widgets.FloatSlider):
+        return cls(value=value, min=min(low, value), max=max(high, value), step=step, description=name,
+                   continuous_update=False)
+
+    controls = {"acceptance": slider("acceptance", acceptance, 0.0, 0.99, 0.01),
+                "k": slider("k", k, 1, 16, 1, widgets.IntSlider),
+                "cost_ratio": slider("cost ratio", cost_ratio, 0.0, 1.0, 0.01),
+                "verify_cost": slider("verify cost", verify_cost, 1.0, 4.0, 0.01)}
     return explorer(draw_speculative, controls, fallback)
 
 

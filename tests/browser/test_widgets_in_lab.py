@@ -318,6 +318,27 @@ def test_the_course_notebooks_widgets_render_and_answer(lab, path):
     assert check_widgets(lab, str(path.relative_to(ROOT)), expected=widgets_made(path)) == []
 
 
+def test_the_speculative_explorers_verify_cost_slider_redraws(lab):
+    """The verify-cost control (not the first slider, which the test above moves) reaches the figure and the text."""
+    (lab[2] / "verify.ipynb").write_text(json.dumps(notebook(
+        ["from llmstep.lab import explorers\nexplorers.speculative_explorer(0.74, 0.09, verify_cost=1.5)"])))
+    context = lab[3].new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        assert open_and_run(page, lab, "verify.ipynb") == 1
+        output = '[data-test-widget="0"] .widget-output'
+        page.wait_for_function(f"() => document.querySelector('{output}').innerText.includes('tokens 1.50:')",
+                               timeout=CHANGE_S * 1000)
+        slider = page.locator('[data-test-widget="0"] .widget-slider').filter(has_text="verify cost")
+        slider.locator(".noUi-handle").focus()
+        slider.locator(".noUi-handle").press("ArrowRight")  # one step: 1.50 -> 1.51
+        page.wait_for_function(f"() => document.querySelector('{output}').innerText.includes('tokens 1.51:')",
+                               timeout=CHANGE_S * 1000)
+    finally:
+        page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.shutdown()")
+        context.close()
+
+
 def test_the_check_catches_a_broken_callback(lab):
     (lab[2] / "broken.ipynb").write_text(json.dumps(broken_notebook()))
     problems = check_widgets(lab, "broken.ipynb", expected=2, change_s=30)  # the working one redraws in < 1 s

@@ -148,6 +148,30 @@ def test_the_speculative_curve_is_the_theory():
         explore.speculative_curve(1.5, 0.1)
 
 
+def test_the_speculative_curve_divides_by_the_verify_cost():
+    curve = explore.speculative_curve(0.75, 0.1, 8, verify_cost=1.5)
+    assert curve.speedups == pytest.approx([expected_speedup(0.75, k, 0.1, 1.5) for k in range(1, 9)])
+    assert curve.best_k == max(range(1, 9), key=lambda k: curve.speedups[k - 1]) and curve.verify_cost == 1.5
+    # A dearer verification favours a larger k: it is paid once a round, whatever k.
+    assert curve.best_k > explore.speculative_curve(0.75, 0.1, 8).best_k
+    with pytest.raises(ValueError, match="verify_cost"):
+        explore.speculative_curve(0.7, 0.1, 8, verify_cost=0)
+
+
+def test_the_speculative_explorer_starts_at_the_values_given_and_answers_its_verify_cost():
+    box = explorers.speculative_explorer(0.74, 0.2, fallback=False, verify_cost=1.62, k=5)
+    assert summary(box).startswith("a = 0.74, k = 5, draft costs 0.20 of a target forward, verifying k + 1 tokens "
+                                   "1.62:")
+    assert f"speedup {expected_speedup(0.74, 5, 0.2, 1.62):.2f}x" in summary(box)
+    verify = next(c for c in box.children[0].children if c.description == "verify cost")
+    verify.value = 1.0
+    assert f"speedup {expected_speedup(0.74, 5, 0.2, 1.0):.2f}x" in summary(box)
+    wide = explorers.speculative_explorer(0.7, 1.4, fallback=False, verify_cost=6.0)  # the sliders widen
+    assert "draft costs 1.40 of a target forward, verifying k + 1 tokens 6.00" in summary(wide)
+    with pytest.raises(ValueError, match="k must be"):
+        explorers.speculative_explorer(k=17)
+
+
 def test_the_batching_simulation_is_what_run_batch_does_with_a_model():
     from llmstep.engines.batching import run_batch
     from llmstep.lab.bench_batching import random_workload
