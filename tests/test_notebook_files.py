@@ -23,14 +23,22 @@ def test_the_header_says_each_thing_once(path):
     assert {field: text.count(field) for field in FIELDS} == dict.fromkeys(FIELDS, 1)
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_has_exercises_and_their_solutions(path):
+    """The README's promise: exercises at the end of each notebook, worked answers in solutions/ (an edit that
+    overwrote a notebook's exercise cell, or a notebook added without its solutions, fails here)."""
+    headings = [line for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"
+                for line in "".join(c["source"]).splitlines() if line.startswith("#")]
+    assert any(h.lstrip("#").strip().startswith("Exercises") for h in headings), f"{path.name}: no Exercises heading"
+    assert (ROOT / "solutions" / f"{path.name[:2]}_solutions.ipynb").is_file(), f"{path.name}: no solutions notebook"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS + sorted(ROOT.glob("solutions/*.ipynb")), ids=lambda p: p.name)
 def test_the_outputs_come_from_one_run_top_to_bottom(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert [c["execution_count"] for c in cells] == list(range(1, len(cells) + 1))
 
 
-# 10's header still carries the stray line; its owner fixes it in another branch (session 10, issue 28). strict: once
-# it is fixed this xfail fails, and the mark must go.
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_the_header_fields_leave_no_stray_fragment(path):
     """From **You will learn:** to the end of the **Runs in:** paragraph the brackets balance, and no line that ends
