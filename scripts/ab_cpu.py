@@ -4,13 +4,14 @@
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
     python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without engines/cpu_gemm's bf16 dot-product kernel
+    python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
 
 Each argument is a variant: DTYPE[+KERNEL][!fuse|!nofuse][~nodot][|KEY=VALUE;KEY=VALUE], DTYPE one of float32,
 bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, KEY=VALUE inductor options over engines/compile.py's CPU options. All
-variants are built and compiled in one process (the shipped target model, 2 threads, a 128-token random
-prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
+variants are built and compiled in one process (--model, default the shipped target model; 2 threads, a 128-token
+random prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
 them within a second or two of each other, so the paired ratio to the first variant, whose median is
 printed, is far steadier than rates taken minutes apart on a machine others share.
 """
@@ -26,14 +27,16 @@ import torch
 
 import llmstep
 import llmstep.engines.compile as compile_mod
+from llmstep.core.files import atomic_write_json
 from llmstep.core.quantize import quantize
 from llmstep.engines import cpu_gemm
 from llmstep.engines.fast import FastDecoder
+from llmstep.lab import runinfo
 
 _original = compile_mod.compile_options
 
 
-def build(spec: str) -> FastDecoder:
+def build(spec: str, name: str) -> FastDecoder:
     head, _, opts = spec.partition("|")
     head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
@@ -41,10 +44,11 @@ def build(spec: str) -> FastDecoder:
     dtype, _, base = head.partition("@")
     base = base or ("bfloat16" if dtype in ("int8", "int4") else dtype)
     overrides = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opts.split(";") if o)}
-    model, _ = llmstep.load("target", device="cpu", dtype=base)
+    model, _ = llmstep.load(name, device="cpu", dtype=base)
     if dtype in ("int8", "int4"):
         quantize(model, dtype, kernel=kernel or "auto")
-    compile_mod.compile_options = lambda device, mode=None, tune=True: _original(device, mode, tune) | overrides
+    compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
+        _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
     with cpu_gemm.withheld(bool(nodot)):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
@@ -58,22 +62,36 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="target", help="a model name (`llmstep models`) or path")
+    p.add_argument("--json", help="also write the rates and ratios here (atomically)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    decoders = [build(v) for v in a.variants]
-    ids = torch.randint(0, 8192, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    load_before = open("/proc/loadavg").read().split()[0]
+    decoders = [build(v, a.model) for v in a.variants]
+    vocab = decoders[0].model.config.vocab_size
+    ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     first = [d.generate(ids, 32, temperature=0, stop_ids=()).tokens for d in decoders]
     rates: list[list[float]] = [[] for _ in decoders]
     for _ in range(a.rounds):
         for i, d in enumerate(decoders):
             r = d.generate(ids, a.tokens, temperature=0, stop_ids=())
             rates[i].append(r.decode_steps / r.decode_seconds)
+    rows = []
     for i, v in enumerate(a.variants):
         ratio = statistics.median(x / y for x, y in zip(rates[i], rates[0], strict=True))
         same = sum(1 for x, y in zip(first[i], first[0], strict=True) if x == y)
         print(f"{v:45s} median {statistics.median(rates[i]):7.1f} tok/s  [{min(rates[i]):.1f}, {max(rates[i]):.1f}]"
               f"  paired ratio to {a.variants[0]!r}: {ratio:.2f}  tokens equal to it: {same}/32", flush=True)
-    print("load average:", open("/proc/loadavg").read().split()[:3], file=sys.stderr)
+        rows.append({"variant": v, "tokens_per_s_rounds": rates[i], "median_tokens_per_s": statistics.median(rates[i]),
+                     "paired_ratio_to_first": ratio, "first_32_tokens_equal_to_first": same})
+    load_after = open("/proc/loadavg").read().split()[0]
+    print("load average:", load_after, file=sys.stderr)
+    if a.json:
+        atomic_write_json(a.json, {"command": "python scripts/ab_cpu.py " + " ".join(sys.argv[1:]),
+                                   "machine": runinfo.describe("cpu"), "versions": runinfo.versions(),
+                                   "load_average_1min_before_after": [load_before, load_after],
+                                   "model": a.model, "threads": a.threads, "rounds": a.rounds, "tokens": a.tokens,
+                                   "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,11 @@ from ..core import torch_compat
 from ..core.device import synchronize
 from . import cpu_gemm
 
-__all__ = ["compile_options", "tunes_matmuls", "uses_cuda_graphs", "compiles", "compile_step", "Step", "warm_up"]
+__all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graphs", "compiles", "compile_step", "Step",
+           "warm_up"]
 
 
-def compile_options(device: torch.device, mode: str | None = None, tune_matmuls: bool = True) -> dict:
+def compile_options(device: torch.device, mode: str | None = None, gemm_backends: str | None = "ATEN,CPP") -> dict:
     """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
     CUDA: "reduce-overhead" (CUDA graphs) plus gpt-fast's `coordinate_descent_tuning`, with which inductor turns
@@ -30,9 +31,10 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     (tests/cuda_proofs/test_compile_trace.py traces both with fake CUDA tensors).
     CPU: the weights frozen into the code (`freezing`: packed layouts, constant folding), the linears that read one
     input concatenated (`cpp.enable_concat_linear`: wq|wk|wv and w1|w3 one matmul each), the kernels called from
-    C++ (`cpp_wrapper`); with mode None and `tune_matmuls` (`tunes_matmuls(model)`) every matmul shape also timed
-    against inductor's C++ GEMM templates (`max_autotune_gemm`; "max-autotune" tunes the rest too), whose bf16
-    kernel is `cpu_gemm`'s where the CPU has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default).
+    C++ (`cpp_wrapper`); with mode None every matmul shape also tuned among `gemm_backends` (`gemm_backends(model)`;
+    None: not tuned): "ATEN,CPP" times oneDNN/MKL against inductor's C++ GEMM templates, "CPP" takes the template
+    alone (`max_autotune_gemm`; "max-autotune" tunes the rest too), whose bf16 kernel is `cpu_gemm`'s where the CPU
+    has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default).
     Options this torch's inductor does not know are left out (`torch_compat.known_options`).
     """
     best = mode is None
@@ -44,9 +46,9 @@ def compile_options(device: torch.device, mode: str | None = None, tune_matmuls:
     if device.type == "cpu":
         options |= {"freezing": not torch_compat.missing("freezing"), "cpp.enable_concat_linear": True,
                     "cpp_wrapper": True}
-        if best and tune_matmuls:  # tuned quietly: inductor prints every shape's timings to stderr by default
-            options |= {"max_autotune_gemm": True, "autotune_num_choices_displayed": 0,
-                        "max_autotune_report_choices_stats": False}
+        if best and gemm_backends:  # tuned quietly: inductor prints every shape's timings to stderr by default
+            options |= {"max_autotune_gemm": True, "max_autotune_gemm_backends": gemm_backends,
+                        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
     return torch_compat.known_options(options)
 
 
@@ -67,6 +69,21 @@ def tunes_matmuls(model: torch.nn.Module) -> bool:
             or (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_gemm.install()))
 
 
+def gemm_backends(*models: torch.nn.Module) -> str | None:
+    """What a CPU step running `models` tunes its matmuls among by default (`compile_options`): None (not tuned)
+    unless every model's are (`tunes_matmuls`); "CPP", inductor's C++ GEMM template alone, where every model is
+    bf16 (its linears quantised or not) and `cpu_gemm`'s bf16 kernel is installed; else "ATEN,CPP".
+
+    Inductor times each candidate on one weight, again and again: hot in the cache. A decode step whose weights do
+    not fit in the cache streams them from memory, where the template's kernel is the faster one; on weights hot in
+    the cache oneDNN's can win the timing and then lose the step (scripts/ab_cpu.py's `|max_autotune_gemm_backends=`
+    variants measure both; results/README.md, claim 2)."""
+    if not all(tunes_matmuls(m) for m in models):
+        return None
+    bf16 = all(next(m.parameters()).dtype == torch.bfloat16 for m in models)
+    return "CPP" if bf16 and next(models[0].parameters()).device.type == "cpu" and cpu_gemm.install() else "ATEN,CPP"
+
+
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
     """Whether `compile_step` records the step as a CUDA graph on `device` in `mode`."""
     return device.type == "cuda" and bool(compile_options(device, mode).get("triton.cudagraphs"))
@@ -82,13 +99,13 @@ def own_code(fn: Callable) -> types.FunctionType:
 
 
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
-                 refilled: Iterable[torch.Tensor] = (), tune_matmuls: bool = True):
+                 refilled: Iterable[torch.Tensor] = (), gemm_backends: str | None = "ATEN,CPP"):
     """fn compiled whole for `device` (see `compile_options`), fixed shapes. static: tensors it updates in place
     every call (a KV cache), at fixed addresses a CUDA graph writes directly. refilled: tensors it only reads and
     the caller refills in place (random numbers), at fixed addresses too unless the weights are frozen (freezing
     would fold them into constants). With CUDA graphs a call reuses the last call's outputs' memory: use what a
     step returns before calling it again."""
-    options = compile_options(device, mode, tune_matmuls)
+    options = compile_options(device, mode, gemm_backends)
     if device.type == "cpu":
         cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
     for t in (*static, *(() if options.get("freezing") else refilled)):
@@ -112,16 +129,16 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
 class Step:
     """A loop's step: `fn` itself, or fn compiled for `device` (`compile_step`; compile None: on CUDA only, since a
     CPU compile takes tens of seconds). mode: torch.compile's (None: this device's best, `compile_options`);
-    static, refilled: `compile_step`'s; tune_matmuls: `tunes_matmuls(model)` of the model the step runs.
+    static, refilled: `compile_step`'s; gemm_backends: `gemm_backends(models)` of the models the step runs.
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
                  static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = (),
-                 tune_matmuls: bool = True):
+                 gemm_backends: str | None = "ATEN,CPP"):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
         self.compiled = compiles(device, compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
-        self.fn = compile_step(fn, device, mode, static, refilled, tune_matmuls) if self.compiled else fn
+        self.fn = compile_step(fn, device, mode, static, refilled, gemm_backends) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)

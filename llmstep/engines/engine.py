@@ -16,7 +16,7 @@ from ..core import attention_backend
 from ..core.checks import check_max_len
 from ..core.cost import MemoryBudgetError
 from ..core.sampling import sample
-from .compile import Step, compile_options, compiles, tunes_matmuls, uses_cuda_graphs, warm_up
+from .compile import Step, compile_options, compiles, gemm_backends, uses_cuda_graphs, warm_up
 from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_bucket, cache_len
 from .request import Checked, Request, check_request
 
@@ -53,9 +53,9 @@ class Engine:
 
     def _step_of(self, fn: Callable, static: Sequence[torch.Tensor], *models: torch.nn.Module, **options) -> Step:
         """fn as this engine's step (`compile.Step`, compiled as the engine is), writing `static` in place; models:
-        those it runs (default the engine's), its matmuls tuned where every one's are (`tunes_matmuls`)."""
+        those it runs (default the engine's), whose matmuls it tunes as `gemm_backends` says."""
         return Step(fn, self.device, self._compile, self._mode, static=static,
-                    tune_matmuls=all(tunes_matmuls(m) for m in models or [self.model]), **options)
+                    gemm_backends=gemm_backends(*(models or [self.model])), **options)
 
     def check(self, request: Request, index: int | None = None) -> Checked:
         """`request.check_request` against this engine's sequences (the context, or the fixed cache's slots)."""

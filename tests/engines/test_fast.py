@@ -169,9 +169,11 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     # by default a CPU step's matmuls are tuned (inductor's C++ templates against oneDNN), but not a bf16 model's;
     # an explicit mode's are as torch's mode has them
     assert cpu["max_autotune_gemm"] and not compile_options(torch.device("cpu"), "default").get("max_autotune_gemm")
-    assert not compile_options(torch.device("cpu"), None, tune_matmuls=False).get("max_autotune_gemm")
+    assert not compile_options(torch.device("cpu"), None, gemm_backends=None).get("max_autotune_gemm")
+    assert cpu["max_autotune_gemm_backends"] == "ATEN,CPP"
+    assert compile_options(torch.device("cpu"), None, "CPP")["max_autotune_gemm_backends"] == "CPP"
     from llmstep.engines import cpu_gemm
-    from llmstep.engines.compile import tunes_matmuls
+    from llmstep.engines.compile import gemm_backends, tunes_matmuls
 
     f32, bf16 = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     threads = torch.get_num_threads()
@@ -182,8 +184,15 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
         # bf16 on one thread: tuned where the template has the dot-product kernel (AVX-512 BF16), not elsewhere
         assert tunes_matmuls(bf16) == cpu_gemm.install()
         assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
+        # the backends a step tunes among: none where it does not tune; the template alone for bf16 models (their
+        # linears quantised or not) where cpu_gemm's kernel runs; else oneDNN/MKL against the template
+        assert gemm_backends(f16) is None and gemm_backends(f32) == "ATEN,CPP"
+        template = "CPP" if cpu_gemm.install() else "ATEN,CPP"
+        assert gemm_backends(bf16) == template == gemm_backends(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))
+        assert gemm_backends(bf16, f32) == "ATEN,CPP"  # a speculative round with a float32 model in it
         torch.set_num_threads(2)
         assert tunes_matmuls(bf16)
+        assert gemm_backends(bf16, f16) == "ATEN,CPP"
     finally:
         torch.set_num_threads(threads)
     cuda = compile_options(torch.device("cuda"))
