@@ -4,6 +4,7 @@ stage by stage, and where a (compiled) decode step's time goes, operator by oper
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -84,6 +85,8 @@ def add_commands(sub) -> None:
     f.add_argument("--repeats", type=positive_int, default=5, help="timed decode runs (median reported)")
     f.add_argument("--steps", type=positive_int, default=100, help="decode steps under the profiler")
     f.add_argument("--rate-only", action="store_true", help="the decode rate alone, no profile")
+    f.add_argument("--kernel-profile", action="store_true", help="compiled: list each of inductor's C++ kernels "
+                   "under its own name (inductor's cpp.enable_kernel_profile; its records cost a little time)")
     f.add_argument("--top", type=positive_int, default=25, help="operators listed")
     f.set_defaults(run=run_profile)
 
@@ -194,11 +197,14 @@ def run_trace(args, argv) -> None:
 def run_profile(args, argv) -> dict:
     import statistics
 
+    from ..core import torch_compat
     from ..core.checkpoint import load_model
     from ..core.quantize import quantize
     from ..engines.fast import FastDecoder
     from ..lab.profile import decode_rates, profile_ops
 
+    if args.kernel_profile and not args.compile:
+        raise ValueError("--kernel-profile names a compiled step's kernels: it cannot go with --no-compile")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -207,19 +213,21 @@ def run_profile(args, argv) -> dict:
                          f"{model.config.max_seq_len}-token context")
     if args.quantize != "none":
         quantize(model, args.quantize)
-    decoder = FastDecoder(model, max_len=args.prompt_len + args.new_tokens, compile=args.compile,
-                          mode=args.compile_mode)
-    compile_seconds = decoder.warmup()
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
-    rates = decode_rates(decoder, ids, args.new_tokens, args.repeats)
-    what = f"{model.device.type} {str(model.dtype).removeprefix('torch.')}" + \
-        (f" {args.quantize}" if args.quantize != "none" else "") + (" compiled" if decoder.compiled else " eager")
-    print(f"[{what}] decode {statistics.median(rates):,.1f} tok/s, median of {args.repeats} runs of "
-          f"{args.new_tokens} tokens (min {min(rates):,.1f}, max {max(rates):,.1f}); compile {compile_seconds:.1f} s")
-    record = {"decode_tokens_per_s_runs": rates, "compiled": decoder.compiled}
-    if not args.rate_only:
-        ops = profile_ops(decoder, context=args.prompt_len, steps=args.steps)
-        print(ops.table(args.top))
-        record["us_per_step_by_kind"] = ops.by_kind()
+    with torch_compat.kernel_profile() if args.kernel_profile else contextlib.nullcontext():  # steps compile inside
+        decoder = FastDecoder(model, max_len=args.prompt_len + args.new_tokens, compile=args.compile,
+                              mode=args.compile_mode)
+        compile_seconds = decoder.warmup()
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
+        rates = decode_rates(decoder, ids, args.new_tokens, args.repeats)
+        what = f"{model.device.type} {str(model.dtype).removeprefix('torch.')}" + \
+            (f" {args.quantize}" if args.quantize != "none" else "") + (" compiled" if decoder.compiled else " eager")
+        print(f"[{what}] decode {statistics.median(rates):,.1f} tok/s, median of {args.repeats} runs of "
+              f"{args.new_tokens} tokens (min {min(rates):,.1f}, max {max(rates):,.1f}); "
+              f"compile {compile_seconds:.1f} s")
+        record = {"decode_tokens_per_s_runs": rates, "compiled": decoder.compiled}
+        if not args.rate_only:
+            ops = profile_ops(decoder, context=args.prompt_len, steps=args.steps)
+            print(ops.table(args.top))
+            record["us_per_step_by_kind"] = ops.by_kind()
     return record

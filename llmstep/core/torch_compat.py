@@ -44,7 +44,8 @@ import torch
 
 __all__ = ["FLOOR", "CEILING", "Feature", "FEATURES", "features", "missing", "in_tested_range", "int8_mm",
            "int4_pack_cpu", "int4_pack_cuda", "int4_mm", "mode_options", "known_options", "holding_freezing",
-           "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm", "micro_gemm_withheld"]
+           "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm", "micro_gemm_withheld",
+           "kernel_profile"]
 
 FLOOR = (2, 13)  # pyproject.toml's `torch>=2.13`: the torch CI installs (.ci/run) and the tests run on
 CEILING = (2, 14)  # the first torch release not yet tested: gated features are off from here on
@@ -262,6 +263,18 @@ def known_options(options: dict) -> dict:
 
     known = set(torch._inductor.list_options())
     return {k: v for k, v in options.items() if k in known}
+
+
+def kernel_profile() -> contextlib.AbstractContextManager:
+    """Steps compiled inside it record each of inductor's C++ kernels in torch.profiler under its own name
+    (inductor's `cpp.enable_kernel_profile`), so a compiled CPU step's profile lists its kernels, not one call of
+    the whole step. Where this torch's inductor does not know the option, a context that changes nothing."""
+    option = {"cpp.enable_kernel_profile": True}
+    if not known_options(option):
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(option)
 
 
 def holding_freezing(compiled: Callable) -> Callable:

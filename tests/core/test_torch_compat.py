@@ -140,6 +140,30 @@ def test_options_inductor_does_not_know_are_left_out_and_passed_as_given_where_i
     assert torch_compat.known_options(options) == options
 
 
+def test_kernel_profile_names_each_compiled_cpu_kernel_and_changes_nothing_where_inductor_lacks_the_option(
+        monkeypatch):
+    import torch._inductor
+    import torch._inductor.config as inductor_config
+
+    def kernels(fn) -> set[str]:  # fn compiled (each lambda its own code object), profiled: the kernels named in it
+        compiled = torch.compile(fn, fullgraph=True)
+        x = torch.randn(64)
+        compiled(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(x)
+        return {e.key for e in prof.key_averages() if "cpp_fused" in e.key}
+
+    with torch_compat.kernel_profile():
+        assert inductor_config.cpp.enable_kernel_profile
+        named = kernels(lambda x: torch.sin(x) * 2 + 1)
+    assert not inductor_config.cpp.enable_kernel_profile  # restored on leaving
+    assert named and all("sin" in k for k in named)  # the fused kernel, under its own name
+    assert not kernels(lambda x: torch.cos(x) * 2 + 1)  # outside it, no kernel shows on its own
+    monkeypatch.setattr(torch._inductor, "list_options", lambda: ["freezing"])  # an inductor without the option
+    with torch_compat.kernel_profile():
+        assert not inductor_config.cpp.enable_kernel_profile
+
+
 def test_without_static_addresses_nothing_is_marked(monkeypatch):
     t = torch.zeros(3)
     monkeypatch.delattr(torch._dynamo, "mark_static_address")

@@ -135,6 +135,11 @@ def test_profile_ops_counts_each_operator_per_step_not_per_run(model):
                                             ("aten::addmm", "matmul"), ("aten::_softmax", "attention"),
                                             ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
                                             ("cpp_fused_add_mean_mul_pow_rsqrt_0", "norm/rope/elementwise"),
+                                            # inductor's kernels (llmstep profile --kernel-profile): a GEMM template,
+                                            # and attention's matmuls with their softmax or bmm in the name
+                                            ("graph_1_gemm_m1n3072k576_cpp_fused__to_copy_mean_mm_mul", "matmul"),
+                                            ("graph_1_gemm_m3n64k256_cpp_fused__softmax__to_copy_bmm_view_5",
+                                             "attention"), ("aoti_torch_cpu_bmm_out", "attention"),
                                             ("aten::empty_strided", "other")])
 def test_op_kind_names_the_work_an_operator_does(name, kind):
     assert op_kind(name) == kind
@@ -176,3 +181,5 @@ def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint,
     assert len(record["decode_tokens_per_s_runs"]) == 2 and record["us_per_step_by_kind"]["matmul"] > 0
     with pytest.raises(CommandFailed, match="exceed the model's 128-token context"):
         main(["profile", "--model", str(tiny_checkpoint), "--prompt-len", "100", "--new-tokens", "29"])
+    with pytest.raises(CommandFailed, match="--kernel-profile names a compiled step's kernels"):  # before any load
+        main(["profile", "--model", "/no/such/model", "--no-compile", "--kernel-profile"])
