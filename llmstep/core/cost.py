@@ -8,6 +8,7 @@ batch, while the KV cache is read once per sequence.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from .config import LlamaConfig
 from .norm import RMSNorm
 
 __all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
-           "weight_bytes", "model_step_cost", "training_bytes", "model_bytes", "checkpoint_bytes", "kv_cache_bytes",
-           "free_memory_bytes", "check_fits", "MemoryBudgetError"]
+           "weight_bytes", "model_step_cost", "step_bytes", "step_bytes_by_context", "training_bytes", "model_bytes",
+           "checkpoint_bytes", "kv_cache_bytes", "free_memory_bytes", "check_fits", "MemoryBudgetError"]
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> float:
@@ -215,3 +216,16 @@ def model_step_cost(model: nn.Module, context: int = 0, batch: int = 1) -> StepC
     """`decode_step_cost` of a model in memory: its weights as stored (float or quantized), its KV cache's dtype."""
     base = decode_step_cost(model.config, context, dtype=model.dtype, batch=batch)
     return StepCost(weight_bytes=weight_bytes(model), kv_bytes=base.kv_bytes, flops=base.flops)
+
+
+def step_bytes(model: nn.Module, context: int = 0) -> float:
+    """Bytes one decode forward of `model` reads with `context` tokens cached, float or quantized."""
+    return model_step_cost(model, context=context).bytes
+
+
+def step_bytes_by_context(model: nn.Module, context: int = 0) -> Callable[[int], float]:
+    """bytes(c): what one decode step of `model` reads with c tokens in its cache (`step_bytes`), linear in c (the
+    weights, plus the same KV bytes per cached token): two walks over the modules per run."""
+    at = step_bytes(model, context)
+    per_token = step_bytes(model, context + 1) - at
+    return lambda c: at + (c - context) * per_token

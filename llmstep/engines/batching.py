@@ -12,8 +12,9 @@ only when every slot is free), each newcomer's prompt prefilled alone into its o
 [S, 1], every row at its own position. A free slot rides along with a dummy token at position 0 (fixed shapes, as
 CUDA graphs need): nothing reads it, and keys an earlier occupant left past a row's position are hidden by the
 causal mask. The scheduler (scheduler.py) decides who runs; the runner (`BatchRunner`) owns the cache and does the
-forwards; `ContinuousBatcher` drives both and samples each row with its request's own generator, so a request gets
-the tokens `llmstep.generate` gives it alone (up to the float rounding of a batched matmul; exact in float64).
+forwards; `ContinuousBatcher`, a runner that drives a scheduler, samples each row with its request's own generator,
+so a request gets the tokens `llmstep.generate` gives it alone (up to the float rounding of a batched matmul; exact
+in float64).
 
 Over a paged KV cache (`PagedBatcher`; llmstep.core.paged_kv) a sequence holds blocks, not a slot, and there is no
 separate prefill: each engine step is one eager forward over a flattened row [1, N] holding every running
@@ -102,26 +103,12 @@ class BatchRunner(Engine):
         return self.step(tokens, positions)
 
 
-class ContinuousBatcher(Engine):
-    """A scheduler and a runner: serves requests in n_slots slots of max_len positions each (None: sized for the
-    requests of each run, a new runner only when a run needs more). compile, mode: the runner's.
+class ContinuousBatcher(BatchRunner):
+    """A runner that also schedules: serves requests in n_slots slots of max_len positions each (None: sized for
+    the requests of each run, grown only when a run needs more).
     """
 
     room = fixed_room = "a batch slot's length"
-
-    def __init__(self, model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,
-                 mode: str | None = None):
-        self.n_slots = n_slots  # checked by the runner
-        self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))
-
-    def _allocate(self, max_len: int) -> None:  # a new runner, with a longer cache, before any work
-        self.runner = BatchRunner(self.model, self.n_slots, max_len, self._compile, self._mode)
-        self.max_len, self.cache = max_len, self.runner.cache
-
-    def warmup(self) -> float:
-        seconds = self.runner.warmup()
-        self.compile_seconds += seconds
-        return seconds
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""
@@ -135,21 +122,21 @@ class ContinuousBatcher(Engine):
     @torch.inference_mode()
     def _run(self, requests: Sequence[Checked], scheduler: Scheduler) -> BatchRun:
         self.warmup()
-        runner, device, rows = self.runner, self.device, Rows(requests, self.device)
-        runner.cache.reset()
+        device, rows = self.device, Rows(requests, self.device)
+        self.cache.reset()
         start = time.perf_counter()
         while not scheduler.done:
             synchronize(device)
             scheduler.begin_step()
             while (job := scheduler.admit()) is not None:  # also into a slot freed by a prefill's token
                 prefill_start = time.perf_counter()
-                logits = runner.prefill(job.completion.slot, job.completion.prompt_ids)  # [1, vocab]
+                logits = self.prefill(job.completion.slot, job.completion.prompt_ids)  # [1, vocab]
                 scheduler.take(job, rows.draw(logits, [job.id])[0])  # waits for the device: the scheduler needs it
                 job.completion.prefill_seconds = time.perf_counter() - prefill_start
             running = scheduler.running()
             if any(running):
-                logits = runner.decode([None if j is None else (j.completion.tokens[-1], j.position)
-                                        for j in running])  # [S, vocab]
+                logits = self.decode([None if j is None else (j.completion.tokens[-1], j.position)
+                                      for j in running])  # [S, vocab]
                 served = [(s, j) for s, j in enumerate(running) if j is not None]
                 slots = torch.tensor([s for s, _ in served], device=device)
                 drawn = rows.draw(logits[slots], [j.id for _, j in served])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.checks import SEED_LIMIT, check_int, check_max_len, check_seed, is_int
-from ..core.cost import model_step_cost
+from ..core.cost import step_bytes_by_context
 from ..core.tokens import Tokenizer
 
 __all__ = ["SEED_LIMIT", "check_int", "check_seed", "check_max_len", "check_prompt_ids",
@@ -196,14 +196,6 @@ def cut_at_stop(tokens: list[int], stops: set[int]) -> tuple[list[int], bool]:
         if t in stops:
             return tokens[: i + 1], True
     return tokens, False
-
-
-def step_bytes_by_context(model: torch.nn.Module, context: int = 0) -> Callable[[int], float]:
-    """bytes(c): what one decode step of `model` reads with c tokens in its cache (`core.cost.model_step_cost`),
-    linear in c (the weights, plus the same KV bytes per cached token): two walks over the modules per run."""
-    at = model_step_cost(model, context=context).bytes
-    per_token = model_step_cost(model, context=context + 1).bytes - at
-    return lambda c: at + (c - context) * per_token
 
 
 def round_bytes(target_bytes: Callable[[int], float], draft_bytes: Callable[[int], float], L: int, k: int) -> float:

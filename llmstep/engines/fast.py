@@ -334,18 +334,14 @@ class FastSpeculator(Engine):
         start = time.perf_counter()
         while (reason := end_reason(result.tokens, stops, plan)) is None:
             L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
-            if L > last_round:  # the target alone, as speculative_generate's rounds of k = 0
-                position = torch.full((1, 1), L - 1, device=device)
-                logits = self._target_step(torch.tensor([seq[-1:]], device=device), position)  # [1, V]
-                nonfinite.update(logits)
-                new = [int(pick(logits)[0])]
-                result.record(0, 0, 1)
-                result.decode_bytes += round_bytes(target_bytes, draft_bytes, L, 0)
-                seq += new
-                result.tokens += new
-                continue
+            k = 0 if L > last_round else self.k  # 0: the target alone, as speculative_generate's rounds of k = 0
             pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
-            if greedy:
+            if not k:
+                logits = self._target_step(torch.tensor([seq[-1:]], device=device),
+                                           torch.full((1, 1), L - 1, device=device))  # [1, V]
+                nonfinite.update(logits)
+                drafted, n, token = torch.zeros(1, 0, dtype=torch.long), 0, pick(logits)[0]  # drafted [1, 0]
+            elif greedy:
                 drafted, n, token, finite = self._greedy_step(pair, torch.full((1, 1), L - 1, device=device))
                 nonfinite.record(finite)
             else:

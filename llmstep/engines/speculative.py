@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.cost import model_step_cost
+from ..core.cost import step_bytes
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
 from ..core.model import LAST, Llama
@@ -129,11 +129,6 @@ def measure_costs(target: Llama, draft: Llama, k_max: int = 8, context: int = 64
 
     one = seconds(target, 1, keep=None)
     return seconds(draft, 1, keep=LAST) / one, [seconds(target, k + 1, None) / one for k in range(k_max + 1)]
-
-
-def step_bytes(model: Llama, context: int = 0) -> float:
-    """Bytes one decode forward reads, float or quantized (llmstep.core.cost.model_step_cost)."""
-    return model_step_cost(model, context=context).bytes
 
 
 def draft_cost_ratio(target: Llama, draft: Llama) -> float:
