@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import shlex
 import statistics
 import sys
 
@@ -87,11 +88,11 @@ def main() -> None:
     load_after = open("/proc/loadavg").read().split()[0]
     print("load average:", load_after, file=sys.stderr)
     if a.json:
-        atomic_write_json(a.json, {"command": "python scripts/ab_cpu.py " + " ".join(sys.argv[1:]),
+        atomic_write_json(a.json, {"command": shlex.join(["python", "scripts/ab_cpu.py", *sys.argv[1:]]),
                                    "machine": runinfo.describe("cpu"), "versions": runinfo.versions(),
                                    "load_average_1min_before_after": [load_before, load_after],
                                    "model": a.model, "threads": a.threads, "rounds": a.rounds, "tokens": a.tokens,
-                                   "rows": rows}, indent=1)
+                                   "rows": rows})
 
 
 if __name__ == "__main__":
