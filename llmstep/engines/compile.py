@@ -23,7 +23,8 @@ __all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graph
            "warm_up"]
 
 
-def compile_options(device: torch.device, mode: str | None = None, gemm_backends: str | None = "ATEN,CPP") -> dict:
+def compile_options(device: torch.device, mode: str | None = None, gemm_backends: str | bool | None = "ATEN,CPP", *,
+                    tune_matmuls: bool | None = None) -> dict:
     """torch.compile's inductor options for a decode step on `device` (mode None: this device's best).
 
     CUDA: "reduce-overhead" (CUDA graphs) plus gpt-fast's `coordinate_descent_tuning`, with which inductor turns
@@ -35,8 +36,13 @@ def compile_options(device: torch.device, mode: str | None = None, gemm_backends
     None: not tuned): "ATEN,CPP" times oneDNN/MKL against inductor's C++ GEMM templates, "CPP" takes the template
     alone (`max_autotune_gemm`; "max-autotune" tunes the rest too), whose bf16 kernel is `cpu_gemm`'s where the CPU
     has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default).
-    Options this torch's inductor does not know are left out (`torch_compat.known_options`).
+    Options this torch's inductor does not know are left out (`torch_compat.known_options`). The earlier switch,
+    `tune_matmuls` (or a bool in gemm_backends' place), still works: True is "ATEN,CPP", False is None.
     """
+    if tune_matmuls is not None:
+        gemm_backends = tune_matmuls
+    if isinstance(gemm_backends, bool):
+        gemm_backends = "ATEN,CPP" if gemm_backends else None
     best = mode is None
     if mode is None:
         mode = "reduce-overhead" if device.type == "cuda" else "default"

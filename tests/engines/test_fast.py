@@ -172,6 +172,9 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     assert not compile_options(torch.device("cpu"), None, gemm_backends=None).get("max_autotune_gemm")
     assert cpu["max_autotune_gemm_backends"] == "ATEN,CPP"
     assert compile_options(torch.device("cpu"), None, "CPP")["max_autotune_gemm_backends"] == "CPP"
+    for old_switch in ({"tune_matmuls": False}, {"gemm_backends": False}):  # the earlier bool keeps its meaning
+        assert not compile_options(torch.device("cpu"), None, **old_switch).get("max_autotune_gemm")
+    assert compile_options(torch.device("cpu"), None, tune_matmuls=True)["max_autotune_gemm_backends"] == "ATEN,CPP"
     from llmstep.engines import cpu_gemm
     from llmstep.engines.compile import gemm_backends, tunes_matmuls
 
