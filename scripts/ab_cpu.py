@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the rates and ratios here (atomically)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    load_before = open("/proc/loadavg").read().split()[0]
+    load_before = runinfo.load_average()
     decoders = [build(v, a.model) for v in a.variants]
     vocab = decoders[0].model.config.vocab_size
     ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -85,7 +85,7 @@ def main() -> None:
               f"  paired ratio to {a.variants[0]!r}: {ratio:.2f}  tokens equal to it: {same}/32", flush=True)
         rows.append({"variant": v, "tokens_per_s_rounds": rates[i], "median_tokens_per_s": statistics.median(rates[i]),
                      "paired_ratio_to_first": ratio, "first_32_tokens_equal_to_first": same})
-    load_after = open("/proc/loadavg").read().split()[0]
+    load_after = runinfo.load_average()
     print("load average:", load_after, file=sys.stderr)
     if a.json:
         atomic_write_json(a.json, {"command": shlex.join(["python", "scripts/ab_cpu.py", *sys.argv[1:]]),

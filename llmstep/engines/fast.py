@@ -335,7 +335,7 @@ class FastSpeculator(Engine):
         while (reason := end_reason(result.tokens, stops, plan)) is None:
             L = len(seq)  # the pending token seq[-1] sits at position L - 1, in neither cache yet
             k = 0 if L > last_round else self.k  # 0: the target alone, as speculative_generate's rounds of k = 0
-            pair = torch.tensor([seq[-2:]], device=device)  # [1, 2] at positions L-2, L-1
+            pair = torch.tensor([seq[-2:]], device=device) if k else None  # [1, 2] at positions L-2, L-1
             if not k:
                 logits = self._target_step(torch.tensor([seq[-1:]], device=device),
                                            torch.full((1, 1), L - 1, device=device))  # [1, V]

@@ -166,8 +166,8 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
     cpu = compile_options(torch.device("cpu"))
     assert cpu["freezing"] and cpu["cpp.enable_concat_linear"] and cpu["cpp_wrapper"]
     assert compile_options(torch.device("cpu"), "max-autotune")["max_autotune"]
-    # by default a CPU step's matmuls are tuned (inductor's C++ templates against oneDNN), but not a bf16 model's;
-    # an explicit mode's are as torch's mode has them
+    # by default a CPU step's matmuls are tuned among `gemm_backends` (inductor's C++ templates against oneDNN unless
+    # the engine says otherwise); an explicit mode's are as torch's mode has them
     assert cpu["max_autotune_gemm"] and not compile_options(torch.device("cpu"), "default").get("max_autotune_gemm")
     assert not compile_options(torch.device("cpu"), None, gemm_backends=None).get("max_autotune_gemm")
     assert cpu["max_autotune_gemm_backends"] == "ATEN,CPP"
