@@ -89,7 +89,8 @@ def main() -> None:
     print("load average:", load_after, file=sys.stderr)
     if a.json:
         atomic_write_json(a.json, {"command": shlex.join(["python", "scripts/ab_cpu.py", *sys.argv[1:]]),
-                                   "machine": runinfo.describe("cpu"), "versions": runinfo.versions(),
+                                   "machine": runinfo.describe("cpu") | {"cpu_flags": runinfo.cpu_flags()},
+                                   "versions": runinfo.versions(),
                                    "load_average_1min_before_after": [load_before, load_after],
                                    "model": a.model, "threads": a.threads, "rounds": a.rounds, "tokens": a.tokens,
                                    "rows": rows})

@@ -25,17 +25,15 @@ import torch
 from nbclient import NotebookClient
 
 from llmstep.core.files import atomic_write_text
+from llmstep.lab import runinfo
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
-    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines() if line.startswith("flags")), set())
-    return f"{model}, {os.cpu_count()} logical CPUs, flags: {', '.join(f for f in FLAGS if f in flags) or 'none of'}"
+    flags = runinfo.cpu_flags()
+    return (f"{runinfo.describe('cpu')['name']}, {os.cpu_count()} logical CPUs, flags: "
+            f"{', '.join(flags) or 'none of ' + ', '.join(runinfo.CPU_FLAGS)}")
 
 
 def course() -> list[Path]:

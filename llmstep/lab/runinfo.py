@@ -34,7 +34,7 @@ from ..core import attention_backend
 from ..core.checks import check_int
 from ..core.device import resolve_device, synchronize
 
-__all__ = ["describe", "machine", "header", "time_repeats", "versions", "load_average",
+__all__ = ["CPU_FLAGS", "cpu_flags", "describe", "machine", "header", "time_repeats", "versions", "load_average",
            "command_line", "median", "spread", "timing"]
 
 
@@ -66,12 +66,26 @@ def describe(device: str | torch.device | None = None) -> dict[str, str | int | 
     return info
 
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of CPU_FLAGS the CPU advertises (/proc/cpuinfo's `flags`; [] where there is none): the kind of CPU a
+    figure was measured on, since the kernels a step runs differ between AVX2, AVX-512 BF16 and AMX."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    return [flag for flag in CPU_FLAGS if flag in flags]
+
+
 def machine(device: str | torch.device, dtype: torch.dtype | None = None) -> dict:
-    """The machine a run measured: the CPU's name and cores, torch's CPU threads, the device (and its name
-    when it is not the CPU) and the dtype."""
+    """The machine a run measured: the CPU's name, its vector flags (`cpu_flags`) and cores, torch's CPU threads,
+    the device (and its name when it is not the CPU) and the dtype."""
     device = torch.device(device)
-    info = {"cpu": describe("cpu")["name"], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "device": str(device)}
+    info = {"cpu": describe("cpu")["name"], "cpu_flags": cpu_flags(), "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "device": str(device)}
     if device.type != "cpu":
         info["device_name"] = describe(device)["name"]
     if dtype is not None:

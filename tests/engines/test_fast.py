@@ -160,7 +160,7 @@ def test_compiled_quantized_step_gives_its_eager_tokens(one_layer, quant):
         assert compiled.generate(PROMPT, 24, **kw).tokens == eager.generate(PROMPT, 24, **kw).tokens
 
 
-def test_compile_options_freeze_and_fuse_on_the_cpu_only():
+def test_compile_options_freeze_and_fuse_on_the_cpu_only(monkeypatch):
     from llmstep.engines.compile import compile_options
 
     cpu = compile_options(torch.device("cpu"))
@@ -184,15 +184,19 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only():
         torch.set_num_threads(1)
         f16 = torch.nn.Linear(64, 64, bias=False).to(torch.float16)
         assert tunes_matmuls(f32) and not tunes_matmuls(f16)  # one thread: the widening template lost (0.64x)
-        # bf16 on one thread: tuned where the template has the dot-product kernel (AVX-512 BF16), not elsewhere
-        assert tunes_matmuls(bf16) == cpu_gemm.install()
-        assert tunes_matmuls(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))  # quantised: tuned
-        # the backends a step tunes among: none where it does not tune; the template alone for bf16 models (their
-        # linears quantised or not) where cpu_gemm's kernel runs; else oneDNN/MKL against the template
-        assert gemm_backends(f16) is None and gemm_backends(f32) == "ATEN,CPP"
-        template = "CPP" if cpu_gemm.install() else "ATEN,CPP"
-        assert gemm_backends(bf16) == template == gemm_backends(torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16)))
-        assert gemm_backends(bf16, f32) == "ATEN,CPP"  # a speculative round with a float32 model in it
+        quantised = torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16))
+        for dot in (True, False):  # a CPU where cpu_gemm's kernel installs (AVX-512 BF16, no AMX), and one where not
+            monkeypatch.setattr(cpu_gemm, "install", lambda dot=dot: dot)
+            # bf16 on one thread: tuned where the template has the dot-product kernel, not elsewhere
+            assert tunes_matmuls(bf16) == dot
+            assert tunes_matmuls(quantised)  # quantised: tuned
+            # the backends a step tunes among: none where it does not tune; the template alone for bf16 models
+            # (their linears quantised or not) where cpu_gemm's kernel runs; else oneDNN/MKL against the template
+            assert gemm_backends(f16) is None and gemm_backends(f32) == "ATEN,CPP"
+            assert gemm_backends(bf16) == ("CPP" if dot else None)
+            assert gemm_backends(quantised) == ("CPP" if dot else "ATEN,CPP")
+            # a speculative round with a float32 model in it: oneDNN too; untuned where the bf16 model is not tuned
+            assert gemm_backends(bf16, f32) == ("ATEN,CPP" if dot else None)
         torch.set_num_threads(2)
         assert tunes_matmuls(bf16)
         assert gemm_backends(bf16, f16) == "ATEN,CPP"
