@@ -24,6 +24,7 @@ import torch
 from ..core.config import LlamaConfig
 from ..core.files import atomic_write_json
 from ..core.model import Llama
+from . import runinfo
 from .bench import hf_twin, time_hf
 
 __all__ = ["PeerSpec", "MAKERS", "LLAMA_FTYPE", "CT2_COMPUTE", "cpu_has_amx", "gguf_step_weight_bytes"]
@@ -62,13 +63,8 @@ class PeerSpec:
 
 
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU advertises Intel AMX (the `amx_tile` flag of /proc/cpuinfo; False where there is none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    return any(line.startswith("flags") and "amx_tile" in line.split() for line in cpuinfo.splitlines())
+    """Whether the CPU advertises Intel AMX (the `amx_tile` flag of /proc/cpuinfo, or of the text `cpuinfo`)."""
+    return "amx_tile" in runinfo.cpu_flags(cpuinfo)
 
 
 def gguf_step_weight_bytes(path: str | Path) -> int:

@@ -26,6 +26,7 @@ import platform
 import shlex
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -69,14 +70,17 @@ def describe(device: str | torch.device | None = None) -> dict[str, str | int | 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def cpu_flags() -> list[str]:
-    """Which of CPU_FLAGS the CPU advertises (/proc/cpuinfo's `flags`; [] where there is none): the kind of CPU a
-    figure was measured on, since the kernels a step runs differ between AVX2, AVX-512 BF16 and AMX."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        flags = set()
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """Which of CPU_FLAGS the CPU advertises (the first `flags` line of /proc/cpuinfo, or of the text `cpuinfo`; []
+    where there is none): the kind of CPU a figure was measured on, since the kernels a step runs differ between
+    AVX2, AVX-512 BF16 and AMX."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    flags = next((set(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines() if line.startswith("flags")),
+                 set())
     return [flag for flag in CPU_FLAGS if flag in flags]
 
 
