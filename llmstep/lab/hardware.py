@@ -19,9 +19,9 @@ from ..core.cost import check_fits, decode_step_cost, model_bytes, n_params
 from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama, materialize
 from ..engines.decoding import check_int
-from .runinfo import describe, time_repeats
+from .runinfo import cpu_flags, describe, time_repeats
 
-__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "measure_matmul",
+__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "matmul_size", "measure_matmul",
            "measured_chip", "as_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
            "random_model"]
 
@@ -56,13 +56,24 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | No
     return 2 * n * 4 / seconds / 1e9
 
 
+def matmul_size(device: torch.device, dtype: torch.dtype) -> int:
+    """measure_matmul's default n: 8192 on a CUDA GPU, else 2048, but 512 for a 16-bit product on a CPU with no
+    instruction for it (bfloat16 without avx512_bf16 or amx_bf16; float16): emulated there, far slower than
+    float32 on an AVX2-only CPU, its rate shows at 512 in a second where 2048 takes minutes."""
+    if device.type == "cuda":
+        return 8192
+    emulated = device.type == "cpu" and (dtype == torch.float16 or (
+        dtype == torch.bfloat16 and not {"avx512_bf16", "amx_bf16"} & set(cpu_flags())))
+    return 512 if emulated else 2048
+
+
 def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                    n: int | None = None, repeats: int = 3, shape: tuple[int, int, int] | None = None) -> float:
     """Matrix-multiply throughput in TFLOP/s: an [n x n] @ [n x n] product is 2 n^3 FLOPs.
 
     dtype None: float32 on the CPU (bf16/fp16 matmuls there are often emulated and slow), bfloat16 on
-    a CUDA GPU that has it (else float16), float16 on MPS. The default n (2048 on a CPU, 8192 on a
-    GPU) is large enough to keep the math units busy: this is the compute ceiling. The fastest of `repeats`
+    a CUDA GPU that has it (else float16), float16 on MPS. The default n (`matmul_size`: 2048 on a CPU, 8192
+    on a GPU) is large enough to keep the math units busy: this is the compute ceiling. The fastest of `repeats`
     runs counts, after one warm-up (as for measure_bandwidth).
     shape (m, k, n'): time [m x k] @ [k x n'] instead (2 m k n' FLOPs), laid out as nn.Linear multiplies, the
     input by a transposed [n' x k] weight: the roof of a roofline whose points are products of that shape and
@@ -93,7 +104,7 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
         seconds = min(time_repeats(lambda: torch.matmul(x, w.T, out=out), dev, repeats))
         return 2 * rows * inner * cols / seconds / 1e12
     if n is None:
-        n = 8192 if dev.type == "cuda" else 2048
+        n = matmul_size(dev, dtype)
     check_int(n, "n", low=1)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)

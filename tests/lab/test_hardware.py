@@ -139,3 +139,18 @@ def test_matmul_of_a_given_shape_is_timed_as_nn_linear_multiplies_and_counts_its
         measure_matmul("cpu", shape=(4, 0, 16))
     with pytest.raises(ValueError, match="tuple"):
         measure_matmul("cpu", shape=(4, 8))
+
+
+def test_the_default_matmul_size_is_small_where_the_cpu_only_emulates_a_16_bit_product(monkeypatch):
+    """A bf16 product on a CPU without avx512_bf16 / amx_bf16 (an AVX2-only one) is emulated, far slower than float32:
+    measured at n = 512 by default, where 2048 would take minutes (notebook 00 measures it); natively at 2048."""
+    from llmstep.lab import hardware
+
+    cpu = torch.device("cpu")
+    for flags, bf16_n in ((["avx2"], 512), (["avx2", "avx512f", "avx512_bf16"], 2048), (["amx_bf16"], 2048)):
+        monkeypatch.setattr(hardware, "cpu_flags", lambda flags=flags: flags)
+        assert hardware.matmul_size(cpu, torch.bfloat16) == bf16_n
+        assert hardware.matmul_size(cpu, torch.float32) == 2048
+        assert hardware.matmul_size(cpu, torch.float16) == 512
+    assert hardware.matmul_size(torch.device("cuda"), torch.bfloat16) == 8192
+    assert hardware.matmul_size(torch.device("mps"), torch.float16) == 2048
