@@ -38,7 +38,8 @@ def native_bf16(device: torch.device) -> bool:
 
 def half_dtype(device: str | torch.device) -> torch.dtype:
     """The 16-bit float to run and measure in on `device`: bfloat16 where it is done in hardware (a CUDA GPU of
-    compute capability 8.0 on; a CPU, whose bf16 matmuls oneDNN runs natively or widens), float16 on a CUDA GPU
+    compute capability 8.0 on; a CPU: natively with AVX-512 BF16 or AMX, emulated and far slower on one with
+    AVX2 alone, which llmstep.lab.hardware measures at a smaller size), float16 on a CUDA GPU
     that only emulates bfloat16 (T4, V100: a bf16 figure there measures the emulation) and on MPS."""
     device = torch.device(device)
     if device.type == "cuda":
