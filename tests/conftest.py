@@ -18,6 +18,26 @@ TEXT = (
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "tuned_matmuls: the test's compiled steps tune their matmuls as the engines "
+                            "do by default (`compile.gemm_backends`); unmarked tests compile them untuned")
+
+
+@pytest.fixture(autouse=True)
+def untuned_matmuls(request, monkeypatch):
+    """A compiled CPU step in a test does not tune its matmuls, unless the test is marked `tuned_matmuls`.
+
+    Tuning (inductor's max_autotune_gemm) compiles and times a C++ GEMM template per matmul shape: it tripled the
+    cold compile of the one-layer test model's FastDecoder on the AVX2 EPYC (69 s against 23 s), and the tests that
+    compile are about the loops around the matmuls (their tokens, caches, guards, traces), which tuning leaves
+    alone. The tuned default keeps its own tests: those marked here, tests/engines/test_cpu_gemm.py's kernel tests,
+    and every notebook (nbval runs them as a learner does)."""
+    if request.node.get_closest_marker("tuned_matmuls") is None:
+        from llmstep.engines import engine
+
+        monkeypatch.setattr(engine, "gemm_backends", lambda *models: None)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_file(tmp_path_factory) -> Path:
     """A 300-token byte-level BPE with the Llama 3 special tokens at the end."""

@@ -83,3 +83,21 @@ def test_without_dynamos_cache_entries_the_fast_loop_calls_the_guarded_step_and_
     step = decoder._advance_step((0, 0, 1.0))
     with torch.no_grad():
         assert step.unguarded() is step  # the fallback: the guarded call
+
+
+def test_an_unmarked_test_makes_its_steps_untuned_and_a_marked_one_as_the_engines_do(one_layer_checkpoint):
+    """conftest's `untuned_matmuls`: an engine's steps untuned here; the next test, marked, gets the default."""
+    from llmstep.engines import compile as compiling
+    from llmstep.engines import engine
+
+    model, _ = llmstep.load(one_layer_checkpoint, device="cpu", dtype=torch.float32)
+    assert compiling.gemm_backends(model) == "ATEN,CPP" and engine.gemm_backends(model) is None
+
+
+@pytest.mark.tuned_matmuls
+def test_a_test_marked_tuned_matmuls_makes_its_steps_as_the_engines_do(one_layer_checkpoint):
+    from llmstep.engines import compile as compiling
+    from llmstep.engines import engine
+
+    model, _ = llmstep.load(one_layer_checkpoint, device="cpu", dtype=torch.float32)
+    assert engine.gemm_backends is compiling.gemm_backends and engine.gemm_backends(model) == "ATEN,CPP"

@@ -123,6 +123,7 @@ def test_the_kernel_is_named_in_compile_cache_keys_and_withheld_compiles_without
 
 
 @slow
+@pytest.mark.tuned_matmuls
 def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_checkpoint):
     model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.bfloat16)
     prompt = list(range(3, 40))

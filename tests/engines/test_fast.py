@@ -119,6 +119,7 @@ def test_a_decoder_sized_per_request_uses_the_one_sizing_rule(tiny):
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
                     "set LLMSTEP_SLOW_TESTS=1")
+@pytest.mark.tuned_matmuls  # the engines' default compile, matmuls tuned: end to end, here
 def test_compiled_step_gives_the_eager_tokens(one_layer):
     model, tok = one_layer
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0, stop_ids=[])
