@@ -65,14 +65,26 @@ def compiles(device: torch.device, compile: bool | None) -> bool:
 
 def tunes_matmuls(model: torch.nn.Module) -> bool:
     """Whether a CPU step of `model` tunes its matmuls by default (`compile_options`): float32 weights and
-    quantised ones always; bf16 ones where the CPU runs the template's bf16 dot-product kernel (`cpu_gemm`) or
-    torch runs more than one thread; f16 ones with more than one thread (decided when the step is made)."""
+    quantised ones always; bf16 ones where the CPU runs the template's bf16 dot-product kernel (`cpu_gemm`), where
+    it has no bf16 instructions (AVX2 alone: oneDNN's untuned matmul emulates bf16, the template widens it), or
+    where torch runs more than one thread; f16 ones with more than one thread (decided when the step is made).
+    Untuned, then, only a bf16 step at one thread on a CPU with AMX (results/README.md, claim 2)."""
     from ..core.quantize import QuantLinear
 
     weight = next(model.parameters())
     return (weight.dtype == torch.float32 or torch.get_num_threads() > 1
             or any(isinstance(m, QuantLinear) for m in model.modules())
-            or (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and cpu_gemm.install()))
+            or (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                and (cpu_gemm.install() or not _bf16_instructions())))
+
+
+def _bf16_instructions() -> bool:
+    """Whether the CPU multiplies bf16 with instructions of its own (AMX or AVX-512 BF16); True where inductor's
+    vector ISA cannot be read (the earlier rule: untuned)."""
+    try:
+        return torch_compat.cpu_vector_isa() in ("amx", "avx512_bf16")
+    except RuntimeError:
+        return True
 
 
 def gemm_backends(*models: torch.nn.Module) -> str | None:
