@@ -336,12 +336,16 @@ def cpu_vector_isa() -> str:
     return str(isa) or "none"
 
 
-def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable) -> type:
+def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable,
+                        rank: str = "avx512_bf16") -> type:
     """Register a bf16 x bf16 -> float32 micro-kernel for AVX-512 BF16 with inductor's C++ GEMM template.
 
     source: the kernel as a Jinja template of inductor's (`declare_kernel`, `kernel_name` and the template's
     own variables); blockings: (block_m, block_n, block_k) it serves, best first; fits(config, m, n, k, alpha,
     num_threads, **kwargs): whether a matmul may use it. Its weights come packed in pairs along k (VNNI2).
+    rank: the ISA it is filed under, "avx512_bf16" or "amx": inductor ranks the kernels that fit a matmul by ISA
+    first (AMX above AVX-512), so one filed under "amx" competes with inductor's AMX kernels (on the matmuls
+    `fits` admits) and one under "avx512_bf16" runs only where no AMX kernel fits.
     Returns the registered class (`micro_gemm_withheld` takes it)."""
     found = _micro_gemm_modules()
     if isinstance(found, str):
@@ -356,8 +360,11 @@ def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, 
         return mg.LayoutType.VNNI2
 
     cls = type(name, (mg.CppMicroGemm,), {"codegen_define": codegen_define, "get_b_layout": get_b_layout})
-    configs = mg.generate_gemm_config(vec.VecAVX512VNNI, blockings, input_dtype=torch.bfloat16,
-                                      output_dtype=torch.float, extra_check=fits)
+    ranks = {"avx512_bf16": vec.VecAVX512VNNI, "amx": vec.VecAMX}
+    if rank not in ranks:
+        raise ValueError(f"rank must be one of {sorted(ranks)}, not {rank!r}")
+    configs = mg.generate_gemm_config(ranks[rank], blockings, input_dtype=torch.bfloat16, output_dtype=torch.float,
+                                      extra_check=fits)
     mg.register_micro_gemm(*configs)(cls)
     return cls
 

@@ -65,10 +65,12 @@ def compiles(device: torch.device, compile: bool | None) -> bool:
 
 def tunes_matmuls(model: torch.nn.Module) -> bool:
     """Whether a CPU step of `model` tunes its matmuls by default (`compile_options`): float32 weights and
-    quantised ones always; bf16 ones where the CPU runs the template's bf16 dot-product kernel (`cpu_gemm`), where
-    it has no bf16 instructions (AVX2 alone: oneDNN's untuned matmul emulates bf16, the template widens it), or
-    where torch runs more than one thread; f16 ones with more than one thread (decided when the step is made).
-    Untuned, then, only a bf16 step at one thread on a CPU with AMX (results/README.md, claim 2)."""
+    quantised ones always; bf16 ones where the CPU runs the template's bf16 dot-product kernel (`cpu_gemm`: AVX-512
+    BF16, with AMX or without), where it has no bf16 instructions (AVX2 alone: oneDNN's untuned matmul emulates
+    bf16, the template widens it), or where torch runs more than one thread; f16 ones with more than one thread
+    (decided when the step is made). Untuned, then, only a bf16 step at one thread on a CPU with bf16 instructions
+    whose torch cannot take the kernel, where oneDNN's own bf16 matmul beat the template (results/README.md, claims
+    2 and 12)."""
     from ..core.quantize import QuantLinear
 
     weight = next(model.parameters())

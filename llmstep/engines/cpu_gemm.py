@@ -1,16 +1,20 @@
-"""A bf16 dot-product micro-kernel for inductor's C++ GEMM template, on CPUs with AVX-512 BF16 and no AMX.
+"""A bf16 dot-product micro-kernel for inductor's C++ GEMM template, for one-row decode on CPUs with AVX-512 BF16.
 
 A decode step's matmuls are GEMVs. On a CPU without AMX, the micro-kernel of inductor's tuned C++ GEMM template
 widens every bf16 weight to float32 before its FMA (`CppMicroGemmFP32Vec`), where llama.cpp multiplies bf16 pairs
-directly with AVX-512 BF16's `vdpbf16ps`. This module gives the template that kernel: weights packed in pairs along
-k (the template's VNNI2 layout, as for AMX), each activation pair broadcast, float32 accumulators. bf16 products
-are exact in float32 and the sums float32, as the widening kernel's; only the order of the additions differs (and
-`vdpbf16ps` treats subnormal inputs as zero), so the step is the same function to within float32 rounding
-(tests/engines/test_cpu_gemm.py holds it to a float64 matmul).
+directly with AVX-512 BF16's `vdpbf16ps`. On a CPU with AMX, inductor's AMX kernel multiplies tiles of many rows;
+on a decode step's one-row matmuls it measured slower than a dot product (results/README.md, claim 12). This module
+gives the template that dot product: weights packed in pairs along k (the template's VNNI2 layout, as for AMX), each
+activation pair broadcast, float32 accumulators. bf16 products are exact in float32 and the sums float32, as the
+widening kernel's; only the order of the additions differs (and `vdpbf16ps` treats subnormal inputs as zero), so
+the step is the same function to within float32 rounding (tests/engines/test_cpu_gemm.py holds it to a float64
+matmul).
 
 `install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has AVX-512
-BF16 and no AMX. Inductor's registry is internal to torch (llmstep.core.torch_compat's `micro_gemm`): outside the
-tested torch range, or with a registry of another shape, `install` registers nothing and says why (`skipped`).
+BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to `AMX_ROWS`
+rows (results/README.md, claim 12, measures both). Inductor's registry is internal to torch
+(llmstep.core.torch_compat's `micro_gemm`): outside the tested torch range, or with a registry of another shape,
+`install` registers nothing and says why (`skipped`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ __all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_N
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 _state: dict[str, object] = {"why": None, "cls": None}  # cls: the registered kernel class, once installed
+AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
 # (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
@@ -149,18 +154,17 @@ def install() -> bool:
         _state["why"] = f"inductor's C++ GEMM micro-kernel registry is not used: {why}"
         return False
     isa = torch_compat.cpu_vector_isa()
-    if isa == "amx":
-        _state["why"] = "the CPU has AMX: inductor's own AMX kernel multiplies bf16 there"
-        return False
-    if isa != "avx512_bf16":
+    if isa not in ("amx", "avx512_bf16"):
         _state["why"] = f"the CPU's vector ISA ({isa}) has no AVX-512 BF16"
         return False
+    amx = isa == "amx"
 
     def fits(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
-        return alpha == 1 and k % 2 == 0
+        return alpha == 1 and k % 2 == 0 and (not amx or m <= AMX_ROWS)  # AMX_ROWS read at each compile
 
     try:  # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
-        _state["cls"] = torch_compat.register_micro_gemm("BF16Dot", _ENTRY, [(4, 64, 32), (1, 64, 32)], fits)
+        _state["cls"] = torch_compat.register_micro_gemm("BF16Dot", _ENTRY, [(4, 64, 32), (1, 64, 32)], fits,
+                                                         rank=isa)
     except (AttributeError, TypeError, AssertionError) as e:
         _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
         return False
@@ -177,8 +181,9 @@ def _tag(on: bool) -> None:
 
 
 def cache_tag() -> str:
-    """The kernel's name and a hash of its source: a changed kernel is compiled anew, not read from a cache."""
-    return f"{KERNEL_NAME}-{hashlib.sha256(_ENTRY.encode()).hexdigest()[:16]}"
+    """The kernel's name and a hash of its source and of the rows it takes with AMX: a changed kernel or rule is
+    compiled anew, not read from a cache."""
+    return f"{KERNEL_NAME}-{hashlib.sha256(f'{_ENTRY}{AMX_ROWS}'.encode()).hexdigest()[:16]}"
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""The bf16 dot-product micro-kernel that inductor's C++ GEMM template gets on CPUs with AVX-512 BF16 and no AMX
+"""The bf16 dot-product micro-kernel that inductor's C++ GEMM template gets on CPUs with AVX-512 BF16
 (llmstep/engines/cpu_gemm.py): the same function as a float64 matmul to within float32 sums, at every row count
-and column tail the template hands it, and the one a compiled bf16 step's matmuls run."""
+and column tail the template hands it, and the one a compiled bf16 step's matmuls run; with AMX, on one-row
+matmuls only."""
 
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ def kernel():
         pytest.skip(f"the kernel is not used on this machine: {cpu_gemm.skipped()}")
 
 
+@pytest.fixture
+def every_row(kernel, monkeypatch):
+    """The kernel at every row count: with AMX it takes one-row matmuls only (`AMX_ROWS`), here every one."""
+    monkeypatch.setattr(cpu_gemm, "AMX_ROWS", 1 << 30)
+
+
 def compiled_code(fn, *args):
     from torch._inductor.utils import run_and_get_code
 
@@ -44,9 +51,6 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
     assert "AVX-512 BF16" in cpu_gemm.skipped() and "avx2" in cpu_gemm.skipped()
     assert cpp_micro_gemm.micro_gemm_configs == before  # nothing registered
     monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
-    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAMX())
-    assert not cpu_gemm.install() and "AMX" in cpu_gemm.skipped()  # inductor's AMX kernel is the one to use
-    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
     assert not cpu_gemm.install() and "2.5.1" in cpu_gemm.skipped()  # an untested torch: not registered
     assert cpp_micro_gemm.micro_gemm_configs == before
@@ -54,9 +58,42 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
         assert cpp_micro_gemm.micro_gemm_configs == before
 
 
+def test_with_amx_the_kernel_ranks_with_inductors_amx_kernels_on_one_row_matmuls_only(monkeypatch):
+    """Inductor ranks the micro-kernels that fit a matmul by ISA first (AMX above AVX-512): filed under AVX-512, the
+    kernel would never run where there is AMX; filed under AMX for every row count, it would take the many-row
+    matmuls (prefill, a batch) that AMX tiles do best."""
+    import torch._inductor.select_algorithm  # noqa: F401
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    tag = torch.compiler.config.cache_key_tag  # install() tags the cache keys: restored after
+    for isa, rank, rows in [(cpu_vec_isa.VecAMX, cpu_vec_isa.VecAMX, cpu_gemm.AMX_ROWS),
+                            (cpu_vec_isa.VecAVX512VNNI, cpu_vec_isa.VecAVX512VNNI, 1 << 30)]:
+        monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
+        monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda isa=isa: _with_bf16(isa()))
+        before = dict(cpp_micro_gemm.micro_gemm_configs)
+        try:
+            assert cpu_gemm.install(), cpu_gemm.skipped()
+            (cls,) = set(cpp_micro_gemm.micro_gemm_configs) - set(before)
+            configs = cpp_micro_gemm.micro_gemm_configs[cls]
+            assert {c.vec_isa_cls for c in configs} == {rank}
+            for m in (1, 2, 4, 16, 512):
+                fits = [c.extra_check(c, m, 256, 64, 1, 2) for c in configs]
+                assert all(fits) == (m <= rows) and len(set(fits)) == 1, (isa.__name__, m)
+        finally:
+            cpp_micro_gemm.micro_gemm_configs.clear()
+            cpp_micro_gemm.micro_gemm_configs.update(before)
+            torch.compiler.config.cache_key_tag = tag
+
+
+def _with_bf16(isa):
+    isa.is_avx512_bf16_supported = lambda: True  # an AVX-512 CPU with BF16, whatever this one has
+    return isa
+
+
 @slow
 @pytest.mark.parametrize("rows,cols,depth", [(1, 2048, 384), (1, 40, 6), (3, 200, 66), (4, 64, 32), (9, 328, 130)])
-def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(kernel, rows, cols, depth):
+def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(every_row, rows, cols, depth):
     g = torch.Generator().manual_seed(rows * 1000 + cols)
     linear = torch.nn.Linear(depth, cols, bias=False).to(torch.bfloat16).requires_grad_(False)
     linear.weight.copy_(torch.randn(cols, depth, generator=g))
@@ -73,6 +110,29 @@ def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(kerne
     # bf16 products are exact in float32; the sums are float32, the output rounded once to bf16
     torch.testing.assert_close(out.double(), want, atol=0.02 * want.abs().max().item(), rtol=0.01)
     assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+
+
+@slow
+def test_with_amx_a_one_row_matmul_runs_the_kernel_and_a_four_row_one_amx_tiles(kernel):
+    from llmstep.core import torch_compat
+
+    if torch_compat.cpu_vector_isa() != "amx":
+        pytest.skip("a CPU with AMX: elsewhere the kernel takes every row count")
+    linear = torch.nn.Linear(128, 256, bias=False).to(torch.bfloat16).requires_grad_(False)
+    torch._inductor.config.max_autotune_gemm_backends, before = "CPP", torch._inductor.config.max_autotune_gemm_backends
+    try:
+        for rows in (1, 4):
+            x = torch.randn(rows, 128).to(torch.bfloat16)
+            torch._dynamo.reset()
+            step = compile_step(lambda x: linear(x), torch.device("cpu"), mode="max-autotune-no-cudagraphs")
+            with torch.no_grad():
+                out, code = compiled_code(step, x)
+            assert any(cpu_gemm.KERNEL_NAME in c for c in code) == (rows == 1), rows
+            assert any("amx" in c.lower() for c in code) == (rows > 1), rows
+            want = x.double() @ linear.weight.double().T  # [rows, 256]
+            assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
+    finally:
+        torch._inductor.config.max_autotune_gemm_backends = before
 
 
 @slow
@@ -96,7 +156,7 @@ def test_without_the_kernel_the_template_runs_inductors_own_and_computes_the_sam
 
 
 @slow
-def test_a_weight_computed_in_the_step_is_packed_first(kernel):
+def test_a_weight_computed_in_the_step_is_packed_first(every_row):
     """A bmm's second operand is no frozen weight: the template hands it over unpacked ([K, N]) and the kernel packs
     each 64 columns into pairs along k itself (reading it as packed gave errors the size of the outputs)."""
     g = torch.Generator().manual_seed(0)

@@ -188,15 +188,16 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only(monkeypatch):
         quantised = torch.nn.Sequential(bf16, Int8Linear.from_linear(bf16))
         from llmstep.core import torch_compat
 
-        # an AVX2 CPU (no bf16 instructions: oneDNN emulates them) tunes bf16 at one thread, an AMX one does not
+        # an AVX2 CPU (no bf16 instructions: oneDNN emulates them) tunes bf16 at one thread; an AMX one where
+        # cpu_gemm's kernel is not registered (an untested torch) does not
         monkeypatch.setattr(cpu_gemm, "install", lambda: False)
         for isa, tuned in (("avx2", True), ("amx", False)):
             monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
             assert tunes_matmuls(bf16) == tuned and gemm_backends(bf16) == ("ATEN,CPP" if tuned else None)
-        for dot in (True, False):  # a CPU where cpu_gemm's kernel installs (AVX-512 BF16, no AMX), and one where not
+        monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "amx")  # a CPU with bf16 instructions
+        for dot in (True, False):  # where cpu_gemm's kernel installs, and where it is not registered
             monkeypatch.setattr(cpu_gemm, "install", lambda dot=dot: dot)
-            # bf16 on one thread (on a CPU with bf16 instructions, AMX's ISA patched in above): tuned where the
-            # template has the dot-product kernel, not elsewhere
+            # bf16 on one thread: tuned where the template has the dot-product kernel, not elsewhere
             assert tunes_matmuls(bf16) == dot
             assert tunes_matmuls(quantised)  # quantised: tuned
             # the backends a step tunes among: none where it does not tune; the template alone for bf16 models
