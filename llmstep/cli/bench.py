@@ -94,7 +94,8 @@ def add_commands(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
     p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
-    p.add_argument("--quantize-lm-head", action="store_true")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the LM head too, in the blocks' mode (not with --peers)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on CUDA only)")
     p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")
@@ -248,6 +249,9 @@ def run_peer_bench(args, argv) -> dict:
     names = peers.parse_peers(args.peers)  # before the model is built
     if args.device not in (None, "cpu"):
         raise ValueError(f"--peers runs on the CPU: drop --device {args.device}")
+    if args.quantize_lm_head:  # each peer's LM head is its own input's (llama.cpp's Q8_0 / Q4_x files keep theirs)
+        raise ValueError("--quantize-lm-head does not apply to --peers: llmstep's int8 / int4 rows keep the LM head "
+                         "in the model's float dtype; drop the flag")
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              "cpu", args.dtype, args.seed)

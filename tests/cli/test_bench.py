@@ -80,3 +80,13 @@ def test_hf_compile_adds_the_static_cache_row(tmp_path, monkeypatch):
     record = json.loads(out.read_text())
     assert [r["name"] for r in record["rows"]][1:] == ["transformers generate()", "transformers static cache + compile"]
     assert all(p["ran"] for p in record["transformers_peers"].values())
+
+
+def test_peers_refuse_a_quantized_lm_head_they_would_not_run(monkeypatch):
+    """--peers builds its own int8 / int4 rows with the LM head in the float dtype: --quantize-lm-head would be
+    ignored there, so it is refused, before the model is built."""
+    from llmstep.cli import bench
+
+    monkeypatch.setattr(bench.decode_bench, "bench_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit, match="--quantize-lm-head does not apply to --peers"):
+        main(TINY + ["--peers", "llama.cpp", "--quantize", "int8", "--quantize-lm-head"])

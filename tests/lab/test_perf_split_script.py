@@ -1,0 +1,54 @@
+"""scripts/perf_split.py's reading of perf's samples: each sample lands in the kind of code it ran (the compiled
+step's kernels by kind, OpenMP's waiting, the host code around the kernels), counted per thread."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf_split.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("perf_split", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+KERNELS = "/tmp/torchinductor_root/oh/cohxn47.main.so"
+SAMPLES = f"""\
+  100      7fd48c1b1790 cpp_fused_mm_view_1_micro_gemm_rows<1l>+0x30 ({KERNELS})
+  100      7fd48c1b1790 cpp_fused_mm_view_1_micro_gemm_rows<1l>+0x34 ({KERNELS})
+  100      7fd48c1b17b3 cpp_fused_bmm_cat_cos_index_copy_mul_2._omp_fn.0+0x10 ({KERNELS})
+  100      7fd4ad01de62 [unknown] (/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1)
+  100      7fd4ad01de62 _PyEval_EvalFrameDefault+0x99 (/root/.pyenv/versions/3.11.7/lib/libpython3.11.so.1.0)
+  100      7fd4ad01de62 _int_malloc+0x12 (/usr/lib/x86_64-linux-gnu/libc.so.6)
+  101      7fd48c1b1790 cpp_fused_mm_view_1_micro_gemm_rows<1l>+0x30 ({KERNELS})
+  101      7fd4ad01de66 [unknown] (/venv/lib/python3.11/site-packages/torch/lib/libgomp.so.1)
+  101      7fd4ad01de66 cpp_fused__softmax__to_copy_bmm_view_5._omp_fn.0+0x8 ({KERNELS})
+not a sample line
+"""
+
+
+def test_each_sample_is_counted_where_it_ran_per_thread():
+    threads = load().count(SAMPLES, pid=100)
+    assert set(threads) == {"main", "thread 101"}
+    main, worker = threads["main"], threads["thread 101"]
+    assert main["kernel: one-row matmuls (dot kernel)"] == 2
+    assert main["kernel: rope, cache write, float32 K/V copies"] == 1
+    assert main["OpenMP (waiting)"] == 1
+    assert main["host: Python"] == 1 and main["host: C library (malloc, free)"] == 1
+    assert sum(main.values()) == 6
+    assert worker == {"kernel: one-row matmuls (dot kernel)": 1, "OpenMP (waiting)": 1,
+                      "kernel: masked softmax and its matmuls": 1}
+
+
+def test_code_outside_the_compiled_step_is_named_by_its_library():
+    classify = load().classify
+    assert classify("at::native::add_kernel", "/venv/torch/lib/libtorch_cpu.so") == \
+        "host: libtorch (tensor handles, dispatch)"
+    assert classify("x", "/usr/lib/libfoo.so.2") == "host: libfoo.so.2"
+    assert classify("futex_wake", "[kernel.kallsyms]") == "host: the OS kernel (futex, page faults)"
+    assert classify("cpp_fused_argmax_10._omp_fn.0", KERNELS) == "kernel: greedy pick"
+    assert classify("cpp_fused_add_mean_4", KERNELS) == "kernel: other"
