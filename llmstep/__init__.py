@@ -42,7 +42,7 @@ engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
     generate.py    the teaching loop: prefill once, decode token by token
     compile.py     how a step is compiled for a device, and warmed up
-    cpu_gemm.py    a bf16 dot-product kernel for inductor's CPU matmuls (AVX-512 BF16; with AMX, one row)
+    cpu_gemm.py    kernels for inductor's CPU matmuls: bf16 dot product (AVX-512 BF16), int4 (AVX2 alone)
     fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
     speculative.py the acceptance rule, its theory, the teaching loop
     drafts.py      the drafts: the target's first layers, a quantized twin, another checkpoint

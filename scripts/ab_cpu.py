@@ -3,7 +3,7 @@
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
-    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without engines/cpu_gemm's bf16 dot-product kernel
+    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without engines/cpu_gemm's kernels (bf16 dot, AVX2 int4)
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
 
 Each argument is a variant: DTYPE[+KERNEL][!fuse|!nofuse][~nodot][|KEY=VALUE;KEY=VALUE], DTYPE one of float32,
@@ -37,7 +37,7 @@ from llmstep.lab import runinfo
 _original = compile_mod.compile_options
 
 
-def build(spec: str, name: str) -> FastDecoder:
+def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     head, _, opts = spec.partition("|")
     head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
@@ -47,7 +47,7 @@ def build(spec: str, name: str) -> FastDecoder:
     overrides = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opts.split(";") if o)}
     model, _ = llmstep.load(name, device="cpu", dtype=base)
     if dtype in ("int8", "int4"):
-        quantize(model, dtype, kernel=kernel or "auto")
+        quantize(model, dtype, group_size=group_size if dtype == "int4" else None, kernel=kernel or "auto")
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
@@ -64,11 +64,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="target", help="a model name (`llmstep models`) or path")
+    p.add_argument("--group-size", type=int, help="int4's inputs per scale and zero (default: llmstep's)")
     p.add_argument("--json", help="also write the rates and ratios here (atomically)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     load_before = runinfo.load_average()
-    decoders = [build(v, a.model) for v in a.variants]
+    decoders = [build(v, a.model, a.group_size) for v in a.variants]
     vocab = decoders[0].model.config.vocab_size
     ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     first = [d.generate(ids, 32, temperature=0, stop_ids=()).tokens for d in decoders]
@@ -92,7 +93,8 @@ def main() -> None:
                                    "machine": runinfo.describe("cpu") | {"cpu_flags": runinfo.cpu_flags()},
                                    "versions": runinfo.versions(),
                                    "load_average_1min_before_after": [load_before, load_after],
-                                   "model": a.model, "threads": a.threads, "rounds": a.rounds, "tokens": a.tokens,
+                                   "model": a.model, "group_size": a.group_size, "threads": a.threads,
+                                   "rounds": a.rounds, "tokens": a.tokens,
                                    "rows": rows})
 
 

@@ -44,7 +44,8 @@ import torch
 
 __all__ = ["FLOOR", "CEILING", "Feature", "FEATURES", "features", "missing", "in_tested_range", "int8_mm",
            "int4_pack_cpu", "int4_pack_cuda", "int4_mm", "mode_options", "known_options", "holding_freezing",
-           "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm", "micro_gemm_withheld",
+           "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm",
+           "register_int4_micro_gemm", "micro_gemm_withheld",
            "kernel_profile"]
 
 FLOOR = (2, 13)  # pyproject.toml's `torch>=2.13`: the torch CI installs (.ci/run) and the tests run on
@@ -366,6 +367,27 @@ def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, 
     configs = mg.generate_gemm_config(ranks[rank], blockings, input_dtype=torch.bfloat16, output_dtype=torch.float,
                                       extra_check=fits)
     mg.register_micro_gemm(*configs)(cls)
+    return cls
+
+
+def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable) -> type:
+    """Register an int4 micro-kernel for AVX2 with inductor's weight-only int4 GEMM template (the template that can
+    replace `_weight_int4pack_mm_for_cpu` in a step whose matmuls are tuned), for bf16 activations (the class it
+    builds on declares bf16 scales and zeros, as a bf16 model's int4 layers hold them).
+
+    source: the Jinja template of the kernel that inductor's AVX-512 int4 micro-kernel calls per block of columns
+    (its `TEMPLATE_KERNEL`: `{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum>(A, B, C, K, lda, ldb, ldc, group
+    size, scales and zeros, their row stride, k_start)`); that class's entry and arguments are kept. The weights come
+    as torch's CPU int4 kernel packed them. Returns the registered class (`micro_gemm_withheld` takes it)."""
+    found = _micro_gemm_modules()
+    if isinstance(found, str):
+        raise RuntimeError(f"cannot register {name}: {found}")
+    mg, vec, _ = found
+    base, isa = mg.CppMicroGemmWoQInt4Avx512, vec.VecAVX2  # AttributeError where this inductor has neither
+    cls = type(name, (base,), {"TEMPLATE_KERNEL": source})
+    mg.register_micro_gemm(*mg.generate_gemm_config(isa, blockings, input_dtype=torch.bfloat16,
+                                                    input2_dtype=torch.uint8, output_dtype=torch.float,
+                                                    compute_dtype=torch.float, extra_check=fits))(cls)
     return cls
 
 

@@ -15,6 +15,15 @@ BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels 
 rows (results/README.md, claim 12, measures both). Inductor's registry is internal to torch
 (llmstep.core.torch_compat's `micro_gemm`): outside the tested torch range, or with a registry of another shape,
 `install` registers nothing and says why (`skipped`).
+
+The second kernel, `install_int4`, is for CPUs with AVX2 and no AVX-512: there inductor has no micro-kernel for its
+weight-only int4 template, so an int4 step called torch's own `_weight_int4pack_mm_for_cpu` for every matmul
+(from the C++ wrapper, through the dispatcher), which on such a CPU ran below llama.cpp's Q4_0 by 2x
+(results/README.md, claim 2). This one reads the weights as torch packed them for that kernel, widens each 4-bit
+code to float32 and multiplies-and-adds it with the activation, applying each group's scale and zero once per group:
+the same function as dequantise + matmul to within float32 sums (tests/engines/test_cpu_gemm.py holds it to a
+float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
+choices of every int4 matmul, timed against torch's kernel.
 """
 
 from __future__ import annotations
@@ -26,10 +35,13 @@ import torch
 
 from ..core import torch_compat
 
-__all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_NAME"]
+__all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_NAME", "install_int4",
+           "int4_skipped", "INT4_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
+INT4_KERNEL_NAME = "llmstep_int4_avx2"
 _state: dict[str, object] = {"why": None, "cls": None}  # cls: the registered kernel class, once installed
+_int4: dict[str, object] = {"why": None, "cls": None}  # the same for the int4 kernel
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
@@ -136,6 +148,89 @@ static void {{kernel_name}}_block(
 """
 
 
+# The int4 kernel: the body that inductor's int4 micro-kernel entry calls for each block of 32 columns (its
+# `TEMPLATE_KERNEL`; torch_compat.register_int4_micro_gemm).
+_INT4_KERNEL = r"""
+// llmstep_int4_avx2: llmstep/engines/cpu_gemm.py
+// A block of 32 columns in torch's int4 layout on an AVX2 CPU ([N / 32, K, 16] bytes: byte j of a k-row holds
+// column j in its low nibble, column j + 16 in its high one) times ROWS rows of A, in float32. Weight (k, n) is
+// (q - 8) * s + z, q its 4-bit code, (s, z) its group's; the sum over a group is taken as
+// s * sum(a * q) + (z - 8 * s) * sum(a): per weight one widening and one multiply-add, the scale applied per group.
+template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
+__attribute__((target("avx2,fma")))
+inline void {{kernel_name}}_kernel(
+    const {{input_t}}* {{restrict_keyword}} A,
+    const uint8_t* {{restrict_keyword}} B,
+    {{output_t}}* {{restrict_keyword}} C,
+    int64_t K,
+    int64_t lda,
+    int64_t ldb,
+    int64_t ldc,
+    int64_t q_group_size,
+    const at::BFloat16* {{restrict_keyword}} ScaleAndZeros,
+    int64_t lds,
+    int64_t k_start) {
+  static_assert(BLOCK_N == 32, "a block is 32 columns");
+  constexpr int ROWS = BLOCK_M;
+  constexpr int COLS = 4;  // vectors of 8 floats
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m256i high16 = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 vc[ROWS][COLS], vg[ROWS][COLS];  // the output; this group's sum(a * q)
+  __m256 scale[COLS], shift[COLS];  // this group's s and z - 8 s, per column
+  float asum[ROWS];  // this group's sum(a), per row
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) {
+      vc[r][c] = accum ? _mm256_loadu_ps(C + r * ldc + 8 * c) : _mm256_setzero_ps();
+    }
+  }
+  auto flush = [&]() {  // the group's sums into the output
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 as = _mm256_set1_ps(asum[r]);
+      for (int c = 0; c < COLS; ++c) {
+        vc[r][c] = _mm256_fmadd_ps(vg[r][c], scale[c], vc[r][c]);
+        vc[r][c] = _mm256_fmadd_ps(as, shift[c], vc[r][c]);
+      }
+    }
+  };
+  // groups start where k_start + k is a multiple of the group size: the first may be a group's tail
+  for (int64_t k0 = 0, kb = 0, k1; k0 < K; k0 = k1, ++kb) {
+    k1 = std::min<int64_t>(K, k0 + q_group_size - (k_start + k0) % q_group_size);
+    // (scale, zero) pairs of bf16: one 32-bit lane per column, the scale in its low half, the zero in its high
+    const at::BFloat16* sz = ScaleAndZeros + kb * lds;
+    for (int c = 0; c < COLS; ++c) {
+      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * c));
+      scale[c] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+      shift[c] = _mm256_fnmadd_ps(eight, scale[c], _mm256_castsi256_ps(_mm256_and_si256(t, high16)));
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      asum[r] = 0.0f;
+      for (int c = 0; c < COLS; ++c) vg[r][c] = _mm256_setzero_ps();
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint8_t* b = B + k * ldb;
+      __m256 q[COLS];
+      for (int c = 0; c < 2; ++c) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)));
+        q[c] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low4));
+        q[c + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const float a = static_cast<float>(A[r * lda + k]);
+        asum[r] += a;
+        const __m256 va = _mm256_set1_ps(a);
+        for (int c = 0; c < COLS; ++c) vg[r][c] = _mm256_fmadd_ps(va, q[c], vg[r][c]);
+      }
+    }
+    flush();
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    for (int c = 0; c < COLS; ++c) _mm256_storeu_ps(C + r * ldc + 8 * c, vc[r][c]);
+  }
+}
+"""
+
+
 def installed() -> bool:
     """Whether this process's inductor has the kernel."""
     return _state["cls"] is not None
@@ -168,16 +263,63 @@ def install() -> bool:
     except (AttributeError, TypeError, AssertionError) as e:
         _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
         return False
-    _tag(True)
+    _tag(KERNEL_NAME, cache_tag(), True)
     return True
 
 
-def _tag(on: bool) -> None:
-    """Name the kernel in torch.compile's cache keys (`cache_key_tag`): the registry is not part of them, so
+def install_int4() -> bool:
+    """Register the AVX2 int4 kernel with inductor's int4 template (once per process); True when it is registered:
+    where inductor compiles for AVX2 and torch packs int4 weights in the layout the kernel reads."""
+    if _int4["cls"] is not None or _int4["why"]:
+        return _int4["cls"] is not None
+    if why := torch_compat.missing("micro_gemm"):
+        _int4["why"] = f"inductor's C++ GEMM micro-kernel registry is not used: {why}"
+        return False
+    if (isa := torch_compat.cpu_vector_isa()) != "avx2":
+        _int4["why"] = f"inductor compiles for {isa}, not AVX2 alone"
+        return False
+    if torch_compat.missing("int4_mm_cpu") or not _avx2_int4_layout():
+        _int4["why"] = "torch's CPU int4 weights are not packed in 32-column blocks (its AVX2 layout) here"
+        return False
+
+    def fits(config, m, n, k, alpha, num_threads, q_group_size=None, **kwargs) -> bool:
+        return (alpha == 1 and n % 32 == 0 and k % config.register_blocking.block_k == 0
+                and q_group_size is not None and k % q_group_size == 0)
+
+    try:  # (block_m, block_n, block_k): 4 rows share each widened weight; 1 row (a decode step) ranks first at m = 1
+        _int4["cls"] = torch_compat.register_int4_micro_gemm("Int4AVX2", _INT4_KERNEL, [(4, 32, 32), (1, 32, 32)],
+                                                             fits)
+    except (AttributeError, TypeError, AssertionError) as e:
+        _int4["why"] = f"this torch's inductor registers int4 micro-kernels differently ({type(e).__name__}: {e})"
+        return False
+    _tag(INT4_KERNEL_NAME, _int4_cache_tag(), True)
+    return True
+
+
+def int4_skipped() -> str | None:
+    """Why `install_int4` registered nothing, or None."""
+    return _int4["why"]  # type: ignore[return-value]
+
+
+def _avx2_int4_layout() -> bool:
+    """Whether torch packs CPU int4 weights as the int4 kernel reads them: [N / 32, K, 16] bytes, byte j of a
+    block's k-row holding column j's code in its low nibble and column j + 16's in its high one (torch's layout
+    where it runs its AVX2 kernels; with AVX-512 its blocks are 64 columns). Checked by packing known codes."""
+    codes = torch.arange(64 * 4, dtype=torch.int32).view(64, 4) * 7 % 16  # [N=64, K=4], every code in use
+    blocks = codes.view(2, 2, 16, 4).permute(0, 3, 2, 1)  # [N / 32, K, 16, 2]: columns j and j + 16 of a block
+    want = (blocks[..., 0] | blocks[..., 1] << 4).to(torch.uint8).flatten()
+    try:
+        return torch.equal(torch_compat.int4_pack_cpu(codes).flatten(), want)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _tag(name: str, tag: str, on: bool) -> None:
+    """Name a kernel in torch.compile's cache keys (`cache_key_tag`): the registry is not part of them, so
     without the tag a step compiled with the kernel and one compiled without could be served from each other's
     cache entries (across processes, or either side of `withheld`)."""
-    tags = [t for t in torch.compiler.config.cache_key_tag.split("+") if t and not t.startswith(KERNEL_NAME)]
-    torch.compiler.config.cache_key_tag = "+".join(tags + [cache_tag()] * on)
+    tags = [t for t in torch.compiler.config.cache_key_tag.split("+") if t and not t.startswith(name)]
+    torch.compiler.config.cache_key_tag = "+".join(tags + [tag] * on)
 
 
 def cache_tag() -> str:
@@ -186,16 +328,23 @@ def cache_tag() -> str:
     return f"{KERNEL_NAME}-{hashlib.sha256(f'{_ENTRY}{AMX_ROWS}'.encode()).hexdigest()[:16]}"
 
 
+def _int4_cache_tag() -> str:
+    return f"{INT4_KERNEL_NAME}-{hashlib.sha256(_INT4_KERNEL.encode()).hexdigest()[:16]}"
+
+
 @contextlib.contextmanager
 def withheld(when: bool = True):
-    """Steps compiled inside run inductor's own kernels (an A/B of this one: scripts/ab_cpu.py's `~nodot`);
-    `when` False: a no-op, for callers that withhold it in some runs only."""
-    if not when or not install():
+    """Steps compiled inside run inductor's own kernels, neither of these (an A/B of them: scripts/ab_cpu.py's
+    `~nodot`); `when` False: a no-op, for callers that withhold them in some runs only."""
+    if not when:
         yield
         return
-    _tag(False)
-    try:
-        with torch_compat.micro_gemm_withheld(_state["cls"]):
-            yield
-    finally:
-        _tag(True)
+    kernels = [(name, tag, state["cls"]) for name, tag, state, on in
+               [(KERNEL_NAME, cache_tag(), _state, install()),
+                (INT4_KERNEL_NAME, _int4_cache_tag(), _int4, install_int4())] if on]
+    with contextlib.ExitStack() as stack:
+        for name, tag, cls in kernels:
+            _tag(name, tag, False)
+            stack.callback(_tag, name, tag, True)
+            stack.enter_context(torch_compat.micro_gemm_withheld(cls))
+        yield

@@ -224,8 +224,10 @@ def test_without_the_micro_gemm_registry_the_cpu_kernel_is_not_installed_and_say
     from llmstep.engines import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "_int4", {"why": None, "cls": None})
     monkeypatch.delattr(importlib.import_module("torch._inductor.codegen.cpp_micro_gemm"), "register_micro_gemm")
     assert cpu_gemm.install() is False and not cpu_gemm.installed()
     assert "register_micro_gemm" in cpu_gemm.skipped()
+    assert cpu_gemm.install_int4() is False and "register_micro_gemm" in cpu_gemm.int4_skipped()
     with cpu_gemm.withheld():  # nothing to withhold: a no-op
         pass
