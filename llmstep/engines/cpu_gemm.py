@@ -1,4 +1,5 @@
-"""A bf16 dot-product micro-kernel for inductor's C++ GEMM template, for one-row decode on CPUs with AVX-512 BF16.
+"""llmstep's micro-kernels for inductor's C++ GEMM templates: a bf16 dot product for one-row decode on CPUs with
+AVX-512 BF16, and an int4 kernel for CPUs with AVX2 alone.
 
 A decode step's matmuls are GEMVs. On a CPU without AMX, the micro-kernel of inductor's tuned C++ GEMM template
 widens every bf16 weight to float32 before its FMA (`CppMicroGemmFP32Vec`), where llama.cpp multiplies bf16 pairs
@@ -17,11 +18,11 @@ rows (results/README.md, claim 12, measures both). Inductor's registry is intern
 `install` registers nothing and says why (`skipped`).
 
 The second kernel, `install_int4`, is for CPUs with AVX2 and no AVX-512: there inductor has no micro-kernel for its
-weight-only int4 template, so an int4 step called torch's own `_weight_int4pack_mm_for_cpu` for every matmul
-(from the C++ wrapper, through the dispatcher), which on such a CPU ran below llama.cpp's Q4_0 by 2x
-(results/README.md, claim 2). This one reads the weights as torch packed them for that kernel, widens each 4-bit
+weight-only int4 template, so an int4 step calls torch's own `_weight_int4pack_mm_for_cpu` for every matmul
+(from the C++ wrapper, through the dispatcher), far behind llama.cpp's Q4_0 on such a CPU (results/README.md,
+claim 2, measures both). This one reads the weights as torch packed them for that kernel, widens each 4-bit
 code to float32 and multiplies-and-adds it with the activation, applying each group's scale and zero once per group:
-the same function as dequantise + matmul to within float32 sums (tests/engines/test_cpu_gemm.py holds it to a
+the same function as dequantise + matmul to within float32 sums (tests/engines/test_cpu_int4.py holds it to a
 float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
 choices of every int4 matmul, timed against torch's kernel.
 """
