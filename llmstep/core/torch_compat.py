@@ -393,7 +393,8 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
 
 @contextlib.contextmanager
 def micro_gemm_withheld(cls: type):
-    """Inside, inductor's registry lacks `cls` (a class `register_micro_gemm` returned); restored after."""
+    """Inside, inductor's registry lacks `cls` (a class `register_micro_gemm` or `register_int4_micro_gemm`
+    returned); restored after."""
     from torch._inductor.codegen import cpp_micro_gemm as mg
 
     configs = mg.micro_gemm_configs.pop(cls)
