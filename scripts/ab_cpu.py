@@ -5,11 +5,13 @@
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
     python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without engines/cpu_gemm's kernels (bf16 dot, AVX2 int4)
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
+    python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
 
-Each argument is a variant: DTYPE[+KERNEL][!fuse|!nofuse][~nodot][|KEY=VALUE;KEY=VALUE], DTYPE one of float32,
-bfloat16, int8, int4
+Each argument is a variant: DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot][|KEY=VALUE;KEY=VALUE], DTYPE one of
+float32, bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
-Int8Linear / Int4Linear's kernel, KEY=VALUE inductor options over engines/compile.py's CPU options. All
+Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
+default float), KEY=VALUE inductor options over engines/compile.py's CPU options. All
 variants are built and compiled in one process (--model, default the shipped target model; 2 threads, a 128-token
 random prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
 them within a second or two of each other, so the paired ratio to the first variant, whose median is
@@ -41,13 +43,15 @@ def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     head, _, opts = spec.partition("|")
     head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
+    head, _, lm_head = head.partition("^")
     head, _, kernel = head.partition("+")
     dtype, _, base = head.partition("@")
     base = base or ("bfloat16" if dtype in ("int8", "int4") else dtype)
     overrides = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opts.split(";") if o)}
     model, _ = llmstep.load(name, device="cpu", dtype=base)
     if dtype in ("int8", "int4"):
-        quantize(model, dtype, group_size=group_size if dtype == "int4" else None, kernel=kernel or "auto")
+        quantize(model, dtype, group_size=group_size if dtype == "int4" else None, lm_head=lm_head or False,
+                 kernel=kernel or "auto")
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])

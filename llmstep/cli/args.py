@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..core.quant_formats import QuantConfig, QuantizationError
 from ..engines.decoding import check_seed
 
 __all__ = ["COUNT_LIMIT", "positive_int", "nonneg_int", "seed", "nonneg_float", "positive_float", "probability",
-           "fraction", "parse_ints", "parse_range", "int_at_most", "add_attention_arg"]
+           "fraction", "parse_ints", "parse_range", "int_at_most", "add_attention_arg", "quantization"]
 
 # The largest count a flag takes (tokens, repeats, requests, threads, ...): far beyond any context or machine
 # here, and small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
@@ -115,6 +116,16 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 1 <= low <= high <= COUNT_LIMIT:
         raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH <= {COUNT_LIMIT}, got {text!r}")
     return low, high
+
+
+def quantization(text: str) -> str:
+    """none, or a quantisation by its name: int8, int4, int4-g32, int8+lm_head, int4-g32+lm_head-int8 (QuantConfig)."""
+    if text != "none":
+        try:
+            QuantConfig.of(text)
+        except QuantizationError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_attention_arg(p: argparse.ArgumentParser) -> None:

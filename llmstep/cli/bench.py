@@ -76,6 +76,13 @@ int_at_least_2 = int_at_most(2)  # bench's --new-tokens: the prefill's token, th
 bandwidth_bytes = int_at_most(2**20, 2**40)  # the bandwidth copy's buffer: 1 MiB .. 1 TiB
 
 
+def _head_mode(value: str) -> str:
+    if value != "int8":
+        raise argparse.ArgumentTypeError(f"the LM head's own mode can be int8 only (or give no value: the blocks' "
+                                         f"mode), got {value!r}")
+    return value
+
+
 def add_commands(sub) -> None:
     doc = decode_bench.__doc__
     p = sub.add_parser("bench", help="decode tokens/s, float and quantized, next to transformers",
@@ -94,8 +101,9 @@ def add_commands(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
     p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
-    p.add_argument("--quantize-lm-head", action="store_true",
-                   help="quantize the LM head too, in the blocks' mode (not with --peers)")
+    p.add_argument("--quantize-lm-head", nargs="?", const=True, default=False, type=_head_mode, metavar="int8",
+                   help="quantize the LM head too: in the blocks' mode, or (given int8) in int8 under int4 blocks "
+                        "(not with --peers, whose quantised rows hold an int8 head already)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on CUDA only)")
     p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")
@@ -250,8 +258,8 @@ def run_peer_bench(args, argv) -> dict:
     if args.device not in (None, "cpu"):
         raise ValueError(f"--peers runs on the CPU: drop --device {args.device}")
     if args.quantize_lm_head:  # each peer's LM head is its own input's (llama.cpp's Q8_0 / Q4_x files keep theirs)
-        raise ValueError("--quantize-lm-head does not apply to --peers: llmstep's int8 / int4 rows keep the LM head "
-                         "in the model's float dtype; drop the flag")
+        raise ValueError("--quantize-lm-head does not apply to --peers: the int8 / int4 rows of every engine hold "
+                         "the LM head in 8 bits already (llama.cpp's quantised files keep theirs so); drop the flag")
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              "cpu", args.dtype, args.seed)

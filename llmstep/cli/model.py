@@ -11,7 +11,16 @@ import torch
 
 from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
-from .args import add_attention_arg, check_draft, nonneg_float, nonneg_int, positive_int, probability, seed
+from .args import (
+    add_attention_arg,
+    check_draft,
+    nonneg_float,
+    nonneg_int,
+    positive_int,
+    probability,
+    quantization,
+    seed,
+)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -73,8 +82,9 @@ def add_commands(sub) -> None:
     f.add_argument("--model", default=None, help="checkpoint directory (default: the shipped model)")
     f.add_argument("--device", default=None)
     f.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: by device)")
-    f.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the model in --dtype")
+    f.add_argument("--quantize", default="none", type=quantization,
+                   help="weight-only quantization of the model in --dtype: int8, int4, int4-g32, ...; "
+                        "+lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under int4 blocks)")
     f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the compiled step, FastDecoder's default settings (default: on)")
     f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")

@@ -89,13 +89,14 @@ def tensor_table(config: LlamaConfig, qc: QuantConfig | None = None) -> Table:
         p = prefix[module]
         table.pop(f"{p}.weight", None)
         n, k = meta.get_submodule(module).weight.shape
-        if qc.mode == "int8":
+        layer = qc.layer(module)  # the head's own mode where it has one (QuantConfig.lm_head)
+        if layer.mode == "int8":
             table[f"{p}.qweight"] = (f"{module}.weight", (n, k), "I8")
             table[f"{p}.scales"] = (f"{module}.scales", (n,), "float")
         else:
             table[f"{p}.qweight"] = (f"{module}.weight", (n, k // 2), "U8")
-            table[f"{p}.scales"] = (f"{module}.scales", (n, k // qc.group_size), "float")
-            table[f"{p}.zeros"] = (f"{module}.zeros", (n, k // qc.group_size), "float")
+            table[f"{p}.scales"] = (f"{module}.scales", (n, k // layer.group_size), "float")
+            table[f"{p}.zeros"] = (f"{module}.zeros", (n, k // layer.group_size), "float")
     return table
 
 

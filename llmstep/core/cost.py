@@ -62,7 +62,7 @@ def checkpoint_bytes(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloa
     """Bytes of a checkpoint's model in memory: float (`qc` None, = model_bytes) or quantized by `qc`
     (llmstep.core.quantize.QuantConfig: its mode, group_size, lm_head). A quantized matmul [N, K] holds int8
     codes N*K bytes and N scales, or int4 codes N*K/2 bytes and N*K/g scales and zeros; scales, zeros,
-    norms and the embedding in `dtype`. A quantized head has its own tensors, also when tied."""
+    norms and the embedding in `dtype`. A quantized head has its own tensors, also when tied, in its own mode."""
     float_bytes = model_bytes(config, dtype)
     if qc is None:
         return float_bytes
@@ -71,13 +71,14 @@ def checkpoint_bytes(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloa
     matmuls = c.n_layers * [(q_dim, c.dim), (kv_dim, c.dim), (kv_dim, c.dim), (c.dim, q_dim),  # wq wk wv wo
                             (c.hidden_dim, c.dim), (c.hidden_dim, c.dim), (c.dim, c.hidden_dim)]  # w1 w3 w2
     replaced = sum(n * k for n, k in matmuls)  # float elements the codes replace
-    if qc.lm_head:
-        matmuls.append((c.vocab_size, c.dim))
+
+    def codes(n: int, k: int, mode: str, group_size: int | None) -> int:  # codes, scales (and zeros) of [N, K]
+        return n * k + n * db if mode == "int8" else n * k // 2 + 2 * n * (k // group_size) * db
+
+    quantized = sum(codes(n, k, qc.mode, qc.group_size) for n, k in matmuls)
+    if qc.head is not None:
+        quantized += codes(c.vocab_size, c.dim, qc.head.mode, qc.head.group_size)
         replaced += 0 if c.tie_embeddings else c.vocab_size * c.dim  # a tied table stays for the embedding
-    if qc.mode == "int8":
-        quantized = sum(n * k + n * db for n, k in matmuls)
-    else:
-        quantized = sum(n * k // 2 + 2 * n * (k // qc.group_size) * db for n, k in matmuls)
     return int(float_bytes - replaced * db + quantized)
 
 

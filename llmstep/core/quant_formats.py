@@ -35,7 +35,10 @@ class QuantizationError(ValueError):
 class QuantConfig:
     mode: str  # "int8" (per output channel) or "int4" (per group, two values per byte)
     group_size: int | None = None  # int4 only: inputs sharing one scale/zero; None -> DEFAULT_GROUP_SIZE
-    lm_head: bool = False  # also quantise the LM head (tied or not; the embedding lookup stays float)
+    # The LM head (tied or not; the embedding lookup stays float): False keeps it float, True quantises it in
+    # `mode`, "int8" in int8 under int4 blocks (the head is the largest matmul of a small model, and its row
+    # scales cost nothing: llama.cpp's 4-bit files keep theirs at 8 bits too). "int8" under int8 blocks is True.
+    lm_head: bool | str = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -48,29 +51,54 @@ class QuantConfig:
                 raise QuantizationError(f"int4 group_size must be an even integer >= 2, got {g!r}")
         elif self.group_size is not None:
             raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
+        head = self.lm_head
+        if head == self.mode:
+            object.__setattr__(self, "lm_head", True)  # one spelling of "the head in the blocks' mode"
+        elif not isinstance(head, bool) and head != "int8":
+            raise QuantizationError(f"lm_head must be True, False or 'int8' (an int8 head under int4 blocks), got "
+                                    f"{head!r}" + (": an int4 head takes int4 blocks" if head == "int4" else ""))
+
+    @property
+    def head(self) -> QuantConfig | None:
+        """The settings the LM head is quantised with; None where it stays float."""
+        if self.lm_head is False:
+            return None
+        return QuantConfig(self.mode, self.group_size) if self.lm_head is True else QuantConfig("int8")
+
+    def layer(self, name: str) -> QuantConfig:
+        """The settings of one matmul: the head's for "output" (None: float), the blocks' for any other."""
+        return self.head if name == "output" else QuantConfig(self.mode, self.group_size)
 
     @classmethod
-    def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | None = None
+    def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | str | None = None
            ) -> QuantConfig:
-        """A QuantConfig from itself, a mode name ("int8", "int4", "int4-g32") or a dict; a group_size or lm_head
-        given overrides the spec's."""
+        """A QuantConfig from itself, its name ("int8", "int4", "int4-g32", "int4-g32+lm_head-int8": what str()
+        gives) or a dict; a group_size or lm_head given overrides the spec's."""
         if isinstance(spec, dict):
             spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head")})
-        elif isinstance(spec, str) and spec.startswith("int4-g") and spec[6:].isdigit():
-            spec = cls("int4", int(spec[6:]))
         elif not isinstance(spec, QuantConfig):
-            spec = cls(str(spec))
+            spec = cls._parse(str(spec))
         if group_size is None and lm_head is None:
             return spec
         return cls(spec.mode, spec.group_size if group_size is None else group_size,
                    spec.lm_head if lm_head is None else lm_head)
+
+    @classmethod
+    def _parse(cls, name: str) -> QuantConfig:
+        base, plus, head = name.partition("+lm_head")
+        if plus and head not in ("", "-int8"):
+            raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' may follow")
+        lm_head = head.removeprefix("-") or bool(plus)
+        if base.startswith("int4-g") and base[6:].isdigit():
+            return cls("int4", int(base[6:]), lm_head)
+        return cls(base, None, lm_head)
 
     def to_dict(self) -> dict:  # what a checkpoint records
         return asdict(self)
 
     def __str__(self) -> str:
         name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}"
-        return name + ("+lm_head" if self.lm_head else "")
+        return name + ("" if self.lm_head is False else "+lm_head" if self.lm_head is True else "+lm_head-int8")
 
 
 # ---- the modules ---------------------------------------------------------------------------------

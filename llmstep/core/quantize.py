@@ -7,10 +7,10 @@ while activations, norms and the KV cache stay in the model's dtype.
 The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
 and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
 
-`quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True)
-for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. This module does no file I/O:
-`llmstep.save` writes a quantised model in its packed form and `llmstep.load` reads it back
-(llmstep.core.checkpoint).
+`quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True, or an int8
+head under int4 blocks with lm_head="int8") for an `Int8Linear` / `Int4Linear`; the model's forward is untouched.
+This module does no file I/O: `llmstep.save` writes a quantised model in its packed form and `llmstep.load` reads it
+back (llmstep.core.checkpoint).
 
 The matmul either calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private
 torch ops, reached through llmstep.core.torch_compat) or dequantises and multiplies; under torch.compile the
@@ -52,7 +52,7 @@ from .quant_formats import (
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize", "check_config",
-           "linear_names", "swap_linears", "empty_quantized", "layer_errors", "choose_int4_kernel",
+           "linear_names", "swap_linears", "quantize_lm_head", "empty_quantized", "layer_errors", "choose_int4_kernel",
            "prefer_int4_kernel", "DEFAULT_GROUP_SIZE"]
 
 KERNELS = ("auto", "packed", "dequant", "reduce")  # "reduce": int4 only
@@ -317,18 +317,19 @@ QuantLinear = (Int8Linear, Int4Linear)
 
 # ---- swapping the layers -------------------------------------------------------------------------
 
-def linear_names(model: Llama, lm_head: bool = False) -> list[str]:
-    """The nn.Linear layers that quantisation replaces, in model order: wq, wk, wv, wo, w1, w3, w2 per block."""
+def linear_names(model: Llama, lm_head: bool | str = False) -> list[str]:
+    """The nn.Linear layers that quantisation replaces, in model order: wq, wk, wv, wo, w1, w3, w2 per block
+    (and "output", the LM head, where lm_head is True or a mode: QuantConfig.lm_head)."""
     names = [name for name, m in model.layers.named_modules(prefix="layers")
              if isinstance(m, (nn.Linear, *QuantLinear))]
-    return names + (["output"] if lm_head else [])
+    return names + (["output"] if lm_head is not False else [])
 
 
-def _check(model: Llama, qc: QuantConfig, weights: bool = True) -> None:
+def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str] | None = None) -> None:
     """Every reason this model cannot take these settings, each naming its layer, before anything changes
-    (weights=False: its shapes only, for a model on the meta device)."""
+    (weights=False: its shapes only, for a model on the meta device; names: these layers only)."""
     problems = []
-    for name in linear_names(model, qc.lm_head):
+    for name in linear_names(model, qc.lm_head) if names is None else names:
         m = model.get_submodule(name)
         if isinstance(m, QuantLinear):
             problems.append(f"{name} is already quantised ({type(m).__name__}); start from the float model")
@@ -337,38 +338,39 @@ def _check(model: Llama, qc: QuantConfig, weights: bool = True) -> None:
             problems.append(f"{name} has a bias; LLaMA's linear layers have none")
         if weights and (not m.weight.dtype.is_floating_point or m.weight.device.type == "meta"):
             problems.append(f"{name}: needs float weights in memory, has {m.weight.dtype} on {m.weight.device}")
-        K = m.in_features
-        if qc.mode == "int4":
+        K, layer = m.in_features, qc.layer(name)
+        if layer.mode == "int4":
             if K % 2:
                 problems.append(f"{name}: in_features {K} is odd; int4 packs two weights per byte along it")
-            elif K % qc.group_size:
-                problems.append(f"{name}: group_size {qc.group_size} does not divide in_features {K}")
+            elif K % layer.group_size:
+                problems.append(f"{name}: group_size {layer.group_size} does not divide in_features {K}")
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise QuantizationError(f"cannot quantise to {qc}: " + "; ".join(problems[:3]) + more)
 
 
-def swap_linears(model: Llama, names: list[str], make: Callable[[nn.Linear], nn.Module]) -> None:
-    """Replace each named nn.Linear of `model` by make(linear), in place."""
+def swap_linears(model: Llama, names: list[str], make: Callable[[str, nn.Linear], nn.Module]) -> None:
+    """Replace each named nn.Linear of `model` by make(name, linear), in place."""
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, make(owner.get_submodule(child)))
+        setattr(owner, child, make(name, owner.get_submodule(child)))
 
 
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
-    if qc.mode == "int8":
-        return Int8Linear.from_linear(linear, kernel)
+    if qc.mode == "int8":  # an int8 head under int4 blocks quantised with int4's "reduce" takes int8's own choice
+        return Int8Linear.from_linear(linear, "auto" if kernel == "reduce" else kernel)
     return Int4Linear.from_linear(linear, qc.group_size, kernel)
 
 
 def empty_quantized(model: Llama, qc: QuantConfig, dtype: torch.dtype) -> None:
     """Swap the linears `qc` quantises for quantised modules of the same shape on the meta device, to be
     filled from a checkpoint (llmstep.core.checkpoint) and then `prepare()`d on their device."""
-    def make(lin: nn.Linear) -> nn.Module:
-        if qc.mode == "int8":
+    def make(name: str, lin: nn.Linear) -> nn.Module:
+        layer = qc.layer(name)
+        if layer.mode == "int8":
             return Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype)
-        return Int4Linear(lin.in_features, lin.out_features, qc.group_size, device="meta", dtype=dtype)
+        return Int4Linear(lin.in_features, lin.out_features, layer.group_size, device="meta", dtype=dtype)
 
     swap_linears(model, linear_names(model, qc.lm_head), make)
 
@@ -380,8 +382,9 @@ def _float_copy(model: Llama) -> Llama:
 
 
 def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: int | None = None,
-             lm_head: bool | None = None, kernel: str = "auto", inplace: bool = True) -> Llama:
-    """Replace the block matmuls (and the LM head with lm_head=True) by weight-only int8/int4 modules.
+             lm_head: bool | str | None = None, kernel: str = "auto", inplace: bool = True) -> Llama:
+    """Replace the block matmuls (and the LM head with lm_head=True, or lm_head="int8" for an int8 head under
+    int4 blocks) by weight-only int8/int4 modules.
 
     inplace=False quantises a twin that shares the float model's other tensors, leaving `model` as it
     was (to compare float and quantised side by side without a second copy of the embeddings).
@@ -392,13 +395,31 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     _check(model, qc)
     target = model if inplace else _float_copy(model)
     with torch.no_grad():
-        swap_linears(target, linear_names(target, qc.lm_head), lambda linear: _make(linear, qc, kernel))
+        swap_linears(target, linear_names(target, qc.lm_head),
+                     lambda name, linear: _make(linear, qc.layer(name), kernel))
     target.quantization = qc
     return target
 
 
+def quantize_lm_head(model: Llama, mode: str = "int8", kernel: str = "auto") -> Llama:
+    """Quantise the float LM head of a model whose blocks are quantised already (a GGUF file's blocks kept as
+    int4, a quantised checkpoint), in place; `model.quantization` then says so (its lm_head)."""
+    qc = getattr(model, "quantization", None)
+    if qc is None or qc.lm_head is not False:
+        raise QuantizationError("quantize_lm_head takes a model with quantised blocks and a float LM head; this one "
+                                + ("is not quantised: use quantize(model, mode, lm_head=True)" if qc is None
+                                   else f"is {qc}"))
+    qc = QuantConfig(qc.mode, qc.group_size, mode)
+    _check_kernel(kernel, qc.head.mode)
+    _check(model, qc, names=["output"])
+    with torch.no_grad():
+        swap_linears(model, ["output"], lambda name, linear: _make(linear, qc.head, kernel))
+    model.quantization = qc
+    return model
+
+
 def check_config(config: LlamaConfig, spec: QuantConfig | str | dict = "int8", group_size: int | None = None,
-                 lm_head: bool | None = None) -> None:
+                 lm_head: bool | str | None = None) -> None:
     """What `quantize` would refuse for a float model of `config`'s shapes (int4's group size, odd widths),
     checked on the meta device: no weight is read or allocated."""
     qc = QuantConfig.of(spec, group_size, lm_head)

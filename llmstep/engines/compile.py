@@ -77,7 +77,7 @@ def tunes_matmuls(model: torch.nn.Module) -> bool:
     return (weight.dtype == torch.float32 or torch.get_num_threads() > 1
             or any(isinstance(m, QuantLinear) for m in model.modules())
             or (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-                and (cpu_gemm.install() or not _bf16_instructions())))
+                and (cpu_gemm.BF16.install() or not _bf16_instructions())))
 
 
 def _bf16_instructions() -> bool:
@@ -101,7 +101,8 @@ def gemm_backends(*models: torch.nn.Module) -> str | None:
     if not all(tunes_matmuls(m) for m in models):
         return None
     bf16 = all(next(m.parameters()).dtype == torch.bfloat16 for m in models)
-    return "CPP" if bf16 and next(models[0].parameters()).device.type == "cpu" and cpu_gemm.install() else "ATEN,CPP"
+    cpu = next(models[0].parameters()).device.type == "cpu"
+    return "CPP" if bf16 and cpu and cpu_gemm.BF16.install() else "ATEN,CPP"
 
 
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:
@@ -127,8 +128,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     step returns before calling it again."""
     options = compile_options(device, mode, gemm_backends)
     if device.type == "cpu":
-        cpu_gemm.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
-        cpu_gemm.install_int4()
+        cpu_gemm.BF16.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
+        cpu_gemm.INT4.install()
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)
     traced = own_code(fn)  # its own code object: Dynamo's limit of compiled versions counts this step's alone

@@ -11,13 +11,13 @@ widening kernel's; only the order of the additions differs (and `vdpbf16ps` trea
 the step is the same function to within float32 rounding (tests/engines/test_cpu_gemm.py holds it to a float64
 matmul).
 
-`install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has AVX-512
-BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to `AMX_ROWS`
-rows (results/README.md, claim 12, measures both). Inductor's registry is internal to torch
+`BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
+AVX-512 BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to
+`AMX_ROWS` rows (results/README.md, claim 12, measures both). Inductor's registry is internal to torch
 (llmstep.core.torch_compat's `micro_gemm`): outside the tested torch range, or with a registry of another shape,
-`install` registers nothing and says why (`skipped`).
+`install` registers nothing and says why (`BF16.why`).
 
-The second kernel, `install_int4`, is for CPUs with AVX2 and no AVX-512: there inductor has no micro-kernel for its
+The second kernel, `INT4`, is for CPUs with AVX2 and no AVX-512: there inductor has no micro-kernel for its
 weight-only int4 template, so an int4 step calls torch's own `_weight_int4pack_mm_for_cpu` for every matmul
 (from the C++ wrapper, through the dispatcher), far behind llama.cpp's Q4_0 on such a CPU (results/README.md,
 claim 2, measures both). This one reads the weights as torch packed them for that kernel, widens each 4-bit
@@ -31,18 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..core import torch_compat
 
-__all__ = ["install", "installed", "skipped", "withheld", "cache_tag", "KERNEL_NAME", "install_int4",
-           "int4_skipped", "INT4_KERNEL_NAME"]
+__all__ = ["BF16", "INT4", "withheld", "KERNEL_NAME", "INT4_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 INT4_KERNEL_NAME = "llmstep_int4_avx2"
-_state: dict[str, object] = {"why": None, "cls": None}  # cls: the registered kernel class, once installed
-_int4: dict[str, object] = {"why": None, "cls": None}  # the same for the int4 kernel
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
@@ -232,74 +231,72 @@ inline void {{kernel_name}}_kernel(
 """
 
 
-def installed() -> bool:
-    """Whether this process's inductor has the kernel."""
-    return _state["cls"] is not None
+@dataclass
+class _Kernel:
+    """One micro-kernel: registered with inductor at most once per process (`install`), or the reason it was not."""
+
+    name: str  # appears in the generated C++ of a step that uses it
+    register: Callable[[], object]  # registers it and returns its class; raises _NotHere(why) where it does not fit
+    source: Callable[[], str]  # what selects its code (its C++, its rules): hashed into the cache tag
+    cls: object = None  # the registered class, once installed
+    why: str | None = None  # why it was not
+
+    @property
+    def installed(self) -> bool:
+        return self.cls is not None
+
+    def install(self) -> bool:
+        if self.cls is None and self.why is None:
+            try:
+                if why := torch_compat.missing("micro_gemm"):  # inductor's registry is internal: where it was tested
+                    raise _NotHere(f"inductor's C++ GEMM micro-kernel registry is not used: {why}")
+                self.cls = self.register()
+                _tag(self.name, self.tag(), True)
+            except _NotHere as e:
+                self.why = str(e)
+            except (AttributeError, TypeError, AssertionError) as e:
+                self.why = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
+        return self.cls is not None
+
+    def tag(self) -> str:
+        """The kernel's name and a hash of what selects its code: a changed kernel is compiled anew, not read from
+        a cache."""
+        return f"{self.name}-{hashlib.sha256(self.source().encode()).hexdigest()[:16]}"
 
 
-def skipped() -> str | None:
-    """Why `install` registered nothing, or None."""
-    return _state["why"]  # type: ignore[return-value]
+class _NotHere(Exception):
+    """A kernel that does not fit this CPU or this torch; the message says why."""
 
 
-def install() -> bool:
-    """Register the kernel with inductor's GEMM template (once per process); True when it is registered."""
-    if installed() or _state["why"]:
-        return installed()
-    if why := torch_compat.missing("micro_gemm"):  # inductor's registry is internal: used where it was tested
-        _state["why"] = f"inductor's C++ GEMM micro-kernel registry is not used: {why}"
-        return False
+def _register_bf16():
     isa = torch_compat.cpu_vector_isa()
     if isa not in ("amx", "avx512_bf16"):
-        _state["why"] = f"the CPU's vector ISA ({isa}) has no AVX-512 BF16"
-        return False
+        raise _NotHere(f"the CPU's vector ISA ({isa}) has no AVX-512 BF16")
     amx = isa == "amx"
 
     def fits(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
         return alpha == 1 and k % 2 == 0 and (not amx or m <= AMX_ROWS)  # AMX_ROWS read at each compile
 
-    try:  # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
-        _state["cls"] = torch_compat.register_micro_gemm("BF16Dot", _ENTRY, [(4, 64, 32), (1, 64, 32)], fits,
-                                                         rank=isa)
-    except (AttributeError, TypeError, AssertionError) as e:
-        _state["why"] = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
-        return False
-    _tag(KERNEL_NAME, cache_tag(), True)
-    return True
+    # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
+    return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, [(4, 64, 32), (1, 64, 32)], fits, rank=isa)
 
 
-def install_int4() -> bool:
-    """Register the AVX2 int4 kernel with inductor's int4 template (once per process); True when it is registered:
-    where inductor compiles for AVX2 and torch packs int4 weights in the layout the kernel reads."""
-    if _int4["cls"] is not None or _int4["why"]:
-        return _int4["cls"] is not None
-    if why := torch_compat.missing("micro_gemm"):
-        _int4["why"] = f"inductor's C++ GEMM micro-kernel registry is not used: {why}"
-        return False
+def _register_int4():
     if (isa := torch_compat.cpu_vector_isa()) != "avx2":
-        _int4["why"] = f"inductor compiles for {isa}, not AVX2 alone"
-        return False
+        raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
     if torch_compat.missing("int4_mm_cpu") or not _avx2_int4_layout():
-        _int4["why"] = "torch's CPU int4 weights are not packed in 32-column blocks (its AVX2 layout) here"
-        return False
+        raise _NotHere("torch's CPU int4 weights are not packed in 32-column blocks (its AVX2 layout) here")
 
     def fits(config, m, n, k, alpha, num_threads, q_group_size=None, **kwargs) -> bool:
         return (alpha == 1 and n % 32 == 0 and k % config.register_blocking.block_k == 0
                 and q_group_size is not None and k % q_group_size == 0)
 
-    try:  # (block_m, block_n, block_k): 4 rows share each widened weight; 1 row (a decode step) ranks first at m = 1
-        _int4["cls"] = torch_compat.register_int4_micro_gemm("Int4AVX2", _INT4_KERNEL, [(4, 32, 32), (1, 32, 32)],
-                                                             fits)
-    except (AttributeError, TypeError, AssertionError) as e:
-        _int4["why"] = f"this torch's inductor registers int4 micro-kernels differently ({type(e).__name__}: {e})"
-        return False
-    _tag(INT4_KERNEL_NAME, _int4_cache_tag(), True)
-    return True
+    # (block_m, block_n, block_k): 4 rows share each widened weight; 1 row (a decode step) ranks first at m = 1
+    return torch_compat.register_int4_micro_gemm("Int4AVX2", _INT4_KERNEL, [(4, 32, 32), (1, 32, 32)], fits)
 
 
-def int4_skipped() -> str | None:
-    """Why `install_int4` registered nothing, or None."""
-    return _int4["why"]  # type: ignore[return-value]
+BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}")  # compile.compile_step installs both
+INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: _INT4_KERNEL)
 
 
 def _avx2_int4_layout() -> bool:
@@ -323,16 +320,6 @@ def _tag(name: str, tag: str, on: bool) -> None:
     torch.compiler.config.cache_key_tag = "+".join(tags + [tag] * on)
 
 
-def cache_tag() -> str:
-    """The kernel's name and a hash of its source and of the rows it takes with AMX: a changed kernel or rule is
-    compiled anew, not read from a cache."""
-    return f"{KERNEL_NAME}-{hashlib.sha256(f'{_ENTRY}{AMX_ROWS}'.encode()).hexdigest()[:16]}"
-
-
-def _int4_cache_tag() -> str:
-    return f"{INT4_KERNEL_NAME}-{hashlib.sha256(_INT4_KERNEL.encode()).hexdigest()[:16]}"
-
-
 @contextlib.contextmanager
 def withheld(when: bool = True):
     """Steps compiled inside run inductor's own kernels, neither of these (an A/B of them: scripts/ab_cpu.py's
@@ -340,12 +327,9 @@ def withheld(when: bool = True):
     if not when:
         yield
         return
-    kernels = [(name, tag, state["cls"]) for name, tag, state, on in
-               [(KERNEL_NAME, cache_tag(), _state, install()),
-                (INT4_KERNEL_NAME, _int4_cache_tag(), _int4, install_int4())] if on]
     with contextlib.ExitStack() as stack:
-        for name, tag, cls in kernels:
-            _tag(name, tag, False)
-            stack.callback(_tag, name, tag, True)
-            stack.enter_context(torch_compat.micro_gemm_withheld(cls))
+        for kernel in (k for k in (BF16, INT4) if k.install()):
+            _tag(kernel.name, kernel.tag(), False)
+            stack.callback(_tag, kernel.name, kernel.tag(), True)
+            stack.enter_context(torch_compat.micro_gemm_withheld(kernel.cls))
         yield

@@ -195,7 +195,7 @@ def mean_step_cost(model: Llama, prompt_len: int, new_tokens: int) -> StepCost:
 
 def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_tokens: int = 128,
               compile: bool | None = None, compile_mode: str | None = None, repeats: int = 3,
-              group_size: int | None = None, lm_head: bool = False, eager: bool = True, hf: bool = True,
+              group_size: int | None = None, lm_head: bool | str = False, eager: bool = True, hf: bool = True,
               bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
               hf_dtype: torch.dtype | None = None, log=print, on_repeat=None, argv: list[str] | None = None,
               hf_compile: bool | None = None) -> dict:

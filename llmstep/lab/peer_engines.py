@@ -30,6 +30,7 @@ from .bench import hf_twin, time_hf
 __all__ = ["PeerSpec", "MAKERS", "LLAMA_FTYPE", "CT2_COMPUTE", "cpu_has_amx", "gguf_step_weight_bytes"]
 
 LLAMA_FTYPE = {"q8_0": 7, "q4_0": 2}  # llama.h's enum llama_ftype: LLAMA_FTYPE_MOSTLY_Q8_0, _Q4_0
+GGML_Q8_0 = 8  # ggml.h's enum ggml_type: GGML_TYPE_Q8_0
 CT2_COMPUTE = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8_float32"}  # CTranslate2's compute_type
 
 
@@ -93,6 +94,9 @@ class _LlamaCpp:
             path = spec.workdir / f"model-{spec.quantize_to}.gguf"
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype, params.nthread = LLAMA_FTYPE[spec.quantize_to], spec.threads
+            # The LM head (a tied model's token embedding) in Q8_0 whatever the blocks' type, as llmstep's quantised
+            # rows hold theirs in int8 (peer_inputs.HEAD); left to itself the quantiser picks Q8_0 or Q6_K by width.
+            params.output_tensor_type = GGML_Q8_0
             if llama_cpp.llama_model_quantize(str(spec.gguf).encode(), str(path).encode(), params) != 0:
                 raise RuntimeError(f"llama.cpp could not quantise {spec.gguf} to {spec.quantize_to}")
         if not spec.extra_bufts:

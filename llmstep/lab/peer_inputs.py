@@ -2,18 +2,22 @@
 from: every row of the record names its source.
 
 From a checkpoint directory (or a random model) everything starts from llmstep's float model:
-- llmstep: the float model; int8 and int4 quantised from it by llmstep.core.quantize.
+- llmstep: the float model; int8 and int4 quantised from it by llmstep.core.quantize, the LM head in int8 at both
+  (`HEAD`: llama.cpp's quantiser keeps a model's head at 8 or 6 bits whatever the blocks' type, so an int4 row with a
+  bfloat16 head would read twice the head's bytes its peer reads, and compare two different functions).
 - llama.cpp: the float model exported by `llmstep.core.gguf.export_gguf` (f32 or bf16); int8 as Q8_0 holding
-  llmstep's own int8 codes and scales exactly where the scales are float16 numbers (else llama.cpp's quantiser
-  on the float file); int4 as Q4_0 made by llama.cpp's quantiser from the float file (GGUF has no exact form of
-  llmstep's int4 groups with zero points: the same weights, rounded by llama.cpp's rule).
+  llmstep's own int8 codes and scales exactly, the head's too, where the scales are float16 numbers (else llama.cpp's
+  quantiser on the float file); int4 as Q4_0 made by llama.cpp's quantiser from the float file, its head told to be
+  Q8_0 (GGUF has no exact form of llmstep's int4 groups with zero points: the same weights, rounded by llama.cpp's
+  rule).
 - CTranslate2: its own converter on the directory's safetensors; transformers: llmstep's float tensors.
 
 From a GGUF file (SmolLM2-135M-Instruct ships as Q4_1) the file is an input in its own right:
 - llama.cpp runs the file itself, as shipped, at the precision of its matrices (Q4_0/Q4_1: int4, Q8_0: int8,
   F32/BF16 at that float dtype): that is the row the issue asks about, llama.cpp on its own file.
 - llmstep's int4 comes twice: the file's Q4_0/Q4_1 blocks held exactly as int4-g32 (`keep_quantized`: the same
-  weights as llama.cpp's row on the file), and llmstep's own int4 of the dequantized weights.
+  block weights as llama.cpp's row on the file; the file's 8-bit head, scaled per block of 32, rounded again to
+  llmstep's int8 per row), and llmstep's own int4 of the dequantized weights.
 - Every other row starts from the float weights llmstep runs (the file dequantized to --dtype): llama.cpp's BF16
   or F32 is their export, and its Q8_0 / Q4_0 are made by llama.cpp's own quantiser (llama_model_quantize) from
   that export, as llmstep's int8 / int4 are made from the same numbers. A BF16 GGUF cannot be made from a Q4_1
@@ -37,16 +41,18 @@ from ..core.checkpoint import save
 from ..core.gguf import GGUFError, export_gguf
 from ..core.gguf_load import KEEPS, GGUFLoadError, is_gguf, load_gguf, read_gguf
 from ..core.model import Llama
-from ..core.quantize import linear_names, quantize
+from ..core.quantize import QuantConfig, linear_names, quantize, quantize_lm_head
 from ..core.tokens import Tokenizer
 from .peer_engines import CT2_COMPUTE, PeerSpec
 
-__all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_matrix_type", "plan_inputs"]
+__all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_matrix_type", "file_head_type",
+           "plan_inputs", "HEAD"]
 
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
 _MODULE = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2", "transformers": "transformers"}
 _PIP = {"llama.cpp": "llama-cpp-python", "ctranslate2": "ctranslate2", "transformers": "transformers"}
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's type at each
+HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (whose quantised files keep it at 8 bits)
 _PRECISION_OF = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
 
@@ -93,6 +99,7 @@ class Plan:
     skipped: list[dict] = field(default_factory=list)  # {"peer", "precision", "why"}
     gguf_file: Path | None = None  # the GGUF file the model came from, if it did
     file_type: str | None = None  # the one GGML type of that file's block matrices (None: mixed or no file)
+    head_type: str | None = None  # the GGML type of that file's LM head (output.weight, else the tied token_embd)
 
 
 def file_matrix_type(path: str | Path) -> str | None:
@@ -105,6 +112,12 @@ def file_matrix_type(path: str | Path) -> str | None:
     return types.pop() if len(types) == 1 else None
 
 
+def file_head_type(path: str | Path) -> str:
+    """The GGML type of a GGUF file's LM head: output.weight's, or the token embedding's where the head is tied."""
+    g = read_gguf(path)
+    return g.types.get("output.weight", g.types["tok_embeddings.weight"])
+
+
 def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], tokenizer: Tokenizer | None,
                 checkpoint: Path | None, workdir: Path, threads: int, n_ctx: int, group_size: int | None = None,
                 extra_bufts: bool = True, log=print) -> Plan:
@@ -113,6 +126,7 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
     plan = Plan()
     if checkpoint is not None and is_gguf(checkpoint):
         plan.gguf_file, plan.file_type = checkpoint, file_matrix_type(checkpoint)
+        plan.head_type = file_head_type(checkpoint)
     float_name = str(model.dtype).removeprefix("torch.")
     file_float = plan.file_type is not None and _PRECISION_OF.get(plan.file_type) == float_name
     again = plan.file_type in KEEPS or plan.file_type == "Q8_0"  # the file is quantized: requantizing is lossy
@@ -137,7 +151,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
         else:
             if precision == "int4" and plan.gguf_file is not None:
                 kept = _kept(plan, model.dtype)
-            m = quantize(model, precision, group_size=group_size if precision == "int4" else None, inplace=False)
+            qc = QuantConfig(precision, group_size if precision == "int4" else None, lm_head=HEAD)
+            m = quantize(model, qc, inplace=False)
             ours = str(m.quantization)
             plan.variants.append(Variant(precision, m, ours, f"llmstep {ours} of {origin}"
                                          + (f" (requantized from the file's {plan.file_type})" if again else ""),
@@ -187,14 +202,18 @@ def _with(spec: PeerSpec, **changes) -> PeerSpec:
 
 
 def _kept(plan: Plan, dtype: torch.dtype) -> Variant | None:
-    """The GGUF file's Q4_0/Q4_1 blocks as llmstep int4-g32, exactly; None (and a skipped entry) if it has none."""
+    """The GGUF file's Q4_0/Q4_1 blocks as llmstep int4-g32, exactly, and its LM head as llmstep's int8 (a second
+    rounding of a quantised head: GGUF's 8-bit types scale blocks of 32, llmstep's int8 whole rows); None (and a
+    skipped entry) if it has no such blocks."""
     try:
         kept, _ = load_gguf(plan.gguf_file, device="cpu", dtype=dtype, keep_quantized=True)
     except GGUFLoadError as e:
         plan.skipped.append({"peer": "llmstep", "precision": "int4", "why": f"the file's own int4-g32: {e}"})
         return None
+    head = plan.head_type or "float"
+    quantize_lm_head(kept, HEAD)
     return Variant("int4", kept, str(kept.quantization), f"{plan.gguf_file.name}'s {plan.file_type} blocks, exactly "
-                   "(keep_quantized)")
+                   f"(keep_quantized); its {head} LM head as llmstep {HEAD}")
 
 
 def _llama_cpp_input(base: PeerSpec, precision: str, v: Variant, model: Llama, float_kind: str, file_float: bool,

@@ -49,6 +49,26 @@ def test_bench_without_transformers_or_bandwidth_and_bad_settings_exit_with_a_me
         main(TINY + ["--no-hf", "--quantize", "int4", "--group-size", "48"])
 
 
+def test_the_lm_head_is_quantised_as_asked(capsys):
+    """--quantize-lm-head: the head in the blocks' mode; --quantize-lm-head int8: an int8 head under int4 blocks,
+    which reads more bytes than an int4 head and fewer than a float one."""
+    rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "int8", "--group-size", "32",
+                        "--quantize-lm-head", "int8"])["rows"]
+    assert [r["name"] for r in rows] == ["llmstep eager int4-g32+lm_head-int8", "llmstep eager int8+lm_head"]
+    same = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "--group-size", "32",
+                        "--quantize-lm-head"])["rows"]
+    plain = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "--group-size", "32"])["rows"]
+    assert same[0]["name"] == "llmstep eager int4-g32+lm_head"
+    # the head's bytes: 512 x 64 weights in float32 (tied: the table), int8 (+ a float32 scale per row) or int4
+    # g32 (+ a scale and a zero per group); a quantised head leaves the embedding one float32 row to gather
+    float_head, int8_head, int4_head, row = 512 * 64 * 4, 512 * 64 + 512 * 4, 512 * 32 + 2 * 512 * 2 * 4, 64 * 4
+    assert rows[0]["weight_bytes_per_step"] - same[0]["weight_bytes_per_step"] == int8_head - int4_head
+    assert plain[0]["weight_bytes_per_step"] - rows[0]["weight_bytes_per_step"] == float_head - int8_head - row
+    with pytest.raises(SystemExit):
+        main(TINY + ["--quantize", "int4", "--quantize-lm-head", "int4"])
+    assert "the LM head's own mode can be int8 only" in capsys.readouterr().err
+
+
 def test_transformers_can_run_in_another_dtype_on_the_same_weights(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
@@ -83,8 +103,8 @@ def test_hf_compile_adds_the_static_cache_row(tmp_path, monkeypatch):
 
 
 def test_peers_refuse_a_quantized_lm_head_they_would_not_run(monkeypatch):
-    """--peers builds its own int8 / int4 rows with the LM head in the float dtype: --quantize-lm-head would be
-    ignored there, so it is refused, before the model is built."""
+    """--peers builds its own int8 / int4 rows, each with an int8 LM head as llama.cpp's quantised inputs have:
+    --quantize-lm-head would be ignored there, so it is refused, before the model is built."""
     from llmstep.cli import bench
 
     monkeypatch.setattr(bench.decode_bench, "bench_model", lambda *a, **k: pytest.fail("the model was built"))

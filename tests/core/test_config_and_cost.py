@@ -48,7 +48,8 @@ def test_hf_round_trip_of_every_preset():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("spec", [None, ("int8", False), ("int4", False), ("int8", True), ("int4", True)])
+@pytest.mark.parametrize("spec", [None, ("int8", False), ("int4", False), ("int8", True), ("int4", True),
+                                  ("int4", "int8")])
 def test_checkpoint_bytes_is_the_sum_over_the_checkpoints_tensors(spec, tied):
     """cost.checkpoint_bytes (the loader's memory estimate) = every tensor of the checkpoint's table, floats in
     the dtype, int8/uint8 codes one byte each: one estimate, in cost.py."""

@@ -24,6 +24,7 @@ from llmstep.core.quantize import (
     quantize,
     quantize_int4,
     quantize_int8,
+    quantize_lm_head,
     unpack_int4,
 )
 
@@ -134,7 +135,8 @@ def test_every_matmul_is_swapped_and_bytes_shrink(tiny):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("spec", ["int8", QuantConfig("int4", G, lm_head=True), QuantConfig("int8", lm_head=True)])
+@pytest.mark.parametrize("spec", ["int8", QuantConfig("int4", G, lm_head=True), QuantConfig("int8", lm_head=True),
+                                  QuantConfig("int4", G, lm_head="int8")])
 @pytest.mark.parametrize("which", ["tiny", "tied"])
 def test_quantised_checkpoint_saves_and_loads_to_identical_logits(request, tmp_path, spec, which):
     """llmstep.save of a quantised model, then llmstep.load: the same model, bit for bit, with its tokenizer."""
@@ -189,6 +191,51 @@ def test_bad_settings_are_refused_naming_the_layer(tiny):
     with pytest.raises(QuantizationError, match="group_size applies to int4 only"):
         QuantConfig("int8", 64)
     assert isinstance(model.layers[0].feed_forward.w2, torch.nn.Linear)  # nothing changed on refusal
+
+
+def test_a_quantisation_is_named_one_way_and_read_back_from_its_name():
+    """str(QuantConfig) is what a record, a checkpoint and a label show; QuantConfig.of reads it back; the head
+    in the blocks' own mode has one spelling (True)."""
+    for qc in [QuantConfig("int8"), QuantConfig("int8", lm_head=True), QuantConfig("int4", 32),
+               QuantConfig("int4", 32, lm_head=True), QuantConfig("int4", 128, lm_head="int8")]:
+        assert QuantConfig.of(str(qc)) == qc and QuantConfig.of(qc.to_dict()) == qc
+    assert str(QuantConfig("int4", 32, lm_head="int8")) == "int4-g32+lm_head-int8"
+    assert QuantConfig("int8", lm_head="int8") == QuantConfig("int8", lm_head=True)
+    assert QuantConfig("int4", 32, lm_head="int4") == QuantConfig("int4", 32, lm_head=True)
+    assert QuantConfig("int4", 32, lm_head="int8").head == QuantConfig("int8")
+    assert QuantConfig("int4", 32, lm_head=True).head == QuantConfig("int4", 32)
+    assert QuantConfig("int4", 32).head is None
+    for bad, why in [(dict(mode="int8", lm_head="int4"), "an int4 head takes int4 blocks"),
+                     (dict(mode="int4", lm_head=1), "got 1"), (dict(mode="int4", lm_head="fp8"), "got 'fp8'")]:
+        with pytest.raises(QuantizationError, match=why):
+            QuantConfig(**bad)
+    with pytest.raises(QuantizationError, match="after '\\+lm_head' only '-int8' may follow"):
+        QuantConfig.of("int4+lm_head-int4")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kernel", ["auto", "dequant", "reduce"])
+def test_an_int8_head_under_int4_blocks(tiny, kernel):
+    """lm_head="int8": every block matmul int4, the head int8 (its codes those of an int8 model's head), and
+    the same model whether quantised in one call or the head afterwards (quantize_lm_head)."""
+    model, _ = tiny
+    qc = QuantConfig("int4", G, lm_head="int8")
+    mixed = quantize(model, qc, kernel=kernel, inplace=False)
+    assert all(isinstance(mixed.get_submodule(n), Int4Linear) for n in linear_names(model))
+    assert isinstance(mixed.output, Int8Linear) and mixed.quantization == qc
+    q8 = quantize(model, "int8", lm_head=True, inplace=False)
+    assert torch.equal(mixed.output.weight, q8.output.weight) and torch.equal(mixed.output.scales, q8.output.scales)
+    later = quantize_lm_head(quantize(model, QuantConfig("int4", G), kernel=kernel, inplace=False), "int8")
+    assert later.quantization == qc
+    tokens = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(later(tokens), mixed(tokens))
+    h = model.norm(model.tok_embeddings(tokens))  # the head alone, on any hidden state: int8 rounding only
+    assert float((mixed.output(h) - model.output(h)).norm() / model.output(h).norm()) < 0.01
+    with pytest.raises(QuantizationError, match="is int4-g16\\+lm_head-int8"):
+        quantize_lm_head(mixed)
+    with pytest.raises(QuantizationError, match="is not quantised"):
+        quantize_lm_head(model)
+    assert isinstance(model.output, torch.nn.Linear)  # nothing changed on refusal
 
 
 def _rewrite(path, key, change):

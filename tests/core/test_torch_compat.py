@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import re
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -223,11 +224,11 @@ def test_outside_the_tested_range_no_code_is_handed_out_unguarded(monkeypatch):
 def test_without_the_micro_gemm_registry_the_cpu_kernel_is_not_installed_and_says_why(monkeypatch):
     from llmstep.engines import cpu_gemm
 
-    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
-    monkeypatch.setattr(cpu_gemm, "_int4", {"why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
+    monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))
     monkeypatch.delattr(importlib.import_module("torch._inductor.codegen.cpp_micro_gemm"), "register_micro_gemm")
-    assert cpu_gemm.install() is False and not cpu_gemm.installed()
-    assert "register_micro_gemm" in cpu_gemm.skipped()
-    assert cpu_gemm.install_int4() is False and "register_micro_gemm" in cpu_gemm.int4_skipped()
+    assert cpu_gemm.BF16.install() is False and not cpu_gemm.BF16.installed
+    assert "register_micro_gemm" in cpu_gemm.BF16.why
+    assert cpu_gemm.INT4.install() is False and "register_micro_gemm" in cpu_gemm.INT4.why
     with cpu_gemm.withheld():  # nothing to withhold: a no-op
         pass

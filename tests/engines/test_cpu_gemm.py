@@ -6,6 +6,7 @@ matmuls only."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ slow = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not cpu_gemm.install():
-        pytest.skip(f"the kernel is not used on this machine: {cpu_gemm.skipped()}")
+    if not cpu_gemm.BF16.install():
+        pytest.skip(f"the kernel is not used on this machine: {cpu_gemm.BF16.why}")
 
 
 @pytest.fixture
@@ -44,18 +45,18 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
     from torch._inductor import cpu_vec_isa
     from torch._inductor.codegen import cpp_micro_gemm
 
-    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAVX2())
     before = dict(cpp_micro_gemm.micro_gemm_configs)
-    assert not cpu_gemm.install() and not cpu_gemm.installed()
-    assert "AVX-512 BF16" in cpu_gemm.skipped() and "avx2" in cpu_gemm.skipped()
+    assert not cpu_gemm.BF16.install() and not cpu_gemm.BF16.installed
+    assert "AVX-512 BF16" in cpu_gemm.BF16.why and "avx2" in cpu_gemm.BF16.why
     assert cpp_micro_gemm.micro_gemm_configs == before  # nothing registered
-    monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
-    assert not cpu_gemm.install() and "2.5.1" in cpu_gemm.skipped()  # an untested torch: not registered
+    assert not cpu_gemm.BF16.install() and "2.5.1" in cpu_gemm.BF16.why  # an untested torch: not registered
     assert cpp_micro_gemm.micro_gemm_configs == before
     with cpu_gemm.withheld():  # no bf16 kernel to withhold; the AVX2 int4 kernel only where this process has it
-        int4 = cpu_gemm._int4["cls"]
+        int4 = cpu_gemm.INT4.cls
         assert cpp_micro_gemm.micro_gemm_configs == {c: v for c, v in before.items() if c is not int4}
     assert cpp_micro_gemm.micro_gemm_configs == before
 
@@ -71,11 +72,11 @@ def test_with_amx_the_kernel_ranks_with_inductors_amx_kernels_on_one_row_matmuls
     tag = torch.compiler.config.cache_key_tag  # install() tags the cache keys: restored after
     for isa, rank, rows in [(cpu_vec_isa.VecAMX, cpu_vec_isa.VecAMX, cpu_gemm.AMX_ROWS),
                             (cpu_vec_isa.VecAVX512VNNI, cpu_vec_isa.VecAVX512VNNI, 1 << 30)]:
-        monkeypatch.setattr(cpu_gemm, "_state", {"why": None, "cls": None})
+        monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
         monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda isa=isa: _with_bf16(isa()))
         before = dict(cpp_micro_gemm.micro_gemm_configs)
         try:
-            assert cpu_gemm.install(), cpu_gemm.skipped()
+            assert cpu_gemm.BF16.install(), cpu_gemm.BF16.why
             (cls,) = set(cpp_micro_gemm.micro_gemm_configs) - set(before)
             configs = cpp_micro_gemm.micro_gemm_configs[cls]
             assert {c.vec_isa_cls for c in configs} == {rank}
@@ -174,11 +175,11 @@ def test_a_weight_computed_in_the_step_is_packed_first(every_row):
 
 def test_the_kernel_is_named_in_compile_cache_keys_and_withheld_compiles_without_it(kernel):
     tag = torch.compiler.config.cache_key_tag
-    assert cpu_gemm.cache_tag() in tag.split("+")  # a step cached without it (or with an older one) is not reused
+    assert cpu_gemm.BF16.tag() in tag.split("+")  # a step cached without it (or with an older one) is not reused
     from torch._inductor.codegen import cpp_micro_gemm
 
     with cpu_gemm.withheld():
-        assert cpu_gemm.cache_tag() not in torch.compiler.config.cache_key_tag.split("+")
+        assert cpu_gemm.BF16.tag() not in torch.compiler.config.cache_key_tag.split("+")
         assert not any(c.__name__ == "BF16Dot" for c in cpp_micro_gemm.micro_gemm_configs)
     assert torch.compiler.config.cache_key_tag == tag
     assert any(c.__name__ == "BF16Dot" for c in cpp_micro_gemm.micro_gemm_configs)

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -36,10 +37,10 @@ def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
     tag = torch.compiler.config.cache_key_tag
     for isa, layout, why in [("avx512_bf16", True, "avx512_bf16, not AVX2"), ("amx", True, "amx, not AVX2"),
                              ("avx2", False, "32-column blocks")]:
-        monkeypatch.setattr(cpu_gemm, "_int4", {"why": None, "cls": None})
+        monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))
         monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
         monkeypatch.setattr(cpu_gemm, "_avx2_int4_layout", lambda layout=layout: layout)
-        assert not cpu_gemm.install_int4() and why in cpu_gemm.int4_skipped()
+        assert not cpu_gemm.INT4.install() and why in cpu_gemm.INT4.why
         assert cpp_micro_gemm.micro_gemm_configs == before and torch.compiler.config.cache_key_tag == tag
 
 
@@ -53,8 +54,8 @@ from llmstep.engines import cpu_gemm
 from llmstep.engines.compile import compile_step
 
 torch.set_num_threads(2)
-if not cpu_gemm.install_int4():
-    sys.exit("not installed: " + str(cpu_gemm.int4_skipped()))
+if not cpu_gemm.INT4.install():
+    sys.exit("not installed: " + str(cpu_gemm.INT4.why))
 results = []
 for rows, n, k, group, dtype in json.loads(sys.argv[1]):
     # bf16: held to the template; float32 has no template choice for an int4 matmul here, only torch's kernel
@@ -108,9 +109,9 @@ def test_an_inductor_without_its_avx512_int4_kernel_to_build_on_registers_nothin
     from llmstep.core import torch_compat
 
     before = dict(cpp_micro_gemm.micro_gemm_configs)
-    monkeypatch.setattr(cpu_gemm, "_int4", {"why": None, "cls": None})
+    monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))
     monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx2")
     monkeypatch.setattr(cpu_gemm, "_avx2_int4_layout", lambda: True)
     monkeypatch.delattr(importlib.import_module("torch._inductor.codegen.cpp_micro_gemm"), "CppMicroGemmWoQInt4Avx512")
-    assert not cpu_gemm.install_int4() and "CppMicroGemmWoQInt4Avx512" in cpu_gemm.int4_skipped()
+    assert not cpu_gemm.INT4.install() and "CppMicroGemmWoQInt4Avx512" in cpu_gemm.INT4.why
     assert cpp_micro_gemm.micro_gemm_configs == before

@@ -190,13 +190,13 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only(monkeypatch):
 
         # an AVX2 CPU (no bf16 instructions: oneDNN emulates them) tunes bf16 at one thread; an AMX one where
         # cpu_gemm's kernel is not registered (an untested torch) does not
-        monkeypatch.setattr(cpu_gemm, "install", lambda: False)
+        monkeypatch.setattr(cpu_gemm.BF16, "install", lambda: False)
         for isa, tuned in (("avx2", True), ("amx", False)):
             monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
             assert tunes_matmuls(bf16) == tuned and gemm_backends(bf16) == ("ATEN,CPP" if tuned else None)
         monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "amx")  # a CPU with bf16 instructions
         for dot in (True, False):  # where cpu_gemm's kernel installs, and where it is not registered
-            monkeypatch.setattr(cpu_gemm, "install", lambda dot=dot: dot)
+            monkeypatch.setattr(cpu_gemm.BF16, "install", lambda dot=dot: dot)
             # bf16 on one thread: tuned where the template has the dot-product kernel, not elsewhere
             assert tunes_matmuls(bf16) == dot
             assert tunes_matmuls(quantised)  # quantised: tuned

@@ -15,7 +15,7 @@ import llmstep
 import llmstep.core.gguf as gguf_export
 from llmstep.core.config import LlamaConfig
 from llmstep.core.model import Llama
-from llmstep.core.quantize import Int4Linear
+from llmstep.core.quantize import Int4Linear, Int8Linear
 from llmstep.core.tokens import Tokenizer
 from llmstep.lab import peer_engines, peer_inputs
 
@@ -72,10 +72,16 @@ def test_a_q4_1_file_is_llama_cpps_own_int4_input_and_llmsteps_int4_holds_its_bl
     assert peer_inputs.file_matrix_type(path) == "Q4_1"
     model, p = plan(path, ["bfloat16", "int8", "int4"], tmp_path / "work")
     assert [(v.precision, v.weights, v.requantized) for v in p.variants] == [
-        ("bfloat16", "bfloat16", False), ("int8", "int8", True), ("int4", "int4-g32", False),
-        ("int4", "int4-g64", True)]
+        ("bfloat16", "bfloat16", False), ("int8", "int8+lm_head", True), ("int4", "int4-g32+lm_head-int8", False),
+        ("int4", "int4-g64+lm_head-int8", True)]
     kept = p.variants[2]
     assert "blocks, exactly" in kept.source and isinstance(kept.model.layers[0].feed_forward.w2, Int4Linear)
+    # every quantised row's LM head is int8 (llama.cpp's inputs hold theirs at Q8_0); the kept row's is the file's
+    # Q8_0 head (the float model's, dequantized) rounded again per row
+    assert all(isinstance(v.model.output, Int8Linear) for v in p.variants[1:])
+    assert "its Q8_0 LM head as llmstep int8" in kept.source
+    head = model.output.weight.float()
+    assert (kept.model.output.dequantized().float() - head).abs().max() <= head.abs().max() / 127
     # the kept int4 is the file's weights: the float model (the file dequantized), to bfloat16's rounding of the
     # weights there and of the scales and zeros here
     w = model.layers[1].attention.wq.weight.float()
@@ -84,11 +90,14 @@ def test_a_q4_1_file_is_llama_cpps_own_int4_input_and_llmsteps_int4_holds_its_bl
     specs = [(p.variants[n].weights, s.peer, s.precision, s.weights, s.gguf and s.gguf.name, s.quantize_to,
               s.requantized) for n, s in p.peers]
     assert specs[1][:4] == ("bfloat16", "transformers", "bfloat16", "llmstep's tensors")
-    assert specs[2][:3] == ("int8", "llama.cpp", "int8") and specs[2][-1] is True  # Q8_0 of the Q4_1 weights: lossy
+    assert specs[2][:3] == ("int8+lm_head", "llama.cpp", "int8") and specs[2][-1] is True  # Q8_0 of Q4_1: lossy
+    q8 = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(p.peers[2][1].gguf)).tensors}
+    assert q8["output.weight"] == "Q8_0" and q8["token_embd.weight"] == "BF16"  # llmstep's int8 head, exactly
     assert specs[:1] + specs[3:] == [
         ("bfloat16", "llama.cpp", "bfloat16", "GGUF bf16", "model-bf16.gguf", None, False),
-        ("int4-g32", "llama.cpp", "int4", "GGUF q4_1 (the file)", "m-q4_1.gguf", None, False),
-        ("int4-g64", "llama.cpp", "int4", "GGUF q4_0 (llama.cpp's quantiser)", "model-bf16.gguf", "q4_0", True)]
+        ("int4-g32+lm_head-int8", "llama.cpp", "int4", "GGUF q4_1 (the file)", "m-q4_1.gguf", None, False),
+        ("int4-g64+lm_head-int8", "llama.cpp", "int4", "GGUF q4_0 (llama.cpp's quantiser)", "model-bf16.gguf", "q4_0",
+         True)]
     assert p.peers[3][1].gguf == path  # the file itself, not a copy
     assert "requantized from the file's Q4_1" in p.peers[4][1].source
     # llama.cpp's bf16 file holds the very tensors llmstep's bf16 row runs
@@ -103,8 +112,8 @@ def test_a_q4_1_file_is_llama_cpps_own_int4_input_and_llmsteps_int4_holds_its_bl
 def test_a_float_file_is_its_own_float_input_and_has_no_int4_blocks_to_keep(tmp_path, tokenizer):
     path = write(tmp_path / "m-f32.gguf", tokenizer, "F32")
     _, p = plan(path, ["float32", "int4"], tmp_path / "work", peer_list=("llama.cpp",), dtype="float32")
-    assert [(v.precision, v.weights, v.requantized) for v in p.variants] == [("float32", "float32", False),
-                                                                            ("int4", "int4-g64", False)]
+    assert [(v.precision, v.weights, v.requantized) for v in p.variants] == [
+        ("float32", "float32", False), ("int4", "int4-g64+lm_head-int8", False)]
     assert [(s.gguf, s.quantize_to, s.requantized) for _, s in p.peers] == [(path, None, False), (path, "q4_0", False)]
     assert [s["peer"] for s in p.skipped] == ["llmstep"] and "is F32" in p.skipped[0]["why"]
 
@@ -133,11 +142,13 @@ def test_the_bench_command_runs_llama_cpp_on_a_q4_1_file_and_names_each_rows_sou
     assert all("extra buffer types off" in r["notes"] for r in record["rows"] if r["engine"].startswith("llama"))
     rows = [(r["precision"], r["engine"].split(" (")[0], r["weights"]) for r in record["rows"]]
     assert rows == [("bfloat16", "llmstep FastDecoder", "bfloat16"), ("bfloat16", "llama.cpp", "GGUF bf16"),
-                    ("int4", "llmstep FastDecoder", "int4-g32"), ("int4", "llmstep FastDecoder", "int4-g64"),
+                    ("int4", "llmstep FastDecoder", "int4-g32+lm_head-int8"),
+                    ("int4", "llmstep FastDecoder", "int4-g64+lm_head-int8"),
                     ("int4", "llama.cpp", "GGUF q4_1 (the file)"),
                     ("int4", "llama.cpp", "GGUF q4_0 (llama.cpp's quantiser)")]
     q4_1, q4_0 = record["rows"][4], record["rows"][5]
-    assert q4_1["compared_with"] == "llmstep int4-g32" and q4_0["compared_with"] == "llmstep int4-g64"
+    assert q4_1["compared_with"] == "llmstep int4-g32+lm_head-int8"
+    assert q4_0["compared_with"] == "llmstep int4-g64+lm_head-int8"
     assert q4_0["requantized"] and not q4_1["requantized"]
     kv = (4 + (2 - 1) / 2 + 1) * 2 * 2 * 2 * 16 * 2  # mean context + 1 positions; k, v; 2 layers, 2 kv heads of 16
     assert q4_1["bytes_per_step"] == peer_engines.gguf_step_weight_bytes(path) + kv
@@ -170,3 +181,15 @@ def test_llama_cpp_loads_with_its_extra_buffer_types_as_asked_and_says_so(tmp_pa
     assert ("extra buffer types off" in engine.info["notes"]) == (not extra_bufts)
     assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts is True  # put back after the load
     assert len(engine.run([1, 2, 3], 2)[2]) == 2
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("width", [64, 256])
+def test_llama_cpps_quantiser_keeps_the_lm_head_at_q8_0_as_llmsteps_int8_head(tmp_path, tokenizer, width):
+    """Left to itself llama.cpp's quantiser makes a head of 256-multiple width Q6_K; the peers' input is told Q8_0."""
+    model = Llama(tiny_model().config.replace(dim=width, hidden_dim=2 * width))
+    path = gguf_export.export_gguf(model, tokenizer, tmp_path / "m-f32.gguf", dtype="f32")
+    spec = peer_engines.PeerSpec("llama.cpp", "int4", 1, 16, gguf=path, quantize_to="q4_0", workdir=tmp_path)
+    engine = peer_engines.make_llama_cpp(spec)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(engine.info["gguf"]).tensors}
+    assert types["token_embd.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "Q4_0"

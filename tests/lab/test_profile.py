@@ -183,3 +183,9 @@ def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint,
         main(["profile", "--model", str(tiny_checkpoint), "--prompt-len", "100", "--new-tokens", "29"])
     with pytest.raises(CommandFailed, match="--kernel-profile names a compiled step's kernels"):  # before any load
         main(["profile", "--model", "/no/such/model", "--no-compile", "--kernel-profile"])
+    main(["profile", "--model", str(tiny_checkpoint), "--no-compile", "--prompt-len", "8", "--new-tokens", "4",
+          "--repeats", "1", "--rate-only", "--quantize", "int4-g16+lm_head-int8"])
+    assert "float32 int4-g16+lm_head-int8 eager] decode" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["profile", "--quantize", "int4+lm_head-int4"])
+    assert "after '+lm_head' only '-int8' may follow" in capsys.readouterr().err
