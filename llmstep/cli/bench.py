@@ -259,7 +259,8 @@ def run_peer_bench(args, argv) -> dict:
         raise ValueError(f"--peers runs on the CPU: drop --device {args.device}")
     if args.quantize_lm_head:  # each peer's LM head is its own input's (llama.cpp's Q8_0 / Q4_x files keep theirs)
         raise ValueError("--quantize-lm-head does not apply to --peers: the int8 / int4 rows of every engine hold "
-                         "the LM head in 8 bits already (llama.cpp's quantised files keep theirs so); drop the flag")
+                         "the LM head in 8 bits already (int8 / Q8_0, as llama.cpp's int4 files keep theirs at 8 "
+                         "or 6 bits); drop the flag")
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              "cpu", args.dtype, args.seed)

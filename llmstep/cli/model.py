@@ -231,7 +231,8 @@ def run_profile(args, argv) -> dict:
         ids = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=generator).tolist()
         rates = decode_rates(decoder, ids, args.new_tokens, args.repeats)
         what = f"{model.device.type} {str(model.dtype).removeprefix('torch.')}" + \
-            (f" {args.quantize}" if args.quantize != "none" else "") + (" compiled" if decoder.compiled else " eager")
+            (f" {model.quantization}" if args.quantize != "none" else "") + \
+            (" compiled" if decoder.compiled else " eager")
         print(f"[{what}] decode {statistics.median(rates):,.1f} tok/s, median of {args.repeats} runs of "
               f"{args.new_tokens} tokens (min {min(rates):,.1f}, max {max(rates):,.1f}); "
               f"compile {compile_seconds:.1f} s")

@@ -29,11 +29,11 @@ import torch
 from safetensors.torch import save_file
 
 from .checkpoint_layout import (
-    FORMAT_VERSION,
     QUANT_KEY,
     Checkpoint,
     CheckpointError,
     checkpoint_tokenizer,
+    format_version,
     generation_config_of,
     hf_names,
     quant_config_of,
@@ -149,7 +149,7 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     metadata = {"format": "pt"}
     if qc is not None:
         config_json["quantization_config"] = {
-            "quant_method": "llmstep", "format_version": FORMAT_VERSION, **qc.to_dict(),
+            "quant_method": "llmstep", "format_version": format_version(qc), **qc.to_dict(),
             "int4_layout": "w = (q - 8) * scale + zero; two q per byte, even index in the high nibble"}
         metadata[QUANT_KEY] = json.dumps(qc.to_dict(), sort_keys=True)
     state = model.state_dict()

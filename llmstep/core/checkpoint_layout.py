@@ -28,7 +28,8 @@ from .quantize import QuantConfig, QuantizationError, linear_names
 from .tokens import Tokenizer
 
 __all__ = ["CheckpointError", "Checkpoint", "read_checkpoint", "hf_names", "tensor_table", "quant_config_of",
-           "generation_config_of", "checkpoint_tokenizer", "FORMAT_VERSION", "QUANT_KEY"]
+           "generation_config_of", "checkpoint_tokenizer", "FORMAT_VERSION", "QUANT_KEY",
+           "format_version"]
 
 _LAYER_NAMES = {  # llmstep name -> Hugging Face name, inside model.layers.{i}.
     "attention.wq": "self_attn.q_proj",
@@ -44,7 +45,9 @@ _LAYER_NAMES = {  # llmstep name -> Hugging Face name, inside model.layers.{i}.
 _FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes that loading converts to the dtype asked for
 # Buffers some old checkpoints carry, recomputed from the config: only these exact names may be skipped.
 _OPTIONAL = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
-FORMAT_VERSION = 1  # of the quantised layout; bump when it changes
+# Of the quantised layout: 2 adds an LM head in a mode of its own (QuantConfig.lm_head "int8"), which a reader of
+# version 1 would take for a head in the blocks' mode. Every other checkpoint is still written as version 1.
+FORMAT_VERSION = 2
 QUANT_KEY = "llmstep_quantization"  # the safetensors header's copy of the quantisation settings
 # A table row: tensor name in the file -> (llmstep state name, shape, safetensors dtype: "float", "I8" or "U8").
 Table = dict[str, tuple[str, tuple[int, ...], str]]
@@ -143,13 +146,23 @@ def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:
     method = settings.get("quant_method")
     if method != "llmstep":
         raise CheckpointError(f"{file}: quantization_config is for {method!r}; llmstep reads only its own ('llmstep')")
-    if settings.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: quantised format version {settings.get('format_version')}, "
-                              f"this llmstep reads version {FORMAT_VERSION}")
+    version = settings.get("format_version")
+    if version not in (1, FORMAT_VERSION) or isinstance(version, bool):
+        raise CheckpointError(f"{file}: quantised format version {version!r}, this llmstep reads versions 1 to "
+                              f"{FORMAT_VERSION}")
     try:
-        return QuantConfig.of(settings)
+        qc = QuantConfig.of(settings)
     except (QuantizationError, TypeError) as e:
         raise CheckpointError(f"{file}: bad quantization_config: {e}") from None
+    if format_version(qc) > version:
+        raise CheckpointError(f"{file}: quantised format version {version} has no LM head of its own mode "
+                              f"(lm_head {qc.lm_head!r}); the file is damaged")
+    return qc
+
+
+def format_version(qc: QuantConfig) -> int:
+    """The oldest format that holds `qc`: what a checkpoint of it is written as, so older readers keep reading it."""
+    return 2 if isinstance(qc.lm_head, str) else 1
 
 
 def generation_config_of(gen: dict, file: Path) -> dict:

@@ -149,14 +149,15 @@ def _fused_int4(parts: list[Int4Linear]) -> Int4Linear:
 
 def fuses_by_default(model: Llama, compiled: bool) -> bool:
     """Whether the fast loops run `fused(model)` when not told (their fuse=None): always on CUDA; on a CPU when
-    the step is compiled and the model has int8 layers. Inductor concatenates a CPU step's float linears itself
-    when it freezes the weights (`cpp.enable_concat_linear`), but not int8 ones: each Int8Linear has its own
-    scales, so q, k, v, gate and up would stay five `_weight_int8pack_mm` calls a layer.
-    int4 layers fuse on a CPU only when asked (fuse=True): not yet measured there. An eager CPU loop is left
-    unfused: it gives the teaching loop's tokens bit for bit."""
+    the step is compiled and the model's blocks have int8 layers (an int8 LM head under int4 blocks is not one:
+    the head fuses with nothing). Inductor concatenates a CPU step's float linears itself when it freezes the
+    weights (`cpp.enable_concat_linear`), but not int8 ones: each Int8Linear has its own scales, so q, k, v, gate
+    and up would stay five `_weight_int8pack_mm` calls a layer.
+    int4 layers fuse on a CPU only when asked (fuse=True). An eager CPU loop is left unfused: it gives the teaching
+    loop's tokens bit for bit."""
     if model.device.type == "cuda":
         return True
-    return compiled and any(isinstance(m, Int8Linear) for m in model.modules())
+    return compiled and any(isinstance(m, Int8Linear) for m in model.layers.modules())
 
 
 def is_fused(model: Llama) -> bool:

@@ -65,7 +65,7 @@ class QuantConfig:
             return None
         return QuantConfig(self.mode, self.group_size) if self.lm_head is True else QuantConfig("int8")
 
-    def layer(self, name: str) -> QuantConfig:
+    def layer(self, name: str) -> QuantConfig | None:
         """The settings of one matmul: the head's for "output" (None: float), the blocks' for any other."""
         return self.head if name == "output" else QuantConfig(self.mode, self.group_size)
 
@@ -87,9 +87,10 @@ class QuantConfig:
     def _parse(cls, name: str) -> QuantConfig:
         base, plus, head = name.partition("+lm_head")
         if plus and head not in ("", "-int8"):
-            raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' may follow")
+            raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' may follow (the "
+                                    "head in the blocks' own mode is plain '+lm_head')")
         lm_head = head.removeprefix("-") or bool(plus)
-        if base.startswith("int4-g") and base[6:].isdigit():
+        if base.startswith("int4-g") and base[6:].isascii() and base[6:].isdigit():
             return cls("int4", int(base[6:]), lm_head)
         return cls(base, None, lm_head)
 

@@ -28,6 +28,7 @@ this machine is measured by `llmstep bench --quantize none int8 int4` and script
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -349,12 +350,18 @@ def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str]
         raise QuantizationError(f"cannot quantise to {qc}: " + "; ".join(problems[:3]) + more)
 
 
-def swap_linears(model: Llama, names: list[str], make: Callable[[str, nn.Linear], nn.Module]) -> None:
-    """Replace each named nn.Linear of `model` by make(name, linear), in place."""
+def swap_linears(model: Llama, names: list[str], make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace each named nn.Linear of `model` by make(linear), in place."""
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, make(name, owner.get_submodule(child)))
+        setattr(owner, child, make(owner.get_submodule(child)))
+
+
+def _swap_per_layer(model: Llama, qc: QuantConfig, make: Callable[[nn.Linear, QuantConfig], nn.Module]) -> None:
+    """swap_linears over the matmuls `qc` quantises, each made with its own settings (the head's may differ)."""
+    for name in linear_names(model, qc.lm_head):
+        swap_linears(model, [name], partial(make, layer=qc.layer(name)))
 
 
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
@@ -366,13 +373,12 @@ def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
 def empty_quantized(model: Llama, qc: QuantConfig, dtype: torch.dtype) -> None:
     """Swap the linears `qc` quantises for quantised modules of the same shape on the meta device, to be
     filled from a checkpoint (llmstep.core.checkpoint) and then `prepare()`d on their device."""
-    def make(name: str, lin: nn.Linear) -> nn.Module:
-        layer = qc.layer(name)
+    def make(lin: nn.Linear, layer: QuantConfig) -> nn.Module:
         if layer.mode == "int8":
             return Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype)
         return Int4Linear(lin.in_features, lin.out_features, layer.group_size, device="meta", dtype=dtype)
 
-    swap_linears(model, linear_names(model, qc.lm_head), make)
+    _swap_per_layer(model, qc, make)
 
 
 def _float_copy(model: Llama) -> Llama:
@@ -395,8 +401,7 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     _check(model, qc)
     target = model if inplace else _float_copy(model)
     with torch.no_grad():
-        swap_linears(target, linear_names(target, qc.lm_head),
-                     lambda name, linear: _make(linear, qc.layer(name), kernel))
+        _swap_per_layer(target, qc, lambda linear, layer: _make(linear, layer, kernel))
     target.quantization = qc
     return target
 
@@ -407,13 +412,15 @@ def quantize_lm_head(model: Llama, mode: str = "int8", kernel: str = "auto") -> 
     qc = getattr(model, "quantization", None)
     if qc is None or qc.lm_head is not False:
         raise QuantizationError("quantize_lm_head takes a model with quantised blocks and a float LM head; this one "
-                                + ("is not quantised: use quantize(model, mode, lm_head=True)" if qc is None
+                                + ("is not quantised: use quantize(model, mode, lm_head=...)" if qc is None
                                    else f"is {qc}"))
+    if mode not in MODES:
+        raise QuantizationError(f"quantize_lm_head: mode must be one of {', '.join(MODES)}, got {mode!r}")
     qc = QuantConfig(qc.mode, qc.group_size, mode)
     _check_kernel(kernel, qc.head.mode)
     _check(model, qc, names=["output"])
     with torch.no_grad():
-        swap_linears(model, ["output"], lambda name, linear: _make(linear, qc.head, kernel))
+        swap_linears(model, ["output"], lambda linear: _make(linear, qc.head, kernel))
     model.quantization = qc
     return model
 

@@ -250,8 +250,9 @@ class _Kernel:
             try:
                 if why := torch_compat.missing("micro_gemm"):  # inductor's registry is internal: where it was tested
                     raise _NotHere(f"inductor's C++ GEMM micro-kernel registry is not used: {why}")
-                self.cls = self.register()
+                cls = self.register()
                 _tag(self.name, self.tag(), True)
+                self.cls = cls  # registered and named in the cache keys: only now installed
             except _NotHere as e:
                 self.why = str(e)
             except (AttributeError, TypeError, AssertionError) as e:

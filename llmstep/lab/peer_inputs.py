@@ -52,7 +52,7 @@ PEERS = ("llama.cpp", "ctranslate2", "transformers")
 _MODULE = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2", "transformers": "transformers"}
 _PIP = {"llama.cpp": "llama-cpp-python", "ctranslate2": "ctranslate2", "transformers": "transformers"}
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's type at each
-HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (whose quantised files keep it at 8 bits)
+HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (its quantiser told Q8_0)
 _PRECISION_OF = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from llmstep.core.config import LlamaConfig
-from llmstep.core.fuse import fuse_rows, fused, is_fused
+from llmstep.core.fuse import fuse_rows, fused, fuses_by_default, is_fused
 from llmstep.core.quantize import Int4Linear, Int8Linear, QuantConfig, quantize
 from llmstep.lab.hardware import random_model
 
@@ -162,3 +162,13 @@ def test_an_int4_part_whose_rows_the_cpu_kernels_tiles_do_not_fill_keeps_its_own
     assert a.wq.kernel_weight.untyped_storage().data_ptr() == shared
     assert a.wk.kernel_weight.untyped_storage().data_ptr() != shared
     assert a.wk.weight.untyped_storage().data_ptr() == wqkv.weight.untyped_storage().data_ptr()  # codes: views
+
+
+def test_a_cpu_step_fuses_by_default_where_its_blocks_are_int8_not_where_only_the_head_is():
+    model = random_model(CONFIG, device="cpu", dtype=torch.float32)
+    assert not fuses_by_default(model, compiled=True)
+    assert fuses_by_default(quantize(model, QuantConfig("int8"), inplace=False), compiled=True)
+    assert fuses_by_default(quantize(model, QuantConfig("int8", lm_head=True), inplace=False), compiled=True)
+    assert not fuses_by_default(quantize(model, QuantConfig("int8"), inplace=False), compiled=False)
+    assert not fuses_by_default(quantize(model, QuantConfig("int4", 32), inplace=False), compiled=True)
+    assert not fuses_by_default(quantize(model, QuantConfig("int4", 32, lm_head="int8"), inplace=False), compiled=True)

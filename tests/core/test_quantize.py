@@ -145,6 +145,8 @@ def test_quantised_checkpoint_saves_and_loads_to_identical_logits(request, tmp_p
     llmstep.save(qmodel, tmp_path / "q", tokenizer=tok)
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert cfg["mode"] == QuantConfig.of(spec).mode and cfg["quant_method"] == "llmstep"
+    # the oldest format that holds it: an LM head in a mode of its own is version 2, the rest stay readable by 1
+    assert cfg["format_version"] == (2 if QuantConfig.of(spec).lm_head == "int8" else 1)
     loaded, loaded_tok = llmstep.load(tmp_path / "q", device="cpu", dtype=torch.float32)
     assert loaded.quantization == QuantConfig.of(spec) and loaded_tok.tok.get_vocab() == tok.tok.get_vocab()
     assert [type(loaded.get_submodule(n)) for n in linear_names(loaded, lm_head=True)] == \
@@ -264,6 +266,10 @@ def test_loading_refuses_a_quantised_checkpoint_whose_files_disagree(tiny, tmp_p
         llmstep.load(path, device="cpu")
     _rewrite(path, "quantization_config", lambda q: {"quant_method": "llmstep", "format_version": 99, "mode": "int8"})
     with pytest.raises(llmstep.CheckpointError, match="format version 99"):
+        llmstep.load(path, device="cpu")
+    _rewrite(path, "quantization_config", lambda q: {"quant_method": "llmstep", "format_version": 1, "mode": "int4",
+                                                     "group_size": 16, "lm_head": "int8"})
+    with pytest.raises(llmstep.CheckpointError, match="format version 1 has no LM head of its own mode"):
         llmstep.load(path, device="cpu")
 
 

@@ -185,7 +185,10 @@ def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint,
         main(["profile", "--model", "/no/such/model", "--no-compile", "--kernel-profile"])
     main(["profile", "--model", str(tiny_checkpoint), "--no-compile", "--prompt-len", "8", "--new-tokens", "4",
           "--repeats", "1", "--rate-only", "--quantize", "int4-g16+lm_head-int8"])
-    assert "float32 int4-g16+lm_head-int8 eager] decode" in capsys.readouterr().out
+    assert "float32 int4-g16+lm_head-int8 eager] decode" in capsys.readouterr().out  # the model's own settings
+    main(["profile", "--model", str(tiny_checkpoint), "--no-compile", "--prompt-len", "8", "--new-tokens", "4",
+          "--repeats", "1", "--rate-only", "--quantize", "int8"])
+    assert "float32 int8 eager] decode" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["profile", "--quantize", "int4+lm_head-int4"])
     assert "after '+lm_head' only '-int8' may follow" in capsys.readouterr().err
