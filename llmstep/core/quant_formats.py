@@ -37,7 +37,7 @@ class QuantConfig:
     group_size: int | None = None  # int4 only: inputs sharing one scale/zero; None -> DEFAULT_GROUP_SIZE
     # The LM head (tied or not; the embedding lookup stays float): False keeps it float, True quantises it in
     # `mode`, "int8" in int8 under int4 blocks (the head is the largest matmul of a small model, and its row
-    # scales cost nothing: llama.cpp's 4-bit files keep theirs at 8 bits too). "int8" under int8 blocks is True.
+    # scales cost little: llama.cpp's 4-bit files keep theirs at 8 or 6 bits). "int8" under int8 blocks is True.
     lm_head: bool | str = False
 
     def __post_init__(self):
