@@ -257,7 +257,7 @@ class _Kernel:
                 self.why = str(e)
             except (AttributeError, TypeError, AssertionError) as e:
                 self.why = f"this torch's inductor registers micro-kernels differently ({type(e).__name__}: {e})"
-        return self.cls is not None
+        return self.installed
 
     def tag(self) -> str:
         """The kernel's name and a hash of what selects its code: a changed kernel is compiled anew, not read from

@@ -45,7 +45,7 @@ from ..core.quantize import QuantConfig, linear_names, quantize, quantize_lm_hea
 from ..core.tokens import Tokenizer
 from .peer_engines import CT2_COMPUTE, PeerSpec
 
-__all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_matrix_type", "file_head_type",
+__all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_matrix_type", "file_types",
            "plan_inputs", "HEAD"]
 
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
@@ -102,20 +102,19 @@ class Plan:
     head_type: str | None = None  # the GGML type of that file's LM head (output.weight, else the tied token_embd)
 
 
-def file_matrix_type(path: str | Path) -> str | None:
-    """The GGML type ("Q4_1", "F32", ...) of every matmul in the blocks of a GGUF file; None where they differ.
-    Reads the header only."""
+def file_types(path: str | Path) -> tuple[str | None, str]:
+    """(the GGML type ("Q4_1", "F32", ...) of every matmul in the blocks of a GGUF file, None where they differ; the
+    type of its LM head: output.weight's, or the token embedding's where the head is tied). Reads the header once."""
     g = read_gguf(path)
     with torch.device("meta"):
         names = linear_names(Llama(g.config))
     types = {g.types[f"{n}.weight"] for n in names}
-    return types.pop() if len(types) == 1 else None
+    return (types.pop() if len(types) == 1 else None), g.types.get("output.weight", g.types["tok_embeddings.weight"])
 
 
-def file_head_type(path: str | Path) -> str:
-    """The GGML type of a GGUF file's LM head: output.weight's, or the token embedding's where the head is tied."""
-    g = read_gguf(path)
-    return g.types.get("output.weight", g.types["tok_embeddings.weight"])
+def file_matrix_type(path: str | Path) -> str | None:
+    """The first of `file_types`: the one GGML type of the blocks' matmuls, or None."""
+    return file_types(path)[0]
 
 
 def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], tokenizer: Tokenizer | None,
@@ -125,8 +124,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
     `model` is the float model llmstep runs; `checkpoint` the directory or GGUF file it came from (None: random)."""
     plan = Plan()
     if checkpoint is not None and is_gguf(checkpoint):
-        plan.gguf_file, plan.file_type = checkpoint, file_matrix_type(checkpoint)
-        plan.head_type = file_head_type(checkpoint)
+        plan.gguf_file = checkpoint
+        plan.file_type, plan.head_type = file_types(checkpoint)
     float_name = str(model.dtype).removeprefix("torch.")
     file_float = plan.file_type is not None and _PRECISION_OF.get(plan.file_type) == float_name
     again = plan.file_type in KEEPS or plan.file_type == "Q8_0"  # the file is quantized: requantizing is lossy
