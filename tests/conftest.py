@@ -30,7 +30,7 @@ def untuned_matmuls(request, monkeypatch):
     Tuning (inductor's max_autotune_gemm) compiles and times a C++ GEMM template per matmul shape: it tripled the
     cold compile of the one-layer test model's FastDecoder on the AVX2 EPYC (69 s against 23 s), and the tests that
     compile are about the loops around the matmuls (their tokens, caches, guards, traces), which tuning leaves
-    alone. The tuned default keeps its own tests: those marked here, tests/engines/test_cpu_gemm.py's kernel tests,
+    alone. The tuned default keeps its own tests: those marked here, tests/kernels/test_cpu_gemm.py's kernel tests,
     and every notebook (nbval runs them as a learner does)."""
     if request.node.get_closest_marker("tuned_matmuls") is None:
         from llmstep.engines import engine

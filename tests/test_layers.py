@@ -1,6 +1,6 @@
 """The package is laid out in layers, each importing only the layers below it (see llmstep/__init__.py):
 
-    core  <-  engines  <-  lab  <-  shakespeare  <-  serve  <-  cli
+    core  <-  kernels  <-  engines  <-  lab  <-  shakespeare  <-  serve  <-  cli
 
 Read from every module's source (ast, every import, also those inside functions): no import cycle between
 llmstep's modules, no layer imports one above it, nothing but the command line (and `python -m llmstep`)
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "llmstep"
 MAX_LINES = 450
 # A layer may import from the layers before it in this list, never from those after it.
-LAYERS = ["core", "engines", "lab", "shakespeare", "serve", "cli"]
+LAYERS = ["core", "kernels", "engines", "lab", "shakespeare", "serve", "cli"]
 
 
 def module_name(path: Path) -> str:

@@ -19,7 +19,7 @@ read as [N, K/g, g/2] bytes, each byte's two nibbles multiplied against the even
 zero broadcast per group, one sum: under torch.compile one reduction kernel reading half a byte a weight
 (tests/cuda_proofs/test_int4_reduce_trace.py), the candidate to beat tinygemm at one row on a GPU.
 A compiled CPU step whose matmuls are tuned may run inductor's own int4 template in place of torch's CPU kernel,
-on the same packed weights, where it times faster (llmstep.engines.cpu_gemm gives it a kernel for AVX2 CPUs).
+on the same packed weights, where it times faster (llmstep.kernels.cpu_gemm gives it a kernel for AVX2 CPUs).
 `kernel="auto"` picks per mode and device (`_auto_kernel`; int4 on CUDA: what `prefer_int4_kernel` recorded
 for this GPU, from a measurement) and falls back where this device has no packed kernel; what each costs on
 this machine is measured by `llmstep bench --quantize none int8 int4` and scripts/gpu_probe.py.

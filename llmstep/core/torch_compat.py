@@ -318,7 +318,7 @@ def unguarded_code(fn: types.FunctionType, f_locals: dict) -> types.CodeType | N
 
 
 # --------------------------------------------------------------------------------------------------
-# A micro-kernel for inductor's C++ GEMM template (llmstep.engines.cpu_gemm)
+# A micro-kernel for inductor's C++ GEMM template (llmstep.kernels.cpu_gemm)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ..core import torch_compat
 from ..core.device import synchronize
-from . import cpu_gemm
+from ..kernels import cpu_gemm
 
 __all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graphs", "compiles", "compile_step", "Step",
            "warm_up"]

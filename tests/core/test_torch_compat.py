@@ -222,7 +222,7 @@ def test_outside_the_tested_range_no_code_is_handed_out_unguarded(monkeypatch):
 
 
 def test_without_the_micro_gemm_registry_the_cpu_kernel_is_not_installed_and_says_why(monkeypatch):
-    from llmstep.engines import cpu_gemm
+    from llmstep.kernels import cpu_gemm
 
     monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
     monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))

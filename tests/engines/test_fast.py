@@ -176,8 +176,8 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only(monkeypatch):
     for old_switch in ({"tune_matmuls": False}, {"gemm_backends": False}):  # the earlier bool keeps its meaning
         assert not compile_options(torch.device("cpu"), None, **old_switch).get("max_autotune_gemm")
     assert compile_options(torch.device("cpu"), None, tune_matmuls=True)["max_autotune_gemm_backends"] == "ATEN,CPP"
-    from llmstep.engines import cpu_gemm
     from llmstep.engines.compile import gemm_backends, tunes_matmuls
+    from llmstep.kernels import cpu_gemm
 
     f32, bf16 = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     threads = torch.get_num_threads()

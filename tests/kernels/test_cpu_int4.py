@@ -1,5 +1,5 @@
 """The AVX2 int4 micro-kernel that inductor's weight-only int4 template gets on CPUs with AVX2 and no AVX-512
-(llmstep/engines/cpu_gemm.py's `INT4`): registered only where torch packs int4 weights in the layout it
+(llmstep/kernels/cpu_gemm.py's `INT4`): registered only where torch packs int4 weights in the layout it
 reads, and the same function as a float64 matmul of the dequantised weights to within float32 sums, at every row
 count, group size and split along k the template hands it. The kernel tests run in a child process with torch and
 inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so they run on every x86 CPU with AVX2, AVX-512 ones included."""
@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llmstep.engines import cpu_gemm
+from llmstep.kernels import cpu_gemm
 
 slow = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
                           reason="compiles with tuned matmuls on the CPU (~1 min); set LLMSTEP_SLOW_TESTS=1")
@@ -50,7 +50,7 @@ CHILD = r"""
 import json, sys, torch
 from torch._inductor.utils import run_and_get_code
 from llmstep.core.quantize import Int4Linear, dequantize_int4
-from llmstep.engines import cpu_gemm
+from llmstep.kernels import cpu_gemm
 from llmstep.engines.compile import compile_step
 
 torch.set_num_threads(2)

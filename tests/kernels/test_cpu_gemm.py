@@ -1,5 +1,5 @@
 """The bf16 dot-product micro-kernel that inductor's C++ GEMM template gets on CPUs with AVX-512 BF16
-(llmstep/engines/cpu_gemm.py): the same function as a float64 matmul to within float32 sums, at every row count
+(llmstep/kernels/cpu_gemm.py): the same function as a float64 matmul to within float32 sums, at every row count
 and column tail the template hands it, and the one a compiled bf16 step's matmuls run; with AMX, on one-row
 matmuls only."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import llmstep
-from llmstep.engines import cpu_gemm
 from llmstep.engines.compile import compile_step
 from llmstep.engines.fast import FastDecoder
+from llmstep.kernels import cpu_gemm
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
 

@@ -8,7 +8,7 @@ on a decode step's one-row matmuls it measured slower than a dot product (result
 gives the template that dot product: weights packed in pairs along k (the template's VNNI2 layout, as for AMX), each
 activation pair broadcast, float32 accumulators. bf16 products are exact in float32 and the sums float32, as the
 widening kernel's; only the order of the additions differs (and `vdpbf16ps` treats subnormal inputs as zero), so
-the step is the same function to within float32 rounding (tests/engines/test_cpu_gemm.py holds it to a float64
+the step is the same function to within float32 rounding (tests/kernels/test_cpu_gemm.py holds it to a float64
 matmul).
 
 `BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
@@ -22,7 +22,7 @@ weight-only int4 template, so an int4 step calls torch's own `_weight_int4pack_m
 (from the C++ wrapper, through the dispatcher), far behind llama.cpp's Q4_0 on such a CPU (results/README.md,
 claim 2, measures both). This one reads the weights as torch packed them for that kernel, widens each 4-bit
 code to float32 and multiplies-and-adds it with the activation, applying each group's scale and zero once per group:
-the same function as dequantise + matmul to within float32 sums (tests/engines/test_cpu_int4.py holds it to a
+the same function as dequantise + matmul to within float32 sums (tests/kernels/test_cpu_int4.py holds it to a
 float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
 choices of every int4 matmul, timed against torch's kernel.
 """
@@ -48,7 +48,7 @@ AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode
 # (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
 # each, which `vdpbf16ps` multiplies by the broadcast pair (A[m, k], A[m, k + 1]) and adds to that lane.
 _ENTRY = r"""
-// llmstep_bf16_dot: llmstep/engines/cpu_gemm.py
+// llmstep_bf16_dot: llmstep/kernels/cpu_gemm.py
 template <int64_t ROWS>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 static void {{kernel_name}}_rows(
@@ -151,7 +151,7 @@ static void {{kernel_name}}_block(
 # The int4 kernel: the body that inductor's int4 micro-kernel entry calls for each block of 32 columns (its
 # `TEMPLATE_KERNEL`; torch_compat.register_int4_micro_gemm).
 _INT4_KERNEL = r"""
-// llmstep_int4_avx2: llmstep/engines/cpu_gemm.py
+// llmstep_int4_avx2: llmstep/kernels/cpu_gemm.py
 // A block of 32 columns in torch's int4 layout on an AVX2 CPU ([N / 32, K, 16] bytes: byte j of a k-row holds
 // column j in its low nibble, column j + 16 in its high one) times ROWS rows of A, in float32. Weight (k, n) is
 // (q - 8) * s + z, q its 4-bit code, (s, z) its group's; the sum over a group is taken as
