@@ -45,7 +45,7 @@ from ..core.quantize import QuantConfig, linear_names, quantize, quantize_lm_hea
 from ..core.tokens import Tokenizer
 from .peer_engines import CT2_COMPUTE, PeerSpec
 
-__all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_matrix_type", "file_types",
+__all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_types",
            "plan_inputs", "HEAD"]
 
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
@@ -110,11 +110,6 @@ def file_types(path: str | Path) -> tuple[str | None, str]:
         names = linear_names(Llama(g.config))
     types = {g.types[f"{n}.weight"] for n in names}
     return (types.pop() if len(types) == 1 else None), g.types.get("output.weight", g.types["tok_embeddings.weight"])
-
-
-def file_matrix_type(path: str | Path) -> str | None:
-    """The first of `file_types`: the one GGML type of the blocks' matmuls, or None."""
-    return file_types(path)[0]
 
 
 def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], tokenizer: Tokenizer | None,

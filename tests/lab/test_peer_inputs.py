@@ -69,7 +69,7 @@ def plan(path, precisions, workdir, peer_list=("llama.cpp", "transformers"), dty
 @needs_llama_cpp
 def test_a_q4_1_file_is_llama_cpps_own_int4_input_and_llmsteps_int4_holds_its_blocks_exactly(tmp_path, tokenizer):
     path = write(tmp_path / "m-q4_1.gguf", tokenizer, "Q4_1")
-    assert peer_inputs.file_matrix_type(path) == "Q4_1"
+    assert peer_inputs.file_types(path)[0] == "Q4_1"
     model, p = plan(path, ["bfloat16", "int8", "int4"], tmp_path / "work")
     assert [(v.precision, v.weights, v.requantized) for v in p.variants] == [
         ("bfloat16", "bfloat16", False), ("int8", "int8+lm_head", True), ("int4", "int4-g32+lm_head-int8", False),
