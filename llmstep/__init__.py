@@ -46,7 +46,7 @@ engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     fast.py        the loops without overhead (static cache, compiled step): FastDecoder, FastSpeculator
     speculative.py the acceptance rule, its theory, the teaching loop
     drafts.py      the drafts: the target's first layers, a quantized twin, another checkpoint
-    scheduler.py   continuous batching's schedulers: queues, policy, admission, token budget (pure Python, no tensors)
+    scheduler.py   continuous batching's scheduler: queues, policy, slots, admission, the budget (pure Python)
     kv_manager.py  the KV-cache manager: each request's block table and prefix keys, over the block pool
     batching.py    continuous batching's runners (the KV cache, the batched step), ContinuousBatcher, PagedBatcher
     session.py     PagedSession: the paged batcher's engine step one at a time, requests submitted and cancelled

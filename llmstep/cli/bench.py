@@ -167,7 +167,7 @@ def add_commands(sub) -> None:
     b.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decode step (default: on CUDA only; the paged step runs eager)")
     b.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
-                   help="KV cache layout: a max_len row per slot, or a pool of blocks (continuous batching only)")
+                   help="KV cache layout: a max_len row per slot, or a pool of blocks")
     b.add_argument("--block-size", type=positive_int, default=None, help="--kv paged: positions per block (16)")
     b.add_argument("--kv-blocks", type=positive_int, default=None,
                    help="--kv paged: blocks in the pool (default: the memory of the contiguous slots)")

@@ -6,15 +6,16 @@ together make ~B tokens per weight pass, until the math or the KV cache catches 
 
 *Static* batching takes B requests, runs them until the longest is done, then takes the next B: a slot whose
 request finished early sits idle. *Continuous* batching (Orca, Yu et al. 2022; vLLM) admits a waiting request into
-a slot the moment one frees. Every engine step, arrivals join the queue; free slots take requests from it (static:
-only when every slot is free), each newcomer's prompt prefilled alone into its own row of the cache
-(`cache.slot(i)`), which gives its first token; then one decode step for all slots: tokens [S, 1] at positions
-[S, 1], every row at its own position. A free slot rides along with a dummy token at position 0 (fixed shapes, as
-CUDA graphs need): nothing reads it, and keys an earlier occupant left past a row's position are hidden by the
-causal mask. The scheduler (scheduler.py) decides who runs; the runner (`BatchRunner`) owns the cache and does the
-forwards; `ContinuousBatcher`, a runner that drives a scheduler, samples each row with its request's own generator,
-so a request gets the tokens `llmstep.generate` gives it alone (up to the float rounding of a batched matmul; exact
-in float64).
+a slot the moment one frees. One scheduler (scheduler.py) decides both, every engine step: arrivals join the queue;
+free slots take requests from it (static: only when no slot is busy); every running request gets one token, a
+newcomer's from its prompt's forward. Over a contiguous cache (`ContinuousBatcher`) the step is one decode for
+every slot, tokens [S, 1] at positions [S, 1], each row at its own position, then each newcomer's prompt prefilled
+alone into its own row of the cache (`cache.slot(i)`). A slot with no token to decode rides along with a dummy
+token at position 0 (fixed shapes, as CUDA graphs need): nothing reads it (a newcomer's prefill overwrites it), and
+keys an earlier occupant left past a row's position are hidden by the causal mask. The runner (`BatchRunner`) owns
+the cache and does the forwards; `ContinuousBatcher`, a runner that drives the scheduler, samples each row with its
+request's own generator, so a request gets the tokens `llmstep.generate` gives it alone (up to the float rounding
+of a batched matmul; exact in float64).
 
 Over a paged KV cache (`PagedBatcher`; llmstep.core.paged_kv) a sequence holds blocks, not a slot, and there is no
 separate prefill: each engine step is one eager forward over a flattened row [1, N] holding every running
@@ -40,10 +41,10 @@ from .decoding import check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
 from .request import MAX_ARRIVAL_STEP, Checked, Request
-from .scheduler import POLICIES, BatchRun, BlockScheduler, Completion, Job, Scheduled, Scheduler
+from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "paged_step", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
+           "engine_step", "run_steps", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
 
 
 class BatchRunner(Engine):
@@ -115,46 +116,35 @@ class ContinuousBatcher(BatchRunner):
         checked = [self.check(r, i) for i, r in enumerate(requests)]  # all checked before any work
         slot_len = max(self.max_len, self.slots_needed(checked)) if self.sized_per_request else self.max_len
         jobs = [Job.of(r, i, slot_len) for i, r in enumerate(checked)]
-        scheduler = Scheduler(jobs, self.n_slots, policy)  # refuses an unknown policy
+        kv = KVCacheManager(self.n_slots, slot_len)  # a slot is one block: it always holds its request
+        scheduler = Scheduler(jobs, self.n_slots, kv, policy=policy)  # refuses an unknown policy
         with self.running(*checked):
             return self._run(checked, scheduler)
 
     @torch.inference_mode()
     def _run(self, requests: Sequence[Checked], scheduler: Scheduler) -> BatchRun:
         self.warmup()
-        device, rows = self.device, Rows(requests, self.device)
         self.cache.reset()
-        start = time.perf_counter()
-        while not scheduler.done:
-            synchronize(device)
-            scheduler.begin_step()
-            while (job := scheduler.admit()) is not None:  # also into a slot freed by a prefill's token
+        rows = Rows(requests, self.device)
+        return run_steps(scheduler, lambda work: self.compute(work, rows), rows)
+
+    def compute(self, work: Sequence[Scheduled], rows: Rows) -> list[int]:
+        """An engine step's forwards over the slots (each sequence in its own, the scheduler's `slot`): one decode
+        for every slot, then each newcomer's whole prompt alone -> a token for each, in `work`'s order."""
+        decode = {s.job.completion.slot: s for s in work if s.chunk.start}  # one token after what its slot holds
+        drawn = {}
+        if decode:
+            logits = self.decode([(s.tokens[0], s.chunk.start) if (s := decode.get(i)) else None
+                                  for i in range(self.n_slots)])  # [S, vocab]
+            ids, slots = [s.job.id for s in decode.values()], torch.tensor(list(decode), device=self.device)
+            drawn = dict(zip(ids, rows.draw(logits[slots], ids), strict=True))
+        for s in work:
+            if not s.chunk.start:  # a newcomer's prompt, into its slot (over the decode's dummy): its first token
                 prefill_start = time.perf_counter()
-                logits = self.prefill(job.completion.slot, job.completion.prompt_ids)  # [1, vocab]
-                scheduler.take(job, rows.draw(logits, [job.id])[0])  # waits for the device: the scheduler needs it
-                job.completion.prefill_seconds = time.perf_counter() - prefill_start
-            running = scheduler.running()
-            if any(running):
-                logits = self.decode([None if j is None else (j.completion.tokens[-1], j.position)
-                                      for j in running])  # [S, vocab]
-                served = [(s, j) for s, j in enumerate(running) if j is not None]
-                slots = torch.tensor([s for s, _ in served], device=device)
-                drawn = rows.draw(logits[slots], [j.id for _, j in served])
-                for (_, job), token_id in zip(served, drawn, strict=True):
-                    scheduler.take(job, token_id)
-            synchronize(device)
-            scheduler.end_step()
-        run = scheduler.run
-        run.seconds = time.perf_counter() - start
-        rows.nonfinite.check()
-        busy = run.busy_slots()  # (busy slots, steps) per distinct row
-        run.kv_stats = {"block_size": self.max_len, "blocks_total": self.n_slots,  # a slot is one max_len block
-                        "peak_blocks_used": max((b for b, _ in busy), default=0),
-                        "prefix_hit_tokens": 0, "preemptions": 0,
-                        "prefill_tokens": sum(len(run.completions[i].prompt_ids) for _, _, i in run.prefills
-                                             if run.completions[i].tokens),  # a request for 0 has no prefill
-                        "decode_tokens": sum(b * n for b, n in busy)}
-        return run
+                logits = self.prefill(s.job.completion.slot, s.tokens)  # [1, vocab]
+                drawn[s.job.id] = rows.draw(logits, [s.job.id])[0]  # waits for the device
+                s.job.completion.prefill_seconds = time.perf_counter() - prefill_start
+        return [drawn[s.job.id] for s in work]
 
 
 class PagedRunner:
@@ -174,24 +164,39 @@ class PagedRunner:
                             dtype=torch.long, device=self.device)  # [K]
         return self.model(tokens, positions, self.cache, keep=keep)[0].float()
 
+    def compute(self, work: Sequence[Scheduled], draw: Callable[[torch.Tensor, list[int]], list[int]]) -> list[int]:
+        """The step's one forward -> a token for each chunk that samples (`draw(logits [K, vocab], their request
+        ids)`, one wait for the device); none when every chunk is a prompt's middle."""
+        logits = self.forward(work)  # [K, vocab]
+        sampled = [s.job.id for s in work if s.samples]
+        return draw(logits, sampled) if sampled else []
 
-def paged_step(scheduler: BlockScheduler, runner: PagedRunner,
-               draw: Callable[[torch.Tensor, list[Job]], list[int]]) -> list[Job]:
-    """One engine step over a paged cache, `PagedBatcher.run`'s and `PagedSession.step`'s: the scheduler's work,
-    the runner's one forward, a token for each sequence that samples (`draw(logits [K, vocab], their jobs)`,
-    one wait for the device), recorded by the scheduler. Returns those jobs: each one's new token is its last."""
-    synchronize(runner.device)
+
+def engine_step(scheduler: Scheduler, compute: Callable[[list[Scheduled]], list[int]],
+                device: torch.device) -> list[Job]:
+    """One engine step, every batcher's and `PagedSession.step`'s: the scheduler's work, `compute(work)` (a runner's
+    forwards: a token for each chunk that samples, in order), recorded by the scheduler. Returns the jobs that got a
+    token: each one's new token is its last."""
+    synchronize(device)
     scheduler.begin_step()
     work = scheduler.schedule()
     if not work and scheduler.queue and not scheduler.running:  # each request fits the pool alone
-        raise RuntimeError(f"the block scheduler admitted nobody into an idle pool at step {scheduler.step}")
-    sampled = [s.job for s in work if s.samples]  # none when every chunk is a prompt's middle
+        raise RuntimeError(f"the scheduler admitted nobody into an idle pool at step {scheduler.step}")
     if work:
-        logits = runner.forward(work)  # [K, vocab]
-        scheduler.update(work, draw(logits, sampled) if sampled else [])
-    synchronize(runner.device)
+        scheduler.update(work, compute(work))
+    synchronize(device)
     scheduler.end_step()
-    return sampled
+    return [s.job for s in work if s.samples]
+
+
+def run_steps(scheduler: Scheduler, compute: Callable[[list[Scheduled]], list[int]], rows: Rows) -> BatchRun:
+    """A batcher's run: engine steps until the scheduler is done, timed; any request's non-finite logits raised."""
+    start = time.perf_counter()
+    while not scheduler.done:
+        engine_step(scheduler, compute, rows.device)
+    scheduler.run.seconds = time.perf_counter() - start
+    rows.nonfinite.check()
+    return scheduler.run
 
 
 def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **pool) -> None:
@@ -231,8 +236,6 @@ class PagedBatcher(Engine):
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
-        if policy != "continuous":
-            raise ValueError(f"a paged KV cache serves continuous batching only, got policy {policy!r}")
         checked = [self.check(r, i) for i, r in enumerate(requests)]
         n_blocks = self.pool_blocks(checked)
         jobs = [Job.of(r, i, self.limit) for i, r in enumerate(checked)]
@@ -240,22 +243,17 @@ class PagedBatcher(Engine):
             check_fits(len(job.completion.prompt_ids), job.plan.tokens, n_blocks, self.block_size, index=i)
         check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
         kv = KVCacheManager(n_blocks, self.block_size, self.prefix_caching)
-        scheduler = BlockScheduler(jobs, self.n_slots, kv, self.prefill_chunk)
+        scheduler = Scheduler(jobs, self.n_slots, kv, self.prefill_chunk, policy)  # refuses an unknown policy
         with self.running():
             if self.runner is None or self.runner.cache.n_blocks != n_blocks:
                 self.runner = PagedRunner(self.model, n_blocks, self.block_size)
             return self._run(checked, scheduler)
 
     @torch.inference_mode()
-    def _run(self, requests: Sequence[Checked], scheduler: BlockScheduler) -> BatchRun:
+    def _run(self, requests: Sequence[Checked], scheduler: Scheduler) -> BatchRun:
         rows = Rows(requests, self.device)
-        start = time.perf_counter()
-        while not scheduler.done:
-            paged_step(scheduler, self.runner, lambda logits, jobs: rows.draw(logits, [j.id for j in jobs]))
-        run = scheduler.run
-        run.seconds = time.perf_counter() - start
+        run = run_steps(scheduler, lambda work: self.runner.compute(work, rows.draw), rows)
         run.kv_stats["kv_bytes"] = self.runner.cache.nbytes
-        rows.nonfinite.check()
         return run
 
 

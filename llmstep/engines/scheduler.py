@@ -1,16 +1,15 @@
-"""Continuous batching's schedulers: which request runs at every engine step, and how much of it. Pure Python.
+"""Continuous batching's scheduler: which request runs at every engine step, and how much of it. Pure Python.
 
 A scheduler owns the queues, the policy and the token budget and touches no tensor (vLLM v1 splits a serving engine
-the same way: scheduler, KV-cache manager, model runner). `Scheduler` serves a contiguous cache's slots, in the
-engine step batching.py describes: `begin_step` (arrivals join the queue), `admit` until None (the next request and
-its slot, whose prefill's token `take` records), `running` (whom the batched decode serves), `take` each token,
-`end_step`. A request leaves when `decoding.end_reason` says so. What a slot is stays inside `_free_slot`.
-
-`BlockScheduler` is the same loop over a paged KV cache, with no difference between prefill and decode: each step
-`schedule` gives every running sequence the next of its known tokens (its prompt and what it made) to compute, one
-when decoding, up to `prefill_chunk` prompt tokens when prefilling; admits waiting ones while its KV-cache manager
-(llmstep/engines/kv_manager.py) fits them; and preempts the youngest when the manager cannot fit an older one's
-tokens. `update` records what the forward computed and the tokens it gave. Tests drive both with made-up tokens.
+the same way: scheduler, KV-cache manager, model runner). Each engine step, `begin_step` lets arrivals into the
+queue; `schedule` gives every running sequence the next of its known tokens (its prompt and what it made) to
+compute: one when decoding, up to `prefill_chunk` prompt tokens when prefilling; it admits waiting ones into free
+slots while its KV-cache manager (llmstep/engines/kv_manager.py) fits them, and preempts the youngest when the
+manager cannot fit an older one's tokens. `update` records what the forward computed and the tokens it gave; a
+request leaves when `decoding.end_reason` says so. So every running sequence gets one token a step, a newcomer's
+from its prompt's forward. One scheduler serves both caches: a contiguous one is a manager whose every block is a
+whole slot (ContinuousBatcher), a paged one hands out small blocks (PagedBatcher). Tests drive it with made-up
+tokens (`dry_run`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from .decoding import Budget, DecodeResult, budget, end_reason
 from .kv_manager import KVCacheManager
 from .request import Checked
 
-__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "BlockScheduler", "Scheduled"]
+__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "Scheduled"]
 
 POLICIES = ("continuous", "static")
 
@@ -69,18 +68,19 @@ class Completion(DecodeResult):
 @dataclass
 class BatchRun:
     """A finished run: every request's completion, and the slots' timeline for plotting. timeline[s][i]: the
-    request id slot i decoded for in engine step s (-1: free); prefills: (engine step, slot, request id)."""
+    request id slot i computed for in engine step s (-1: free); prefills: (engine step, slot, request id) of each
+    admission."""
 
     policy: str
     n_slots: int
     completions: list[Completion]
     timeline: list[list[int]] = field(default_factory=list)
     prefills: list[tuple[int, int, int]] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)  # per engine step: its prefills and decode step
+    step_seconds: list[float] = field(default_factory=list)  # per engine step: its forwards and draws
     seconds: float = 0.0
     kv_stats: dict = field(default_factory=dict)  # the cache's use: block_size, blocks_total, peak_blocks_used, ...
-    block_tables: list[dict[int, list[int]]] = field(default_factory=list)  # paged: per step, id -> its blocks
-    step_tokens: list[int] = field(default_factory=list)  # paged: per step, the tokens its one forward computed
+    block_tables: list[dict[int, list[int]]] = field(default_factory=list)  # per step, id -> its blocks
+    step_tokens: list[int] = field(default_factory=list)  # per step, the tokens its forwards computed
     queued: list[int] = field(default_factory=list)  # per step: requests arrived and waiting once it has admitted
 
     @property
@@ -130,7 +130,7 @@ class Job:
     plan: Budget  # decoding.budget(prompt length, max_new_tokens, a slot's length)
     stops: set[int]
     arrived_at: float = math.nan  # clock time at the start of its arrival step
-    computed: int = 0  # paged: how many of its known tokens the KV cache holds
+    computed: int = 0  # how many of its known tokens the KV cache holds
 
     @classmethod
     def of(cls, request: Checked, index: int, max_len: int) -> Job:
@@ -143,39 +143,50 @@ class Job:
         return self.completion.id
 
     @property
-    def position(self) -> int:
-        """Where its newest token goes in its slot: after its prompt and the tokens before it."""
-        return len(self.completion.prompt_ids) + len(self.completion.tokens) - 1
-
-    @property
     def known(self) -> list[int]:
         """Its prompt and the tokens it made: what the cache holds before it samples the next."""
         return self.completion.prompt_ids + self.completion.tokens
 
 
-class _Schedule:
-    """What both schedulers share in one run over `jobs` (in submission order): the arrivals and the queue, the
-    engine step and its clock (a test may pass its own), and the records; a subclass gives `busy` and `_leave`."""
+@dataclass
+class Scheduled:
+    """One sequence's share of an engine step: compute `n` of its known tokens (`tokens`) into its blocks."""
 
-    def __init__(self, jobs: list[Job], n_slots: int, policy: str, clock: Callable[[], float]):
-        self.clock = clock
+    job: Job
+    chunk: SeqChunk  # its block table, the first position to compute, how many
+    tokens: list[int]  # the tokens at those positions
+    samples: bool  # the cache catches up with what it knows: the forward's last logits give its next token
+
+
+class Scheduler:
+    """One run over `jobs` (in submission order): at most n_slots sequences at once, each in a slot (the lowest
+    free one) from its admission until it leaves, admitted when the KV-cache manager `kv` fits it (a contiguous
+    cache is a manager of n_slots blocks, each a whole slot). policy: "continuous" admits whenever a slot is free,
+    "static" only when nothing runs (a batch forms, and runs until all of it is done). prefill_chunk: the most
+    prompt tokens a step computes (None: whole prompts). clock: the step's (a test may pass its own)."""
+
+    def __init__(self, jobs: list[Job], n_slots: int, kv: KVCacheManager, prefill_chunk: int | None = None,
+                 policy: str = "continuous", clock: Callable[[], float] = time.perf_counter):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.kv, self.prefill_chunk, self.policy, self.clock = kv, prefill_chunk, policy, clock
         self.run = BatchRun(policy, n_slots, [j.completion for j in jobs])
         self.arrivals = deque(sorted(jobs, key=lambda j: j.completion.arrival))  # stable: FIFO within a step
         self.queue: deque[Job] = deque()
-        self.step = 0
-        self._step_start = math.nan
-
-    @property
-    def busy(self) -> bool:
-        raise NotImplementedError
+        self.running: list[Job] = []  # oldest admitted first
+        self.slots: list[Job | None] = [None] * n_slots
+        self.step, self._step_start = 0, math.nan
+        self.stats = {"block_size": kv.block_size, "blocks_total": kv.n_blocks, "peak_blocks_used": 0,
+                      "prefix_hit_tokens": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.run.kv_stats = self.stats
 
     @property
     def done(self) -> bool:
-        return not (self.arrivals or self.queue or self.busy)
+        return not (self.arrivals or self.queue or self.running)
 
     def begin_step(self) -> None:
         """Skip the steps in which nothing runs and nobody arrives (recorded idle), then let arrivals in."""
-        if not self.queue and not self.busy and self.arrivals[0].completion.arrival > self.step:
+        if not self.queue and not self.running and self.arrivals[0].completion.arrival > self.step:
             self._idle(self.arrivals[0].completion.arrival - self.step)
         self._step_start = self.clock()
         while self.arrivals and self.arrivals[0].completion.arrival <= self.step:
@@ -187,9 +198,95 @@ class _Schedule:
         """Record `steps` steps with nothing to do until the next arrival, at once."""
         run = self.run
         run.timeline.extend(itertools.repeat([-1] * run.n_slots, steps))  # one row, shared: read-only
-        run.queued.extend(itertools.repeat(0, steps))
-        run.step_seconds.extend(itertools.repeat(0.0, steps))
+        for record, value in ((run.queued, 0), (run.step_seconds, 0.0), (run.block_tables, {}), (run.step_tokens, 0)):
+            record.extend(itertools.repeat(value, steps))
         self.step += steps
+
+    def _grow(self, job: Job, n: int) -> bool:
+        """Blocks for n more tokens of a running job. While they cannot fit, the youngest running job is preempted
+        (its blocks freed; it waits first in the queue and recomputes what it knows on return): False if that was
+        the job itself."""
+        while self.kv.allocate(job.id, job.computed + n) is None:
+            victim = self.running[-1]
+            self._leave(victim)
+            victim.computed = 0
+            self.queue.appendleft(victim)
+            self.stats["preemptions"] += 1
+            if victim is job:
+                return False
+        return True
+
+    def _admit(self, job: Job, room: float) -> int:
+        """Take a waiting job into the lowest free slot if the manager fits it: its cached prefix, then blocks for up
+        to `room` tokens. Returns the tokens to compute now (0: not admitted)."""
+        known = job.known
+        prefix = self.kv.cached_prefix(job.id, known)
+        n = int(min(len(known) - prefix.n_tokens, room))
+        if n < 1 or self.kv.allocate(job.id, prefix.n_tokens + n, prefix) is None:
+            return 0
+        job.computed = prefix.n_tokens
+        self.stats["prefix_hit_tokens"] += prefix.n_tokens
+        self.running.append(job)
+        c = job.completion
+        c.slot = self.slots.index(None)
+        self.slots[c.slot] = job
+        if c.admitted < 0:
+            c.admitted = self.step
+        self.run.prefills.append((self.step, c.slot, c.id))
+        return n
+
+    def schedule(self) -> list[Scheduled]:
+        """This step's work, oldest running sequence first, then newcomers; recorded in the timeline."""
+        room = math.inf if self.prefill_chunk is None else self.prefill_chunk  # prompt tokens left this step
+        admits = self.policy == "continuous" or not self.running  # static: a batch forms when nothing runs
+        plan: list[tuple[Job, int]] = []
+        preempted = self.stats["preemptions"]
+        for job in list(self.running):
+            if job not in self.running:  # preempted for an older one in this loop
+                continue
+            left = len(job.known) - job.computed
+            decoding = left == 1 and bool(job.completion.tokens)  # its newest token: not the prompt budget's
+            n = 1 if decoding else int(min(left, room))
+            if n and self._grow(job, n):
+                plan.append((job, n))
+                room -= 0 if decoding else n
+        while admits and self.queue and self.stats["preemptions"] == preempted and None in self.slots:
+            job = self.queue[0]
+            if job.plan.tokens == 0:  # wants no token: done without a forward
+                self.queue.popleft()
+                job.completion.admitted = self.step
+                self._finish(job, job.plan.stop_reason)
+                continue
+            n = self._admit(job, room)
+            if not n:
+                break
+            self.queue.popleft()
+            plan.append((job, n))
+            room -= n
+        out, row = [], [-1] * self.run.n_slots
+        for job, n in plan:
+            start, known = job.computed, job.known
+            decode = n == 1 and bool(job.completion.tokens) and start == len(known) - 1
+            self.stats["decode_tokens" if decode else "prefill_tokens"] += n
+            out.append(Scheduled(job, SeqChunk(self.kv.table(job.id), start, n), known[start:start + n],
+                                 start + n == len(known)))
+            row[job.completion.slot] = job.id
+        self.stats["peak_blocks_used"] = self.kv.pool.peak_used
+        self.run.timeline.append(row)
+        self.run.block_tables.append({s.job.id: list(s.chunk.table) for s in out})
+        self.run.step_tokens.append(sum(n for _, n in plan))
+        self.run.queued.append(len(self.queue))
+        return out
+
+    def update(self, work: Sequence[Scheduled], tokens: Sequence[int]) -> None:
+        """The forward computed `work`: each chunk's tokens are in the cache (the blocks they filled cached, with
+        prefix caching); then record `tokens`, one per chunk that samples, in order."""
+        for s in work:
+            stop = s.chunk.start + s.chunk.n_tokens
+            self.kv.cache_blocks(s.job.id, s.job.known, s.chunk.start, stop)
+            s.job.computed = stop
+        for job, token_id in zip([s.job for s in work if s.samples], tokens, strict=True):
+            self.take(job, token_id)
 
     def take(self, job: Job, token_id: int) -> None:
         """Record a request's new token; it leaves if that ends it."""
@@ -208,199 +305,27 @@ class _Schedule:
         self._leave(job)
 
     def _leave(self, job: Job) -> None:
-        raise NotImplementedError
+        """The job gives back its slot and its blocks (finished, preempted or cancelled)."""
+        if job in self.running:
+            self.running.remove(job)
+            self.slots[job.completion.slot] = None
+        self.kv.free(job.id)
 
     def end_step(self) -> None:
         self.run.step_seconds.append(self.clock() - self._step_start)
         self.step += 1
 
-
-class Scheduler(_Schedule):
-    """The queue, the slots and the policy for one run: n_slots rows of a contiguous cache."""
-
-    def __init__(self, jobs: list[Job], n_slots: int, policy: str = "continuous",
-                 clock: Callable[[], float] = time.perf_counter):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
-        super().__init__(jobs, n_slots, policy, clock)
-        self.policy = policy
-        self.slots: list[Job | None] = [None] * n_slots
-        self._static_batch: deque[int] = deque()  # the slots a static batch still has to fill this step
-
-    @property
-    def busy(self) -> bool:
-        return any(self.slots)
-
-    def begin_step(self) -> None:
-        super().begin_step()
-        if self.policy == "static" and not any(self.slots):  # a static batch forms only when all of it is done
-            self._static_batch = deque(range(min(len(self.slots), len(self.queue))))
-
-    def _free_slot(self) -> int | None:
-        """The slot the next queued request may take now, or None (the policy's one decision)."""
-        if self.policy == "static":
-            return self._static_batch.popleft() if self._static_batch else None
-        return self.slots.index(None) if None in self.slots else None
-
-    def admit(self) -> Job | None:
-        """The next request to prefill, now in its slot; None when the policy admits nobody more this step.
-        A request for 0 tokens is admitted and finished here, without a prefill."""
-        while self.queue and (slot := self._free_slot()) is not None:
-            job = self.queue.popleft()
-            c = job.completion
-            self.slots[slot], c.slot, c.admitted = job, slot, self.step
-            self.run.prefills.append((self.step, slot, c.id))
-            if job.plan.tokens == 0:
-                self._finish(job, job.plan.stop_reason)
-                continue
-            return job
-        return None
-
-    def running(self) -> list[Job | None]:
-        """Whom this step's batched decode serves, one entry per slot (None: free); recorded in the timeline."""
-        self.run.timeline.append([-1 if j is None else j.id for j in self.slots])
-        self.run.queued.append(len(self.queue))
-        return list(self.slots)
-
-    def _leave(self, job: Job) -> None:
-        self.slots[job.completion.slot] = None
-
     def dry_run(self, token_id: int) -> BatchRun:
-        """Run the schedule to its end without a model: every prefill and every decode makes `token_id` (not a
-        stop token), so the timeline is the one a model gives requests that run to their budgets."""
+        """Run the schedule to its end without a model: every forward that samples makes `token_id` (not a stop
+        token), so the timeline is the one a model gives requests that run to their budgets."""
         while not self.done:
             self.begin_step()
-            while (job := self.admit()) is not None:
-                self.take(job, token_id)  # the prefill's token
-            for job in self.running():
-                if job is not None:
-                    self.take(job, token_id)  # the decode step's token
+            work = self.schedule()
+            self.update(work, [token_id] * sum(s.samples for s in work))
             self.end_step()
         return self.run
 
-
-# ---- the paged cache's scheduler -----------------------------------------------------------------------
-
-@dataclass
-class Scheduled:
-    """One sequence's share of an engine step: compute `n` of its known tokens (`tokens`) into its blocks."""
-
-    job: Job
-    chunk: SeqChunk  # its block table, the first position to compute, how many
-    tokens: list[int]  # the tokens at those positions
-    samples: bool  # the cache catches up with what it knows: the forward's last logits give its next token
-
-
-class BlockScheduler(_Schedule):
-    """At most n_slots sequences at once (`running`, oldest admitted first), each admitted when the KV-cache
-    manager `kv` fits it; prefill_chunk: the most prompt tokens a step computes (None: whole prompts)."""
-
-    def __init__(self, jobs: list[Job], n_slots: int, kv: KVCacheManager, prefill_chunk: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        super().__init__(jobs, n_slots, "continuous", clock)
-        self.kv, self.prefill_chunk = kv, prefill_chunk
-        self.running: list[Job] = []
-        self.stats = {"block_size": kv.block_size, "blocks_total": kv.n_blocks, "peak_blocks_used": 0,
-                      "prefix_hit_tokens": 0, "preemptions": 0, "prefill_tokens": 0, "decode_tokens": 0}
-        self.run.kv_stats = self.stats
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.running)
-
-    def _grow(self, job: Job, n: int) -> bool:
-        """Blocks for n more tokens of a running job. While they cannot fit, the youngest running job is preempted
-        (its blocks freed; it waits first in the queue and recomputes what it knows on return): False if that was
-        the job itself."""
-        while self.kv.allocate(job.id, job.computed + n) is None:
-            victim = self.running.pop()
-            self.kv.free(victim.id)
-            victim.computed = 0
-            self.queue.appendleft(victim)
-            self.stats["preemptions"] += 1
-            if victim is job:
-                return False
-        return True
-
-    def _admit(self, job: Job, room: float) -> int:
-        """Take a waiting job if the manager fits it: its cached prefix, then blocks for up to `room` tokens.
-        Returns the tokens to compute now (0: not admitted)."""
-        known = job.known
-        prefix = self.kv.cached_prefix(job.id, known)
-        n = int(min(len(known) - prefix.n_tokens, room))
-        if n < 1 or self.kv.allocate(job.id, prefix.n_tokens + n, prefix) is None:
-            return 0
-        job.computed = prefix.n_tokens
-        self.stats["prefix_hit_tokens"] += prefix.n_tokens
-        self.running.append(job)
-        c = job.completion
-        if c.admitted < 0:
-            c.admitted = self.step
-        self.run.prefills.append((self.step, -1, c.id))
-        return n
-
-    def schedule(self) -> list[Scheduled]:
-        """This step's work, oldest running sequence first, then newcomers; recorded in the timeline."""
-        room = math.inf if self.prefill_chunk is None else self.prefill_chunk  # prompt tokens left this step
-        plan: list[tuple[Job, int]] = []
-        preempted = self.stats["preemptions"]
-        for job in list(self.running):
-            if job not in self.running:  # preempted for an older one in this loop
-                continue
-            left = len(job.known) - job.computed
-            decoding = left == 1 and bool(job.completion.tokens)  # its newest token: not the prompt budget's
-            n = 1 if decoding else int(min(left, room))
-            if n and self._grow(job, n):
-                plan.append((job, n))
-                room -= 0 if decoding else n
-        while self.queue and self.stats["preemptions"] == preempted and len(self.running) < self.run.n_slots:
-            job = self.queue[0]
-            if job.plan.tokens == 0:  # wants no token: done without a forward
-                self.queue.popleft()
-                job.completion.admitted = self.step
-                self._finish(job, job.plan.stop_reason)
-                continue
-            n = self._admit(job, room)
-            if not n:
-                break
-            self.queue.popleft()
-            plan.append((job, n))
-            room -= n
-        out = []
-        for job, n in plan:
-            start, known = job.computed, job.known
-            decode = n == 1 and bool(job.completion.tokens) and start == len(known) - 1
-            self.stats["decode_tokens" if decode else "prefill_tokens"] += n
-            out.append(Scheduled(job, SeqChunk(self.kv.table(job.id), start, n), known[start:start + n],
-                                 start + n == len(known)))
-        self.stats["peak_blocks_used"] = self.kv.pool.peak_used
-        self.run.timeline.append([s.job.id for s in out] + [-1] * (self.run.n_slots - len(out)))
-        self.run.block_tables.append({s.job.id: list(s.chunk.table) for s in out})
-        self.run.step_tokens.append(sum(n for _, n in plan))
-        self.run.queued.append(len(self.queue))
-        return out
-
-    def update(self, work: Sequence[Scheduled], tokens: Sequence[int]) -> None:
-        """The forward computed `work`: each chunk's tokens are in the cache (the blocks they filled cached, with
-        prefix caching); then record `tokens`, one per chunk that samples, in order."""
-        for s in work:
-            stop = s.chunk.start + s.chunk.n_tokens
-            self.kv.cache_blocks(s.job.id, s.job.known, s.chunk.start, stop)
-            s.job.computed = stop
-        for job, token_id in zip([s.job for s in work if s.samples], tokens, strict=True):
-            self.take(job, token_id)
-
-    def _leave(self, job: Job) -> None:
-        if job in self.running:
-            self.running.remove(job)
-        self.kv.free(job.id)
-
-    def _idle(self, steps: int) -> None:
-        self.run.block_tables.extend(itertools.repeat({}, steps))
-        self.run.step_tokens.extend(itertools.repeat(0, steps))
-        super()._idle(steps)
-
-    # ---- requests that arrive while it runs (session.PagedSession, for `llmstep serve`) -----------------
+    # ---- requests that arrive while it runs (session.PagedSession, for `llmstep serve`) ----------------------
 
     def submit(self, job: Job) -> None:
         """A job that arrives now, between engine steps: it joins the queue at the next `begin_step`."""

@@ -1,7 +1,7 @@
 """Continuous batching over the paged KV cache one engine step at a time, for requests that arrive while it runs.
 
 `PagedBatcher.run` serves a workload known in advance. A server does not know what comes next: `PagedSession` is
-the same engine step (`batching.paged_step`) driven from outside, one step per call, with requests submitted and
+the same engine step (`batching.engine_step`) driven from outside, one step per call, with requests submitted and
 cancelled between steps. A request gets the tokens `PagedBatcher.run` and `llmstep.generate` give it, whenever it
 arrives. One thread drives a session: `llmstep serve`'s engine thread (llmstep.serve.engine).
 """
@@ -16,11 +16,11 @@ import torch
 from ..core.model import Llama
 from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
-from .batching import PagedRunner, check_paged_options, paged_step
+from .batching import PagedRunner, check_paged_options, engine_step
 from .decoding import check_finite
 from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
-from .scheduler import BlockScheduler, Job
+from .scheduler import Job, Scheduler
 
 __all__ = ["PagedSession", "TokenOut"]
 
@@ -52,7 +52,7 @@ class PagedSession:
         self.runner = PagedRunner(model, n_blocks, block_size)
         self.kv = KVCacheManager(n_blocks, block_size, prefix_caching)
         self.blocks = self.kv.pool  # its counters: n_used, peak_used
-        self.scheduler = BlockScheduler([], n_slots, self.kv, prefill_chunk)
+        self.scheduler = Scheduler([], n_slots, self.kv, prefill_chunk)
         self.stats = self.scheduler.stats
         self._jobs: dict[int, tuple[Job, Checked, torch.Generator]] = {}  # unfinished: id -> job, request, generator
         self._ids = itertools.count()
@@ -91,7 +91,7 @@ class PagedSession:
         out = []
         if self.scheduler.done:
             return out
-        for job in paged_step(self.scheduler, self.runner, self._draw):
+        for job in engine_step(self.scheduler, lambda work: self.runner.compute(work, self._draw), self.device):
             reason = job.completion.stop_reason or None
             if reason:
                 del self._jobs[job.id]
@@ -104,11 +104,11 @@ class PagedSession:
             record.clear()
         return out
 
-    def _draw(self, logits: torch.Tensor, jobs: list[Job]) -> list[int]:
-        """logits [K, vocab], row k of jobs[k] -> one token each, drawn with its request's own generator."""
+    def _draw(self, logits: torch.Tensor, ids: list[int]) -> list[int]:
+        """logits [K, vocab], row k of request ids[k] -> one token each, drawn with its request's own generator."""
         check_finite(logits, self.scheduler.step, "the model")
         return torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
-                          enumerate(self._jobs[j.id] for j in jobs)]).tolist()
+                          enumerate(self._jobs[i] for i in ids)]).tolist()
 
     def close(self) -> None:
         """Cancel what is left; the session takes no more steps."""

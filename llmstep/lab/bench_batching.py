@@ -20,7 +20,7 @@ from ..core.model import Llama
 from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, run_batch
 from ..engines.decoding import budget, cache_len
 from ..engines.kv_manager import KVCacheManager
-from ..engines.scheduler import BatchRun, BlockScheduler, Completion, Job, Scheduler
+from ..engines.scheduler import BatchRun, Completion, Job, Scheduler
 from . import runinfo
 
 __all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench", "shared_prefix_workload",
@@ -63,7 +63,7 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
     """Serve `requests` with each number of slots under every policy (one slot: continuous only, the policies
     coincide); yield each run's summary as it ends, with its completions and whether its tokens are the first
     run's (they must be: batching changes when a request runs, not what it writes). kv: make_batcher's cache
-    options (kv="paged", block_size, ...); a paged cache serves continuous batching only."""
+    options (kv="paged", block_size, ...)."""
     kv = dict(kv or {})
     paged = kv.get("kv", "contiguous") == "paged"
     # Room for every request, up to the model's context (a longer request stops there, as generate does).
@@ -73,7 +73,7 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
     for n_slots in slots:
         batcher = make_batcher(model, n_slots, max_len, compile, **kv)
         batcher.run(requests[:1], "continuous")  # warm up (and compile) before timing
-        for policy in POLICIES if n_slots > 1 and not paged else POLICIES[:1]:
+        for policy in POLICIES if n_slots > 1 else POLICIES[:1]:
             run = batcher.run(requests, policy)
             tokens = [c.tokens for c in run.completions]
             reference = tokens if reference is None else reference
@@ -226,20 +226,15 @@ def schedule_capacity(requests: list[Request], context: int, contiguous_slots: i
                     budget(len(r.prompt_ids), r.max_new_tokens, context), set()) for i, r in enumerate(requests)]
 
     ticks = iter(range(10**9))
-    contiguous = Scheduler(jobs(), contiguous_slots, clock=lambda: float(next(ticks)))
-    contiguous.dry_run(0)
+    contiguous = Scheduler(jobs(), contiguous_slots, KVCacheManager(contiguous_slots, slot_len),
+                           clock=lambda: float(next(ticks))).dry_run(0)
     kv_blocks = contiguous_slots * slot_len // block_size
-    paged = BlockScheduler(jobs(), len(requests), KVCacheManager(kv_blocks, block_size),
-                           clock=lambda: float(next(ticks)))
-    while not paged.done:
-        paged.begin_step()
-        work = paged.schedule()
-        paged.update(work, [0] * sum(s.samples for s in work))
-        paged.end_step()
-    c, p = _mean_running_while_full(contiguous.run), _mean_running_while_full(paged.run)
+    paged = Scheduler(jobs(), len(requests), KVCacheManager(kv_blocks, block_size),
+                      clock=lambda: float(next(ticks))).dry_run(0)
+    c, p = _mean_running_while_full(contiguous), _mean_running_while_full(paged)
     return {"slot_len": slot_len, "kv_blocks": kv_blocks, "contiguous_mean_sequences_while_full": c,
-            "paged_mean_sequences_while_full": p, "sequences_ratio": p / c, "contiguous_steps": contiguous.run.steps,
-            "paged_steps": paged.run.steps, "preemptions": paged.run.kv_stats["preemptions"]}
+            "paged_mean_sequences_while_full": p, "sequences_ratio": p / c, "contiguous_steps": contiguous.steps,
+            "paged_steps": paged.steps, "preemptions": paged.kv_stats["preemptions"]}
 
 
 def measure_chunked_prefill(model: Llama, running: int = 4, new_tokens: int = 96, long_prompt: int = 400,

@@ -21,6 +21,7 @@ from ..core.cost import decode_step_cost, kv_bytes_per_token, kv_cache_bytes, mo
 from ..core.model import Llama
 from ..core.rope import apply_rope, config_inv_frequencies, rope_cos_sin
 from ..engines.decoding import budget, check_int
+from ..engines.kv_manager import KVCacheManager
 from ..engines.scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
 from ..engines.speculative import best_k, check_k, expected_speedup, expected_tokens_per_forward
 from .bench_batching import random_workload
@@ -251,4 +252,5 @@ def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, p
     jobs = [Job(Completion(id=i, prompt_ids=r.prompt_ids, arrival=r.arrival),
                 budget(len(r.prompt_ids), r.max_new_tokens, slot_len), set()) for i, r in enumerate(requests)]
     ticks = iter(range(10**9))
-    return Scheduler(jobs, n_slots, policy, clock=lambda: float(next(ticks))).dry_run(1)  # steps, not seconds
+    kv = KVCacheManager(n_slots, slot_len)  # ContinuousBatcher's: a slot is one block
+    return Scheduler(jobs, n_slots, kv, policy=policy, clock=lambda: float(next(ticks))).dry_run(1)  # steps, not s

@@ -33,7 +33,8 @@ def test_paged_batch_runs_and_records_its_cache(tmp_path, capsys):
     record = json.loads(out.read_text())
     assert record["kv"] == {"kv": "paged", "block_size": 4, "kv_blocks": 40, "prefix_caching": True,
                             "prefill_chunk": 8}
-    assert [(r["policy"], r["slots"]) for r in record["runs"]] == [("continuous", 1), ("continuous", 3)]
+    assert [(r["policy"], r["slots"]) for r in record["runs"]] == [("continuous", 1), ("continuous", 3),
+                                                                   ("static", 3)]
     assert all(r["kv_blocks_total"] == 40 and r["kv_block_size"] == 4 for r in record["runs"])
     assert all(r["same_tokens_as_first_run"] for r in record["runs"])
     assert "kv: peak" in capsys.readouterr().out

@@ -124,18 +124,18 @@ def test_the_end_of_the_context_stops_a_request_as_generate_does(tiny64):
 
 
 def test_continuous_schedule_by_hand(tiny64):
-    """Two slots, four requests of 2, 5, 3 and 1 new tokens arriving together (prefill makes the first
-    token, and a newcomer also decodes in the step it is admitted)."""
+    """Two slots, four requests of 2, 5, 3 and 1 new tokens arriving together: one token a step for each running
+    request (a newcomer's from its prefill); a finished request's slot is free at the next step."""
     model, _ = tiny64
     requests = [Request([1, 2, 3], n, **GREEDY) for n in (2, 5, 3, 1)]
     run = run_batch(model, requests, n_slots=2, policy="continuous")
-    assert [c.admitted for c in run.completions] == [0, 0, 1, 3]
-    assert [c.finished for c in run.completions] == [0, 3, 2, 3]
+    assert [c.admitted for c in run.completions] == [0, 0, 2, 5]
+    assert [c.finished for c in run.completions] == [1, 4, 4, 5]
     assert [c.slot for c in run.completions] == [0, 1, 0, 0]
-    assert run.timeline == [[0, 1], [2, 1], [2, 1], [-1, 1]]
-    assert run.prefills == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (3, 0, 3)]
+    assert run.timeline == [[0, 1], [0, 1], [2, 1], [2, 1], [2, 1], [3, -1]]
+    assert run.prefills == [(0, 0, 0), (0, 1, 1), (2, 0, 2), (5, 0, 3)]
     assert [len(c.tokens) for c in run.completions] == [2, 5, 3, 1]
-    assert run.slot_utilisation == pytest.approx(7 / 8)
+    assert run.slot_utilisation == pytest.approx(11 / 12)
 
 
 def test_static_schedule_by_hand(tiny64):
@@ -143,19 +143,19 @@ def test_static_schedule_by_hand(tiny64):
     model, _ = tiny64
     requests = [Request([1, 2, 3], n, **GREEDY) for n in (2, 5, 3, 1)]
     run = run_batch(model, requests, n_slots=2, policy="static")
-    assert [c.admitted for c in run.completions] == [0, 0, 4, 4]
-    assert [c.finished for c in run.completions] == [0, 3, 5, 4]
-    assert run.timeline == [[0, 1], [-1, 1], [-1, 1], [-1, 1], [2, -1], [2, -1]]
-    assert run.slot_utilisation == pytest.approx(7 / 12)
-    assert [c.latency_steps for c in run.completions] == [1, 4, 6, 5]
+    assert [c.admitted for c in run.completions] == [0, 0, 5, 5]
+    assert [c.finished for c in run.completions] == [1, 4, 7, 5]
+    assert run.timeline == [[0, 1], [0, 1], [-1, 1], [-1, 1], [-1, 1], [2, 3], [2, -1], [2, -1]]
+    assert run.slot_utilisation == pytest.approx(11 / 16)
+    assert [c.latency_steps for c in run.completions] == [2, 5, 8, 6]
 
 
 def test_idle_steps_until_a_late_arrival(tiny64):
     model, _ = tiny64
     run = run_batch(model, [Request([1, 2], 2, **GREEDY), Request([3, 4], 2, arrival=6, **GREEDY)], n_slots=2)
     assert run.completions[1].admitted == 6 and run.completions[1].queued_steps == 0
-    assert run.timeline[1:6] == [[-1, -1]] * 5 and run.step_seconds[1:6] == [0.0] * 5
-    assert run.timeline[6] == [1, -1] or run.timeline[6] == [-1, 1]
+    assert run.timeline[2:6] == [[-1, -1]] * 4 and run.step_seconds[2:6] == [0.0] * 4
+    assert run.timeline[6] == [1, -1]  # the lowest free slot
 
 
 def test_zero_new_tokens_and_empty_workload(tiny64):
@@ -191,22 +191,22 @@ def test_continuous_admits_as_soon_as_a_slot_is_free(tiny64):
     assert [c.id for c in admitted] == sorted(range(len(requests)), key=lambda i: (requests[i].arrival, i))  # FIFO
 
 
-def test_a_slot_freed_by_a_prefill_takes_the_next_request_in_the_same_step(tiny64):
-    """A request that stops at its first token (or wants none) frees its slot during admission: a queued
-    request takes it before the decode step, which never runs a free row while anyone waits."""
+def test_a_request_done_at_its_first_token_frees_its_slot_for_the_next_step(tiny64):
+    """A request that stops at its first token leaves at the end of its admission step: a queued request takes its
+    slot at the next; one that wants no token is done at admission and takes no slot."""
     model, tok = tiny64
     first = solo(model, tok, Request([1, 2, 3], 1, **GREEDY)).tokens[0]
     requests = [Request([4, 5], 6, **GREEDY), Request([1, 2, 3], 5, stop_ids=[first], temperature=0),
                 Request([6], 0, **GREEDY), Request([7, 8], 3, **GREEDY)]
     run = run_batch(model, requests, n_slots=2)
-    assert [c.admitted for c in run.completions] == [0, 0, 0, 0]
-    assert [c.slot for c in run.completions] == [0, 1, 1, 1]
-    assert run.timeline[0] == [0, 3]
+    assert [c.admitted for c in run.completions] == [0, 0, 1, 1]
+    assert [c.slot for c in run.completions] == [0, 1, -1, 1]
+    assert run.timeline[:2] == [[0, 1], [0, 3]]
     assert run.completions[1].tokens == [first] and run.completions[1].stop_reason == "stop"
     for r, c in zip(requests, run.completions, strict=True):
         assert c.tokens == solo(model, tok, r).tokens
     static = run_batch(model, requests, n_slots=2, policy="static")  # a static batch is formed once
-    assert [c.admitted for c in static.completions] == [0, 0, 5, 5]
+    assert [c.admitted for c in static.completions] == [0, 0, 6, 6]
 
 
 def test_stop_ids_and_arrival_of_other_kinds(tiny64):
@@ -433,6 +433,6 @@ def test_a_sparse_workload_costs_its_requests_not_its_idle_steps(tiny64):
     run = run_batch(model, sparse, n_slots=2, max_len=16)
     assert run.steps == MAX_ARRIVAL_STEP + run.completions[1].latency_steps  # every idle step is still recorded
     assert len({id(row) for row in run.timeline[2:MAX_ARRIVAL_STEP]}) == 1  # ~8 bytes an idle step, not a list each
-    assert run.summary()["slot_utilisation"] == run.kv_stats["decode_tokens"] / (2 * run.steps)
+    assert run.summary()["slot_utilisation"] == run.tokens / (2 * run.steps)  # a busy slot makes a token a step
     with pytest.raises(ValueError, match=r"request 1: arrival step 1,000,001 is past the 1,000,000 steps a run"):
         run_batch(model, [Request([1], 1), Request([2], 1, arrival=MAX_ARRIVAL_STEP + 1)], n_slots=2, max_len=16)

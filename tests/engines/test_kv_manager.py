@@ -8,7 +8,7 @@ import pytest
 
 from llmstep.engines.decoding import budget
 from llmstep.engines.kv_manager import KVCacheManager, Prefix, check_fits
-from llmstep.engines.scheduler import BlockScheduler, Completion, Job
+from llmstep.engines.scheduler import Completion, Job, Scheduler
 
 
 def computed(kv: KVCacheManager, rid: int, tokens: list[int]) -> list[int]:
@@ -99,7 +99,7 @@ def test_cached_blocks_are_evicted_least_recently_used_first():
 def test_a_cancelled_request_gives_its_blocks_back_at_once():
     kv = KVCacheManager(12, 2)
     jobs = [Job(Completion(id=i, prompt_ids=[1, 2, 3, 4, 5]), budget(5, 8, 48), set()) for i in range(3)]
-    s = BlockScheduler(jobs, 2, kv, clock=lambda: 0.0)
+    s = Scheduler(jobs, 2, kv, clock=lambda: 0.0)
     s.begin_step()
     work = s.schedule()
     assert [w.job.id for w in work] == [0, 1] and kv.pool.n_used == 6 and list(s.queue) == [jobs[2]]

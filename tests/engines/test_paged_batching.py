@@ -13,7 +13,8 @@ from llmstep.core.cost import MemoryBudgetError
 from llmstep.core.paged_kv import BlockPool, PagedKVCache, blocks_for
 from llmstep.engines.decoding import budget
 from llmstep.engines.kv_manager import KVCacheManager
-from llmstep.engines.scheduler import BlockScheduler, Completion, Job
+from llmstep.engines.scheduler import Completion, Job, Scheduler
+from llmstep.lab.bench_batching import random_workload
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
 
@@ -38,7 +39,7 @@ def workload(vocab: int, n: int = 8, seed: int = 0, shared: int = 0) -> list[Req
     return out
 
 
-def check_blocks(s: BlockScheduler) -> None:
+def check_blocks(s: Scheduler) -> None:
     """The pool holds exactly the live sequences' blocks: each table a full block per block_size tokens in
     the cache plus at most one partial; every block's reference count is its holders; nothing lost."""
     m, bs = s.kv.pool, s.kv.block_size
@@ -56,7 +57,7 @@ def check_blocks(s: BlockScheduler) -> None:
 @pytest.fixture
 def checked_steps(monkeypatch):
     """Check the pool at the end of every engine step; return the schedulers seen (for the end state)."""
-    seen, end_step = [], BlockScheduler.end_step
+    seen, end_step = [], Scheduler.end_step
 
     def checking(self):
         check_blocks(self)
@@ -64,7 +65,7 @@ def checked_steps(monkeypatch):
             seen.append(self)
         end_step(self)
 
-    monkeypatch.setattr(BlockScheduler, "end_step", checking)
+    monkeypatch.setattr(Scheduler, "end_step", checking)
     return seen
 
 
@@ -161,7 +162,7 @@ def test_the_youngest_is_preempted_and_returns_first(tiny64):
     at the head of the queue, and nobody fails."""
     jobs = [Job(Completion(id=i, prompt_ids=[1, 2, 3]), budget(3, 6, 48), set()) for i in range(3)]
     ticks = iter(range(10**6))
-    s = BlockScheduler(jobs, 3, KVCacheManager(6, 2), clock=lambda: float(next(ticks)))
+    s = Scheduler(jobs, 3, KVCacheManager(6, 2), clock=lambda: float(next(ticks)))
     preempted_at = []
     while not s.done:
         s.begin_step()
@@ -206,8 +207,8 @@ def test_the_options_belong_to_their_layout(tiny64):
         run_batch(model, r, block_size=8, prefix_caching=True)
     with pytest.raises(ValueError, match="compile sets the contiguous"):
         run_batch(model, r, kv="paged", compile=True)
-    with pytest.raises(ValueError, match="continuous batching only"):
-        run_batch(model, r, kv="paged", policy="static")
+    with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
+        run_batch(model, r, kv="paged", policy="fifo")
     for kw, match in [({"kv_blocks": 0}, "kv_blocks"), ({"block_size": 1.5}, "block_size"),
                       ({"prefill_chunk": 0}, "prefill_chunk"), ({"prefix_caching": 1}, "prefix_caching")]:
         with pytest.raises(ValueError, match=match):
@@ -253,3 +254,16 @@ def test_a_sparse_paged_workload_records_its_idle_steps_at_once(tiny64):
     assert run.steps == MAX_ARRIVAL_STEP + run.completions[1].latency_steps
     assert len({id(row) for row in run.timeline[2:MAX_ARRIVAL_STEP]}) == 1
     assert run.summary()["slot_utilisation"] == 4 / (2 * run.steps)  # 2 requests x 2 decode rows, over every step
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_one_scheduler_serves_both_caches_alike(tiny64, policy):
+    """With blocks for everyone, the paged batcher runs the contiguous one's schedule, slot for slot, step for step,
+    under either policy (one scheduler, two caches), and every request gets the same tokens."""
+    model, _ = tiny64
+    requests = random_workload(10, model.config.vocab_size, prompt_len=(2, 9), new_tokens=(1, 14), rate=0.6, seed=3)
+    contiguous = run_batch(model, requests, n_slots=3, policy=policy)
+    paged = run_batch(model, requests, n_slots=3, policy=policy, kv="paged", block_size=4, kv_blocks=64)
+    assert paged.timeline == contiguous.timeline and paged.prefills == contiguous.prefills
+    assert [c.tokens for c in paged.completions] == [c.tokens for c in contiguous.completions]
+    assert paged.kv_stats["preemptions"] == 0

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from llmstep.core.config import LlamaConfig  # noqa: E402
 from llmstep.core.cost import decode_step_cost, kv_bytes_per_token, model_bytes  # noqa: E402
 from llmstep.engines.decoding import budget, cache_len  # noqa: E402
+from llmstep.engines.kv_manager import KVCacheManager  # noqa: E402
 from llmstep.engines.scheduler import Completion, Job, Scheduler  # noqa: E402
 from llmstep.engines.speculative import Rounds  # noqa: E402
 from llmstep.lab import pictures  # noqa: E402
@@ -125,7 +126,7 @@ def test_a_real_speculative_run_is_drawn_from_its_record():
 def test_the_slots_picture_is_the_runs_timeline():
     jobs = [Job(Completion(id=i, prompt_ids=[1] * 3, arrival=i), budget(3, n, 48), set()) for i, n in
             enumerate((2, 5, 3, 1, 4))]
-    s = Scheduler(jobs, 2, "continuous")
+    s = Scheduler(jobs, 2, KVCacheManager(2, 48))
     s.dry_run(7)
     fig = pictures.plot_batching_slots(s.run)
     image = fig.axes[0].images[0].get_array()  # [slots, steps], masked where a slot is free
@@ -139,14 +140,14 @@ def test_the_slots_picture_is_the_runs_timeline():
 def test_the_queue_under_the_slots_is_the_runs_record():
     jobs = [Job(Completion(id=i, prompt_ids=[1] * 3, arrival=0), budget(3, n, 48), set()) for i, n in
             enumerate((2, 5, 3, 1, 4))]
-    s = Scheduler(jobs, 2, "continuous")
+    s = Scheduler(jobs, 2, KVCacheManager(2, 48))
     s.dry_run(7)
     fig = pictures.plot_batching_slots(s.run, queue=True)
     slots, queue = fig.axes
     assert slots.images[0].get_array().shape == (2, s.run.steps)
-    # step 0: 0 and 1 admitted, 3 wait; 1: 0 done, 2 admitted, 2 wait; 2: both slots busy, 2 wait; 3: 1 done and 3
-    # done at its prefill, 4 admitted: none wait
-    assert list(queue.lines[0].get_ydata()) == s.run.queued == [3, 2, 2, 0, 0, 0]
+    # step 0: 0 and 1 admitted, 3 wait; 1: 0 done, 3 wait; 2: 2 admitted, 2 wait; 3, 4: 1 and 2 run to their
+    # ends; 5: 3 (done at its prefill) and 4 admitted, none wait; 6-8: 4 runs to its end
+    assert list(queue.lines[0].get_ydata()) == s.run.queued == [3, 3, 2, 2, 2, 0, 0, 0, 0]
     assert len(pictures.plot_batching_slots(s.run).axes) == 1  # without queue=: the slots alone
     s.run.queued.clear()
     with pytest.raises(ValueError, match="queue"):
