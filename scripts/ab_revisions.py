@@ -29,11 +29,18 @@ BENCHES = {
         lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"])),
     "continuous batcher, contiguous KV, 8 slots (tok/s)": (
         ["batch", "--slots", "8", "--requests", "32", "--batch-sizes", "1", "--kv", "contiguous"],
-        lambda r: (r["runs"][-1]["tokens_per_second"], [c["tokens"] for c in r["runs"][-1]["completions"]])),
+        lambda r: batch_run(r, "static")),  # the last run, as the records before this reader
     "continuous batcher, paged KV, 8 slots (tok/s)": (
         ["batch", "--slots", "8", "--requests", "32", "--batch-sizes", "1", "--kv", "paged"],
-        lambda r: (r["runs"][-1]["tokens_per_second"], [c["tokens"] for c in r["runs"][-1]["completions"]])),
+        lambda r: batch_run(r, "continuous")),
 }
+
+
+def batch_run(record: dict, policy: str) -> tuple[float, list]:
+    """A `llmstep batch` record's 8-slot run under `policy`: its tok/s and its tokens (a tree whose paged cache
+    serves one policy records one run per slot count, a later tree two)."""
+    run = next(r for r in record["runs"] if r["policy"] == policy and r["slots"] == 8)
+    return run["tokens_per_second"], [c["tokens"] for c in run["completions"]]
 
 
 def run(checkout: Path, args: list[str], threads: int) -> dict:
