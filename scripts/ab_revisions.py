@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,17 @@ BENCHES = {
     "continuous batcher, paged KV, 8 slots (tok/s)": (
         ["batch", "--slots", "8", "--requests", "32", "--batch-sizes", "1", "--kv", "paged"],
         lambda r: batch_run(r, "continuous")),
+}
+
+
+# Run only when --only names them: the compiled loop at int4 (the CPU int4 kernel's A/B), on the real model (its
+# weights stream from memory) and on the shipped one (in the cache).
+OPTIONAL = {
+    f"fast loop, {name} int4, compiled (decode tok/s)": (
+        ["bench", "--compile", "--no-eager", "--no-hf", "--no-bandwidth", "--quantize", "int4", "--dtype", "bfloat16",
+         *model, "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
+        lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"]))
+    for name, model in (("SmolLM2", ["--model", "smollm2-135m-instruct", "--group-size", "32"]), ("shipped", []))
 }
 
 
@@ -62,6 +74,7 @@ def main() -> None:
     p.add_argument("--only", default="", help="only the benchmarks whose name contains this, e.g. paged")
     a = p.parse_args()
     benches = {name: bench for name, bench in BENCHES.items() if a.only in name}
+    benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and a.only in name}
     sides = {"before": a.before.resolve(), "after": a.after.resolve()}
     figures = {name: {"before": [], "after": []} for name in benches}
     same_tokens = {name: True for name in benches}
@@ -85,7 +98,7 @@ def main() -> None:
               f"same tokens: {same_tokens[name]}")
     if a.out:
         load = os.getloadavg()[0]
-        record = {"command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
+        record = {"command": shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
                   "rounds": a.rounds, "load_average_1min_after": load,
                   "revisions": {s: subprocess.run(["git", "-C", str(d), "rev-parse", "HEAD"], capture_output=True,
                                                   text=True).stdout.strip() for s, d in sides.items()},

@@ -156,6 +156,8 @@ _INT4_KERNEL = r"""
 // column j in its low nibble, column j + 16 in its high one) times ROWS rows of A, in float32. Weight (k, n) is
 // (q - 8) * s + z, q its 4-bit code, (s, z) its group's; the sum over a group is taken as
 // s * sum(a * q) + (z - 8 * s) * sum(a): per weight one widening and one multiply-add, the scale applied per group.
+// Even and odd k go to two chains of sums (vg, vh; asum's two halves), added per group: a chain waits for its last
+// multiply-add, and one row's four vectors alone would leave the FMA units waiting on that latency.
 template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
 __attribute__((target("avx2,fma")))
 inline void {{kernel_name}}_kernel(
@@ -176,9 +178,9 @@ inline void {{kernel_name}}_kernel(
   const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i high16 = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m256 eight = _mm256_set1_ps(8.0f);
-  __m256 vc[ROWS][COLS], vg[ROWS][COLS];  // the output; this group's sum(a * q)
+  __m256 vc[ROWS][COLS], vg[ROWS][COLS], vh[ROWS][COLS];  // the output; this group's sum(a * q), even and odd k
   __m256 scale[COLS], shift[COLS];  // this group's s and z - 8 s, per column
-  float asum[ROWS];  // this group's sum(a), per row
+  float asum[ROWS][2];  // this group's sum(a), per row, even and odd k
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) {
       vc[r][c] = accum ? _mm256_loadu_ps(C + r * ldc + 8 * c) : _mm256_setzero_ps();
@@ -186,9 +188,9 @@ inline void {{kernel_name}}_kernel(
   }
   auto flush = [&]() {  // the group's sums into the output
     for (int r = 0; r < ROWS; ++r) {
-      const __m256 as = _mm256_set1_ps(asum[r]);
+      const __m256 as = _mm256_set1_ps(asum[r][0] + asum[r][1]);
       for (int c = 0; c < COLS; ++c) {
-        vc[r][c] = _mm256_fmadd_ps(vg[r][c], scale[c], vc[r][c]);
+        vc[r][c] = _mm256_fmadd_ps(_mm256_add_ps(vg[r][c], vh[r][c]), scale[c], vc[r][c]);
         vc[r][c] = _mm256_fmadd_ps(as, shift[c], vc[r][c]);
       }
     }
@@ -204,10 +206,10 @@ inline void {{kernel_name}}_kernel(
       shift[c] = _mm256_fnmadd_ps(eight, scale[c], _mm256_castsi256_ps(_mm256_and_si256(t, high16)));
     }
     for (int r = 0; r < ROWS; ++r) {
-      asum[r] = 0.0f;
-      for (int c = 0; c < COLS; ++c) vg[r][c] = _mm256_setzero_ps();
+      asum[r][0] = asum[r][1] = 0.0f;
+      for (int c = 0; c < COLS; ++c) vg[r][c] = vh[r][c] = _mm256_setzero_ps();
     }
-    for (int64_t k = k0; k < k1; ++k) {
+    auto row = [&](int64_t k, __m256 (&acc)[ROWS][COLS], int half) {  // weight row k into one chain
       const uint8_t* b = B + k * ldb;
       __m256 q[COLS];
       for (int c = 0; c < 2; ++c) {
@@ -217,11 +219,17 @@ inline void {{kernel_name}}_kernel(
       }
       for (int r = 0; r < ROWS; ++r) {
         const float a = static_cast<float>(A[r * lda + k]);
-        asum[r] += a;
+        asum[r][half] += a;
         const __m256 va = _mm256_set1_ps(a);
-        for (int c = 0; c < COLS; ++c) vg[r][c] = _mm256_fmadd_ps(va, q[c], vg[r][c]);
+        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(va, q[c], acc[r][c]);
       }
+    };
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      row(k, vg, 0);
+      row(k + 1, vh, 1);
     }
+    if (k < k1) row(k, vg, 0);
     flush();
   }
   for (int r = 0; r < ROWS; ++r) {
