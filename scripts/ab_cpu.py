@@ -3,7 +3,7 @@
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
-    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without kernels/cpu_gemm's kernels (bf16 dot, AVX2 int4)
+    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without kernels/cpu_gemm's (bf16 dot, AVX2 int4 and int8)
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
 

@@ -391,6 +391,24 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
     return cls
 
 
+def register_int8_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable) -> type:
+    """Register inductor's own float32-vector micro-kernel (`CppMicroGemmFP32Vec`: each int8 weight widened to
+    float32, one multiply-add per weight and row) once more for weight-only int8 matmuls of bf16 activations on AVX2,
+    with other register blockings (block_m, block_n, block_k): inductor files it there at 16 columns for small m,
+    which at one row leaves two chains of multiply-adds. Its kernel's text gets a first line naming it (`name`).
+    Returns the registered class (`micro_gemm_withheld` takes it)."""
+    found = _micro_gemm_modules()
+    if isinstance(found, str):
+        raise RuntimeError(f"cannot register {name}: {found}")
+    mg, vec, _ = found
+    base = mg.CppMicroGemmFP32Vec  # AttributeError where this inductor has none
+    cls = type(name, (base,), {"TEMPLATE_KERNEL": f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}"})
+    mg.register_micro_gemm(*mg.generate_gemm_config(vec.VecAVX2, blockings, input_dtype=torch.bfloat16,
+                                                    input2_dtype=torch.int8, output_dtype=torch.float,
+                                                    compute_dtype=torch.float, extra_check=fits))(cls)
+    return cls
+
+
 @contextlib.contextmanager
 def micro_gemm_withheld(cls: type):
     """Inside, inductor's registry lacks `cls` (a class `register_micro_gemm` or `register_int4_micro_gemm`

@@ -25,6 +25,12 @@ code to float32 and multiplies-and-adds it with the activation, applying each gr
 the same function as dequantise + matmul to within float32 sums (tests/kernels/test_cpu_int4.py holds it to a
 float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
 choices of every int4 matmul, timed against torch's kernel.
+
+The third, `INT8`, is no kernel of llmstep's: inductor's own float32-vector micro-kernel registered once more for
+a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the matmul). Inductor files it at
+16 columns for small m: two vectors, so a one-row decode waits on two chains of multiply-adds; at 64 there
+are eight, as many as the FMA units keep busy. The same arithmetic in the same order per output, so the same
+function (tests/kernels/test_cpu_int8.py: a compiled int8 step with it makes the eager step's tokens).
 """
 
 from __future__ import annotations
@@ -38,10 +44,14 @@ import torch
 
 from ..core import torch_compat
 
-__all__ = ["BF16", "INT4", "withheld", "KERNEL_NAME", "INT4_KERNEL_NAME"]
+__all__ = ["BF16", "INT4", "INT8", "withheld", "KERNEL_NAME", "INT4_KERNEL_NAME", "INT8_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 INT4_KERNEL_NAME = "llmstep_int4_avx2"
+INT8_KERNEL_NAME = "llmstep_int8_avx2"
+# int8 at one row on AVX2: inductor's own kernel at 64 columns, 8 chains of multiply-adds (a matmul 64 does not
+# divide keeps inductor's blockings)
+INT8_BLOCKINGS = [(1, 64, 64)]
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
@@ -304,8 +314,20 @@ def _register_int4():
     return torch_compat.register_int4_micro_gemm("Int4AVX2", _INT4_KERNEL, [(4, 32, 32), (1, 32, 32)], fits)
 
 
-BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}")  # compile.compile_step installs both
+def _register_int8():
+    if (isa := torch_compat.cpu_vector_isa()) != "avx2":
+        raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
+
+    def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
+        b = config.register_blocking
+        return alpha == 1 and m == 1 and not dynamic_M and n % b.block_n == 0 and k % b.block_k == 0
+
+    return torch_compat.register_int8_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits)
+
+
+BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}")  # compile.compile_step installs all three
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: _INT4_KERNEL)
+INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
 
 
 def _avx2_int4_layout() -> bool:
@@ -331,13 +353,13 @@ def _tag(name: str, tag: str, on: bool) -> None:
 
 @contextlib.contextmanager
 def withheld(when: bool = True):
-    """Steps compiled inside run inductor's own kernels, neither of these (an A/B of them: scripts/ab_cpu.py's
+    """Steps compiled inside run inductor's own kernels, none of these (an A/B of them: scripts/ab_cpu.py's
     `~nodot`); `when` False: a no-op, for callers that withhold them in some runs only."""
     if not when:
         yield
         return
     with contextlib.ExitStack() as stack:
-        for kernel in (k for k in (BF16, INT4) if k.install()):
+        for kernel in (k for k in (BF16, INT4, INT8) if k.install()):
             _tag(kernel.name, kernel.tag(), False)
             stack.callback(_tag, kernel.name, kernel.tag(), True)
             stack.enter_context(torch_compat.micro_gemm_withheld(kernel.cls))
