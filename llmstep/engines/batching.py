@@ -17,13 +17,14 @@ the cache and does the forwards; `ContinuousBatcher`, a runner that drives the s
 request's own generator, so a request gets the tokens `llmstep.generate` gives it alone (up to the float rounding
 of a batched matmul; exact in float64).
 
-Over a paged KV cache (`PagedBatcher`; llmstep.core.paged_kv) a sequence holds blocks, not a slot, and there is no
-separate prefill: each engine step is one eager forward over a flattened row [1, N] holding every running
-sequence's next token and up to `prefill_chunk` prompt tokens of newcomers (chunked prefill, Agrawal et al. 2023,
-"Sarathi"), each token at its own position, in its own block slot, attending to its own sequence's keys (as vLLM
-lays a step out). When the pool runs dry the youngest sequence is preempted and recomputes what it knew when it
-returns (its generator keeps its place); with prefix caching a newcomer starts after the longest prefix of full
-blocks anyone computed. Every request is checked before any work (a bad one is refused with its index).
+Over a paged KV cache (`PagedBatcher`; llmstep.core.paged_kv) a sequence's keys live in blocks, not in a row of the
+cache (its slot is only its place in the batch), and there is no separate prefill: each engine step is one eager
+forward over a flattened row [1, N] holding every running sequence's next token and up to `prefill_chunk` prompt
+tokens of newcomers (chunked prefill, Agrawal et al. 2023, "Sarathi"), each token at its own position, in its own
+block slot, attending to its own sequence's keys (as vLLM lays a step out). When the pool runs dry the youngest
+sequence is preempted and recomputes what it knew when it returns (its generator keeps its place); with prefix
+caching a newcomer starts after the longest prefix of full blocks anyone computed. Every request is checked before
+any work (a bad one is refused with its index).
 """
 
 from __future__ import annotations
