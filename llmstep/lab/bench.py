@@ -325,7 +325,8 @@ def _transformers_peers(model: Llama, hf: bool, hf_compile: bool | None, hf_dtyp
     suffix = "" if dtype == model.dtype else f" {str(dtype).removeprefix('torch.')}"
     peers = [{"key": "eager", "name": "transformers generate()" + suffix, "generate_kw": {}, "compile_mode": None,
               "compile_seconds": 0.0, "runs": []}]
-    time_hf(hf_model, prompt, 2)  # warm-up
+    _hf_generate(hf_model, prompt, 2, {"do_sample": False, "eos_token_id": None, "pad_token_id": 0,
+                                       "attention_mask": torch.ones_like(prompt)}, [])  # warm-up, not timed
     if want_compiled:
         kw = static_compiled_generate_kw(hf_model, max_len)
         peer = {"key": "static_compiled", "name": "transformers static cache + compile" + suffix, "generate_kw": kw,
