@@ -138,8 +138,7 @@ def time_hf(hf, prompt: torch.Tensor, new_tokens: int, extra: dict | None = None
     per token without a streamer, which would copy every token to the host). On a busy machine a few short steps
     can vanish in one run's noise: a pair whose difference is not positive is timed again (up to 3 pairs), then
     refused rather than reported as a negative rate."""
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt)) | (
-        extra or {})
+    kw = _greedy_kw(prompt, extra)
     outs: list[torch.Tensor] = []
     for _ in range(3):
         times = [runinfo.time_repeats(partial(_hf_generate, hf, prompt, n, kw, outs), prompt.device, 1,
@@ -148,6 +147,12 @@ def time_hf(hf, prompt: torch.Tensor, new_tokens: int, extra: dict | None = None
             return times[0], times[1], outs[-1][0, prompt.shape[1]:].tolist()
     raise RuntimeError(f"transformers' {new_tokens - 1} decode steps took no measurable time beyond its prefill in "
                        f"3 tries (the machine is busy, or the run is too short): give more new tokens")
+
+
+def _greedy_kw(prompt: torch.Tensor, extra: dict | None = None) -> dict:
+    """generate()'s arguments for greedy decoding of `prompt` to exactly the tokens asked (no end token), plus extra."""
+    return dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(prompt)) | (
+        extra or {})
 
 
 def _hf_generate(hf, prompt: torch.Tensor, n: int, kw: dict, outs: list) -> None:
@@ -325,8 +330,7 @@ def _transformers_peers(model: Llama, hf: bool, hf_compile: bool | None, hf_dtyp
     suffix = "" if dtype == model.dtype else f" {str(dtype).removeprefix('torch.')}"
     peers = [{"key": "eager", "name": "transformers generate()" + suffix, "generate_kw": {}, "compile_mode": None,
               "compile_seconds": 0.0, "runs": []}]
-    _hf_generate(hf_model, prompt, 2, {"do_sample": False, "eos_token_id": None, "pad_token_id": 0,
-                                       "attention_mask": torch.ones_like(prompt)}, [])  # warm-up, not timed
+    _hf_generate(hf_model, prompt, 2, _greedy_kw(prompt), [])  # warm-up, not timed
     if want_compiled:
         kw = static_compiled_generate_kw(hf_model, max_len)
         peer = {"key": "static_compiled", "name": "transformers static cache + compile" + suffix, "generate_kw": kw,
