@@ -1,6 +1,7 @@
 """Where a compiled CPU decode step's time goes, sampled by Linux perf instead of torch.profiler.
 
     PYTHONPATH=. python scripts/perf_split.py --model smollm2-135m-instruct --dtype bfloat16 --seconds 15
+    PYTHONPATH=. python scripts/perf_split.py --quantize int4-g64+lm_head-int8 --by-symbol
 
 `llmstep profile --kernel-profile` times each of inductor's kernels by a record around it, and those records (and the
 kernel context the C++ wrapper builds for each under that flag) inflate the time between kernels. This script runs
@@ -23,12 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import llmstep
-from llmstep.core.cost import decode_step_cost
+from llmstep.core.cost import model_step_cost
+from llmstep.core.quantize import quantize
 from llmstep.engines.fast import FastDecoder
 from llmstep.lab import runinfo
 from llmstep.lab.hardware import measure_bandwidth
@@ -36,7 +39,8 @@ from llmstep.lab.hardware import measure_bandwidth
 
 def classify(symbol: str, dso: str) -> str:
     """One sample's place: a kernel of the compiled step (by kind), OpenMP, or the host library it ran in."""
-    if dso.endswith(".so") and "torchinductor" in dso:
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # inductor's cache where it is not the default's
+    if dso.endswith(".so") and ("torchinductor" in dso or (cache and dso.startswith(cache.rstrip("/") + "/"))):
         if "micro_gemm_rows" in symbol:
             return "kernel: one-row matmuls (dot kernel)"
         if "index_copy" in symbol:
@@ -60,8 +64,13 @@ def classify(symbol: str, dso: str) -> str:
     return f"host: {name}"
 
 
-def count(script: str, pid: int) -> dict[str, collections.Counter]:
-    """`perf script -F tid,ip,sym,dso` output -> each thread's samples counted by `classify` (the main thread,
+def by_symbol(symbol: str, dso: str) -> str:
+    """One sample's function and library (--by-symbol): where inside a place of `classify` the time goes."""
+    return f"{Path(dso).name}: {re.sub(r'[+]0x[0-9a-f]+$', '', symbol)[:80]}"
+
+
+def count(script: str, pid: int, place: Callable[[str, str], str] = classify) -> dict[str, collections.Counter]:
+    """`perf script -F tid,ip,sym,dso` output -> each thread's samples counted by `place` (the main thread,
     `pid`, as "main")."""
     threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in script.splitlines():
@@ -71,23 +80,25 @@ def count(script: str, pid: int) -> dict[str, collections.Counter]:
         where = re.search(r"\(([^)]*)\)\s*$", parts[2])
         dso = where.group(1) if where else "?"
         symbol = parts[2][: where.start()].strip() if where else parts[2]
-        threads["main" if int(parts[0]) == pid else f"thread {parts[0]}"][classify(symbol, dso)] += 1
+        threads["main" if int(parts[0]) == pid else f"thread {parts[0]}"][place(symbol, dso)] += 1
     return threads
 
 
-def split(perf_data: Path, pid: int) -> dict[str, collections.Counter]:
-    """perf's samples of each thread of `pid`, counted by `classify`."""
+def split(perf_data: Path, pid: int, place: Callable[[str, str], str] = classify) -> dict[str, collections.Counter]:
+    """perf's samples of each thread of `pid`, counted by `place`."""
     script = subprocess.run(["perf", "script", "-i", str(perf_data), "-F", "tid,ip,sym,dso"], check=True,
                             capture_output=True, text=True).stdout
-    return count(script, pid)
+    return count(script, pid, place)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", default=None, help="a quantize spec (int8+lm_head, int4-g64+lm_head-int8, ...)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--by-symbol", action="store_true", help="count samples by function, not by kind")
     p.add_argument("--frequency", type=int, default=1999, help="samples per second per thread")
     a = p.parse_args()
     if shutil.which("perf") is None:
@@ -95,6 +106,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     model, _ = llmstep.load(a.model, device="cpu", dtype=a.dtype)
+    if a.quantize:
+        model = quantize(model, a.quantize)
     decoder = FastDecoder(model, compile=True)
     prompt = [random.Random(0).randrange(100, 1000) for _ in range(128)]
     decoder.generate(prompt, max_new_tokens=128, temperature=0.0)  # compiles; the cache holds 256 tokens
@@ -117,12 +130,13 @@ def main() -> None:
             rates.append(decode())
         recorder.send_signal(signal.SIGINT)  # perf writes its file and exits
         recorder.wait(timeout=120)
-        threads = split(data, os.getpid())
+        threads = split(data, os.getpid(), by_symbol if a.by_symbol else classify)
     rates.sort()
     rate = rates[len(rates) // 2]
-    weight_bytes = float(decode_step_cost(model.config, dtype=model.dtype).weight_bytes)
+    weight_bytes = float(model_step_cost(model, context=len(prompt)).weight_bytes)
     copy = measure_bandwidth("cpu", nbytes=2**30, kind="copy")
-    print(f"{a.model} {a.dtype}, {a.threads} threads, compiled: decode {rate:.1f} tok/s, {1e3 / rate:.1f} ms a step "
+    what = f"{a.model} {a.dtype}" + (f" {a.quantize}" if a.quantize else "")
+    print(f"{what}, {a.threads} threads, compiled: decode {rate:.1f} tok/s, {1e3 / rate:.1f} ms a step "
           f"(median of {len(rates)} runs of 127 steps after a 128-token prompt, sampled by perf at {a.frequency} Hz); "
           f"{weight_bytes / 1e6:.0f} MB of weights a step, {weight_bytes * rate / 1e9:.1f} GB/s against a copy "
           f"bandwidth of {copy:.1f} GB/s measured after")

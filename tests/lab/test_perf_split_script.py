@@ -52,3 +52,22 @@ def test_code_outside_the_compiled_step_is_named_by_its_library():
     assert classify("futex_wake", "[kernel.kallsyms]") == "host: the OS kernel (futex, page faults)"
     assert classify("cpp_fused_argmax_10._omp_fn.0", KERNELS) == "kernel: greedy pick"
     assert classify("cpp_fused_add_mean_4", KERNELS) == "kernel: other"
+
+
+def test_kernels_compiled_into_a_cache_dir_of_ones_own_are_the_steps(monkeypatch):
+    classify = load().classify
+    dso = "/scratch/ind/af/cafe.main.so"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert classify("cpp_fused_argmax_10._omp_fn.0", dso) == "host: cafe.main.so"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/ind/")
+    assert classify("cpp_fused_argmax_10._omp_fn.0", dso) == "kernel: greedy pick"
+    assert classify("cpp_fused_argmax_10._omp_fn.0", "/scratch/individual/x.so") == "host: x.so"
+
+
+def test_by_symbol_counts_each_function_once_whatever_its_offset():
+    script = load()
+    threads = script.count(SAMPLES, pid=100, place=script.by_symbol)
+    assert threads["main"]["cohxn47.main.so: cpp_fused_mm_view_1_micro_gemm_rows<1l>"] == 2
+    assert threads["main"]["libc.so.6: _int_malloc"] == 1
+    assert threads["thread 101"]["libgomp.so.1: [unknown]"] == 1
+    assert sum(threads["main"].values()) == 6
