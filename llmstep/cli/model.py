@@ -47,6 +47,10 @@ def add_commands(sub) -> None:
     g.add_argument("--keep-quantized", action="store_true",
                    help="a GGUF file's Q4_0/Q4_1 matrices stay 4-bit (llmstep int4, groups of 32) instead of being "
                         "dequantized into --dtype")
+    g.add_argument("--quantize", default="none", type=quantization,
+                   help="weight-only quantization of the loaded float weights in --dtype before generating: int8, "
+                        "int4, int4-g32, ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under "
+                        "int4 blocks)")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
@@ -126,6 +130,8 @@ def run_generate(args, argv) -> None:
     if args.draft is not None and parallel.launched_by_torchrun():
         raise parallel.ParallelError("speculative decoding (--draft) does not run tensor-parallel: "
                                      "run it in one process, without torchrun")
+    if args.quantize != "none":
+        check_quantize(args)  # before the draft's checks and any weight read
     if args.draft is not None:
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
     with parallel.leaving():  # the process group, if any, left as the command ended
@@ -133,8 +139,37 @@ def run_generate(args, argv) -> None:
                                      keep_quantized=args.keep_quantized), stream)
 
 
+def check_quantize(args) -> None:
+    """generate's --quantize, refused before anything loads: under torchrun (tensor parallelism splits float
+    weights), with --keep-quantized (a GGUF file's kept 4-bit matrices are not float), with a quantized self-draft
+    (it quantizes the float target), for a checkpoint that is quantized already, or where the mode does not fit the
+    model's shapes (int4's group size)."""
+    from ..core import parallel
+    from ..core.checkpoint import read_config, read_quant_config, resolve_model_path
+    from ..core.quantize import check_config
+    from ..engines.drafts import parse_draft
+
+    if parallel.launched_by_torchrun():
+        raise parallel.ParallelError("--quantize does not run tensor-parallel (it splits float weights): run it in "
+                                     "one process, without torchrun")
+    if args.keep_quantized:
+        raise ValueError("--quantize rounds float weights and --keep-quantized keeps a GGUF file's 4-bit matrices: "
+                         "give one of them")
+    if args.draft is not None and parse_draft(args.draft)[0] == "quantized":
+        raise ValueError(f"--draft {args.draft} quantizes the float target, and --quantize {args.quantize} leaves "
+                         "none: give a checkpoint or self-N draft, or no --quantize")
+    path = resolve_model_path(args.model)
+    if (qc := read_quant_config(path)) is not None:
+        raise ValueError(f"--quantize {args.quantize}: {path} is quantized already ({qc}); it runs as it is")
+    check_config(read_config(path), args.quantize)
+
+
 def _generate(args, load_one, stream) -> None:
     model, tokenizer, seed = load_for_command(args, load_one)
+    if args.quantize != "none":  # checked above against the checkpoint's shapes (check_quantize)
+        from ..core.quantize import quantize
+
+        quantize(model, args.quantize)
     defaults = getattr(model, "generation_config", {}) or {}
     if defaults.get("do_sample") is False:  # transformers' rule: greedy, whatever temperature the file also gives
         defaults = defaults | {"temperature": 0.0}
@@ -162,6 +197,8 @@ def _generate(args, load_one, stream) -> None:
     finally:
         print(flush=True)  # end the text's line, whatever ended the stream (Ctrl-C, an error)
     where = f"{model.device.type} {str(model.dtype).removeprefix('torch.')}"
+    if (qc := getattr(model, "quantization", None)) is not None:
+        where += f" {qc}"
     if hasattr(model, "split"):
         where += f", tensor-parallel over {model.split.world} ranks (bytes: rank 0's)"
     print(f"\n[{where}] {run.result.summary()}", file=sys.stderr)

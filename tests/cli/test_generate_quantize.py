@@ -1,0 +1,62 @@
+"""`llmstep generate --quantize`: the loaded float weights quantized before generating (the same text as
+`quantize` then `llmstep.generate`, the mode named in the summary line), and every combination it cannot serve
+refused with one line before any weight is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmstep
+from llmstep import cli
+from llmstep.core import checkpoint, parallel
+from llmstep.core.quantize import quantize
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-g16+lm_head-int8"])
+def test_the_text_is_the_quantized_models_and_the_summary_names_it(tiny_checkpoint, capsys, mode):
+    argv = ["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--max-new-tokens", "12",
+            "--temperature", "0", "--device", "cpu", "--dtype", "float32"]
+    cli.main(argv + ["--quantize", mode])
+    out = capsys.readouterr()
+    model, tokenizer = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    float_text = llmstep.generate(model, tokenizer, "thy", max_new_tokens=12, temperature=0).text
+    want = llmstep.generate(quantize(model, mode), tokenizer, "thy", max_new_tokens=12, temperature=0).text
+    assert out.out == "thy" + want + "\n"
+    assert f"[cpu float32 {mode}]" in out.err
+    cli.main(argv)
+    plain = capsys.readouterr()
+    assert plain.out == "thy" + float_text + "\n" and "[cpu float32]" in plain.err
+    read = [float(e.split(" MB read per token")[0].rsplit("| ", 1)[1]) for e in (out.err, plain.err)]
+    assert read[0] < read[1]  # fewer weight bytes a step than the float model's
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def load(*args, **kwargs):
+        raise AssertionError("a weight was read before the refusal")
+
+    monkeypatch.setattr(checkpoint, "load", load)
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--quantize", "int4-g48"], "group_size 48 does not divide"),
+    (["--quantize", "int8", "--keep-quantized"], "give one of them"),
+    (["--quantize", "int8", "--draft", "self-int4"], "--draft self-int4 quantizes the float target"),
+])
+def test_what_it_cannot_serve_is_refused_before_loading(tiny_checkpoint, no_loading, extra, says):
+    with pytest.raises(SystemExit, match=f"llmstep generate: error: .*{says}"):
+        cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", *extra])
+
+
+def test_a_quantized_checkpoint_is_refused_by_its_path(tmp_path, tiny_checkpoint, no_loading):
+    model, tokenizer = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    path = checkpoint.save(quantize(model, "int8"), tmp_path / "int8", tokenizer)
+    with pytest.raises(SystemExit, match=f"{path} is quantized already \\(int8\\)"):
+        cli.main(["generate", "--model", str(path), "--prompt", "thy", "--quantize", "int4"])
+
+
+def test_under_torchrun_it_is_refused(tiny_checkpoint, no_loading, monkeypatch):
+    monkeypatch.setattr(parallel, "launched_by_torchrun", lambda: True)
+    with pytest.raises(SystemExit, match="--quantize does not run tensor-parallel"):
+        cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--quantize", "int8"])
