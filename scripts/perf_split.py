@@ -31,7 +31,7 @@ import torch
 
 import llmstep
 from llmstep.core.cost import model_step_cost
-from llmstep.core.quantize import quantize
+from llmstep.core.quantize import QuantConfig, QuantizationError, quantize
 from llmstep.engines.fast import FastDecoder
 from llmstep.lab import runinfo
 from llmstep.lab.hardware import measure_bandwidth
@@ -39,8 +39,7 @@ from llmstep.lab.hardware import measure_bandwidth
 
 def classify(symbol: str, dso: str) -> str:
     """One sample's place: a kernel of the compiled step (by kind), OpenMP, or the host library it ran in."""
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # inductor's cache where it is not the default's
-    if dso.endswith(".so") and ("torchinductor" in dso or (cache and dso.startswith(cache.rstrip("/") + "/"))):
+    if compiled(dso):
         if "micro_gemm_rows" in symbol:
             return "kernel: one-row matmuls (dot kernel)"
         if "index_copy" in symbol:
@@ -64,9 +63,20 @@ def classify(symbol: str, dso: str) -> str:
     return f"host: {name}"
 
 
+def compiled(dso: str) -> bool:
+    """Whether a library is one inductor compiled (the step's kernels): under its default cache directory, or under
+    TORCHINDUCTOR_CACHE_DIR's (both sides resolved, as perf records them)."""
+    if not dso.endswith(".so"):
+        return False
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return "torchinductor" in dso or bool(cache) and os.path.realpath(dso).startswith(
+        os.path.join(os.path.realpath(cache), ""))
+
+
 def by_symbol(symbol: str, dso: str) -> str:
-    """One sample's function and library (--by-symbol): where inside a place of `classify` the time goes."""
-    return f"{Path(dso).name}: {re.sub(r'[+]0x[0-9a-f]+$', '', symbol)[:80]}"
+    """One sample's function and library (--by-symbol): where inside a place of `classify` the time goes. The
+    compiled step's library is named "STEP" (its file name is a hash); the function's offset is dropped."""
+    return f"{'STEP' if compiled(dso) else Path(dso).name}: {re.sub(r'[+]0x[0-9a-f]+$', '', symbol)}"
 
 
 def count(script: str, pid: int, place: Callable[[str, str], str] = classify) -> dict[str, collections.Counter]:
@@ -91,11 +101,21 @@ def split(perf_data: Path, pid: int, place: Callable[[str, str], str] = classify
     return count(script, pid, place)
 
 
+def spec(text: str) -> str:
+    """--quantize: a QuantConfig name, checked before anything loads."""
+    try:
+        QuantConfig.of(text)
+    except QuantizationError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", default=None, help="a quantize spec (int8+lm_head, int4-g64+lm_head-int8, ...)")
+    p.add_argument("--quantize", default=None, type=spec,
+                   help="a quantization of the model's linears: int8+lm_head, int4-g64+lm_head-int8, ...")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--by-symbol", action="store_true", help="count samples by function, not by kind")

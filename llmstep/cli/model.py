@@ -139,13 +139,18 @@ def run_generate(args, argv) -> None:
                                      keep_quantized=args.keep_quantized), stream)
 
 
+FLOAT_GGUF = ("F32", "F16", "BF16")  # a GGUF file's tensor types that --quantize rounds once
+
+
 def check_quantize(args) -> None:
     """generate's --quantize, refused before anything loads: under torchrun (tensor parallelism splits float
     weights), with --keep-quantized (a GGUF file's kept 4-bit matrices are not float), with a quantized self-draft
     (it quantizes the float target), for a checkpoint that is quantized already, or where the mode does not fit the
-    model's shapes (int4's group size)."""
+    model's shapes (int4's group size). A GGUF file whose tensors are quantized already is served, with a note that
+    their dequantized values are rounded again."""
     from ..core import parallel
     from ..core.checkpoint import read_config, read_quant_config, resolve_model_path
+    from ..core.gguf_load import read_gguf
     from ..core.quantize import check_config
     from ..engines.drafts import parse_draft
 
@@ -162,6 +167,9 @@ def check_quantize(args) -> None:
     if (qc := read_quant_config(path)) is not None:
         raise ValueError(f"--quantize {args.quantize}: {path} is quantized already ({qc}); it runs as it is")
     check_config(read_config(path), args.quantize)
+    if path.is_file() and (kinds := sorted({t for t in read_gguf(path).types.values() if t not in FLOAT_GGUF})):
+        print(f"note: {path.name} holds {', '.join(kinds)} tensors: --quantize {args.quantize} rounds their "
+              "dequantized values again (--keep-quantized holds Q4_0/Q4_1 matrices as they are)", file=sys.stderr)
 
 
 def _generate(args, load_one, stream) -> None:

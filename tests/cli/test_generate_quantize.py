@@ -4,6 +4,8 @@ refused with one line before any weight is read."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def test_what_it_cannot_serve_is_refused_before_loading(tiny_checkpoint, no_load
 def test_a_quantized_checkpoint_is_refused_by_its_path(tmp_path, tiny_checkpoint, no_loading):
     model, tokenizer = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
     path = checkpoint.save(quantize(model, "int8"), tmp_path / "int8", tokenizer)
-    with pytest.raises(SystemExit, match=f"{path} is quantized already \\(int8\\)"):
+    with pytest.raises(SystemExit, match=re.escape(f"{path} is quantized already (int8)")):
         cli.main(["generate", "--model", str(path), "--prompt", "thy", "--quantize", "int4"])
 
 
@@ -60,3 +62,15 @@ def test_under_torchrun_it_is_refused(tiny_checkpoint, no_loading, monkeypatch):
     monkeypatch.setattr(parallel, "launched_by_torchrun", lambda: True)
     with pytest.raises(SystemExit, match="--quantize does not run tensor-parallel"):
         cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--quantize", "int8"])
+
+
+@pytest.mark.parametrize("draft", ["self-1", "checkpoint"])
+def test_a_draft_keeps_the_quantized_targets_greedy_text(tiny_checkpoint, capsys, draft):
+    """A self-N draft shares the target's first layers, quantized in place before it is made; a checkpoint draft is
+    its own float model. Either way greedy speculative decoding gives the quantized target's own text."""
+    argv = ["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--max-new-tokens", "16", "--temperature",
+            "0", "--device", "cpu", "--dtype", "float32", "--quantize", "int8"]
+    cli.main(argv)
+    alone = capsys.readouterr().out
+    cli.main(argv + ["--draft", draft if draft != "checkpoint" else str(tiny_checkpoint)])  # itself, unquantized
+    assert capsys.readouterr().out == alone

@@ -288,7 +288,12 @@ def test_the_command_line_loads_a_gguf_file_kept_quantized(tmp_path, tokenizer, 
     main(["generate", "--model", str(path), "--keep-quantized", "--prompt", "ROMEO:", "--max-new-tokens", "4",
           "--temperature", "0", "--device", "cpu"])
     err = capsys.readouterr().err
-    assert "[cpu float32]" in err and "decode" in err
+    assert "[cpu float32 int4-g32]" in err and "decode" in err  # the kept blocks named in the summary
+    main(["generate", "--model", str(path), "--quantize", "int8", "--prompt", "ROMEO:", "--max-new-tokens", "4",
+          "--temperature", "0", "--device", "cpu"])  # dequantized, then rounded to int8: served, with a note
+    err = capsys.readouterr().err
+    assert "note: q4.gguf holds Q4_1" in err and "rounds their dequantized values again" in err
+    assert "[cpu float32 int8]" in err
     with pytest.raises(SystemExit):  # a directory has nothing to keep quantized: one line, exit 2
         main(["generate", "--model", "target", "--keep-quantized", "--prompt", "x", "--max-new-tokens", "1"])
     assert "keep_quantized applies to GGUF files" in capsys.readouterr().err

@@ -31,7 +31,8 @@ not a sample line
 """
 
 
-def test_each_sample_is_counted_where_it_ran_per_thread():
+def test_each_sample_is_counted_where_it_ran_per_thread(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     threads = load().count(SAMPLES, pid=100)
     assert set(threads) == {"main", "thread 101"}
     main, worker = threads["main"], threads["thread 101"]
@@ -44,7 +45,8 @@ def test_each_sample_is_counted_where_it_ran_per_thread():
                       "kernel: masked softmax and its matmuls": 1}
 
 
-def test_code_outside_the_compiled_step_is_named_by_its_library():
+def test_code_outside_the_compiled_step_is_named_by_its_library(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     classify = load().classify
     assert classify("at::native::add_kernel", "/venv/torch/lib/libtorch_cpu.so") == \
         "host: libtorch (tensor handles, dispatch)"
@@ -62,12 +64,27 @@ def test_kernels_compiled_into_a_cache_dir_of_ones_own_are_the_steps(monkeypatch
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/ind/")
     assert classify("cpp_fused_argmax_10._omp_fn.0", dso) == "kernel: greedy pick"
     assert classify("cpp_fused_argmax_10._omp_fn.0", "/scratch/individual/x.so") == "host: x.so"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/./ind")  # as given; perf records resolved paths
+    assert classify("cpp_fused_argmax_10._omp_fn.0", dso) == "kernel: greedy pick"
 
 
-def test_by_symbol_counts_each_function_once_whatever_its_offset():
+def test_by_symbol_counts_each_function_once_whatever_its_offset(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     script = load()
     threads = script.count(SAMPLES, pid=100, place=script.by_symbol)
-    assert threads["main"]["cohxn47.main.so: cpp_fused_mm_view_1_micro_gemm_rows<1l>"] == 2
+    assert threads["main"]["STEP: cpp_fused_mm_view_1_micro_gemm_rows<1l>"] == 2
+    assert threads["main"]["STEP: cpp_fused_bmm_cat_cos_index_copy_mul_2._omp_fn.0"] == 1  # whole: kernels by index
     assert threads["main"]["libc.so.6: _int_malloc"] == 1
     assert threads["thread 101"]["libgomp.so.1: [unknown]"] == 1
     assert sum(threads["main"].values()) == 6
+
+
+def test_a_quantization_that_does_not_exist_is_refused_by_argparse():
+    import argparse
+
+    import pytest
+
+    script = load()
+    assert script.spec("int4-g64+lm_head-int8") == "int4-g64+lm_head-int8"
+    with pytest.raises(argparse.ArgumentTypeError):
+        script.spec("int3")
