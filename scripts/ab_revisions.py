@@ -37,14 +37,15 @@ BENCHES = {
 }
 
 
-# Run only when --only names them: the compiled loop at int4 (the CPU int4 kernel's A/B), on the real model (its
-# weights stream from memory) and on the shipped one (in the cache).
+# Run only when --only names them: the compiled loop at bf16 and int4 (the CPU kernels' A/Bs), on the real model
+# (its weights stream from memory) and on the shipped one (in the cache).
 OPTIONAL = {
-    f"fast loop, {name} int4, compiled (decode tok/s)": (
-        ["bench", "--compile", "--no-eager", "--no-hf", "--no-bandwidth", "--quantize", "int4", "--dtype", "bfloat16",
+    f"fast loop, {name} {label}, compiled (decode tok/s)": (
+        ["bench", "--compile", "--no-eager", "--no-hf", "--no-bandwidth", "--quantize", quant, "--dtype", "bfloat16",
          *model, "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
         lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"]))
     for name, model in (("SmolLM2", ["--model", "smollm2-135m-instruct", "--group-size", "32"]), ("shipped", []))
+    for label, quant in (("int4", "int4"), ("bf16", "none"))
 }
 
 

@@ -201,3 +201,22 @@ def test_a_compiled_cpu_steps_attention_computes_sdpas_function(dtype, tol):
     k2 = k.clone()
     k2[:, :, 7:] = 1e4  # what the hidden slots hold changes nothing
     torch.testing.assert_close(sdpa(q, k2, v, mask, static=True), plain)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])  # 3 and 18 query rows a KV head: a decode step, a short chunk
+def test_over_a_bf16_cache_a_compiled_cpu_steps_attention_is_the_float32_function_of_its_inputs(tokens):
+    """Over a bf16 cache, a compiled CPU step's attention (attention._compiled_cpu_sdpa) is the float32 function of
+    the bf16 inputs (exact products, float32 sums, softmax in float32): held to a float64 computation of it, to
+    within the output's rounding to bf16."""
+    from llmstep.core import attention
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 3 * tokens, 64, generator=g).to(torch.bfloat16)  # [B, n_kv, rows, hd]
+    k, v = (torch.randn(1, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    visible = torch.rand(1, 1, 3 * tokens, 40, generator=g) < 0.7
+    visible[..., 0] = True  # every row sees a key
+    scores = (q.double() @ k.double().transpose(-2, -1) * 64 ** -0.5).masked_fill(~visible, float("-inf"))
+    want = torch.softmax(scores, dim=-1) @ v.double()
+    got = attention._compiled_cpu_sdpa(q, k, v, visible)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), atol=0, rtol=2 ** -7)  # a bf16 ulp
