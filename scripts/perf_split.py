@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 import llmstep
+from llmstep.cli.args import quantization
 from llmstep.core.cost import model_step_cost
-from llmstep.core.quantize import QuantConfig, QuantizationError, quantize
+from llmstep.core.quantize import quantize
 from llmstep.engines.fast import FastDecoder
 from llmstep.lab import runinfo
 from llmstep.lab.hardware import measure_bandwidth
@@ -101,20 +102,11 @@ def split(perf_data: Path, pid: int, place: Callable[[str, str], str] = classify
     return count(script, pid, place)
 
 
-def spec(text: str) -> str:
-    """--quantize: a QuantConfig name, checked before anything loads."""
-    try:
-        QuantConfig.of(text)
-    except QuantizationError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", default=None, type=spec,
+    p.add_argument("--quantize", default=None, type=quantization,
                    help="a quantization of the model's linears: int8+lm_head, int4-g64+lm_head-int8, ...")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=15.0)
@@ -126,7 +118,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     model, _ = llmstep.load(a.model, device="cpu", dtype=a.dtype)
-    if a.quantize:
+    if a.quantize not in (None, "none"):
         model = quantize(model, a.quantize)
     decoder = FastDecoder(model, compile=True)
     prompt = [random.Random(0).randrange(100, 1000) for _ in range(128)]
