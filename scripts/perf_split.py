@@ -106,7 +106,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", default=None, type=quantization,
+    p.add_argument("--quantize", default="none", type=quantization,
                    help="a quantization of the model's linears: int8+lm_head, int4-g64+lm_head-int8, ...")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seconds", type=float, default=15.0)
@@ -118,7 +118,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
     model, _ = llmstep.load(a.model, device="cpu", dtype=a.dtype)
-    if a.quantize not in (None, "none"):
+    if a.quantize != "none":
         model = quantize(model, a.quantize)
     decoder = FastDecoder(model, compile=True)
     prompt = [random.Random(0).randrange(100, 1000) for _ in range(128)]
@@ -147,7 +147,7 @@ def main() -> None:
     rate = rates[len(rates) // 2]
     weight_bytes = float(model_step_cost(model, context=len(prompt)).weight_bytes)
     copy = measure_bandwidth("cpu", nbytes=2**30, kind="copy")
-    what = f"{a.model} {a.dtype}" + (f" {a.quantize}" if a.quantize else "")
+    what = f"{a.model} {a.dtype}" + (f" {a.quantize}" if a.quantize != "none" else "")
     print(f"{what}, {a.threads} threads, compiled: decode {rate:.1f} tok/s, {1e3 / rate:.1f} ms a step "
           f"(median of {len(rates)} runs of 127 steps after a 128-token prompt, sampled by perf at {a.frequency} Hz); "
           f"{weight_bytes / 1e6:.0f} MB of weights a step, {weight_bytes * rate / 1e9:.1f} GB/s against a copy "

@@ -166,8 +166,9 @@ def check_quantize(args) -> None:
     path = resolve_model_path(args.model)
     if (qc := read_quant_config(path)) is not None:
         raise ValueError(f"--quantize {args.quantize}: {path} is quantized already ({qc}); it runs as it is")
-    check_config(read_config(path), args.quantize)
-    if path.is_file() and (kinds := sorted({t for t in read_gguf(path).types.values() if t not in FLOAT_GGUF})):
+    gguf = read_gguf(path) if path.is_file() else None  # its header read once, for the shapes and the types
+    check_config(gguf.config if gguf else read_config(path), args.quantize)
+    if gguf and (kinds := sorted({t for t in gguf.types.values() if t not in FLOAT_GGUF})):
         print(f"note: {path.name} holds {', '.join(kinds)} tensors: --quantize {args.quantize} rounds their "
               "dequantized values again (--keep-quantized holds Q4_0/Q4_1 matrices as they are)", file=sys.stderr)
 
