@@ -50,7 +50,8 @@ def add_commands(sub) -> None:
     g.add_argument("--quantize", default="none", type=quantization,
                    help="weight-only quantization of the loaded float weights in --dtype before generating: int8, "
                         "int4, int4-g32, ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under "
-                        "int4 blocks)")
+                        "int4 blocks); with --keep-quantized, int4-g32+lm_head-int8 or int4-g32+lm_head quantizes "
+                        "the head alone under the file's kept blocks")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
@@ -144,10 +145,11 @@ FLOAT_GGUF = ("F32", "F16", "BF16")  # a GGUF file's tensor types that --quantiz
 
 def check_quantize(args) -> None:
     """generate's --quantize, refused before anything loads: under torchrun (tensor parallelism splits float
-    weights), with --keep-quantized (a GGUF file's kept 4-bit matrices are not float), with a quantized self-draft
-    (it quantizes the float target), for a checkpoint that is quantized already, or where the mode does not fit the
-    model's shapes (int4's group size). A GGUF file whose tensors are quantized already is served, with a note that
-    their dequantized values are rounded again."""
+    weights), with a quantized self-draft (it quantizes the float target), for a checkpoint that is quantized
+    already, or where the mode does not fit the model's shapes (int4's group size). A GGUF file whose tensors are
+    quantized already is served, with a note that their dequantized values are rounded again. With --keep-quantized
+    (a GGUF file's Q4 blocks kept as int4-g32) the mode may only add a quantized LM head to those blocks
+    (`check_kept_head`)."""
     from ..core import parallel
     from ..core.checkpoint import read_config, read_quant_config, resolve_model_path
     from ..core.gguf_load import read_gguf
@@ -157,13 +159,12 @@ def check_quantize(args) -> None:
     if parallel.launched_by_torchrun():
         raise parallel.ParallelError("--quantize does not run tensor-parallel (it splits float weights): run it in "
                                      "one process, without torchrun")
-    if args.keep_quantized:
-        raise ValueError("--quantize rounds float weights and --keep-quantized keeps a GGUF file's 4-bit matrices: "
-                         "give one of them")
     if args.draft is not None and parse_draft(args.draft)[0] == "quantized":
         raise ValueError(f"--draft {args.draft} quantizes the float target, and --quantize {args.quantize} leaves "
                          "none: give a checkpoint or self-N draft, or no --quantize")
     path = resolve_model_path(args.model)
+    if args.keep_quantized:
+        return check_kept_head(path, args.quantize)
     if (qc := read_quant_config(path)) is not None:
         raise ValueError(f"--quantize {args.quantize}: {path} is quantized already ({qc}); it runs as it is")
     gguf = read_gguf(path) if path.is_file() else None  # its header read once, for the shapes and the types
@@ -173,9 +174,36 @@ def check_quantize(args) -> None:
               "dequantized values again (--keep-quantized holds Q4_0/Q4_1 matrices as they are)", file=sys.stderr)
 
 
+def check_kept_head(path, mode: str) -> None:
+    """--quantize beside --keep-quantized: the file must be a GGUF file whose blocks are kept (every matrix Q4_0 or
+    Q4_1, held as int4-g32), and the mode those blocks plus a quantized LM head (int4-g32+lm_head-int8, or
+    int4-g32+lm_head: the head in int4 too), the one thing left to quantize; the head's dequantized values rounded
+    again where the file holds it quantized (a note says so). Read from the file's header alone."""
+    from ..core.gguf_load import is_gguf, read_gguf
+    from ..core.quantize import QuantConfig
+
+    if not (path.is_file() and is_gguf(path)):
+        raise ValueError(f"--keep-quantized keeps a GGUF file's Q4 matrices: {path} is not a GGUF file")
+    gguf = read_gguf(path)
+    kept = gguf.quant_config(keep_quantized=True)  # GGUFLoadError naming a matrix that is not Q4_0/Q4_1
+    qc = QuantConfig.of(mode)
+    if (qc.mode, qc.group_size) != (kept.mode, kept.group_size) or qc.lm_head is False:
+        raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
+                         f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}")
+    head = "output.weight" if "output.weight" in gguf.types else "tok_embeddings.weight"  # tied: the embedding
+    if (kind := gguf.types[head]) not in FLOAT_GGUF:
+        print(f"note: {path.name}'s LM head is {kind}: --quantize {mode} rounds its dequantized values again",
+              file=sys.stderr)
+
+
 def _generate(args, load_one, stream) -> None:
     model, tokenizer, seed = load_for_command(args, load_one)
-    if args.quantize != "none":  # checked above against the checkpoint's shapes (check_quantize)
+    if args.quantize != "none" and args.keep_quantized:  # the file's blocks kept: the head alone (check_kept_head)
+        from ..core.quantize import QuantConfig, quantize_lm_head
+
+        qc = QuantConfig.of(args.quantize)
+        quantize_lm_head(model, qc.head.mode)
+    elif args.quantize != "none":  # checked above against the checkpoint's shapes (check_quantize)
         from ..core.quantize import quantize
 
         quantize(model, args.quantize)

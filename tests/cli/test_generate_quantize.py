@@ -43,7 +43,7 @@ def no_loading(monkeypatch):
 
 @pytest.mark.parametrize("extra, says", [
     (["--quantize", "int4-g48"], "group_size 48 does not divide"),
-    (["--quantize", "int8", "--keep-quantized"], "give one of them"),
+    (["--quantize", "int4-g32+lm_head-int8", "--keep-quantized"], "is not a GGUF file"),
     (["--quantize", "int8", "--draft", "self-int4"], "--draft self-int4 quantizes the float target"),
 ])
 def test_what_it_cannot_serve_is_refused_before_loading(tiny_checkpoint, no_loading, extra, says):

@@ -6,6 +6,8 @@ refusal comes before a weight is read."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from llmstep.core.gguf import export_gguf, gguf_tensors, gguf_vocab
 from llmstep.core.gguf_load import TYPES, GGUFLoadError, load_gguf, read_gguf, rope_scaling_of
 from llmstep.core.gguf_vocab import GGUFVocabError
 from llmstep.core.model import Llama
-from llmstep.core.quantize import Int4Linear, unpack_int4
+from llmstep.core.quantize import Int4Linear, quantize_lm_head, unpack_int4
 from llmstep.core.rope import inv_frequencies
 from llmstep.core.tokens import Tokenizer
 
@@ -154,6 +156,48 @@ def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, toke
         assert np.array_equal(unpack_int4(m.codes()).numpy(), file_codes)
     ids = tokenizer.encode(SAMPLES[2])
     assert_close_rel(kept(torch.tensor([ids]))[0], plain(torch.tensor([ids]))[0], 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["int4-g32+lm_head-int8", "int4-g32+lm_head"])
+def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer, capsys, mode):
+    """`llmstep generate --keep-quantized --quantize int4-g32+lm_head-int8`: the file's Q4 blocks kept, the LM head
+    quantized as `llmstep bench` builds its int4 runs (quantize_lm_head); the text is that model's."""
+    from llmstep.cli import main
+
+    path = write_gguf(tmp_path / "q4.gguf", random_llama(), tokenizer, "Q4_1")
+    argv = ["generate", "--model", str(path), "--keep-quantized", "--prompt", "ROMEO:", "--max-new-tokens", "8",
+            "--temperature", "0", "--device", "cpu", "--dtype", "float32"]
+    main(argv + ["--quantize", mode])
+    out = capsys.readouterr()
+    kept, tok = load_gguf(path, device="cpu", dtype=torch.float32, keep_quantized=True)
+    want = llmstep.generate(quantize_lm_head(kept, "int8" if mode.endswith("int8") else "int4"), tok, "ROMEO:",
+                            max_new_tokens=8, temperature=0).text
+    assert out.out == "ROMEO:" + want + "\n"
+    assert f"[cpu float32 {mode}]" in out.err
+    assert "note: q4.gguf's LM head is Q4_1: --quantize" in out.err  # dequantized, then rounded again
+    main(argv)  # the kept blocks alone: a float head, more bytes a step
+    plain = capsys.readouterr().err
+    read = [float(e.split(" MB read per token")[0].rsplit("| ", 1)[1]) for e in (out.err, plain)]
+    assert "[cpu float32 int4-g32]" in plain and read[0] < read[1]
+
+
+@pytest.mark.parametrize("kind, mode, says", [
+    ("Q4_1", "int8", r"can only add a quantized LM head to them \(int4-g32\+lm_head-int8 or int4-g32\+lm_head\), "
+                     "not int8$"),
+    ("Q4_0", "int4-g32", "not int4-g32$"),  # no head: nothing to quantize
+    ("Q4_0", "int4-g64+lm_head-int8", "not int4-g64"),  # the kept blocks' groups are 32
+    ("Q8_0", "int4-g32+lm_head-int8", "layers.0.attention.wq is Q8_0"),
+])
+def test_generate_refuses_what_kept_blocks_cannot_take_before_loading(tmp_path, tokenizer, capsys, monkeypatch, kind,
+                                                                        mode, says):
+    from llmstep.cli import main
+    from llmstep.core import checkpoint
+
+    path = write_gguf(tmp_path / f"{kind}.gguf", random_llama(), tokenizer, kind)
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("a weight was read before the refusal"))
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(path), "--keep-quantized", "--quantize", mode, "--prompt", "x"])
+    assert re.search(says, capsys.readouterr().err.strip().splitlines()[-1])
 
 
 def test_keep_quantized_refuses_a_file_whose_matrices_are_not_q4(tmp_path, tokenizer):
