@@ -114,6 +114,9 @@ def load_for_command(args, load_one):
 
     if not parallel.launched_by_torchrun():
         return (*load_one(), args.seed)
+    if getattr(args, "keep_quantized", False):  # before the process group is joined
+        raise parallel.ParallelError("--keep-quantized does not run tensor-parallel (it splits float weights): "
+                                     "run it in one process, without torchrun")
     group = parallel.init_from_environment(args.device)
     model, tokenizer = parallel.load(args.model, group, device=args.device, dtype=args.dtype)
     return model, tokenizer, parallel.agree_seed(args.seed, group)
@@ -179,17 +182,18 @@ def check_kept_head(path, mode: str) -> None:
     Q4_1, held as int4-g32), and the mode those blocks plus a quantized LM head (int4-g32+lm_head-int8, or
     int4-g32+lm_head: the head in int4 too), the one thing left to quantize; the head's dequantized values rounded
     again where the file holds it quantized (a note says so). Read from the file's header alone."""
-    from ..core.gguf_load import is_gguf, read_gguf
+    from ..core.gguf_load import read_gguf
     from ..core.quantize import QuantConfig
 
-    if not (path.is_file() and is_gguf(path)):
-        raise ValueError(f"--keep-quantized keeps a GGUF file's Q4 matrices: {path} is not a GGUF file")
+    if path.is_dir():  # a file that is not GGUF was refused as the path was resolved
+        raise ValueError(f"--keep-quantized keeps a GGUF file's Q4 matrices: {path} is a checkpoint directory")
     gguf = read_gguf(path)
     kept = gguf.quant_config(keep_quantized=True)  # GGUFLoadError naming a matrix that is not Q4_0/Q4_1
     qc = QuantConfig.of(mode)
     if (qc.mode, qc.group_size) != (kept.mode, kept.group_size) or qc.lm_head is False:
         raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
-                         f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}")
+                         f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}"
+                         + ("" if str(qc) == mode else f" ({qc})"))
     head = "output.weight" if "output.weight" in gguf.types else "tok_embeddings.weight"  # tied: the embedding
     if (kind := gguf.types[head]) not in FLOAT_GGUF:
         print(f"note: {path.name}'s LM head is {kind}: --quantize {mode} rounds its dequantized values again",

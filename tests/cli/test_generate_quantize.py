@@ -43,7 +43,7 @@ def no_loading(monkeypatch):
 
 @pytest.mark.parametrize("extra, says", [
     (["--quantize", "int4-g48"], "group_size 48 does not divide"),
-    (["--quantize", "int4-g32+lm_head-int8", "--keep-quantized"], "is not a GGUF file"),
+    (["--quantize", "int4-g32+lm_head-int8", "--keep-quantized"], "is a checkpoint directory"),
     (["--quantize", "int8", "--draft", "self-int4"], "--draft self-int4 quantizes the float target"),
 ])
 def test_what_it_cannot_serve_is_refused_before_loading(tiny_checkpoint, no_loading, extra, says):
@@ -62,6 +62,9 @@ def test_under_torchrun_it_is_refused(tiny_checkpoint, no_loading, monkeypatch):
     monkeypatch.setattr(parallel, "launched_by_torchrun", lambda: True)
     with pytest.raises(SystemExit, match="--quantize does not run tensor-parallel"):
         cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--quantize", "int8"])
+    monkeypatch.setattr(parallel, "init_from_environment", lambda *a: pytest.fail("the process group was joined"))
+    with pytest.raises(SystemExit, match="--keep-quantized does not run tensor-parallel"):  # it would dequantize
+        cli.main(["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--keep-quantized"])
 
 
 @pytest.mark.parametrize("draft", ["self-1", "checkpoint"])

@@ -35,9 +35,10 @@ def tokenizer(tokenizer_file) -> Tokenizer:
 
 
 def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = "llama", fields: dict | None = None,
-               tensors: dict | None = None, n_tokens: int | None = None):
-    """A GGUF file as llama.cpp's converter lays it out (names, q/k rows, metadata), its matrices in `kind`.
-    Types gguf-py can quantize are quantized from the model; the K-quants get random blocks (scales kept small)."""
+               tensors: dict | None = None, n_tokens: int | None = None, head_kind: str | None = None):
+    """A GGUF file as llama.cpp's converter lays it out (names, q/k rows, metadata), its matrices in `kind` (the LM
+    head in `head_kind` if given: output.weight, or token_embd.weight where it is tied). Types gguf-py can quantize
+    are quantized from the model; the K-quants get random blocks (scales kept small)."""
     c = model.config
     arrays = gguf_tensors(model, "f32") if tensors is None else tensors
     rng = np.random.default_rng(0)
@@ -60,9 +61,13 @@ def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = 
     for key, value in (fields or {}).items():
         w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
     qtype = gguf.GGMLQuantizationType[kind]
+    head = "output.weight" if "output.weight" in arrays else "token_embd.weight"
     for name, (array, _) in arrays.items():
-        if array.ndim == 1:
+        if array.ndim == 1 or (name == head and head_kind == "F32"):
             w.add_tensor(name, array)
+        elif name == head and head_kind is not None:
+            w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType[head_kind]),
+                         raw_dtype=gguf.GGMLQuantizationType[head_kind])
         elif kind in K_QUANTS:
             rows, cols = array.shape
             nbytes = gguf.quants.quant_shape_to_byte_shape((rows, cols), qtype)
@@ -158,13 +163,18 @@ def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, toke
     assert_close_rel(kept(torch.tensor([ids]))[0], plain(torch.tensor([ids]))[0], 1e-5)
 
 
-@pytest.mark.parametrize("mode", ["int4-g32+lm_head-int8", "int4-g32+lm_head"])
-def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer, capsys, mode):
+@pytest.mark.parametrize("mode, tied, head_kind", [("int4-g32+lm_head-int8", False, None),
+                                                   ("int4-g32+lm_head", False, None),
+                                                   ("int4-g32+lm_head-int8", True, "Q8_0"),
+                                                   ("int4-g32+lm_head-int8", True, "F32")])
+def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer, capsys, mode, tied, head_kind):
     """`llmstep generate --keep-quantized --quantize int4-g32+lm_head-int8`: the file's Q4 blocks kept, the LM head
-    quantized as `llmstep bench` builds its int4 runs (quantize_lm_head); the text is that model's."""
+    quantized as `llmstep bench` builds its int4 runs (quantize_lm_head); the text is that model's. A head the file
+    holds quantized (Q4_1 as the blocks, Q8_0 tied as SmolLM2's) is rounded again, with a note; a float one is not."""
     from llmstep.cli import main
 
-    path = write_gguf(tmp_path / "q4.gguf", random_llama(), tokenizer, "Q4_1")
+    model = random_llama(tie_embeddings=tied)
+    path = write_gguf(tmp_path / "q4.gguf", model, tokenizer, "Q4_1", head_kind=head_kind)
     argv = ["generate", "--model", str(path), "--keep-quantized", "--prompt", "ROMEO:", "--max-new-tokens", "8",
             "--temperature", "0", "--device", "cpu", "--dtype", "float32"]
     main(argv + ["--quantize", mode])
@@ -174,7 +184,10 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
                             max_new_tokens=8, temperature=0).text
     assert out.out == "ROMEO:" + want + "\n"
     assert f"[cpu float32 {mode}]" in out.err
-    assert "note: q4.gguf's LM head is Q4_1: --quantize" in out.err  # dequantized, then rounded again
+    if head_kind == "F32":
+        assert "note:" not in out.err
+    else:  # dequantized, then rounded again
+        assert f"note: q4.gguf's LM head is {head_kind or 'Q4_1'}: --quantize {mode} rounds" in out.err
     main(argv)  # the kept blocks alone: a float head, more bytes a step
     plain = capsys.readouterr().err
     read = [float(e.split(" MB read per token")[0].rsplit("| ", 1)[1]) for e in (out.err, plain)]
@@ -186,6 +199,7 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
                      "not int8$"),
     ("Q4_0", "int4-g32", "not int4-g32$"),  # no head: nothing to quantize
     ("Q4_0", "int4-g64+lm_head-int8", "not int4-g64"),  # the kept blocks' groups are 32
+    ("Q4_0", "int4+lm_head-int8", r"not int4\+lm_head-int8 \(int4-g64\+lm_head-int8\)$"),  # int4's default groups
     ("Q8_0", "int4-g32+lm_head-int8", "layers.0.attention.wq is Q8_0"),
 ])
 def test_generate_refuses_what_kept_blocks_cannot_take_before_loading(tmp_path, tokenizer, capsys, monkeypatch, kind,
