@@ -1,0 +1,165 @@
+"""The AVX2 int4 micro-kernel alone (llmstep/kernels/cpu_gemm.py's `INT4`), out of inductor: its own C++ text
+compiled by g++ with a small driver, timed over the 32-column blocks of one-row matmuls, checked against a float64
+sum of the same weights.
+
+    PYTHONPATH=. python scripts/int4_kernel_bench.py                       # SmolLM2's three int4 shapes, g = 32
+    PYTHONPATH=. python scripts/int4_kernel_bench.py --kernel my.cpp       # another kernel text, the same driver
+
+A compiled step's kernels run inside OpenMP regions beside other work, and a Python loop over one compiled matmul
+times the call around it more than the kernel (tens of microseconds each). Here one thread runs the kernel alone
+over every block of a [N, K] matrix, hot in cache or not as the matrix fits, so a change to the kernel's inner loop
+can be timed in seconds. The driver lays the weights as torch's AVX2 int4 packing does (the layout the kernel's
+comment gives; tests/kernels/test_cpu_int4.py checks the kernel on torch's own packing) and the (scale, zero)
+pairs as inductor's template hands them: [K / group, N, 2] bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from llmstep.core.files import atomic_write_json
+from llmstep.kernels import cpu_gemm
+from llmstep.lab import runinfo
+
+# SmolLM2-135M's int4 matmuls of one decode step, [N, K]: q|k|v and gate|up fused (FastDecoder's default), wo, w2
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+
+# The driver: a bf16 shim for the kernel's at::BFloat16, random codes, scales, zeros and one row of activations,
+# the kernel over every block (the template's call), best of `reps` timings, then the float64 reference.
+DRIVER = r"""
+#include <immintrin.h>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+namespace at {
+struct BFloat16 {
+  uint16_t x;
+  operator float() const { uint32_t u = uint32_t(x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+}
+#include "kernel.inc"
+int main(int argc, char** argv) {
+  const int64_t N = atoll(argv[1]), K = atoll(argv[2]), G = atoll(argv[3]), reps = atoll(argv[4]);
+  srand(N * 7 + K);
+  std::vector<uint8_t> W(N * K / 2);                          // [N / 32, K, 16]: column j low, j + 16 high nibble
+  std::vector<at::BFloat16> SZ(K / G * N * 2), A(K);         // [K / G, N, 2]: (scale, zero) pairs; one row
+  for (auto& w : W) w = rand() & 0xff;
+  for (auto& s : SZ) s.x = 0x3c00 + (rand() & 0xff);          // about 1/128 .. 1/64
+  for (auto& a : A) a.x = ((rand() & 1) << 15) | (0x3f00 + (rand() & 0xff));  // +-(0.5 .. 1)
+  std::vector<float> C(N);
+  double best = 1e30;
+  const int64_t calls = std::max<int64_t>(1, 20000000 / (N * K));  // ~20 M weights a timing
+  for (int64_t r = 0; r < reps; ++r) {
+    auto t = std::chrono::steady_clock::now();
+    for (int64_t c = 0; c < calls; ++c)
+      for (int64_t n = 0; n < N; n += 32)
+        kern_kernel<1, 32, false>(A.data(), W.data() + n * K / 2, C.data() + n, K, K, 16, 32, G,
+                                  SZ.data() + n * 2, N * 2, 0);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count() / calls);
+  }
+  double err = 0, size = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    double want = 0, terms = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t* row = W.data() + (n / 32) * K * 16 + k * 16;
+      const int j = n % 32, q = j < 16 ? row[j] & 15 : row[j - 16] >> 4;
+      const double s = float(SZ[(k / G) * N * 2 + n * 2]), z = float(SZ[(k / G) * N * 2 + n * 2 + 1]);
+      const double w = (q - 8) * s + z, a = float(A[k]);
+      want += a * w;
+      terms += std::fabs(a * w);
+    }
+    err = std::max(err, std::fabs(C[n] - want));
+    size = std::max(size, terms);
+  }
+  printf("{\"seconds\": %.9g, \"error\": %.6g, \"terms\": %.6g}\n", best, err, size);
+}
+"""
+
+# What inductor's C++ build gives an AVX2 kernel (torch._inductor.cpp_builder): -O3, the ISA's flags, math-errno off
+FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def kernel_source(path: str | None) -> str:
+    """The kernel's C++ with inductor's template names filled in as its bf16-activation, float-output choice."""
+    text = Path(path).read_text() if path else cpu_gemm._INT4_KERNEL
+    for name, value in {"{{kernel_name}}": "kern", "{{input_t}}": "at::BFloat16", "{{output_t}}": "float",
+                        "{{restrict_keyword}}": "__restrict__"}.items():
+        text = text.replace(name, value)
+    if "{{" in text:
+        rest = text[text.index("{{"):][:40]
+        raise SystemExit(f"the kernel text has a template name the driver does not fill: {rest}")
+    return text
+
+
+def shape(text: str) -> tuple[int, int]:
+    """An N,K pair of positive integers."""
+    try:
+        n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is N,K (two integers), got {text!r}") from None
+    if n <= 0 or k <= 0:
+        raise argparse.ArgumentTypeError(f"a shape's N and K are positive, got {text!r}")
+    return n, k
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", help="a kernel text to time instead of cpu_gemm's (inductor's template names in it)")
+    p.add_argument("--group-size", type=int, default=32, help="int4 group size (32: GGUF's Q4 blocks)")
+    p.add_argument("--shapes", nargs="+", type=shape, help="N,K pairs (default: SmolLM2-135M's int4 matmuls)")
+    p.add_argument("--repeats", type=int, default=9, help="timings per shape; the best is kept")
+    p.add_argument("--json", help="write the figures here too")
+    args = p.parse_args(argv)
+    shapes = args.shapes or SHAPES
+    if args.group_size <= 0 or args.group_size % 2:
+        p.error(f"--group-size must be a positive even integer, got {args.group_size}")
+    bad = [s for s in shapes if s[0] % 32 or s[1] % args.group_size]
+    if bad:
+        p.error(f"each shape is N,K with N a multiple of 32 and K of the group size {args.group_size}: {bad}")
+    if (cxx := shutil.which("g++")) is None:
+        p.error("needs g++ (inductor's CPU compiler)")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "kernel.inc").write_text(kernel_source(args.kernel))
+        (Path(tmp) / "driver.cpp").write_text(DRIVER)
+        binary = Path(tmp) / "driver"
+        subprocess.run([cxx, *FLAGS, "-o", str(binary), str(Path(tmp) / "driver.cpp")], check=True)
+        rows = []
+        for n, k in shapes:
+            out = subprocess.run([str(binary), str(n), str(k), str(args.group_size), str(args.repeats)],
+                                 check=True, capture_output=True, text=True).stdout
+            r = json.loads(out)
+            rows.append({"N": n, "K": k, "group_size": args.group_size, "microseconds": r["seconds"] * 1e6,
+                         "gweights_per_s": n * k / r["seconds"] / 1e9,
+                         "ns_per_k_row_of_32_columns": r["seconds"] * 1e9 / (n // 32 * k),
+                         "error_over_terms": r["error"] / r["terms"]})
+    print(f"{'N x K':>12} {'us':>9} {'G weights/s':>12} {'ns / 32 weights':>16} {'|err| / sum|a w|':>17}")
+    for r in rows:
+        print(f"{r['N']:>5} x {r['K']:<4} {r['microseconds']:9.1f} {r['gweights_per_s']:12.2f} "
+              f"{r['ns_per_k_row_of_32_columns']:16.3f} {r['error_over_terms']:17.2e}")
+    total = sum(r["microseconds"] for r in rows)
+    print(f"one layer's int4 matmuls: {total:.1f} us on one thread")
+    if args.json:
+        argv = sys.argv[1:] if argv is None else argv
+        atomic_write_json(args.json, {"command": runinfo.command_line(argv, "python scripts/int4_kernel_bench.py"),
+                                      "machine": runinfo.machine("cpu") | {"threads": 1}, "versions": runinfo.versions(
+                                          gxx=subprocess.run([cxx, "-dumpfullversion"], capture_output=True,
+                                                             text=True).stdout.strip()),
+                                      "kernel": args.kernel or cpu_gemm.INT4_KERNEL_NAME, "flags": FLAGS,
+                                      "load_average_1min": runinfo.load_average(), "shapes": rows,
+                                      "layer_microseconds": total})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""scripts/int4_kernel_bench.py: cpu_gemm's AVX2 int4 kernel timed alone, its sums checked against float64 ones
+(a broken kernel must show as a large error, not as a fast one), its shapes checked before anything compiles."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from llmstep.kernels import cpu_gemm
+from llmstep.lab import runinfo
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "int4_kernel_bench.py"
+needs_avx2 = pytest.mark.skipif(shutil.which("g++") is None or "avx2" not in runinfo.cpu_flags(),
+                                reason="needs g++ and an AVX2 CPU")
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("int4_kernel_bench", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@needs_avx2
+def test_the_kernel_alone_is_timed_and_its_sums_are_float64s(tmp_path, capsys):
+    out = tmp_path / "k.json"
+    assert load().main(["--shapes", "64,128", "96,64", "--repeats", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["kernel"] == cpu_gemm.INT4_KERNEL_NAME and record["machine"]["threads"] == 1
+    assert [(r["N"], r["K"]) for r in record["shapes"]] == [(64, 128), (96, 64)]
+    for r in record["shapes"]:
+        assert r["microseconds"] > 0 and r["error_over_terms"] < 1e-6  # float32 sums of exact products
+    assert "one layer's int4 matmuls" in capsys.readouterr().out
+
+
+@needs_avx2
+def test_a_kernel_that_reads_the_high_nibbles_wrong_shows_its_error(tmp_path):
+    broken = cpu_gemm._INT4_KERNEL.replace("_mm256_srli_epi32(bytes, 4)", "_mm256_srli_epi32(bytes, 3)")
+    assert broken != cpu_gemm._INT4_KERNEL
+    (tmp_path / "broken.cpp").write_text(broken)
+    out = tmp_path / "k.json"
+    load().main(["--kernel", str(tmp_path / "broken.cpp"), "--shapes", "64,128", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["shapes"][0]["error_over_terms"] > 1e-3
+
+
+def test_shapes_the_kernel_cannot_take_are_refused_before_compiling(capsys):
+    with pytest.raises(SystemExit):
+        load().main(["--shapes", "48,128"])  # N not whole 32-column blocks
+    assert "N a multiple of 32 and K of the group size 32: [(48, 128)]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load().main(["--shapes", "64,96", "--group-size", "64"])
+    assert "[(64, 96)]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load().main(["--shapes", "64x128"])
+    assert "a shape is N,K (two integers), got '64x128'" in capsys.readouterr().err
