@@ -2,7 +2,7 @@
 compiled by g++ with a small driver, timed over the 32-column blocks of one-row matmuls, checked against a float64
 sum of the same weights.
 
-    PYTHONPATH=. python scripts/int4_kernel_bench.py                       # SmolLM2's three int4 shapes, g = 32
+    PYTHONPATH=. python scripts/int4_kernel_bench.py                       # SmolLM2's four int4 shapes, g = 32
     PYTHONPATH=. python scripts/int4_kernel_bench.py --kernel my.cpp       # another kernel text, the same driver
 
 A compiled step's kernels run inside OpenMP regions beside other work, and a Python loop over one compiled matmul
@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the figures here too")
     args = p.parse_args(argv)
     shapes = args.shapes or SHAPES
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.group_size <= 0 or args.group_size % 2:
         p.error(f"--group-size must be a positive even integer, got {args.group_size}")
     bad = [s for s in shapes if s[0] % 32 or s[1] % args.group_size]

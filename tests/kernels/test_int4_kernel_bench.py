@@ -55,5 +55,8 @@ def test_shapes_the_kernel_cannot_take_are_refused_before_compiling(capsys):
         load().main(["--shapes", "64,96", "--group-size", "64"])
     assert "[(64, 96)]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        load().main(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         load().main(["--shapes", "64x128"])
     assert "a shape is N,K (two integers), got '64x128'" in capsys.readouterr().err
