@@ -249,8 +249,8 @@ def test_a_sparse_paged_workload_records_its_idle_steps_at_once(tiny64):
     from llmstep.engines.batching import MAX_ARRIVAL_STEP
 
     model, _ = tiny64
-    run = run_batch(model, [Request([1, 2], 2), Request([3], 2, arrival=MAX_ARRIVAL_STEP)], n_slots=2, kv="paged",
-                    block_size=4, kv_blocks=8)
+    sparse = [Request([1, 2], 2, **GREEDY), Request([3], 2, arrival=MAX_ARRIVAL_STEP, **GREEDY)]  # 2 tokens each
+    run = run_batch(model, sparse, n_slots=2, kv="paged", block_size=4, kv_blocks=8)
     assert run.steps == MAX_ARRIVAL_STEP + run.completions[1].latency_steps
     assert len({id(row) for row in run.timeline[2:MAX_ARRIVAL_STEP]}) == 1
     assert run.summary()["slot_utilisation"] == 4 / (2 * run.steps)  # 2 requests x 2 decode rows, over every step
