@@ -194,8 +194,7 @@ def check_kept_head(path, mode: str) -> None:
         raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
                          f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}"
                          + ("" if str(qc) == mode else f" ({qc})"))
-    head = "output.weight" if "output.weight" in gguf.types else "tok_embeddings.weight"  # tied: the embedding
-    if (kind := gguf.types[head]) not in FLOAT_GGUF:
+    if (kind := gguf.head_type) not in FLOAT_GGUF:
         print(f"note: {path.name}'s LM head is {kind}: --quantize {mode} rounds its dequantized values again",
               file=sys.stderr)
 

@@ -89,6 +89,11 @@ class GGUFModel:
     tensors: dict
     types: dict[str, str]  # llmstep state name -> GGML type name
 
+    @property
+    def head_type(self) -> str:
+        """The GGML type of the LM head: output.weight's, or the token embedding's where the head is tied."""
+        return self.types.get("output.weight", self.types["tok_embeddings.weight"])
+
     def quant_config(self, keep_quantized: bool) -> QuantConfig | None:
         """int4-g32 when keep_quantized and every matmul of the blocks is Q4_0/Q4_1; None to dequantize."""
         if not keep_quantized:

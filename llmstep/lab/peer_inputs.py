@@ -109,7 +109,7 @@ def file_types(path: str | Path) -> tuple[str | None, str]:
     with torch.device("meta"):
         names = linear_names(Llama(g.config))
     types = {g.types[f"{n}.weight"] for n in names}
-    return (types.pop() if len(types) == 1 else None), g.types.get("output.weight", g.types["tok_embeddings.weight"])
+    return (types.pop() if len(types) == 1 else None), g.head_type
 
 
 def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], tokenizer: Tokenizer | None,
