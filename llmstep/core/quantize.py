@@ -7,22 +7,19 @@ while activations, norms and the KV cache stay in the model's dtype.
 The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
 and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
 
-`quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True, or an int8
-head under int4 blocks with lm_head="int8") for an `Int8Linear` / `Int4Linear`; the model's forward is untouched.
-This module does no file I/O: `llmstep.save` writes a quantised model in its packed form and `llmstep.load` reads it
-back (llmstep.core.checkpoint).
+`quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True, or an int8 head
+under int4 blocks with lm_head="int8") for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. No file
+I/O here: `llmstep.save` / `llmstep.load` write and read a quantised model in its packed form (core.checkpoint).
 
-The matmul either calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private
-torch ops, reached through llmstep.core.torch_compat) or dequantises and multiplies; under torch.compile the
-latter is fused into one kernel (gpt-fast's int8 path). int4 has a third way, `kernel="reduce"`: the codes
-read as [N, K/g, g/2] bytes, each byte's two nibbles multiplied against the even and odd inputs, scale and
-zero broadcast per group, one sum: under torch.compile one reduction kernel reading half a byte a weight
-(tests/cuda_proofs/test_int4_reduce_trace.py), the candidate to beat tinygemm at one row on a GPU.
-A compiled CPU step whose matmuls are tuned may run inductor's own int4 template in place of torch's CPU kernel,
-on the same packed weights, where it times faster (llmstep.kernels.cpu_gemm gives it a kernel for AVX2 CPUs).
-`kernel="auto"` picks per mode and device (`_auto_kernel`; int4 on CUDA: what `prefer_int4_kernel` recorded
-for this GPU, from a measurement) and falls back where this device has no packed kernel; what each costs on
-this machine is measured by `llmstep bench --quantize none int8 int4` and scripts/gpu_probe.py.
+The matmul either calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private torch
+ops, reached through llmstep.core.torch_compat) or dequantises and multiplies; under torch.compile the latter is
+fused into one kernel (gpt-fast's int8 path). int4 has a third way, `kernel="reduce"`: the codes read as [N, K/g,
+g/2] bytes, each byte's nibbles against the even and odd inputs, scale and zero broadcast per group, one sum; compiled,
+one reduction kernel reading half a byte a weight, the candidate to beat tinygemm at one row on a GPU. A compiled
+CPU step whose matmuls are tuned may run inductor's own int4 template on the same packed weights where it times
+faster (llmstep.kernels.cpu_gemm gives it an AVX2 kernel). `kernel="auto"` picks per mode and device (`_auto_kernel`;
+int4 on CUDA: what `prefer_int4_kernel` recorded for this GPU) and falls back where this device has no packed
+kernel; `llmstep bench --quantize none int8 int4` and scripts/gpu_probe.py measure what each costs.
 """
 
 from __future__ import annotations
@@ -96,13 +93,12 @@ def prefer_int4_kernel(device: torch.device | str, kernel: str | None) -> None:
 
 
 def _auto_kernel(mode: str, device: torch.device | None = None) -> str:
-    """Which matmul to use when the caller does not say. int8: dequantise + matmul (compile fuses the widening
-    into the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16;
-    kernel="packed" calls that op directly). int4: the packed kernels (tinygemm on CUDA, _for_cpu on a CPU):
-    dequantising a whole int4 matrix per token would read more bytes than the float weights; on a GPU whose
-    measurement chose it (`prefer_int4_kernel`), the single-reduction "reduce" path. Where the device has no
-    packed kernel, prepare() finds out and falls back to dequantise + matmul; where this torch has none
-    (`torch_compat`), "dequant"."""
+    """Which matmul to use when the caller does not say. int8: dequantise + matmul (compile fuses the widening into
+    the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16; an eager CPU call
+    runs that op itself, `Int8Linear.prepare`, as kernel="packed" does always). int4: the packed kernels (tinygemm
+    on CUDA, _for_cpu on a CPU): dequantising a whole int4 matrix per token would read more bytes than the float
+    weights; on a GPU whose measurement chose it (`prefer_int4_kernel`), the single-reduction "reduce" path. Where
+    the device or this torch has no packed kernel, prepare() finds out and falls back to dequantise + matmul."""
     if mode != "int4":
         return "dequant"
     if device is not None and device.type == "cuda" and _INT4_KERNEL_BY_GPU:
@@ -136,6 +132,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))  # [N]
         _check_kernel(kernel, "int8")
         self.kernel = kernel
+        self.eager_packed = False  # set by prepare(): "auto" on a CPU, the packed op outside a compiled graph
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> Int8Linear:
@@ -146,26 +143,30 @@ class Int8Linear(nn.Module):
         return m
 
     def prepare(self) -> Int8Linear:
-        """Settle the kernel for the weights' device; check the packed one against the reference once."""
-        if self.kernel == "auto":
-            self.kernel = _auto_kernel("int8")
-        if self.kernel == "packed" and torch_compat.missing("int8_mm"):
-            self.kernel = "dequant"  # this torch has no int8 kernel
-        if self.kernel == "packed":
-            x = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype)
-            try:
-                got = torch_compat.int8_mm(x, self.weight, self.scales)[:, :CHECK_ROWS]
-                r = got.shape[1]
-                ok = _agrees(got, F.linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
-            except (RuntimeError, NotImplementedError):  # not for this device, dtype or shape
-                ok = False
-            if not ok:
-                self.kernel = "dequant"
+        """Settle the kernel for the weights' device, checking the packed op once. "auto" on a CPU also runs the
+        packed op at a few rows outside a compiled graph, where dequantising widens the whole matrix every call
+        (~8x slower at one row); compiled, it keeps the dequant pattern, which inductor rewrites itself."""
+        auto = self.kernel == "auto"
+        self.kernel = _auto_kernel("int8") if auto else self.kernel
+        packed = (self.kernel == "packed" or auto and self.weight.device.type == "cpu") and self._packed_agrees()
+        if self.kernel == "packed" and not packed:
+            self.kernel = "dequant"  # this torch, device, dtype or shape has no packed int8 kernel
+        self.eager_packed = auto and packed
         return self
+
+    def _packed_agrees(self) -> bool:
+        """Whether torch's packed int8 op runs here and matches dequantise + matmul (on CHECK_ROWS rows)."""
+        x, r = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype), CHECK_ROWS
+        try:
+            got = None if torch_compat.missing("int8_mm") else torch_compat.int8_mm(x, self.weight, self.scales)
+        except (RuntimeError, NotImplementedError):  # not for this device, dtype or shape
+            return False
+        return got is not None and _agrees(got[:, :r], F.linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self.kernel == "packed" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
+        packed = self.kernel == "packed" or (self.eager_packed and not torch.compiler.is_compiling())
+        if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul

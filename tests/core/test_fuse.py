@@ -89,6 +89,7 @@ def test_int8_layers_fuse_exactly_and_hold_nothing_twice():
     twin8 = fused(q8)
     assert is_fused(twin8) and isinstance(twin8.layers[0].attention.wqkv, Int8Linear)
     assert twin8.layers[0].feed_forward.w13.scales.shape == (2 * CONFIG.hidden_dim,)
+    assert twin8.layers[0].attention.wqkv.eager_packed == q8.layers[0].attention.wq.eager_packed  # the same op
     torch.testing.assert_close(prefill_and_decode(twin8), prefill_and_decode(q8), rtol=1e-5, atol=1e-5)
     assert storage_bytes(q8, twin8) == storage_bytes(q8)
 

@@ -85,6 +85,30 @@ def test_packed_kernels_agree_with_dequantise_then_matmul(cls, kw):
 
 
 @torch.no_grad()
+def test_auto_int8_runs_the_packed_op_eagerly_on_a_cpu_and_the_dequant_pattern_when_compiling(monkeypatch):
+    """Eager dequantisation widens the whole matrix every call; a compiled step needs the pattern inductor rewrites."""
+    from llmstep.core import torch_compat
+
+    lin = torch.nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    auto, plain = Int8Linear.from_linear(lin), Int8Linear.from_linear(lin, kernel="dequant")
+    if not auto.eager_packed:
+        pytest.skip("no packed int8 kernel in this PyTorch build on the CPU")
+    assert auto.kernel == plain.kernel == "dequant" and not plain.eager_packed
+    calls = []
+    real = torch_compat.int8_mm
+    monkeypatch.setattr(torch_compat, "int8_mm", lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(1, 1, 128, dtype=torch.bfloat16)
+    got = auto(x)
+    assert calls == [(1, 128)]  # one row: the packed op
+    torch.testing.assert_close(got, plain(x), atol=2e-2, rtol=2e-2)  # bf16 rounding apart
+    auto(torch.randn(1, 32, 128, dtype=torch.bfloat16))  # a prompt's rows: dequantise once, the ordinary matmul
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    torch.testing.assert_close(auto(x), plain(x), atol=0, rtol=0)  # traced: the dequant pattern, exactly
+    plain(x)
+    assert calls == [(1, 128)]
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("spec,tolerance", [("int8", 0.01), (QuantConfig("int4", G), 0.10),
                                             (QuantConfig("int4", G, lm_head=True), 0.12)])
 def test_quantised_logits_stay_within_stated_tolerance_of_float(tiny, spec, tolerance):
