@@ -52,7 +52,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: the lower index first
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
-    drop_sorted = mass_before >= p  # already reached p without this token; the top token is always kept
+    drop_sorted = mass_before >= p  # already reached p without this token
+    drop_sorted[..., 0] = False  # the top token is always kept (a p below float32's range compares as 0)
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -66,14 +67,19 @@ def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
     """logits [..., V] -> the distribution the draw uses [..., V], float32.
 
     The article's order: temperature, then top-k, then top-p on what is left, then softmax.
-    Temperature 0 is greedy: all the mass on the argmax.
+    Temperature 0 is greedy: all the mass on the argmax. A T below float32's smallest normal number (~1.2e-38),
+    which float32 arithmetic cannot divide by on every device (0/0 there), gives its limit: the mass shared by the
+    tied largest logits (what any T that small gives unless two logits differ by less than ~100 T).
     """
     check_params(temperature, top_k, top_p)
     if temperature == 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits)[..., None], 1.0)
     logits = logits.float()
     logits = logits - logits.amax(-1, keepdim=True)  # the same softmax; a tiny T then gives -inf, never inf - inf
-    scaled = apply_temperature(logits, temperature)
+    if temperature < torch.finfo(torch.float32).tiny:
+        scaled = torch.where(logits == 0, 0.0, float("-inf"))  # T -> 0: the largest logits, alike
+    else:
+        scaled = apply_temperature(logits, temperature)
     return top_p_filter(top_k_filter(scaled, top_k), top_p).softmax(dim=-1)
 
 

@@ -130,12 +130,21 @@ def test_ties_in_bf16_logits_match_float32():
         assert torch.equal(probs(logits, 0.9, **kw), probs(logits.float(), 0.9, **kw))
 
 
-@pytest.mark.parametrize("temperature", [1e-30, 1e-45])
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-45, 1e-46, 1e-300, 5e-324])  # the last ones: 0 in float32
 def test_tiny_temperature_tends_to_greedy_not_nan(temperature):
     logits = torch.tensor([[1.0, 3.0, 2.0], [-5.0, -5.0, -6.0]])
     p = probs(logits, temperature)
     torch.testing.assert_close(p, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
     assert sample(logits, temperature, generator=torch.Generator().manual_seed(0))[0] == 1
+    assert probs(logits, temperature, top_k=1).isfinite().all()
+
+
+@pytest.mark.parametrize("top_p", [1e-30, 1e-46, 1e-300])  # the last two: 0 in float32
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    logits = torch.tensor([[1.0, 3.0, 2.0], [-5.0, -4.0, -6.0]])
+    torch.testing.assert_close(probs(logits, 1.0, top_p=top_p), torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]))
+    draws = sample(logits.expand(2, 2, 3).reshape(4, 3), 0.8, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert draws.tolist() == [1, 1, 1, 1]
 
 
 def test_infinite_logits_and_temperature():
