@@ -143,12 +143,12 @@ class Int8Linear(nn.Module):
         return m
 
     def prepare(self) -> Int8Linear:
-        """Settle the kernel for the weights' device, checking the packed op once. "auto" on a CPU also runs the
-        packed op at a few rows outside a compiled graph, where dequantising widens the whole matrix every call
-        (~8x slower at one row); compiled, it keeps the dequant pattern, which inductor rewrites itself."""
-        auto = self.kernel == "auto"
+        """Settle the kernel for the weights' device, checking the packed op once. "auto" in bf16 on a CPU also runs
+        the packed op at a few rows outside a compiled graph (dequantising widens the whole matrix every call: 3-11x
+        slower at one row; not so in float32 or f16); compiled, the dequant pattern, which inductor rewrites."""
+        auto, bf16_cpu = self.kernel == "auto", self.weight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
         self.kernel = _auto_kernel("int8") if auto else self.kernel
-        packed = (self.kernel == "packed" or auto and self.weight.device.type == "cpu") and self._packed_agrees()
+        packed = (self.kernel == "packed" or auto and bf16_cpu) and self._packed_agrees()
         if self.kernel == "packed" and not packed:
             self.kernel = "dequant"  # this torch, device, dtype or shape has no packed int8 kernel
         self.eager_packed = auto and packed

@@ -94,6 +94,7 @@ def test_auto_int8_runs_the_packed_op_eagerly_on_a_cpu_and_the_dequant_pattern_w
     if not auto.eager_packed:
         pytest.skip("no packed int8 kernel in this PyTorch build on the CPU")
     assert auto.kernel == plain.kernel == "dequant" and not plain.eager_packed
+    assert not Int8Linear.from_linear(lin.float()).eager_packed  # float32: torch's packed op is the slower there
     calls = []
     real = torch_compat.int8_mm
     monkeypatch.setattr(torch_compat, "int8_mm", lambda *a: calls.append(a[0].shape) or real(*a))
