@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import random
 import re
@@ -64,14 +65,16 @@ def classify(symbol: str, dso: str) -> str:
     return f"host: {name}"
 
 
+_resolved = functools.cache(os.path.realpath)  # once per path, not per sample: each costs a few system calls
+
+
 def compiled(dso: str) -> bool:
     """Whether a library is one inductor compiled (the step's kernels): under its default cache directory, or under
     TORCHINDUCTOR_CACHE_DIR's (both sides resolved, as perf records them)."""
     if not dso.endswith(".so"):
         return False
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return "torchinductor" in dso or bool(cache) and os.path.realpath(dso).startswith(
-        os.path.join(os.path.realpath(cache), ""))
+    return "torchinductor" in dso or bool(cache) and _resolved(dso).startswith(os.path.join(_resolved(cache), ""))
 
 
 def by_symbol(symbol: str, dso: str) -> str:
