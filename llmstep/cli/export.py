@@ -12,18 +12,23 @@ def add_commands(sub) -> None:
     e.add_argument("--gguf", required=True, metavar="OUT", help="the .gguf file to write")
     e.add_argument("--model", default=None, help="checkpoint directory (default: the shipped Shakespeare model)")
     e.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                   help="the matrices' type (default: the checkpoint's own; norms stay f32, int8 models are Q8_0)")
+                   help="the matrices' type (default: the checkpoint's own where that rounds nothing, else f32; "
+                        "norms stay f32, int8 models are Q8_0)")
     e.set_defaults(run=run_export)
 
 
 def run_export(args, argv) -> None:
     from ..core.checkpoint import load, resolve_model_path
     from ..core.files import check_output_path
-    from ..core.gguf import export_gguf
+    from ..core.gguf import default_dtype, export_gguf
 
     path = resolve_model_path(args.model)
-    check_output_path(args.gguf, "GGUF")  # before the model is read
+    check_output_path(args.gguf, "GGUF")  # before the model is read; makes nothing (the write makes directories)
     model, tokenizer = load(path, device="cpu")
-    out = export_gguf(model, tokenizer, args.gguf, dtype=args.dtype, name=path.name)
-    print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB) from {path}; run it with llama.cpp: "
-          f"llama-cli -m {out}", file=sys.stderr)
+    dtype = args.dtype or default_dtype(model)
+    out = export_gguf(model, tokenizer, args.gguf, dtype=dtype, name=path.name)
+    why = ""
+    if args.dtype is None and dtype == "f32" and model.config.torch_dtype != "float32":
+        why = f" (not the checkpoint's {model.config.torch_dtype}, which would round its weights)"
+    print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB, matrices {dtype}{why}) from {path}; run it with "
+          f"llama.cpp: llama-cli -m {out}", file=sys.stderr)

@@ -26,7 +26,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-__all__ = ["render", "check_messages"]
+__all__ = ["render", "check_messages", "check_template"]
 
 
 def render(template: str, messages, add_generation_prompt: bool = True,
@@ -49,6 +49,12 @@ def render(template: str, messages, add_generation_prompt: bool = True,
         raise ValueError(f"the chat template failed on these messages: {e}") from None
     except Exception as e:  # the template's own expressions: 'a' + 1, a missing key, ...
         raise ValueError(f"the chat template failed on these messages: {type(e).__name__}: {e}") from None
+
+
+def check_template(template: str) -> None:
+    """Compile `template` now (ValueError if it is not valid Jinja), so that a file whose template is broken is
+    refused when it is read rather than at its first chat; the compiled template is cached for render."""
+    _compile(template)
 
 
 def check_messages(messages) -> list[dict]:

@@ -16,7 +16,7 @@ from .checks import is_finite_number, is_int, is_number
 
 __all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "parse_json",
            "read_json_object", "read_config_json",
-           "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH"]
+           "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH", "TORCH_DTYPES"]
 
 # Sanity bounds, checked before anything is built from a config (a per-layer table, a cache). Far above every
 # published Llama (405B: 126 layers, dim 16384, hidden 53248, context 131072, vocabulary 128256); they only stop
@@ -25,6 +25,7 @@ MAX_LAYERS = 1024
 MAX_CONTEXT = 2**24  # 16.8M positions
 MAX_VOCAB = 2**24
 MAX_WIDTH = 2**20  # dim, hidden_dim, and heads x head_dim
+TORCH_DTYPES = ("bfloat16", "float16", "float32", "float64")  # config.json's torch_dtype: weights' float type
 
 
 class ConfigError(ValueError):
@@ -153,6 +154,9 @@ class LlamaConfig:
             raise ConfigError(f"norm_eps must be between 0 and 1, got {self.norm_eps}")
         if not self.rope_theta > 1:  # theta^(-2i/d) must fall from 1 towards 0; Llama 3 uses 500000
             raise ConfigError(f"rope_theta must be greater than 1, got {self.rope_theta}")
+        if self.torch_dtype not in TORCH_DTYPES:  # else a GPU would load it in a dtype nobody chose
+            raise ConfigError(f"torch_dtype must be one of {', '.join(TORCH_DTYPES)} (the float types llmstep loads "
+                              f"weights in), got {self.torch_dtype!r}")
         for name, tok in [("bos_token_id", self.bos_token_id)] + [("eos_token_id", t) for t in self.eos_token_id]:
             if tok is not None and not is_int(tok):
                 raise ConfigError(f"{name} must be an integer token id, got {tok!r}")

@@ -10,7 +10,8 @@ system has one (Linux's renameat2), else in two renames undone if the second fai
 
 What an output path may be: a new name or an existing regular file. An existing target that is anything else (a
 directory, a device such as /dev/null, a FIFO or `>(process substitution)`, a socket) is refused before any work
-(`check_output_path`) and again by the write itself, so the rename never turns a device into a file. A symlink is
+(`check_output_path`, which makes nothing: a write makes the missing directories, and removes them again if it
+fails) and again by the write itself, so the rename never turns a device into a file. A symlink is
 written through: the file it points to is replaced and the link stays a link (as `>` in a shell does). The
 temporary file is removed when the write is interrupted by an exception, Ctrl-C, or SIGTERM (the CLI turns SIGTERM
 into an exception so that this cleanup runs).
@@ -78,18 +79,31 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _missing_dirs(parent: Path) -> list[Path]:
+    """The directories above a file that do not exist yet, outermost first."""
+    return [p for p in reversed((parent, *parent.parents)) if not p.exists()]
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
     """`with atomic_write(p) as tmp:` write the file `tmp` (by any means: safetensors, a plain write); on leaving
-    the block it replaces `p` in one rename. If the block raises, `p` is untouched and `tmp` is removed."""
+    the block it replaces `p` in one rename. If the block raises, `p` is untouched and `tmp` is removed, and so
+    are the directories above `p` that the write created (only while they are empty)."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a directory; give a file name to write")
     path = write_target(path, "write")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    made = _missing_dirs(path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        _remove_empty(made)
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror} (making a temporary file in {path.parent})"
+                      ) from None
     os.close(fd)
     tmp = Path(name)
+    done = False
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -97,8 +111,20 @@ def atomic_write(path: str | os.PathLike) -> Iterator[Path]:
         tmp.chmod(default_mode())  # mkstemp makes files private (0600); a written file gets the usual mode
         os.replace(tmp, path)
         fsync_dir(path.parent)
+        done = True
     finally:
         tmp.unlink(missing_ok=True)
+        if not done:
+            _remove_empty(made)
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove the directories a failed write made, innermost first, each only if it is (still) empty."""
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _write_with(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
@@ -122,21 +148,23 @@ def atomic_write_json(path: str | os.PathLike, obj, **dumps_kwargs) -> Path:
 
 def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
     """Refuse, before any work, an output path that cannot be written: a directory, a device, FIFO or socket, a
-    file whose parent is a file, or a directory that is not writable. The parent directory is created if missing.
-    Returns the path (a symlink is written through, so its target's directory is the one checked)."""
+    file whose parent is a file, or a directory where no file can be made (read-only, /proc). Nothing is left
+    behind: missing directories are not made here (the write makes them), and the probe file made in the nearest
+    existing directory is removed at once. Returns the path (a symlink is written through, so its target's
+    directory is the one checked)."""
     path = Path(path)
     parent = write_target(path, what).parent
-    for p in (parent, *parent.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise ValueError(f"{what} path {path}: {p} is a file, not a directory")
-            break
+    existing = next(p for p in (parent, *parent.parents, Path(".")) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{what} path {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} path {path}: {existing} is not writable")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=existing)
     except OSError as e:
-        raise ValueError(f"{what} path {path}: cannot create {parent} ({e.strerror})") from None
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"{what} path {path}: {parent} is not writable")
+        raise ValueError(f"{what} path {path}: cannot create a file in {existing} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
 
 

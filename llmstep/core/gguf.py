@@ -42,13 +42,17 @@ from .quantize import Int4Linear, Int8Linear
 from .rope import inv_frequencies
 from .tokens import Tokenizer
 
-__all__ = ["GGUFError", "DTYPES", "CHAT_TEMPLATE", "GGUF_NAMES", "LLAMA3_SPLIT", "export_gguf", "gguf_tensors",
-           "gguf_vocab", "to_interleaved", "from_interleaved", "qk_rows", "rope_freq_factors", "pre_tokenizer_name"]
+__all__ = ["GGUFError", "DTYPES", "CHAT_TEMPLATE", "GGUF_NAMES", "LLAMA3_SPLIT", "SAMPLING_KEYS", "export_gguf",
+           "gguf_tensors", "gguf_vocab", "default_dtype", "sampling_fields", "to_interleaved", "from_interleaved",
+           "qk_rows", "rope_freq_factors", "pre_tokenizer_name"]
 
 # --dtype -> (torch dtype, GGML type name, gguf.LlamaFileType name)
 DTYPES = {"f32": (torch.float32, "F32", "ALL_F32"), "bf16": (torch.bfloat16, "BF16", "MOSTLY_BF16"),
           "f16": (torch.float16, "F16", "MOSTLY_F16")}
 _FROM_TORCH = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}  # config.json's torch_dtype -> default
+# generation_config's sampling defaults -> llama.cpp's keys (gguf.Keys.General.SAMPLING_*), written and read back
+SAMPLING_KEYS = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
+                 "top_p": "general.sampling.top_p"}
 Q8_BLOCK = 32  # Q8_0: 32 int8 values share one float16 scale (ggml-common.h, block_q8_0)
 
 # llmstep name -> GGUF name (gguf.TENSOR_NAMES of MODEL_ARCH.LLAMA, with ".weight"); {i} is the block.
@@ -174,6 +178,29 @@ def gguf_tensors(model: Llama, dtype: str) -> dict[str, tuple[np.ndarray, str]]:
     return out
 
 
+def default_dtype(model: Llama) -> str:
+    """The --dtype an export without one uses: the checkpoint's own (config.torch_dtype) where every float matrix
+    is exactly a number of that type, else f32. A model dequantized from a Q4_1 GGUF holds d * q + m, which
+    bfloat16 would round, although its config says bfloat16 (llmstep.core.gguf_load): the default never rounds."""
+    want = _FROM_TORCH.get(model.config.torch_dtype, "f32")
+    if want == "f32":
+        return want
+    kind = DTYPES[want][0]
+    exact = all(torch.equal(w.to(kind).to(w.dtype), w) for w in model.parameters()
+                if w.dim() == 2 and w.is_floating_point() and w.dtype != kind)
+    return want if exact else "f32"
+
+
+def sampling_fields(generation_config: dict) -> dict[str, float | int]:
+    """The general.sampling.* values (llama.cpp's sampling defaults) of a generation_config: temperature, top_k
+    and top_p as it gives them; do_sample false (greedy, transformers' rule) is temperature 0, greedy in llama.cpp
+    and in llmstep alike, so the file samples as the checkpoint did."""
+    gen = dict(generation_config or {})
+    if gen.get("do_sample") is False:
+        gen["temperature"] = 0.0
+    return {key: gen[ours] for ours, key in SAMPLING_KEYS.items() if gen.get(ours) is not None}
+
+
 # ---- the tokenizer ---------------------------------------------------------------------------------------
 def pre_tokenizer_name(spec: dict) -> str:
     """tokenizer.json (parsed) -> llama.cpp's name for how it splits text before BPE, or GGUFError."""
@@ -248,11 +275,12 @@ def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | os.PathLike, dty
                 name: str | None = None) -> Path:
     """Write `model` and `tokenizer` to the GGUF file `path`; return the path.
 
-    `dtype`: "f32", "bf16" or "f16" for the matrices and the embedding (None: the checkpoint's own, from
-    config.torch_dtype, else f32); norms stay float32, an int8 model's matrices are Q8_0. Everything is
-    checked and converted before the file is opened; the file appears whole or not at all."""
+    `dtype`: "f32", "bf16" or "f16" for the matrices and the embedding (None: `default_dtype`, the checkpoint's
+    own where that rounds nothing, else f32); norms stay float32, an int8 model's matrices are Q8_0. The model's
+    sampling defaults (generation_config) go in as general.sampling.*. Everything is checked and converted
+    before the file is opened; the file appears whole or not at all."""
     if dtype is None:
-        dtype = _FROM_TORCH.get(model.config.torch_dtype, "f32")
+        dtype = default_dtype(model)
     if dtype not in DTYPES:
         raise GGUFError(f"unknown GGUF dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     path = check_output_path(path, "GGUF")
@@ -261,6 +289,7 @@ def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | os.PathLike, dty
     vocab = gguf_vocab(tokenizer, c.vocab_size)
     tensors = gguf_tensors(model, dtype)
     quantised = any(kind == "Q8_0" for _, kind in tensors.values())
+    sampling = sampling_fields(getattr(model, "generation_config", None) or {})
     file_type = "MOSTLY_Q8_0" if quantised else DTYPES[dtype][2]
 
     with atomic_write(path) as tmp:
@@ -294,6 +323,8 @@ def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | os.PathLike, dty
             w.add_chat_template(tokenizer.chat_template)
         elif tokenizer.has_chat_format:
             w.add_chat_template(CHAT_TEMPLATE)
+        for key, value in sampling.items():  # llama.cpp's types: top_k int32, the others float32
+            (w.add_int32 if key.endswith("top_k") else w.add_float32)(key, value)
         for tensor_name, (array, kind) in tensors.items():
             w.add_tensor(tensor_name, array, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
         w.write_header_to_file()

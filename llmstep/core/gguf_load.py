@@ -17,8 +17,9 @@
 - the tokenizer (llmstep.core.gguf_vocab), the chat template, bos/eos, and sampling defaults
   (`general.sampling.*`) as the model's generation_config.
 
-Everything is checked before a weight is read: the architecture, every tensor's name, shape and type, the
-tokenizer, and the model's size against the device's memory. A file that is not GGUF, or ends early, is a
+Everything is checked before a weight is read: the architecture, every tensor's name, shape and type, where its
+bytes lie (`check_layout`: llama.cpp's rule, each tensor right after the one before, aligned), the tokenizer and
+its chat template, and the model's size against the device's memory. A file that is not GGUF, or ends early, is a
 GGUFLoadError naming it.
 """
 
@@ -36,7 +37,7 @@ from .checks import is_finite_number, is_int
 from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device
-from .gguf import GGUF_NAMES, from_interleaved, qk_rows
+from .gguf import GGUF_NAMES, SAMPLING_KEYS, from_interleaved, qk_rows
 from .gguf_vocab import GGUFVocabError, build_tokenizer
 from .loader import check_finite, dtype_name, load_dtype, quantized
 from .model import Llama, all_finite, materialize
@@ -52,8 +53,6 @@ MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 KEEPS = ("Q4_0", "Q4_1")  # types keep_quantized holds as llmstep int4, group size 32 (GGUF's block)
 BLOCK = 32
-_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-             "general.sampling.top_p": "top_p"}
 
 
 class GGUFLoadError(ValueError):
@@ -110,12 +109,55 @@ class GGUFModel:
 def _open(path: Path):
     gguf = _gguf()
     size = path.stat().st_size
-    if size < 8 or not is_gguf(path):
+    if not is_gguf(path):
         raise GGUFLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    if size < 24:  # magic, version, tensor count, metadata count
+        raise GGUFLoadError(f"{path}: truncated GGUF file ({size} bytes: the header alone takes 24)")
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OverflowError, MemoryError) as e:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, ZeroDivisionError) as e:
+        if "alignment" in str(e) or isinstance(e, ZeroDivisionError):  # the reader's own check of the key
+            raise GGUFLoadError(f"{path}: metadata general.alignment must be a uint32 power of two ({e})") from None
         raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+    check_layout(reader, str(path))
+    return reader
+
+
+def check_layout(reader, where: str) -> None:
+    """Refuse a tensor table that does not tile the data section, naming the tensor; no tensor's bytes are read.
+
+    The table gives each tensor's type, shape and offset; its size follows from the type and shape (whole blocks
+    for the quantized types). llama.cpp's gguf.cpp requires each offset to be exactly where the tensor before it
+    ends, rounded up to general.alignment (a power of two, 32 when absent), and the last to end inside the file;
+    so is it here. A wrong offset (misaligned, overlapping) or a wrong type would otherwise load as garbage."""
+    gguf = _gguf()
+    field = reader.fields.get("general.alignment")  # older readers do not check the key themselves
+    align = int(field.parts[-1][0]) if field is not None and field.types == [gguf.GGUFValueType.UINT32] else 0
+    if field is not None and (align <= 0 or align & (align - 1)):
+        raise GGUFLoadError(f"{where}: metadata general.alignment must be a uint32 power of two")
+    align = align or gguf.GGUF_DEFAULT_ALIGNMENT
+    expected, before, room = 0, None, len(reader.data) - reader.data_offset
+    for t in reader.tensors:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        shape, kind = [int(d) for d in t.shape], t.tensor_type.name
+        if shape[0] % block:
+            raise GGUFLoadError(f"{where}: tensor {t.name} is {kind}, whose blocks hold {block} values, but its rows "
+                                f"hold {shape[0]}")
+        size, offset = t.n_elements // block * block_bytes, int(t.field.parts[-1][0])
+        what = f"tensor {t.name} ({kind} {shape}, {size} bytes) starts at data offset {offset}"
+        if offset != expected:
+            if offset % align:
+                why = f"not a multiple of general.alignment {align}"
+            elif before is None:
+                why = "the first tensor starts the data section"
+            else:
+                why = (("before the end of " if offset < expected else "leaving a gap after ")
+                       + f"{before[0]} ({before[1]}, {before[2]} bytes from offset {before[3]})")
+            raise GGUFLoadError(f"{where}: {what}, expected {expected} ({why}); the tensor table is damaged")
+        if offset + size > room:
+            raise GGUFLoadError(f"{where}: {what} and ends past the end of the file ({room} bytes of tensor data); "
+                                "the file is truncated")
+        before, expected = (t.name, kind, size, offset), offset + -(-size // align) * align
 
 
 def _fields(reader) -> dict:
@@ -202,6 +244,11 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
     return raw
 
 
+def _shortest(value):
+    """A float32 metadata number as the shortest decimal it is (0.8, not 0.800000011920929); others unchanged."""
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
 def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     arch = fields.get("general.architecture")
     if arch != "llama":
@@ -232,6 +279,9 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
         t = tensors["rope_freqs.weight"]
         if t.tensor_type.name != "F32":
             raise GGUFLoadError(f"{where}: rope_freqs.weight must be F32, it is {t.tensor_type.name}")
+        if [int(d) for d in t.shape] != [head_dim // 2]:  # one factor per rotary pair, nothing else
+            raise GGUFLoadError(f"{where}: rope_freqs.weight has shape {list(reversed(t.shape.tolist()))}; it must "
+                                f"be 1-D with {head_dim // 2} factors (one per pair of the head size {head_dim})")
         scaling = rope_scaling_of(np.array(t.data), head_dim, theta, where)
     fields_ids = {"bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
                   "eos_token_id": fields.get("tokenizer.ggml.eos_token_id")}
@@ -282,7 +332,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         raise GGUFLoadError(f"{where}: the tokenizer has {tokenizer.vocab_size} tokens, the model's vocabulary "
                             f"{config.vocab_size}")
     tokenizer.padded_vocab_size = config.vocab_size  # as checkpoint.check_files: padding ids decode to nothing
-    generation = {ours: fields[key] for key, ours in _SAMPLING.items() if key in fields}
+    generation = {ours: _shortest(fields[key]) for ours, key in SAMPLING_KEYS.items() if key in fields}
     try:
         generation = check_generation_config(generation, f"{where} (general.sampling.*)")
     except ConfigError as e:

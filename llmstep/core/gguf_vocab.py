@@ -20,6 +20,7 @@ import json
 
 import tokenizers
 
+from .chat import check_template
 from .tokens import Tokenizer
 
 __all__ = ["PRE_TOKENIZERS", "GGUFVocabError", "EOG_TEXTS", "build_tokenizer", "pre_tokenizer_spec"]
@@ -141,5 +142,10 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
     template = fields.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise GGUFVocabError(f"{where}: tokenizer.chat_template must be a string")
+    if template is not None:  # a broken template is refused now, not after the weights load at the first chat
+        try:
+            check_template(template)
+        except ValueError as e:
+            raise GGUFVocabError(f"{where}: tokenizer.chat_template: {e}") from None
     return Tokenizer(tok, bos_id=bos, eos_ids=[i for i in ends if i is not None], add_bos=add_bos,
                      chat_template=template)

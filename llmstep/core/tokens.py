@@ -135,6 +135,8 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode takes a str, got {type(text).__name__}")
         _check_encodable(text)
+        if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):  # 0 leaves room for no text
+            raise ValueError(f"max_tokens must be a whole number of at least 1, got {max_tokens!r}")
         if max_tokens is not None and len(text) > max_tokens and len(text.encode()) > max_tokens * self.longest:
             raise ValueError(f"the text is {len(text.encode()):,} bytes, at least "
                              f"{len(text.encode()) // self.longest:,} tokens: more than the {max_tokens:,} there is "
@@ -368,10 +370,14 @@ class StreamDecoder:
         self._emitted = 0  # characters returned so far
 
     def step(self, token_id: int) -> str:
-        """The new text this id completes ('' while a character is still incomplete)."""
+        """The new text this id completes ('' while a character is still incomplete). An id that is not one of the
+        vocabulary's is refused before it is kept, so the stream stays usable (flush() included)."""
+        token_id = token_id.tolist() if hasattr(token_id, "tolist") else token_id  # a 0-d tensor or numpy int
+        padded = max(getattr(self.tokenizer, "padded_vocab_size", 0), self.tokenizer.vocab_size)
+        if not (_is_id(token_id) and token_id < padded):
+            raise ValueError(f"cannot decode token id {token_id!r}: ids are integers in 0..{padded - 1}")
         self._ids.append(int(token_id))
         if token_id >= self.tokenizer.vocab_size:  # padding past the tokenizer's ids: nothing, as decode gives
-            self.tokenizer.decode([token_id])  # ... but an id past the padding too is refused, by decode's rule
             return ""
         text = self._stream.step(self.tokenizer.tok, int(token_id)) or ""
         self._emitted += len(text)

@@ -3,6 +3,8 @@ directory ends the command with one line and exit status 2, before the model is 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from llmstep import cli
@@ -43,3 +45,29 @@ def test_an_output_that_is_a_directory_is_refused_before_the_model_is_read(tmp_p
         cli.main(["export", "--gguf", str(tmp_path)])
     assert e.value.code == 2
     assert capsys.readouterr().err == f"llmstep export: error: GGUF path {tmp_path} is a directory; give a file name\n"
+
+
+def test_a_model_that_fails_to_load_leaves_no_output_directory_behind(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF")  # cut after the magic
+    out = tmp_path / "nd" / "deep" / "out.gguf"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--gguf", str(out), "--model", str(bad)])
+    assert e.value.code == 2 and "truncated GGUF file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]  # no nd/, no nd/deep/
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no file can be made")
+def test_an_output_directory_where_no_file_can_be_made_is_refused_by_name_before_the_model_is_read(capsys,
+                                                                                                   monkeypatch):
+    import llmstep.core.checkpoint as checkpoint
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(checkpoint, "load", never)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--gguf", "/proc/x.gguf"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("llmstep export: error: GGUF path /proc/x.gguf: cannot create a file "
+                                                "in /proc (") and ".tmp" not in err

@@ -65,3 +65,13 @@ def test_checkpoint_bytes_is_the_sum_over_the_checkpoints_tensors(spec, tied):
     want = sum(math.prod(shape) * (dtype_bytes(torch.bfloat16) if kind == "float" else 1)
                for _, shape, kind in tensor_table(cfg, qc).values())
     assert checkpoint_bytes(cfg, torch.bfloat16, qc) == want
+
+
+@pytest.mark.parametrize("dtype", ["int8", "auto", "float8_e4m3fn"])
+def test_a_torch_dtype_llmstep_does_not_load_in_is_refused_by_name(dtype):
+    hf = {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "intermediate_size": 96, "torch_dtype": dtype}
+    with pytest.raises(ValueError, match=f"^m/config.json: torch_dtype must be one of bfloat16, float16, float32, "
+                                         f"float64 .*got '{dtype}'"):
+        LlamaConfig.from_hf(hf, "m/config.json")
+    assert LlamaConfig.from_hf(hf | {"torch_dtype": "float16"}).torch_dtype == "float16"

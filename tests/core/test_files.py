@@ -62,6 +62,28 @@ def test_output_paths_are_refused_before_any_work(tmp_path):
     with pytest.raises(IsADirectoryError):
         files.atomic_write_text(tmp_path, "x")
     assert files.check_output_path(tmp_path / "new" / "out.json") == tmp_path / "new" / "out.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # checking made nothing, not even new/
+
+
+def test_a_failed_write_removes_the_directories_it_made(tmp_path):
+    class Boom(Exception):
+        pass
+
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(Boom), files.atomic_write(tmp_path / "kept" / "a" / "b" / "out.bin") as tmp:
+        tmp.write_bytes(b"half")
+        raise Boom("interrupted")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]
+    files.atomic_write_text(tmp_path / "kept" / "a" / "b" / "out.txt", "whole")  # a write that ends keeps them
+    assert (tmp_path / "kept" / "a" / "b" / "out.txt").read_text() == "whole"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_a_directory_where_no_file_can_be_made_is_named_with_the_users_path():
+    with pytest.raises(ValueError, match=r"^--out path /proc/x.json: cannot create a file in /proc \("):
+        files.check_output_path("/proc/x.json", "--out")
+    with pytest.raises(OSError, match=r"cannot write /proc/x.json: .* \(making a temporary file in /proc\)"):
+        files.atomic_write_text("/proc/x.json", "x")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")

@@ -67,3 +67,21 @@ def test_a_stop_or_start_id_outside_the_tokenizer_is_named_with_its_file(tmp_pat
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99999]}))
     with pytest.raises(ValueError, match=r"eos_token_id 99999 is outside tokenizer.json's vocabulary \(0..8191\)"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9, 2.5, "7"])
+def test_a_stream_refuses_an_id_by_value_and_stays_usable(tok, bad):
+    ids = tok.encode("ROMEO: hi", bos=False)
+    stream = tok.stream()
+    text = stream.step(ids[0])
+    with pytest.raises(ValueError, match=f"cannot decode token id {bad!r}: ids are integers in 0.."):
+        stream.step(bad)
+    text += "".join(stream.step(i) for i in ids[1:]) + stream.flush()
+    assert text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_encode_refuses_a_max_tokens_that_leaves_no_room_by_name(tok, bad):
+    with pytest.raises(ValueError, match=f"max_tokens must be a whole number of at least 1, got {bad!r}"):
+        tok.encode("a", max_tokens=bad)
+    assert tok.encode("a", bos=False, max_tokens=1) == tok.encode("a", bos=False)

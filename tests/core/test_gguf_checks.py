@@ -1,0 +1,200 @@
+"""What read_gguf refuses before a weight is read (a tensor table that does not tile the data section, a bad
+general.alignment, a rope_freqs tensor of the wrong shape, a chat template that is not Jinja, a file cut after its
+magic) and what export keeps (the sampling defaults; a dequantized model's weights, unrounded by default). Files are
+written by export_gguf, then rewritten or patched byte by byte with the gguf package's reader and writer."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from gguf_oracle import random_llama
+
+from llmstep import cli
+from llmstep.core.config import RopeScaling
+from llmstep.core.gguf import export_gguf
+from llmstep.core.gguf_load import GGUFLoadError, load_gguf, read_gguf
+from llmstep.core.tokens import Tokenizer
+
+gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_file) -> Tokenizer:
+    return Tokenizer.from_file(tokenizer_file)
+
+
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("a weight was read before the file was refused")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", boom)
+
+
+def rewrite(src, dst, fields: dict | None = None, tensors=lambda name, array, kind: (array, kind)):
+    """Copy the GGUF file `src` to `dst`: metadata `fields` added or replaced (key -> (value, GGUFValueType)),
+    every tensor passed through `tensors(name, array, type name) -> (array, type name)` (arrays of F32 files)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), "llama")
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in (fields or {}):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for key, (value, kind) in (fields or {}).items():
+        w.add_key_value(key, value, kind)
+    for t in r.tensors:
+        array, kind = tensors(t.name, np.array(t.data), t.tensor_type.name)
+        w.add_tensor(t.name, array, raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def patch_entry(path, name: str, offset: int | None = None, kind: str | None = None):
+    """Overwrite tensor `name`'s table entry in place: its data offset and/or its GGML type."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    at = t.field.offset + sum(p.nbytes for p in t.field.parts[:-2])  # the type (uint32), then the offset (uint64)
+    data = bytearray(path.read_bytes())
+    if kind is not None:
+        data[at:at + 4] = struct.pack("<I", int(gguf.GGMLQuantizationType[kind]))
+    if offset is not None:
+        data[at + 4:at + 12] = struct.pack("<Q", offset)
+    path.write_bytes(bytes(data))
+    return int(t.field.parts[-1][0])
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ("offset+2", r"blk.0.attn_q.weight \(BF16 \[64, 64\], 8192 bytes\) starts at data offset \d+, expected \d+ "
+                 r"\(not a multiple of general.alignment 32\)"),
+    ("offset0", r"blk.0.attn_q.weight \(BF16 \[64, 64\], 8192 bytes\) starts at data offset 0, expected \d+ "
+                r"\(before the end of blk.0.attn_norm.weight"),
+    ("Q8_0", r"blk.0.attn_k.weight .*\(leaving a gap after blk.0.attn_q.weight \(Q8_0, 4352 bytes"),
+    ("F32", r"blk.0.attn_k.weight .*\(before the end of blk.0.attn_q.weight \(F32, 16384 bytes"),
+])
+def test_a_tensor_table_entry_that_does_not_tile_the_data_is_refused_naming_the_tensor(tmp_path, tokenizer,
+                                                                                         no_weight_read, change, match):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="bf16")
+    if change.startswith("offset"):
+        old = patch_entry(path, "blk.0.attn_q.weight")
+        patch_entry(path, "blk.0.attn_q.weight", offset=old + 2 if change == "offset+2" else 0)
+    else:  # the same shape in another type: its size no longer fits the space the table leaves it
+        patch_entry(path, "blk.0.attn_q.weight", kind=change)
+    with pytest.raises(GGUFLoadError, match=match):
+        load_gguf(path, device="cpu")
+
+
+def test_an_untouched_file_tiles_its_data_section_and_loads(tmp_path, tokenizer):
+    model = random_llama()
+    path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    got, _ = load_gguf(path, device="cpu")
+    assert torch.equal(got.layers[0].attention.wq.weight, model.layers[0].attention.wq.weight)
+
+
+@pytest.mark.parametrize("value", [(3, "UINT32"), (0, "UINT32"), ("32", "STRING")])
+def test_a_general_alignment_that_is_not_a_power_of_two_is_refused_by_name(tmp_path, tokenizer, value):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    bad = rewrite(path, tmp_path / "bad.gguf", {"general.alignment": (value[0], gguf.GGUFValueType[value[1]])})
+    with pytest.raises(GGUFLoadError, match="general.alignment must be a uint32 power of two"):
+        read_gguf(bad)
+
+
+def test_a_power_of_two_alignment_other_than_32_loads(tmp_path, tokenizer):
+    model = random_llama()
+    path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    r = gguf.GGUFReader(path)
+    w = gguf.GGUFWriter(str(tmp_path / "a64.gguf"), "llama")
+    w.data_alignment = 64  # what add_custom_alignment sets, with the key written below
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    w.add_uint32("general.alignment", 64)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gguf.GGUFReader(tmp_path / "a64.gguf").alignment == 64
+    got, _ = load_gguf(tmp_path / "a64.gguf", device="cpu")
+    assert torch.equal(got.output.weight, model.output.weight)
+
+
+def test_rope_freqs_that_is_not_one_factor_per_pair_is_refused_by_shape(tmp_path, tokenizer):
+    scaling = RopeScaling(factor=8.0, original_max_position_embeddings=16)
+    path = export_gguf(random_llama(rope_scaling=scaling), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    assert read_gguf(path).config.rope_scaling is not None  # head_dim 8: 4 factors, read back
+
+    def two_rows(name, array, kind):
+        return (array.reshape(2, -1), kind) if name == "rope_freqs.weight" else (array, kind)
+
+    bad = rewrite(path, tmp_path / "bad.gguf", tensors=two_rows)
+    with pytest.raises(GGUFLoadError, match=r"rope_freqs.weight has shape \[2, 2\]; it must be 1-D with 4 factors"):
+        read_gguf(bad)
+
+
+def test_a_chat_template_that_is_not_jinja_is_refused_when_the_file_is_read(tmp_path, tokenizer, no_weight_read):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    key = "tokenizer.chat_template"
+    bad = rewrite(path, tmp_path / "bad.gguf", {key: ("{% for x in %}", gguf.GGUFValueType.STRING)})
+    with pytest.raises(GGUFLoadError, match="tokenizer.chat_template: the chat template is not valid Jinja: line 1"):
+        read_gguf(bad)
+    refusing = "{{ raise_exception('no chats') }}"  # valid Jinja that fails only when used: the file still loads
+    fine = rewrite(path, tmp_path / "fine.gguf", {key: (refusing, gguf.GGUFValueType.STRING)})
+    assert read_gguf(fine).tokenizer.chat_template == refusing
+
+
+def test_a_file_cut_right_after_its_magic_is_called_truncated(tmp_path):
+    for content in (b"GGUF", b"GGUF\x03\x00\x00\x00"):
+        (tmp_path / "cut.gguf").write_bytes(content)
+        with pytest.raises(GGUFLoadError, match=r"truncated GGUF file \(\d+ bytes"):
+            read_gguf(tmp_path / "cut.gguf")
+
+
+# ---- export keeps what the loader reads ----------------------------------------------------------------------
+@pytest.mark.parametrize(("gen", "expected"), [
+    ({"do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 40}, {"temperature": 0.8, "top_p": 0.95,
+                                                                          "top_k": 40}),
+    ({"do_sample": False, "temperature": 0.6, "top_p": 0.9}, {"temperature": 0.0, "top_p": 0.9}),
+    ({}, {}),
+])
+def test_the_sampling_defaults_survive_an_export_and_a_load(tmp_path, tokenizer, gen, expected):
+    model = random_llama()
+    model.generation_config = gen
+    path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    got = read_gguf(path).generation_config
+    assert {k: v for k, v in got.items() if k != "eos_token_id"} == expected
+
+
+def q4_1_file(tmp_path, tokenizer):
+    """A file whose matrices are Q4_1 (norms F32), as llama.cpp's quantize writes one."""
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "f32.gguf", dtype="f32")
+
+    def q4(name, array, kind):
+        return (gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q4_1), "Q4_1") if array.ndim == 2 else (
+            array, kind)
+
+    return rewrite(path, tmp_path / "q4_1.gguf", tensors=q4)
+
+
+def test_exporting_a_dequantized_q4_1_model_by_default_rounds_nothing(tmp_path, tokenizer):
+    model, tok = load_gguf(q4_1_file(tmp_path, tokenizer), device="cpu")
+    assert model.config.torch_dtype == "bfloat16"  # what a GPU loads it in; d * q + m is rarely a bfloat16
+    path = export_gguf(model, tok, tmp_path / "again.gguf")
+    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32"}
+    again, _ = load_gguf(path, device="cpu")
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_export_command_says_which_type_it_wrote_a_quantized_file_in(tmp_path, tokenizer, capsys):
+    out = tmp_path / "out.gguf"
+    cli.main(["export", "--gguf", str(out), "--model", str(q4_1_file(tmp_path, tokenizer))])
+    assert {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} == {"F32"}
+    assert "matrices f32 (not the checkpoint's bfloat16, which would round its weights)" in capsys.readouterr().err
