@@ -199,8 +199,10 @@ class SpeculativeGeneration(Generation, Rounds):
         return sum(self.overlap) / len(self.overlap) if self.overlap else float("nan")
 
     def summary(self) -> str:
-        return (super().summary() + f"\nspeculative: k={self.k}, {self.rounds} target forwards, "
-                f"{self.draft_forwards} draft forwards, acceptance {self.acceptance_rate:.1%} "
+        line = f"\nspeculative: k={self.k}, {self.rounds} target forwards, {self.draft_forwards} draft forwards, "
+        if not self.examined:  # too few tokens for a round with a draft token (the last round may have none)
+            return super().summary() + line + "no draft token examined: no acceptance measured"
+        return (super().summary() + line + f"acceptance {self.acceptance_rate:.1%} "
                 f"(expected {self.expected_acceptance_rate:.1%}), {self.tokens_per_target_forward:.2f} tokens "
                 f"per target forward (theory {self.theory_tokens_per_forward:.2f})")
 

@@ -104,6 +104,16 @@ def test_the_drafts_exercise_both_rejection_and_full_acceptance(target, drafts, 
     assert independent.acceptance_rate < 0.2
 
 
+@pytest.mark.parametrize("max_new_tokens, measured", [(1, False), (2, False), (12, True)])
+def test_the_summary_says_so_when_no_draft_token_was_examined(target, drafts, tok, max_new_tokens, measured):
+    """One or two new tokens leave no round with a draft token: no acceptance to print (it printed nan%)."""
+    out = speculative_generate(target, drafts["noisy-copy"], tok, PROMPT, k=4, max_new_tokens=max_new_tokens,
+                               temperature=0, stop_ids=[])
+    text = out.summary().splitlines()[-1]
+    assert "nan" not in text and bool(re.search(r"acceptance \d", text)) == measured
+    assert ("no acceptance measured" in text) != measured
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 9, 10])
 def test_k_larger_than_the_budget_stops_exactly_at_max_new_tokens(target, drafts, tok, max_new_tokens):
     ref = plain_greedy(target, tok, max_new_tokens, stop_ids=[])
