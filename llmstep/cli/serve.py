@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import socket
 import sys
 
 from .args import add_attention_arg, nonneg_int, parse_range, positive_int, seed
@@ -31,6 +32,28 @@ def rates(text: str) -> list[float]:
     return out
 
 
+def port(text: str) -> int:
+    """A TCP port: 0 .. 65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 0 .. 65535 (0: any free one), got {text}")
+    return value
+
+
+def host(text: str) -> str:
+    """An address to listen on, as a name or a number this machine can resolve; checked before the model loads."""
+    try:
+        socket.getaddrinfo(text, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:  # socket.gaierror is an OSError; an over-long label a UnicodeError
+        reason = getattr(e, "strerror", None) or str(e)
+        raise argparse.ArgumentTypeError(f"{text!r} is not an address this machine can listen on ({reason})") \
+            from None
+    return text
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over continuous batching (paged KV cache)",
                        description="Serve a model over HTTP with the OpenAI API (/v1/completions, "
@@ -38,8 +61,9 @@ def add_commands(sub) -> None:
                                    "batching over the paged KV cache, prefix caching and chunked prefill.",
                        epilog=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="any name or path llmstep.load takes (default: the shipped model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; see below)")
-    p.add_argument("--port", type=nonneg_int, default=8000, help="TCP port (0: any free one, printed)")
+    p.add_argument("--host", type=host, default="127.0.0.1",
+                   help="address to bind (default: loopback only; see below)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port, 0 .. 65535 (0: any free one, printed)")
     p.add_argument("--slots", type=positive_int, default=8, help="most requests decoding at once")
     p.add_argument("--max-queue", type=nonneg_int, default=64,
                    help="most requests waiting for a slot; beyond that a request gets HTTP 429 at once")

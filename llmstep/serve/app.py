@@ -11,8 +11,12 @@ Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/complet
 template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data: {json}` events, then `data: [DONE]`)
 or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens skipped), as `llmstep.generate` does,
 and cut before a `stop` string (the engine then drops the request). The model's end-of-sequence tokens end a
-request with finish_reason "stop"; its max_tokens, or the end of the context, with "length". A client that goes
-away, mid-stream or while waiting for a whole answer, has its request dropped at the next token.
+request with finish_reason "stop"; its max_tokens, or the end of the context, with "length". A request is checked
+whole before it is queued, its length against what the server holds (`Engine.context`: the model's context or the
+KV pool, whichever is less), so the engine never refuses one; if it still does, that is a 400 (an error event,
+then [DONE], once a stream has begun). A client that goes away, mid-stream, or while its request waits for a
+slot or runs for a whole answer, has its request dropped at once. Text is tokenised off the event loop, and a
+text too long to fit is refused unread.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from ..core.tokens import Tokenizer
 from ..engines.batching import Request as EngineRequest
@@ -38,13 +43,20 @@ from .protocol import RequestError, Sampling
 __all__ = ["create_app", "make_server", "bind", "serve", "background"]
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: int) -> FastAPI:
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
     """The app over a started engine. model_name: what /v1/models lists and requests may name."""
     app = FastAPI(title="llmstep serve", docs_url=None, redoc_url=None, openapi_url=None)
+    context = engine.context  # the most tokens, prompt and new, one request may have
 
     @app.exception_handler(RequestError)
     async def bad_request(_, e: RequestError):
         return JSONResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def no_route(_, e: HTTPException):  # 404, 405: in OpenAI's shape too, not FastAPI's {"detail": ...}
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(protocol.error_body(str(e.detail), "invalid_request_error", None, code),
+                            status_code=e.status_code, headers=e.headers)
 
     @app.get("/health")
     async def health():
@@ -68,8 +80,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
                                "model", "model_not_found", status=404)
         return body
 
-    def generate(ids: list[int], sampling: Sampling) -> tuple[asyncio.Queue, object]:
-        max_new = protocol.check_length(len(ids), sampling, context)
+    def generate(ids: list[int], sampling: Sampling, prompt_param: str) -> tuple[asyncio.Queue, object]:
+        max_new = protocol.check_length(len(ids), sampling, context, prompt_param)
         request = EngineRequest(ids, max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
                                 top_p=sampling.top_p, seed=sampling.seed,
                                 stop_ids=() if sampling.ignore_eos else None)  # None: the model's end tokens
@@ -87,7 +99,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
         try:
             while reason is None:
                 item = await ticket.queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException):  # EngineStopped, or a ValueError: the session refused it
                     raise item
                 token, reason = item
                 if token is not None and token >= 0:
@@ -96,7 +108,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
                     text = stop_text.feed(text + (detok.flush() if reason else ""))
                     if stop_text.stopped:
                         reason = "stop"
-                        engine.cancel(ticket)  # it may still be running: free its slot and blocks now
+                        engine.cancel(ticket, stop_string=True)  # it may still be running: free its slot now
                     elif reason:
                         text += stop_text.flush()
                     yield text, (None if reason is None else "length" if reason == "context" else reason), n
@@ -109,21 +121,29 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
     def sse(body: dict | str) -> str:
         return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
 
+    async def whole(ticket, sampling: Sampling) -> tuple[str, str, int]:
+        """(text, finish_reason, tokens) of a whole answer; cancelled, it cancels the request in the engine."""
+        text, reason, n = "", "length", 0
+        made_so_far = pieces(ticket, sampling)
+        try:
+            async for piece, finish, made in made_so_far:
+                text, reason, n = text + piece, finish, made
+        except EngineStopped as e:
+            raise RequestError(str(e), None, "engine_stopped", status=503, type="server_error") from None
+        except ValueError as e:  # the session's own check refused it (the web layer's checks should have)
+            raise RequestError(str(e), None, "invalid_value") from None
+        finally:
+            await made_so_far.aclose()  # cancels the request in the engine if it has not finished
+        return text, reason, n
+
     async def answer(http: Request, ids: list[int], sampling: Sampling, chat: bool):
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        ticket = generate(ids, sampling)
+        ticket = generate(ids, sampling, "messages" if chat else "prompt")
         if not sampling.stream:
-            text, reason, n = "", "length", 0
-            made_so_far = pieces(ticket, sampling)
-            try:
-                async for piece, finish, made in made_so_far:
-                    text, reason, n = text + piece, finish, made
-                    if finish is None and await http.is_disconnected():  # nobody waits for the answer: drop it
-                        break
-            except EngineStopped as e:
-                raise RequestError(str(e), None, "engine_stopped", status=503, type="server_error") from None
-            finally:
-                await made_so_far.aclose()  # cancels the request in the engine if it has not finished
+            done = await unless_gone(http, whole(ticket, sampling))
+            if done is None:  # nobody waits for the answer: the request is dropped already
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+            text, reason, n = done
             use = protocol.usage(len(ids), n)
             return (protocol.chat_body if chat else protocol.completion_body)(rid, model_name, text, reason, use)
 
@@ -141,6 +161,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
             except EngineStopped as e:
                 yield sse(protocol.error_body(str(e), "server_error", None, "engine_stopped"))
                 return
+            except ValueError as e:  # refused by the session after the 200 went out: say so, end the stream cleanly
+                yield sse(protocol.error_body(str(e), "invalid_request_error", None, "invalid_value"))
+                yield sse("[DONE]")
+                return
             if sampling.include_usage:
                 use = protocol.usage(len(ids), n)
                 yield sse((protocol.chat_chunk if chat else protocol.completion_chunk)(rid, model_name, "", None, use))
@@ -149,23 +173,47 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, context: i
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, max_tokens=context)  # a text far too long is refused before it is read
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        ids, sampling = protocol.parse_completion(body, tokenizer.encode, tokenizer.vocab_size)
+        # tokenising is CPU work: in a worker thread, so the event loop goes on streaming the others' tokens
+        ids, sampling = await asyncio.to_thread(protocol.parse_completion, body, encode, tokenizer.vocab_size)
         return await answer(request, ids, sampling, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request)
         messages, sampling = protocol.parse_chat(body)
+        protocol.check_chat_size(messages, context, tokenizer.longest)
         try:
-            ids = tokenizer.encode_chat(messages)
+            ids = await asyncio.to_thread(tokenizer.encode_chat, messages)
         except ValueError as e:
             raise RequestError(f"messages: {e}", "messages", "invalid_value") from None
         return await answer(request, ids, sampling, chat=True)
 
     return app
+
+
+async def until_gone(http: Request) -> None:
+    """Returns once the client has closed the connection: its body read, the next message can only say that."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(http: Request, work):
+    """What awaitable `work` returns, or None if the client goes first: `work` is then cancelled (a request
+    waiting for a slot, or running, leaves the engine at once rather than at its next token)."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(until_gone(http))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # nothing, if it is done
+        await asyncio.gather(task, gone, return_exceptions=True)  # its clean-up (the engine's cancel) has run
+    return None if task.cancelled() else task.result()
 
 
 def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
@@ -175,9 +223,9 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as e:
         sock.close()
-        raise
+        raise OSError(e.errno, f"cannot listen on {host} port {port}: {e.strerror or e}") from None
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
@@ -221,7 +269,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
     try:
         sock = bind(host, port)
-        server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), engine)
+        server = make_server(create_app(engine, tokenizer, model_name), engine)
         try:
             if ready is not None:
                 ready(host, sock.getsockname()[1], engine.health())
@@ -242,7 +290,7 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
     (base_url, engine); stopped, its thread joined and its port closed on the way out. options: Engine's."""
     engine = Engine(model, **options).start()
     sock = bind(host, port)
-    server = make_server(create_app(engine, tokenizer, model_name, model.config.max_seq_len), graceful_seconds=1.0)
+    server = make_server(create_app(engine, tokenizer, model_name), graceful_seconds=1.0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
     thread.start()
     try:

@@ -65,7 +65,9 @@ class Engine:
         self.session = PagedSession(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)
         self.options = {"prefix_caching": prefix_caching, "prefill_chunk": prefill_chunk}  # what /health reports
         self.capacity = n_slots + max_queue
-        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "refused": 0, "tokens": 0, "steps": 0}
+        # cancelled: their clients left; stop_strings: ended by a stop string (they count as finished too)
+        self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "stop_strings": 0, "refused": 0, "tokens": 0,
+                      "steps": 0}
         self._inbox: deque[tuple[str, Ticket]] = deque()
         self._wake = threading.Condition()
         self._in_flight = 0  # submitted and not finished: guarded by _wake
@@ -87,6 +89,13 @@ class Engine:
             self._thread.join(timeout)
 
     @property
+    def context(self) -> int:
+        """The most tokens, prompt and new, one request may have: the model's context, or what the whole KV pool
+        holds (plus one: the last token made is never written, as `check_fits` counts), whichever is less."""
+        s = self.session
+        return min(s.model.config.max_seq_len, s.n_blocks * s.block_size + 1)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
@@ -106,10 +115,11 @@ class Engine:
             self._wake.notify()
         return ticket
 
-    def cancel(self, ticket: Ticket) -> None:
-        """Drop a request (its client is gone): it leaves the batch, and its blocks the pool, before the next step."""
+    def cancel(self, ticket: Ticket, stop_string: bool = False) -> None:
+        """Drop a request (its client is gone; stop_string: its text reached a stop string, counted apart): it
+        leaves the batch, and its blocks the pool, before the next step."""
         with self._wake:
-            self._inbox.append(("cancel", ticket))
+            self._inbox.append(("stop" if stop_string else "cancel", ticket))
             self._wake.notify()
 
     def health(self) -> dict:
@@ -118,7 +128,8 @@ class Engine:
                 "kv_blocks_total": s.n_blocks, "kv_blocks_used": s.blocks.n_used, "kv_bytes": s.runner.cache.nbytes,
                 "block_size": s.block_size, "prefix_hit_tokens": s.stats["prefix_hit_tokens"], "slots": s.n_slots,
                 "capacity": self.capacity, "device": str(s.device), "dtype": str(s.model.dtype).removeprefix("torch."),
-                "vocab_size": config.vocab_size, "context": config.max_seq_len} | self.options | self.stats
+                "vocab_size": config.vocab_size, "context": config.max_seq_len, "max_model_len": self.context} \
+            | self.options | self.stats
 
     # ---- the engine thread ----------------------------------------------------------------------------
 
@@ -145,10 +156,13 @@ class Engine:
                     self._tickets[ticket.id] = ticket
                 except ValueError as e:  # the web layer checks first; this is the session's own word
                     self._finish(ticket, e)
-            elif not ticket.done:  # cancel
+            else:  # cancel, or stop (a stop string)
+                self.stats["stop_strings"] += op == "stop"
+                if ticket.done:
+                    continue
                 if ticket.id is not None:
                     self.session.cancel(ticket.id)  # its blocks go back now
-                self.stats["cancelled"] += 1
+                self.stats["cancelled"] += op == "cancel"
                 self._finish(ticket, (None, "interrupted"))
 
     def _loop(self) -> None:

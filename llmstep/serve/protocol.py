@@ -4,29 +4,43 @@ Pure Python, no web framework: a request body (parsed JSON) goes in, a `Sampling
 `RequestError` naming the field (HTTP 400 with OpenAI's error body, `{"error": {"message", "type", "param",
 "code"}}`, which the `openai` client raises as `BadRequestError`). The fields are those of OpenAI's
 `/v1/completions` and `/v1/chat/completions`, plus `top_k` (as vLLM accepts it); a field llmstep does not do
-(several choices, logprobs, penalties, ...) is refused by name rather than ignored, so a client never gets an
-answer to a question it did not ask; `ignore_eos` (vLLM's too) lets a benchmark fix every request's length.
-Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a completion and the rest of the context
-for a chat.
+(several choices, logprobs, penalties, min_p, tools, ...: `ONLY_DEFAULT`) is refused by name unless it holds its
+default, so a client never gets an answer to a question it did not ask; `ignore_eos` (vLLM's too) lets a
+benchmark fix every request's length. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a
+completion and the rest of the context for a chat, either cut to what the server can hold. At most
+MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters: each token's text is checked against them.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.checks import is_int, is_number
+from ..core.checks import check_seed, is_int, is_number
 
-__all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "error_body", "StopText",
-           "completion_body", "completion_chunk", "chat_body", "chat_chunk", "usage", "MAX_STOP_STRINGS"]
+__all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
+           "error_body", "StopText", "completion_body", "completion_chunk", "chat_body", "chat_chunk", "usage",
+           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
+MAX_STOP_CHARS = 1000  # ours: every token's text is checked against each stop string, so they must stay short
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-# Fields whose only value llmstep serves is their default (OpenAI's): anything else is refused by name.
-ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "top_logprobs": None, "suffix": None,
-                "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None,
-                "response_format": None}
+# Fields whose only value llmstep serves is their default (OpenAI's, or vLLM's for its extensions): anything else
+# is refused by name. null is the default too; a tuple lists defaults (chat's logprobs is false, a completion's
+# null). A value must be of the default's kind: `n: true` is not `n: 1`, nor `echo: 0` false.
+ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": (None, False), "top_logprobs": None, "suffix": None,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {},
+                "response_format": {"type": "text"},
+                "tools": None, "tool_choice": "none", "functions": None, "function_call": "none", "audio": None,
+                "modalities": ["text"], "prediction": None, "reasoning_effort": None, "web_search_options": None,
+                # vLLM's sampling extensions
+                "min_p": 0.0, "repetition_penalty": 1.0, "length_penalty": 1.0, "min_tokens": 0,
+                "use_beam_search": False, "stop_token_ids": None, "include_stop_str_in_output": False,
+                "skip_special_tokens": True, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+                "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+                "add_generation_prompt": True, "continue_final_message": False, "chat_template": None}
 
 
 class RequestError(ValueError):
@@ -47,7 +61,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 class Sampling:
     """What a request asks of the engine, besides its prompt."""
 
-    max_tokens: int | None  # None: the rest of the context
+    max_tokens: int | None  # None: not given, default_max_tokens then
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -56,6 +70,7 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     ignore_eos: bool = False  # vLLM's extension, for benchmarks: run to max_tokens past end-of-sequence tokens
+    default_max_tokens: int | None = None  # without max_tokens: this many, or as many as fit (None: all that fit)
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
@@ -79,12 +94,50 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
     return int(value)
 
 
+def _is_default(value, default) -> bool:
+    """JSON's value `value` is `default`: equal and of its kind (in Python True == 1 and 0 == False; not in JSON)."""
+    if isinstance(default, tuple):
+        return any(_is_default(value, d) for d in default)
+    if value is None or default is None:
+        return value is None
+    if isinstance(default, bool):
+        return value is default
+    if isinstance(default, int):
+        return is_int(value) and value == default
+    if isinstance(default, float):
+        return is_number(value) and value == default
+    return type(value) is type(default) and value == default  # str, list, dict: JSON's own kinds
+
+
+def _seed(body: dict) -> int | None:
+    """The engine's own rule (0 .. 2**64 - 1), so the two cannot drift apart."""
+    try:
+        check_seed(body.get("seed"))
+    except ValueError as e:
+        raise RequestError(str(e), "seed", "invalid_value") from None
+    return body.get("seed")
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got "
+                           f"{_short(body.get('stop'))}", "stop", "invalid_value")
+    long = [i for i, s in enumerate(stop) if len(s) > MAX_STOP_CHARS]
+    if long:
+        raise RequestError(f"stop string {long[0]} is {len(stop[long[0]]):,} characters; llmstep serve takes at most "
+                           f"{MAX_STOP_CHARS:,}", "stop", "invalid_value")
+    return stop
+
+
 def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, "invalid_body")
     for name, default in ONLY_DEFAULT.items():
-        if name in body and body[name] is not None and body[name] != default:
-            raise RequestError(f"{name}={body[name]!r} is not supported by llmstep serve (only {default!r})", name,
+        if name in body and not _is_default(body[name], default):
+            only = " or ".join(json.dumps(d) for d in (default if isinstance(default, tuple) else (default,)))
+            raise RequestError(f"{name}={_short(body[name])} is not supported by llmstep serve (only {only})", name,
                                "unsupported_value")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -93,11 +146,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            "invalid_type")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got "
-                           f"{body.get('stop')!r}", "stop", "invalid_value")
+    stop = _stops(body)
     max_tokens = _integer(body, "max_tokens", 1)
     if max_tokens is None and "max_completion_tokens" in body:
         max_tokens = _integer(body, "max_completion_tokens", 1)
@@ -105,22 +154,28 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos", "invalid_type")
-    return Sampling(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+    return Sampling(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's range
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                     top_k=0 if top_k in (None, -1) else top_k,  # -1: off, as vLLM has it
-                    seed=_integer(body, "seed", -(2**63), 2**64 - 1), stop=stop, stream=stream,
+                    seed=_seed(body), stop=stop, stream=stream,
                     include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos)
 
 
 def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sampling]:
-    """/v1/completions: `prompt` as text, or as token ids -> (prompt ids, Sampling). encode: text -> ids."""
+    """/v1/completions: `prompt` as text, or as token ids -> (prompt ids, Sampling). encode: text -> ids, a
+    ValueError for text it cannot encode (not Unicode, too long for the context)."""
     sampling = _sampling(body, COMPLETION_MAX_TOKENS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return encode(prompt), sampling
+        try:
+            return encode(prompt), sampling
+        except RequestError:
+            raise
+        except ValueError as e:
+            raise RequestError(f"prompt: {e}", "prompt", "invalid_value") from None
     if isinstance(prompt, list) and prompt and all(is_int(i) for i in prompt):
         bad = [i for i in prompt if not 0 <= i < vocab_size]
         if bad:
@@ -163,16 +218,28 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
     return out, sampling
 
 
-def check_length(prompt_len: int, sampling: Sampling, context: int) -> int:
-    """The new tokens a request may make: max_tokens, or the rest of the context; refused if they do not fit."""
+def check_chat_size(messages: list[dict], context: int, longest: int) -> None:
+    """Refuse, before tokenising, messages whose text alone must make more than `context` tokens: no token holds
+    more than `longest` bytes, and a character is at least one (whitespace around a turn's text may be cut)."""
+    chars = sum(len(m["content"].strip()) for m in messages)
+    if chars > context * longest:
+        raise RequestError(f"messages: their text is {chars:,} characters, at least {chars // longest:,} tokens; "
+                           f"this server holds {context} tokens a request", "messages", "context_length_exceeded")
+
+
+def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param: str = "prompt") -> int:
+    """The new tokens a request may make: max_tokens, else its default cut to what fits in `context` (the most
+    tokens, prompt and new, the server holds for one request); refused if they do not fit. prompt_param: the
+    field the prompt came in ("prompt" or "messages")."""
     if prompt_len >= context:
-        raise RequestError(f"the prompt is {prompt_len} tokens; this model's context is {context} tokens, with "
-                           "room for at least one new token", "messages" if sampling.max_tokens is None else "prompt",
+        raise RequestError(f"{prompt_param}: the prompt is {prompt_len} tokens; this server holds {context} tokens "
+                           "a request, prompt and new tokens, with room for at least one new token", prompt_param,
                            "context_length_exceeded")
     if sampling.max_tokens is None:
-        return context - prompt_len
+        room = context - prompt_len
+        return room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
     if prompt_len + sampling.max_tokens > context:
-        raise RequestError(f"this model's context is {context} tokens; the prompt ({prompt_len}) and max_tokens "
+        raise RequestError(f"this server holds {context} tokens a request; the prompt ({prompt_len}) and max_tokens "
                            f"({sampling.max_tokens}) need {prompt_len + sampling.max_tokens}", "max_tokens",
                            "context_length_exceeded")
     return sampling.max_tokens
@@ -199,13 +266,24 @@ class StopText:
             self.stopped = True
             out, self.held = self.held[:min(cuts)], ""
             return out
-        keep = max((n for s in self.stops for n in range(1, len(s)) if self.held.endswith(s[:n])), default=0)
+        keep = max((_overlap(self.held, s) for s in self.stops), default=0)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out
 
     def flush(self) -> str:
         out, self.held = ("" if self.stopped else self.held), ""
         return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` (shorter than stop: stop itself is not in
+    text). Only the places where stop's first character stands are tried, found by str.find."""
+    i = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while i >= 0:
+        if stop.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(stop[0], i + 1)
+    return 0
 
 
 # ---- response bodies ------------------------------------------------------------------------------------

@@ -45,3 +45,22 @@ def test_bench_serve_shared_prefix_starts_every_request_with_one_system_prompt(s
     record = json.loads(out.read_text())
     assert record["workload"]["shared_prefix"] == 32 and hits == 32
     assert [r["completed"] for r in record["runs"]] == [1, 1]
+
+
+@pytest.mark.parametrize("flags, named", [(["--port", "70000"], "--port"), (["--port", "-1"], "--port"),
+                                          (["--host", "256.1.1.1"], "--host")])
+def test_a_port_or_host_no_socket_takes_is_a_flag_error_before_the_model_loads(flags, named, monkeypatch, capsys):
+    from llmstep.core import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and f"argument {named}" in err and flags[1] in err, err
+
+
+def test_an_address_bind_cannot_take_is_named_in_its_error():
+    from llmstep.serve.app import bind
+
+    with pytest.raises(OSError, match="cannot listen on 256.1.1.1 port 0"):
+        bind("256.1.1.1", 0)

@@ -1,10 +1,33 @@
-"""llmstep.serve.protocol without a server: stop strings across streamed pieces, and the defaults."""
+"""llmstep.serve.protocol without a server: stop strings across streamed pieces, the defaults, and the fields
+refused by name."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from llmstep.serve.protocol import RequestError, StopText, check_length, parse_chat, parse_completion
+from llmstep.core.checks import check_seed
+from llmstep.serve.protocol import (
+    MAX_STOP_CHARS,
+    RequestError,
+    StopText,
+    _overlap,
+    check_chat_size,
+    check_length,
+    parse_chat,
+    parse_completion,
+)
+
+
+def completion(**fields):
+    return parse_completion({"prompt": [1, 2]} | fields, lambda text: [1], vocab_size=10)[1]
+
+
+def refused(**fields) -> RequestError:
+    with pytest.raises(RequestError) as caught:
+        completion(**fields)
+    return caught.value
 
 
 @pytest.mark.parametrize("pieces", [["Good morrow, ", "my lord"], ["Good mor", "row, m", "y lord"],
@@ -24,7 +47,9 @@ def test_text_without_a_stop_string_leaves_whole_once_flushed():
 
 def test_openais_defaults():
     ids, s = parse_completion({"prompt": "hi"}, lambda text: [1, 2], vocab_size=10)
-    assert ids == [1, 2] and (s.max_tokens, s.temperature, s.top_p, s.top_k, s.stream) == (16, 1.0, 1.0, 0, False)
+    assert ids == [1, 2] and (s.max_tokens, s.temperature, s.top_p, s.top_k, s.stream) == (None, 1.0, 1.0, 0, False)
+    assert check_length(10, s, context=64) == 16  # a completion without max_tokens: 16
+    assert check_length(60, s, context=64) == 4  # ... or what fits: a default never makes a request fail
     messages, s = parse_chat({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                               {"type": "text", "text": "b"}]}]})
     assert messages == [{"role": "system", "content": "ab"}] and s.max_tokens is None
@@ -36,3 +61,85 @@ def test_a_prompt_that_fills_the_context_is_refused():
     with pytest.raises(RequestError) as caught:
         check_length(64, s, context=64)
     assert caught.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("seed", [-1, -(2**63), 2**64, True, 1.5, "7"])
+def test_a_seed_the_engine_would_refuse_is_refused_here_by_name(seed):
+    with pytest.raises(ValueError):
+        check_seed(seed)  # the engine's rule ...
+    error = refused(seed=seed)  # ... is the protocol's: never a 500 from the engine thread
+    assert error.param == "seed" and "seed" in error.message
+
+
+@pytest.mark.parametrize("seed", [0, 2**64 - 1, None])
+def test_a_seed_the_engine_takes_is_taken(seed):
+    assert completion(seed=seed).seed == seed
+
+
+def test_a_chat_prompt_too_long_is_named_messages_with_max_tokens_or_without():
+    for fields in ({}, {"max_tokens": 4}):
+        _, s = parse_chat({"messages": [{"role": "user", "content": "hi"}]} | fields)
+        with pytest.raises(RequestError) as caught:
+            check_length(65, s, context=65, prompt_param="messages")
+        assert caught.value.param == "messages" and caught.value.code == "context_length_exceeded"
+    _, s = parse_chat({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100})
+    with pytest.raises(RequestError) as caught:
+        check_length(10, s, context=65, prompt_param="messages")
+    assert caught.value.param == "max_tokens" and "65" in caught.value.message
+
+
+def test_a_prompt_that_cannot_be_encoded_is_a_400_naming_prompt():
+    import llmstep
+
+    _, tokenizer = llmstep.load()
+    for text in ["\ud800", "a" * (64 * tokenizer.longest + 1)]:  # not Unicode; more tokens than 64, unread
+        with pytest.raises(RequestError) as caught:
+            parse_completion({"prompt": text}, lambda t: tokenizer.encode(t, max_tokens=64), vocab_size=10)
+        assert caught.value.param == "prompt" and caught.value.status == 400
+
+
+def test_chat_text_that_cannot_fit_is_refused_before_it_is_tokenised():
+    messages = [{"role": "user", "content": "a" * 301}]
+    with pytest.raises(RequestError) as caught:
+        check_chat_size(messages, context=10, longest=30)
+    assert caught.value.param == "messages" and caught.value.code == "context_length_exceeded"
+    check_chat_size([{"role": "user", "content": "a" * 300}], context=10, longest=30)  # may fit: tokenise it
+
+
+UNSUPPORTED = [("min_p", 0.1), ("repetition_penalty", 1.2), ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
+               ("function_call", "auto"), ("n", True), ("echo", 0), ("best_of", 1.0), ("logprobs", 0),
+               ("presence_penalty", False), ("use_beam_search", True), ("min_tokens", 3), ("stop_token_ids", [2]),
+               ("response_format", {"type": "json_object"}), ("guided_json", {}), ("logit_bias", {"5": 100})]
+
+
+@pytest.mark.parametrize(("name", "value"), UNSUPPORTED, ids=[f"{n}={v!r}" for n, v in UNSUPPORTED])
+def test_a_field_llmstep_does_not_do_is_refused_by_name_even_where_python_calls_it_equal(name, value):
+    error = refused(**{name: value})
+    assert error.param == name and error.code == "unsupported_value" and name in error.message
+
+
+DEFAULTS = [("n", 1), ("echo", False), ("presence_penalty", 0), ("frequency_penalty", 0.0), ("logprobs", False),
+            ("logprobs", None), ("min_p", 0), ("repetition_penalty", 1), ("tool_choice", "none"), ("logit_bias", {}),
+            ("response_format", {"type": "text"}), ("skip_special_tokens", True)]
+
+
+@pytest.mark.parametrize(("name", "value"), DEFAULTS, ids=[f"{n}={v!r}" for n, v in DEFAULTS])
+def test_a_field_at_its_default_is_taken(name, value):
+    assert completion(**{name: value}).max_tokens is None
+
+
+def test_a_stop_string_longer_than_the_limit_is_refused_by_name():
+    assert completion(stop=["x" * MAX_STOP_CHARS] * 4).stop == ["x" * MAX_STOP_CHARS] * 4
+    error = refused(stop=["a", "x" * (MAX_STOP_CHARS + 1)])
+    assert error.param == "stop" and f"{MAX_STOP_CHARS:,}" in error.message and "stop string 1" in error.message
+
+
+def test_the_held_back_end_is_the_longest_end_that_begins_a_stop_string():
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 12)))
+        stop = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 8)))
+        if stop in text:
+            continue  # found, not held back
+        naive = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        assert _overlap(text, stop) == naive, (text, stop)

@@ -189,7 +189,10 @@ BAD = [  # (body fields, the field named)
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 100_000}, "max_tokens"),
     ({"seed": "x"}, "seed"),
+    ({"seed": -1}, "seed"),  # the engine's range, 0 .. 2**64 - 1
     ({"n": 2}, "n"),
+    ({"n": True}, "n"),  # not 1, though Python says True == 1
+    ({"min_p": 0.1}, "min_p"),  # a sampling field llmstep does not do: refused, not ignored
     ({"logprobs": 3}, "logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stream": "yes"}, "stream"),

@@ -1,0 +1,154 @@
+"""What `llmstep serve` refuses, and how: before anything is queued, as a 400 in OpenAI's shape naming the field
+(a seed out of the engine's range, a request longer than the KV pool holds, text that is not Unicode or too long
+to read); a refusal the engine makes anyway is a 400 too, or an error event then [DONE] once a stream has begun;
+a client that leaves while its request waits frees its place; unknown routes answer in the same shape."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+from serving import TIMEOUT, client, load_shipped, running_server, shared_server, wait_for
+
+openai = pytest.importorskip("openai")
+shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
+server = pytest.fixture(scope="module", name="server")(shared_server)
+
+
+def post(url: str, body: dict | bytes, path: str = "/v1/completions") -> httpx.Response:
+    if isinstance(body, bytes):  # sent as written: JSON no client would make (a lone surrogate)
+        return httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    return httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
+
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def events(url: str, body: dict) -> tuple[int, list[str]]:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=TIMEOUT) as r:
+        return r.status_code, [line.removeprefix("data: ") for line in r.iter_lines() if line]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_negative_seed_is_a_400_naming_seed_streamed_or_not(server, stream):
+    url, engine = server
+    requests = engine.stats["requests"]
+    error = error_of(post(url, {"prompt": "ROMEO:", "max_tokens": 3, "seed": -1, "stream": stream}))
+    assert error["param"] == "seed" and "2**64 - 1" in error["message"]
+    assert engine.stats["requests"] == requests  # refused before it was queued
+
+
+def test_a_request_the_engine_refuses_is_a_400_or_an_error_event_then_done(server, monkeypatch):
+    """The web layer checks first, so this takes a session that refuses everything: what it says reaches the
+    client, never a 500 or a stream cut off."""
+    url, engine = server
+
+    def refuse(request):
+        raise ValueError("max_new_tokens is not what this session takes")
+
+    monkeypatch.setattr(engine.session, "submit", refuse)
+    error = error_of(post(url, {"prompt": "ROMEO:", "max_tokens": 3}))
+    assert error["type"] == "invalid_request_error" and "max_new_tokens" in error["message"]
+    status, lines = events(url, {"prompt": "ROMEO:", "max_tokens": 3})
+    assert status == 200 and lines[-1] == "[DONE]"
+    assert "max_new_tokens" in json.loads(lines[-2])["error"]["message"]
+
+
+def test_the_engines_context_is_what_its_session_takes(shipped):
+    from llmstep.engines.batching import Request
+    from llmstep.serve.engine import Engine
+
+    model, _ = shipped
+    engine = Engine(model, n_slots=1, block_size=16, kv_blocks=4)  # not started: its session is ours
+    try:
+        assert engine.context == 4 * 16 + 1 < model.config.max_seq_len
+        engine.session.submit(Request(list(range(1, 11)), max_new_tokens=engine.context - 10))
+        with pytest.raises(ValueError, match="whole pool"):
+            engine.session.submit(Request(list(range(1, 11)), max_new_tokens=engine.context - 9))
+    finally:
+        engine.session.close()
+
+
+def test_a_small_kv_pool_refuses_at_once_what_it_cannot_hold_and_serves_what_it_can(shipped):
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=2, block_size=16, kv_blocks=4) as (url, engine):
+        context = 4 * 16 + 1
+        assert httpx.get(f"{url}/v1/models", timeout=TIMEOUT).json()["data"][0]["max_model_len"] == context
+        error = error_of(post(url, {"prompt": "ROMEO:", "max_tokens": 100}))
+        assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
+        assert error_of(post(url, {"prompt": list(range(1, 70)), "max_tokens": 1}))["param"] == "prompt"
+        long_chat = {"messages": [{"role": "user", "content": "ab " * 100}], "max_tokens": 1}
+        assert error_of(post(url, long_chat, "/v1/chat/completions"))["param"] == "messages"
+        # without max_tokens: what fits, a chat's the rest of the pool's room, a completion's 16 cut to it
+        chat = client(url).chat.completions.create(model="shipped", messages=[{"role": "user", "content": "Speak."}],
+                                                   extra_body={"ignore_eos": True})
+        assert chat.usage.total_tokens == context and chat.choices[0].finish_reason == "length"
+        r = client(url).completions.create(model="shipped", prompt=list(range(1, 61)), extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == context - 60
+        assert engine.stats["requests"] == engine.stats["finished"] == 2 and engine.error is None
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "\\ud800", "max_tokens": 3}', b'{"prompt": ["ab\\udfff"]}'])
+def test_a_prompt_that_is_not_unicode_is_a_400_naming_prompt(server, raw):
+    error = error_of(post(server[0], raw))
+    assert error["param"] == "prompt" and "Unicode" in error["message"]
+
+
+def test_text_too_long_to_fit_is_refused_unread(server, shipped):
+    url, _ = server
+    _, tokenizer = shipped
+    too_long = "a" * (512 * tokenizer.longest + 1)  # more bytes than 512 of the longest token hold
+    error = error_of(post(url, {"prompt": too_long, "max_tokens": 1}))
+    assert error["param"] == "prompt" and "bytes" in error["message"]  # counted, not tokenised
+    chat = {"messages": [{"role": "user", "content": too_long}], "max_tokens": 1}
+    error = error_of(post(url, chat, "/v1/chat/completions"))
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    assert "characters" in error["message"]
+
+
+def test_a_client_that_leaves_while_its_request_waits_frees_its_place(shipped, monkeypatch):
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=1, max_queue=1) as (url, engine):
+        step = engine.session.step
+        monkeypatch.setattr(engine.session, "step", lambda: time.sleep(0.02) or step())  # 480 tokens: ~10 s
+        long = {"model": "shipped", "prompt": "ROMEO:", "max_tokens": 480, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=TIMEOUT) as running:
+            lines = running.iter_lines()  # kept: a generator dropped would close the connection
+            next(lines)  # it holds the one slot
+            with pytest.raises(httpx.ReadTimeout):  # waits behind it, gives up after 1 s: the connection closes
+                httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                           timeout=httpx.Timeout(TIMEOUT, read=1.0))
+            wait_for(lambda: engine.health()["waiting"] == 0, "the abandoned request to leave the queue", timeout=30)
+            assert engine.health()["running"] == 1 and engine.stats["cancelled"] == 1  # the long one still runs
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the place is free: a new request waits in it
+                fresh = pool.submit(client(url).completions.create, model="shipped", prompt="hi", max_tokens=2)
+                wait_for(lambda: engine.health()["waiting"] == 1 or fresh.done(), "the new request to queue")
+                running.close()
+                assert fresh.result(TIMEOUT).usage.completion_tokens == 2
+        assert engine.stats["refused"] == 0
+
+
+@pytest.mark.parametrize(("method", "path", "status", "code"), [("GET", "/v2/nothing", 404, "not_found"),
+                                                                ("GET", "/v1/completions", 405, "method_not_allowed")])
+def test_an_unknown_route_or_method_answers_in_openais_error_shape(server, method, path, status, code):
+    error = error_of(httpx.request(method, f"{server[0]}{path}", timeout=TIMEOUT), status)
+    assert error["code"] == code and error["message"]
+
+
+def test_a_request_ended_by_a_stop_string_is_not_counted_as_cancelled(server):
+    url, engine = server
+    greedy = client(url).completions.create(model="shipped", prompt="ROMEO:", max_tokens=10, temperature=0)
+    before = dict(engine.stats)
+    r = client(url).completions.create(model="shipped", prompt="ROMEO:", max_tokens=10, temperature=0,
+                                       stop=greedy.choices[0].text[2:5])
+    assert r.choices[0].finish_reason == "stop"
+    wait_for(lambda: engine.stats["stop_strings"] == before["stop_strings"] + 1, "the stop string to be counted",
+             timeout=30)
+    assert engine.stats["cancelled"] == before["cancelled"]
