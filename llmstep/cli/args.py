@@ -43,6 +43,7 @@ def int_at_most(low: int, high: int = COUNT_LIMIT):
 
 positive_int = int_at_most(1)
 nonneg_int = int_at_most(0)
+decode_tokens = int_at_most(2)  # a decode rate's --new-tokens: the prefill's token, then at least one decode step
 
 
 def seed(text: str) -> int:
@@ -96,13 +97,15 @@ def fraction(text: str) -> float:
 
 
 def parse_ints(text: str) -> list[int]:
-    """Comma-separated integers, each in 1 .. COUNT_LIMIT: --ks 1,2,4."""
+    """Comma-separated integers, each in 1 .. COUNT_LIMIT and given once: --ks 1,2,4."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not all(1 <= v <= COUNT_LIMIT for v in values):
         raise argparse.ArgumentTypeError(f"every value must be an integer in 1 .. {COUNT_LIMIT}, got {text!r}")
+    if len(set(values)) < len(values):  # each value is one run of the table: twice would measure it twice
+        raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
     return values
 
 

@@ -11,9 +11,11 @@ from ..core.config import PRESETS, LlamaConfig, RopeScaling, parse_json
 from ..core.files import atomic_write_json, check_output_path
 from ..lab import bench as decode_bench
 from ..lab import bench_batching, runinfo
+from ..lab.hardware import check_bandwidth_bytes
 from .args import (
     add_attention_arg,
     check_draft,
+    decode_tokens,
     int_at_most,
     nonneg_float,
     nonneg_int,
@@ -72,7 +74,6 @@ def parse_sets(items: list[str]) -> dict:
     return out
 
 
-int_at_least_2 = int_at_most(2)  # bench's --new-tokens: the prefill's token, then at least one decode step
 bandwidth_bytes = int_at_most(2**20, 2**40)  # the bandwidth copy's buffer: 1 MiB .. 1 TiB
 
 
@@ -97,7 +98,7 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, else bf16)")
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--prompt-len", type=positive_int, default=128)
-    p.add_argument("--new-tokens", type=int_at_least_2, default=128)
+    p.add_argument("--new-tokens", type=decode_tokens, default=128)
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
     p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
@@ -134,7 +135,7 @@ def add_commands(sub) -> None:
     s.add_argument("--draft", default="draft",
                    help="draft checkpoint, self-N or self-int8 / self-int4 (default: the shipped draft)")
     s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
-    s.add_argument("--max-new-tokens", type=int_at_least_2, default=200)
+    s.add_argument("--max-new-tokens", type=decode_tokens, default=200)
     s.add_argument("--temperature", type=nonneg_float, default=0.0)
     s.add_argument("--repeats", type=positive_int, default=3)
     s.add_argument("--device", default="cpu")
@@ -194,6 +195,9 @@ def run_bench(args, argv) -> dict:
                          f"has nothing to set: drop one of them")
     if args.hf_dtype:
         resolve_dtype(args.hf_dtype, resolve_device(args.device))  # a bad name is refused before the model is built
+    if args.bandwidth and args.bandwidth_bytes is not None:  # the copy's buffers must fit, before the model loads
+        check_bandwidth_bytes(args.bandwidth_bytes, "cpu" if args.peers is not None else args.device,
+                              name="--bandwidth-bytes")
     if args.peers is not None:
         return run_peer_bench(args, argv)
     _set_threads(args.threads)

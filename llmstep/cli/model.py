@@ -14,6 +14,7 @@ from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
 from .args import (
     add_attention_arg,
     check_draft,
+    decode_tokens,
     nonneg_float,
     nonneg_int,
     positive_int,
@@ -55,7 +56,8 @@ def add_commands(sub) -> None:
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
-    g.add_argument("--speculate-k", type=positive_int, default=4, help="draft tokens proposed per round (with --draft)")
+    g.add_argument("--speculate-k", type=positive_int, default=None,
+                   help="draft tokens proposed per round (with --draft; default 4)")
     g.add_argument("--adaptive-k", action="store_true",
                    help="choose each round's k (up to --speculate-k) from the acceptance measured so far")
     add_attention_arg(g)
@@ -96,7 +98,7 @@ def add_commands(sub) -> None:
     f.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's)")
     f.add_argument("--prompt-len", type=positive_int, default=128, help="random prompt tokens; the profiled "
                    "step sits at this position")
-    f.add_argument("--new-tokens", type=positive_int, default=128)
+    f.add_argument("--new-tokens", type=decode_tokens, default=128)
     f.add_argument("--repeats", type=positive_int, default=5, help="timed decode runs (median reported)")
     f.add_argument("--steps", type=positive_int, default=100, help="decode steps under the profiler")
     f.add_argument("--rate-only", action="store_true", help="the decode rate alone, no profile")
@@ -138,6 +140,9 @@ def run_generate(args, argv) -> None:
         check_quantize(args)  # before the draft's checks and any weight read
     if args.draft is not None:
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
+    elif args.speculate_k is not None or args.adaptive_k:
+        raise ValueError(f"{'--speculate-k' if args.speculate_k is not None else '--adaptive-k'} sets speculative "
+                         "decoding's rounds: add --draft (a draft model, or self-N for the target's first N layers)")
     with parallel.leaving():  # the process group, if any, left as the command ended
         _generate(args, lambda: load(args.model, device=args.device, dtype=args.dtype,
                                      keep_quantized=args.keep_quantized), stream)
@@ -225,7 +230,7 @@ def _generate(args, load_one, stream) -> None:
         from ..engines.speculative import speculative_stream
 
         draft = resolve_draft(args.draft, model, tokenizer)
-        run = speculative_stream(model, draft, tokenizer, prompt, k=args.speculate_k, adaptive=args.adaptive_k,
+        run = speculative_stream(model, draft, tokenizer, prompt, k=args.speculate_k or 4, adaptive=args.adaptive_k,
                                  **sampling)
     else:
         run = stream(model, tokenizer, prompt, **sampling)

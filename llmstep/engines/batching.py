@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..core.config import LlamaConfig
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
@@ -45,7 +46,14 @@ from .request import MAX_ARRIVAL_STEP, Checked, Request
 from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "engine_step", "run_steps", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP"]
+           "engine_step", "run_steps", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP",
+           "cache_config"]
+
+
+def cache_config(model: Llama) -> LlamaConfig:
+    """The config a KV cache for this model is built from (its head counts): a tensor-parallel rank's own
+    (`rank_config`, as its `new_cache` uses), else the model's."""
+    return getattr(model, "rank_config", model.config)
 
 
 class BatchRunner(Engine):
@@ -154,7 +162,7 @@ class PagedRunner:
 
     def __init__(self, model: Llama, n_blocks: int, block_size: int):
         self.model, self.device = model, model.device
-        self.cache = PagedKVCache(model.config, n_blocks, block_size, device=model.device, dtype=model.dtype)
+        self.cache = PagedKVCache(cache_config(model), n_blocks, block_size, device=model.device, dtype=model.dtype)
 
     def forward(self, work: Sequence[Scheduled]) -> torch.Tensor:
         """The step's chunks -> logits [K, vocab] (float32) after the last token of each of the K that sample."""
@@ -223,7 +231,7 @@ class PagedBatcher(Engine):
                  prefix_caching: bool = False, prefill_chunk: int | None = None):
         check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, kv_blocks=kv_blocks)
         # Before any request: the block fits the context and a named pool the memory (None: sized per run, below)
-        check_pool(model.config, kv_blocks or 1, block_size, model.device, model.dtype)
+        check_pool(cache_config(model), kv_blocks or 1, block_size, model.device, model.dtype)
         self._own(model, None)  # sequences of the model's context: blocks, not slots, bound them
         self.n_slots, self.block_size = n_slots, block_size
         self.kv_blocks, self.prefix_caching, self.prefill_chunk = kv_blocks, prefix_caching, prefill_chunk
@@ -242,7 +250,8 @@ class PagedBatcher(Engine):
         jobs = [Job.of(r, i, self.limit) for i, r in enumerate(checked)]
         for i, job in enumerate(jobs):
             check_fits(len(job.completion.prompt_ids), job.plan.tokens, n_blocks, self.block_size, index=i)
-        check_pool(self.model.config, n_blocks, self.block_size, self.device, self.model.dtype)  # before bookkeeping
+        # before bookkeeping
+        check_pool(cache_config(self.model), n_blocks, self.block_size, self.device, self.model.dtype)
         kv = KVCacheManager(n_blocks, self.block_size, self.prefix_caching)
         scheduler = Scheduler(jobs, self.n_slots, kv, self.prefill_chunk, policy)  # refuses an unknown policy
         with self.running():

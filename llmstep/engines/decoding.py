@@ -39,6 +39,12 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
         if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
         ids = ids.flatten().tolist()
+    # Text and chat messages reach here only from an engine without a tokenizer (`encode_prompt` encodes them).
+    messages = isinstance(ids, list | tuple) and any(isinstance(m, dict) for m in ids)
+    if isinstance(ids, str) or messages:
+        what, how = ("chat messages", "tokenizer.encode_chat(messages)") if messages else ("text", "tokenizer.encode")
+        raise ValueError(f"this engine takes token ids, not {what}: encode the prompt with the model's tokenizer "
+                         f"first ({how})")
     if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Iterable):
         raise ValueError(f"a prompt must be text, token ids or chat messages, got {type(ids).__name__}")
     ids = list(ids)

@@ -11,6 +11,7 @@ import torch
 
 from ..core import quantize
 from ..core.checkpoint import load
+from ..core.checks import is_int
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
 
@@ -25,10 +26,11 @@ class LayerSkipDraft(Llama):
     """
 
     def __init__(self, target: Llama, n_layers: int):
-        if not isinstance(n_layers, int) or not 1 <= n_layers <= target.config.n_layers:
+        if not is_int(n_layers) or not 1 <= n_layers <= target.config.n_layers:
             raise ValueError(f"a layer-skip draft keeps 1..{target.config.n_layers} of the target's layers, "
                              f"got {n_layers!r}")
         torch.nn.Module.__init__(self)
+        n_layers = int(n_layers)  # a numpy integer too
         self.config = target.config.replace(n_layers=n_layers)
         self.tok_embeddings = target.tok_embeddings  # the same modules: no weight is copied
         self.layers = torch.nn.ModuleList(target.layers[:n_layers])

@@ -223,6 +223,11 @@ class FastSpeculator(Engine):
                  compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
+        context = target.config.max_seq_len  # a shorter max_len: refused by check_max_len, its range k+2..context
+        if k + 2 > context:  # a round: a prompt token at least, the pending token, k proposals
+            raise ValueError(f"k {k} never fits: a round writes the pending token and k proposals after at least one "
+                             f"token, k + 2 = {k + 2} positions, and the target's context is {context}; choose k at "
+                             f"most {context - 2}")
         first_len = self._own(target, max_len, reserve=k, low=k + 2, compile=compile, mode=mode)
         self.k = k
         self.fused = (fuses_by_default(target, self.compiled) or fuses_by_default(draft, self.compiled)
@@ -271,8 +276,9 @@ class FastSpeculator(Engine):
         return drafted, n, token, finite & torch.isfinite(logits).all()
 
     @torch.no_grad()
-    def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False) -> float:
-        """`Engine.warm_once` for a greedy or a sampling round's steps (alone: and the target's step alone)."""
+    def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False, rounds: bool = True) -> float:
+        """`Engine.warm_once` for a greedy or a sampling round's steps (rounds False: none, for a run where the draft
+        never proposes; its slots past the caches' would not fit) and, alone: the target's step alone."""
         def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
             return torch.zeros(1, n, dtype=torch.long, device=self.device)
 
@@ -284,7 +290,7 @@ class FastSpeculator(Engine):
         else:
             calls = [lambda: self._draft_step(ids(2), arange(2)), lambda: self._draft_step(ids(1), ids(1)),
                      lambda: self._verify_step(ids(self.k + 1), arange(self.k + 1))]
-        seconds = self.warm_once("greedy" if greedy else "sampling", *calls, steps=steps)
+        seconds = self.warm_once("greedy" if greedy else "sampling", *calls, steps=steps) if rounds else 0.0
         if alone:
             seconds += self.warm_once("alone", lambda: self._target_step(ids(1), ids(1)), steps=steps)
         return seconds
@@ -308,7 +314,8 @@ class FastSpeculator(Engine):
         # L-2 .. L+k-2; a draft whose context cannot hold the prompt never proposes.
         draft_slots = self.draft_cache.max_len if len(ids) <= self.draft_cache.max_len else 0
         last_round = min(self.max_len, draft_slots + 1) - k  # the last L a round fits at
-        self.warmup(greedy, alone=plan.tokens > 1 and len(ids) + plan.tokens - 1 > last_round)
+        self.warmup(greedy, alone=plan.tokens > 1 and len(ids) + plan.tokens - 1 > last_round,
+                    rounds=plan.tokens > 1 and len(ids) + 1 <= last_round)  # the first round's L: len(ids) + 1
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
         if plan.tokens == 0:
             return result

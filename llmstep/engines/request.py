@@ -19,12 +19,21 @@ from ..core.sampling import check_params
 from ..core.tokens import Tokenizer
 from .decoding import check_prompt_ids, encode_prompt, stop_id_set
 
-__all__ = ["Request", "Checked", "as_request", "check_request", "end_ids", "MAX_ARRIVAL_STEP"]
+__all__ = ["Request", "Checked", "as_request", "check_request", "check_arrival", "end_ids", "MAX_ARRIVAL_STEP"]
 
 # The latest arrival step a batcher's run takes. Each engine step before it is recorded (a timeline row, shared by
 # idle steps: ~24 bytes a step), so 10**6 steps cost ~24 MB and a few milliseconds; a workload whose requests come
 # further apart is one with a lower rate than any batching measures.
 MAX_ARRIVAL_STEP = 10**6
+
+
+def check_arrival(arrival) -> None:
+    """A request's arrival: an engine step from 0 to MAX_ARRIVAL_STEP (ValueError naming it)."""
+    if not is_int(arrival) or arrival < 0:
+        raise ValueError(f"arrival must be an engine step (an integer >= 0), got {arrival!r}")
+    if arrival > MAX_ARRIVAL_STEP:
+        raise ValueError(f"arrival step {arrival:,} is past the {MAX_ARRIVAL_STEP:,} steps a run records "
+                         "(every step, idle ones too, is a row of its timeline): compress the idle time")
 
 
 @dataclass
@@ -100,11 +109,7 @@ def check_request(request: Request, model: torch.nn.Module, limit: int | None = 
         check_params(r.temperature, r.top_k, r.top_p)
         check_int(r.max_new_tokens, "max_new_tokens")
         check_seed(r.seed)
-        if not is_int(r.arrival) or r.arrival < 0:
-            raise ValueError(f"arrival must be an engine step (an integer >= 0), got {r.arrival!r}")
-        if r.arrival > MAX_ARRIVAL_STEP:
-            raise ValueError(f"arrival step {r.arrival:,} is past the {MAX_ARRIVAL_STEP:,} steps a run records "
-                             "(every step, idle ones too, is a row of its timeline): compress the idle time")
+        check_arrival(r.arrival)
         stops = stop_id_set(end_ids(model, tokenizer) if r.stop_ids is None else r.stop_ids, vocab)
         if tokenizer is not None:
             ids = encode_prompt(tokenizer, r.prompt_ids, limit)

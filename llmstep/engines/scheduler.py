@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..core.paged_kv import SeqChunk
 from .decoding import Budget, DecodeResult, budget, end_reason
 from .kv_manager import KVCacheManager
-from .request import Checked
+from .request import Checked, check_arrival
 
 __all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "Scheduled"]
 
@@ -169,6 +169,11 @@ class Scheduler:
                  policy: str = "continuous", clock: Callable[[], float] = time.perf_counter):
         if policy not in POLICIES:
             raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        for job in jobs:  # check_request's rule, for jobs built without it (a simulated workload's)
+            try:
+                check_arrival(job.completion.arrival)
+            except ValueError as e:
+                raise ValueError(f"request {job.completion.id}: {e}") from None
         self.kv, self.prefill_chunk, self.policy, self.clock = kv, prefill_chunk, policy, clock
         self.run = BatchRun(policy, n_slots, [j.completion for j in jobs])
         self.arrivals = deque(sorted(jobs, key=lambda j: j.completion.arrival))  # stable: FIFO within a step

@@ -67,7 +67,10 @@ class PagedSession:
         return len(self.scheduler.running)
 
     def submit(self, request: Request) -> int:
-        """Check a request (a ValueError names what is wrong) and queue it; returns its id."""
+        """Check a request (a ValueError names what is wrong) and queue it; returns its id. A closed session takes
+        none (RuntimeError, as `step` raises)."""
+        if self.closed:
+            raise RuntimeError("this PagedSession is closed")
         checked = check_request(request, self.model)
         job = Job.of(checked, -1, self.model.config.max_seq_len)  # its arrival: set by `submit`
         check_fits(len(checked.ids), job.plan.tokens, self.n_blocks, self.block_size)

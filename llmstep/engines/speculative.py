@@ -40,8 +40,8 @@ from . import decoding
 from .generate import Generation, Stream, TokenEvent, emit
 from .request import Checked, Request, as_request, check_request
 
-__all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "measure_costs",
-           "step_bytes", "draft_cost_ratio", "SpeculativeGeneration", "speculative_stream",
+__all__ = ["verify", "verify_greedy", "expected_tokens_per_forward", "expected_speedup", "best_k", "check_costs_args",
+           "measure_costs", "step_bytes", "draft_cost_ratio", "SpeculativeGeneration", "speculative_stream",
            "speculative_generate", "Rounds", "check_k", "check_costs", "check_pair"]
 
 
@@ -107,12 +107,31 @@ def best_k(a: float, cost_ratio: float, k_max: int = 16, verify_costs: Sequence[
     return max(range(1, k_max + 1), key=lambda k: expected_speedup(a, k, cost_ratio, verify_cost(k)))
 
 
+def check_costs_args(target: Llama, draft: Llama, k_max, context, repeats=1, k_name: str = "k_max") -> None:
+    """`measure_costs`'s settings, each refused by name before any forward: k_max + 1 tokens after `context`
+    must fit the target's context, one token after it the draft's. k_name: what k_max is called by the caller."""
+    decoding.check_int(k_max, k_name, low=0)
+    decoding.check_int(context, "context", low=1)
+    decoding.check_int(repeats, "repeats", low=1)
+    for name, model in (("target", target), ("draft", draft)):
+        if context + 1 > model.config.max_seq_len:
+            raise ValueError(f"context {context}: timing a token after it needs {context + 1} positions, the "
+                             f"{name}'s context has {model.config.max_seq_len}")
+    need = context + k_max + 1  # a round's k_max + 1 target tokens after `context` cached
+    if need > target.config.max_seq_len:
+        raise ValueError(f"{k_name} {k_max}: timing a round of k + 1 = {k_max + 1} target tokens after {context} "
+                         f"cached needs {need} positions, the target's context has {target.config.max_seq_len}; "
+                         f"choose {k_name} at most {target.config.max_seq_len - context - 1}")
+
+
 @torch.inference_mode()
 def measure_costs(target: Llama, draft: Llama, k_max: int = 8, context: int = 64,
                   repeats: int = 10) -> tuple[float, list[float]]:
     """Time the forwards a round is made of: (a draft forward in target forwards, [the target's
     (k+1)-token forward in one-token forwards, for k = 0..k_max]). Each time is the fastest of `repeats`
     runs: other work on the machine only ever adds time."""
+    check_costs_args(target, draft, k_max, context, repeats)
+
     def seconds(model: Llama, n_tokens: int, keep: slice | None) -> float:
         cache = model.new_cache(max_len=context + n_tokens)
         model(torch.zeros(1, context, dtype=torch.long, device=model.device), cache=cache)

@@ -16,6 +16,7 @@ from ..engines.fast import FastDecoder, FastSpeculator
 from ..engines.generate import generate
 from ..engines.speculative import (
     Rounds,
+    check_costs_args,
     check_k,
     draft_cost_ratio,
     expected_tokens_per_forward,
@@ -26,6 +27,8 @@ from . import runinfo
 from .bench import matching_prefix
 
 __all__ = ["BENCH_PROMPTS", "bench", "bench_compiled"]
+
+COST_CONTEXT = 64  # the cached tokens `bench` times a round's forwards after (measure_costs' default)
 
 BENCH_PROMPTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
                  "KING HENRY:\nOnce more unto the breach",
@@ -45,6 +48,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
     runinfo.header's run metadata (argv: the command that ran it, if any).
     """
     prompts, ks = _check(prompts, ks, max_new_tokens, repeats)
+    check_costs_args(target, draft, max(ks), COST_CONTEXT, k_name="max(ks)")  # before any work
     load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
     configs = [("target", None)] + [(f"k={k}", k) for k in ks] + [("adaptive", max(ks))]
     rates: dict[str, list[float]] = {name: [] for name, _ in configs}
@@ -52,7 +56,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=0, stop_ids=[])
     generate(target, tokenizer, prompts[0], **kw | {"max_new_tokens": 8})  # warm up both models
     speculative_generate(target, draft, tokenizer, prompts[0], 2, **kw | {"max_new_tokens": 8})
-    cost_ratio, verify_costs = measure_costs(target, draft, k_max=max(ks))
+    cost_ratio, verify_costs = measure_costs(target, draft, k_max=max(ks), context=COST_CONTEXT)
     log(f"a draft forward costs {cost_ratio:.3f} target forwards; verifying k+1 tokens costs "
         + ", ".join(f"{v:.2f}" for v in verify_costs[1:]) + f" one-token forwards for k = 1..{max(ks)}")
     def report() -> dict:

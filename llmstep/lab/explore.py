@@ -253,4 +253,8 @@ def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, p
                 budget(len(r.prompt_ids), r.max_new_tokens, slot_len), set()) for i, r in enumerate(requests)]
     ticks = iter(range(10**9))
     kv = KVCacheManager(n_slots, slot_len)  # ContinuousBatcher's: a slot is one block
-    return Scheduler(jobs, n_slots, kv, policy=policy, clock=lambda: float(next(ticks))).dry_run(1)  # steps, not s
+    try:  # the scheduler refuses an arrival past the steps a run records, as the batchers do
+        scheduler = Scheduler(jobs, n_slots, kv, policy=policy, clock=lambda: float(next(ticks)))
+    except ValueError as e:
+        raise ValueError(f"arrival_rate {arrival_rate!r} spreads the {n_requests} requests too far: {e}") from None
+    return scheduler.dry_run(1)  # steps, not seconds

@@ -21,9 +21,20 @@ from ..core.model import Llama, materialize
 from ..engines.decoding import check_int
 from .runinfo import cpu_flags, describe, time_repeats
 
-__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "measure_bandwidth", "matmul_size", "measure_matmul",
+__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "check_bandwidth_bytes", "measure_bandwidth",
+           "matmul_size", "measure_matmul",
            "measured_chip", "as_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
            "random_model"]
+
+
+def check_bandwidth_bytes(nbytes: int, device: str | torch.device | None = None, kind: str = "copy",
+                          name: str = "nbytes") -> None:
+    """Refuse, by its name, a bandwidth buffer of nbytes that is not a positive integer or that the device's free
+    memory cannot hold: a copy holds two (the buffer and its copy), a read one. Before anything is allocated."""
+    check_int(nbytes, name, low=1)
+    buffers = 2 if kind == "copy" else 1
+    check_fits(buffers * nbytes, resolve_device(device),
+               f"{name} {nbytes:,} (the bandwidth {kind}'s {buffers} buffer{'s' * (buffers > 1)} of that size)")
 
 
 def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | None = None,
@@ -43,10 +54,10 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | No
     dev = resolve_device(device)
     if nbytes is None:
         nbytes = 2**30
-    check_int(nbytes, "nbytes", low=1)
     check_int(repeats, "repeats", low=1)
     if kind not in ("copy", "read"):
         raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
+    check_bandwidth_bytes(nbytes, dev, kind)
     n = max(nbytes // 4, 1)  # float32 elements
     src = torch.ones(n, dtype=torch.float32, device=dev)  # written once, so its pages really exist
     if kind == "read":

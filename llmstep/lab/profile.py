@@ -140,7 +140,7 @@ def profile_step(model: Llama, context: int = 64, compile: bool = False, mode: s
                  repeats: int = 10) -> StepProfile:
     """Profile one decode step of `model` (batch 1) after `context` tokens, through `FastDecoder`'s step, eager
     or compiled (`mode` as FastDecoder takes it). Also times `repeats` unprofiled steps."""
-    check_int(context, "context", low=0)
+    check_int(context, "context", low=1)  # FastDecoder's cache: at least 2 slots, so a step after 1 token or more
     check_int(repeats, "repeats", low=1)
     if context + 1 > model.config.max_seq_len:
         raise ValueError(f"context {context} leaves no room for a new token in the model's "
@@ -288,6 +288,7 @@ def decode_rates(decoder: FastDecoder, prompt_ids: list[int], new_tokens: int, r
     """Greedy decode tokens/s of `repeats` runs of `decoder.generate` (never stopping early), after one untimed
     run: the rate the profile is read against."""
     check_int(repeats, "repeats", low=1)
+    check_int(new_tokens, "new_tokens", low=2)  # the prefill's token, then at least one decode step to time
     decoder.generate(prompt_ids, new_tokens, temperature=0, stop_ids=())
     rates = []
     for _ in range(repeats):

@@ -110,3 +110,13 @@ def test_peers_refuse_a_quantized_lm_head_they_would_not_run(monkeypatch):
     monkeypatch.setattr(bench.decode_bench, "bench_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(SystemExit, match="--quantize-lm-head does not apply to --peers"):
         main(TINY + ["--peers", "llama.cpp", "--quantize", "int8", "--quantize-lm-head"])
+
+
+def test_a_bandwidth_buffer_larger_than_the_free_memory_is_refused_by_name_before_the_model_loads(monkeypatch):
+    from llmstep.cli import bench
+    from llmstep.core import cost
+
+    monkeypatch.setattr(cost, "free_memory_bytes", lambda device: 2**30)  # 1 GiB free
+    monkeypatch.setattr(bench.decode_bench, "bench_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(SystemExit, match=r"--bandwidth-bytes 1,073,741,824 \(the bandwidth copy's 2 buffers"):
+        main(TINY + ["--bandwidth-bytes", str(2**30)])

@@ -90,6 +90,17 @@ def test_the_speculative_benchmark_writes_a_file_only_when_asked(tmp_path, tiny_
     assert list(tmp_path.iterdir()) == [] and "wrote" not in capsys.readouterr().out
 
 
+def test_the_speculative_benchmark_refuses_a_k_its_cost_timing_cannot_fit_before_any_run(tiny_checkpoint, monkeypatch):
+    """The round's forwards are timed after 64 cached tokens: k + 1 more must fit the 128-position context."""
+    from llmstep.lab import bench_speculative
+
+    monkeypatch.setattr(bench_speculative, "generate", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit, match=r"max\(ks\) 64: .* needs 129 positions, the target's context has 128; "
+                                         r"choose max\(ks\) at most 63"):
+        cli.main(["speculative", "--bench", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "1,64",
+                  "--max-new-tokens", "4", "--repeats", "1"])
+
+
 def test_the_commands_record_how_they_were_called(tmp_path, tiny_checkpoint, capsys):
     out = tmp_path / "spec.json"
     argv = ["speculative", "--bench", "--target", str(tiny_checkpoint), "--draft", "self-1", "--ks", "1,2",
@@ -175,3 +186,17 @@ cli.console()
                           capture_output=True, text=True, timeout=60, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert (done.returncode, done.stderr) == (143, "llmstep export: terminated\n")
     assert [p.name for p in out.iterdir()] == ["model.gguf"] and (out / "model.gguf").read_text() == "the old file"
+
+
+@pytest.mark.parametrize("flags, words", [(["--speculate-k", "3"], "--speculate-k sets speculative decoding's rounds"),
+                                          (["--adaptive-k"], "--adaptive-k sets speculative decoding's rounds")])
+def test_generate_refuses_speculation_settings_without_a_draft_by_name(flags, words):
+    with pytest.raises(SystemExit, match=f"{words}: add --draft"):  # before the (missing) model is read
+        cli.main(["generate", "--model", "/no/such/model", "--prompt", "x", *flags])
+
+
+@pytest.mark.parametrize("argv", [["batch", "--slots", "1,1"], ["speculative", "--bench", "--ks", "2,4,2"]])
+def test_a_list_with_a_value_given_twice_is_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert "a value is given twice in" in capsys.readouterr().err

@@ -38,6 +38,22 @@ def test_a_bytes_prompt_is_refused_not_read_as_token_ids(tiny):
         FastDecoder(model, max_len=16, compile=False).generate(b"thy", 2, **GREEDY)
 
 
+@pytest.mark.parametrize("prompt, words", [("thy", r"not text: .*tokenizer first \(tokenizer.encode\)"),
+                                            ([{"role": "user", "content": "thy"}],
+                                             r"not chat messages: .*tokenizer first \(tokenizer.encode_chat")])
+def test_engines_without_a_tokenizer_say_text_and_messages_must_be_encoded_first(tiny, prompt, words):
+    model, tok = tiny
+    engines = {"FastDecoder": lambda: FastDecoder(model, max_len=16, compile=False).generate(prompt, 2, **GREEDY),
+               "FastSpeculator": lambda: FastSpeculator(model, LayerSkipDraft(model, 1), k=2, max_len=16,
+                                                        compile=False).generate(prompt, 2, **GREEDY),
+               "batcher": lambda: ContinuousBatcher(model, 2, max_len=16, compile=False).run([Request(prompt, 2)])}
+    for name, run in engines.items():
+        with pytest.raises(ValueError, match="this engine takes token ids, " + words):
+            run()
+            pytest.fail(f"{name} took the prompt")
+    assert len(llmstep.generate(model, tok, prompt, max_new_tokens=2, **GREEDY).tokens) == 2  # with a tokenizer
+
+
 @pytest.mark.parametrize("seed", [1.5, "42", True, -1, 2**64, 2**70])
 def test_a_seed_that_is_not_a_64_bit_integer_is_refused_by_name_before_any_work(tiny, seed):
     model, tok = tiny

@@ -4,6 +4,9 @@ need at every step and is whole again at the end, and bad requests are refused b
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from llmstep.batching import PagedBatcher, Request, run_batch
@@ -267,3 +270,30 @@ def test_one_scheduler_serves_both_caches_alike(tiny64, policy):
     assert paged.timeline == contiguous.timeline and paged.prefills == contiguous.prefills
     assert [c.tokens for c in paged.completions] == [c.tokens for c in contiguous.completions]
     assert paged.kv_stats["preemptions"] == 0
+
+
+def test_paged_batching_on_a_tensor_parallel_model_gives_one_process_tokens(tmp_path, tokenizer_file, monkeypatch):
+    """Each of 2 ranks holds 1 of the 2 KV heads: its paged cache holds its own heads (as its `new_cache` does),
+    and run_batch(kv="paged") and PagedSession give the tokens one process gives."""
+    from conftest import make_checkpoint
+
+    from llmstep.core.checkpoint import load
+
+    here = Path(__file__).parent
+    monkeypatch.syspath_prepend(here.parent / "core")
+    monkeypatch.syspath_prepend(here)
+    from test_parallel import torchrun  # the 2-process gloo launcher of the tensor-parallel tests
+
+    make_checkpoint(tmp_path / "gqa", tokenizer_file, num_key_value_heads=2)
+    from tp_paged_worker import requests
+
+    done = torchrun(2, str(here / "tp_paged_worker.py"), str(tmp_path), str(tmp_path / "gqa"))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    model, tok = load(tmp_path / "gqa", device="cpu", dtype="float32")
+    alone = [solo(model, tok, r).tokens for r in requests()]
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["kv_heads"] == 1
+        assert record["paged"] == alone
+        assert record["session"] == alone[0]

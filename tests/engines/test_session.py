@@ -67,3 +67,12 @@ def test_a_bad_request_is_refused_at_submit_and_a_closed_session_steps_no_more(t
     assert session.pending == 0
     with pytest.raises(RuntimeError, match="closed"):
         session.step()
+
+
+def test_a_closed_session_refuses_a_submitted_request_as_it_refuses_a_step(tiny64):
+    model, _ = tiny64
+    session = PagedSession(model, n_slots=2, block_size=4, n_blocks=3)
+    session.close()
+    with pytest.raises(RuntimeError, match="this PagedSession is closed"):
+        session.submit(Request([1, 2], max_new_tokens=5))
+    assert session.pending == 0

@@ -197,6 +197,27 @@ def test_measure_costs_times_the_forwards_of_a_round(target, drafts):
     assert cost_ratio > 0 and len(verify_costs) == 4 and all(v > 0 for v in verify_costs)
 
 
+def test_measure_costs_refuses_what_it_cannot_time_by_name_before_any_forward(target, drafts, monkeypatch):
+    draft = drafts["noisy-copy"]  # both contexts: 128 positions
+    monkeypatch.setattr(spec, "synchronize", lambda device: pytest.fail("a forward was timed"))
+    with pytest.raises(ValueError, match=r"k_max 64: .* needs 129 positions, the target's context has 128; "
+                                         r"choose k_max at most 63"):
+        spec.measure_costs(target, draft, k_max=64, context=64)
+    with pytest.raises(ValueError, match="repeats must be"):
+        spec.measure_costs(target, draft, k_max=3, repeats=0)
+    with pytest.raises(ValueError, match="context 128: timing a token after it needs 129 positions, the target's"):
+        spec.measure_costs(target, draft, k_max=3, context=128)
+    with pytest.raises(ValueError, match="context must be"):
+        spec.measure_costs(target, draft, k_max=3, context=0)
+
+
+def test_a_layer_skip_draft_takes_a_numpy_integer_as_every_count_does(target):
+    import numpy as np
+
+    draft = LayerSkipDraft(target, np.int64(2))
+    assert draft.config.n_layers == 2 and type(draft.config.n_layers) is int
+
+
 def test_layer_skip_draft_shares_the_targets_weights(target):
     draft = LayerSkipDraft(target, 2)
     assert draft.config.n_layers == 2 and len(draft.new_cache().k) == 2
@@ -478,6 +499,35 @@ def test_fast_speculator_fills_its_cache_with_the_target_alone_where_a_round_no_
     assert (len(out.tokens), out.stop_reason) == (plan.tokens, "context") == (16, "context")
     assert out.tokens == plain_greedy(target, tok, 40, stop_ids=[]).tokens[:16]
     assert out.proposed[-1] == 0 and out.produced[-1] == 1  # the last round would write past slot 19
+
+
+@pytest.mark.parametrize("draft_context, k", [(4, 4), (6, 8)])
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=3)], ids=["greedy", "seeded"])
+def test_fast_speculator_runs_where_a_short_draft_context_never_lets_it_propose(tok, draft_context, k, sampling):
+    """The draft's cache cannot hold a round of k proposals: no warm-up round is written past it, and the target
+    decodes alone: greedy, the tokens speculative_generate gives; seeded, the target's own draws (generate's;
+    speculative_generate, whose rounds shrink k to fit, draws differently)."""
+    target = random_model(3, logit_scale=4.0, max_seq_len=24)
+    draft = noisy_copy(target, 0.2, seed=4)
+    draft.config = draft.config.replace(max_seq_len=draft_context)
+    kw = dict(max_new_tokens=10, stop_ids=(), **sampling)
+    out = FastSpeculator(target, draft, k=k, compile=False).generate(PROMPT[:3], **kw)
+    assert out.tokens == llmstep.generate(target, tok, PROMPT[:3], **kw).tokens and len(out.tokens) == 10
+    if not sampling["temperature"]:
+        assert out.tokens == speculative_generate(target, draft, tok, PROMPT[:3], k=k, **kw).tokens
+    assert set(out.proposed) == {0}
+
+
+def test_fast_speculator_refuses_a_k_that_no_round_can_hold_by_name(tok):
+    target = random_model(3, max_seq_len=24)
+    with pytest.raises(ValueError, match=r"k 23 never fits: .* the target's context is 24; choose k at most 22"):
+        FastSpeculator(target, target, k=23)
+    with pytest.raises(ValueError, match=r"k 25 never fits: .* the target's context is 24; choose k at most 22"):
+        FastSpeculator(target, target, k=25, max_len=20)  # not "max_len must be an integer in 27..24"
+    with pytest.raises(ValueError, match=r"max_len must be an integer in 12..24"):
+        FastSpeculator(target, target, k=10, max_len=8)
+    assert FastSpeculator(target, target, k=22, compile=False).generate(PROMPT[:1], 5, **GREEDY).tokens == \
+        llmstep.generate(target, tok, PROMPT[:1], max_new_tokens=5, **GREEDY).tokens
 
 
 def test_fast_speculator_goes_on_with_the_target_alone_past_a_shorter_draft_context(tok):

@@ -204,6 +204,16 @@ def test_the_batching_simulation_is_the_schedulers_and_repeatable():
         explore.simulate_batching(3, 1.0, policy="fifo")
 
 
+def test_the_batching_simulation_refuses_arrivals_past_the_steps_a_run_records_as_the_batchers_do():
+    """A rate this low spreads requests over millions of idle steps, each a row of the timeline."""
+    from llmstep.engines.request import MAX_ARRIVAL_STEP
+
+    assert explore.simulate_batching(2, 1e-6, n_requests=2).completions[1].arrival == 240_466  # within the limit
+    with pytest.raises(ValueError, match=rf"arrival_rate 1e-06 spreads the 3 requests too far: request 2: arrival "
+                                         rf"step 1,608,434 is past the {MAX_ARRIVAL_STEP:,} steps a run records"):
+        explore.simulate_batching(2, 1e-6, n_requests=3)
+
+
 
 def test_the_batching_explorer_shows_the_queue_the_scheduler_recorded():
     """Beside the slots, the queue: requests waiting at each engine step, read from the run's own record."""

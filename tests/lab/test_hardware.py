@@ -85,6 +85,17 @@ def test_bad_arguments_are_rejected_with_the_name():
         measured_chip("cpu", bandwidth_gb_per_s=0.0, matmul_tflops=1.0)
 
 
+def test_a_bandwidth_buffer_the_free_memory_cannot_hold_is_refused_before_it_is_allocated(monkeypatch):
+    from llmstep.core import cost
+
+    monkeypatch.setattr(cost, "free_memory_bytes", lambda device: 3 * 2**30)  # 3 GiB free
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: pytest.fail("the buffer was allocated"))
+    with pytest.raises(cost.MemoryBudgetError, match=r"nbytes 2,147,483,648 \(the bandwidth copy's 2 buffers"):
+        measure_bandwidth("cpu", nbytes=2**31)  # a copy holds two: 4 GiB
+    with pytest.raises(cost.MemoryBudgetError, match=r"nbytes 4,294,967,296 \(the bandwidth read's 1 buffer "):
+        measure_bandwidth("cpu", nbytes=2**32, kind="read")
+
+
 def test_probes_return_positive_rates_on_the_cpu():
     assert measure_bandwidth("cpu", nbytes=2**22, repeats=2) > 0
     assert measure_bandwidth("cpu", nbytes=2**22, repeats=2, kind="read") > 0

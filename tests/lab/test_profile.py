@@ -79,6 +79,8 @@ def test_profile_refuses_a_context_past_the_window_before_building_anything(mode
         profile_step(model, context=CFG.max_seq_len)
     with pytest.raises(ValueError, match="repeats"):
         profile_step(model, context=4, repeats=0)
+    with pytest.raises(ValueError, match="context must be"):
+        profile_step(model, context=0)
 
 
 def test_timeline_draws_one_bar_per_event(model):
@@ -192,3 +194,16 @@ def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint,
     with pytest.raises(SystemExit):
         main(["profile", "--quantize", "int4+lm_head-int4"])
     assert "after '+lm_head' only '-int8' may follow" in capsys.readouterr().err
+
+
+def test_a_decode_rate_needs_a_decode_step_and_is_refused_by_name_as_bench_refuses_it(model, capsys):
+    """One new token is the prefill's: no decode step to time, so no rate (it printed "decode 0.0 tok/s")."""
+    from llmstep.cli import main
+    from llmstep.engines.fast import FastDecoder
+
+    with pytest.raises(ValueError, match="new_tokens must be"):
+        decode_rates(FastDecoder(model, max_len=16, compile=False), [1, 2, 3], new_tokens=1, repeats=1)
+    for command in (["profile", "--no-compile", "--rate-only"], ["bench"]):
+        with pytest.raises(SystemExit):
+            main([*command, "--new-tokens", "1"])
+        assert "--new-tokens: must be an integer in 2 .. " in capsys.readouterr().err
