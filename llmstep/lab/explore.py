@@ -20,7 +20,7 @@ from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, kv_cache_bytes, model_bytes
 from ..core.model import Llama
 from ..core.rope import apply_rope, config_inv_frequencies, rope_cos_sin
-from ..engines.decoding import budget, check_int
+from ..engines.decoding import budget, check_int, check_prompt_ids
 from ..engines.kv_manager import KVCacheManager
 from ..engines.scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
 from ..engines.speculative import best_k, check_k, expected_speedup, expected_tokens_per_forward
@@ -92,6 +92,7 @@ def rope_rotation(config: LlamaConfig, position: int, pair: int, trail: int = 64
     max(0, position - trail) .. position: the path the widget draws on the unit circle."""
     check_int(position, "position")
     check_int(pair, "pair")
+    check_int(trail, "trail")
     if pair >= config.head_dim // 2:
         raise ValueError(f"pair must be below head_dim / 2 = {config.head_dim // 2}, got {pair}")
     inv_freq = config_inv_frequencies(config)  # [hd/2]
@@ -137,7 +138,8 @@ def attention_weights(model: Llama, ids: list[int] | torch.Tensor, layer: int) -
     check_int(layer, "layer")
     if layer >= model.config.n_layers:
         raise ValueError(f"layer must be below n_layers = {model.config.n_layers}, got {layer}")
-    tokens = torch.as_tensor(ids, device=model.device).reshape(1, -1)  # [1, T]
+    ids = check_prompt_ids(ids, model.config.vocab_size, math.inf)  # integers in the vocabulary; length below
+    tokens = torch.tensor([ids], device=model.device)  # [1, T]
     if not 1 <= tokens.shape[1] <= model.config.max_seq_len:
         raise ValueError(f"the prompt must hold 1..{model.config.max_seq_len} tokens, got {tokens.shape[1]}")
     seen = {}

@@ -173,6 +173,9 @@ def plot_cache_growth(config: LlamaConfig, prompt_len: int, max_new_tokens: int,
 
     for what, v, low in (("prompt_len", prompt_len, 1), ("max_new_tokens", max_new_tokens, 1), ("batch", batch, 1)):
         check_int(v, what, low)
+    if prompt_len >= config.max_seq_len:
+        raise ValueError(f"prompt_len {prompt_len} leaves no room for a new token in the context of "
+                         f"{config.max_seq_len}")
     per_token = batch * kv_bytes_per_token(config, dtype)
     slots = cache_len(prompt_len, max_new_tokens, config.max_seq_len)
     steps = list(range(0, min(max_new_tokens, slots - prompt_len) + 1))  # 0: after the prefill

@@ -17,6 +17,7 @@ untraced step time is measured too (`Trace.step_seconds`) so the two can be comp
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.sampling import check_params, sample
+from ..engines.decoding import check_prompt_ids
 from .runinfo import median, time_repeats
 
 __all__ = ["STAGES", "StageRow", "Trace", "stage_costs", "expected_calls", "trace_step", "plot_trace"]
@@ -271,7 +273,8 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
     else:
         if len(prompt_ids) < context + 1:
             raise ValueError(f"prompt_ids has {len(prompt_ids)} tokens; tracing after {context} needs {context + 1}")
-        ids = torch.tensor([list(prompt_ids[:context + 1])], device=device)
+        ids = torch.tensor([check_prompt_ids(list(prompt_ids[:context + 1]), config.vocab_size, math.inf)],
+                           device=device)
     cache = model.new_cache(batch_size=1, max_len=context + 1)
     if context:
         model(ids[:, :context], cache=cache, keep=LAST)  # prefill: the cache now holds `context` tokens

@@ -17,7 +17,7 @@ from llmstep.core.config import LlamaConfig  # noqa: E402
 from llmstep.core.cost import decode_step_cost, kv_cache_bytes, model_bytes  # noqa: E402
 from llmstep.core.rope import inv_frequencies  # noqa: E402
 from llmstep.engines.speculative import expected_speedup  # noqa: E402
-from llmstep.lab import explore, explorers  # noqa: E402
+from llmstep.lab import explore, explorers, pictures, trace  # noqa: E402
 from llmstep.lab.hardware import DATASHEETS  # noqa: E402
 from llmstep.lab.roofline import attainable_tflops  # noqa: E402
 
@@ -120,6 +120,19 @@ def test_the_attention_pattern_is_what_the_model_computes(shipped):
     torch.testing.assert_close(attn.wo(mixed), seen["out"], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="layer"):
         explore.attention_weights(model, ids, c.n_layers)
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda m: explore.attention_weights(m, [1, 2, 10**6], 0), "outside the vocabulary"),
+    (lambda m: explore.attention_weights(m, [1.5, 2], 0), "must be integers"),
+    (lambda m: explore.rope_rotation(m.config, 3, 0, trail=-5), "trail"),
+    (lambda m: pictures.plot_cache_growth(m.config, m.config.max_seq_len, 10), "prompt_len"),
+    (lambda m: trace.trace_step(m, context=2, prompt_ids=[1, 2, 10**6]), "outside the vocabulary"),
+])
+def test_the_lab_helpers_refuse_bad_arguments_by_name(shipped, call, named):
+    """Each was an IndexError or RuntimeError from deep inside torch or matplotlib."""
+    with pytest.raises(ValueError, match=named):
+        call(shipped[0])  # (model, tokenizer)
 
 
 def test_quantization_error_and_bytes_come_from_the_quantizer():
