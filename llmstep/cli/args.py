@@ -104,8 +104,9 @@ def parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not all(1 <= v <= COUNT_LIMIT for v in values):
         raise argparse.ArgumentTypeError(f"every value must be an integer in 1 .. {COUNT_LIMIT}, got {text!r}")
-    if len(set(values)) < len(values):  # each value is one run of the table: twice would measure it twice
-        raise argparse.ArgumentTypeError(f"a value is given twice in {text!r}")
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:  # each value is one run of the table: twice would measure it twice
+        raise argparse.ArgumentTypeError(f"{twice} is given twice in {text!r}")
     return values
 
 

@@ -28,7 +28,9 @@ def run_export(args, argv) -> None:
     dtype = args.dtype or default_dtype(model)
     out = export_gguf(model, tokenizer, args.gguf, dtype=dtype, name=path.name)
     why = ""
-    if args.dtype is None and dtype == "f32" and model.config.torch_dtype != "float32":
+    if args.dtype is None and model.config.torch_dtype == "float64":
+        why = " (rounded from the checkpoint's float64: llmstep writes f32 at most)"
+    elif args.dtype is None and dtype == "f32" and model.config.torch_dtype != "float32":
         why = f" (not the checkpoint's {model.config.torch_dtype}, which would round its weights)"
     print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB, matrices {dtype}{why}) from {path}; run it with "
           f"llama.cpp: llama-cli -m {out}", file=sys.stderr)

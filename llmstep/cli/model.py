@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ..core.config import PRESETS, LlamaConfig
+from ..core.config import PRESETS, LlamaConfig, sampling_defaults
 from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
 from .args import (
     add_attention_arg,
@@ -215,9 +215,7 @@ def _generate(args, load_one, stream) -> None:
         from ..core.quantize import quantize
 
         quantize(model, args.quantize)
-    defaults = getattr(model, "generation_config", {}) or {}
-    if defaults.get("do_sample") is False:  # transformers' rule: greedy, whatever temperature the file also gives
-        defaults = defaults | {"temperature": 0.0}
+    defaults = sampling_defaults(getattr(model, "generation_config", None))  # do_sample false: greedy
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
     top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)

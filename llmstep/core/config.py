@@ -16,7 +16,7 @@ from .checks import is_finite_number, is_int, is_number
 
 __all__ = ["LlamaConfig", "RopeScaling", "ConfigError", "PRESETS", "check_generation_config", "parse_json",
            "read_json_object", "read_config_json",
-           "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH", "TORCH_DTYPES"]
+           "MAX_LAYERS", "MAX_CONTEXT", "MAX_VOCAB", "MAX_WIDTH", "TORCH_DTYPES", "sampling_defaults"]
 
 # Sanity bounds, checked before anything is built from a config (a per-layer table, a cache). Far above every
 # published Llama (405B: 126 layers, dim 16384, hidden 53248, context 131072, vocabulary 128256); they only stop
@@ -328,6 +328,13 @@ def check_generation_config(gen: dict, where: str) -> dict:
     if "do_sample" in gen and not isinstance(gen["do_sample"], bool):
         raise ConfigError(f"{where}: do_sample must be true or false, got {gen['do_sample']!r}")
     return gen
+
+
+def sampling_defaults(gen: dict | None) -> dict:
+    """A generation_config as the sampling defaults it means: do_sample false is greedy (transformers' rule),
+    temperature 0 whatever temperature the file also gives."""
+    gen = dict(gen or {})
+    return gen | {"temperature": 0.0} if gen.get("do_sample") is False else gen
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import LlamaConfig
+from .config import LlamaConfig, sampling_defaults
 from .files import atomic_write, check_output_path
 from .gguf_vocab import LLAMA3_SPLIT
 from .model import Llama
@@ -193,11 +193,12 @@ def default_dtype(model: Llama) -> str:
 
 def sampling_fields(generation_config: dict) -> dict[str, float | int]:
     """The general.sampling.* values (llama.cpp's sampling defaults) of a generation_config: temperature, top_k
-    and top_p as it gives them; do_sample false (greedy, transformers' rule) is temperature 0, greedy in llama.cpp
-    and in llmstep alike, so the file samples as the checkpoint did."""
-    gen = dict(generation_config or {})
-    if gen.get("do_sample") is False:
-        gen["temperature"] = 0.0
+    and top_p as it gives them; do_sample false (greedy, transformers' rule: `sampling_defaults`) is temperature 0,
+    greedy in llama.cpp and in llmstep alike, so the file samples as the checkpoint did. top_k goes in as llama.cpp's
+    int32 (GGUFError past it, before the file is opened)."""
+    gen = sampling_defaults(generation_config)
+    if gen.get("top_k") is not None and not 0 <= gen["top_k"] < 2**31:
+        raise GGUFError(f"generation_config top_k {gen['top_k']} does not fit general.sampling.top_k (int32)")
     return {key: gen[ours] for ours, key in SAMPLING_KEYS.items() if gen.get(ours) is not None}
 
 

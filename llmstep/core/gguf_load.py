@@ -140,6 +140,9 @@ def check_layout(reader, where: str) -> None:
     for t in reader.tensors:
         block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
         shape, kind = [int(d) for d in t.shape], t.tensor_type.name
+        if not shape or min(shape) < 1:
+            raise GGUFLoadError(f"{where}: tensor {t.name} has shape {shape}; every tensor has at least one "
+                                "dimension, each at least 1")
         if shape[0] % block:
             raise GGUFLoadError(f"{where}: tensor {t.name} is {kind}, whose blocks hold {block} values, but its rows "
                                 f"hold {shape[0]}")

@@ -94,11 +94,10 @@ def prefer_int4_kernel(device: torch.device | str, kernel: str | None) -> None:
 
 def _auto_kernel(mode: str, device: torch.device | None = None) -> str:
     """Which matmul to use when the caller does not say. int8: dequantise + matmul (compile fuses the widening into
-    the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16; an eager CPU call
-    runs that op itself, `Int8Linear.prepare`, as kernel="packed" does always). int4: the packed kernels (tinygemm
-    on CUDA, _for_cpu on a CPU): dequantising a whole int4 matrix per token would read more bytes than the float
-    weights; on a GPU whose measurement chose it (`prefer_int4_kernel`), the single-reduction "reduce" path. Where
-    the device or this torch has no packed kernel, prepare() finds out and falls back to dequantise + matmul."""
+    the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16, which an eager
+    bf16 CPU call runs itself: `Int8Linear.prepare`). int4: the packed kernels (tinygemm on CUDA, _for_cpu on a
+    CPU): dequantising a whole int4 matrix per token would read more bytes than the float weights; on a GPU whose
+    measurement chose it (`prefer_int4_kernel`), "reduce". No packed kernel here: prepare() falls back to dequant."""
     if mode != "int4":
         return "dequant"
     if device is not None and device.type == "cuda" and _INT4_KERNEL_BY_GPU:
@@ -131,8 +130,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))  # [N]
         _check_kernel(kernel, "int8")
-        self.kernel = kernel
-        self.eager_packed = False  # set by prepare(): "auto" on a CPU, the packed op outside a compiled graph
+        self.kernel = self.asked = kernel  # asked: what prepare() settles from, each time it runs
+        self.eager_packed = False  # set by prepare(): "auto" in bf16 on a CPU, the packed op outside a compiled graph
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> Int8Linear:
@@ -146,8 +145,8 @@ class Int8Linear(nn.Module):
         """Settle the kernel for the weights' device, checking the packed op once. "auto" in bf16 on a CPU also runs
         the packed op at a few rows outside a compiled graph (dequantising widens the whole matrix every call: 3-11x
         slower at one row; not so in float32 or f16); compiled, the dequant pattern, which inductor rewrites."""
-        auto, bf16_cpu = self.kernel == "auto", self.weight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
-        self.kernel = _auto_kernel("int8") if auto else self.kernel
+        auto, bf16_cpu = self.asked == "auto", self.weight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
+        self.kernel = _auto_kernel("int8") if auto else self.asked
         packed = (self.kernel == "packed" or auto and bf16_cpu) and self._packed_agrees()
         if self.kernel == "packed" and not packed:
             self.kernel = "dequant"  # this torch, device, dtype or shape has no packed int8 kernel
@@ -165,7 +164,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        packed = self.kernel == "packed" or (self.eager_packed and not torch.compiler.is_compiling())
+        eager = self.eager_packed and x.dtype == self.scales.dtype and not torch.compiler.is_compiling()
+        packed = self.kernel == "packed" or eager
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)

@@ -172,11 +172,15 @@ class Tokenizer:
         that samples one keeps its text. An id outside even the padded vocabulary is refused by value."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or a numpy array
         ids = ids if isinstance(ids, list) else [ids]  # a 0-d tensor
+        self._check_ids(ids)
+        return self.tok.decode([int(i) for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+
+    def _check_ids(self, ids: list) -> None:
+        """Refuse, by value, an id that is not an integer inside even the padded vocabulary (`decode`)."""
         padded = max(getattr(self, "padded_vocab_size", 0), self.vocab_size)
         bad = next((i for i in ids if not (_is_id(i) and i < padded)), None)
         if bad is not None:
             raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{padded - 1}")
-        return self.tok.decode([int(i) for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
     def pieces(self, text: str) -> list[str]:
         """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""
@@ -373,9 +377,7 @@ class StreamDecoder:
         """The new text this id completes ('' while a character is still incomplete). An id that is not one of the
         vocabulary's is refused before it is kept, so the stream stays usable (flush() included)."""
         token_id = token_id.tolist() if hasattr(token_id, "tolist") else token_id  # a 0-d tensor or numpy int
-        padded = max(getattr(self.tokenizer, "padded_vocab_size", 0), self.tokenizer.vocab_size)
-        if not (_is_id(token_id) and token_id < padded):
-            raise ValueError(f"cannot decode token id {token_id!r}: ids are integers in 0..{padded - 1}")
+        self.tokenizer._check_ids([token_id])
         self._ids.append(int(token_id))
         if token_id >= self.tokenizer.vocab_size:  # padding past the tokenizer's ids: nothing, as decode gives
             return ""

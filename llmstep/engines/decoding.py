@@ -43,8 +43,8 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     messages = isinstance(ids, list | tuple) and any(isinstance(m, dict) for m in ids)
     if isinstance(ids, str) or messages:
         what, how = ("chat messages", "tokenizer.encode_chat(messages)") if messages else ("text", "tokenizer.encode")
-        raise ValueError(f"this engine takes token ids, not {what}: encode the prompt with the model's tokenizer "
-                         f"first ({how})")
+        raise ValueError(f"this takes token ids (an engine without a tokenizer, a lab helper), not {what}: encode "
+                         f"the prompt with the model's tokenizer first ({how})")
     if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Iterable):
         raise ValueError(f"a prompt must be text, token ids or chat messages, got {type(ids).__name__}")
     ids = list(ids)

@@ -13,14 +13,19 @@ from dataclasses import dataclass
 
 from ..core.paged_kv import BlockPool, block_key, blocks_for
 
-__all__ = ["KVCacheManager", "Prefix", "check_fits"]
+__all__ = ["KVCacheManager", "Prefix", "check_fits", "pool_tokens"]
+
+
+def pool_tokens(n_blocks: int, block_size: int) -> int:
+    """The most tokens, prompt and new, one request the whole pool holds may have: the last token made is never
+    written (no step reads its K and V)."""
+    return n_blocks * block_size + 1
 
 
 def check_fits(n_prompt: int, n_new: int, n_blocks: int, block_size: int, index: int | None = None) -> None:
-    """Refuse a request that the whole pool could not hold (the last token made is never written); index: the
-    request's, for the message."""
-    need = blocks_for(n_prompt + n_new - 1, block_size) if n_new else 0
-    if need > n_blocks:
+    """Refuse a request that the whole pool could not hold (`pool_tokens`); index: the request's, for the message."""
+    if n_new and n_prompt + n_new > pool_tokens(n_blocks, block_size):
+        need = blocks_for(n_prompt + n_new - 1, block_size)
         where = "" if index is None else f"request {index}: "
         raise ValueError(f"{where}its prompt ({n_prompt} tokens) and {n_new} new tokens need {need} blocks of "
                          f"{block_size} positions, the whole pool has {n_blocks}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..core.model import Llama
 from ..engines.batching import Request
+from ..engines.kv_manager import pool_tokens
 from ..engines.session import PagedSession
 
 __all__ = ["Engine", "Ticket", "Busy", "EngineStopped"]
@@ -91,9 +92,9 @@ class Engine:
     @property
     def context(self) -> int:
         """The most tokens, prompt and new, one request may have: the model's context, or what the whole KV pool
-        holds (plus one: the last token made is never written, as `check_fits` counts), whichever is less."""
+        holds (`pool_tokens`, the rule `check_fits` refuses by), whichever is less."""
         s = self.session
-        return min(s.model.config.max_seq_len, s.n_blocks * s.block_size + 1)
+        return min(s.model.config.max_seq_len, pool_tokens(s.n_blocks, s.block_size))
 
     @property
     def alive(self) -> bool:

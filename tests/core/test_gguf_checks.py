@@ -14,7 +14,7 @@ from gguf_oracle import random_llama
 
 from llmstep import cli
 from llmstep.core.config import RopeScaling
-from llmstep.core.gguf import export_gguf
+from llmstep.core.gguf import GGUFError, export_gguf
 from llmstep.core.gguf_load import GGUFLoadError, load_gguf, read_gguf
 from llmstep.core.tokens import Tokenizer
 
@@ -96,6 +96,24 @@ def test_an_untouched_file_tiles_its_data_section_and_loads(tmp_path, tokenizer)
     assert torch.equal(got.layers[0].attention.wq.weight, model.layers[0].attention.wq.weight)
 
 
+def test_a_tensor_without_dimensions_is_refused_by_name(tmp_path, tokenizer):
+    """A 0-d entry has no rows to hold blocks: named, not an IndexError from the layout check."""
+    r = gguf.GGUFReader(export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32"))
+    w = gguf.GGUFWriter(str(tmp_path / "scalar.gguf"), "llama")
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(1.0, dtype=np.float32) if t.name == "output_norm.weight" else np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFLoadError, match=r"tensor output_norm.weight has shape \[\]"):
+        read_gguf(tmp_path / "scalar.gguf")
+
+
 @pytest.mark.parametrize("value", [(3, "UINT32"), (0, "UINT32"), ("32", "STRING")])
 def test_a_general_alignment_that_is_not_a_power_of_two_is_refused_by_name(tmp_path, tokenizer, value):
     path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
@@ -170,6 +188,14 @@ def test_the_sampling_defaults_survive_an_export_and_a_load(tmp_path, tokenizer,
     path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
     got = read_gguf(path).generation_config
     assert {k: v for k, v in got.items() if k != "eos_token_id"} == expected
+
+
+def test_a_top_k_past_int32_is_refused_before_the_file_is_opened(tmp_path, tokenizer):
+    model = random_llama()
+    model.generation_config = {"top_k": 2**31}  # generation_config allows it; general.sampling.top_k is int32
+    with pytest.raises(GGUFError, match="top_k 2147483648 does not fit general.sampling.top_k"):
+        export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    assert list(tmp_path.iterdir()) == []
 
 
 def q4_1_file(tmp_path, tokenizer):

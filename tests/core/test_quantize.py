@@ -95,6 +95,9 @@ def test_auto_int8_runs_the_packed_op_eagerly_on_a_cpu_and_the_dequant_pattern_w
         pytest.skip("no packed int8 kernel in this PyTorch build on the CPU")
     assert auto.kernel == plain.kernel == "dequant" and not plain.eager_packed
     assert not Int8Linear.from_linear(lin.float()).eager_packed  # float32: torch's packed op is the slower there
+    assert auto.prepare().eager_packed and auto.prepare().kernel == "dequant"  # prepared again: the same
+    x32 = torch.randn(1, 128)  # float32 into a bf16 layer: the op takes one dtype, the dequant path promotes
+    torch.testing.assert_close(auto(x32), plain(x32), atol=0, rtol=0)
     calls = []
     real = torch_compat.int8_mm
     monkeypatch.setattr(torch_compat, "int8_mm", lambda *a: calls.append(a[0].shape) or real(*a))
