@@ -68,9 +68,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "llmstep",
                                             "max_model_len": context}]}
 
+    limit = protocol.max_body_bytes(context, tokenizer.longest)
+
     async def read_body(request: Request) -> dict:
+        raw = bytearray()
+        async for chunk in request.stream():  # read up to the limit, not whatever was sent
+            raw += chunk
+            if len(raw) > limit:
+                raise RequestError(f"the request body is over {limit:,} bytes: more than a request of {context} "
+                                   "tokens can hold", None, "request_too_large", status=413)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
             raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
         if not isinstance(body, dict):

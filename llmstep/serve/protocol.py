@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from ..core.checks import check_seed, is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
-           "error_body", "StopText", "completion_body", "completion_chunk", "chat_body", "chat_chunk", "usage",
-           "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT"]
+           "max_body_bytes", "error_body", "StopText", "completion_body", "completion_chunk", "chat_body",
+           "chat_chunk", "usage", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 MAX_STOP_CHARS = 1000  # ours: every token's text is checked against each stop string, so they must stay short
@@ -216,6 +216,13 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for the system turn
         out.append({"role": role, "content": content})
     return out, sampling
+
+
+def max_body_bytes(context: int, longest: int) -> int:
+    """The largest request body a server holding `context` tokens a request reads: their text at `longest` bytes a
+    token, JSON-escaped (at most 6 bytes a byte, \\u0000), and 1 MiB for the rest; a larger one is refused (413)
+    before it is all read, so a body of gigabytes takes no memory."""
+    return 6 * context * longest + 2**20
 
 
 def check_chat_size(messages: list[dict], context: int, longest: int) -> None:

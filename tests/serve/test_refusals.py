@@ -13,6 +13,8 @@ import httpx
 import pytest
 from serving import TIMEOUT, client, load_shipped, running_server, shared_server, wait_for
 
+from llmstep.serve.protocol import max_body_bytes
+
 openai = pytest.importorskip("openai")
 shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
 server = pytest.fixture(scope="module", name="server")(shared_server)
@@ -152,3 +154,15 @@ def test_a_request_ended_by_a_stop_string_is_not_counted_as_cancelled(server):
     wait_for(lambda: engine.stats["stop_strings"] == before["stop_strings"] + 1, "the stop string to be counted",
              timeout=30)
     assert engine.stats["cancelled"] == before["cancelled"]
+
+
+def test_a_body_larger_than_any_request_the_server_holds_is_a_413_before_it_is_read(server, shipped):
+    url, engine = server
+    limit = max_body_bytes(engine.context, shipped[1].longest)
+    requests = engine.stats["requests"]
+    body = b'{"prompt": "' + b"a" * limit + b'", "max_tokens": 1}'
+    error = error_of(post(url, body), status=413)
+    assert error["code"] == "request_too_large" and f"{limit:,} bytes" in error["message"]
+    assert engine.stats["requests"] == requests
+    text = "ROMEO: " + "x" * (limit - 2**20 - 100)  # just under the limit: read, then refused as too long by tokens
+    assert error_of(post(url, {"prompt": text, "max_tokens": 1}))["param"] == "prompt"
