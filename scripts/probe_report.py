@@ -17,6 +17,9 @@ TARGETS = {
     "8B int8 / bf16": ("8b_int8", "speedup_vs_bf16", 1.7),
     "8B int4 / bf16": ("8b_int4", "speedup_vs_bf16", 2.5),
 }
+# How much less often than eager bf16 the compiled bf16 step may pick the float32 model's token (`verdicts`):
+# 0.05 of 256 positions is ~2.5 times the spread two equally exact computations show by chance (sqrt(0.9*0.1/256)).
+AGREEMENT_SLACK = 0.05
 # The LM head quantized too: with it in bf16 the bytes streamed cap int8 at 1.87x bf16 on 8B, too close to 1.7x
 # (tests/cuda_proofs/test_gpu_probe.py); quantized, the ceilings are 2.00x (int8) and 3.56x (int4, g64; 3.02x
 # with a bf16 head).
@@ -50,17 +53,28 @@ def verdicts(records: list[dict]) -> list[tuple[str, str, str]]:
         worst = max(r.get(k, 0.0) for r in decodes for k in ("syncs_per_token", "syncs_per_token_sampled"))
         # (the prefill's and the final copy's, spread over the run: a sync per token would be 1.0)
         rows.append(("host syncs per token <= 0.25", f"{worst:.3f}", "PASS" if worst <= 0.25 else "FAIL"))
-        # Random weights give nearly flat logits, so a near-tie may flip between compiled and eager: 0.9, not 1.
-        shares = [a for r in decodes if (a := (r.get("teacher_forced") or {}).get("agreement")) is not None]
-        if shares:
-            least = min(shares)
-            rows.append(("compiled = eager tokens >= 0.9", f"{least:.3f}", "PASS" if least >= 0.9 else "FAIL"))
+        # Against the same weights in float32: compiled bf16 must pick its token as often as eager bf16 does. (Two
+        # bf16 computations of random weights' nearly flat logits disagree with each other more than either does
+        # with float32: the first H200 run's compiled-vs-eager share was 0.83 with no float32 to read it against.)
+        forced = [r["teacher_forced"] for r in decodes if "compiled_vs_float32" in (r.get("teacher_forced") or {})]
+        if forced:
+            worst = min(f["compiled_vs_float32"] - f["eager_vs_float32"] for f in forced)
+            rows.append((f"compiled - eager, vs float32 >= -{AGREEMENT_SLACK:g}", f"{worst:+.3f}",
+                         "PASS" if worst >= -AGREEMENT_SLACK else "FAIL"))
     return rows
 
 
 def table(records: list[dict], dry: bool) -> str:
     lines = [f"{'target':<32}{'measured':>14}  verdict" + ("   (dry: tiny shapes on the CPU)" if dry else "")]
     lines += [f"{t:<32}{m:>14}  {v}" for t, m, v in verdicts(records)]
+    for r in records:
+        forced = r.get("teacher_forced") or {}
+        if forced.get("agreement") is not None:
+            against = ""
+            if "compiled_vs_float32" in forced:
+                compiled, eager = forced["compiled_vs_float32"], forced["eager_vs_float32"]
+                against = f"; vs float32: compiled {compiled:.3f}, eager {eager:.3f}"
+            lines.append(f"compiled = eager tokens {r['phase']}: {forced['agreement']:.3f}{against}")
     for r in records:
         if r.get("peak_gb") is not None:
             lines.append(f"peak memory {r['phase']}: {r['peak_gb']:.1f} GB")

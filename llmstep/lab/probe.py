@@ -27,13 +27,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..core.device import synchronize
+from ..core.model import materialize
 from .runinfo import timing
 
 __all__ = ["SMI_FIELDS", "gpu_state", "parse_nvidia_smi", "no_recompiles", "time_calls", "kernel_summary",
-           "per_step", "profile_steps", "teacher_forced_agreement", "SyncCounter", "ATTENTION_KERNELS",
-           "attention_kernels"]
+           "per_step", "kernel_totals", "top_kernels", "profile_steps", "teacher_forced_agreement", "float32_twin",
+           "SyncCounter", "ATTENTION_KERNELS", "attention_kernels"]
 
 # What nvidia-smi reports per GPU (`nvidia-smi --help-query-gpu`): the driver, and the clocks a run ran at.
+TOP_KERNELS = 12  # kernels listed per profiled step (`top_kernels`)
 SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "temperature.gpu", "power.draw")
 
 
@@ -158,7 +160,7 @@ def profile_steps(run: Callable[[int], object], device: str | torch.device, step
     gpu = device.type == "cuda"
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # Kineto's start/stop lines on stderr, as in lab.profile
     cuda = torch.autograd.DeviceType.CUDA
-    summaries = []
+    summaries, by_name = [], []
     for n in (base, base + steps):
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
             synchronize(device)
@@ -168,23 +170,65 @@ def profile_steps(run: Callable[[int], object], device: str | torch.device, step
             wall_us = (time.perf_counter() - t) * 1e6
         events = [e for e in prof.events() if (e.device_type == cuda if gpu else e.cpu_parent is None)]
         summaries.append(kernel_summary([(e.time_range.start, e.time_range.elapsed_us()) for e in events], wall_us))
+        by_name.append(kernel_totals([(e.name, e.time_range.elapsed_us()) for e in events]))
         attention = attention_kernels([e.name for e in prof.events()])  # of the longer run: it did every step kind
     return per_step(*summaries, steps) | {"kind": "GPU kernels" if gpu else "top-level CPU ops", "steps": steps,
-                                          "attention_kernels": attention}
+                                          "attention_kernels": attention, "top": top_kernels(*by_name, steps)}
+
+
+def kernel_totals(kernels: Sequence[tuple[str, float]]) -> dict[str, tuple[int, float]]:
+    """From (name, duration_us) of every kernel of a run: name -> (calls, total us)."""
+    totals: dict[str, tuple[int, float]] = {}
+    for name, us in kernels:
+        calls, total = totals.get(name, (0, 0.0))
+        totals[name] = (calls + 1, total + us)
+    return totals
+
+
+def top_kernels(short: dict, long: dict, steps: int, n: int = TOP_KERNELS) -> list[dict]:
+    """The `n` kernels that take the most of one decode step: two `kernel_totals` of runs `steps` steps apart,
+    their difference per step (what the prefill and setting up ran cancels), the longest first. Where the step's
+    time goes, kernel by kernel: a matmul far below the copy bandwidth shows here by name."""
+    rows = []
+    for name, (calls, us) in long.items():
+        calls0, us0 = short.get(name, (0, 0.0))
+        per_step_us = (us - us0) / steps
+        if per_step_us > 0:
+            rows.append({"name": name[:160], "us_per_step": per_step_us, "calls_per_step": (calls - calls0) / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:n]
 
 
 @torch.no_grad()
-def teacher_forced_agreement(model: torch.nn.Module, prompt: Sequence[int], generated: Sequence[int]) -> dict:
+def teacher_forced_agreement(model: torch.nn.Module, prompt: Sequence[int], generated: Sequence[int],
+                             reference: torch.nn.Module | None = None) -> dict:
     """The share of `generated` (a compiled loop's greedy tokens after `prompt`) that the eager `model` picks
-    too, each position given the same history (one causal forward over prompt + generated[:-1])."""
+    too, each position given the same history (one causal forward over prompt + generated[:-1]).
+
+    Two computations in bf16 round differently (a compiled step keeps float32 inside a fused kernel where eager
+    rounds to bf16 between operators), and on random weights the top two logits are often closer than that
+    rounding: the share alone cannot tell rounding from a wrong function. `reference`, the same model in float32
+    (`float32_twin`), can: it adds how often each of them picks the float32 model's token
+    (`compiled_vs_float32`, `eager_vs_float32`): a compiled step that computes the same function agrees with it
+    as often as eager does."""
     if not generated:
         return {"agreement": None, "positions": 0, "first_difference": None}
     device = next(model.parameters()).device
     ids = torch.tensor([*prompt, *generated[:-1]], device=device)[None]  # [1, T]
     picks = model(ids)[0, len(prompt) - 1:].argmax(-1).tolist()  # the eager choice at each generated position
     same = [a == b for a, b in zip(picks, generated, strict=True)]
-    return {"agreement": sum(same) / len(same), "positions": len(same),
-            "first_difference": next((i for i, s in enumerate(same) if not s), None)}
+    out = {"agreement": sum(same) / len(same), "positions": len(same),
+           "first_difference": next((i for i, s in enumerate(same) if not s), None)}
+    if reference is not None:
+        truth = reference(ids)[0, len(prompt) - 1:].argmax(-1).tolist()  # [T - len(prompt) + 1]
+        out["compiled_vs_float32"] = sum(a == b for a, b in zip(generated, truth, strict=True)) / len(truth)
+        out["eager_vs_float32"] = sum(a == b for a, b in zip(picks, truth, strict=True)) / len(truth)
+    return out
+
+
+def float32_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (a Llama) with its own weights widened to float32, on its device: the reference
+    `teacher_forced_agreement` reads rounding against. Twice the model's bf16 bytes more of memory."""
+    return materialize(model.config, {k: v.float() for k, v in model.state_dict().items()})
 
 
 class SyncCounter:

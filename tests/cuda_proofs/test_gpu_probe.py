@@ -30,20 +30,22 @@ def dry_run(probe, tmp_path_factory):
     """One dry run of the first check (children included), shared by the tests that read its records; attention by
     the math kernel (--attention), which every phase's process must be told."""
     out = tmp_path_factory.mktemp("probe")
-    assert probe.main(["--dry", "--out", str(out), "--attention", "math"]) == 0
+    phases = ",".join([*probe.FIRST_CHECK, "8b_int4_other"])
+    assert probe.main(["--dry", "--out", str(out), "--attention", "math", "--phases", phases]) == 0
     return out, [json.loads(line) for line in (out / "probe.jsonl").read_text().splitlines()]
 
 
 def test_the_dry_run_writes_one_json_line_per_phase_under_one_folder(probe, dry_run):
     out, rows = dry_run
-    assert [r["phase"] for r in rows] == ["machine", *probe.FIRST_CHECK]
+    assert [r["phase"] for r in rows] == ["machine", *probe.FIRST_CHECK, "8b_int4_other"]
     assert all(r["status"] == "ok" and r["dry"] for r in rows), [r for r in rows if r["status"] != "ok"]
     decodes = [r for r in rows if "decode_tokens_per_s" in r]
-    assert {r["phase"] for r in decodes} == {"8b_bf16", "8b_int4", "8b_int8", "1b_bf16"}
+    assert {r["phase"] for r in decodes} == {"8b_bf16", "8b_int4", "8b_int8", "1b_bf16", "8b_int4_other"}
     for r in decodes:
         assert r["decode_tokens_per_s"] > 0 and r["fused"]
     quantized = {r["phase"]: r for r in rows if "speedup_vs_bf16" in r}
-    assert set(quantized) == {"8b_int4", "8b_int8"} and all(r["ceiling"] > 1 for r in quantized.values())
+    assert set(quantized) == {"8b_int4", "8b_int8", "8b_int4_other"}
+    assert all(r["ceiling"] > 1 for r in quantized.values())
     by_phase = {r["phase"]: r for r in rows}
     one_b = by_phase["1b_bf16"]  # the sampled run (eager here: the eager forward reads its length back per token)
     assert one_b["decode_tokens_per_s_sampled"] > 0 and one_b["syncs_per_token_sampled"] > 0
@@ -62,6 +64,13 @@ def test_every_decode_record_explains_itself(dry_run):
         assert "fail_on_recompile" in r["recompile_guard"] and "sm_clock_mhz_after" in r
         assert r["one_step"]["kernels_per_step"] > 0 and {"gpu_busy_us_per_step", "idle_share"} <= set(r["one_step"])
         assert r["teacher_forced"]["agreement"] == 1.0 and r["teacher_forced"]["positions"] == r["tokens"]
+        if "int" in r["phase"]:  # quantized: no float32 twin
+            assert "compiled_vs_float32" not in r["teacher_forced"]
+        else:  # the dry run is float32 and eager: all three are the same function
+            assert r["teacher_forced"]["compiled_vs_float32"] == r["teacher_forced"]["eager_vs_float32"] == 1.0
+        top = r["one_step"]["top"]
+        assert 0 < len(top) <= 12 and all(k["us_per_step"] > 0 and k["name"] for k in top)
+        assert [k["us_per_step"] for k in top] == sorted((k["us_per_step"] for k in top), reverse=True)
         assert r["attention"] == {"asked": "math", "decode_step": "sdpa"}, r["phase"]  # the child processes' phases too
         assert set(r["one_step"]["attention_kernels"]) == {"math"}  # the profile's: the dry run is eager
     machine = rows[0]
@@ -77,17 +86,19 @@ def test_gemv_times_distinct_weights_and_both_int4_kernels(dry_run):
     assert gemv["int4_kernel_choice"] in ("packed", "reduce")
 
 
-def test_each_quantized_variant_runs_in_its_own_process_int8_first(dry_run):
+def test_each_quantized_variant_runs_in_its_own_process_int8_first(probe, dry_run):
     rows = dry_run[1]
     parent = rows[0]["pid"]
-    children = [r for r in rows if r["phase"] in ("8b_int8", "8b_int4")]
-    assert [r["phase"] for r in children] == ["8b_int8", "8b_int4"]
-    assert len({parent, *(r["pid"] for r in children)}) == 3
-    int4 = children[1]
+    children = [r for r in rows if r["phase"] in probe.CHILD_PHASES]
+    assert [r["phase"] for r in children] == ["8b_int8", "8b_int4", "8b_int4_other"]
+    assert len({parent, *(r["pid"] for r in children)}) == 4
+    int4, other = children[1:]
     gemv = next(r for r in rows if r["phase"] == "gemv")
     assert int4["int4_kernel"] == gemv["int4_kernel_choice"]  # the gemv phase's choice reached the child
-    assert {int4["int4_kernel"], int4["other_kernel"]["kernel"]} == {"packed", "reduce"}  # both measured
-    assert int4["other_kernel"]["status"] == "ok" and int4["other_kernel"]["decode_tokens_per_s"] > 0
+    assert {int4["int4_kernel"], other["int4_kernel"]} == {"packed", "reduce"}  # both measured, each in its process
+    assert int4["kernels"] == [int4["int4_kernel"]] and other["kernels"] == [other["int4_kernel"]]
+    assert other["status"] == "ok" and other["decode_tokens_per_s"] > 0 and other["speedup_vs_bf16"] > 0
+    assert "8b_int4_other" not in probe.FIRST_CHECK  # the first run measures the chosen kernel only
 
 
 def test_a_crashing_child_loses_nothing_else(probe, tmp_path, monkeypatch):
@@ -116,9 +127,18 @@ def test_the_verdict_table_passes_fails_and_misses(probe):
     assert verdict["8B bf16 tok/s"] == "PASS" and verdict["8B int8 / bf16"] == "FAIL"
     assert verdict["1B bf16 tok/s"] == "MISSING" and verdict["8B int4 / bf16"] == "MISSING"
     assert verdict["CUDA graph skips"] == "FAIL" and verdict["host syncs per token"] == "FAIL"
-    assert "compiled = eager tokens" not in verdict  # no agreement recorded: no row
-    records[0]["teacher_forced"] = {"agreement": 0.5}
-    assert dict((t.split(" >=")[0], v) for t, _, v in probe.verdicts(records))["compiled = eager tokens"] == "FAIL"
+    assert not any(t.startswith("compiled") for t, _, _ in probe.verdicts(records))  # nothing against float32: no row
+
+    def against_float32(compiled, eager):
+        records[0]["teacher_forced"] = {"agreement": 0.5, "compiled_vs_float32": compiled, "eager_vs_float32": eager}
+        return [(m, v) for t, m, v in probe.verdicts(records) if t.startswith("compiled - eager, vs float32")]
+
+    # compiled and eager may disagree with each other (0.5) and pass: each picks float32's token as often
+    assert against_float32(0.92, 0.94) == [("-0.020", "PASS")] and against_float32(0.95, 0.90)[0][1] == "PASS"
+    assert against_float32(0.80, 0.94) == [("-0.140", "FAIL")]  # compiling lost float32's token more often
+    records[1]["teacher_forced"] = {"agreement": 0.4}  # a quantized phase: no float32 twin, no verdict of its own
+    assert against_float32(0.92, 0.94) == [("-0.020", "PASS")]
+    assert "vs float32: compiled 0.920, eager 0.940" in probe.table(records, dry=False)
 
 
 def test_no_speedup_target_is_above_its_ceiling_from_the_bytes_streamed(probe):

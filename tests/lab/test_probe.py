@@ -75,3 +75,34 @@ def test_teacher_forced_agreement_counts_each_position_given_the_same_history():
     changed = tokens[:2] + [(tokens[2] + 1) % 97] + tokens[3:]  # one divergence; the rest still judged on its own
     got = probe.teacher_forced_agreement(model, prompt, changed)
     assert got["first_difference"] == 2 and got["positions"] == 6 and got["agreement"] <= 5 / 6
+
+
+@torch.no_grad()
+def test_agreement_against_float32_tells_rounding_from_a_different_function():
+    """The bf16 model against its float32 twin (the same weights widened): eager bf16 picks float32's token at
+    most positions; a "compiled" run that is another function (here: tokens picked at random) does not."""
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=97, max_seq_len=64)
+    model = random_model(cfg, device="cpu", dtype=torch.bfloat16)
+    twin = probe.float32_twin(model)
+    assert next(twin.parameters()).dtype == torch.float32 and next(model.parameters()).dtype == torch.bfloat16
+    for (name, w), (_, w32) in zip(model.state_dict().items(), twin.state_dict().items(), strict=True):
+        assert torch.equal(w.float(), w32), name  # widened, not redrawn
+    prompt, tokens = [1, 2, 3], []
+    for _ in range(24):  # float32 greedy: the "compiled" run that computes the true function
+        tokens.append(int(twin(torch.tensor([prompt + tokens]))[0, -1].argmax()))
+    got = probe.teacher_forced_agreement(model, prompt, tokens, reference=twin)
+    assert got["compiled_vs_float32"] == 1.0 and got["eager_vs_float32"] == got["agreement"] >= 0.75
+    wrong = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    bad = probe.teacher_forced_agreement(model, prompt, wrong, reference=twin)
+    assert bad["compiled_vs_float32"] < 0.3 and bad["eager_vs_float32"] >= 0.75
+    assert "compiled_vs_float32" not in probe.teacher_forced_agreement(model, prompt, tokens)
+
+
+def test_top_kernels_are_one_steps_time_by_name_the_longest_first():
+    short = probe.kernel_totals([("gemv", 10.0), ("norm", 2.0), ("prefill_mm", 50.0)])
+    long = probe.kernel_totals([("gemv", 10.0), ("norm", 2.0), ("prefill_mm", 50.0)]
+                               + [("gemv", 10.0), ("gemv", 12.0), ("norm", 2.0), ("attn", 5.0)] * 4)
+    top = probe.top_kernels(short, long, steps=4)
+    assert [k["name"] for k in top] == ["gemv", "attn", "norm"]  # the prefill's kernel cancels out
+    assert top[0] == {"name": "gemv", "us_per_step": 22.0, "calls_per_step": 2.0}
+    assert probe.top_kernels(short, long, steps=4, n=1) == top[:1]
