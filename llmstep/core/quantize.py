@@ -176,8 +176,8 @@ class Int8Linear(nn.Module):
         """Bytes streamed per matmul: the int8 weights and one scale per row."""
         return self.weight.nbytes + self.scales.nbytes
 
-    def dequantized(self) -> torch.Tensor:
-        return dequantize_int8(self.weight, self.scales, self.scales.dtype)
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # in the scales' dtype by default
+        return dequantize_int8(self.weight, self.scales, dtype or self.scales.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
@@ -306,8 +306,8 @@ class Int4Linear(nn.Module):
         """Bytes streamed per matmul: half a byte per weight plus a scale and a zero per group."""
         return self.in_features * self.out_features // 2 + self.scales.nbytes + self.zeros.nbytes
 
-    def dequantized(self) -> torch.Tensor:
-        return dequantize_int4(self.codes(), self.scales, self.zeros, self.scales.dtype)
+    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # in the scales' dtype by default
+        return dequantize_int4(self.codes(), self.scales, self.zeros, dtype or self.scales.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -23,11 +23,12 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from ..core.device import synchronize
-from ..core.model import materialize
+from ..core.model import Llama, materialize
 from .runinfo import timing
 
 __all__ = ["SMI_FIELDS", "gpu_state", "parse_nvidia_smi", "no_recompiles", "time_calls", "kernel_summary",
@@ -227,8 +228,25 @@ def teacher_forced_agreement(model: torch.nn.Module, prompt: Sequence[int], gene
 
 def float32_twin(model: torch.nn.Module) -> torch.nn.Module:
     """`model` (a Llama) with its own weights widened to float32, on its device: the reference
-    `teacher_forced_agreement` reads rounding against. Twice the model's bf16 bytes more of memory."""
-    return materialize(model.config, {k: v.float() for k, v in model.state_dict().items()})
+    `teacher_forced_agreement` reads rounding against. A quantized linear becomes its dequantized weight computed
+    in float32 (codes times scales, unrounded): the function a weight-only quantized model stands for. Takes four
+    bytes a weight of memory more, for as long as it is held."""
+    from ..core.quantize import QuantLinear
+
+    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    config = model.config
+    if "output" in quantized and config.tie_embeddings:  # a quantized head has tensors of its own
+        config = replace(config, tie_embeddings=False)
+    with torch.device("meta"):
+        names = list(Llama(config).state_dict())  # the plain model's names: what materialize expects
+    state = {}
+    for name in names:
+        owner, _, _ = name.rpartition(".")
+        if owner in quantized:
+            state[name] = model.get_submodule(owner).dequantized(torch.float32)
+        else:
+            state[name] = model.get_parameter(name).float()
+    return materialize(config, state)
 
 
 class SyncCounter:

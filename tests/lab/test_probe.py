@@ -106,3 +106,28 @@ def test_top_kernels_are_one_steps_time_by_name_the_longest_first():
     assert [k["name"] for k in top] == ["gemv", "attn", "norm"]  # the prefill's kernel cancels out
     assert top[0] == {"name": "gemv", "us_per_step": 22.0, "calls_per_step": 2.0}
     assert probe.top_kernels(short, long, steps=4, n=1) == top[:1]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4-head"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_quantized_models_float32_twin_is_its_dequantized_function(spec, tied):
+    """Each quantized linear's twin is codes x scales in float32, unrounded (not the bf16 the layer dequantizes to);
+    the rest widened; a quantized head of a tied model keeps its own weights, the embedding its own."""
+    from llmstep.core.quantize import QuantConfig, QuantLinear, quantize
+
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=97, max_seq_len=64,
+                      tie_embeddings=tied)
+    qc = QuantConfig(spec.removesuffix("-head"), 32 if spec.startswith("int4") else None, lm_head=spec.endswith("head"))
+    model = quantize(random_model(cfg, device="cpu", dtype=torch.bfloat16), qc)
+    twin = probe.float32_twin(model)
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert layers and ("output" in layers) == spec.endswith("head")
+    for name, m in layers.items():
+        w = twin.get_submodule(name).weight
+        assert w.dtype == torch.float32 and torch.equal(w, m.dequantized(torch.float32)), name
+        assert torch.allclose(w, m.dequantized().float(), rtol=1e-2, atol=1e-3)  # bf16's rounding of the same
+    assert torch.equal(twin.tok_embeddings.weight, model.tok_embeddings.weight.float())
+    assert (twin.output.weight is twin.tok_embeddings.weight) == (tied and "output" not in layers)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert torch.allclose(twin(ids), model(ids).float(), atol=0.01)  # the same function, up to bf16's rounding
