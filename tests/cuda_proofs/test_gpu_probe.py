@@ -181,3 +181,15 @@ def test_the_compiled_decode_path_asks_no_host_sync_per_token(probe, monkeypatch
     # the prompt's and the final copy of the tokens, and the two reads of the eager prefill's cache mask (its filled
     # length, and whether it starts at 0): as many for 20 tokens as for 4
     assert counts[0] == counts[1] <= 4, counts
+
+
+def test_a_float32_twin_that_cannot_be_built_loses_no_figures(probe, tmp_path, monkeypatch):
+    def fail(model):
+        raise RuntimeError("no plain codes here")
+
+    monkeypatch.setattr(probe, "float32_twin", fail)
+    assert probe.main(["--dry", "--out", str(tmp_path), "--phases", "8b_bf16"]) == 0
+    row = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()][-1]
+    assert row["status"] == "ok" and row["decode_tokens_per_s"] > 0 and row["teacher_forced"]["agreement"] == 1.0
+    assert "no plain codes here" in row["teacher_forced"]["float32_twin_error"]
+    assert "compiled_vs_float32" not in row["teacher_forced"]
