@@ -2,8 +2,9 @@
 
     python scripts/gpu_probe.py                       # CUDA: results/gpu/probe-<UTC>/ (probe.jsonl, table.txt, logs)
     python scripts/gpu_probe.py --dry --out /tmp/p     # any CPU: tiny shapes, the same phases, children and JSON
-    python scripts/gpu_probe.py --phases 8b_int4_other,hf_static_compile,hf_eager,notebooks --budget 560
-                                                      # a second run: what the first check leaves out
+    python scripts/gpu_probe.py --phases 8b_int4_other,hf_static_compile,hf_eager,notebooks \
+        --int4-kernel packed --bf16-tokens-per-s 184.9   # a second run: what the first check leaves out, told
+                                                      # the first run's int4 choice and 8B bf16 rate
 
 Phases run in order of value, each appending one JSON line to probe.jsonl as it ends (a later timeout loses
 nothing) and skipping itself, with the reason, when less time is left than its allowance (`NEEDS_SECONDS`):
@@ -46,7 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from probe_report import QUANT, TARGETS, ideal_speedup, table, verdicts  # noqa: E402, F401 (the tests read these here)
+from probe_report import AGREEMENT_SIGMAS, QUANT, TARGETS, ideal_speedup, paired_sigmas, table, verdicts  # noqa: E402, F401 (the tests read these here)
 
 from llmstep.core import attention_backend  # noqa: E402
 from llmstep.core.config import LlamaConfig  # noqa: E402
@@ -104,7 +105,7 @@ class Probe:
         self.cfg_1b = LlamaConfig(**tiny, tie_embeddings=True) if dry else LlamaConfig.preset(
             "llama-3.2-1b", max_seq_len=4096)
         self.records: list[dict] = []
-        self.bf16_tokens_per_s: float | None = None  # a child's: the 8B bf16 phase's rate, for speedup_vs_bf16
+        self.bf16_tokens_per_s: float | None = None  # the 8B bf16 phase's rate, for speedup_vs_bf16 (as given)
         self.int4_kernel: str | None = None  # the int4 child's: the kernel the gemv phase chose
 
     def left(self) -> float:
@@ -171,28 +172,34 @@ def decode(p: Probe, model, sampled: bool = False) -> dict:
            "syncs_per_token": syncs, "gb_per_s": result.bandwidth_gb_per_second, "sm_clock_mhz_after": sm_clock_mhz(p),
            "attention": attention_backend.describe(p.device),  # asked / allowed; one_step: the kernels that ran
            "recompile_guard": "torch.compiler.set_stance('fail_on_recompile') around the timed runs"}
+    peak = p.peak_gb()  # the decoder's: before the float32 twin below takes its own
     with torch.no_grad():
-        try:  # 8B: 32 GB more, for these few seconds; quantized: dequantized in float32
-            reference, failed = float32_twin(model), None
-        except Exception as e:  # (e.g. int4 codes not recoverable from this GPU's layout) the figures above stand
-            reference, failed = None, f"{type(e).__name__}: {e}"[:300]
-        row["teacher_forced"] = teacher_forced_agreement(model, prompt, list(result.tokens), reference)
-        if failed:
-            row["teacher_forced"]["float32_twin_error"] = failed
-        del reference
         row["one_step"] = profile_steps(lambda n: decoder.generate(prompt, n, temperature=0.0, stop_ids=()), p.device,
                                         steps=min(8, p.new_tokens - 2))
+        row["teacher_forced"] = agreement(model, prompt, list(result.tokens))
     # the profiled runs' wall clock carries the profiler's own costs (the first H200 run: 4.5 and 10.4 ms a step for
     # 5.4 and 5.3 timed): the share of a timed step no kernel runs is read against the timed step instead
-    timed_us = 1e6 / rates["median"]
+    timed_us, busy_us = 1e6 / rates["median"], row["one_step"]["gpu_busy_us_per_step"]
     row["one_step"] |= {"timed_step_us": timed_us,
-                        "idle_share_timed": max(0.0, 1 - row["one_step"]["gpu_busy_us_per_step"] / timed_us)}
+                        "idle_share_timed": min(1.0, max(0.0, 1 - busy_us / timed_us)) if busy_us > 0 else None}
     if sampled:
         sampling = {k: v for k, v in SAMPLED.items() if k not in ("seed", "stop_ids")}  # what the step compiles
         row["compile_sampled_s"] = round(decoder.warmup(**sampling), 1)
         rates, _, syncs = timed_generations(p, decoder, prompt, **SAMPLED)
         row |= {"decode_tokens_per_s_sampled": rates["median"], "syncs_per_token_sampled": syncs}
-    return row | {"cudagraph_skips": cudagraph_skips() - skips, "peak_gb": p.peak_gb()}
+    return row | {"cudagraph_skips": cudagraph_skips() - skips, "peak_gb": peak}
+
+
+def agreement(model, prompt: list[int], tokens: list[int]) -> dict:
+    """`teacher_forced_agreement` of the compiled `tokens` with the eager `model` and, where its float32 twin can
+    be built and run (8B: 32 GB more, for these few seconds; quantized: dequantized in float32), with that twin;
+    where it cannot (int4 codes not recoverable from a GPU's layout, out of memory), the error is named and the
+    phase's figures stand."""
+    try:
+        return teacher_forced_agreement(model, prompt, tokens, float32_twin(model))
+    except Exception as e:
+        failed = f"{type(e).__name__}: {e}"[:300]
+    return teacher_forced_agreement(model, prompt, tokens) | {"float32_twin_error": failed}
 
 
 # ---- the phases, in order of value -------------------------------------------------------------------
@@ -304,10 +311,10 @@ def run_child(p: Probe, phase: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", phase, "--out", str(p.out_dir),
            "--budget", f"{p.left():.0f}", "--new-tokens", str(p.new_tokens), "--prompt-len", str(p.prompt_len)]
     cmd += ["--dry"] * p.dry + ["--attention", attention_backend.current()]
-    if "8b_bf16" in ok:
-        cmd += ["--bf16-tokens-per-s", str(ok["8b_bf16"]["decode_tokens_per_s"])]
-    if "int4_kernel_choice" in ok.get("gemv", {}):
-        cmd += ["--int4-kernel", ok["gemv"]["int4_kernel_choice"]]
+    bf16 = ok.get("8b_bf16", {}).get("decode_tokens_per_s", p.bf16_tokens_per_s)  # this run's, else as given
+    kernel = ok.get("gemv", {}).get("int4_kernel_choice", p.int4_kernel)
+    cmd += ["--bf16-tokens-per-s", str(bf16)] * (bf16 is not None)
+    cmd += ["--int4-kernel", str(kernel)] * (kernel is not None)
     log = p.out_dir / f"{phase}.log"
     start = time.perf_counter()
     try:
@@ -415,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", choices=attention_backend.BACKENDS, default="auto",
                     help="SDPA kernel for every phase (llmstep.core.attention_backend; default: PyTorch's choice)")
     ap.add_argument("--child", choices=CHILD_PHASES, help=argparse.SUPPRESS)  # one quantized phase, this process
-    ap.add_argument("--bf16-tokens-per-s", type=float, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--int4-kernel", choices=("packed", "reduce"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--bf16-tokens-per-s", type=float, default=None,
+                    help="the 8B bf16 rate, for speedup_vs_bf16 in a run without 8b_bf16 (default: this run's)")
+    ap.add_argument("--int4-kernel", choices=("packed", "reduce"), default=None,
+                    help="the int4 kernel the gemv phase chose, for a run without gemv: 8b_int4 runs it, "
+                         "8b_int4_other the other one (default: this run's choice; packed without one)")
     args = ap.parse_args(argv)
     with attention_backend.attention_backend(args.attention):
         return _main(args, argv)
@@ -431,11 +441,11 @@ def _main(args, argv: list[str] | None) -> int:
     check_output_path(out_dir / "probe.jsonl")
     out_dir.mkdir(parents=True, exist_ok=True)
     p = Probe(args.dry, out_dir, args.budget, args.new_tokens, args.prompt_len)
+    p.bf16_tokens_per_s, p.int4_kernel = args.bf16_tokens_per_s, args.int4_kernel
     functions = dict(PHASES)
     if args.child:  # a child process: its one phase, its row appended to probe.jsonl
         if os.environ.get("LLMSTEP_PROBE_CRASH") == args.child:  # the tests' stand-in for a crash in this phase
             os._exit(3)
-        p.bf16_tokens_per_s, p.int4_kernel = args.bf16_tokens_per_s, args.int4_kernel
         print(json.dumps(run_phase(p, args.child, functions[args.child])), flush=True)
         return 0
     wanted = FIRST_CHECK if args.phases is None else [n for n, _ in PHASES] if args.phases == "all" else \

@@ -194,8 +194,8 @@ def top_kernels(short: dict, long: dict, steps: int, n: int = TOP_KERNELS) -> li
     for name, (calls, us) in long.items():
         calls0, us0 = short.get(name, (0, 0.0))
         per_step_us = (us - us0) / steps
-        if per_step_us > 0:
-            rows.append({"name": name[:160], "us_per_step": per_step_us, "calls_per_step": (calls - calls0) / steps})
+        if calls > calls0 and per_step_us > 0:  # a kernel the steps ran (as many calls in both: the prefill's)
+            rows.append({"name": name, "us_per_step": per_step_us, "calls_per_step": (calls - calls0) / steps})
     return sorted(rows, key=lambda r: -r["us_per_step"])[:n]
 
 
@@ -209,8 +209,8 @@ def teacher_forced_agreement(model: torch.nn.Module, prompt: Sequence[int], gene
     rounds to bf16 between operators), and on random weights the top two logits are often closer than that
     rounding: the share alone cannot tell rounding from a wrong function. `reference`, the same model in float32
     (`float32_twin`), can: it adds how often each of them picks the float32 model's token
-    (`compiled_vs_float32`, `eager_vs_float32`): a compiled step that computes the same function agrees with it
-    as often as eager does."""
+    (`compiled_vs_float32`, `eager_vs_float32`, and the positions where only one of them does): a compiled step
+    that computes the same function agrees with it as often as eager does."""
     if not generated:
         return {"agreement": None, "positions": 0, "first_difference": None}
     device = next(model.parameters()).device
@@ -221,8 +221,13 @@ def teacher_forced_agreement(model: torch.nn.Module, prompt: Sequence[int], gene
            "first_difference": next((i for i, s in enumerate(same) if not s), None)}
     if reference is not None:
         truth = reference(ids)[0, len(prompt) - 1:].argmax(-1).tolist()  # [T - len(prompt) + 1]
-        out["compiled_vs_float32"] = sum(a == b for a, b in zip(generated, truth, strict=True)) / len(truth)
-        out["eager_vs_float32"] = sum(a == b for a, b in zip(picks, truth, strict=True)) / len(truth)
+        compiled_right = [a == t for a, t in zip(generated, truth, strict=True)]
+        eager_right = [a == t for a, t in zip(picks, truth, strict=True)]
+        out["compiled_vs_float32"] = sum(compiled_right) / len(truth)
+        out["eager_vs_float32"] = sum(eager_right) / len(truth)
+        # the positions where only one of them picks float32's token: what a paired test of the two reads
+        out["only_compiled_right"] = sum(c and not e for c, e in zip(compiled_right, eager_right, strict=True))
+        out["only_eager_right"] = sum(e and not c for c, e in zip(compiled_right, eager_right, strict=True))
     return out
 
 
@@ -242,6 +247,8 @@ def float32_twin(model: torch.nn.Module) -> torch.nn.Module:
     state = {}
     for name in names:
         owner, _, _ = name.rpartition(".")
+        if name == "output.weight" and config.tie_embeddings:
+            continue  # the embedding's own tensor again (materialize ties it): not a second float32 copy
         if owner in quantized:
             state[name] = model.get_submodule(owner).dequantized(torch.float32)
         else:

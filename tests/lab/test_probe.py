@@ -100,10 +100,11 @@ def test_agreement_against_float32_tells_rounding_from_a_different_function():
 
 def test_top_kernels_are_one_steps_time_by_name_the_longest_first():
     short = probe.kernel_totals([("gemv", 10.0), ("norm", 2.0), ("prefill_mm", 50.0)])
-    long = probe.kernel_totals([("gemv", 10.0), ("norm", 2.0), ("prefill_mm", 50.0)]
+    long = probe.kernel_totals([("gemv", 10.0), ("norm", 2.0), ("prefill_mm", 58.0)]
                                + [("gemv", 10.0), ("gemv", 12.0), ("norm", 2.0), ("attn", 5.0)] * 4)
     top = probe.top_kernels(short, long, steps=4)
-    assert [k["name"] for k in top] == ["gemv", "attn", "norm"]  # the prefill's kernel cancels out
+    # the prefill's kernel ran once in both runs: its 8 us more is noise, not a step's (same calls: left out)
+    assert [k["name"] for k in top] == ["gemv", "attn", "norm"]
     assert top[0] == {"name": "gemv", "us_per_step": 22.0, "calls_per_step": 2.0}
     assert probe.top_kernels(short, long, steps=4, n=1) == top[:1]
 
