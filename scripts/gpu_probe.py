@@ -75,8 +75,9 @@ from llmstep.lab.probe import (  # noqa: E402
 # Seconds each phase needs on an H200, cold compiles with coordinate-descent tuning included: a phase starts only
 # with this much time left. Measured on the first H200 run (results/gpu/h200_s24_run1: torch 2.11, 16 host cores):
 # gemv 55 s, 8b_bf16 133 s (its compile 124 s), 8b_int8 129 s in its child (compile 114 s, plus the child's start);
-# 8b_int4 was killed at 177 s there while compiling its second kernel (now the phase 8b_int4_other), and 1b_bf16
-# (two compiles: greedy and sampled) never started: those two are estimates.
+# 8b_int4 was killed at 177 s there, past its first kernel's profiling, its row written only after both kernels
+# (the second now the phase 8b_int4_other), and 1b_bf16 (two compiles: greedy and sampled) never started: those
+# two are estimates.
 NEEDS_SECONDS = {"bandwidth": 5, "gemv": 60, "8b_bf16": 140, "8b_int8": 145, "8b_int4": 150, "1b_bf16": 100,
                  "8b_int4_other": 150, "hf_static_compile": 140, "hf_eager": 40, "notebooks": 150}
 # The default run, --budget 560 s (plus ~20 s of imports and CUDA start: one device call of at most 10 minutes):
@@ -300,7 +301,7 @@ def phase_8b_int4(p: Probe) -> dict:
 
 def phase_8b_int4_other(p: Probe) -> dict:
     """The int4 kernel the gemv phase did not choose, in a process of its own (not in the first check: on the
-    first H200 run a child measuring both kernels ran out of time compiling the second one and lost both)."""
+    first H200 run a child measuring both kernels, its row written only at the end, ran out of time and lost both)."""
     return _int4(p, "reduce" if (p.int4_kernel or "packed") == "packed" else "packed")
 
 

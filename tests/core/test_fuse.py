@@ -175,7 +175,7 @@ def test_a_cpu_step_fuses_by_default_where_its_blocks_are_int8_not_where_only_th
     assert not fuses_by_default(quantize(model, QuantConfig("int4", 32, lm_head="int8"), inplace=False), compiled=True)
 
 
-def test_fusing_frees_each_layers_separate_weights_before_stacking_the_next():
+def test_fusing_frees_each_layers_separate_weights_before_stacking_the_next(monkeypatch):
     """Fusing takes the weights plus one group of memory, not the weights plus every group: by the time a group is
     stacked, the separate tensors of every group stacked before it are gone (on the first H200 run an 8B model's
     fusing peaked at 25.2 GB for 16 GB of weights while a list held every old tensor to the end)."""
@@ -193,11 +193,9 @@ def test_fusing_frees_each_layers_separate_weights_before_stacking_the_next():
         alive_at_each_group.append(sum(r() is not None for r in olds))
         return real(parts, *args, **kwargs)
 
-    fuse.torch.cat = cat
-    try:
-        twin = fused(model)
-    finally:
-        fuse.torch.cat = real
+    monkeypatch.setattr(fuse.torch, "cat", cat)
+    twin = fused(model)
+    monkeypatch.undo()
     # groups: qkv (3 tensors) then gate|up (2), per layer; at each stacking only the groups not yet stacked live
     assert alive_at_each_group == [10, 7, 5, 2]
     assert all(r() is None for r in olds) and is_fused(twin)
