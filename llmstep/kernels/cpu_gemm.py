@@ -11,6 +11,10 @@ widening kernel's; only the order of the additions differs (and `vdpbf16ps` trea
 the step is the same function to within float32 rounding (tests/kernels/test_cpu_gemm.py holds it to a float64
 matmul).
 
+Each matmul takes the kernel 64 or 32 columns wide, whichever keeps the threads evenly busy (`balanced_width`):
+inductor gives each thread whole blocks, so SmolLM2's 576-wide matmuls at 64 columns left one of two threads
+waiting for a ninth block (results/README.md, the balanced-width A/B: 1.07x on SmolLM2's bf16 step).
+
 `BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
 AVX-512 BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to
 `AMX_ROWS` rows (results/README.md, claim 12, measures both). Inductor's registry is internal to torch
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -52,6 +57,7 @@ INT8_KERNEL_NAME = "llmstep_int8_avx2"
 # int8 at one row on AVX2: inductor's own kernel at 64 columns, 8 chains of multiply-adds (a matmul 64 does not
 # divide keeps inductor's blockings)
 INT8_BLOCKINGS = [(1, 64, 64)]
+WIDTHS = (64, 32)  # the bf16 dot kernel's block widths: 4 or 2 vectors of 16 columns (balanced_width picks)
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
@@ -294,10 +300,20 @@ def _register_bf16():
     amx = isa == "amx"
 
     def fits(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
-        return alpha == 1 and k % 2 == 0 and (not amx or m <= AMX_ROWS)  # AMX_ROWS read at each compile
+        return (alpha == 1 and k % 2 == 0 and (not amx or m <= AMX_ROWS)  # AMX_ROWS read at each compile
+                and config.register_blocking.block_n == balanced_width(n, num_threads))
 
     # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
-    return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, [(4, 64, 32), (1, 64, 32)], fits, rank=isa)
+    blockings = [(rows, width, 32) for width in WIDTHS for rows in (4, 1)]
+    return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, blockings, fits, rank=isa)
+
+
+def balanced_width(n: int, threads: int) -> int:
+    """The block width (of `WIDTHS`) whose busiest thread gets the fewest columns of an n-column matmul, the widest
+    on a tie. Inductor hands each thread ceil(blocks / threads) blocks of columns: at 64 columns SmolLM2's 576-wide
+    o and down matmuls are 9 blocks, 5 for one thread and 4 for the other, which then waits; at 32, 9 and 9."""
+    busiest = {w: math.ceil(math.ceil(n / w) / threads) * w for w in WIDTHS}  # columns of its busiest thread
+    return min(WIDTHS, key=lambda w: (busiest[w], -w))
 
 
 def _register_int4():
@@ -325,7 +341,8 @@ def _register_int8():
     return torch_compat.register_int8_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits)
 
 
-BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}")  # compile.compile_step installs all three
+# compile.compile_step installs all three
+BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}")
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: _INT4_KERNEL)
 INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
 

@@ -5,6 +5,7 @@ matmuls only."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 
@@ -80,13 +81,24 @@ def test_with_amx_the_kernel_ranks_with_inductors_amx_kernels_on_one_row_matmuls
             (cls,) = set(cpp_micro_gemm.micro_gemm_configs) - set(before)
             configs = cpp_micro_gemm.micro_gemm_configs[cls]
             assert {c.vec_isa_cls for c in configs} == {rank}
-            for m in (1, 2, 4, 16, 512):
-                fits = [c.extra_check(c, m, 256, 64, 1, 2) for c in configs]
-                assert all(fits) == (m <= rows) and len(set(fits)) == 1, (isa.__name__, m)
+            for m in (1, 2, 4, 16, 512):  # 256 columns on 2 threads: the 64-column blockings (balanced_width)
+                fits = {c.register_blocking: c.extra_check(c, m, 256, 64, 1, 2) for c in configs}
+                wide = {b for b in fits if b.block_n == 64}
+                assert {b for b, f in fits.items() if f} == (wide if m <= rows else set()), (isa.__name__, m)
         finally:
             cpp_micro_gemm.micro_gemm_configs.clear()
             cpp_micro_gemm.micro_gemm_configs.update(before)
             torch.compiler.config.cache_key_tag = tag
+
+
+@pytest.mark.parametrize("n,threads,width", [(576, 2, 32), (960, 2, 32), (192, 2, 32), (1536, 2, 64), (49152, 2, 64),
+                                              (576, 1, 64), (576, 3, 64), (576, 4, 32), (100, 2, 64), (32, 1, 32)])
+def test_each_matmul_takes_the_block_width_that_keeps_every_thread_busy(n, threads, width):
+    """Inductor gives each thread ceil(blocks / threads) blocks of columns: SmolLM2's 576 columns at 64 are 9 blocks
+    (5 and 4 on 2 threads), at 32 18 (9 and 9). The widest width whose busiest thread gets the fewest columns."""
+    assert cpu_gemm.balanced_width(n, threads) == width
+    busiest = {w: math.ceil(math.ceil(n / w) / threads) * w for w in cpu_gemm.WIDTHS}
+    assert busiest[width] == min(busiest.values())
 
 
 def _with_bf16(isa):
@@ -95,7 +107,8 @@ def _with_bf16(isa):
 
 
 @slow
-@pytest.mark.parametrize("rows,cols,depth", [(1, 2048, 384), (1, 40, 6), (3, 200, 66), (4, 64, 32), (9, 328, 130)])
+@pytest.mark.parametrize("rows,cols,depth", [(1, 2048, 384), (1, 40, 6), (3, 200, 66), (4, 64, 32), (9, 328, 130),
+                                             (1, 96, 64), (1, 576, 64)])
 def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(every_row, rows, cols, depth):
     g = torch.Generator().manual_seed(rows * 1000 + cols)
     linear = torch.nn.Linear(depth, cols, bias=False).to(torch.bfloat16).requires_grad_(False)
@@ -109,6 +122,8 @@ def test_the_kernel_computes_the_matmul_at_every_row_count_and_column_tail(every
     finally:
         torch._inductor.config.max_autotune_gemm_backends = before
     assert any(cpu_gemm.KERNEL_NAME in c for c in code), "the template did not run the dot-product kernel"
+    width = cpu_gemm.balanced_width(cols, torch.get_num_threads())  # 96 columns: 32 wide (3 blocks, not 2 of 64)
+    assert any(f"constexpr int64_t Nr = {width};" in c for c in code), width
     want = x.double() @ linear.weight.double().T  # [rows, cols]
     # bf16 products are exact in float32; the sums are float32, the output rounded once to bf16
     torch.testing.assert_close(out.double(), want, atol=0.02 * want.abs().max().item(), rtol=0.01)
