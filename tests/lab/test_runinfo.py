@@ -44,6 +44,15 @@ def test_cpu_flags_name_the_kind_of_cpu_from_proc_cpuinfo(monkeypatch):
     assert runinfo.machine("cpu")["cpu_flags"] == ["avx2"]  # what a record's machine says
 
 
+def test_cpu_model_names_the_generation_behind_a_vms_cpu_name(monkeypatch):
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+            "model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 26\nmodel\t\t: 2\n")
+    assert runinfo.cpu_model(text) == "family 25 model 17"  # the first processor's, not the "model name" line
+    assert runinfo.cpu_model("processor\t: 0\nmodel name\t: AMD EPYC\n") is None  # no family or model: None
+    monkeypatch.setattr(runinfo, "cpu_model", lambda cpuinfo=None: "family 6 model 143")
+    assert runinfo.machine("cpu")["cpu_model"] == "family 6 model 143"
+
+
 def test_command_line_quotes_what_a_shell_would_need():
     assert runinfo.command_line(["bench", "--set", "a b"]) == "llmstep bench --set 'a b'"
     assert runinfo.command_line([]) == "llmstep"
