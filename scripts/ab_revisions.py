@@ -37,7 +37,7 @@ BENCHES = {
 }
 
 
-# Run only when --only names them: the compiled loop at bf16 and int4 (the CPU kernels' A/Bs), on the real model
+# Run only when --only names them: the compiled loop at bf16, int8 and int4 (the CPU kernels' A/Bs), on the real model
 # (its weights stream from memory) and on the shipped one (in the cache).
 OPTIONAL = {
     f"fast loop, {name} {label}, compiled (decode tok/s)": (
@@ -45,7 +45,7 @@ OPTIONAL = {
          *model, "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
         lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"]))
     for name, model in (("SmolLM2", ["--model", "smollm2-135m-instruct", "--group-size", "32"]), ("shipped", []))
-    for label, quant in (("int4", "int4"), ("bf16", "none"))
+    for label, quant in (("int4", "int4"), ("int8", "int8"), ("bf16", "none"))
 }
 
 

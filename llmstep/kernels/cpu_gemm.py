@@ -13,7 +13,8 @@ matmul).
 
 Each matmul takes the kernel 64 or 32 columns wide, whichever keeps the threads evenly busy (`balanced_width`):
 inductor gives each thread whole blocks, so SmolLM2's 576-wide matmuls at 64 columns left one of two threads
-waiting for a ninth block (results/README.md, the balanced-width A/B: 1.07x on SmolLM2's bf16 step).
+waiting for a ninth block (results/README.md, the balanced-width A/B on SmolLM2's bf16 step: 1.03x over 7 paired
+rounds, inside a shared VM's noise).
 
 `BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
 AVX-512 BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to
