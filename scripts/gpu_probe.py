@@ -34,6 +34,8 @@ on the first H200 run where it got that far (`NEEDS_SECONDS`).
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -375,6 +377,10 @@ def phase_hf_eager(p: Probe) -> dict:
 def phase_notebooks(p: Probe) -> dict:
     if p.dry:
         return {"skipped_reason": "dry run: the notebooks run on the CPU in CI (nbval)"}
+    missing = [m for m in ("nbconvert", "ipykernel", "ipywidgets") if importlib.util.find_spec(m) is None]
+    if missing:  # the H200's image of 2026-12-04 had no Jupyter: 14 notebooks failed alike, before this check
+        raise RuntimeError(f"{', '.join(missing)} not installed here: carry them and their needs as wheels "
+                           "(the device tool's README: .whl, pip install --target)")
     root = ROOT
     out_dir = p.out_dir / "notebooks"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -408,6 +414,10 @@ def run_phase(p: Probe, name: str, fn) -> dict:
         return p.record(name, "ok", time.perf_counter() - start, **metrics)
     except Exception as e:  # one phase failing must not lose the others
         return p.record(name, "error", time.perf_counter() - start, error=f"{type(e).__name__}: {e}"[:500])
+    finally:  # the next phase's peak memory its own: the second H200 run's 1b_bf16 peaked at 18.7 GB, ~16 GB of it
+        torch._dynamo.reset()  # the 8B bf16 weights, held past their phase (its compiled step, its CUDA graphs)
+        gc.collect()
+        p.reset_peak()
 
 
 def main(argv: list[str] | None = None) -> int:
