@@ -1,16 +1,17 @@
-"""The AVX2 int4 micro-kernel alone (llmstep/kernels/cpu_gemm.py's `INT4`), out of inductor: its own C++ text
-compiled by g++ with a small driver, timed over the 32-column blocks of one-row matmuls, checked against a float64
-sum of the same weights.
+"""llmstep's int4 micro-kernels alone (llmstep/kernels/cpu_int4.py: the AVX2 one, `cpu_gemm.INT4`, and the AVX-512
+BF16 one, `cpu_gemm.INT4_AVX512`), out of inductor: a kernel's C++ text compiled by g++ with a small driver, timed
+over the blocks of columns of one-row matmuls, checked against a float64 sum of the same weights.
 
     PYTHONPATH=. python scripts/int4_kernel_bench.py                       # SmolLM2's four int4 shapes, g = 32
+    PYTHONPATH=. python scripts/int4_kernel_bench.py --layout avx512       # the AVX-512 kernel, 64-column blocks
     PYTHONPATH=. python scripts/int4_kernel_bench.py --kernel my.cpp       # another kernel text, the same driver
 
 A compiled step's kernels run inside OpenMP regions beside other work, and a Python loop over one compiled matmul
 times the call around it more than the kernel (tens of microseconds each). Here one thread runs the kernel alone
 over every block of a [N, K] matrix, hot in cache or not as the matrix fits, so a change to the kernel's inner loop
-can be timed in seconds. The driver lays the weights as torch's AVX2 int4 packing does (the layout the kernel's
-comment gives; tests/kernels/test_cpu_int4.py checks the kernel on torch's own packing) and the (scale, zero)
-pairs as inductor's template hands them: [K / group, N, 2] bf16.
+can be timed in seconds. The driver lays the weights as torch's int4 packing does for the layout asked (32- or
+64-column blocks, as cpu_int4's docstring gives; tests/kernels/test_cpu_int4.py checks the kernels on torch's own
+packing) and the (scale, zero) pairs as inductor's template hands them: [K / group, N, 2] bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from llmstep.core.files import atomic_write_json
-from llmstep.kernels import cpu_gemm
+from llmstep.kernels import cpu_gemm, cpu_int4
 from llmstep.lab import runinfo
 
 # SmolLM2-135M's int4 matmuls of one decode step, [N, K]: q|k|v and gate|up fused (FastDecoder's default), wo, w2
@@ -52,7 +53,7 @@ struct BFloat16 {
 int main(int argc, char** argv) {
   const int64_t N = atoll(argv[1]), K = atoll(argv[2]), G = atoll(argv[3]), reps = atoll(argv[4]);
   srand(N * 7 + K);
-  std::vector<uint8_t> W(N * K / 2);                          // [N / 32, K, 16]: column j low, j + 16 high nibble
+  std::vector<uint8_t> W(N * K / 2);                          // [N / BLOCK, K, HALF]: column j low, j + HALF high
   std::vector<at::BFloat16> SZ(K / G * N * 2), A(K);         // [K / G, N, 2]: (scale, zero) pairs; one row
   for (auto& w : W) w = rand() & 0xff;
   for (auto& s : SZ) s.x = 0x3c00 + (rand() & 0xff);          // about 1/128 .. 1/64
@@ -63,17 +64,17 @@ int main(int argc, char** argv) {
   for (int64_t r = 0; r < reps; ++r) {
     auto t = std::chrono::steady_clock::now();
     for (int64_t c = 0; c < calls; ++c)
-      for (int64_t n = 0; n < N; n += 32)
-        kern_kernel<1, 32, false>(A.data(), W.data() + n * K / 2, C.data() + n, K, K, 16, 32, G,
-                                  SZ.data() + n * 2, N * 2, 0);
+      for (int64_t n = 0; n < N; n += BLOCK)
+        kern_kernel<1, BLOCK, false>(A.data(), W.data() + n * K / 2, C.data() + n, K, K, HALF, BLOCK, G,
+                                     SZ.data() + n * 2, N * 2, 0);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count() / calls);
   }
   double err = 0, size = 0;
   for (int64_t n = 0; n < N; ++n) {
     double want = 0, terms = 0;
     for (int64_t k = 0; k < K; ++k) {
-      const uint8_t* row = W.data() + (n / 32) * K * 16 + k * 16;
-      const int j = n % 32, q = j < 16 ? row[j] & 15 : row[j - 16] >> 4;
+      const uint8_t* row = W.data() + (n / BLOCK) * K * HALF + k * HALF;
+      const int j = n % BLOCK, q = j < HALF ? row[j] & 15 : row[j - HALF] >> 4;
       const double s = float(SZ[(k / G) * N * 2 + n * 2]), z = float(SZ[(k / G) * N * 2 + n * 2 + 1]);
       const double w = (q - 8) * s + z, a = float(A[k]);
       want += a * w;
@@ -87,12 +88,15 @@ int main(int argc, char** argv) {
 """
 
 # What inductor's C++ build gives an AVX2 kernel (torch._inductor.cpp_builder): -O3, the ISA's flags, math-errno off
+# (the AVX-512 kernel names its own instructions in a target attribute)
 FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math"]
+# torch's int4 layouts: the block of columns each kernel reads, and that kernel
+LAYOUTS = {"avx2": (32, cpu_int4.AVX2), "avx512": (64, cpu_int4.AVX512)}
 
 
-def kernel_source(path: str | None) -> str:
+def kernel_source(path: str | None, layout: str = "avx2") -> str:
     """The kernel's C++ with inductor's template names filled in as its bf16-activation, float-output choice."""
-    text = Path(path).read_text() if path else cpu_gemm._INT4_KERNEL
+    text = Path(path).read_text() if path else LAYOUTS[layout][1]
     for name, value in {"{{kernel_name}}": "kern", "{{input_t}}": "at::BFloat16", "{{output_t}}": "float",
                         "{{restrict_keyword}}": "__restrict__"}.items():
         text = text.replace(name, value)
@@ -116,6 +120,8 @@ def shape(text: str) -> tuple[int, int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernel", help="a kernel text to time instead of cpu_gemm's (inductor's template names in it)")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="avx2",
+                   help="torch's int4 layout the kernel reads: 32-column blocks (AVX2) or 64 (AVX-512)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (32: GGUF's Q4 blocks)")
     p.add_argument("--shapes", nargs="+", type=shape, help="N,K pairs (default: SmolLM2-135M's int4 matmuls)")
     p.add_argument("--repeats", type=int, default=9, help="timings per shape; the best is kept")
@@ -126,16 +132,18 @@ def main(argv=None) -> int:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.group_size <= 0 or args.group_size % 2:
         p.error(f"--group-size must be a positive even integer, got {args.group_size}")
-    bad = [s for s in shapes if s[0] % 32 or s[1] % args.group_size]
+    block = LAYOUTS[args.layout][0]
+    bad = [s for s in shapes if s[0] % block or s[1] % args.group_size]
     if bad:
-        p.error(f"each shape is N,K with N a multiple of 32 and K of the group size {args.group_size}: {bad}")
+        p.error(f"each shape is N,K with N a multiple of {block} and K of the group size {args.group_size}: {bad}")
     if (cxx := shutil.which("g++")) is None:
         p.error("needs g++ (inductor's CPU compiler)")
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "kernel.inc").write_text(kernel_source(args.kernel))
+        (Path(tmp) / "kernel.inc").write_text(kernel_source(args.kernel, args.layout))
         (Path(tmp) / "driver.cpp").write_text(DRIVER)
         binary = Path(tmp) / "driver"
-        subprocess.run([cxx, *FLAGS, "-o", str(binary), str(Path(tmp) / "driver.cpp")], check=True)
+        subprocess.run([cxx, *FLAGS, f"-DBLOCK={block}", f"-DHALF={block // 2}", "-o", str(binary),
+                        str(Path(tmp) / "driver.cpp")], check=True)
         rows = []
         for n, k in shapes:
             out = subprocess.run([str(binary), str(n), str(k), str(args.group_size), str(args.repeats)],
@@ -157,7 +165,9 @@ def main(argv=None) -> int:
                                       "machine": runinfo.machine("cpu") | {"threads": 1}, "versions": runinfo.versions(
                                           gxx=subprocess.run([cxx, "-dumpfullversion"], capture_output=True,
                                                              text=True).stdout.strip()),
-                                      "kernel": args.kernel or cpu_gemm.INT4_KERNEL_NAME, "flags": FLAGS,
+                                      "kernel": args.kernel or (cpu_gemm.INT4_KERNEL_NAME if args.layout == "avx2"
+                                                                else cpu_gemm.INT4_AVX512_KERNEL_NAME),
+                                      "layout": args.layout, "flags": FLAGS,
                                       "load_average_1min": runinfo.load_average(), "shapes": rows,
                                       "layer_microseconds": total})
     return 0

@@ -370,10 +370,11 @@ def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, 
     return cls
 
 
-def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable) -> type:
-    """Register an int4 micro-kernel for AVX2 with inductor's weight-only int4 GEMM template (the template that can
-    replace `_weight_int4pack_mm_for_cpu` in a step whose matmuls are tuned), for bf16 activations (the class it
-    builds on declares bf16 scales and zeros, as a bf16 model's int4 layers hold them).
+def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable,
+                             isa: str = "avx2") -> type:
+    """Register an int4 micro-kernel for AVX2 (or, isa "avx512", AVX-512) with inductor's weight-only int4 GEMM
+    template (the template that can replace `_weight_int4pack_mm_for_cpu` in a step whose matmuls are tuned), for
+    bf16 activations (the class it builds on declares bf16 scales and zeros, as a bf16 model's int4 layers hold them).
 
     source: the Jinja template of the kernel that inductor's AVX-512 int4 micro-kernel calls per block of columns
     (its `TEMPLATE_KERNEL`: `{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum>(A, B, C, K, lda, ldb, ldc, group
@@ -383,9 +384,12 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
     if isinstance(found, str):
         raise RuntimeError(f"cannot register {name}: {found}")
     mg, vec, _ = found
-    base, isa = mg.CppMicroGemmWoQInt4Avx512, vec.VecAVX2  # AttributeError where this inductor has neither
+    if isa not in ("avx2", "avx512"):
+        raise ValueError(f"isa must be 'avx2' or 'avx512', not {isa!r}")
+    # AttributeError where this inductor has neither
+    base, isa_cls = mg.CppMicroGemmWoQInt4Avx512, vec.VecAVX2 if isa == "avx2" else vec.VecAVX512
     cls = type(name, (base,), {"TEMPLATE_KERNEL": source})
-    mg.register_micro_gemm(*mg.generate_gemm_config(isa, blockings, input_dtype=torch.bfloat16,
+    mg.register_micro_gemm(*mg.generate_gemm_config(isa_cls, blockings, input_dtype=torch.bfloat16,
                                                     input2_dtype=torch.uint8, output_dtype=torch.float,
                                                     compute_dtype=torch.float, extra_check=fits))(cls)
     return cls

@@ -130,6 +130,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     if device.type == "cpu":
         cpu_gemm.BF16.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
         cpu_gemm.INT4.install()
+        cpu_gemm.INT4_AVX512.install()
         cpu_gemm.INT8.install()
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)

@@ -1,5 +1,5 @@
 """llmstep's micro-kernels for inductor's C++ GEMM templates: a bf16 dot product for one-row decode on CPUs with
-AVX-512 BF16, and an int4 kernel for CPUs with AVX2 alone.
+AVX-512 BF16, and int4 kernels for CPUs with AVX2 alone and for one-row decode with AVX-512 BF16.
 
 A decode step's matmuls are GEMVs. On a CPU without AMX, the micro-kernel of inductor's tuned C++ GEMM template
 widens every bf16 weight to float32 before its FMA (`CppMicroGemmFP32Vec`), where llama.cpp multiplies bf16 pairs
@@ -31,6 +31,14 @@ the same function as dequantise + matmul to within float32 sums (tests/kernels/t
 float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
 choices of every int4 matmul, timed against torch's kernel.
 
+`INT4_AVX512` is its counterpart for CPUs with AVX-512 BF16 and no AMX, for one-row matmuls (a decode step's):
+there inductor's own int4 micro-kernel widens each code to float32 and spends two float32 multiply-adds a weight
+(one to dequantise, one with the activation). This one reads torch's AVX-512 layout (64-column blocks), turns the
+codes of two k-rows into bf16 pairs with a table lookup (the codes 0..15 are exact in bf16) and multiplies them
+with the activations' pairs by `vdpbf16ps`, applying each group's scale and zero once per group as the AVX2 kernel
+does: one dot-product instruction per two weights and sixteen columns, the same function to within float32 sums
+(tests/kernels/test_cpu_int4.py holds it to a float64 matmul; `vdpbf16ps` treats subnormal activations as zero).
+
 The third, `INT8`, is no kernel of llmstep's: inductor's own float32-vector micro-kernel registered once more for
 a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the matmul). Inductor files it at
 16 columns for small m: two vectors, so a one-row decode waits on two chains of multiply-adds; at 64 there
@@ -49,11 +57,14 @@ from dataclasses import dataclass
 import torch
 
 from ..core import torch_compat
+from . import cpu_int4
 
-__all__ = ["BF16", "INT4", "INT8", "withheld", "KERNEL_NAME", "INT4_KERNEL_NAME", "INT8_KERNEL_NAME"]
+__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "withheld", "KERNEL_NAME", "INT4_KERNEL_NAME",
+           "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 INT4_KERNEL_NAME = "llmstep_int4_avx2"
+INT4_AVX512_KERNEL_NAME = "llmstep_int4_avx512"
 INT8_KERNEL_NAME = "llmstep_int8_avx2"
 # int8 at one row on AVX2: inductor's own kernel at 64 columns, 8 chains of multiply-adds (a matmul 64 does not
 # divide keeps inductor's blockings)
@@ -165,97 +176,6 @@ static void {{kernel_name}}_block(
 """
 
 
-# The int4 kernel: the body that inductor's int4 micro-kernel entry calls for each block of 32 columns (its
-# `TEMPLATE_KERNEL`; torch_compat.register_int4_micro_gemm).
-_INT4_KERNEL = r"""
-// llmstep_int4_avx2: llmstep/kernels/cpu_gemm.py
-// A block of 32 columns in torch's int4 layout on an AVX2 CPU ([N / 32, K, 16] bytes: byte j of a k-row holds
-// column j in its low nibble, column j + 16 in its high one) times ROWS rows of A, in float32. Weight (k, n) is
-// (q - 8) * s + z, q its 4-bit code, (s, z) its group's; the sum over a group is taken as
-// s * sum(a * q) + (z - 8 * s) * sum(a): per weight one widening and one multiply-add, the scale applied per group.
-// Even and odd k go to two chains of sums (vg, vh; asum's two halves), added per group: a chain waits for its last
-// multiply-add, and one row's four vectors alone would leave the FMA units waiting on that latency.
-template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
-__attribute__((target("avx2,fma")))
-inline void {{kernel_name}}_kernel(
-    const {{input_t}}* {{restrict_keyword}} A,
-    const uint8_t* {{restrict_keyword}} B,
-    {{output_t}}* {{restrict_keyword}} C,
-    int64_t K,
-    int64_t lda,
-    int64_t ldb,
-    int64_t ldc,
-    int64_t q_group_size,
-    const at::BFloat16* {{restrict_keyword}} ScaleAndZeros,
-    int64_t lds,
-    int64_t k_start) {
-  static_assert(BLOCK_N == 32, "a block is 32 columns");
-  constexpr int ROWS = BLOCK_M;
-  constexpr int COLS = 4;  // vectors of 8 floats
-  const __m256i low4 = _mm256_set1_epi32(15);
-  const __m256i high16 = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const __m256 eight = _mm256_set1_ps(8.0f);
-  __m256 vc[ROWS][COLS], vg[ROWS][COLS], vh[ROWS][COLS];  // the output; this group's sum(a * q), even and odd k
-  __m256 scale[COLS], shift[COLS];  // this group's s and z - 8 s, per column
-  float asum[ROWS][2];  // this group's sum(a), per row, even and odd k
-  for (int r = 0; r < ROWS; ++r) {
-    for (int c = 0; c < COLS; ++c) {
-      vc[r][c] = accum ? _mm256_loadu_ps(C + r * ldc + 8 * c) : _mm256_setzero_ps();
-    }
-  }
-  auto flush = [&]() {  // the group's sums into the output
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 as = _mm256_set1_ps(asum[r][0] + asum[r][1]);
-      for (int c = 0; c < COLS; ++c) {
-        vc[r][c] = _mm256_fmadd_ps(_mm256_add_ps(vg[r][c], vh[r][c]), scale[c], vc[r][c]);
-        vc[r][c] = _mm256_fmadd_ps(as, shift[c], vc[r][c]);
-      }
-    }
-  };
-  // groups start where k_start + k is a multiple of the group size: the first may be a group's tail
-  for (int64_t k0 = 0, kb = 0, k1; k0 < K; k0 = k1, ++kb) {
-    k1 = std::min<int64_t>(K, k0 + q_group_size - (k_start + k0) % q_group_size);
-    // (scale, zero) pairs of bf16: one 32-bit lane per column, the scale in its low half, the zero in its high
-    const at::BFloat16* sz = ScaleAndZeros + kb * lds;
-    for (int c = 0; c < COLS; ++c) {
-      const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * c));
-      scale[c] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
-      shift[c] = _mm256_fnmadd_ps(eight, scale[c], _mm256_castsi256_ps(_mm256_and_si256(t, high16)));
-    }
-    for (int r = 0; r < ROWS; ++r) {
-      asum[r][0] = asum[r][1] = 0.0f;
-      for (int c = 0; c < COLS; ++c) vg[r][c] = vh[r][c] = _mm256_setzero_ps();
-    }
-    auto row = [&](int64_t k, __m256 (&acc)[ROWS][COLS], int half) {  // weight row k into one chain
-      const uint8_t* b = B + k * ldb;
-      __m256 q[COLS];
-      for (int c = 0; c < 2; ++c) {
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)));
-        q[c] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low4));
-        q[c + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const float a = static_cast<float>(A[r * lda + k]);
-        asum[r][half] += a;
-        const __m256 va = _mm256_set1_ps(a);
-        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(va, q[c], acc[r][c]);
-      }
-    };
-    int64_t k = k0;
-    for (; k + 1 < k1; k += 2) {
-      row(k, vg, 0);
-      row(k + 1, vh, 1);
-    }
-    if (k < k1) row(k, vg, 0);
-    flush();
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    for (int c = 0; c < COLS; ++c) _mm256_storeu_ps(C + r * ldc + 8 * c, vc[r][c]);
-  }
-}
-"""
-
-
 @dataclass
 class _Kernel:
     """One micro-kernel: registered with inductor at most once per process (`install`), or the reason it was not."""
@@ -320,7 +240,7 @@ def balanced_width(n: int, threads: int) -> int:
 def _register_int4():
     if (isa := torch_compat.cpu_vector_isa()) != "avx2":
         raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
-    if torch_compat.missing("int4_mm_cpu") or not _avx2_int4_layout():
+    if torch_compat.missing("int4_mm_cpu") or not _int4_layout(32):
         raise _NotHere("torch's CPU int4 weights are not packed in 32-column blocks (its AVX2 layout) here")
 
     def fits(config, m, n, k, alpha, num_threads, q_group_size=None, **kwargs) -> bool:
@@ -328,7 +248,22 @@ def _register_int4():
                 and q_group_size is not None and k % q_group_size == 0)
 
     # (block_m, block_n, block_k): 4 rows share each widened weight; 1 row (a decode step) ranks first at m = 1
-    return torch_compat.register_int4_micro_gemm("Int4AVX2", _INT4_KERNEL, [(4, 32, 32), (1, 32, 32)], fits)
+    return torch_compat.register_int4_micro_gemm("Int4AVX2", cpu_int4.AVX2, [(4, 32, 32), (1, 32, 32)], fits)
+
+
+def _register_int4_avx512():
+    if (isa := torch_compat.cpu_vector_isa()) != "avx512_bf16":
+        raise _NotHere(f"the CPU's vector ISA ({isa}) is not AVX-512 with BF16 and without AMX")
+    if torch_compat.missing("int4_mm_cpu") or not _int4_layout(64):
+        raise _NotHere("torch's CPU int4 weights are not packed in 64-column blocks (its AVX-512 layout) here")
+
+    def fits(config, m, n, k, alpha, num_threads, q_group_size=None, dynamic_M=False, **kwargs) -> bool:
+        return (alpha == 1 and m == 1 and not dynamic_M and n % 64 == 0 and k % config.register_blocking.block_k == 0
+                and q_group_size is not None and q_group_size % 2 == 0 and k % q_group_size == 0)
+
+    # one row (a decode step): inductor's own (4, 64, k) blockings keep the prefill's matmuls
+    return torch_compat.register_int4_micro_gemm("Int4AVX512", cpu_int4.AVX512, [(1, 64, 32)], fits,
+                                                 isa="avx512")
 
 
 def _register_int8():
@@ -342,18 +277,21 @@ def _register_int8():
     return torch_compat.register_int8_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits)
 
 
-# compile.compile_step installs all three
+# compile.compile_step installs them all
 BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}")
-INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: _INT4_KERNEL)
+INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: cpu_int4.AVX2)
+INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512, lambda: cpu_int4.AVX512)
 INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
 
 
-def _avx2_int4_layout() -> bool:
-    """Whether torch packs CPU int4 weights as the int4 kernel reads them: [N / 32, K, 16] bytes, byte j of a
-    block's k-row holding column j's code in its low nibble and column j + 16's in its high one (torch's layout
-    where it runs its AVX2 kernels; with AVX-512 its blocks are 64 columns). Checked by packing known codes."""
-    codes = torch.arange(64 * 4, dtype=torch.int32).view(64, 4) * 7 % 16  # [N=64, K=4], every code in use
-    blocks = codes.view(2, 2, 16, 4).permute(0, 3, 2, 1)  # [N / 32, K, 16, 2]: columns j and j + 16 of a block
+def _int4_layout(block: int) -> bool:
+    """Whether torch packs CPU int4 weights as the int4 kernel for `block`-column blocks reads them: [N / block, K,
+    block / 2] bytes, byte j of a block's k-row holding column j's code in its low nibble and column j + block / 2's
+    in its high one (torch's layout: 32-column blocks where it runs its AVX2 kernels, 64 with AVX-512). Checked by
+    packing known codes."""
+    half = block // 2
+    codes = torch.arange(128 * 4, dtype=torch.int32).view(128, 4) * 7 % 16  # [N=128, K=4], every code in use
+    blocks = codes.view(128 // block, 2, half, 4).permute(0, 3, 2, 1)  # [N / block, K, half, 2]: columns j, j + half
     want = (blocks[..., 0] | blocks[..., 1] << 4).to(torch.uint8).flatten()
     try:
         return torch.equal(torch_compat.int4_pack_cpu(codes).flatten(), want)
@@ -377,8 +315,8 @@ def withheld(when: bool = True):
         yield
         return
     with contextlib.ExitStack() as stack:
-        for kernel in (k for k in (BF16, INT4, INT8) if k.install()):
+        stack.callback(setattr, torch.compiler.config, "cache_key_tag", torch.compiler.config.cache_key_tag)
+        for kernel in (k for k in (BF16, INT4, INT4_AVX512, INT8) if k.install()):
             _tag(kernel.name, kernel.tag(), False)
-            stack.callback(_tag, kernel.name, kernel.tag(), True)
             stack.enter_context(torch_compat.micro_gemm_withheld(kernel.cls))
         yield

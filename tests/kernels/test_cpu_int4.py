@@ -23,8 +23,10 @@ slow = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
 
 def test_the_layout_probe_reads_how_this_torch_packs_int4_weights():
     """torch packs CPU int4 weights in 32-column blocks where it runs its AVX2 kernels and in 64-column ones with
-    AVX-512: the probe must tell them apart, or the kernel would read every other block's codes as its own."""
-    assert cpu_gemm._avx2_int4_layout() == (torch.backends.cpu.get_cpu_capability() == "AVX2")
+    AVX-512: the probe must tell them apart, or a kernel would read every other block's codes as its own."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert cpu_gemm._int4_layout(32) == (capability == "AVX2")
+    assert cpu_gemm._int4_layout(64) == (capability == "AVX512")
 
 
 def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
@@ -35,12 +37,16 @@ def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
 
     before = dict(cpp_micro_gemm.micro_gemm_configs)
     tag = torch.compiler.config.cache_key_tag
-    for isa, layout, why in [("avx512_bf16", True, "avx512_bf16, not AVX2"), ("amx", True, "amx, not AVX2"),
-                             ("avx2", False, "32-column blocks")]:
-        monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))
+    for name, isa, layout, why in [("INT4", "avx512_bf16", True, "avx512_bf16, not AVX2"),
+                                   ("INT4", "amx", True, "amx, not AVX2"), ("INT4", "avx2", False, "32-column blocks"),
+                                   ("INT4_AVX512", "avx2", True, "(avx2) is not AVX-512 with BF16"),
+                                   ("INT4_AVX512", "amx", True, "(amx) is not AVX-512 with BF16 and without AMX"),
+                                   ("INT4_AVX512", "avx512_bf16", False, "64-column blocks")]:
+        monkeypatch.setattr(cpu_gemm, name, replace(getattr(cpu_gemm, name), cls=None, why=None))
         monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
-        monkeypatch.setattr(cpu_gemm, "_avx2_int4_layout", lambda layout=layout: layout)
-        assert not cpu_gemm.INT4.install() and why in cpu_gemm.INT4.why
+        monkeypatch.setattr(cpu_gemm, "_int4_layout", lambda block, layout=layout: layout)
+        kernel = getattr(cpu_gemm, name)
+        assert not kernel.install() and why in kernel.why, (name, isa, kernel.why)
         assert cpp_micro_gemm.micro_gemm_configs == before and torch.compiler.config.cache_key_tag == tag
 
 
@@ -54,8 +60,9 @@ from llmstep.kernels import cpu_gemm
 from llmstep.engines.compile import compile_step
 
 torch.set_num_threads(2)
-if not cpu_gemm.INT4.install():
-    sys.exit("not installed: " + str(cpu_gemm.INT4.why))
+kernel = getattr(cpu_gemm, sys.argv[2])
+if not kernel.install():
+    sys.exit("not installed: " + str(kernel.why))
 results = []
 for rows, n, k, group, dtype in json.loads(sys.argv[1]):
     # bf16: held to the template; float32 has no template choice for an int4 matmul here, only torch's kernel
@@ -72,7 +79,7 @@ for rows, n, k, group, dtype in json.loads(sys.argv[1]):
     w = dequantize_int4(layer.codes(), layer.scales, layer.zeros, torch.float64)  # [n, k], each weight unrounded
     want = x.double() @ w.T  # [rows, n]
     bound = (x.double().abs() @ w.abs().T).max().item()  # the size of the sums' terms
-    results.append({"kernel": any(cpu_gemm.INT4_KERNEL_NAME in c for c in code), "layer": layer.kernel,
+    results.append({"kernel": any(kernel.name in c for c in code), "layer": layer.kernel,
                     "error": (out.double() - want).abs().max().item(), "largest": want.abs().max().item(),
                     "bound": bound})
 print(json.dumps(results))
@@ -82,21 +89,47 @@ CASES = [(1, 96, 192, 32, "bfloat16"), (3, 64, 576, 64, "bfloat16"), (1, 32, 102
          (9, 64, 128, 64, "bfloat16"), (4, 256, 256, 32, "bfloat16"), (1, 32, 1024, 128, "float32")]
 
 
+# The AVX-512 kernel serves one row (a decode step's matmuls); more rows keep inductor's own kernel, checked too.
+CASES_AVX512 = [(1, 64, 1024, 128, "bfloat16"), (1, 128, 576, 32, "bfloat16"), (1, 192, 192, 32, "bfloat16"),
+                (1, 64, 128, 64, "bfloat16"), (1, 576, 1536, 32, "bfloat16"), (2, 64, 256, 32, "bfloat16"),
+                (1, 64, 256, 32, "float32")]
+
+
+def _run_child(cases: list, kernel: str, env: dict) -> list[dict]:
+    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), kernel], env=os.environ | env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @slow
 def test_the_kernel_computes_the_matmul_at_every_row_count_group_and_split():
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip(f"an x86 CPU with AVX2 (torch's CPU capability here: {torch.backends.cpu.get_cpu_capability()})")
-    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES)], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = _run_child(CASES, "INT4", {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"})
     for case, r in zip(CASES, results, strict=True):
         assert r["layer"] == "packed", (case, r)  # torch's packed layout
         if case[-1] == "float32":  # a float32 model's int4 layers: torch's own kernel (the kernel takes bf16)
             assert not r["kernel"] and r["error"] <= 1e-5 * r["bound"], (case, r)
             continue
         assert r["kernel"], (case, r)
+        # float32 sums, the output rounded once to bf16: within half a bf16 step of the largest output, and then some
+        assert r["error"] <= 2 ** -8 * r["largest"] + 1e-5 * r["bound"], (case, r)
+
+
+@slow
+def test_the_avx512_kernel_computes_the_one_row_matmul_at_every_group_and_split():
+    from llmstep.core import torch_compat
+
+    if torch_compat.cpu_vector_isa() != "avx512_bf16":
+        pytest.skip(f"a CPU with AVX-512 BF16 and no AMX (inductor's vector ISA here: {torch_compat.cpu_vector_isa()})")
+    results = _run_child(CASES_AVX512, "INT4_AVX512", {"OMP_NUM_THREADS": "2"})
+    for case, r in zip(CASES_AVX512, results, strict=True):
+        assert r["layer"] == "packed", (case, r)
+        assert r["kernel"] == (case[0] == 1 and case[-1] == "bfloat16"), (case, r)  # one bf16 row: this kernel
+        if case[-1] == "float32":
+            assert r["error"] <= 1e-5 * r["bound"], (case, r)
+            continue
         # float32 sums, the output rounded once to bf16: within half a bf16 step of the largest output, and then some
         assert r["error"] <= 2 ** -8 * r["largest"] + 1e-5 * r["bound"], (case, r)
 
@@ -109,9 +142,11 @@ def test_an_inductor_without_its_avx512_int4_kernel_to_build_on_registers_nothin
     from llmstep.core import torch_compat
 
     before = dict(cpp_micro_gemm.micro_gemm_configs)
-    monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))
-    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx2")
-    monkeypatch.setattr(cpu_gemm, "_avx2_int4_layout", lambda: True)
     monkeypatch.delattr(importlib.import_module("torch._inductor.codegen.cpp_micro_gemm"), "CppMicroGemmWoQInt4Avx512")
-    assert not cpu_gemm.INT4.install() and "CppMicroGemmWoQInt4Avx512" in cpu_gemm.INT4.why
-    assert cpp_micro_gemm.micro_gemm_configs == before
+    monkeypatch.setattr(cpu_gemm, "_int4_layout", lambda block: True)
+    for name, isa in [("INT4", "avx2"), ("INT4_AVX512", "avx512_bf16")]:
+        monkeypatch.setattr(cpu_gemm, name, replace(getattr(cpu_gemm, name), cls=None, why=None))
+        monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
+        kernel = getattr(cpu_gemm, name)
+        assert not kernel.install() and "CppMicroGemmWoQInt4Avx512" in kernel.why
+        assert cpp_micro_gemm.micro_gemm_configs == before

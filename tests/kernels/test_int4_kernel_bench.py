@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from llmstep.kernels import cpu_gemm
+from llmstep.kernels import cpu_gemm, cpu_int4
 from llmstep.lab import runinfo
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "int4_kernel_bench.py"
 needs_avx2 = pytest.mark.skipif(shutil.which("g++") is None or "avx2" not in runinfo.cpu_flags(),
                                 reason="needs g++ and an AVX2 CPU")
+needs_avx512_bf16 = pytest.mark.skipif(shutil.which("g++") is None or "avx512_bf16" not in runinfo.cpu_flags(),
+                                       reason="needs g++ and a CPU with AVX-512 BF16")
 
 
 def load():
@@ -39,15 +41,38 @@ def test_the_kernel_alone_is_timed_and_its_sums_are_float64s(tmp_path, capsys):
 
 @needs_avx2
 def test_a_kernel_that_reads_the_high_nibbles_wrong_shows_its_error(tmp_path):
-    broken = cpu_gemm._INT4_KERNEL.replace("_mm256_srli_epi32(bytes, 4)", "_mm256_srli_epi32(bytes, 3)")
-    assert broken != cpu_gemm._INT4_KERNEL
+    broken = cpu_int4.AVX2.replace("_mm256_srli_epi32(bytes, 4)", "_mm256_srli_epi32(bytes, 3)")
+    assert broken != cpu_int4.AVX2
     (tmp_path / "broken.cpp").write_text(broken)
     out = tmp_path / "k.json"
     load().main(["--kernel", str(tmp_path / "broken.cpp"), "--shapes", "64,128", "--repeats", "1", "--json", str(out)])
     assert json.loads(out.read_text())["shapes"][0]["error_over_terms"] > 1e-3
 
 
+@needs_avx512_bf16
+def test_the_avx512_kernel_alone_reads_64_column_blocks_and_sums_as_float64s(tmp_path):
+    out = tmp_path / "k.json"
+    args = ["--layout", "avx512", "--shapes", "128,128", "64,96", "--repeats", "1", "--json", str(out)]
+    assert load().main(args) == 0
+    record = json.loads(out.read_text())
+    assert record["kernel"] == cpu_gemm.INT4_AVX512_KERNEL_NAME and record["layout"] == "avx512"
+    for r in record["shapes"]:
+        assert r["microseconds"] > 0 and r["error_over_terms"] < 1e-6, r
+    # 3 row pairs a group: one outside the two chains
+    load().main(["--layout", "avx512", "--shapes", "64,96", "--group-size", "6", "--repeats", "1", "--json", str(out)])
+    assert all(r["error_over_terms"] < 1e-6 for r in json.loads(out.read_text())["shapes"])
+    broken = cpu_int4.AVX512.replace("_mm512_srli_epi16(p1, 4)", "_mm512_srli_epi16(p1, 3)")
+    assert broken != cpu_int4.AVX512
+    (tmp_path / "broken.cpp").write_text(broken)
+    load().main(["--layout", "avx512", "--kernel", str(tmp_path / "broken.cpp"), "--shapes", "64,128", "--repeats",
+                 "1", "--json", str(out)])
+    assert json.loads(out.read_text())["shapes"][0]["error_over_terms"] > 1e-3
+
+
 def test_shapes_the_kernel_cannot_take_are_refused_before_compiling(capsys):
+    with pytest.raises(SystemExit):
+        load().main(["--layout", "avx512", "--shapes", "96,128"])  # N not whole 64-column blocks
+    assert "N a multiple of 64 and K of the group size 32: [(96, 128)]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         load().main(["--shapes", "48,128"])  # N not whole 32-column blocks
     assert "N a multiple of 32 and K of the group size 32: [(48, 128)]" in capsys.readouterr().err
