@@ -8,6 +8,29 @@ Both take a group's sum as s * sum(a * q) + (z - 8 * s) * sum(a), the scale and 
 column rather than per weight. scripts/int4_kernel_bench.py times either alone, out of inductor.
 """
 
+# What inductor's int4 template entry calls for each block of columns (CppMicroGemmWoQInt4Avx512's entry): both
+# kernels are declared so, after their template line and instruction set
+_SIGNATURE = r"""inline void {{kernel_name}}_kernel(
+    const {{input_t}}* {{restrict_keyword}} A,
+    const uint8_t* {{restrict_keyword}} B,
+    {{output_t}}* {{restrict_keyword}} C,
+    int64_t K,
+    int64_t lda,
+    int64_t ldb,
+    int64_t ldc,
+    int64_t q_group_size,
+    const at::BFloat16* {{restrict_keyword}} ScaleAndZeros,
+    int64_t lds,
+    int64_t k_start) {
+"""
+# and both walk k a group at a time, [k0, k1), reading the group's (scale, zero) row `sz`
+_GROUPS = r"""  // groups start where k_start + k is a multiple of the group size: the first may be a group's tail
+  for (int64_t k0 = 0, kb = 0, k1; k0 < K; k0 = k1, ++kb) {
+    k1 = std::min<int64_t>(K, k0 + q_group_size - (k_start + k0) % q_group_size);
+    // (scale, zero) pairs of bf16: one 32-bit lane per column, the scale in its low half, the zero in its high
+    const at::BFloat16* sz = ScaleAndZeros + kb * lds;
+"""
+
 # The AVX2 kernel: the body that inductor's int4 micro-kernel entry calls for each block of 32 columns (its
 # `TEMPLATE_KERNEL`; torch_compat.register_int4_micro_gemm).
 AVX2 = r"""
@@ -20,19 +43,7 @@ AVX2 = r"""
 // multiply-add, and one row's four vectors alone would leave the FMA units waiting on that latency.
 template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
 __attribute__((target("avx2,fma")))
-inline void {{kernel_name}}_kernel(
-    const {{input_t}}* {{restrict_keyword}} A,
-    const uint8_t* {{restrict_keyword}} B,
-    {{output_t}}* {{restrict_keyword}} C,
-    int64_t K,
-    int64_t lda,
-    int64_t ldb,
-    int64_t ldc,
-    int64_t q_group_size,
-    const at::BFloat16* {{restrict_keyword}} ScaleAndZeros,
-    int64_t lds,
-    int64_t k_start) {
-  static_assert(BLOCK_N == 32, "a block is 32 columns");
+""" + _SIGNATURE + r"""  static_assert(BLOCK_N == 32, "a block is 32 columns");
   constexpr int ROWS = BLOCK_M;
   constexpr int COLS = 4;  // vectors of 8 floats
   const __m256i low4 = _mm256_set1_epi32(15);
@@ -55,12 +66,7 @@ inline void {{kernel_name}}_kernel(
       }
     }
   };
-  // groups start where k_start + k is a multiple of the group size: the first may be a group's tail
-  for (int64_t k0 = 0, kb = 0, k1; k0 < K; k0 = k1, ++kb) {
-    k1 = std::min<int64_t>(K, k0 + q_group_size - (k_start + k0) % q_group_size);
-    // (scale, zero) pairs of bf16: one 32-bit lane per column, the scale in its low half, the zero in its high
-    const at::BFloat16* sz = ScaleAndZeros + kb * lds;
-    for (int c = 0; c < COLS; ++c) {
+""" + _GROUPS + r"""    for (int c = 0; c < COLS; ++c) {
       const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 16 * c));
       scale[c] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
       shift[c] = _mm256_fnmadd_ps(eight, scale[c], _mm256_castsi256_ps(_mm256_and_si256(t, high16)));
@@ -152,19 +158,7 @@ static inline void {{kernel_name}}_pair(
 
 template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-inline void {{kernel_name}}_kernel(
-    const {{input_t}}* {{restrict_keyword}} A,
-    const uint8_t* {{restrict_keyword}} B,
-    {{output_t}}* {{restrict_keyword}} C,
-    int64_t K,
-    int64_t lda,
-    int64_t ldb,
-    int64_t ldc,
-    int64_t q_group_size,
-    const at::BFloat16* {{restrict_keyword}} ScaleAndZeros,
-    int64_t lds,
-    int64_t k_start) {
-  static_assert(BLOCK_N == 64, "a block is 64 columns");
+""" + _SIGNATURE + r"""  static_assert(BLOCK_N == 64, "a block is 64 columns");
   constexpr int ROWS = BLOCK_M;
   constexpr int COLS = 4;  // vectors of 16 columns
   const __m512i high16 = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -177,12 +171,7 @@ inline void {{kernel_name}}_kernel(
       vc[r][c] = accum ? _mm512_loadu_ps(C + r * ldc + 16 * c) : _mm512_setzero_ps();
     }
   }
-  // groups start where k_start + k is a multiple of the group size: the first may be a group's tail
-  for (int64_t k0 = 0, kb = 0, k1; k0 < K; k0 = k1, ++kb) {
-    k1 = std::min<int64_t>(K, k0 + q_group_size - (k_start + k0) % q_group_size);
-    // (scale, zero) pairs of bf16: one 32-bit lane per column, the scale in its low half, the zero in its high
-    const at::BFloat16* sz = ScaleAndZeros + kb * lds;
-    for (int c = 0; c < COLS; ++c) {
+""" + _GROUPS + r"""    for (int c = 0; c < COLS; ++c) {
       const __m512i t = _mm512_loadu_si512(sz + 32 * c);
       scale[c] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
       shift[c] = _mm512_fnmadd_ps(eight, scale[c], _mm512_castsi512_ps(_mm512_and_si512(t, high16)));
