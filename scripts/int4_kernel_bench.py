@@ -52,6 +52,7 @@ struct BFloat16 {
 #include "kernel.inc"
 int main(int argc, char** argv) {
   const int64_t N = atoll(argv[1]), K = atoll(argv[2]), G = atoll(argv[3]), reps = atoll(argv[4]);
+  const int64_t S = atoll(argv[5]);  // > 0: k in two calls, [0, S) then [S, K) added to it (a split mid-group)
   srand(N * 7 + K);
   std::vector<uint8_t> W(N * K / 2);                          // [N / BLOCK, K, HALF]: column j low, j + HALF high
   std::vector<at::BFloat16> SZ(K / G * N * 2), A(K);         // [K / G, N, 2]: (scale, zero) pairs; one row
@@ -64,9 +65,17 @@ int main(int argc, char** argv) {
   for (int64_t r = 0; r < reps; ++r) {
     auto t = std::chrono::steady_clock::now();
     for (int64_t c = 0; c < calls; ++c)
-      for (int64_t n = 0; n < N; n += BLOCK)
-        kern_kernel<1, BLOCK, false>(A.data(), W.data() + n * K / 2, C.data() + n, K, K, HALF, BLOCK, G,
-                                     SZ.data() + n * 2, N * 2, 0);
+      for (int64_t n = 0; n < N; n += BLOCK) {
+        if (S == 0) {
+          kern_kernel<1, BLOCK, false>(A.data(), W.data() + n * K / 2, C.data() + n, K, K, HALF, BLOCK, G,
+                                       SZ.data() + n * 2, N * 2, 0);
+        } else {  // as the template calls a thread's share of k: the group holding k_start first
+          kern_kernel<1, BLOCK, false>(A.data(), W.data() + n * K / 2, C.data() + n, S, K, HALF, BLOCK, G,
+                                       SZ.data() + n * 2, N * 2, 0);
+          kern_kernel<1, BLOCK, true>(A.data() + S, W.data() + n * K / 2 + S * HALF, C.data() + n, K - S, K, HALF,
+                                      BLOCK, G, SZ.data() + (S / G) * N * 2 + n * 2, N * 2, S);
+        }
+      }
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count() / calls);
   }
   double err = 0, size = 0;
@@ -88,10 +97,11 @@ int main(int argc, char** argv) {
 """
 
 # What inductor's C++ build gives an AVX2 kernel (torch._inductor.cpp_builder): -O3, the ISA's flags, math-errno off
-# (the AVX-512 kernel names its own instructions in a target attribute)
+# (the AVX-512 kernel names its own instructions in a target attribute; its CPU needs them: `NEEDS`)
 FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math"]
-# torch's int4 layouts: the block of columns each kernel reads, and that kernel
+# torch's int4 layouts: the block of columns each kernel reads, that kernel, and the CPU flag it needs
 LAYOUTS = {"avx2": (32, cpu_int4.AVX2), "avx512": (64, cpu_int4.AVX512)}
+NEEDS = {"avx2": "avx2", "avx512": "avx512_bf16"}
 
 
 def kernel_source(path: str | None, layout: str = "avx2") -> str:
@@ -119,10 +129,12 @@ def shape(text: str) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", help="a kernel text to time instead of cpu_gemm's (inductor's template names in it)")
+    p.add_argument("--kernel", help="a kernel text to time instead of cpu_int4's (inductor's template names in it)")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="avx2",
                    help="torch's int4 layout the kernel reads: 32-column blocks (AVX2) or 64 (AVX-512)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (32: GGUF's Q4 blocks)")
+    p.add_argument("--k-split", type=int, default=0,
+                   help="call the kernel on k in [0, S) and then [S, K), adding: a thread's share starting mid-group")
     p.add_argument("--shapes", nargs="+", type=shape, help="N,K pairs (default: SmolLM2-135M's int4 matmuls)")
     p.add_argument("--repeats", type=int, default=9, help="timings per shape; the best is kept")
     p.add_argument("--json", help="write the figures here too")
@@ -130,14 +142,18 @@ def main(argv=None) -> int:
     shapes = args.shapes or SHAPES
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
-    if args.group_size <= 0 or args.group_size % 2:
-        p.error(f"--group-size must be a positive even integer, got {args.group_size}")
+    if args.group_size <= 0:
+        p.error(f"--group-size must be a positive integer, got {args.group_size}")
     block = LAYOUTS[args.layout][0]
     bad = [s for s in shapes if s[0] % block or s[1] % args.group_size]
     if bad:
         p.error(f"each shape is N,K with N a multiple of {block} and K of the group size {args.group_size}: {bad}")
+    if not 0 <= args.k_split < min(k for _, k in shapes):
+        p.error(f"--k-split must be at least 0 and below every shape's K, got {args.k_split}")
     if (cxx := shutil.which("g++")) is None:
         p.error("needs g++ (inductor's CPU compiler)")
+    if NEEDS[args.layout] not in runinfo.cpu_flags():
+        p.error(f"the {args.layout} kernel needs a CPU with {NEEDS[args.layout]}; this one has {runinfo.cpu_flags()}")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "kernel.inc").write_text(kernel_source(args.kernel, args.layout))
         (Path(tmp) / "driver.cpp").write_text(DRIVER)
@@ -146,7 +162,8 @@ def main(argv=None) -> int:
                         str(Path(tmp) / "driver.cpp")], check=True)
         rows = []
         for n, k in shapes:
-            out = subprocess.run([str(binary), str(n), str(k), str(args.group_size), str(args.repeats)],
+            call = [str(binary), *(str(v) for v in (n, k, args.group_size, args.repeats, args.k_split))]
+            out = subprocess.run(call,
                                  check=True, capture_output=True, text=True).stdout
             r = json.loads(out)
             rows.append({"N": n, "K": k, "group_size": args.group_size, "microseconds": r["seconds"] * 1e6,
@@ -167,7 +184,8 @@ def main(argv=None) -> int:
                                                              text=True).stdout.strip()),
                                       "kernel": args.kernel or (cpu_gemm.INT4_KERNEL_NAME if args.layout == "avx2"
                                                                 else cpu_gemm.INT4_AVX512_KERNEL_NAME),
-                                      "layout": args.layout, "flags": FLAGS,
+                                      "layout": args.layout, "k_split": args.k_split,
+                                      "flags": [*FLAGS, f"-DBLOCK={block}", f"-DHALF={block // 2}"],
                                       "load_average_1min": runinfo.load_average(), "shapes": rows,
                                       "layer_microseconds": total})
     return 0

@@ -70,6 +70,10 @@ INT8_KERNEL_NAME = "llmstep_int8_avx2"
 # divide keeps inductor's blockings)
 INT8_BLOCKINGS = [(1, 64, 64)]
 WIDTHS = (64, 32)  # the bf16 dot kernel's block widths: 4 or 2 vectors of 16 columns (balanced_width picks)
+# int4 at one row on AVX-512 BF16 (a decode step): inductor's own (4, 64, k) blockings keep the prefill's matmuls;
+# the group sizes inductor's own int4 kernel takes
+INT4_AVX512_BLOCKINGS = [(1, 64, 32)]
+INT4_AVX512_GROUPS = (32, 64, 128)
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
@@ -259,10 +263,9 @@ def _register_int4_avx512():
 
     def fits(config, m, n, k, alpha, num_threads, q_group_size=None, dynamic_M=False, **kwargs) -> bool:
         return (alpha == 1 and m == 1 and not dynamic_M and n % 64 == 0 and k % config.register_blocking.block_k == 0
-                and q_group_size is not None and q_group_size % 2 == 0 and k % q_group_size == 0)
+                and q_group_size in INT4_AVX512_GROUPS and k % q_group_size == 0)
 
-    # one row (a decode step): inductor's own (4, 64, k) blockings keep the prefill's matmuls
-    return torch_compat.register_int4_micro_gemm("Int4AVX512", cpu_int4.AVX512, [(1, 64, 32)], fits,
+    return torch_compat.register_int4_micro_gemm("Int4AVX512", cpu_int4.AVX512, INT4_AVX512_BLOCKINGS, fits,
                                                  isa="avx512")
 
 
@@ -280,7 +283,8 @@ def _register_int8():
 # compile.compile_step installs them all
 BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}")
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: cpu_int4.AVX2)
-INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512, lambda: cpu_int4.AVX512)
+INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512,
+                      lambda: f"{cpu_int4.AVX512}{INT4_AVX512_BLOCKINGS}{INT4_AVX512_GROUPS}")
 INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
 
 
@@ -314,9 +318,10 @@ def withheld(when: bool = True):
     if not when:
         yield
         return
+    installed = [k for k in (BF16, INT4, INT4_AVX512, INT8) if k.install()]  # first: installing adds a tag
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, torch.compiler.config, "cache_key_tag", torch.compiler.config.cache_key_tag)
-        for kernel in (k for k in (BF16, INT4, INT4_AVX512, INT8) if k.install()):
+        for kernel in installed:
             _tag(kernel.name, kernel.tag(), False)
             stack.enter_context(torch_compat.micro_gemm_withheld(kernel.cls))
         yield

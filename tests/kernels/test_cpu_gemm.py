@@ -56,9 +56,9 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
     assert not cpu_gemm.BF16.install() and "2.5.1" in cpu_gemm.BF16.why  # an untested torch: not registered
     assert cpp_micro_gemm.micro_gemm_configs == before
-    with cpu_gemm.withheld():  # no bf16 kernel to withhold; the AVX2 int4 and int8 ones where this process has them
-        avx2 = (cpu_gemm.INT4.cls, cpu_gemm.INT8.cls)
-        assert cpp_micro_gemm.micro_gemm_configs == {c: v for c, v in before.items() if c not in avx2}
+    with cpu_gemm.withheld():  # no bf16 kernel to withhold; the int4 and int8 ones where this process has them
+        ours = (cpu_gemm.INT4.cls, cpu_gemm.INT4_AVX512.cls, cpu_gemm.INT8.cls)
+        assert cpp_micro_gemm.micro_gemm_configs == {c: v for c, v in before.items() if c not in ours}
     assert cpp_micro_gemm.micro_gemm_configs == before
 
 

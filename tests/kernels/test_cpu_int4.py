@@ -51,7 +51,8 @@ def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
 
 
 # The child: each case (rows, columns, depth, group size, activation dtype) compiled as one Int4Linear, two threads
-# (the template may split k between them, mid-group).
+# (the template calls a kernel once per cache block of k, the later calls adding to the output; a thread's share
+# starting mid-group, which inductor does not ask for by default, scripts/int4_kernel_bench.py's --k-split checks).
 CHILD = r"""
 import json, sys, torch
 from torch._inductor.utils import run_and_get_code

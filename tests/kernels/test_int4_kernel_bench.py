@@ -40,6 +40,15 @@ def test_the_kernel_alone_is_timed_and_its_sums_are_float64s(tmp_path, capsys):
 
 
 @needs_avx2
+def test_the_avx2_kernel_alone_takes_k_in_two_calls_split_mid_group(tmp_path):
+    out = tmp_path / "k.json"
+    for extra in (["--group-size", "6", "--k-split", "33"], ["--k-split", "48"]):
+        load().main(["--shapes", "64,96", *extra, "--repeats", "1", "--json", str(out)])
+        record = json.loads(out.read_text())
+        assert record["k_split"] == int(extra[-1]) and record["shapes"][0]["error_over_terms"] < 1e-6, extra
+
+
+@needs_avx2
 def test_a_kernel_that_reads_the_high_nibbles_wrong_shows_its_error(tmp_path):
     broken = cpu_int4.AVX2.replace("_mm256_srli_epi32(bytes, 4)", "_mm256_srli_epi32(bytes, 3)")
     assert broken != cpu_int4.AVX2
@@ -58,9 +67,11 @@ def test_the_avx512_kernel_alone_reads_64_column_blocks_and_sums_as_float64s(tmp
     assert record["kernel"] == cpu_gemm.INT4_AVX512_KERNEL_NAME and record["layout"] == "avx512"
     for r in record["shapes"]:
         assert r["microseconds"] > 0 and r["error_over_terms"] < 1e-6, r
-    # 3 row pairs a group: one outside the two chains
-    load().main(["--layout", "avx512", "--shapes", "64,96", "--group-size", "6", "--repeats", "1", "--json", str(out)])
-    assert all(r["error_over_terms"] < 1e-6 for r in json.loads(out.read_text())["shapes"])
+    # 3 row pairs a group (one outside the two chains); k in two calls split at 33, mid-group and odd: the first
+    # call ends on a group's odd tail, the second starts mid-group (k_start 33) and adds to the first's output
+    for extra in (["--group-size", "6"], ["--group-size", "6", "--k-split", "33"], ["--k-split", "48"]):
+        load().main(["--layout", "avx512", "--shapes", "64,96", *extra, "--repeats", "1", "--json", str(out)])
+        assert all(r["error_over_terms"] < 1e-6 for r in json.loads(out.read_text())["shapes"]), extra
     broken = cpu_int4.AVX512.replace("_mm512_srli_epi16(p1, 4)", "_mm512_srli_epi16(p1, 3)")
     assert broken != cpu_int4.AVX512
     (tmp_path / "broken.cpp").write_text(broken)
@@ -69,7 +80,19 @@ def test_the_avx512_kernel_alone_reads_64_column_blocks_and_sums_as_float64s(tmp
     assert json.loads(out.read_text())["shapes"][0]["error_over_terms"] > 1e-3
 
 
-def test_shapes_the_kernel_cannot_take_are_refused_before_compiling(capsys):
+def test_shapes_the_kernel_cannot_take_are_refused_before_compiling(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        load().main(["--shapes", "64,96", "--k-split", "96"])
+    assert "--k-split must be at least 0 and below every shape's K, got 96" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        load().main(["--group-size", "0"])
+    assert "--group-size must be a positive integer, got 0" in capsys.readouterr().err
+    script = load()
+    monkeypatch.setattr(script.runinfo, "cpu_flags", lambda: ["avx2"])
+    if shutil.which("g++"):
+        with pytest.raises(SystemExit):
+            script.main(["--layout", "avx512", "--shapes", "64,96"])
+        assert "the avx512 kernel needs a CPU with avx512_bf16" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         load().main(["--layout", "avx512", "--shapes", "96,128"])  # N not whole 64-column blocks
     assert "N a multiple of 64 and K of the group size 32: [(96, 128)]" in capsys.readouterr().err
