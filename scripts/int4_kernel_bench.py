@@ -97,11 +97,10 @@ int main(int argc, char** argv) {
 """
 
 # What inductor's C++ build gives an AVX2 kernel (torch._inductor.cpp_builder): -O3, the ISA's flags, math-errno off
-# (the AVX-512 kernel names its own instructions in a target attribute; its CPU needs them: `NEEDS`)
+# (the AVX-512 kernel names its own instructions in a target attribute; its CPU needs them)
 FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fno-trapping-math"]
 # torch's int4 layouts: the block of columns each kernel reads, that kernel, and the CPU flag it needs
-LAYOUTS = {"avx2": (32, cpu_int4.AVX2), "avx512": (64, cpu_int4.AVX512)}
-NEEDS = {"avx2": "avx2", "avx512": "avx512_bf16"}
+LAYOUTS = {"avx2": (32, cpu_int4.AVX2, "avx2"), "avx512": (64, cpu_int4.AVX512, "avx512_bf16")}
 
 
 def kernel_source(path: str | None, layout: str = "avx2") -> str:
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.group_size <= 0:
         p.error(f"--group-size must be a positive integer, got {args.group_size}")
-    block = LAYOUTS[args.layout][0]
+    block, _, needs = LAYOUTS[args.layout]
     bad = [s for s in shapes if s[0] % block or s[1] % args.group_size]
     if bad:
         p.error(f"each shape is N,K with N a multiple of {block} and K of the group size {args.group_size}: {bad}")
@@ -152,8 +151,8 @@ def main(argv=None) -> int:
         p.error(f"--k-split must be at least 0 and below every shape's K, got {args.k_split}")
     if (cxx := shutil.which("g++")) is None:
         p.error("needs g++ (inductor's CPU compiler)")
-    if NEEDS[args.layout] not in runinfo.cpu_flags():
-        p.error(f"the {args.layout} kernel needs a CPU with {NEEDS[args.layout]}; this one has {runinfo.cpu_flags()}")
+    if needs not in runinfo.cpu_flags():
+        p.error(f"the {args.layout} kernel needs a CPU with {needs}; this one has {runinfo.cpu_flags()}")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "kernel.inc").write_text(kernel_source(args.kernel, args.layout))
         (Path(tmp) / "driver.cpp").write_text(DRIVER)

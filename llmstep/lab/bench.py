@@ -157,7 +157,7 @@ def _greedy_kw(prompt: torch.Tensor, extra: dict | None = None) -> dict:
 
 
 def _hf_generate(hf, prompt: torch.Tensor, n: int, kw: dict, outs: list) -> None:
-    if (cache := kw.get("cache", kw.get("past_key_values"))) is not None:
+    if (cache := _static_cache(kw)) is not None:
         cache.reset()  # the same tensors, zeroed: a new request for the compiled step and its CUDA graph
     outs.append(hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw))
 
@@ -182,11 +182,19 @@ def static_compiled_generate_kw(hf, max_len: int) -> dict:
     return {_cache_keyword(hf): StaticCache(config=hf.config, max_cache_len=max_len), "compile_config": compile_config}
 
 
+# the names generate() takes a cache by: `cache` since transformers renamed it (5.2x, `past_key_values`
+# deprecated), `past_key_values` before (5.17 on the 2026-12-04 H200 rejected `cache`)
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
 def _cache_keyword(hf) -> str:
-    """The name generate() takes a cache by: `cache` since transformers renamed it (5.2x, `past_key_values`
-    deprecated), `past_key_values` before (5.17 on the 2026-12-04 H200 rejected `cache`). Read from the model's
-    forward, which names it the same way."""
-    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    """Which of CACHE_KEYWORDS this transformers takes, read from the model's forward, which names it the same way."""
+    return next((k for k in CACHE_KEYWORDS if k in inspect.signature(hf.forward).parameters), CACHE_KEYWORDS[-1])
+
+
+def _static_cache(kw: dict):
+    """The cache among generate()'s arguments `kw` (static_compiled_generate_kw's), or None: the eager peer's."""
+    return next((kw[k] for k in CACHE_KEYWORDS if k in kw), None)
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -396,7 +404,7 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
             "name": peer["name"], "implementation": "transformers", "quantization": "none",
             "compiled": peer["key"] == "static_compiled", "compile_seconds": peer["compile_seconds"],
             "compile_mode": peer["compile_mode"],
-            "kv_cache": "static" if {"cache", "past_key_values"} & set(peer["generate_kw"]) else "dynamic",
+            "kv_cache": "dynamic" if _static_cache(peer["generate_kw"]) is None else "static",
             "prefill_tokens_per_s": max(p for p, _, _ in runs_), "decode_tokens_per_s": decode,
             "decode_tokens_per_s_all": [d for _, d, _ in runs_], "weight_bytes_per_step": wbytes,
             "kv_bytes_per_step": kvbytes, "bytes_per_step": wbytes + kvbytes, "achieved_gb_per_s": gbs,
