@@ -179,21 +179,15 @@ def static_compiled_generate_kw(hf, max_len: int) -> dict:
     compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
     if not cuda:
         compile_config._compile_all_devices = True
-    return {_cache_keyword(hf): StaticCache(config=hf.config, max_cache_len=max_len), "compile_config": compile_config}
+    key = next((k for k in CACHE_KEYWORDS if k in inspect.signature(hf.forward).parameters), CACHE_KEYWORDS[-1])
+    return {key: StaticCache(config=hf.config, max_cache_len=max_len), "compile_config": compile_config}
 
 
-# the names generate() takes a cache by: `cache` since transformers renamed it (5.2x, `past_key_values`
-# deprecated), `past_key_values` before (5.17 on the 2026-12-04 H200 rejected `cache`)
+# generate()'s (and forward's) names for a cache: `cache` since transformers 5.2x, `past_key_values` before (5.17)
 CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
-def _cache_keyword(hf) -> str:
-    """Which of CACHE_KEYWORDS this transformers takes, read from the model's forward, which names it the same way."""
-    return next((k for k in CACHE_KEYWORDS if k in inspect.signature(hf.forward).parameters), CACHE_KEYWORDS[-1])
-
-
-def _static_cache(kw: dict):
-    """The cache among generate()'s arguments `kw` (static_compiled_generate_kw's), or None: the eager peer's."""
+def _static_cache(kw: dict):  # the cache among generate()'s arguments `kw`, or None (the eager peer's)
     return next((kw[k] for k in CACHE_KEYWORDS if k in kw), None)
 
 
