@@ -38,6 +38,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
 kernels/      hand-written kernels the compiled step may run, each the same function as what it replaces
     cpu_gemm.py    micro-kernels for inductor's CPU matmul templates: bf16 dot product (AVX-512 BF16), int4 (AVX2)
     cpu_int4.py    the int4 micro-kernels' C++: AVX2, and AVX-512 BF16 for one-row matmuls
+    cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once
     engine.py      what the engines that own a cache share: one run at a time, cache sizing, warm-up

@@ -6,12 +6,15 @@
     python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without kernels/cpu_gemm's (bf16 dot, AVX2 int4 and int8)
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
+    python scripts/ab_cpu.py int4^int8 int4^int8%sdpa int4^int8%plain   # a one-sequence step's attention
 
-Each argument is a variant: DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot][|KEY=VALUE;KEY=VALUE], DTYPE one of
+Each argument is a variant: DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot][%ATTENTION][|KEY=VALUE;KEY=VALUE], DTYPE one of
 float32, bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
-default float), KEY=VALUE inductor options over engines/compile.py's CPU options. All
+default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
+cpu_attention.py, the default where it builds; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
+KEY=VALUE inductor options over engines/compile.py's CPU options. All
 variants are built and compiled in one process (--model, default the shipped target model; 2 threads, a 128-token
 random prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
 them within a second or two of each other, so the paired ratio to the first variant, whose median is
@@ -25,22 +28,45 @@ import ast
 import shlex
 import statistics
 import sys
+import types
 
 import torch
 
 import llmstep
 import llmstep.engines.compile as compile_mod
+from llmstep.core import attention_backend
 from llmstep.core.files import atomic_write_json
 from llmstep.core.quantize import quantize
 from llmstep.engines.fast import FastDecoder
-from llmstep.kernels import cpu_gemm
+from llmstep.kernels import cpu_attention, cpu_gemm
 from llmstep.lab import runinfo
 
 _original = compile_mod.compile_options
 
 
+def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What a compiled CPU step of one sequence attended with before kernels/cpu_attention.py: the function as plain
+    ops, which inductor compiled with float32 copies of every slot of K and V a layer."""
+    scores = q.float() @ k.float().transpose(-2, -1) * q.shape[-1] ** -0.5  # [B, n_kv, R, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
+
+
+ATTENTION = {"kernel": cpu_attention.attend, "sdpa": None, "plain": plain_attention}
+
+
+def attention_of(spec: str):
+    """The kernel a variant's one-sequence step attends with (`ATTENTION`), registered while it compiles and runs
+    (Dynamo guards on it: a step run under another would compile again)."""
+    name = spec.partition("|")[0].partition("%")[2] or "kernel"
+    if name not in ATTENTION:
+        raise SystemExit(f"unknown attention {name!r} in {spec!r}: one of {', '.join(ATTENTION)}")
+    return ATTENTION[name] if name != "kernel" or cpu_attention.install() else None
+
+
 def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     head, _, opts = spec.partition("|")
+    head = head.partition("%")[0]  # the attention: `attention_of`
     head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
     head, _, lm_head = head.partition("^")
@@ -73,13 +99,22 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     load_before = runinfo.load_average()
-    decoders = [build(v, a.model, a.group_size) for v in a.variants]
+    attentions = [attention_of(v) for v in a.variants]
+    compile_mod.cpu_attention = types.SimpleNamespace(install=lambda: None)  # each variant registers its own
+    decoders = []
+    for v, attend in zip(a.variants, attentions, strict=True):
+        attention_backend.use_cpu_step_kernel(attend)
+        decoders.append(build(v, a.model, a.group_size))
     vocab = decoders[0].model.config.vocab_size
     ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
-    first = [d.generate(ids, 32, temperature=0, stop_ids=()).tokens for d in decoders]
+    first = []
+    for d, attend in zip(decoders, attentions, strict=True):
+        attention_backend.use_cpu_step_kernel(attend)
+        first.append(d.generate(ids, 32, temperature=0, stop_ids=()).tokens)
     rates: list[list[float]] = [[] for _ in decoders]
     for _ in range(a.rounds):
         for i, d in enumerate(decoders):
+            attention_backend.use_cpu_step_kernel(attentions[i])
             r = d.generate(ids, a.tokens, temperature=0, stop_ids=())
             rates[i].append(r.decode_steps / r.decode_seconds)
     rows = []

@@ -94,7 +94,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
     - explicit, one query head per KV head: SDPA with the mask;
     - explicit with GQA: the n_rep query heads that share a KV head stacked as n_rep * T rows of that head (they
       see the same keys), so SDPA needs neither GQA broadcast nor expanded K/V; in a static step (traced for
-      torch.compile, `Llama.forward`'s flag) of one sequence on a CPU, as plain ops (`_compiled_cpu_sdpa`);
+      torch.compile, `Llama.forward`'s flag) of one sequence on a CPU, the same call to llmstep's CPU kernel
+      where one is installed (`attention_backend.cpu_step_kernel`: it reads the cache where it lies, skipping
+      the masked slots);
     - a static decode step (one query a row, `Mask.last` set) where `attention_backend.flex_decode` says so, and the
       cache is whole FLEX_BLOCKs: FlexAttention over the filled blocks only (`flex_decode`).
     """
@@ -110,8 +112,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
     n_kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, n_kv, (H // n_kv) * T, hd)  # [B, n_kv, n_rep*T, hd]: head h = g*n_rep + r, row r*T + t
     rows = mask.visible.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
-    if static and B == 1 and q.device.type == "cpu":
-        out = _compiled_cpu_sdpa(q, k, v, rows)
+    kernel = attention_backend.cpu_step_kernel(q) if static and B == 1 else None
+    if kernel is not None:
+        out = kernel(q, k, v, rows)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=rows)  # [B, n_kv, n_rep*T, hd]
     return out.view(B, H, T, hd)
@@ -138,17 +141,6 @@ def flex_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.T
     block_mask = BlockMask.from_kv_blocks(torch.ones_like(full), partial.contiguous(), full, blocks.contiguous(),
                                           BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(1, S))
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _compiled_cpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA's function as plain ops, scores and probabilities in float32 as its CPU kernel keeps them: what a
-    static CPU step runs for one sequence (whose every query row sees at least its own key, so no row is all
-    masked). Inductor calls SDPA's CPU kernel as an opaque op whose fixed setup dominates at one query row;
-    these plain ops it fuses into its own loops, which made the compiled CPU decode step faster.
-    q [B, n_kv, R, hd], k/v [B, n_kv, S, hd], mask [B, 1, R, S] -> [B, n_kv, R, hd]."""
-    scores = q.float() @ k.float().transpose(-2, -1) * q.shape[-1] ** -0.5  # [B, n_kv, R, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
 
 class Attention(nn.Module):

@@ -20,7 +20,8 @@ cache, where the keys visible are exactly the slots filled so far) runs FlexAtte
 flex_attention) with a block mask built from the positions in the step itself, so the kernel visits only the
 128-slot blocks that hold tokens instead of reading every slot of the cache and masking most of them. "auto"
 takes it on CUDA (`flex_decode`), where the rest of the cache is memory a decode step would read for nothing;
-on a CPU the compiled step keeps its plain-op attention unless "flex" is asked for. Every other call is SDPA's.
+on a CPU the compiled step of one sequence takes llmstep's own kernel where it is installed (`cpu_step_kernel`,
+llmstep.kernels.cpu_attention), unless another choice is asked for. Every other call is SDPA's.
 
 `describe(device)` is what a record says about it: what was asked, and on CUDA which kernels PyTorch may use.
 """
@@ -28,12 +29,13 @@ on a CPU the compiled step keeps its plain-op attention unless "flex" is asked f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["BACKENDS", "attention_backend", "check_backend", "current", "kernels", "flex_decode", "describe"]
+__all__ = ["BACKENDS", "attention_backend", "check_backend", "current", "kernels", "flex_decode", "cpu_step_kernel",
+           "use_cpu_step_kernel", "describe"]
 
 # The names a caller (and the --attention flag) may give, and PyTorch's kernel for each; "auto": no restriction.
 _KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
@@ -41,6 +43,7 @@ _KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
 BACKENDS = ("auto", *_KERNELS, "flex")
 
 _chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
+_cpu_step: Callable | None = None  # llmstep.kernels.cpu_attention's `attend`, once installed (a layer above core)
 
 
 def check_backend(name: str) -> str:
@@ -71,6 +74,23 @@ def kernels() -> contextlib.AbstractContextManager:
     if _chosen in ("auto", "flex"):
         return contextlib.nullcontext()
     return sdpa_kernel([_KERNELS[_chosen]])
+
+
+def use_cpu_step_kernel(kernel: Callable | None) -> None:
+    """Register the kernel a static CPU step of one sequence attends with (None: SDPA's); `cpu_step_kernel`."""
+    global _cpu_step
+    _cpu_step = kernel
+
+
+def cpu_step_kernel(q: torch.Tensor) -> Callable | None:
+    """The kernel for the masked attention of a static step (traced for torch.compile) of one sequence with queries
+    q: llmstep's CPU kernel (llmstep.kernels.cpu_attention) where it is registered, the choice is "auto" and q is
+    float32 or bf16 on a CPU with a head_dim that is a multiple of 16; else None, SDPA's. Its arguments are
+    SDPA's with the query heads stacked per KV head: q [1, n_kv, rows, hd], k/v [1, n_kv, S, hd], mask
+    [1, 1, rows, S]."""
+    if _cpu_step is None or _chosen != "auto" or q.device.type != "cpu" or q.shape[-1] % 16:
+        return None
+    return _cpu_step if q.dtype in (torch.float32, torch.bfloat16) else None
 
 
 def flex_decode(device: torch.device) -> bool:

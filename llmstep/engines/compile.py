@@ -17,7 +17,7 @@ import torch
 
 from ..core import torch_compat
 from ..core.device import synchronize
-from ..kernels import cpu_gemm
+from ..kernels import cpu_attention, cpu_gemm
 
 __all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graphs", "compiles", "compile_step", "Step",
            "warm_up"]
@@ -35,7 +35,8 @@ def compile_options(device: torch.device, mode: str | None = None, gemm_backends
     C++ (`cpp_wrapper`); with mode None every matmul shape also tuned among `gemm_backends` (`gemm_backends(model)`;
     None: not tuned): "ATEN,CPP" times oneDNN/MKL against inductor's C++ GEMM templates, "CPP" takes the template
     alone (`max_autotune_gemm`; "max-autotune" tunes the rest too), whose bf16 kernel is `cpu_gemm`'s where the CPU
-    has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default).
+    has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default). A CPU step of one sequence attends with
+    llmstep's kernel (`cpu_attention`), installed by `compile_step`.
     Options this torch's inductor does not know are left out (`torch_compat.known_options`). The earlier switch,
     `tune_matmuls` (or a bool in gemm_backends' place), still works: True is "ATEN,CPP", False is None.
     """
@@ -132,6 +133,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         cpu_gemm.INT4.install()
         cpu_gemm.INT4_AVX512.install()
         cpu_gemm.INT8.install()
+        cpu_attention.install()  # a step of one sequence attends with it (attention_backend.cpu_step_kernel)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)
     traced = own_code(fn)  # its own code object: Dynamo's limit of compiled versions counts this step's alone

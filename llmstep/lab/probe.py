@@ -120,7 +120,7 @@ ATTENTION_KERNELS = {"flash": ("_scaled_dot_product_flash_attention", "flash_fwd
 
 def attention_kernels(names: Sequence[str]) -> dict[str, int]:
     """How many of `names` (a profile's op and kernel names) are each SDPA kernel's (ATTENTION_KERNELS); the
-    kernels that never ran are left out. A compiled CPU step's attention, plain ops, shows none."""
+    kernels that never ran are left out."""
     counts: dict[str, int] = {}
     for name in names:
         for kernel, marks in ATTENTION_KERNELS.items():

@@ -27,20 +27,15 @@ def model():
 
 @pytest.fixture
 def routes(monkeypatch):
-    """Every attention call of the model: (keys attended S, the mask's form, static, plain ops ran)."""
-    recorded, real_sdpa, real_plain = [], attention_module.sdpa, attention_module._compiled_cpu_sdpa
-
-    def plain(*args):
-        recorded[-1]["plain"] = True
-        return real_plain(*args)
+    """Every attention call of the model: (keys attended S, the mask's form, static)."""
+    recorded, real_sdpa = [], attention_module.sdpa
 
     def recording(q, k, v, mask, static=False):
         form = "explicit" if mask.visible is not None else "causal" if mask.causal else "unmasked"
-        recorded.append(dict(S=k.shape[2], mask=form, static=static, plain=False))
+        recorded.append(dict(S=k.shape[2], mask=form, static=static))
         return real_sdpa(q, k, v, mask, static)
 
     monkeypatch.setattr(attention_module, "sdpa", recording)
-    monkeypatch.setattr(attention_module, "_compiled_cpu_sdpa", plain)
     return recorded
 
 
@@ -65,12 +60,12 @@ def test_the_static_flag_picks_the_static_route_when_run_eagerly(model, routes):
     decode(model, 1, True)
     steps = routes[CONFIG.n_layers:]  # after the prefill: the decode steps, static
     assert len(steps) == 3 * CONFIG.n_layers
-    assert all(r == dict(S=16, mask="explicit", static=True, plain=True) for r in steps), steps  # every slot
+    assert all(r == dict(S=16, mask="explicit", static=True) for r in steps), steps  # every slot, masked
     del routes[:]
     decode(model, 1, False)
-    assert routes[0] == dict(S=5, mask="causal", static=False, plain=False)  # prefill from 0: is_causal
+    assert routes[0] == dict(S=5, mask="causal", static=False)  # prefill from 0: is_causal
     assert [r["S"] for r in routes[CONFIG.n_layers::CONFIG.n_layers]] == [6, 7, 8]  # the filled slots only
-    assert all(r["mask"] == "unmasked" and not r["plain"] for r in routes[CONFIG.n_layers:])
+    assert all(r["mask"] == "unmasked" and not r["static"] for r in routes[CONFIG.n_layers:])
 
 
 @torch.no_grad()
@@ -94,7 +89,7 @@ def test_an_engine_sets_the_flag_with_its_compiled_step_and_its_steps_pass_it_on
     del routes[:]
     assert decoder.generate([1, 2, 3], 4, temperature=0, stop_ids=()).tokens == eager
     steps = [r for r in routes if r["static"]]
-    assert len(steps) == 3 * CONFIG.n_layers and all(r["S"] == 16 and r["plain"] for r in steps)
+    assert len(steps) == 3 * CONFIG.n_layers and all(r["S"] == 16 and r["mask"] == "explicit" for r in steps)
     assert FastDecoder(model, max_len=16, compile=True).static  # compiled lazily: nothing compiles here
     assert BatchRunner(model, n_slots=2, max_len=16, compile=True).static
     assert FastSpeculator(model, model, k=2, max_len=16, compile=True).static

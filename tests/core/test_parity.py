@@ -184,39 +184,43 @@ def test_float64_weights_load(tmp_path, tokenizer_file):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_a_compiled_cpu_steps_attention_computes_sdpas_function(dtype, tol):
-    """A compiled CPU step of one sequence computes masked attention as plain ops (attention._compiled_cpu_sdpa)
-    instead of SDPA's kernel: the same function, query heads folded onto their KV head, keys past each query's
-    position hidden. Driven eagerly here by the static flag a compiled step sets."""
+def test_a_static_steps_attention_over_every_slot_is_attention_over_the_written_ones(dtype, tol):
+    """A static step (the compiled one: fixed shapes) attends over every cache slot with the unwritten ones masked;
+    an eager step reads the written slots only. The same function: query heads folded onto their KV head, keys
+    past each query's position hidden, whatever the hidden slots hold."""
     from llmstep.core.attention import causal_mask, sdpa
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 6, 3, 16, generator=g).to(dtype)  # 6 query heads over 2 KV heads, 3 new tokens
     k, v = (torch.randn(1, 2, 10, 16, generator=g).to(dtype) for _ in range(2))  # 10 cache slots
-    mask = causal_mask(torch.tensor([[4, 5, 6]]), torch.arange(10))  # slots 7..9 unwritten: never seen
-    kernel = sdpa(q, k, v, mask)
-    plain = sdpa(q, k, v, mask, static=True)
-    assert plain.dtype == dtype and plain.shape == kernel.shape == (1, 6, 3, 16)
-    torch.testing.assert_close(plain.float(), kernel.float(), atol=tol, rtol=tol)
-    k2 = k.clone()
-    k2[:, :, 7:] = 1e4  # what the hidden slots hold changes nothing
-    torch.testing.assert_close(sdpa(q, k2, v, mask, static=True), plain)
+    positions = torch.tensor([[4, 5, 6]])  # slots 7..9 unwritten: never seen
+    written = sdpa(q, k[:, :, :7], v[:, :, :7], causal_mask(positions, torch.arange(7)))
+    every = sdpa(q, k, v, causal_mask(positions, torch.arange(10)), static=True)
+    assert every.dtype == dtype and every.shape == written.shape == (1, 6, 3, 16)
+    torch.testing.assert_close(every.float(), written.float(), atol=tol, rtol=tol)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 7:], v2[:, :, 7:] = 1e4, -1e4  # what the hidden slots hold changes nothing
+    torch.testing.assert_close(sdpa(q, k2, v2, causal_mask(positions, torch.arange(10)), static=True), every)
 
 
 @pytest.mark.parametrize("tokens", [1, 6])  # 3 and 18 query rows a KV head: a decode step, a short chunk
-def test_over_a_bf16_cache_a_compiled_cpu_steps_attention_is_the_float32_function_of_its_inputs(tokens):
-    """Over a bf16 cache, a compiled CPU step's attention (attention._compiled_cpu_sdpa) is the float32 function of
-    the bf16 inputs (exact products, float32 sums, softmax in float32): held to a float64 computation of it, to
-    within the output's rounding to bf16."""
-    from llmstep.core import attention
+def test_over_a_bf16_cache_a_static_steps_attention_is_the_float32_function_of_its_inputs(tokens):
+    """Over a bf16 cache, the attention of a static step (SDPA's CPU kernel on the bf16 tensors as they lie) is
+    the float32 function of the bf16 inputs: held to a float64 computation of it, to within one bf16 rounding
+    of the output and one of the probabilities, which the kernel multiplies with V in bf16."""
+    from llmstep.core.attention import sdpa
 
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 3 * tokens, 64, generator=g).to(torch.bfloat16)  # [B, n_kv, rows, hd]
+    q = torch.randn(1, 6, tokens, 64, generator=g).to(torch.bfloat16)  # [B, n_heads, T, hd]: 3 a KV head
     k, v = (torch.randn(1, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(2))
-    visible = torch.rand(1, 1, 3 * tokens, 40, generator=g) < 0.7
+    visible = torch.rand(1, 1, tokens, 40, generator=g) < 0.7
     visible[..., 0] = True  # every row sees a key
-    scores = (q.double() @ k.double().transpose(-2, -1) * 64 ** -0.5).masked_fill(~visible, float("-inf"))
-    want = torch.softmax(scores, dim=-1) @ v.double()
-    got = attention._compiled_cpu_sdpa(q, k, v, visible)
+    kk, vv = (t.double().repeat_interleave(3, dim=1) for t in (k, v))  # query head h reads KV head h // 3
+    scores = (q.double() @ kk.transpose(-2, -1) * 64 ** -0.5).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [1, 6, T, 40]
+    want = probs @ vv
+    got = sdpa(q, k, v, visible, static=True)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), want.to(torch.bfloat16).double(), atol=0, rtol=2 ** -7)  # a bf16 ulp
+    u = 2 ** -8  # bf16's unit roundoff: each probability and each output within u of its exact value
+    bound = u * (probs @ vv.abs() + want.abs()) + 1e-6  # [1, 6, T, 64]: + float32's sums and exp
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import llmstep.core.attention as attention_module
+from llmstep.core import attention_backend
 from llmstep.core.attention import attention, causal_mask, sdpa
 from llmstep.core.config import LlamaConfig
 from llmstep.core.model import Llama
@@ -73,9 +73,8 @@ def test_masked_paths_fold_the_query_heads_instead_of_expanding_kv(calls, monkey
     cache = model.new_cache(2, 32)
     model(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([[0, 1, 2], [0, 1, 2]]), cache)  # batch: masked
     eager = FastDecoder(model, max_len=16, compile=False).generate([1, 2, 3], 4, **GREEDY).tokens
-    # the path a compiled step traces, as on CUDA (SDPA, not the CPU's plain ops)
-    monkeypatch.setattr(attention_module, "_compiled_cpu_sdpa",
-                        lambda q, k, v, mask: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    # the path a compiled step traces, as on CUDA (SDPA, not the CPU kernel an earlier test may have registered)
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)
     decoder = FastDecoder(model, max_len=16, compile=False)
     decoder.static = True
     traced = decoder.generate([1, 2, 3], 4, **GREEDY).tokens  # every slot, masked

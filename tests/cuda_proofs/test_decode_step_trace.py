@@ -13,9 +13,9 @@ Three things make the CPU-only trace possible, each only a detour around a CUDA 
 what is proven): the traced function clones its state and returns the new state instead of mutating its
 inputs (aot_autograd's write-back of input mutations opens a CUDA guard), inductor's joint-graph constant
 folding is off (it would evaluate constants on the CUDA device), and misc_patterns' pattern init is skipped
-(as in test_compile_trace.py). And make_fx traces on CPU tensors, where attention's static GQA step would take
-its CPU branch (`attention._compiled_cpu_sdpa`, plain ops): the trace takes the branch CUDA runs instead (SDPA
-with the stacked rows' mask), as earlier versions of this proof did not.
+(as in test_compile_trace.py). And make_fx traces on CPU tensors, where a static GQA step of one sequence calls
+llmstep's CPU attention kernel once it is installed (llmstep.kernels.cpu_attention): the trace holds it
+unregistered, so that it takes the branch CUDA runs (SDPA with the stacked rows' mask).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from llmstep.core import attention
+from llmstep.core import attention_backend
 from llmstep.core.config import LlamaConfig
 from llmstep.core.model import Llama
 from llmstep.engines.compile import compile_options
@@ -41,15 +41,6 @@ SAMPLING = (0.8, 50, 0.9)  # temperature, top-k, top-p: every sampling op in the
 
 class _Stop(Exception):
     pass
-
-
-CUDA_BRANCH_CALLS = []
-
-
-def _sdpa_with_mask(q, k, v, rows):
-    """attention.sdpa's branch for a static GQA step off the CPU (CUDA's), counted."""
-    CUDA_BRANCH_CALLS.append(q.shape)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=rows)
 
 
 def decode_step_graph(fuse: bool, sampling=SAMPLING) -> tuple[list[str], list[torch.fx.Node]]:
@@ -79,17 +70,16 @@ def decode_step_graph(fuse: bool, sampling=SAMPLING) -> tuple[list[str], list[to
         return tuple(s)
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    # make_fx traces on CPU tensors, where attention's static GQA step takes its CPU branch (`_compiled_cpu_sdpa`:
-    # plain ops); on CUDA the same call is SDPA with the stacked rows' mask: trace that branch, the one CUDA runs
-    original_cpu_sdpa, attention._compiled_cpu_sdpa = attention._compiled_cpu_sdpa, _sdpa_with_mask
-    with mode:
-        cpu = [torch.empty(t.shape, dtype=t.dtype) for t in [t for _, t in named] + state]
-        cuda = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in cpu]
-        decoder.static = True  # the model's compiled path: every slot, masked
-        try:
+    registered = attention_backend._cpu_step
+    attention_backend.use_cpu_step_kernel(None)  # CUDA's branch: SDPA (see the docstring)
+    try:
+        with mode:
+            cpu = [torch.empty(t.shape, dtype=t.dtype) for t in [t for _, t in named] + state]
+            cuda = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in cpu]
+            decoder.static = True  # the model's compiled path: every slot, masked
             gm = make_fx(step, pre_dispatch=True)(*cpu)
-        finally:
-            attention._compiled_cpu_sdpa = original_cpu_sdpa
+    finally:
+        attention_backend.use_cpu_step_kernel(registered)
     for node in gm.graph.nodes:  # the trace's own device arguments (arange, zeros) -> CUDA
         node.args = tuple(torch.device("cuda") if a == torch.device("cpu") else a for a in node.args)
         if node.kwargs.get("device") is not None:
@@ -126,9 +116,9 @@ def fused_graph():
 def test_no_one_row_matmul_falls_back_to_an_extern_kernel(fused_graph):
     ops, _ = fused_graph
     assert not {"mm.default", "addmm.default", "woq_int8", "_weight_int8pack_mm.default"} & set(ops), Counter(ops)
-    # What bmm there is, is attention's: SDPA (CUDA's branch, traced once a layer) decomposed to its math path on
-    # fake CUDA (2 per layer).
-    assert CUDA_BRANCH_CALLS and ops.count("bmm.default") == 2 * CONFIG.n_layers
+    # What bmm there is, is attention's: SDPA (traced once a layer) decomposed to its math path on fake CUDA (2 per
+    # layer).
+    assert ops.count("bmm.default") == 2 * CONFIG.n_layers
 
 
 def test_fused_projections_make_four_weight_passes_per_layer_instead_of_seven(fused_graph):

@@ -1,0 +1,133 @@
+"""llmstep's attention kernel for a compiled CPU step of one sequence (llmstep/kernels/cpu_attention.py): SDPA's
+function in float32 inside (held to a float64 computation), the masked slots never read, registered for static
+CPU steps of one sequence under the "auto" choice only, and a compiled step with it makes the eager tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.core import attention_backend
+from llmstep.core.attention import causal_mask, sdpa
+from llmstep.core.config import LlamaConfig
+from llmstep.engines.fast import FastDecoder
+from llmstep.kernels import cpu_attention
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_attention.install():
+        pytest.skip(f"the kernel did not build here: {cpu_attention.why()}")
+    return cpu_attention.attend
+
+
+def exact(q, k, v, visible):
+    """The function in float64: q [B, H, R, D], k/v [B, H, S, D], visible [B, 1, R, S] -> out, probabilities."""
+    scores = (q.double() @ k.double().transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return probs @ v.double(), probs
+
+
+def inputs(B, H, R, S, D, dtype, seed=0, density=0.6):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).to(dtype) for n in (R, S, S))
+    visible = torch.rand(B, 1, R, S, generator=g) < density
+    visible[..., torch.randint(0, S, (1,), generator=g)] = True  # every row sees a key
+    return q, k, v, visible
+
+
+@pytest.mark.parametrize("B,H,R,S,D", [(1, 3, 3, 256, 64), (1, 2, 18, 40, 64), (2, 4, 1, 7, 48), (1, 1, 5, 1, 32),
+                                       (1, 8, 4, 130, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_is_masked_attention_in_float32(kernel, B, H, R, S, D, dtype):
+    q, k, v, visible = inputs(B, H, R, S, D, dtype, seed=S + R)
+    want, probs = exact(q, k, v, visible)
+    got = kernel(q, k, v, visible)
+    assert got.dtype == dtype and got.shape == (B, H, R, D)
+    # float32 inside: each output within float32's sums of its exact value, then rounded once to the output dtype
+    rounding = 2 ** -24 if dtype == torch.float32 else 2 ** -8  # the unit roundoff of the output's dtype
+    bound = rounding * want.abs() + 1e-5 * (probs @ v.double().abs()) + 1e-30
+    assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
+
+
+def test_the_masked_slots_are_never_read(kernel):
+    q, k, v, visible = inputs(1, 3, 3, 64, 64, torch.bfloat16, seed=3)
+    got = kernel(q, k, v, visible)
+    k2, v2 = k.clone(), v.clone()
+    k2[..., ~visible[0, 0].any(0), :] = float("nan")  # slots no row sees: NaN would poison any sum they entered
+    v2[..., ~visible[0, 0].any(0), :] = float("inf")
+    assert (~visible[0, 0].any(0)).any()
+    torch.testing.assert_close(kernel(q, k2, v2, visible), got, atol=0, rtol=0)
+
+
+def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):
+    """What a static step hands it: the n_rep query heads of a KV head stacked, the cache's unwritten slots masked."""
+    q = torch.randn(1, 9, 1, 64).to(torch.bfloat16)  # 9 query heads over 3 KV heads, one token
+    k, v = (torch.randn(1, 3, 256, 64).to(torch.bfloat16) for _ in range(2))
+    mask = causal_mask(torch.tensor([[140]]), torch.arange(256))  # [1, 1, 1, 256]: slots 0..140 written
+    with attention_backend.attention_backend("math"):  # SDPA: the kernel is "auto"'s alone
+        reference = sdpa(q, k, v, mask, static=True)
+    torch.testing.assert_close(sdpa(q, k, v, mask, static=True).float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_it_is_asked_for_static_cpu_steps_of_one_sequence_under_auto_only(kernel):
+    q = torch.zeros(1, 2, 3, 16)
+    assert attention_backend.cpu_step_kernel(q) is kernel
+    assert attention_backend.cpu_step_kernel(q.half()) is None  # float32 and bf16 only
+    assert attention_backend.cpu_step_kernel(torch.zeros(1, 2, 3, 24)) is None  # head_dim a multiple of 16
+    for name in ("math", "flash", "flex"):
+        with attention_backend.attention_backend(name):
+            assert attention_backend.cpu_step_kernel(q) is None
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    mask = causal_mask(torch.tensor([[5], [6]]), torch.arange(8))
+    attention_backend.use_cpu_step_kernel(counting)
+    try:
+        sdpa(q[:1], k[:1], v[:1], mask[:1], static=True)  # one sequence, static: the kernel
+        sdpa(q[:1], k[:1], v[:1], mask[:1])  # not static: SDPA
+        sdpa(q, k, v, mask, static=True)  # two sequences: SDPA
+    finally:
+        attention_backend.use_cpu_step_kernel(kernel)
+    assert calls == [(1, 2, 2, 16)]  # the 2 query heads of each KV head stacked
+
+
+def test_bad_arguments_are_named(kernel):
+    q, k, v, visible = inputs(1, 2, 3, 8, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="mask bool"):
+        kernel(q, k, v, visible.float())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        kernel(q.half(), k.half(), v.half(), visible)
+    with pytest.raises(RuntimeError, match="a multiple of 16"):
+        kernel(q[..., :8], k[..., :8], v[..., :8], visible)
+    with pytest.raises(RuntimeError, match="k and v"):
+        kernel(q, k, v[:, :, :4], visible)
+
+
+def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_state", {})
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension\nc++: not found")
+
+    monkeypatch.setattr(cpu_attention, "_build", no_compiler)
+    assert not cpu_attention.install() and not cpu_attention.installed()
+    assert cpu_attention.why() == "RuntimeError: c++: not found"
+    assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 4)) is None
+
+
+@torch.no_grad()
+def test_a_compiled_bf16_step_with_it_makes_the_eager_tokens(kernel):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=256, max_seq_len=64)
+    model = llmstep.Llama(config).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (7,)).tolist()
+    eager = FastDecoder(model, max_len=32, compile=False).generate(ids, 8, temperature=0, stop_ids=()).tokens
+    compiled = FastDecoder(model, max_len=32, compile=True)
+    assert compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens == eager
