@@ -61,7 +61,10 @@ def attention_of(spec: str):
     name = spec.partition("|")[0].partition("%")[2] or "kernel"
     if name not in ATTENTION:
         raise SystemExit(f"unknown attention {name!r} in {spec!r}: one of {', '.join(ATTENTION)}")
-    return ATTENTION[name] if name != "kernel" or cpu_attention.install() else None
+    if name == "kernel" and not cpu_attention.install():
+        raise SystemExit(f"llmstep's attention kernel did not build here ({cpu_attention.why()}): {spec!r} "
+                         f"would run SDPA's")
+    return ATTENTION[name]
 
 
 def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:

@@ -100,11 +100,14 @@ def flex_decode(device: torch.device) -> bool:
 
 
 def describe(device: str | torch.device) -> dict:
-    """What a record says about attention: the backend asked for, and on CUDA the kernels PyTorch may pick from
-    (its global switches, torch.backends.cuda.*_sdp_enabled, narrowed to the one asked for) and which are built
-    in. Which kernel did run only a profile shows (llmstep.lab.probe.attention_kernels)."""
+    """What a record says about attention: the backend asked for, what a compiled decode step of one sequence
+    attends with ("flex", "llmstep_cpu": llmstep.kernels.cpu_attention's, registered in this process, or "sdpa"),
+    and on CUDA the kernels PyTorch may pick from (its global switches, torch.backends.cuda.*_sdp_enabled, narrowed
+    to the one asked for) and which are built in. Which kernel did run only a profile shows
+    (llmstep.lab.probe.attention_kernels)."""
     device = torch.device(device)
-    out: dict = {"asked": _chosen, "decode_step": "flex" if flex_decode(device) else "sdpa"}
+    own = _cpu_step is not None and _chosen == "auto" and device.type == "cpu"
+    out: dict = {"asked": _chosen, "decode_step": "flex" if flex_decode(device) else "llmstep_cpu" if own else "sdpa"}
     if device.type == "cuda":
         enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
                    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),

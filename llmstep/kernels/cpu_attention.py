@@ -8,17 +8,18 @@ varied between compiles; SDPA's CPU kernel reads the bf16 cache where it lies, b
 SmolLM2's shapes, and rounds the probabilities to bf16 before multiplying them with V. This kernel does what a
 decode step needs and nothing more. For each query row (the n_rep query heads of a KV head stacked, as
 `attention.sdpa` stacks them; one task a row, shared among the threads by torch's `at::parallel_for`) it lists
-the visible slots, dots the row with those keys four at a time (products of bf16 inputs are exact in float32,
-sums in float32), takes the softmax in float32 (e^x by a degree-6 polynomial and a power of two, within ~2 float32
-ulps), sums the visible values with those weights in float32 and rounds once to the output's dtype. AVX-512
+the visible slots, dots the (scaled) row with those keys four at a time (float32 products and sums), takes the
+softmax in float32 (e^x by a degree-6 polynomial and a power of two, within ~4 float32 ulps), sums the visible
+values with those weights in float32 and rounds once to the output's dtype. AVX-512
 intrinsics (both CPU kinds the project measures have them); head_dim a multiple of 16. The same function as SDPA
-to within float32 rounding (tests/kernels/test_cpu_attention.py holds it to a float64 computation, float32 and
-bf16, and shows the masked slots unread).
+to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
+that sees none gives NaN; a NaN score is not propagated): tests/kernels/test_cpu_attention.py holds it to a
+float64 computation, float32 and bf16, and shows the masked values unread.
 
 One call on SmolLM2's decode shapes (9 query heads over 3 KV heads, 200 of 256 slots visible, bf16) took 15.5 us
 on one Zen 4 thread where SDPA's took 45 us. In the step (scripts/ab_cpu.py `%ATTENTION`, results/README.md claim
-2's attention row) it made SmolLM2's int4 step 1.22x SDPA's and 1.58x the plain ops', and the shipped model's
-1.14x the plain ops'.
+2's attention row, paired in one process) SmolLM2's int4 step ran 1.21x SDPA's and 1.12x the plain ops', its bf16
+step 1.10x / 1.19x, and the shipped model's 1.21-1.25x / 1.12-1.15x.
 
 `install()` builds it once per machine (torch.utils.cpp_extension with ninja and the C++ compiler inductor needs
 anyway: ~8 s the first time, cached after) and registers it with `attention_backend`, so that `sdpa` calls it for
@@ -33,6 +34,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -199,6 +201,7 @@ TORCH_LIBRARY_IMPL(llmstep_cpu, Meta, m) { m.impl("attention", &attention_meta);
 # AVX-512F and FMA named, not -march=native: a build shared between machines runs on any with AVX-512 (`install`
 # checks the one it runs on); OpenMP for at::parallel_for, whose loop is inlined from torch's headers.
 _FLAGS = ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"]
+_STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
 _state: dict[str, str | bool] = {}  # "installed": True, or "why": what stopped it (once per process)
 
 
@@ -223,7 +226,11 @@ def _build() -> None:
     if not source.exists() or source.read_text() != SOURCE:  # written whole: a reader never sees half of it
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
             f.write(SOURCE)
+        os.chmod(f.name, 0o644)
         os.replace(f.name, source)
+    lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+        lock.unlink(missing_ok=True)
     cpp_extension.load(name, [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
                        verbose=False)
 
@@ -239,11 +246,17 @@ def install() -> bool:
             _build()
             _state["installed"] = True
         except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
-            _state["why"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
     if _state.get("installed"):
         attention_backend.use_cpu_step_kernel(attend)
         return True
     return False
+
+
+def _first_error(message: str) -> str:
+    """The compiler's first error line in a failed build's output, else its last line."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return next((line for line in lines if "error:" in line), lines[-1] if lines else "")
 
 
 def installed() -> bool:

@@ -15,6 +15,7 @@ TINY_BENCH = ["bench", "--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=6
 
 
 def test_bench_records_the_backend_asked_for_and_runs_under_it(monkeypatch):
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)  # no CPU kernel registered by an earlier test
     seen = []
     real = attention_backend.kernels
     monkeypatch.setattr(attention_backend, "kernels", lambda: seen.append(attention_backend.current()) or real())

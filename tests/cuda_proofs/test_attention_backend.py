@@ -83,11 +83,17 @@ def test_the_profile_shows_which_kernel_ran(model):
         {"flash": 1, "efficient": 1, "cudnn": 1}
 
 
-def test_records_say_which_backend_was_asked_for(model):
+def test_records_say_which_backend_was_asked_for(model, monkeypatch):
+    monkeypatch.setattr(ab, "_cpu_step", None)  # no CPU kernel registered (an earlier test may have compiled a step)
     assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "auto", "decode_step": "sdpa"}
     with attention_backend("math"):
         assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "math", "decode_step": "sdpa"}
         assert trace_step(model, context=4, repeats=1).attention == {"asked": "math", "decode_step": "sdpa"}
+    monkeypatch.setattr(ab, "_cpu_step", lambda *args: None)  # one registered: "auto"'s compiled CPU step takes it
+    assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "auto",
+                                                                             "decode_step": "llmstep_cpu"}
+    with attention_backend("math"):
+        assert runinfo.header("cpu", torch.float32, None, None)["attention"]["decode_step"] == "sdpa"
 
 
 def test_on_cuda_the_record_lists_the_kernels_pytorch_may_pick(monkeypatch):

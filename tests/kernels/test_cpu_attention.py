@@ -63,8 +63,9 @@ def test_the_masked_slots_are_never_read(kernel):
 
 def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):
     """What a static step hands it: the n_rep query heads of a KV head stacked, the cache's unwritten slots masked."""
-    q = torch.randn(1, 9, 1, 64).to(torch.bfloat16)  # 9 query heads over 3 KV heads, one token
-    k, v = (torch.randn(1, 3, 256, 64).to(torch.bfloat16) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 9, 1, 64, generator=g).to(torch.bfloat16)  # 9 query heads over 3 KV heads, one token
+    k, v = (torch.randn(1, 3, 256, 64, generator=g).to(torch.bfloat16) for _ in range(2))
     mask = causal_mask(torch.tensor([[140]]), torch.arange(256))  # [1, 1, 1, 256]: slots 0..140 written
     with attention_backend.attention_backend("math"):  # SDPA: the kernel is "auto"'s alone
         reference = sdpa(q, k, v, mask, static=True)
@@ -112,14 +113,25 @@ def test_bad_arguments_are_named(kernel):
 def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_state", {})
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
 
-    def no_compiler():
-        raise RuntimeError("Error building extension\nc++: not found")
+    def broken():
+        raise RuntimeError("Error building extension 'x':\n[1/2] c++ -c a.cpp\na.cpp:3:1: error: 'x' was not "
+                           "declared\nninja: build stopped: subcommand failed.")
 
-    monkeypatch.setattr(cpu_attention, "_build", no_compiler)
+    monkeypatch.setattr(cpu_attention, "_build", broken)
     assert not cpu_attention.install() and not cpu_attention.installed()
-    assert cpu_attention.why() == "RuntimeError: c++: not found"
-    assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 4)) is None
+    assert cpu_attention.why() == "RuntimeError: a.cpp:3:1: error: 'x' was not declared"  # the compiler's own line
+    assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 16)) is None
+
+
+def test_a_cpu_without_avx512_is_not_asked_to_build_it(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "_state", {})
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_attention, "_build", lambda: pytest.fail("built on a CPU without AVX-512"))
+    assert not cpu_attention.install()
+    assert cpu_attention.why() == "RuntimeError: it is written for AVX-512; this CPU's vector instructions: AVX2"
 
 
 @torch.no_grad()
@@ -130,4 +142,9 @@ def test_a_compiled_bf16_step_with_it_makes_the_eager_tokens(kernel):
     ids = torch.randint(0, 256, (7,)).tolist()
     eager = FastDecoder(model, max_len=32, compile=False).generate(ids, 8, temperature=0, stop_ids=()).tokens
     compiled = FastDecoder(model, max_len=32, compile=True)
-    assert compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens == eager
+    compiled.warmup()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tokens = compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens
+    assert tokens == eager
+    ran = [e for e in prof.events() if e.name == "llmstep_cpu::attention"]
+    assert len(ran) >= config.n_layers * 7, len(ran)  # the op itself, a layer a decode step, from the compiled code
