@@ -22,10 +22,10 @@ on one Zen 4 thread where SDPA's took 45 us. In the step (scripts/ab_cpu.py `%AT
 step 1.10x / 1.19x, and the shipped model's 1.21-1.25x / 1.12-1.15x.
 
 `install()` builds it once per machine (torch.utils.cpp_extension with ninja and the C++ compiler inductor needs
-anyway: ~8 s the first time, cached after) and registers it with `attention_backend`, so that `sdpa` calls it for
-a static CPU step of one sequence in float32 or bf16 under the "auto" choice; compile.compile_step installs it for
-every CPU step. On a CPU without AVX-512, or where the build fails, it registers nothing and says why (`why()`):
-SDPA's kernel runs.
+anyway: ~8 s the first time, kept in $LLMSTEP_HOME/kernels) and registers it with `attention_backend`, so that
+`sdpa` calls it for a static CPU step of one sequence in float32 or bf16 under the "auto" choice;
+compile.compile_step installs it for every CPU step. On a CPU without AVX-512, or where the build fails, it
+registers nothing and says why (`why()`): SDPA's kernel runs.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ import os
 import shutil
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from ..core import attention_backend
+from ..core import attention_backend, registry
 
 __all__ = ["SOURCE", "install", "installed", "why", "attend"]
 
@@ -221,7 +220,8 @@ def _build() -> None:
 
     digest = hashlib.sha256((SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
     name = f"llmstep_cpu_attention_{digest}"
-    folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+    folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
+    folder.mkdir(parents=True, exist_ok=True)
     source = folder / "cpu_attention.cpp"
     if not source.exists() or source.read_text() != SOURCE:  # written whole: a reader never sees half of it
         with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
@@ -231,8 +231,8 @@ def _build() -> None:
     lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits forever
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
         lock.unlink(missing_ok=True)
-    cpp_extension.load(name, [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
-                       verbose=False)
+    cpp_extension.load(name, [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                       build_directory=str(folder), is_python_module=False, verbose=False)
 
 
 def install() -> bool:
