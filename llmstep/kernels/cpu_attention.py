@@ -33,12 +33,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 
 import torch
 
 from ..core import attention_backend, registry
+from ..core.files import atomic_write_text
 
 __all__ = ["SOURCE", "install", "installed", "why", "attend"]
 
@@ -221,13 +221,9 @@ def _build() -> None:
     digest = hashlib.sha256((SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
     name = f"llmstep_cpu_attention_{digest}"
     folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
-    folder.mkdir(parents=True, exist_ok=True)
     source = folder / "cpu_attention.cpp"
-    if not source.exists() or source.read_text() != SOURCE:  # written whole: a reader never sees half of it
-        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-            f.write(SOURCE)
-        os.chmod(f.name, 0o644)
-        os.replace(f.name, source)
+    if not source.exists() or source.read_text() != SOURCE:
+        atomic_write_text(source, SOURCE)  # a reader (another process building) never sees half of it
     lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits forever
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
         lock.unlink(missing_ok=True)
