@@ -7,14 +7,16 @@
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
     python scripts/ab_cpu.py int4^int8 int4^int8%sdpa int4^int8%plain   # a one-sequence step's attention
+    python scripts/ab_cpu.py --model smollm2-135m-instruct bfloat16 "bfloat16&nostream"  # weights through the caches
 
-Each argument is a variant: DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot][%ATTENTION][|KEY=VALUE;KEY=VALUE], DTYPE one of
-float32, bfloat16, int8, int4
+Each argument is a variant: DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot][%ATTENTION][&STREAM][|KEY=VALUE;KEY=VALUE],
+DTYPE one of float32, bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
 default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
 cpu_attention.py, the default where it builds; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
-KEY=VALUE inductor options over engines/compile.py's CPU options. All
+STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
+`streaming`: stream, nostream; default its rule), KEY=VALUE inductor options over engines/compile.py's CPU options. All
 variants are built and compiled in one process (--model, default the shipped target model; 2 threads, a 128-token
 random prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
 them within a second or two of each other, so the paired ratio to the first variant, whose median is
@@ -58,7 +60,7 @@ ATTENTION = {"kernel": cpu_attention.attend, "sdpa": None, "plain": plain_attent
 def attention_of(spec: str):
     """The kernel a variant's one-sequence step attends with (`ATTENTION`), registered while it compiles and runs
     (Dynamo guards on it: a step run under another would compile again)."""
-    name = spec.partition("|")[0].partition("%")[2] or "kernel"
+    name = spec.partition("|")[0].partition("&")[0].partition("%")[2] or "kernel"
     if name not in ATTENTION:
         raise SystemExit(f"unknown attention {name!r} in {spec!r}: one of {', '.join(ATTENTION)}")
     if name == "kernel" and not cpu_attention.install():
@@ -67,8 +69,14 @@ def attention_of(spec: str):
     return ATTENTION[name]
 
 
+STREAM = {"": None, "stream": True, "nostream": False}
+
+
 def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     head, _, opts = spec.partition("|")
+    head, _, stream = head.partition("&")
+    if stream not in STREAM:
+        raise SystemExit(f"unknown streaming {stream!r} in {spec!r}: stream or nostream")
     head = head.partition("%")[0]  # the attention: `attention_of`
     head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
@@ -84,7 +92,7 @@ def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    with cpu_gemm.withheld(bool(nodot)):
+    with cpu_gemm.withheld(bool(nodot)), cpu_gemm.streaming(STREAM[stream]):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder

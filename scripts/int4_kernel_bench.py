@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jinja2
+
 from llmstep.core.files import atomic_write_json
 from llmstep.kernels import cpu_gemm, cpu_int4
 from llmstep.lab import runinfo
@@ -103,16 +105,16 @@ FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-
 LAYOUTS = {"avx2": (32, cpu_int4.AVX2, "avx2"), "avx512": (64, cpu_int4.AVX512, "avx512_bf16")}
 
 
-def kernel_source(path: str | None, layout: str = "avx2") -> str:
-    """The kernel's C++ with inductor's template names filled in as its bf16-activation, float-output choice."""
+def kernel_source(path: str | None, layout: str = "avx2", stream: bool = False) -> str:
+    """The kernel's C++ rendered as inductor renders its Jinja template for a bf16-activation, float-output choice;
+    stream: whether it streams its codes past the caches (cpu_gemm.streams_weights' choice)."""
     text = Path(path).read_text() if path else LAYOUTS[layout][1]
-    for name, value in {"{{kernel_name}}": "kern", "{{input_t}}": "at::BFloat16", "{{output_t}}": "float",
-                        "{{restrict_keyword}}": "__restrict__"}.items():
-        text = text.replace(name, value)
-    if "{{" in text:
-        rest = text[text.index("{{"):][:40]
-        raise SystemExit(f"the kernel text has a template name the driver does not fill: {rest}")
-    return text
+    names = {"kernel_name": "kern", "input_t": "at::BFloat16", "output_t": "float", "restrict_keyword": "__restrict__",
+             "stream_weights": stream, "stream_ahead": cpu_gemm.STREAM_AHEAD}
+    try:
+        return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(text).render(names)
+    except jinja2.TemplateError as e:
+        raise SystemExit(f"the kernel text does not render with the names the driver fills ({e})") from None
 
 
 def shape(text: str) -> tuple[int, int]:

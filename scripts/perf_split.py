@@ -35,6 +35,7 @@ from llmstep.cli.args import quantization
 from llmstep.core.cost import model_step_cost
 from llmstep.core.quantize import quantize
 from llmstep.engines.fast import FastDecoder
+from llmstep.kernels import cpu_gemm
 from llmstep.lab import runinfo
 from llmstep.lab.hardware import measure_bandwidth
 
@@ -115,6 +116,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--by-symbol", action="store_true", help="count samples by function, not by kind")
     p.add_argument("--frequency", type=int, default=1999, help="samples per second per thread")
+    p.add_argument("--stream", choices=["rule", "on", "off"], default="rule",
+                   help="whether the one-row matmuls stream the weights past the caches (kernels/cpu_gemm.py's "
+                        "streams_weights; default: its rule)")
     a = p.parse_args()
     if shutil.which("perf") is None:
         sys.exit("perf_split.py needs Linux perf (apt-get install linux-perf)")
@@ -125,7 +129,8 @@ def main() -> None:
         model = quantize(model, a.quantize)
     decoder = FastDecoder(model, compile=True)
     prompt = [random.Random(0).randrange(100, 1000) for _ in range(128)]
-    decoder.generate(prompt, max_new_tokens=128, temperature=0.0)  # compiles; the cache holds 256 tokens
+    with cpu_gemm.streaming({"rule": None, "on": True, "off": False}[a.stream]):
+        decoder.generate(prompt, max_new_tokens=128, temperature=0.0)  # compiles; the cache holds 256 tokens
     advance = decoder._advance_step((0.0, 0, 1.0)).unguarded()  # the greedy step, as the decode loop calls it
 
     def decode() -> float:  # the 127 steps after the prompt (prefill not sampled) -> tokens/s
@@ -150,7 +155,8 @@ def main() -> None:
     rate = rates[len(rates) // 2]
     weight_bytes = float(model_step_cost(model, context=len(prompt)).weight_bytes)
     copy = measure_bandwidth("cpu", nbytes=2**30, kind="copy")
-    what = f"{a.model} {a.dtype}" + (f" {a.quantize}" if a.quantize != "none" else "")
+    what = (f"{a.model} {a.dtype}" + (f" {a.quantize}" if a.quantize != "none" else "")
+            + (f", streaming {a.stream}" if a.stream != "rule" else ""))
     print(f"{what}, {a.threads} threads, compiled: decode {rate:.1f} tok/s, {1e3 / rate:.1f} ms a step "
           f"(median of {len(rates)} runs of 127 steps after a 128-token prompt, sampled by perf at {a.frequency} Hz); "
           f"{weight_bytes / 1e6:.0f} MB of weights a step, {weight_bytes * rate / 1e9:.1f} GB/s against a copy "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype"]
+__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype", "last_level_cache"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -74,3 +77,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache(root: str | os.PathLike = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """Bytes of the largest data or unified cache Linux lists for CPU 0 under `root` (sysfs: the last-level cache,
+    a server's L3, shared by its cores); None where none is listed (another OS, a container without sysfs)."""
+    sizes = []
+    for d in Path(root).glob("index*"):
+        try:
+            size, kind = (d / "size").read_text().strip(), (d / "type").read_text().strip()
+        except OSError:
+            continue
+        number, unit = (size[:-1], size[-1]) if size[-1:] in _UNITS else (size, "")
+        if kind != "Instruction" and number.isdigit():
+            sizes.append(int(number) * _UNITS.get(unit, 1))
+    return max(sizes, default=None)

@@ -45,7 +45,7 @@ import torch
 __all__ = ["FLOOR", "CEILING", "Feature", "FEATURES", "features", "missing", "in_tested_range", "int8_mm",
            "int4_pack_cpu", "int4_pack_cuda", "int4_mm", "mode_options", "known_options", "holding_freezing",
            "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm",
-           "register_int4_micro_gemm", "micro_gemm_withheld",
+           "register_int4_micro_gemm", "micro_gemm_withheld", "compiling_constant_bytes",
            "kernel_profile"]
 
 FLOOR = (2, 13)  # pyproject.toml's `torch>=2.13`: the torch CI installs (.ci/run) and the tests run on
@@ -337,8 +337,31 @@ def cpu_vector_isa() -> str:
     return str(isa) or "none"
 
 
+def compiling_constant_bytes() -> int | None:
+    """Bytes of the constants of the graph inductor is generating code for (a frozen step's weights, packed as its
+    kernels read them); None outside code generation, or where this inductor's graph keeps no `constants`."""
+    from torch._inductor.virtualized import V
+
+    constants = getattr(V.graph, "constants", None)  # outside a graph, V.graph is a handler without them
+    if not isinstance(constants, dict):
+        return None
+    return sum(t.nbytes for t in constants.values() if isinstance(t, torch.Tensor))
+
+
+def _with_options(base: type, options: Callable[[], dict] | None) -> dict:
+    """Class attributes that add `options()` to the variables a micro-kernel's Jinja template is rendered with
+    (read at each rendering, inside the graph's code generation)."""
+    if options is None:
+        return {}
+
+    def get_common_options(self):
+        return {**base.get_common_options(self), **options()}
+
+    return {"get_common_options": get_common_options}
+
+
 def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable,
-                        rank: str = "avx512_bf16") -> type:
+                        rank: str = "avx512_bf16", options: Callable[[], dict] | None = None) -> type:
     """Register a bf16 x bf16 -> float32 micro-kernel for AVX-512 BF16 with inductor's C++ GEMM template.
 
     source: the kernel as a Jinja template of inductor's (`declare_kernel`, `kernel_name` and the template's
@@ -346,7 +369,8 @@ def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, 
     num_threads, **kwargs): whether a matmul may use it. Its weights come packed in pairs along k (VNNI2).
     rank: the ISA it is filed under, "avx512_bf16" or "amx": inductor ranks the kernels that fit a matmul by ISA
     first (AMX above AVX-512), so one filed under "amx" competes with inductor's AMX kernels (on the matmuls
-    `fits` admits) and one under "avx512_bf16" runs only where no AMX kernel fits.
+    `fits` admits) and one under "avx512_bf16" runs only where no AMX kernel fits. options: more variables for the
+    template, read at each rendering (`_with_options`).
     Returns the registered class (`micro_gemm_withheld` takes it)."""
     found = _micro_gemm_modules()
     if isinstance(found, str):
@@ -360,7 +384,8 @@ def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, 
     def get_b_layout(self):
         return mg.LayoutType.VNNI2
 
-    cls = type(name, (mg.CppMicroGemm,), {"codegen_define": codegen_define, "get_b_layout": get_b_layout})
+    cls = type(name, (mg.CppMicroGemm,), {"codegen_define": codegen_define, "get_b_layout": get_b_layout,
+                                          **_with_options(mg.CppMicroGemm, options)})
     ranks = {"avx512_bf16": vec.VecAVX512VNNI, "amx": vec.VecAMX}
     if rank not in ranks:
         raise ValueError(f"rank must be one of {sorted(ranks)}, not {rank!r}")
@@ -371,7 +396,7 @@ def register_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, 
 
 
 def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, int, int]], fits: Callable,
-                             isa: str = "avx2") -> type:
+                             isa: str = "avx2", options: Callable[[], dict] | None = None) -> type:
     """Register an int4 micro-kernel for AVX2 (or, isa "avx512", AVX-512) with inductor's weight-only int4 GEMM
     template (the template that can replace `_weight_int4pack_mm_for_cpu` in a step whose matmuls are tuned), for
     bf16 activations (the class it builds on declares bf16 scales and zeros, as a bf16 model's int4 layers hold them).
@@ -379,7 +404,8 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
     source: the Jinja template of the kernel that inductor's AVX-512 int4 micro-kernel calls per block of columns
     (its `TEMPLATE_KERNEL`: `{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum>(A, B, C, K, lda, ldb, ldc, group
     size, scales and zeros, their row stride, k_start)`); that class's entry and arguments are kept. The weights come
-    as torch's CPU int4 kernel packed them. Returns the registered class (`micro_gemm_withheld` takes it)."""
+    as torch's CPU int4 kernel packed them; options: more variables for the template, read at each rendering
+    (`_with_options`). Returns the registered class (`micro_gemm_withheld` takes it)."""
     found = _micro_gemm_modules()
     if isinstance(found, str):
         raise RuntimeError(f"cannot register {name}: {found}")
@@ -388,7 +414,7 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
         raise ValueError(f"isa must be 'avx2' or 'avx512', not {isa!r}")
     # AttributeError where this inductor has neither
     base, isa_cls = mg.CppMicroGemmWoQInt4Avx512, vec.VecAVX2 if isa == "avx2" else vec.VecAVX512
-    cls = type(name, (base,), {"TEMPLATE_KERNEL": source})
+    cls = type(name, (base,), {"TEMPLATE_KERNEL": source, **_with_options(base, options)})
     mg.register_micro_gemm(*mg.generate_gemm_config(isa_cls, blockings, input_dtype=torch.bfloat16,
                                                     input2_dtype=torch.uint8, output_dtype=torch.float,
                                                     compute_dtype=torch.float, extra_check=fits))(cls)

@@ -16,6 +16,16 @@ inductor gives each thread whole blocks, so SmolLM2's 576-wide matmuls at 64 col
 waiting for a ninth block (results/README.md, the balanced-width A/B on SmolLM2's bf16 step: 1.03x over 7 paired
 rounds, inside a shared VM's noise).
 
+A step whose weights outgrow the last-level cache (SmolLM2's 270 MB against a Zen 4 EPYC's 32 MiB L3) reads each
+weight once and has evicted it before the next step comes back. There the kernel of a one-row matmul prefetches
+the weights `STREAM_AHEAD` bytes ahead with the non-temporal hint (`_MM_HINT_NTA`: read once, kept out of the outer
+caches where the CPU honours it; `streams_weights`, decided per compiled graph from its constants; scripts/
+ab_cpu.py's `&nostream` is the A/B): on SmolLM2's bf16 step, 1.17x over 9 paired rounds (results/README.md, claim
+2); in its profile both the matmuls' time a step and the host code's between them fell. Where the weights fit,
+the next step finds them in the L3, and streaming them past it lost (0.90-0.93x on the shipped model): the rule
+keeps them cached there.
+Streaming only hints; the arithmetic is unchanged, the same bits (tests/kernels/test_cpu_gemm.py).
+
 `BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
 AVX-512 BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to
 `AMX_ROWS` rows (results/README.md, claim 12, measures both). Inductor's registry is internal to torch
@@ -38,6 +48,8 @@ codes of two k-rows into bf16 pairs with a table lookup (the codes 0..15 are exa
 with the activations' pairs by `vdpbf16ps`, applying each group's scale and zero once per group as the AVX2 kernel
 does: one dot-product instruction per two weights and sixteen columns, the same function to within float32 sums
 (tests/kernels/test_cpu_int4.py holds it to a float64 matmul; `vdpbf16ps` treats subnormal activations as zero).
+It streams its codes past the caches by the same rule as the bf16 kernel (SmolLM2's int4 step: 1.02x, inside the
+noise: its LM head, a third of its bytes, is inductor's int8 kernel's, which does not stream).
 
 The third, `INT8`, is no kernel of llmstep's: inductor's own float32-vector micro-kernel registered once more for
 a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the matmul). Inductor files it at
@@ -57,10 +69,11 @@ from dataclasses import dataclass
 import torch
 
 from ..core import torch_compat
+from ..core.device import last_level_cache
 from . import cpu_int4
 
-__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "withheld", "KERNEL_NAME", "INT4_KERNEL_NAME",
-           "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME"]
+__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "withheld", "streams_weights", "streaming", "KERNEL_NAME",
+           "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 INT4_KERNEL_NAME = "llmstep_int4_avx2"
@@ -75,13 +88,18 @@ WIDTHS = (64, 32)  # the bf16 dot kernel's block widths: 4 or 2 vectors of 16 co
 INT4_AVX512_BLOCKINGS = [(1, 64, 32)]
 INT4_AVX512_GROUPS = (32, 64, 128)
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
+# A one-row matmul of a step whose weights outgrow the last-level cache prefetches them this many bytes ahead of its
+# loads, non-temporally (`streams_weights`), on the vector ISAs where that was measured to win
+STREAM_AHEAD = 4096
+STREAM_ISAS = ("avx512_bf16",)
+STREAM: bool | None = None  # `streaming`: None decides by `streams_weights`' rule, True / False always / never
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
 # (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
 # each, which `vdpbf16ps` multiplies by the broadcast pair (A[m, k], A[m, k + 1]) and adds to that lane.
 _ENTRY = r"""
 // llmstep_bf16_dot: llmstep/kernels/cpu_gemm.py
-template <int64_t ROWS>
+template <int64_t ROWS, bool STREAM = false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 static void {{kernel_name}}_rows(
     const at::BFloat16* A, const at::BFloat16* B, float* C,
@@ -112,6 +130,10 @@ static void {{kernel_name}}_rows(
                 const __m512bh a1 = (__m512bh)_mm512_set1_epi32(p1);
                 const at::BFloat16* b0 = b + k * ldb;  // (k / 2) * 2 * ldb, k even
                 const at::BFloat16* b1 = b0 + 2 * ldb;
+                if constexpr (STREAM) {  // the 8 * ldb bytes read STREAM_AHEAD on, past the caches (streams_weights)
+                    const char* ahead = reinterpret_cast<const char*>(b0) + {{stream_ahead}};
+                    for (int64_t line = 0; line < 8 * ldb; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+                }
                 for (int j = 0; j < 4; ++j) {
                     if (!mask[j]) break;
                     const __m512i w0 = _mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
@@ -153,6 +175,12 @@ static void {{kernel_name}}_block(
     const at::BFloat16* A, const at::BFloat16* B, float* C,
     int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
 ) {
+{%- if stream_weights %}
+    if (M == 1) {  // a decode step's matmul: each weight read once a step, its bytes more than the caches hold
+        {{kernel_name}}_rows<1, true>(A, B, C, N, K, lda, ldb, ldc, accum);
+        return;
+    }
+{%- endif %}
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) {
         {{kernel_name}}_rows<4>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
@@ -218,6 +246,54 @@ class _NotHere(Exception):
     """A kernel that does not fit this CPU or this torch; the message says why."""
 
 
+def streams_weights(weight_bytes: int | None, cache_bytes: int | None, isa: str) -> bool:
+    """Whether a step's one-row matmuls stream its weights past the caches (`_MM_HINT_NTA` prefetches
+    `STREAM_AHEAD` bytes ahead): where the step's weights (`weight_bytes`, its frozen constants) are more than the
+    last-level cache holds (`cache_bytes`), on a vector ISA of `STREAM_ISAS`; `STREAM` overrides it.
+
+    Such a step reads every weight once and has evicted it before the next step comes back to it: kept in the
+    caches, the weights push out what the step reads again (activations, the KV cache, the C++ wrapper's tensor
+    handles) to no gain; streamed, the matmuls themselves ran faster too (results/README.md, claim 2). Where they
+    fit in the cache, the next step finds them there, and streaming them past it loses that."""
+    if STREAM is not None:
+        return STREAM
+    return (isa in STREAM_ISAS and weight_bytes is not None and cache_bytes is not None
+            and weight_bytes > cache_bytes)
+
+
+def _stream_options() -> dict:
+    """The streaming variables of a kernel's template, for the graph inductor is generating code for."""
+    stream = streams_weights(torch_compat.compiling_constant_bytes(), last_level_cache(),
+                             torch_compat.cpu_vector_isa())
+    return {"stream_weights": stream, "stream_ahead": STREAM_AHEAD}
+
+
+@contextlib.contextmanager
+def streaming(on: bool | None):
+    """Steps compiled inside stream their weights (`on` True), never do (False) or follow `streams_weights`' rule
+    (None): an A/B of it (scripts/ab_cpu.py's `&stream` / `&nostream`). Named in the compile cache keys."""
+    global STREAM
+    before, STREAM = STREAM, on
+    try:
+        _retag()
+        yield
+    finally:
+        STREAM = before
+        _retag()
+
+
+def _retag() -> None:
+    for kernel in (BF16, INT4_AVX512):
+        if kernel.installed:
+            _tag(kernel.name, kernel.tag(), True)
+
+
+def _streamed() -> str:
+    """What selects the streaming code, for the cache tags: a step compiled here under one rule is not served to
+    another (another cache size, `STREAM` set)."""
+    return f"{STREAM_AHEAD}{STREAM_ISAS}{STREAM}{last_level_cache()}"
+
+
 def _register_bf16():
     isa = torch_compat.cpu_vector_isa()
     if isa not in ("amx", "avx512_bf16"):
@@ -230,7 +306,7 @@ def _register_bf16():
 
     # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
     blockings = [(rows, width, 32) for width in WIDTHS for rows in (4, 1)]
-    return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, blockings, fits, rank=isa)
+    return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, blockings, fits, rank=isa, options=_stream_options)
 
 
 def balanced_width(n: int, threads: int) -> int:
@@ -266,7 +342,7 @@ def _register_int4_avx512():
                 and q_group_size in INT4_AVX512_GROUPS and k % q_group_size == 0)
 
     return torch_compat.register_int4_micro_gemm("Int4AVX512", cpu_int4.AVX512, INT4_AVX512_BLOCKINGS, fits,
-                                                 isa="avx512")
+                                                 isa="avx512", options=_stream_options)
 
 
 def _register_int8():
@@ -281,10 +357,10 @@ def _register_int8():
 
 
 # compile.compile_step installs them all
-BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}")
+BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}{_streamed()}")
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: cpu_int4.AVX2)
 INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512,
-                      lambda: f"{cpu_int4.AVX512}{INT4_AVX512_BLOCKINGS}{INT4_AVX512_GROUPS}")
+                      lambda: f"{cpu_int4.AVX512}{INT4_AVX512_BLOCKINGS}{INT4_AVX512_GROUPS}{_streamed()}")
 INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
 
 

@@ -182,6 +182,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
     int64_t k = k0;
     if constexpr (ROWS == 1) {
       for (; k + 4 <= k1; k += 4) {
+{%- if stream_weights %}
+        // the 4 * ldb bytes of codes read stream_ahead on, past the caches (kernels/cpu_gemm.py's streams_weights)
+        for (int64_t line = 0; line < 4 * ldb; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(B + k * ldb) + {{stream_ahead}} + line, _MM_HINT_NTA);
+        }
+{%- endif %}
         {{kernel_name}}_pair<ROWS>(A, lda, k, B + k * ldb, B + (k + 1) * ldb, false, vg);
         {{kernel_name}}_pair<ROWS>(A, lda, k + 2, B + (k + 2) * ldb, B + (k + 3) * ldb, false, vh);
       }

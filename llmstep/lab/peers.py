@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..core import attention_backend
 from ..core.cost import kv_bytes_per_token
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
@@ -191,6 +192,7 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
     record["copy_bandwidth_gb_s"] = max(bw) if bw else None
     record["rows"] = _rows(entries, runs, ids, new_tokens, record["copy_bandwidth_gb_s"])
     record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
+    record["attention"] = attention_backend.describe(model.device)  # now: compiling a CPU step installs its kernel
     workdir.cleanup()
     return record
 

@@ -42,3 +42,22 @@ def test_the_half_dtype_a_gpu_is_measured_in_is_float16_where_bfloat16_is_emulat
 def test_the_half_dtype_is_bfloat16_on_the_cpu_and_float16_on_mps():
     assert dev.half_dtype("cpu") == torch.bfloat16
     assert dev.half_dtype("mps") == torch.float16
+
+
+def _cache(root, index: int, size: str, kind: str):
+    d = root / f"index{index}"
+    d.mkdir()
+    (d / "size").write_text(f"{size}\n")
+    (d / "type").write_text(f"{kind}\n")
+
+
+def test_the_last_level_cache_is_the_largest_data_or_unified_cache_linux_lists(tmp_path):
+    _cache(tmp_path, 0, "32K", "Data")
+    _cache(tmp_path, 1, "64M", "Instruction")  # an instruction cache holds no weights, however large
+    _cache(tmp_path, 2, "1024K", "Unified")
+    _cache(tmp_path, 3, "32768K", "Unified")
+    _cache(tmp_path, 4, "lots", "Unified")  # a size that cannot be read is no size
+    assert dev.last_level_cache(tmp_path) == 32 * 2**20
+    (tmp_path / "index5").mkdir()  # a level without its files (a container's partial sysfs)
+    assert dev.last_level_cache(tmp_path) == 32 * 2**20
+    assert dev.last_level_cache(tmp_path / "missing") is None

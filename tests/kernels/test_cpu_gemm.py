@@ -225,3 +225,58 @@ def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_ch
         eager = model(token, position, decoder.cache, last_only=True)[:, -1].float()
     torch.testing.assert_close(logits, eager.view_as(logits), atol=0.05 * eager.abs().max().item(), rtol=0.05)
     assert logits.argmax() == eager.argmax()
+
+
+@pytest.mark.parametrize("weights,cache,isa,streams", [
+    (300 * 2**20, 32 * 2**20, "avx512_bf16", True),  # SmolLM2's bf16 step on a Zen 4 EPYC's 32 MiB L3
+    (31 * 2**20, 32 * 2**20, "avx512_bf16", False),  # the shipped model's: the next step finds them in the L3
+    (300 * 2**20, None, "avx512_bf16", False),  # no cache listed: nothing known to stream past
+    (None, 32 * 2**20, "avx512_bf16", False),  # outside a graph's code generation
+    (300 * 2**20, 32 * 2**20, "amx", False),  # not measured there yet (STREAM_ISAS)
+])
+def test_a_step_streams_its_weights_past_the_caches_only_where_they_outgrow_the_last_level(weights, cache, isa,
+                                                                                           streams):
+    assert cpu_gemm.streams_weights(weights, cache, isa) == streams
+    with cpu_gemm.streaming(not streams):  # an A/B's override, either way
+        assert cpu_gemm.streams_weights(weights, cache, isa) == (not streams)
+    assert cpu_gemm.streams_weights(weights, cache, isa) == streams
+
+
+def test_streaming_or_not_is_named_in_the_compile_cache_keys(kernel):
+    tags = set()
+    for on in (None, True, False):
+        with cpu_gemm.streaming(on):
+            assert cpu_gemm.BF16.tag() in torch.compiler.config.cache_key_tag.split("+")
+            tags.add(cpu_gemm.BF16.tag())
+    assert len(tags) == 3  # a step compiled streaming is never served to one that does not, nor the reverse
+    assert cpu_gemm.BF16.tag() in torch.compiler.config.cache_key_tag.split("+")  # the rule's again
+
+
+@slow
+@pytest.mark.parametrize("cache,rows", [(2**10, 1), (2**10, 4), (2**30, 1)])
+def test_a_step_that_streams_its_weights_computes_the_same_bits(every_row, monkeypatch, cache, rows):
+    """Streaming is a prefetch hint: the outputs are those of the step that does not stream, bit for bit. Only a
+    one-row matmul streams (a prefill's rows read each weight block again), and only when the weights outgrow the
+    last-level cache (here 1 KiB, or 1 GiB)."""
+    monkeypatch.setattr(cpu_gemm, "last_level_cache", lambda: cache)
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(384, 2048, bias=False).to(torch.bfloat16).requires_grad_(False)  # 1.5 MiB of weights
+    linear.weight.copy_(torch.randn(2048, 384, generator=g))
+    x = torch.randn(rows, 384, generator=g).to(torch.bfloat16)
+    outs, codes = [], []
+    backends = torch._inductor.config.max_autotune_gemm_backends
+    torch._inductor.config.max_autotune_gemm_backends = "CPP"
+    try:
+        for on in (None, False):  # the rule's step, then one held from streaming
+            with cpu_gemm.streaming(on), torch.no_grad():
+                torch._dynamo.reset()
+                step = compile_step(lambda x: linear(x), torch.device("cpu"), mode="max-autotune-no-cudagraphs")
+                out, code = compiled_code(step, x)
+            outs.append(out)
+            codes.append("\n".join(code))
+    finally:
+        torch._inductor.config.max_autotune_gemm_backends = backends
+    assert all(cpu_gemm.KERNEL_NAME in c for c in codes)
+    streamed = "_rows<1, true>("  # the kernel's one-row call that streams (inductor names the kernel)
+    assert (streamed in codes[0]) == (cache < linear.weight.nbytes) and streamed not in codes[1]
+    assert torch.equal(outs[0], outs[1])

@@ -64,6 +64,8 @@ torch.set_num_threads(2)
 kernel = getattr(cpu_gemm, sys.argv[2])
 if not kernel.install():
     sys.exit("not installed: " + str(kernel.why))
+streaming = cpu_gemm.streaming(json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)  # null: the rule's
+streaming.__enter__()
 results = []
 for rows, n, k, group, dtype in json.loads(sys.argv[1]):
     # bf16: held to the template; float32 has no template choice for an int4 matmul here, only torch's kernel
@@ -81,6 +83,7 @@ for rows, n, k, group, dtype in json.loads(sys.argv[1]):
     want = x.double() @ w.T  # [rows, n]
     bound = (x.double().abs() @ w.abs().T).max().item()  # the size of the sums' terms
     results.append({"kernel": any(kernel.name in c for c in code), "layer": layer.kernel,
+                    "streamed": any("_MM_HINT_NTA" in c for c in code), "bits": out.view(-1).tolist(),
                     "error": (out.double() - want).abs().max().item(), "largest": want.abs().max().item(),
                     "bound": bound})
 print(json.dumps(results))
@@ -96,9 +99,9 @@ CASES_AVX512 = [(1, 64, 1024, 128, "bfloat16"), (1, 128, 576, 32, "bfloat16"), (
                 (1, 64, 256, 32, "float32")]
 
 
-def _run_child(cases: list, kernel: str, env: dict) -> list[dict]:
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), kernel], env=os.environ | env,
-                         capture_output=True, text=True, timeout=900)
+def _run_child(cases: list, kernel: str, env: dict, stream: bool | None = None) -> list[dict]:
+    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cases), kernel, json.dumps(stream)],
+                         env=os.environ | env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -133,6 +136,21 @@ def test_the_avx512_kernel_computes_the_one_row_matmul_at_every_group_and_split(
             continue
         # float32 sums, the output rounded once to bf16: within half a bf16 step of the largest output, and then some
         assert r["error"] <= 2 ** -8 * r["largest"] + 1e-5 * r["bound"], (case, r)
+
+
+@slow
+def test_the_avx512_kernel_streaming_its_codes_computes_the_same_bits():
+    """Streaming the codes past the caches (cpu_gemm.streams_weights) is a prefetch hint: the outputs are the
+    unstreamed kernel's, bit for bit."""
+    from llmstep.core import torch_compat
+
+    if torch_compat.cpu_vector_isa() != "avx512_bf16":
+        pytest.skip(f"a CPU with AVX-512 BF16 and no AMX (inductor's vector ISA here: {torch_compat.cpu_vector_isa()})")
+    cases = [c for c in CASES_AVX512 if c[0] == 1 and c[-1] == "bfloat16"][:3]
+    runs = [_run_child(cases, "INT4_AVX512", {"OMP_NUM_THREADS": "2"}, stream) for stream in (True, False)]
+    for case, streamed, held in zip(cases, *runs, strict=True):
+        assert streamed["kernel"] and streamed["streamed"] and not held["streamed"], case
+        assert streamed["bits"] == held["bits"], case
 
 
 def test_an_inductor_without_its_avx512_int4_kernel_to_build_on_registers_nothing(monkeypatch):

@@ -173,3 +173,20 @@ def test_the_table_gives_each_rows_bandwidth_share_source_and_what_failed():
     assert lines[5:] == ["llama.cpp's extra buffer types: off (asked)",
                          "llama.cpp FAILED at int8 (GGUF q8_0): killed by signal SIGILL (Illegal instruction) "
                          "while warming up"]
+
+
+def test_the_record_names_the_attention_the_compiled_steps_ran_not_the_one_before_they_compiled(monkeypatch):
+    from llmstep.core import attention_backend
+
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)  # no CPU step kernel yet, as a fresh process
+    monkeypatch.setattr(attention_backend, "_chosen", "auto")
+    run = peers._Llmstep.run
+
+    def compiles_then_runs(self, ids, n, doing=""):  # what compile_step does on a CPU: install the kernel
+        attention_backend.use_cpu_step_kernel(lambda q, k, v, mask, scale: q)
+        return run(self, ids, n, doing)
+
+    monkeypatch.setattr(peers._Llmstep, "run", compiles_then_runs)
+    record = peers.run_peers(tiny(), ["transformers"], ["float32"], prompt_len=8, new_tokens=2, repeats=1,
+                             compile=False, bandwidth=False, log=lambda m: None)
+    assert record["attention"]["decode_step"] == "llmstep_cpu"
