@@ -20,10 +20,11 @@ A step whose weights outgrow the last-level cache (SmolLM2's 270 MB against a Ze
 weight once and has evicted it before the next step comes back. There the kernel of a one-row matmul prefetches
 the weights `STREAM_AHEAD` bytes ahead with the non-temporal hint (`_MM_HINT_NTA`: read once, kept out of the outer
 caches where the CPU honours it; `streams_weights`, decided per compiled graph from its constants; scripts/
-ab_cpu.py's `&nostream` is the A/B): on SmolLM2's bf16 step, 1.17x over 9 paired rounds (results/README.md, claim
-2); in its profile both the matmuls' time a step and the host code's between them fell. Where the weights fit,
-the next step finds them in the L3, and streaming them past it lost (0.90-0.93x on the shipped model): the rule
-keeps them cached there.
+ab_cpu.py's `&nostream` is the A/B): on SmolLM2's bf16 step, 1.17x and 1.06x in two paired runs of 9 rounds on a
+Zen 4 EPYC (results/README.md, claim 2); in its profile the matmuls' time a step held and the host code's between
+kernels fell by a quarter (as we read it, the tensor handles, malloc and Python it touches were no longer evicted by
+weights). Where the weights fit, the next step finds them in the L3, and streaming them past it lost (0.92x on the
+shipped model, 9 paired rounds): the rule keeps them cached there.
 Streaming only hints; the arithmetic is unchanged, the same bits (tests/kernels/test_cpu_gemm.py).
 
 `BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
@@ -253,8 +254,8 @@ def streams_weights(weight_bytes: int | None, cache_bytes: int | None, isa: str)
 
     Such a step reads every weight once and has evicted it before the next step comes back to it: kept in the
     caches, the weights push out what the step reads again (activations, the KV cache, the C++ wrapper's tensor
-    handles) to no gain; streamed, the matmuls themselves ran faster too (results/README.md, claim 2). Where they
-    fit in the cache, the next step finds them there, and streaming them past it loses that."""
+    handles) to no gain. Where they fit in the cache, the next step finds them there, and streaming them past it
+    loses that (results/README.md, claim 2, measures both)."""
     if STREAM is not None:
         return STREAM
     return (isa in STREAM_ISAS and weight_bytes is not None and cache_bytes is not None
