@@ -92,7 +92,7 @@ def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    with cpu_gemm.withheld(bool(nodot)), cpu_gemm.streaming(STREAM[stream]):
+    with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot)):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder

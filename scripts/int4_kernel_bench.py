@@ -105,12 +105,12 @@ FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-
 LAYOUTS = {"avx2": (32, cpu_int4.AVX2, "avx2"), "avx512": (64, cpu_int4.AVX512, "avx512_bf16")}
 
 
-def kernel_source(path: str | None, layout: str = "avx2", stream: bool = False) -> str:
-    """The kernel's C++ rendered as inductor renders its Jinja template for a bf16-activation, float-output choice;
-    stream: whether it streams its codes past the caches (cpu_gemm.streams_weights' choice)."""
+def kernel_source(path: str | None, layout: str = "avx2") -> str:
+    """The kernel's C++ rendered as inductor renders its Jinja template for a bf16-activation, float-output choice
+    (its codes not streamed past the caches: one matmul timed again and again reads them from the cache)."""
     text = Path(path).read_text() if path else LAYOUTS[layout][1]
     names = {"kernel_name": "kern", "input_t": "at::BFloat16", "output_t": "float", "restrict_keyword": "__restrict__",
-             "stream_weights": stream, "stream_ahead": cpu_gemm.STREAM_AHEAD}
+             "stream_weights": False, "stream_ahead": cpu_gemm.STREAM_AHEAD}
     try:
         return jinja2.Environment(undefined=jinja2.StrictUndefined).from_string(text).render(names)
     except jinja2.TemplateError as e:

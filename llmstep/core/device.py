@@ -89,9 +89,9 @@ def last_level_cache(root: str | os.PathLike = "/sys/devices/system/cpu/cpu0/cac
     for d in Path(root).glob("index*"):
         try:
             size, kind = (d / "size").read_text().strip(), (d / "type").read_text().strip()
-        except OSError:
+        except (OSError, ValueError):  # unreadable, or not text (UnicodeDecodeError)
             continue
         number, unit = (size[:-1], size[-1]) if size[-1:] in _UNITS else (size, "")
-        if kind != "Instruction" and number.isdigit():
+        if kind != "Instruction" and number.isascii() and number.isdigit():
             sizes.append(int(number) * _UNITS.get(unit, 1))
     return max(sizes, default=None)

@@ -35,9 +35,9 @@ def compile_options(device: torch.device, mode: str | None = None, gemm_backends
     C++ (`cpp_wrapper`); with mode None every matmul shape also tuned among `gemm_backends` (`gemm_backends(model)`;
     None: not tuned): "ATEN,CPP" times oneDNN/MKL against inductor's C++ GEMM templates, "CPP" takes the template
     alone (`max_autotune_gemm`; "max-autotune" tunes the rest too), whose bf16 kernel is `cpu_gemm`'s where the CPU
-    has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default); there a step whose weights outgrow the
-    last-level cache streams them past it (`cpu_gemm.streams_weights`). A CPU step of one sequence attends with
-    llmstep's kernel (`cpu_attention`), installed by `compile_step`.
+    has AVX-512 BF16 (scripts/ab_cpu.py is the A/B behind each default); on one without AMX, a step whose weights
+    outgrow the last-level cache streams them past it (`cpu_gemm.streams_weights`). A CPU step of one sequence
+    attends with llmstep's kernel (`cpu_attention`), installed by `compile_step`.
     Options this torch's inductor does not know are left out (`torch_compat.known_options`). The earlier switch,
     `tune_matmuls` (or a bool in gemm_backends' place), still works: True is "ATEN,CPP", False is None.
     """

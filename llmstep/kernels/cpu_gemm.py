@@ -17,15 +17,16 @@ waiting for a ninth block (results/README.md, the balanced-width A/B on SmolLM2'
 rounds, inside a shared VM's noise).
 
 A step whose weights outgrow the last-level cache (SmolLM2's 270 MB against a Zen 4 EPYC's 32 MiB L3) reads each
-weight once and has evicted it before the next step comes back. There the kernel of a one-row matmul prefetches
-the weights `STREAM_AHEAD` bytes ahead with the non-temporal hint (`_MM_HINT_NTA`: read once, kept out of the outer
-caches where the CPU honours it; `streams_weights`, decided per compiled graph from its constants; scripts/
-ab_cpu.py's `&nostream` is the A/B): on SmolLM2's bf16 step, 1.17x and 1.06x in two paired runs of 9 rounds on a
-Zen 4 EPYC (results/README.md, claim 2); in its profile the matmuls' time a step held and the host code's between
-kernels fell by a quarter (as we read it, the tensor handles, malloc and Python it touches were no longer evicted by
-weights). Where the weights fit, the next step finds them in the L3, and streaming them past it lost (0.92x on the
-shipped model, 9 paired rounds): the rule keeps them cached there.
-Streaming only hints; the arithmetic is unchanged, the same bits (tests/kernels/test_cpu_gemm.py).
+weight once and has evicted it before the next step comes back. There each one-row call of the kernel (a decode
+step's matmuls; in a prefill, at most a last block of one row) prefetches the weights `STREAM_AHEAD` bytes ahead
+with the non-temporal hint (`_MM_HINT_NTA`: read once, kept out of the outer caches where the CPU honours it;
+`streams_weights`, decided per compiled graph from its constants; scripts/ab_cpu.py's `&nostream` is the A/B): on
+SmolLM2's bf16 step, 1.17x and 1.06x in two paired runs of 9 rounds on a Zen 4 EPYC (results/README.md, claim 2); in
+its profile the matmuls' time a step held and the host code's between kernels fell by a quarter (as we read it, the
+tensor handles, malloc and Python it touches were no longer evicted by weights). Where the weights fit, the next
+step finds them in the L3, and streaming them past it lost (0.92x on the shipped model, 9 paired rounds): the rule
+keeps them cached there. Streaming only hints; the arithmetic is unchanged, the same bits
+(tests/kernels/test_cpu_gemm.py).
 
 `BF16.install()` registers it once per process (compile.compile_step calls it for a CPU step) where the CPU has
 AVX-512 BF16: without AMX for every matmul, with AMX ranked with inductor's AMX kernels for matmuls of up to
@@ -93,7 +94,7 @@ AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode
 # loads, non-temporally (`streams_weights`), on the vector ISAs where that was measured to win
 STREAM_AHEAD = 4096
 STREAM_ISAS = ("avx512_bf16",)
-STREAM: bool | None = None  # `streaming`: None decides by `streams_weights`' rule, True / False always / never
+_STREAM: bool | None = None  # `streaming` sets it: None decides by `streams_weights`' rule, True / False always / never
 
 # The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
 # (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
@@ -176,8 +177,8 @@ static void {{kernel_name}}_block(
     const at::BFloat16* A, const at::BFloat16* B, float* C,
     int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
 ) {
-{%- if stream_weights %}
-    if (M == 1) {  // a decode step's matmul: each weight read once a step, its bytes more than the caches hold
+{%- if stream_weights and not pack_vnni_B_locally %}
+    if (M == 1) {  // one row (a decode step's matmul): each weight read once a step, more bytes than the caches hold
         {{kernel_name}}_rows<1, true>(A, B, C, N, K, lda, ldb, ldc, accum);
         return;
     }
@@ -250,14 +251,14 @@ class _NotHere(Exception):
 def streams_weights(weight_bytes: int | None, cache_bytes: int | None, isa: str) -> bool:
     """Whether a step's one-row matmuls stream its weights past the caches (`_MM_HINT_NTA` prefetches
     `STREAM_AHEAD` bytes ahead): where the step's weights (`weight_bytes`, its frozen constants) are more than the
-    last-level cache holds (`cache_bytes`), on a vector ISA of `STREAM_ISAS`; `STREAM` overrides it.
+    last-level cache holds (`cache_bytes`), on a vector ISA of `STREAM_ISAS`; `streaming(on)` overrides it.
 
     Such a step reads every weight once and has evicted it before the next step comes back to it: kept in the
     caches, the weights push out what the step reads again (activations, the KV cache, the C++ wrapper's tensor
     handles) to no gain. Where they fit in the cache, the next step finds them there, and streaming them past it
     loses that (results/README.md, claim 2, measures both)."""
-    if STREAM is not None:
-        return STREAM
+    if _STREAM is not None:
+        return _STREAM
     return (isa in STREAM_ISAS and weight_bytes is not None and cache_bytes is not None
             and weight_bytes > cache_bytes)
 
@@ -273,26 +274,28 @@ def _stream_options() -> dict:
 def streaming(on: bool | None):
     """Steps compiled inside stream their weights (`on` True), never do (False) or follow `streams_weights`' rule
     (None): an A/B of it (scripts/ab_cpu.py's `&stream` / `&nostream`). Named in the compile cache keys."""
-    global STREAM
-    before, STREAM = STREAM, on
+    global _STREAM
+    before, _STREAM = _STREAM, on
     try:
         _retag()
         yield
     finally:
-        STREAM = before
+        _STREAM = before
         _retag()
 
 
 def _retag() -> None:
+    """The streaming kernels' tags in the cache keys brought up to date; a kernel `withheld` stays untagged."""
+    tags = torch.compiler.config.cache_key_tag.split("+")
     for kernel in (BF16, INT4_AVX512):
-        if kernel.installed:
+        if kernel.installed and any(t.startswith(kernel.name) for t in tags):
             _tag(kernel.name, kernel.tag(), True)
 
 
 def _streamed() -> str:
     """What selects the streaming code, for the cache tags: a step compiled here under one rule is not served to
-    another (another cache size, `STREAM` set)."""
-    return f"{STREAM_AHEAD}{STREAM_ISAS}{STREAM}{last_level_cache()}"
+    another (another cache size, `streaming` held)."""
+    return f"{STREAM_AHEAD}{STREAM_ISAS}{_STREAM}{last_level_cache()}"
 
 
 def _register_bf16():

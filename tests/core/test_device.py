@@ -56,8 +56,14 @@ def test_the_last_level_cache_is_the_largest_data_or_unified_cache_linux_lists(t
     _cache(tmp_path, 1, "64M", "Instruction")  # an instruction cache holds no weights, however large
     _cache(tmp_path, 2, "1024K", "Unified")
     _cache(tmp_path, 3, "32768K", "Unified")
-    _cache(tmp_path, 4, "lots", "Unified")  # a size that cannot be read is no size
+    for i, size in enumerate(["lots", "", "\u00b2M", "-5K"], start=4):  # sizes that cannot be read are no sizes
+        _cache(tmp_path, i, size, "Unified")
     assert dev.last_level_cache(tmp_path) == 32 * 2**20
-    (tmp_path / "index5").mkdir()  # a level without its files (a container's partial sysfs)
+    (tmp_path / "index8").mkdir()  # a level without its files (a container's partial sysfs)
+    _cache(tmp_path, 9, "1G", "Unified")
+    (tmp_path / "index9" / "type").write_bytes(b"\xff\xfe")  # not text: skipped, not raised
     assert dev.last_level_cache(tmp_path) == 32 * 2**20
+    _cache(tmp_path, 10, "1G", "Unified")
+    assert dev.last_level_cache(tmp_path) == 2**30
     assert dev.last_level_cache(tmp_path / "missing") is None
+    assert dev.last_level_cache(tmp_path / "index0" / "size") is None  # a file, not a folder of caches

@@ -5,6 +5,7 @@ matmuls only."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import replace
@@ -189,6 +190,8 @@ def test_a_weight_computed_in_the_step_is_packed_first(every_row):
 
 
 def test_the_kernel_is_named_in_compile_cache_keys_and_withheld_compiles_without_it(kernel):
+    for other in (cpu_gemm.INT4, cpu_gemm.INT4_AVX512, cpu_gemm.INT8):
+        other.install()  # as withheld does first (installing one adds its tag), whatever ran before this test
     tag = torch.compiler.config.cache_key_tag
     assert cpu_gemm.BF16.tag() in tag.split("+")  # a step cached without it (or with an older one) is not reused
     from torch._inductor.codegen import cpp_micro_gemm
@@ -229,7 +232,7 @@ def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_ch
 
 @pytest.mark.parametrize("weights,cache,isa,streams", [
     (300 * 2**20, 32 * 2**20, "avx512_bf16", True),  # SmolLM2's bf16 step on a Zen 4 EPYC's 32 MiB L3
-    (31 * 2**20, 32 * 2**20, "avx512_bf16", False),  # the shipped model's: the next step finds them in the L3
+    (30 * 2**20, 32 * 2**20, "avx512_bf16", False),  # the shipped model's constants: the next step finds them there
     (300 * 2**20, None, "avx512_bf16", False),  # no cache listed: nothing known to stream past
     (None, 32 * 2**20, "avx512_bf16", False),  # outside a graph's code generation
     (300 * 2**20, 32 * 2**20, "amx", False),  # not measured there yet (STREAM_ISAS)
@@ -250,14 +253,21 @@ def test_streaming_or_not_is_named_in_the_compile_cache_keys(kernel):
             tags.add(cpu_gemm.BF16.tag())
     assert len(tags) == 3  # a step compiled streaming is never served to one that does not, nor the reverse
     assert cpu_gemm.BF16.tag() in torch.compiler.config.cache_key_tag.split("+")  # the rule's again
+    for outer_streaming in (True, False):  # withheld stays withheld, whichever context is opened first
+        with contextlib.ExitStack() as stack:
+            contexts = [cpu_gemm.streaming(True), cpu_gemm.withheld()]
+            for c in contexts if outer_streaming else contexts[::-1]:
+                stack.enter_context(c)
+            assert not any(t.startswith(cpu_gemm.KERNEL_NAME) for t in torch.compiler.config.cache_key_tag.split("+"))
+    assert cpu_gemm.BF16.tag() in torch.compiler.config.cache_key_tag.split("+")
 
 
 @slow
-@pytest.mark.parametrize("cache,rows", [(2**10, 1), (2**10, 4), (2**30, 1)])
-def test_a_step_that_streams_its_weights_computes_the_same_bits(every_row, monkeypatch, cache, rows):
-    """Streaming is a prefetch hint: the outputs are those of the step that does not stream, bit for bit. Only a
-    one-row matmul streams (a prefill's rows read each weight block again), and only when the weights outgrow the
-    last-level cache (here 1 KiB, or 1 GiB)."""
+@pytest.mark.parametrize("cache", [2**10, 2**30])
+def test_a_step_that_streams_its_weights_computes_the_same_bits(every_row, monkeypatch, cache):
+    """Streaming is a prefetch hint: a one-row matmul's outputs are those of the step that does not stream, bit for
+    bit; it streams only when the weights outgrow the last-level cache (here 1 KiB, or 1 GiB)."""
+    rows = 1
     monkeypatch.setattr(cpu_gemm, "last_level_cache", lambda: cache)
     g = torch.Generator().manual_seed(rows)
     linear = torch.nn.Linear(384, 2048, bias=False).to(torch.bfloat16).requires_grad_(False)  # 1.5 MiB of weights
@@ -276,6 +286,8 @@ def test_a_step_that_streams_its_weights_computes_the_same_bits(every_row, monke
             codes.append("\n".join(code))
     finally:
         torch._inductor.config.max_autotune_gemm_backends = backends
+        monkeypatch.undo()  # this machine's cache again, and its tags: later tests key on them
+        cpu_gemm._retag()
     assert all(cpu_gemm.KERNEL_NAME in c for c in codes)
     streamed = "_rows<1, true>("  # the kernel's one-row call that streams (inductor names the kernel)
     assert (streamed in codes[0]) == (cache < linear.weight.nbytes) and streamed not in codes[1]
