@@ -343,19 +343,16 @@ def compiling_constant_bytes() -> int | None:
     from torch._inductor.virtualized import V
 
     constants = getattr(V.graph, "constants", None)  # outside a graph, V.graph is a handler without them
-    if not isinstance(constants, dict):
-        return None
-    return sum(t.nbytes for t in constants.values() if isinstance(t, torch.Tensor))
+    if isinstance(constants, dict):
+        return sum(t.nbytes for t in constants.values() if isinstance(t, torch.Tensor))
+    return None
 
 
 def _with_options(base: type, options: Callable[[], dict] | None) -> dict:
-    """Class attributes that add `options()` to the variables a micro-kernel's Jinja template is rendered with
-    (read at each rendering, inside the graph's code generation)."""
-    if options is None:
-        return {}
-
+    """Class attributes that add `options()` (read at each rendering, inside the graph's code generation) to the
+    variables a micro-kernel's Jinja template is rendered with."""
     def get_common_options(self):
-        return {**base.get_common_options(self), **options()}
+        return {**base.get_common_options(self), **(options() if options else {})}
 
     return {"get_common_options": get_common_options}
 
