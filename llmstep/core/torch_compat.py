@@ -340,9 +340,9 @@ def cpu_vector_isa() -> str:
 def compiling_constant_bytes() -> int | None:
     """Bytes of the constants of the graph inductor is generating code for (a frozen step's weights, packed as its
     kernels read them); None outside code generation, or where this inductor's graph keeps no `constants`."""
-    from torch._inductor.virtualized import V
-
-    constants = getattr(V.graph, "constants", None)  # outside a graph, V.graph is a handler without them
+    virtualized = _module("torch._inductor.virtualized")  # a sentence where this torch has none
+    graph = getattr(getattr(virtualized, "V", None), "graph", None)  # outside a graph, a handler without constants
+    constants = getattr(graph, "constants", None)
     if isinstance(constants, dict):
         return sum(t.nbytes for t in constants.values() if isinstance(t, torch.Tensor))
     return None
