@@ -130,10 +130,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     step returns before calling it again."""
     options = compile_options(device, mode, gemm_backends)
     if device.type == "cpu":
-        cpu_gemm.BF16.install()  # here, not in compile_options: it imports inductor and probes the compiler (seconds)
-        cpu_gemm.INT4.install()
-        cpu_gemm.INT4_AVX512.install()
-        cpu_gemm.INT8.install()
+        for kernel in cpu_gemm.kernels():  # here, not in compile_options: inductor imported, the compiler probed (s)
+            kernel.install()
         cpu_attention.install()  # a step of one sequence attends with it (attention_backend.cpu_step_kernel)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)

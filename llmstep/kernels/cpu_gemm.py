@@ -74,7 +74,7 @@ from ..core import torch_compat
 from ..core.device import last_level_cache
 from . import cpu_int4
 
-__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "withheld", "streams_weights", "streaming", "KERNEL_NAME",
+__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "kernels", "withheld", "streams_weights", "streaming", "KERNEL_NAME",
            "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
@@ -285,9 +285,10 @@ def streaming(on: bool | None):
 
 
 def _retag() -> None:
-    """The streaming kernels' tags in the cache keys brought up to date; a kernel `withheld` stays untagged."""
+    """The kernels' tags in the cache keys brought up to date (the streaming ones' change); a kernel `withheld`
+    stays untagged."""
     tags = torch.compiler.config.cache_key_tag.split("+")
-    for kernel in (BF16, INT4_AVX512):
+    for kernel in kernels():
         if kernel.installed and any(t.startswith(kernel.name) for t in tags):
             _tag(kernel.name, kernel.tag(), True)
 
@@ -368,6 +369,11 @@ INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512,
 INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
 
 
+def kernels() -> tuple[_Kernel, ...]:
+    """Every micro-kernel of this module (read when called: a test may stand one in for another)."""
+    return BF16, INT4, INT4_AVX512, INT8
+
+
 def _int4_layout(block: int) -> bool:
     """Whether torch packs CPU int4 weights as the int4 kernel for `block`-column blocks reads them: [N / block, K,
     block / 2] bytes, byte j of a block's k-row holding column j's code in its low nibble and column j + block / 2's
@@ -398,7 +404,7 @@ def withheld(when: bool = True):
     if not when:
         yield
         return
-    installed = [k for k in (BF16, INT4, INT4_AVX512, INT8) if k.install()]  # first: installing adds a tag
+    installed = [k for k in kernels() if k.install()]  # first: installing adds a tag
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, torch.compiler.config, "cache_key_tag", torch.compiler.config.cache_key_tag)
         for kernel in installed:
