@@ -3,20 +3,23 @@
     python scripts/ab_cpu.py bfloat16 "bfloat16|max_autotune=True"
     python scripts/ab_cpu.py int8 int8+packed int8+dequant
     python scripts/ab_cpu.py int8 int8!nofuse             # FastDecoder's fuse=False (!fuse: fuse=True)
-    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without kernels/cpu_gemm's (bf16 dot, AVX2 int4 and int8)
+    python scripts/ab_cpu.py bfloat16 bfloat16~nodot      # without kernels/cpu_gemm's (bf16 dot, int4, int8)
+    python scripts/ab_cpu.py int8 int8~llmstep_int8_avx512   # without that one of them
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
     python scripts/ab_cpu.py int4^int8 int4^int8%sdpa int4^int8%plain   # a one-sequence step's attention
     python scripts/ab_cpu.py --model smollm2-135m-instruct bfloat16 "bfloat16&nostream"  # weights through the caches
 
-Each argument is a variant: DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot][%ATTENTION][&STREAM][|KEY=VALUE;KEY=VALUE],
+Each argument is a variant:
+DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot|~KERNEL_NAME][%ATTENTION][&STREAM][|KEY=VALUE;KEY=VALUE],
 DTYPE one of float32, bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
 default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
 cpu_attention.py, the default where it builds; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
 STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
-`streaming`: stream, nostream; default its rule), KEY=VALUE inductor options over engines/compile.py's CPU options. All
+`streaming`: stream, nostream; default its rule), ~nodot without kernels/cpu_gemm's micro-kernels (~KERNEL_NAME:
+without that one, e.g. ~llmstep_int8_avx512), KEY=VALUE inductor options over engines/compile.py's CPU options. All
 variants are built and compiled in one process (--model, default the shipped target model; 2 threads, a 128-token
 random prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
 them within a second or two of each other, so the paired ratio to the first variant, whose median is
@@ -92,7 +95,10 @@ def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot)):
+    names = {k.name for k in cpu_gemm.kernels()}
+    if nodot not in ("", "nodot", *names):
+        raise SystemExit(f"unknown kernel {nodot!r} in {spec!r}: nodot (all of them) or one of {', '.join(names)}")
+    with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot), None if nodot == "nodot" else (nodot,)):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder

@@ -403,36 +403,37 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
     size, scales and zeros, their row stride, k_start)`); that class's entry and arguments are kept. The weights come
     as torch's CPU int4 kernel packed them; options: more variables for the template, read at each rendering
     (`_with_options`). Returns the registered class (`micro_gemm_withheld` takes it)."""
+    return _register_woq(name, "CppMicroGemmWoQInt4Avx512", lambda base: source, blockings, fits, torch.uint8, isa,
+                         options)
+
+
+def register_int8_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable,
+                             source: str | None = None, isa: str = "avx2", options: Callable[[], dict] | None = None):
+    """Register a micro-kernel for weight-only int8 matmuls of bf16 activations on AVX2 (isa "avx512": AVX-512) with
+    inductor's float32-vector entry (`CppMicroGemmFP32Vec`) at other blockings (block_m, block_n, block_k): inductor
+    files it at 16 (AVX2) or 32 (AVX-512) columns for small m, two chains of multiply-adds at one row. source: the
+    Jinja template of the kernel the entry calls per block (`{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum,
+    prefetch>(A, B, C, K, lda, ldb, ldc)`); None: inductor's own, named. options: as for the int4 kernels."""
+    def kernel(base):
+        return source if source is not None else f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}"
+
+    return _register_woq(name, "CppMicroGemmFP32Vec", kernel, blockings, fits, torch.int8, isa, options)
+
+
+def _register_woq(name, base_name, kernel, blockings, fits, weight_dtype, isa, options) -> type:
+    """Inductor's micro-kernel class `base_name` with kernel(base) as its template, for `weight_dtype` on `isa`."""
     found = _micro_gemm_modules()
     if isinstance(found, str):
         raise RuntimeError(f"cannot register {name}: {found}")
     mg, vec, _ = found
     if isa not in ("avx2", "avx512"):
         raise ValueError(f"isa must be 'avx2' or 'avx512', not {isa!r}")
-    # AttributeError where this inductor has neither
-    base, isa_cls = mg.CppMicroGemmWoQInt4Avx512, vec.VecAVX2 if isa == "avx2" else vec.VecAVX512
-    cls = type(name, (base,), {"TEMPLATE_KERNEL": source, **_with_options(base, options)})
-    mg.register_micro_gemm(*mg.generate_gemm_config(isa_cls, blockings, input_dtype=torch.bfloat16,
-                                                    input2_dtype=torch.uint8, output_dtype=torch.float,
-                                                    compute_dtype=torch.float, extra_check=fits))(cls)
-    return cls
-
-
-def register_int8_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable) -> type:
-    """Register inductor's own float32-vector micro-kernel (`CppMicroGemmFP32Vec`: each int8 weight widened to
-    float32, one multiply-add per weight and row) once more for weight-only int8 matmuls of bf16 activations on AVX2,
-    with other register blockings (block_m, block_n, block_k): inductor files it there at 16 columns for small m,
-    which at one row leaves two chains of multiply-adds. Its kernel's text gets a first line naming it (`name`).
-    Returns the registered class (`micro_gemm_withheld` takes it)."""
-    found = _micro_gemm_modules()
-    if isinstance(found, str):
-        raise RuntimeError(f"cannot register {name}: {found}")
-    mg, vec, _ = found
-    base = mg.CppMicroGemmFP32Vec  # AttributeError where this inductor has none
-    cls = type(name, (base,), {"TEMPLATE_KERNEL": f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}"})
-    mg.register_micro_gemm(*mg.generate_gemm_config(vec.VecAVX2, blockings, input_dtype=torch.bfloat16,
-                                                    input2_dtype=torch.int8, output_dtype=torch.float,
-                                                    compute_dtype=torch.float, extra_check=fits))(cls)
+    base = getattr(mg, base_name)  # AttributeError where this inductor has none
+    cls = type(name, (base,), {"TEMPLATE_KERNEL": kernel(base), **_with_options(base, options)})
+    mg.register_micro_gemm(*mg.generate_gemm_config(vec.VecAVX2 if isa == "avx2" else vec.VecAVX512, blockings,
+                                                    input_dtype=torch.bfloat16, input2_dtype=weight_dtype,
+                                                    output_dtype=torch.float, compute_dtype=torch.float,
+                                                    extra_check=fits))(cls)
     return cls
 
 

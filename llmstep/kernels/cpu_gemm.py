@@ -1,5 +1,5 @@
 """llmstep's micro-kernels for inductor's C++ GEMM templates: a bf16 dot product for one-row decode on CPUs with
-AVX-512 BF16, and int4 kernels for CPUs with AVX2 alone and for one-row decode with AVX-512 BF16.
+AVX-512 BF16, int4 kernels for CPUs with AVX2 alone and for one-row decode with AVX-512 BF16, and int8 ones for both.
 
 A decode step's matmuls are GEMVs. On a CPU without AMX, the micro-kernel of inductor's tuned C++ GEMM template
 widens every bf16 weight to float32 before its FMA (`CppMicroGemmFP32Vec`), where llama.cpp multiplies bf16 pairs
@@ -51,19 +51,27 @@ with the activations' pairs by `vdpbf16ps`, applying each group's scale and zero
 does: one dot-product instruction per two weights and sixteen columns, the same function to within float32 sums
 (tests/kernels/test_cpu_int4.py holds it to a float64 matmul; `vdpbf16ps` treats subnormal activations as zero).
 It streams its codes past the caches by the same rule as the bf16 kernel (SmolLM2's int4 step: 1.02x, inside the
-noise: its LM head, a third of its bytes, is inductor's int8 kernel's, which does not stream).
+noise, while its LM head, a third of its bytes, ran inductor's int8 kernel, which does not stream: see `INT8_AVX512`).
 
 The third, `INT8`, is no kernel of llmstep's: inductor's own float32-vector micro-kernel registered once more for
 a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the matmul). Inductor files it at
 16 columns for small m: two vectors, so a one-row decode waits on two chains of multiply-adds; at 64 there
 are eight, as many as the FMA units keep busy. The same arithmetic in the same order per output, so the same
 function (tests/kernels/test_cpu_int8.py: a compiled int8 step with it makes the eager step's tokens).
+
+`INT8_AVX512` is llmstep's own kernel for weight-only int8 matmuls of one row with AVX-512 BF16 and no AMX, where it
+was measured (kernels/cpu_int8.py): inductor's arithmetic in inductor's order, so the same bits as inductor's kernel
+(tests/kernels/test_cpu_int8.py), at 64 columns or 32 (`balanced_width`, among the widths that divide the matmul)
+where inductor files its kernel at 32 (two chains of multiply-adds at one row), its weights streamed by the same rule
+as the others. Paired against inductor's kernel (results/README.md, claim 2, session 29, 9 rounds): SmolLM2's int8
+step 1.10x, its int4 step (whose LM head is int8) 1.09x.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,19 +80,22 @@ import torch
 
 from ..core import torch_compat
 from ..core.device import last_level_cache
-from . import cpu_int4
+from . import cpu_int4, cpu_int8
 
-__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "kernels", "withheld", "streams_weights", "streaming", "KERNEL_NAME",
-           "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME"]
+__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "INT8_AVX512", "kernels", "withheld", "streams_weights", "streaming",
+           "KERNEL_NAME", "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME", "INT8_AVX512_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 INT4_KERNEL_NAME = "llmstep_int4_avx2"
 INT4_AVX512_KERNEL_NAME = "llmstep_int4_avx512"
 INT8_KERNEL_NAME = "llmstep_int8_avx2"
+INT8_AVX512_KERNEL_NAME = "llmstep_int8_avx512"
 # int8 at one row on AVX2: inductor's own kernel at 64 columns, 8 chains of multiply-adds (a matmul 64 does not
 # divide keeps inductor's blockings)
 INT8_BLOCKINGS = [(1, 64, 64)]
 WIDTHS = (64, 32)  # the bf16 dot kernel's block widths: 4 or 2 vectors of 16 columns (balanced_width picks)
+# int8 at one row on AVX-512 (kernels/cpu_int8.py): the same widths, the same choice
+INT8_AVX512_BLOCKINGS = [(1, width, 64) for width in WIDTHS]
 # int4 at one row on AVX-512 BF16 (a decode step): inductor's own (4, 64, k) blockings keep the prefill's matmuls;
 # the group sizes inductor's own int4 kernel takes
 INT4_AVX512_BLOCKINGS = [(1, 64, 32)]
@@ -239,9 +250,10 @@ class _Kernel:
         return self.installed
 
     def tag(self) -> str:
-        """The kernel's name and a hash of what selects its code: a changed kernel is compiled anew, not read from
-        a cache."""
-        return f"{self.name}-{hashlib.sha256(self.source().encode()).hexdigest()[:16]}"
+        """The kernel's name and a hash of what selects its code (its source, and its registration: the rule of the
+        matmuls it takes): a changed kernel is compiled anew, not read from a cache."""
+        rules = inspect.getsource(self.register) if inspect.isfunction(self.register) else ""
+        return f"{self.name}-{hashlib.sha256((self.source() + rules).encode()).hexdigest()[:16]}"
 
 
 class _NotHere(Exception):
@@ -314,12 +326,13 @@ def _register_bf16():
     return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, blockings, fits, rank=isa, options=_stream_options)
 
 
-def balanced_width(n: int, threads: int) -> int:
-    """The block width (of `WIDTHS`) whose busiest thread gets the fewest columns of an n-column matmul, the widest
-    on a tie. Inductor hands each thread ceil(blocks / threads) blocks of columns: at 64 columns SmolLM2's 576-wide
-    o and down matmuls are 9 blocks, 5 for one thread and 4 for the other, which then waits; at 32, 9 and 9."""
-    busiest = {w: math.ceil(math.ceil(n / w) / threads) * w for w in WIDTHS}  # columns of its busiest thread
-    return min(WIDTHS, key=lambda w: (busiest[w], -w))
+def balanced_width(n: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> int | None:
+    """The block width (of `widths`) whose busiest thread gets the fewest columns of an n-column matmul, the widest
+    on a tie (None of none). Inductor hands each thread ceil(blocks / threads) blocks of columns: at 64 columns
+    SmolLM2's 576-wide o and down matmuls are 9 blocks, 5 for one thread and 4 for the other, which then waits; at
+    32, 9 and 9."""
+    busiest = {w: math.ceil(math.ceil(n / w) / threads) * w for w in widths}  # columns of its busiest thread
+    return min(widths, key=lambda w: (busiest[w], -w), default=None)
 
 
 def _register_int4():
@@ -361,17 +374,32 @@ def _register_int8():
     return torch_compat.register_int8_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits)
 
 
+def _register_int8_avx512():
+    if (isa := torch_compat.cpu_vector_isa()) != "avx512_bf16":  # where it was measured: AVX-512 BF16, no AMX
+        raise _NotHere(f"the CPU's vector ISA ({isa}) is not AVX-512 with BF16 and without AMX")
+
+    def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
+        b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)  # the kernel has no tail
+        return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
+                and b.block_n == balanced_width(n, num_threads, dividing))
+
+    return torch_compat.register_int8_micro_gemm(INT8_AVX512_KERNEL_NAME, INT8_AVX512_BLOCKINGS, fits,
+                                                 source=cpu_int8.AVX512, isa="avx512", options=_stream_options)
+
+
 # compile.compile_step installs them all
 BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}{_streamed()}")
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: cpu_int4.AVX2)
 INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512,
                       lambda: f"{cpu_int4.AVX512}{INT4_AVX512_BLOCKINGS}{INT4_AVX512_GROUPS}{_streamed()}")
 INT8 = _Kernel(INT8_KERNEL_NAME, _register_int8, lambda: repr(INT8_BLOCKINGS))
+INT8_AVX512 = _Kernel(INT8_AVX512_KERNEL_NAME, _register_int8_avx512,
+                      lambda: f"{cpu_int8.AVX512}{INT8_AVX512_BLOCKINGS}{_streamed()}")
 
 
 def kernels() -> tuple[_Kernel, ...]:
     """Every micro-kernel of this module (read when called: a test may stand one in for another)."""
-    return BF16, INT4, INT4_AVX512, INT8
+    return BF16, INT4, INT4_AVX512, INT8, INT8_AVX512
 
 
 def _int4_layout(block: int) -> bool:
@@ -398,13 +426,14 @@ def _tag(name: str, tag: str, on: bool) -> None:
 
 
 @contextlib.contextmanager
-def withheld(when: bool = True):
+def withheld(when: bool = True, names: tuple[str, ...] | None = None):
     """Steps compiled inside run inductor's own kernels, none of these (an A/B of them: scripts/ab_cpu.py's
-    `~nodot`); `when` False: a no-op, for callers that withhold them in some runs only."""
+    `~nodot`), or none of those `names` names (`~llmstep_int8_avx512`); `when` False: a no-op, for callers that
+    withhold them in some runs only."""
     if not when:
         yield
         return
-    installed = [k for k in kernels() if k.install()]  # first: installing adds a tag
+    installed = [k for k in kernels() if k.install() and (names is None or k.name in names)]  # installing: a tag
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, torch.compiler.config, "cache_key_tag", torch.compiler.config.cache_key_tag)
         for kernel in installed:

@@ -227,10 +227,12 @@ def test_without_the_micro_gemm_registry_the_cpu_kernel_is_not_installed_and_say
     monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
     monkeypatch.setattr(cpu_gemm, "INT4", replace(cpu_gemm.INT4, cls=None, why=None))
     monkeypatch.setattr(cpu_gemm, "INT8", replace(cpu_gemm.INT8, cls=None, why=None))
+    monkeypatch.setattr(cpu_gemm, "INT8_AVX512", replace(cpu_gemm.INT8_AVX512, cls=None, why=None))
     monkeypatch.delattr(importlib.import_module("torch._inductor.codegen.cpp_micro_gemm"), "register_micro_gemm")
     assert cpu_gemm.BF16.install() is False and not cpu_gemm.BF16.installed
     assert "register_micro_gemm" in cpu_gemm.BF16.why
     assert cpu_gemm.INT4.install() is False and "register_micro_gemm" in cpu_gemm.INT4.why
     assert cpu_gemm.INT8.install() is False and "register_micro_gemm" in cpu_gemm.INT8.why
+    assert cpu_gemm.INT8_AVX512.install() is False and "register_micro_gemm" in cpu_gemm.INT8_AVX512.why
     with cpu_gemm.withheld():  # nothing to withhold: a no-op
         pass

@@ -58,7 +58,7 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
     assert not cpu_gemm.BF16.install() and "2.5.1" in cpu_gemm.BF16.why  # an untested torch: not registered
     assert cpp_micro_gemm.micro_gemm_configs == before
     with cpu_gemm.withheld():  # no bf16 kernel to withhold; the int4 and int8 ones where this process has them
-        ours = (cpu_gemm.INT4.cls, cpu_gemm.INT4_AVX512.cls, cpu_gemm.INT8.cls)
+        ours = tuple(k.cls for k in cpu_gemm.kernels() if k is not cpu_gemm.BF16)
         assert cpp_micro_gemm.micro_gemm_configs == {c: v for c, v in before.items() if c not in ours}
     assert cpp_micro_gemm.micro_gemm_configs == before
 
@@ -190,7 +190,7 @@ def test_a_weight_computed_in_the_step_is_packed_first(every_row):
 
 
 def test_the_kernel_is_named_in_compile_cache_keys_and_withheld_compiles_without_it(kernel):
-    for other in (cpu_gemm.INT4, cpu_gemm.INT4_AVX512, cpu_gemm.INT8):
+    for other in cpu_gemm.kernels():
         other.install()  # as withheld does first (installing one adds its tag), whatever ran before this test
     tag = torch.compiler.config.cache_key_tag
     assert cpu_gemm.BF16.tag() in tag.split("+")  # a step cached without it (or with an older one) is not reused
