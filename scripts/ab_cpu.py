@@ -75,6 +75,19 @@ def attention_of(spec: str):
 STREAM = {"": None, "stream": True, "nostream": False}
 
 
+def withheld_kernels(nodot: str, spec: str) -> tuple | None:
+    """What `~NODOT` withholds: every kernel of cpu_gemm (nodot, or nothing when empty: None), or the one it names,
+    which must be installed here (else the A/B would compare a step with itself)."""
+    if nodot in ("", "nodot"):
+        return None
+    by_name = {k.name: k for k in cpu_gemm.kernels()}
+    if nodot not in by_name:
+        raise SystemExit(f"unknown kernel {nodot!r} in {spec!r}: nodot (all of them) or one of {sorted(by_name)}")
+    if not by_name[nodot].install():
+        raise SystemExit(f"{nodot} is not used on this machine ({by_name[nodot].why}): {spec!r} would withhold nothing")
+    return (by_name[nodot],)
+
+
 def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     head, _, opts = spec.partition("|")
     head, _, stream = head.partition("&")
@@ -95,10 +108,8 @@ def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    names = {k.name for k in cpu_gemm.kernels()}
-    if nodot not in ("", "nodot", *names):
-        raise SystemExit(f"unknown kernel {nodot!r} in {spec!r}: nodot (all of them) or one of {', '.join(names)}")
-    with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot), None if nodot == "nodot" else (nodot,)):
+    only = withheld_kernels(nodot, spec)
+    with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot), only):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder
@@ -116,6 +127,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     load_before = runinfo.load_average()
+    for v in a.variants:  # before any model is loaded
+        withheld_kernels(v.partition("|")[0].partition("&")[0].partition("%")[0].partition("~")[2], v)
     attentions = [attention_of(v) for v in a.variants]
     compile_mod.cpu_attention = types.SimpleNamespace(install=lambda: None)  # each variant registers its own
     decoders = []

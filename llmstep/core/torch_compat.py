@@ -408,16 +408,16 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
 
 
 def register_int8_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable,
-                             source: str | None = None, isa: str = "avx2", options: Callable[[], dict] | None = None):
+                             source: str | None = None, isa: str = "avx2",
+                             options: Callable[[], dict] | None = None) -> type:
     """Register a micro-kernel for weight-only int8 matmuls of bf16 activations on AVX2 (isa "avx512": AVX-512) with
     inductor's float32-vector entry (`CppMicroGemmFP32Vec`) at other blockings (block_m, block_n, block_k): inductor
     files it at 16 (AVX2) or 32 (AVX-512) columns for small m, two chains of multiply-adds at one row. source: the
     Jinja template of the kernel the entry calls per block (`{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum,
     prefetch>(A, B, C, K, lda, ldb, ldc)`); None: inductor's own, named. options: as for the int4 kernels."""
-    def kernel(base):
-        return source if source is not None else f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}"
-
-    return _register_woq(name, "CppMicroGemmFP32Vec", kernel, blockings, fits, torch.int8, isa, options)
+    return _register_woq(name, "CppMicroGemmFP32Vec",
+                         lambda base: source or f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}",
+                         blockings, fits, torch.int8, isa, options)
 
 
 def _register_woq(name, base_name, kernel, blockings, fits, weight_dtype, isa, options) -> type:

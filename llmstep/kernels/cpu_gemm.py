@@ -50,8 +50,8 @@ codes of two k-rows into bf16 pairs with a table lookup (the codes 0..15 are exa
 with the activations' pairs by `vdpbf16ps`, applying each group's scale and zero once per group as the AVX2 kernel
 does: one dot-product instruction per two weights and sixteen columns, the same function to within float32 sums
 (tests/kernels/test_cpu_int4.py holds it to a float64 matmul; `vdpbf16ps` treats subnormal activations as zero).
-It streams its codes past the caches by the same rule as the bf16 kernel (SmolLM2's int4 step: 1.02x, inside the
-noise, while its LM head, a third of its bytes, ran inductor's int8 kernel, which does not stream: see `INT8_AVX512`).
+It streams its codes past the caches by the same rule as the bf16 kernel, and each group's row of scales and zeros
+(a quarter of the codes' bytes at 32 inputs a group), four groups ahead (results/README.md, claim 2, sessions 28-29).
 
 The third, `INT8`, is no kernel of llmstep's: inductor's own float32-vector micro-kernel registered once more for
 a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the matmul). Inductor files it at
@@ -61,10 +61,10 @@ function (tests/kernels/test_cpu_int8.py: a compiled int8 step with it makes the
 
 `INT8_AVX512` is llmstep's own kernel for weight-only int8 matmuls of one row with AVX-512 BF16 and no AMX, where it
 was measured (kernels/cpu_int8.py): inductor's arithmetic in inductor's order, so the same bits as inductor's kernel
-(tests/kernels/test_cpu_int8.py), at 64 columns or 32 (`balanced_width`, among the widths that divide the matmul)
-where inductor files its kernel at 32 (two chains of multiply-adds at one row), its weights streamed by the same rule
-as the others. Paired against inductor's kernel (results/README.md, claim 2, session 29, 9 rounds): SmolLM2's int8
-step 1.10x, its int4 step (whose LM head is int8) 1.09x.
+(tests/kernels/test_cpu_int8.py), its weights streamed by the same rule as the others, which is what it is for: a
+SmolLM2 int8 step, and the int8 LM head of an int4 one, gained by it, and not by its blocks (64 columns or 32,
+`balanced_width` among the widths that divide the matmul, where inductor's are 32), which alone measured level
+(results/README.md, claim 2, session 29).
 """
 
 from __future__ import annotations
@@ -250,9 +250,13 @@ class _Kernel:
         return self.installed
 
     def tag(self) -> str:
-        """The kernel's name and a hash of what selects its code (its source, and its registration: the rule of the
-        matmuls it takes): a changed kernel is compiled anew, not read from a cache."""
-        rules = inspect.getsource(self.register) if inspect.isfunction(self.register) else ""
+        """The kernel's name and a hash of what selects its code (its source, and the text of its registering
+        function, where the rule of the matmuls it takes is written): a changed kernel is compiled anew, not read
+        from a cache."""
+        try:
+            rules = inspect.getsource(self.register)
+        except (OSError, TypeError):  # no source file (an installation without .py files), or no function
+            rules = ""
         return f"{self.name}-{hashlib.sha256((self.source() + rules).encode()).hexdigest()[:16]}"
 
 
@@ -426,14 +430,14 @@ def _tag(name: str, tag: str, on: bool) -> None:
 
 
 @contextlib.contextmanager
-def withheld(when: bool = True, names: tuple[str, ...] | None = None):
+def withheld(when: bool = True, only: tuple[_Kernel, ...] | None = None):
     """Steps compiled inside run inductor's own kernels, none of these (an A/B of them: scripts/ab_cpu.py's
-    `~nodot`), or none of those `names` names (`~llmstep_int8_avx512`); `when` False: a no-op, for callers that
-    withhold them in some runs only."""
+    `~nodot`), or none of `only` (`~llmstep_int8_avx512`); `when` False: a no-op, for callers that withhold them
+    in some runs only."""
     if not when:
         yield
         return
-    installed = [k for k in kernels() if k.install() and (names is None or k.name in names)]  # installing: a tag
+    installed = [k for k in kernels() if k.install() and (only is None or k in only)]  # installing adds a tag
     with contextlib.ExitStack() as stack:
         stack.callback(setattr, torch.compiler.config, "cache_key_tag", torch.compiler.config.cache_key_tag)
         for kernel in installed:

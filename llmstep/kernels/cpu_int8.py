@@ -6,11 +6,11 @@ weights as the template packs them: [N / BLOCK_N, K, BLOCK_N] bytes, one k-row o
 The arithmetic is inductor's own kernel's, in its order: each weight widened to float32, multiplied by the row's
 activation (bf16, exact in float32) and added to its column's float32 sum, k after k, one chain per column; the
 per-column scale is the template's epilogue. So the step is the same function to the bit as with inductor's
-kernel (tests/kernels/test_cpu_int8.py). What differs is how it runs on one row: inductor files its kernel at 32
-columns for small m, two vectors, so each k waits on the latency of two chains of multiply-adds; here a block is
-64 columns (32 where that keeps two threads evenly busy: cpu_gemm.balanced_width), four chains; and in a step whose
-weights outgrow the last-level cache the weights stream past it (`_MM_HINT_NTA`, `stream_ahead` bytes ahead, by
-cpu_gemm's `streams_weights` rule) where inductor's prefetches them into every cache (`_MM_HINT_T0`).
+kernel (tests/kernels/test_cpu_int8.py). What differs is where the weights go: in a step whose weights outgrow the
+last-level cache they stream past it (`_MM_HINT_NTA`, `stream_ahead` bytes ahead, by cpu_gemm's `streams_weights`
+rule), where inductor's kernel prefetches them into every cache (`_MM_HINT_T0`) and so evicts what the rest of the
+step reads again. The blocks are 64 columns, or 32 where that splits the matmul more evenly over the threads
+(cpu_gemm.balanced_width), against inductor's 32 at small m; that alone measured level (results/README.md, claim 2).
 """
 
 # The kernel's template variables: inductor's (kernel_name, input_t, input2_t, output_t, restrict_keyword, block_k,

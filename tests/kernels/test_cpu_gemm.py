@@ -47,6 +47,8 @@ def test_a_cpu_without_avx512_bf16_keeps_inductors_kernels_and_says_why(monkeypa
     from torch._inductor import cpu_vec_isa
     from torch._inductor.codegen import cpp_micro_gemm
 
+    for kernel in cpu_gemm.kernels():  # on this CPU, first: withheld below installs them, and a failure would stick
+        kernel.install()
     monkeypatch.setattr(cpu_gemm, "BF16", replace(cpu_gemm.BF16, cls=None, why=None))
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.VecAVX2())
     before = dict(cpp_micro_gemm.micro_gemm_configs)

@@ -140,8 +140,8 @@ def test_the_avx512_kernel_computes_the_one_row_matmul_at_every_group_and_split(
 
 @slow
 def test_the_avx512_kernel_streaming_its_codes_computes_the_same_bits():
-    """Streaming the codes past the caches (cpu_gemm.streams_weights) is a prefetch hint: the outputs are the
-    unstreamed kernel's, bit for bit."""
+    """Streaming the codes and the scale rows past the caches (cpu_gemm.streams_weights) is a prefetch hint: the
+    outputs are the unstreamed kernel's, bit for bit."""
     from llmstep.core import torch_compat
 
     if torch_compat.cpu_vector_isa() != "avx512_bf16":

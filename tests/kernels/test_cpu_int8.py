@@ -1,7 +1,14 @@
-"""inductor's own int8 micro-kernel registered at wider blockings for one-row decode on AVX2
-(llmstep/kernels/cpu_gemm.py's `INT8`): a compiled int8 decode step runs it (64 columns, where 64 divide the matmul)
-and makes the eager step's tokens; `withheld` leaves inductor's own. In a child process with torch and
-inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so it runs on every x86 CPU with AVX2, AVX-512 ones included."""
+"""llmstep's int8 micro-kernels for inductor's weight-only int8 template (llmstep/kernels/cpu_gemm.py).
+
+`INT8`, inductor's own kernel registered at wider blockings for one-row decode on AVX2: a compiled int8 decode step
+runs it (64 columns, where 64 divide the matmul) and makes the eager step's tokens; `withheld` leaves inductor's
+own. In a child process with torch and inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so it runs on every x86 CPU
+with AVX2, AVX-512 ones included.
+
+`INT8_AVX512`, llmstep's own kernel for one-row matmuls with AVX-512 BF16 and no AMX (kernels/cpu_int8.py): the
+same bits as inductor's kernel, streaming or not, at the balanced width that divides the matmul; registered only
+where it was measured; named in the compile cache keys.
+"""
 
 from __future__ import annotations
 
@@ -102,40 +109,40 @@ def _int8_linear(cols: int, depth: int, seed: int):
 
 
 def _compiled(layer, x, stream, withheld=False):
-    """layer(x) compiled as a CPU step (weights frozen), with the kernel streaming (`stream`: streaming's argument)
-    or withheld: (output, generated code)."""
+    """layer(x) compiled as a CPU step (weights frozen), its matmul held to inductor's C++ template (gemm_backends
+    "CPP": no tuner choosing oneDNN instead), with the kernel streaming (`stream`: streaming's argument) or withheld:
+    (output, generated code)."""
     from torch._inductor.utils import run_and_get_code
 
     from llmstep.engines.compile import compile_step
     from llmstep.kernels import cpu_gemm
 
     torch._dynamo.reset()
-    backends = torch._inductor.config.max_autotune_gemm_backends
-    torch._inductor.config.max_autotune_gemm_backends = "CPP"  # the template, whichever the tuner would time faster
-    try:
-        with cpu_gemm.streaming(stream), cpu_gemm.withheld(withheld), torch.no_grad():
-            step = compile_step(lambda x: layer(x), torch.device("cpu"))
-            out, code = run_and_get_code(step, x)
-    finally:
-        torch._inductor.config.max_autotune_gemm_backends = backends
+    with cpu_gemm.streaming(stream), cpu_gemm.withheld(withheld), torch.no_grad():
+        step = compile_step(lambda x: layer(x), torch.device("cpu"), gemm_backends="CPP")
+        out, code = run_and_get_code(step, x)
     return out, "\n".join(code)
 
 
 @slow
-@pytest.mark.parametrize("cols,depth", [(2048, 384), (576, 576), (96, 128)])
-def test_on_avx512_a_one_row_int8_matmul_runs_the_kernel_and_gives_inductors_bits(avx512_int8, cols, depth):
+@pytest.mark.parametrize("cols,depth,width", [(2048, 384, 64), (576, 576, 32), (96, 128, 32)])
+def test_on_avx512_a_one_row_int8_matmul_runs_the_kernel_and_gives_inductors_bits(avx512_int8, cols, depth, width):
     """The kernel does inductor's arithmetic in inductor's order: streaming or not, its outputs are those of the step
-    compiled without it, bit for bit, and the dequantised matmul's to within float32 sums; each matmul runs it at
-    the width that keeps the threads evenly busy (576 columns: 32 wide with two threads, 18 blocks, not 9 of 64)
-    among those that divide the matmul (96: 32, which 64 does not divide)."""
+    compiled without it, bit for bit, and the dequantised matmul's to within float32 sums; with two threads each
+    matmul runs it at the width that keeps them evenly busy (576 columns: 32 wide, 18 blocks, not 9 of 64) among
+    those that divide the matmul (96: 32, which 64 does not divide)."""
     from llmstep.kernels import cpu_gemm
 
-    layer, x = _int8_linear(cols, depth, seed=cols + depth)
-    inductors, code = _compiled(layer, x, None, withheld=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer, x = _int8_linear(cols, depth, seed=cols + depth)
+        inductors, code = _compiled(layer, x, None, withheld=True)
+        runs = [(stream, *_compiled(layer, x, stream)) for stream in (True, False)]
+    finally:
+        torch.set_num_threads(threads)
     assert cpu_gemm.INT8_AVX512_KERNEL_NAME not in code
-    width = cpu_gemm.balanced_width(cols, torch.get_num_threads(), (64, 32) if cols % 64 == 0 else (32,))
-    for stream in (True, False):
-        out, code = _compiled(layer, x, stream)
+    for stream, out, code in runs:
         assert cpu_gemm.INT8_AVX512_KERNEL_NAME in code and f"constexpr int64_t Nr = {width};" in code, stream
         assert ("_MM_HINT_NTA" in code) == stream
         assert torch.equal(out, inductors), stream
@@ -143,10 +150,7 @@ def test_on_avx512_a_one_row_int8_matmul_runs_the_kernel_and_gives_inductors_bit
     assert (out.double() - want).abs().max() <= 2 ** -7 * want.abs().max() + 1e-3
 
 
-def test_on_avx512_it_is_named_in_the_cache_keys_and_only_where_it_was_measured(avx512_int8, monkeypatch):
-    from dataclasses import replace
-
-    from llmstep.core import torch_compat
+def test_on_avx512_it_is_named_in_the_cache_keys_streaming_or_not(avx512_int8):
     from llmstep.kernels import cpu_gemm
 
     tags = set()
@@ -155,10 +159,54 @@ def test_on_avx512_it_is_named_in_the_cache_keys_and_only_where_it_was_measured(
             assert cpu_gemm.INT8_AVX512.tag() in torch.compiler.config.cache_key_tag.split("+")
             tags.add(cpu_gemm.INT8_AVX512.tag())
     assert len(tags) == 3  # a step compiled streaming is never served to one that does not
-    with cpu_gemm.withheld():
-        assert not any(t.startswith(cpu_gemm.INT8_AVX512_KERNEL_NAME)
-                       for t in torch.compiler.config.cache_key_tag.split("+"))
-    for isa in ("amx", "avx2", "avx512"):  # not measured there: inductor's own kernels, and the reason
+    with cpu_gemm.withheld(only=(cpu_gemm.INT8_AVX512,)):
+        tags = torch.compiler.config.cache_key_tag.split("+")
+        assert not any(t.startswith(cpu_gemm.INT8_AVX512_KERNEL_NAME) for t in tags)
+        assert all(k.tag() in tags for k in cpu_gemm.kernels() if k.installed and k is not cpu_gemm.INT8_AVX512)
+
+
+def test_the_avx512_kernel_is_registered_only_where_it_was_measured(monkeypatch):
+    """AVX-512 BF16 without AMX (a Zen 4 EPYC): elsewhere inductor's own kernels, nothing registered, the reason."""
+    from dataclasses import replace
+
+    import torch._inductor.select_algorithm  # noqa: F401  (inductor's codegen modules import it first)
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    from llmstep.core import torch_compat
+    from llmstep.kernels import cpu_gemm
+
+    before = dict(cpp_micro_gemm.micro_gemm_configs)
+    for isa in ("amx", "avx2", "avx512"):
         monkeypatch.setattr(cpu_gemm, "INT8_AVX512", replace(cpu_gemm.INT8_AVX512, cls=None, why=None))
         monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
         assert not cpu_gemm.INT8_AVX512.install() and f"({isa})" in cpu_gemm.INT8_AVX512.why
+        assert cpp_micro_gemm.micro_gemm_configs == before
+
+
+@pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
+    (1, 49152, 576, 2, False, [64]),  # SmolLM2's LM head: 768 blocks of 64, evenly split
+    (1, 576, 576, 2, False, [32]),  # 9 blocks of 64 split 5/4; 18 of 32 split 9/9
+    (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
+    (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernel has no column tail
+    (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
+    (1, 576, 96, 2, False, []),  # k not a multiple of the 64-row k-block
+    (2, 576, 576, 2, False, []),  # more than one row: inductor's kernels
+    (1, 576, 576, 2, True, []),  # a prefill's dynamic row count
+])
+def test_the_avx512_kernel_takes_one_row_matmuls_at_the_balanced_width_that_divides_them(monkeypatch, m, n, k,
+                                                                                      threads, dynamic, widths):
+    from types import SimpleNamespace
+
+    from llmstep.core import torch_compat
+    from llmstep.kernels import cpu_gemm
+
+    seen = {}
+    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx512_bf16")
+    monkeypatch.setattr(torch_compat, "register_int8_micro_gemm",
+                        lambda name, blockings, fits, **kw: seen.update(blockings=blockings, fits=fits))
+    cpu_gemm._register_int8_avx512()  # its rule, with nothing registered
+    configs = [SimpleNamespace(register_blocking=SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
+               for bm, bn, bk in seen["blockings"]]
+    taken = [c.register_blocking.block_n for c in configs
+             if seen["fits"](c, m, n, k, 1, threads, dynamic_M=dynamic)]
+    assert taken == widths
