@@ -70,7 +70,11 @@ def test_a_one_row_decode_takes_the_wide_blocking_and_the_same_tokens():
     assert not off["kernel"] and off["same_tokens"], off
 
 
-def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
+@pytest.mark.parametrize("name,isas,why", [
+    ("INT8", ("avx512_bf16", "amx", "avx512"), "{isa}, not AVX2"),  # inductor's kernel, re-registered for AVX2 alone
+    ("INT8_AVX512", ("amx", "avx2", "avx512"), "({isa})"),  # llmstep's: AVX-512 BF16 without AMX, where measured
+])
+def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch, name, isas, why):
     from dataclasses import replace
 
     import torch._inductor.select_algorithm  # noqa: F401  (inductor's codegen modules import it first)
@@ -80,10 +84,11 @@ def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
     from llmstep.kernels import cpu_gemm
 
     before = dict(cpp_micro_gemm.micro_gemm_configs)
-    for isa in ("avx512_bf16", "amx", "avx512"):
-        monkeypatch.setattr(cpu_gemm, "INT8", replace(cpu_gemm.INT8, cls=None, why=None))
+    for isa in isas:
+        monkeypatch.setattr(cpu_gemm, name, replace(getattr(cpu_gemm, name), cls=None, why=None))
         monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
-        assert not cpu_gemm.INT8.install() and f"{isa}, not AVX2" in cpu_gemm.INT8.why
+        kernel = getattr(cpu_gemm, name)
+        assert not kernel.install() and why.format(isa=isa) in kernel.why
         assert cpp_micro_gemm.micro_gemm_configs == before
 
 
@@ -163,24 +168,6 @@ def test_on_avx512_it_is_named_in_the_cache_keys_streaming_or_not(avx512_int8):
         tags = torch.compiler.config.cache_key_tag.split("+")
         assert not any(t.startswith(cpu_gemm.INT8_AVX512_KERNEL_NAME) for t in tags)
         assert all(k.tag() in tags for k in cpu_gemm.kernels() if k.installed and k is not cpu_gemm.INT8_AVX512)
-
-
-def test_the_avx512_kernel_is_registered_only_where_it_was_measured(monkeypatch):
-    """AVX-512 BF16 without AMX (a Zen 4 EPYC): elsewhere inductor's own kernels, nothing registered, the reason."""
-    from dataclasses import replace
-
-    import torch._inductor.select_algorithm  # noqa: F401  (inductor's codegen modules import it first)
-    from torch._inductor.codegen import cpp_micro_gemm
-
-    from llmstep.core import torch_compat
-    from llmstep.kernels import cpu_gemm
-
-    before = dict(cpp_micro_gemm.micro_gemm_configs)
-    for isa in ("amx", "avx2", "avx512"):
-        monkeypatch.setattr(cpu_gemm, "INT8_AVX512", replace(cpu_gemm.INT8_AVX512, cls=None, why=None))
-        monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
-        assert not cpu_gemm.INT8_AVX512.install() and f"({isa})" in cpu_gemm.INT8_AVX512.why
-        assert cpp_micro_gemm.micro_gemm_configs == before
 
 
 @pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
