@@ -305,7 +305,7 @@ def _retag() -> None:
     stays untagged."""
     tags = torch.compiler.config.cache_key_tag.split("+")
     for kernel in kernels():
-        if kernel.installed and any(t.startswith(kernel.name) for t in tags):
+        if kernel.installed and any(t.startswith(f"{kernel.name}-") for t in tags):
             _tag(kernel.name, kernel.tag(), True)
 
 
@@ -425,7 +425,7 @@ def _tag(name: str, tag: str, on: bool) -> None:
     """Name a kernel in torch.compile's cache keys (`cache_key_tag`): the registry is not part of them, so
     without the tag a step compiled with the kernel and one compiled without could be served from each other's
     cache entries (across processes, or either side of `withheld`)."""
-    tags = [t for t in torch.compiler.config.cache_key_tag.split("+") if t and not t.startswith(name)]
+    tags = [t for t in torch.compiler.config.cache_key_tag.split("+") if t and not t.startswith(f"{name}-")]
     torch.compiler.config.cache_key_tag = "+".join(tags + [tag] * on)
 
 

@@ -294,3 +294,19 @@ def test_a_step_that_streams_its_weights_computes_the_same_bits(every_row, monke
     streamed = "_rows<1, true>("  # the kernel's one-row call that streams (inductor names the kernel)
     assert (streamed in codes[0]) == (cache < linear.weight.nbytes) and streamed not in codes[1]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_kernels_tag_is_replaced_by_its_own_name_only():
+    """A kernel whose name extends another's (llmstep_int8_avx2 and a future llmstep_int8_avx2_vnni) keeps its tag
+    when the other's is replaced or withdrawn."""
+    before = torch.compiler.config.cache_key_tag
+    try:
+        torch.compiler.config.cache_key_tag = ""
+        cpu_gemm._tag("llmstep_k", "llmstep_k-aaa", True)
+        cpu_gemm._tag("llmstep_k_wide", "llmstep_k_wide-bbb", True)
+        cpu_gemm._tag("llmstep_k", "llmstep_k-ccc", True)
+        assert torch.compiler.config.cache_key_tag.split("+") == ["llmstep_k_wide-bbb", "llmstep_k-ccc"]
+        cpu_gemm._tag("llmstep_k", "llmstep_k-ccc", False)
+        assert torch.compiler.config.cache_key_tag == "llmstep_k_wide-bbb"
+    finally:
+        torch.compiler.config.cache_key_tag = before
