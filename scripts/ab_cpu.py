@@ -75,9 +75,10 @@ def attention_of(spec: str):
 STREAM = {"": None, "stream": True, "nostream": False}
 
 
-def withheld_kernels(nodot: str, spec: str) -> tuple | None:
-    """What `~NODOT` withholds: every kernel of cpu_gemm (nodot, or nothing when empty: None), or the one it names,
-    which must be installed here (else the A/B would compare a step with itself)."""
+def withheld_kernels(spec: str) -> tuple | None:
+    """The kernel a variant's `~KERNEL_NAME` withholds, which must be installed here (else the A/B would compare a
+    step with itself); None for `~nodot` (every kernel of cpu_gemm) or no `~` (`build` tells those apart)."""
+    nodot = spec.partition("|")[0].partition("&")[0].partition("%")[0].partition("~")[2]
     if nodot in ("", "nodot"):
         return None
     by_name = {k.name: k for k in cpu_gemm.kernels()}
@@ -88,7 +89,8 @@ def withheld_kernels(nodot: str, spec: str) -> tuple | None:
     return (by_name[nodot],)
 
 
-def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
+def build(spec: str, name: str, group_size: int | None = None, only: tuple | None = None) -> FastDecoder:
+    """A variant's decoder, compiled; only: `withheld_kernels(spec)`."""
     head, _, opts = spec.partition("|")
     head, _, stream = head.partition("&")
     if stream not in STREAM:
@@ -108,7 +110,6 @@ def build(spec: str, name: str, group_size: int | None = None) -> FastDecoder:
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | overrides)
     decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    only = withheld_kernels(nodot, spec)
     with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot), only):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
@@ -127,14 +128,13 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     load_before = runinfo.load_average()
-    for v in a.variants:  # before any model is loaded
-        withheld_kernels(v.partition("|")[0].partition("&")[0].partition("%")[0].partition("~")[2], v)
+    withheld = [withheld_kernels(v) for v in a.variants]  # checked before any model is loaded
     attentions = [attention_of(v) for v in a.variants]
     compile_mod.cpu_attention = types.SimpleNamespace(install=lambda: None)  # each variant registers its own
     decoders = []
-    for v, attend in zip(a.variants, attentions, strict=True):
+    for v, attend, only in zip(a.variants, attentions, withheld, strict=True):
         attention_backend.use_cpu_step_kernel(attend)
-        decoders.append(build(v, a.model, a.group_size))
+        decoders.append(build(v, a.model, a.group_size, only))
     vocab = decoders[0].model.config.vocab_size
     ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     first = []
