@@ -39,7 +39,7 @@ kernels/      hand-written kernels the compiled step may run, each the same func
     cpu_gemm.py    micro-kernels for inductor's CPU matmul templates: bf16 dot (AVX-512 BF16), int4, int8
     cpu_int4.py    the int4 micro-kernels' C++: AVX2, and AVX-512 BF16 for one-row matmuls
     cpu_int8.py    the int8 micro-kernel's C++ for one-row matmuls on AVX-512
-    cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512)
+    cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512, AVX2)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once
     engine.py      what the engines that own a cache share: one run at a time, cache sizing, warm-up

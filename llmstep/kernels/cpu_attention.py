@@ -10,8 +10,9 @@ decode step needs and nothing more. For each query row (the n_rep query heads of
 `attention.sdpa` stacks them; one task a row, shared among the threads by torch's `at::parallel_for`) it lists
 the visible slots, dots the (scaled) row with those keys four at a time (float32 products and sums), takes the
 softmax in float32 (e^x by a degree-6 polynomial and a power of two, within ~4 float32 ulps), sums the visible
-values with those weights in float32 and rounds once to the output's dtype. AVX-512
-intrinsics (both CPU kinds the project measures have them); head_dim a multiple of 16. The same function as SDPA
+values with those weights in float32 and rounds once to the output's dtype. Written once
+over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
+own library; head_dim a multiple of 16. The same function as SDPA
 to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
 that sees none gives NaN; a NaN score is not propagated): tests/kernels/test_cpu_attention.py holds it to a
 float64 computation, float32 and bf16, and shows the masked values unread.
@@ -21,10 +22,10 @@ on one Zen 4 thread where SDPA's took 45 us. In the step (scripts/ab_cpu.py `%AT
 2's attention row, paired in one process) SmolLM2's int4 step ran 1.21x SDPA's and 1.12x the plain ops', its bf16
 step 1.10x / 1.19x, and the shipped model's 1.21-1.25x / 1.12-1.15x.
 
-`install()` builds it once per machine (torch.utils.cpp_extension with ninja and the C++ compiler inductor needs
-anyway: ~8 s the first time, kept in $LLMSTEP_HOME/kernels) and registers it with `attention_backend`, so that
-`sdpa` calls it for a static CPU step of one sequence in float32 or bf16 under the "auto" choice;
-compile.compile_step installs it for every CPU step. On a CPU without AVX-512, or where the build fails, it
+`install()` builds the kernel of this CPU's ISA once per machine (torch.utils.cpp_extension with ninja and the C++
+compiler inductor needs anyway: ~8 s the first time, kept in $LLMSTEP_HOME/kernels) and registers it with
+`attention_backend`, so that `sdpa` calls it for a static CPU step of one sequence in float32 or bf16 under the
+"auto" choice; compile.compile_step installs it for every CPU step. On a CPU without AVX2, or where the build fails, it
 registers nothing and says why (`why()`): SDPA's kernel runs.
 """
 
@@ -40,7 +41,7 @@ import torch
 from ..core import attention_backend, registry
 from ..core.files import atomic_write_text
 
-__all__ = ["SOURCE", "install", "installed", "why", "attend"]
+__all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "build", "isa_here"]
 
 SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -60,29 +61,84 @@ SOURCE = r"""
 
 namespace {
 
-// 16 floats from 16 float32 or bf16 values (bf16 is float32's upper half: widening is exact, a shift).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
+// The vector of W float32 lanes the kernel is written in: AVX-512's 16 or AVX2's 8, whichever the build targets
+// (install() builds the one the CPU runs; the tests build both where the CPU runs both).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using vec = __m512;
+inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline vec load(const c10::BFloat16* p) {  // bf16 is float32's upper half: widening is exact, a shift
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline void store(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec splat(float x) { return _mm512_set1_ps(x); }
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vec nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+inline vec times_pow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p 2^n
+inline vec zero_below(vec p, vec x, float floor) {  // p where x >= floor, else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(floor), _CMP_GE_OQ), p);
+}
+inline float sum(vec x) { return _mm512_reduce_add_ps(x); }
+inline float top(vec x) { return _mm512_reduce_max_ps(x); }
+#else
+constexpr int W = 8;
+using vec = __m256;
+inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline vec load(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec splat(float x) { return _mm256_set1_ps(x); }
+inline vec zero() { return _mm256_setzero_ps(); }
+inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec fnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vec nearest(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec times_pow2(vec p, vec n) {  // p 2^n for whole n in [-126, 0]: 2^n built in float32's exponent field
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vec zero_below(vec p, vec x, float floor) {
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(floor), _CMP_GE_OQ), p);
+}
+inline float sum(vec x) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+inline float top(vec x) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
 
-// e^x for 16 values x <= 0 (below -87: 0) to within ~2 float32 ulps: x = n ln2 + r with |r| <= ln2/2, e^r by its
-// Taylor polynomial to r^6, times 2^n (scalef).
-inline __m512 exp16(__m512 x) {
-  const __m512 y = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), y);  // ln2 in two parts: no cancellation error
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+// e^x for W values x <= 0 (below -87: 0) to within ~2 float32 ulps: x = n ln2 + r with |r| <= ln2/2, e^r by its
+// Taylor polynomial to r^6, times 2^n. The same bits on both widths.
+inline vec exp_lanes(vec x) {
+  const vec y = max(x, splat(-87.0f));
+  const vec n = nearest(mul(y, splat(1.44269504f)));  // in [-126, 0]
+  vec r = fnmadd(n, splat(0.693145752f), y);  // ln2 in two parts: no cancellation error
+  r = fnmadd(n, splat(1.42860677e-6f), r);
+  vec p = splat(1.0f / 720);
+  p = fmadd(p, r, splat(1.0f / 120));
+  p = fmadd(p, r, splat(1.0f / 24));
+  p = fmadd(p, r, splat(1.0f / 6));
+  p = fmadd(p, r, splat(0.5f));
+  p = fmadd(p, r, splat(1.0f));
+  p = fmadd(p, r, splat(1.0f));
+  return zero_below(times_pow2(p, n), x, -87.0f);
 }
 
 // q [B, H, R, D], k/v [B, H, S, D], mask [B, 1, R, S] (contiguous; D a multiple of 16) -> out [B, H, R, D]: one
@@ -91,7 +147,7 @@ template <typename T>
 void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B, int64_t H, int64_t R,
             int64_t S, int64_t D, float scale) {
   at::parallel_for(0, B * H * R, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded = (S + 15) / 16 * 16;
+    const int64_t padded = (S + W - 1) / W * W;
     std::vector<float> row(D), score(padded);
     std::vector<int64_t> seen(padded);
     for (int64_t task = begin; task < end; ++task) {
@@ -99,8 +155,7 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
       const T* kh = k + bh * S * D;
       const T* vh = v + bh * S * D;
       const bool* m = mask + (b * R + r) * S;
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(row.data() + d, _mm512_mul_ps(load16(q + task * D + d), _mm512_set1_ps(scale)));
+      for (int64_t d = 0; d < D; d += W) store(row.data() + d, mul(load(q + task * D + d), splat(scale)));
       int64_t n = 0;
       for (int64_t s = 0; s < S; ++s) {
         seen[n] = s;
@@ -110,46 +165,45 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
       for (; i + 4 <= n; i += 4) {  // the scores of the visible keys, four at a time
         const T *k0 = kh + seen[i] * D, *k1 = kh + seen[i + 1] * D, *k2 = kh + seen[i + 2] * D,
                 *k3 = kh + seen[i + 3] * D;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 x = _mm512_loadu_ps(row.data() + d);
-          a0 = _mm512_fmadd_ps(x, load16(k0 + d), a0);
-          a1 = _mm512_fmadd_ps(x, load16(k1 + d), a1);
-          a2 = _mm512_fmadd_ps(x, load16(k2 + d), a2);
-          a3 = _mm512_fmadd_ps(x, load16(k3 + d), a3);
+        vec a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += W) {
+          const vec x = load(row.data() + d);
+          a0 = fmadd(x, load(k0 + d), a0);
+          a1 = fmadd(x, load(k1 + d), a1);
+          a2 = fmadd(x, load(k2 + d), a2);
+          a3 = fmadd(x, load(k3 + d), a3);
         }
-        score[i] = _mm512_reduce_add_ps(a0), score[i + 1] = _mm512_reduce_add_ps(a1);
-        score[i + 2] = _mm512_reduce_add_ps(a2), score[i + 3] = _mm512_reduce_add_ps(a3);
+        score[i] = sum(a0), score[i + 1] = sum(a1), score[i + 2] = sum(a2), score[i + 3] = sum(a3);
       }
       for (; i < n; ++i) {
         const T* ks = kh + seen[i] * D;
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(row.data() + d), load16(ks + d), a);
-        score[i] = _mm512_reduce_add_ps(a);
+        vec a = zero();
+        for (int64_t d = 0; d < D; d += W) a = fmadd(load(row.data() + d), load(ks + d), a);
+        score[i] = sum(a);
       }
       const float hidden = -std::numeric_limits<float>::infinity();
       for (int64_t j = n; j < padded; ++j) score[j] = hidden;  // past the visible ones: weight 0
-      __m512 top16 = _mm512_set1_ps(hidden);
-      for (int64_t j = 0; j < padded; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(score.data() + j));
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16));
-      __m512 total16 = _mm512_setzero_ps();
-      for (int64_t j = 0; j < padded; j += 16) {  // the weights, e^(score - top)
-        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(score.data() + j), top));
-        _mm512_storeu_ps(score.data() + j, p);
-        total16 = _mm512_add_ps(total16, p);
+      vec highest = splat(hidden);
+      for (int64_t j = 0; j < padded; j += W) highest = max(highest, load(score.data() + j));
+      const vec shift = splat(top(highest));
+      vec total = zero();
+      for (int64_t j = 0; j < padded; j += W) {  // the weights, e^(score - top)
+        const vec p = exp_lanes(sub(load(score.data() + j), shift));
+        store(score.data() + j, p);
+        total = add(total, p);
       }
-      const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total16));  // none visible: inf, as NaN
-      for (int64_t d = 0; d < D; d += 16) {  // the weighted sum of the visible values, 16 columns at a time
-        __m512 even = _mm512_setzero_ps(), odd = even;
+      const vec inverse = splat(1.0f / sum(total));  // none visible: inf, as NaN
+      for (int64_t d = 0; d < D; d += W) {  // the weighted sum of the visible values, W columns at a time
+        vec even = zero(), odd = even;
         int64_t j = 0;
         for (; j + 2 <= n; j += 2) {
-          even = _mm512_fmadd_ps(_mm512_set1_ps(score[j]), load16(vh + seen[j] * D + d), even);
-          odd = _mm512_fmadd_ps(_mm512_set1_ps(score[j + 1]), load16(vh + seen[j + 1] * D + d), odd);
+          even = fmadd(splat(score[j]), load(vh + seen[j] * D + d), even);
+          odd = fmadd(splat(score[j + 1]), load(vh + seen[j + 1] * D + d), odd);
         }
-        if (j < n) even = _mm512_fmadd_ps(_mm512_set1_ps(score[j]), load16(vh + seen[j] * D + d), even);
-        alignas(64) float o[16];
-        _mm512_store_ps(o, _mm512_mul_ps(_mm512_add_ps(even, odd), inverse));
-        for (int c = 0; c < 16; ++c) out[task * D + d + c] = static_cast<T>(o[c]);
+        if (j < n) even = fmadd(splat(score[j]), load(vh + seen[j] * D + d), even);
+        alignas(64) float o[W];
+        store(o, mul(add(even, odd), inverse));
+        for (int c = 0; c < W; ++c) out[task * D + d + c] = static_cast<T>(o[c]);
       }
     }
   });
@@ -159,14 +213,14 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          double scale) {
   TORCH_CHECK(q.dim() == 4 && k.sizes() == v.sizes() && k.dim() == 4 && q.size(0) == k.size(0) &&
                   q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "llmstep_cpu::attention: q [B, H, R, D], k and v [B, H, S, D]; got ", q.sizes(), ", ", k.sizes(),
+              "LLMSTEP_NS::attention: q [B, H, R, D], k and v [B, H, S, D]; got ", q.sizes(), ", ", k.sizes(),
               ", ", v.sizes());
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
                   mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) == k.size(2),
-              "llmstep_cpu::attention: mask bool [B, 1, R, S]; got ", mask.scalar_type(), " ", mask.sizes());
-  TORCH_CHECK(q.size(3) % 16 == 0, "llmstep_cpu::attention: head_dim a multiple of 16, got ", q.size(3));
+              "LLMSTEP_NS::attention: mask bool [B, 1, R, S]; got ", mask.scalar_type(), " ", mask.sizes());
+  TORCH_CHECK(q.size(3) % 16 == 0, "LLMSTEP_NS::attention: head_dim a multiple of 16, got ", q.size(3));
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "llmstep_cpu::attention: q, k, v of one dtype");
+              "LLMSTEP_NS::attention: q, k, v of one dtype");
   auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
   auto out = at::empty_like(qc);
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
@@ -174,7 +228,7 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
     attend<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), mc.data_ptr<bool>(),
                   out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "llmstep_cpu::attention: float32 or bfloat16, got ",
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "LLMSTEP_NS::attention: float32 or bfloat16, got ",
                 q.scalar_type());
     attend<c10::BFloat16>(qc.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
                           mc.data_ptr<bool>(), out.data_ptr<c10::BFloat16>(), B, H, R, S, D,
@@ -190,60 +244,76 @@ at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY(llmstep_cpu, m) {
+TORCH_LIBRARY(LLMSTEP_NS, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(llmstep_cpu, CPU, m) { m.impl("attention", &attention_cpu); }
-TORCH_LIBRARY_IMPL(llmstep_cpu, Meta, m) { m.impl("attention", &attention_meta); }
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) { m.impl("attention", &attention_cpu); }
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) { m.impl("attention", &attention_meta); }
 """
 
-# AVX-512F and FMA named, not -march=native: a build shared between machines runs on any with AVX-512 (`install`
-# checks the one it runs on); OpenMP for at::parallel_for, whose loop is inlined from torch's headers.
-_FLAGS = ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"]
+# The vector ISAs it is written for, each built as its own library with its own op namespace (llmstep_cpu_ISA, where
+# the source says LLMSTEP_NS), by the flags that name the ISA rather than -march=native: a build shared between
+# machines runs on any with that ISA (`install` picks the CPU's own). OpenMP for at::parallel_for, whose loop is
+# inlined from torch's headers.
+ISAS = {"avx512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"], "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
+_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability() -> the ISA it runs
 _STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
-_state: dict[str, str | bool] = {}  # "installed": True, or "why": what stopped it (once per process)
+_state: dict[str, object] = {}  # "op": the installed ISA's op, or "why": what stopped it (once per process)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, H, R, hd], k/v [B, H, S, hd], mask [B, 1, R, S] (True: visible) -> [B, H, R, hd], SDPA's function:
     softmax(q k^T / sqrt(hd), masked) v, in float32 inside. Needs `install()` first."""
-    return torch.ops.llmstep_cpu.attention(q, k, v, mask, q.shape[-1] ** -0.5)
+    return _state["op"](q, k, v, mask, q.shape[-1] ** -0.5)
 
 
-def _build() -> None:
+def isa_here() -> str | None:
+    """The ISA of the kernel this CPU runs (by torch's reading of it: ATEN_CPU_CAPABILITY lowers it), or None."""
+    return _CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
+
+
+def build(isa: str):
+    """Build (once per machine) and load the kernel for `isa` (a key of ISAS), and return its op,
+    `torch.ops.llmstep_cpu_<isa>.attention(q, k, v, mask, scale)`. Calling it on a CPU without that ISA is an
+    illegal instruction: `install` builds `isa_here()`'s."""
     from torch.utils import cpp_extension
 
-    if shutil.which("ninja") is None:  # the ninja wheel (a dependency) without its environment's bin/ on PATH
-        import ninja
+    if isa not in ISAS:
+        raise ValueError(f"no attention kernel for the ISA {isa!r}: one of {', '.join(ISAS)}")
+    namespace = f"llmstep_cpu_{isa}"
+    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "attention"):
+        if shutil.which("ninja") is None:  # the ninja wheel (a dependency) without its environment's bin/ on PATH
+            import ninja
 
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-
-    digest = hashlib.sha256((SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:16]
-    name = f"llmstep_cpu_attention_{digest}"
-    folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
-    source = folder / "cpu_attention.cpp"
-    if not source.exists() or source.read_text() != SOURCE:
-        atomic_write_text(source, SOURCE)  # a reader (another process building) never sees half of it
-    lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-        lock.unlink(missing_ok=True)
-    cpp_extension.load(name, [str(source)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                       build_directory=str(folder), is_python_module=False, verbose=False)
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        text = SOURCE.replace("LLMSTEP_NS", namespace)
+        digest = hashlib.sha256((text + " ".join(ISAS[isa])).encode()).hexdigest()[:16]
+        name = f"{namespace}_attention_{digest}"
+        folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
+        source = folder / "cpu_attention.cpp"
+        if not source.exists() or source.read_text() != text:
+            atomic_write_text(source, text)  # a reader (another process building) never sees half of it
+        lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits
+        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+        cpp_extension.load(name, [str(source)], extra_cflags=ISAS[isa], extra_ldflags=["-fopenmp"],
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    return getattr(torch.ops, namespace).attention
 
 
 def install() -> bool:
-    """Build (once per machine) and load the kernel, and register it for static CPU steps of one sequence
-    (`attention_backend.use_cpu_step_kernel`). Returns whether it is registered; `why()` says what stopped it."""
+    """Build (once per machine) and load the kernel for this CPU's ISA, and register it for static CPU steps of one
+    sequence (`attention_backend.use_cpu_step_kernel`). Returns whether it is registered; `why()` says what stopped
+    it."""
     if not _state:
         capability = torch.backends.cpu.get_cpu_capability()
         try:
-            if capability != "AVX512":
-                raise RuntimeError(f"it is written for AVX-512; this CPU's vector instructions: {capability}")
-            _build()
-            _state["installed"] = True
+            if isa_here() is None:
+                raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: {capability}")
+            _state["op"] = build(isa_here())
         except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
             _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
-    if _state.get("installed"):
+    if "op" in _state:
         attention_backend.use_cpu_step_kernel(attend)
         return True
     return False
@@ -256,7 +326,7 @@ def _first_error(message: str) -> str:
 
 
 def installed() -> bool:
-    return bool(_state.get("installed"))
+    return "op" in _state
 
 
 def why() -> str | None:

@@ -14,12 +14,25 @@ from llmstep.core.config import LlamaConfig
 from llmstep.engines.fast import FastDecoder
 from llmstep.kernels import cpu_attention
 
+# The ISAs this CPU runs, by torch's reading of it: an AVX-512 CPU runs the AVX2 build too, so CI on either CPU kind
+# holds both to the same tests
+RUNS_HERE = {"avx512": ("avx512", "avx2"), "avx2": ("avx2",), None: ()}[cpu_attention.isa_here()]
+
 
 @pytest.fixture(scope="module")
 def kernel():
     if not cpu_attention.install():
         pytest.skip(f"the kernel did not build here: {cpu_attention.why()}")
     return cpu_attention.attend
+
+
+@pytest.fixture(scope="module", params=cpu_attention.ISAS)
+def each_kernel(request):
+    """The kernel as each ISA's build computes it, where this CPU runs that ISA."""
+    if request.param not in RUNS_HERE:
+        pytest.skip(f"this CPU does not run {request.param} ({torch.backends.cpu.get_cpu_capability()})")
+    op = cpu_attention.build(request.param)
+    return lambda q, k, v, mask: op(q, k, v, mask, q.shape[-1] ** -0.5)
 
 
 def exact(q, k, v, visible):
@@ -40,10 +53,10 @@ def inputs(B, H, R, S, D, dtype, seed=0, density=0.6):
 @pytest.mark.parametrize("B,H,R,S,D", [(1, 3, 3, 256, 64), (1, 2, 18, 40, 64), (2, 4, 1, 7, 48), (1, 1, 5, 1, 32),
                                        (1, 8, 4, 130, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_is_masked_attention_in_float32(kernel, B, H, R, S, D, dtype):
+def test_the_kernel_is_masked_attention_in_float32(each_kernel, B, H, R, S, D, dtype):
     q, k, v, visible = inputs(B, H, R, S, D, dtype, seed=S + R)
     want, probs = exact(q, k, v, visible)
-    got = kernel(q, k, v, visible)
+    got = each_kernel(q, k, v, visible)
     assert got.dtype == dtype and got.shape == (B, H, R, D)
     # float32 inside: each output within float32's sums of its exact value, then rounded once to the output dtype
     rounding = 2 ** -24 if dtype == torch.float32 else 2 ** -8  # the unit roundoff of the output's dtype
@@ -51,7 +64,8 @@ def test_the_kernel_is_masked_attention_in_float32(kernel, B, H, R, S, D, dtype)
     assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
 
 
-def test_the_masked_slots_are_never_read(kernel):
+def test_the_masked_slots_are_never_read(each_kernel):
+    kernel = each_kernel
     q, k, v, visible = inputs(1, 3, 3, 64, 64, torch.bfloat16, seed=3)
     got = kernel(q, k, v, visible)
     k2, v2 = k.clone(), v.clone()
@@ -98,7 +112,8 @@ def test_it_is_asked_for_static_cpu_steps_of_one_sequence_under_auto_only(kernel
     assert calls == [(1, 2, 2, 16)]  # the 2 query heads of each KV head stacked
 
 
-def test_bad_arguments_are_named(kernel):
+def test_bad_arguments_are_named(each_kernel):
+    kernel = each_kernel
     q, k, v, visible = inputs(1, 2, 3, 8, 16, torch.float32)
     with pytest.raises(RuntimeError, match="mask bool"):
         kernel(q, k, v, visible.float())
@@ -115,23 +130,40 @@ def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch):
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
 
-    def broken():
+    def broken():  # what cpp_extension raises
         raise RuntimeError("Error building extension 'x':\n[1/2] c++ -c a.cpp\na.cpp:3:1: error: 'x' was not "
                            "declared\nninja: build stopped: subcommand failed.")
 
-    monkeypatch.setattr(cpu_attention, "_build", broken)
+    monkeypatch.setattr(cpu_attention, "build", lambda isa: broken())
     assert not cpu_attention.install() and not cpu_attention.installed()
     assert cpu_attention.why() == "RuntimeError: a.cpp:3:1: error: 'x' was not declared"  # the compiler's own line
     assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 16)) is None
 
 
-def test_a_cpu_without_avx512_is_not_asked_to_build_it(monkeypatch):
+def test_a_cpu_without_avx2_is_not_asked_to_build_it(monkeypatch):
     monkeypatch.setattr(cpu_attention, "_state", {})
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(cpu_attention, "_build", lambda: pytest.fail("built on a CPU without AVX-512"))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    monkeypatch.setattr(cpu_attention, "build", lambda isa: pytest.fail("built on a CPU without AVX2"))
     assert not cpu_attention.install()
-    assert cpu_attention.why() == "RuntimeError: it is written for AVX-512; this CPU's vector instructions: AVX2"
+    assert cpu_attention.why() == ("RuntimeError: it is written for AVX-512 or AVX2; this CPU's vector "
+                                   "instructions: DEFAULT")
+
+
+@pytest.mark.parametrize("capability,isa", [("AVX512", "avx512"), ("AVX2", "avx2")])
+def test_install_builds_the_isa_the_cpu_runs(monkeypatch, capability, isa):
+    monkeypatch.setattr(cpu_attention, "_state", {})
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    built = []
+    monkeypatch.setattr(cpu_attention, "build", lambda isa: built.append(isa) or "op")
+    assert cpu_attention.install() and cpu_attention.installed() and built == [isa]
+    assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 16)) is cpu_attention.attend
+
+
+def test_an_unknown_isa_is_named():
+    with pytest.raises(ValueError, match="no attention kernel for the ISA 'sse2': one of avx512, avx2"):
+        cpu_attention.build("sse2")
 
 
 @torch.no_grad()
@@ -146,5 +178,5 @@ def test_a_compiled_bf16_step_with_it_makes_the_eager_tokens(kernel):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         tokens = compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens
     assert tokens == eager
-    ran = [e for e in prof.events() if e.name == "llmstep_cpu::attention"]
+    ran = [e for e in prof.events() if e.name == f"llmstep_cpu_{cpu_attention.isa_here()}::attention"]
     assert len(ran) >= config.n_layers * 7, len(ran)  # the op itself, a layer a decode step, from the compiled code
