@@ -39,11 +39,8 @@ AVX2 = r"""
 // column j in its low nibble, column j + 16 in its high one) times ROWS rows of A, in float32. Weight (k, n) is
 // (q - 8) * s + z, q its 4-bit code, (s, z) its group's; the sum over a group is taken as
 // s * sum(a * q) + (z - 8 * s) * sum(a): per weight one widening and one multiply-add, the scale applied per group.
-// Even and odd k go to two chains of sums (vg, vh), added per group: a chain waits for its last multiply-add, and
-// one row's four vectors alone would leave the FMA units waiting on that latency. A group's activations are widened
-// to float32 once, 8 at a time, into a buffer (256 k-rows at most at a time), which gives sum(a) by vectors too;
-// each k-row's multiply-adds then broadcast its activation from there, one load, where widening it alone took a
-// few instructions of the vector units the codes' widening keeps busy (scripts/int4_kernel_bench.py times both).
+// Even and odd k go to two chains of sums (vg, vh; asum's two halves), added per group: a chain waits for its last
+// multiply-add, and one row's four vectors alone would leave the FMA units waiting on that latency.
 template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum>
 __attribute__((target("avx2,fma")))
 """ + _SIGNATURE + r"""  static_assert(BLOCK_N == 32, "a block is 32 columns");
@@ -54,7 +51,7 @@ __attribute__((target("avx2,fma")))
   const __m256 eight = _mm256_set1_ps(8.0f);
   __m256 vc[ROWS][COLS], vg[ROWS][COLS], vh[ROWS][COLS];  // the output; this group's sum(a * q), even and odd k
   __m256 scale[COLS], shift[COLS];  // this group's s and z - 8 s, per column
-  float asum[ROWS][2];  // this group's sum(a), per row: the k-rows past a chunk's last 8, the rest
+  float asum[ROWS][2];  // this group's sum(a), per row, even and odd k
   for (int r = 0; r < ROWS; ++r) {
     for (int c = 0; c < COLS; ++c) {
       vc[r][c] = accum ? _mm256_loadu_ps(C + r * ldc + 8 * c) : _mm256_setzero_ps();
@@ -78,51 +75,27 @@ __attribute__((target("avx2,fma")))
       asum[r][0] = asum[r][1] = 0.0f;
       for (int c = 0; c < COLS; ++c) vg[r][c] = vh[r][c] = _mm256_setzero_ps();
     }
-    // the group's activations as float32, up to 256 k-rows at a time (bf16 is float32's upper half: a shift)
-    alignas(32) float af[ROWS][256];
-    __m256 vsum[ROWS];
-    for (int r = 0; r < ROWS; ++r) vsum[r] = _mm256_setzero_ps();
-    for (int64_t c0 = k0, c1; c0 < k1; c0 = c1) {
-      c1 = std::min<int64_t>(k1, c0 + 256);
+    auto row = [&](int64_t k, __m256 (&acc)[ROWS][COLS], int half) {  // weight row k into one chain
+      const uint8_t* b = B + k * ldb;
+      __m256 q[COLS];
+      for (int c = 0; c < 2; ++c) {
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)));
+        q[c] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low4));
+        q[c + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+      }
       for (int r = 0; r < ROWS; ++r) {
-        const {{input_t}}* a = A + r * lda;
-        int64_t k = c0;
-        for (; k + 8 <= c1; k += 8) {
-          const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(
-              _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + k))), 16));
-          _mm256_store_ps(af[r] + (k - c0), x);
-          vsum[r] = _mm256_add_ps(vsum[r], x);
-        }
-        for (; k < c1; ++k) {
-          af[r][k - c0] = static_cast<float>(a[k]);
-          asum[r][0] += af[r][k - c0];
-        }
+        const float a = static_cast<float>(A[r * lda + k]);
+        asum[r][half] += a;
+        const __m256 va = _mm256_set1_ps(a);
+        for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(va, q[c], acc[r][c]);
       }
-      auto row = [&](int64_t k, __m256 (&acc)[ROWS][COLS]) {  // weight row k into one chain
-        const uint8_t* b = B + k * ldb;
-        __m256 q[COLS];
-        for (int c = 0; c < 2; ++c) {
-          const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8 * c)));
-          q[c] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low4));
-          q[c + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-        }
-        for (int r = 0; r < ROWS; ++r) {
-          const __m256 va = _mm256_broadcast_ss(af[r] + (k - c0));
-          for (int c = 0; c < COLS; ++c) acc[r][c] = _mm256_fmadd_ps(va, q[c], acc[r][c]);
-        }
-      };
-      int64_t k = c0;
-      for (; k + 1 < c1; k += 2) {
-        row(k, vg);
-        row(k + 1, vh);
-      }
-      if (k < c1) row(k, vg);
+    };
+    int64_t k = k0;
+    for (; k + 1 < k1; k += 2) {
+      row(k, vg, 0);
+      row(k + 1, vh, 1);
     }
-    for (int r = 0; r < ROWS; ++r) {  // sum(a): the vector's lanes, then the tail's
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(vsum[r]), _mm256_extractf128_ps(vsum[r], 1));
-      const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      asum[r][1] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-    }
+    if (k < k1) row(k, vg, 0);
     flush();
   }
   for (int r = 0; r < ROWS; ++r) {
