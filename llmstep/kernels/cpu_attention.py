@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import threading
 import time
 
 import torch
@@ -42,7 +43,7 @@ import torch
 from ..core import attention_backend, registry
 from ..core.files import atomic_write_text
 
-__all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "build", "isa_here"]
+__all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "build", "isa_here", "runs_here"]
 
 SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -257,32 +258,44 @@ TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) { m.impl("attention", &attention_meta); 
 # machines runs on any with that ISA (`install` picks the CPU's own). OpenMP for at::parallel_for, whose loop is
 # inlined from torch's headers.
 ISAS = {"avx512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"], "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
-_CAPABILITY = {"AVX512": "avx512", "AVX2": "avx2"}  # torch.backends.cpu.get_cpu_capability() -> the ISA it runs
+# torch.backends.cpu.get_cpu_capability() -> the ISAs of ISAS it runs, its own first (an AVX-512 CPU runs AVX2's)
+_RUNS = {"AVX512": ("avx512", "avx2"), "AVX2": ("avx2",)}
 _STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
 _state: dict[str, object] = {}  # "op": the installed ISA's op, or "why": what stopped it (once per process)
+_installing = threading.Lock()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [B, H, R, hd], k/v [B, H, S, hd], mask [B, 1, R, S] (True: visible) -> [B, H, R, hd], SDPA's function:
     softmax(q k^T / sqrt(hd), masked) v, in float32 inside. Needs `install()` first."""
+    if "op" not in _state:
+        raise RuntimeError(f"llmstep's CPU attention kernel is not installed (install(): {why() or 'not called'})")
     return _state["op"](q, k, v, mask, q.shape[-1] ** -0.5)
 
 
+def runs_here() -> tuple[str, ...]:
+    """The ISAs of ISAS this CPU runs, by torch's reading of it (ATEN_CPU_CAPABILITY lowers it), its own first."""
+    return _RUNS.get(torch.backends.cpu.get_cpu_capability(), ())
+
+
 def isa_here() -> str | None:
-    """The ISA of the kernel this CPU runs (by torch's reading of it: ATEN_CPU_CAPABILITY lowers it), or None."""
-    return _CAPABILITY.get(torch.backends.cpu.get_cpu_capability())
+    """The ISA of the kernel `install` builds for this CPU, or None: none of ISAS runs here."""
+    return next(iter(runs_here()), None)
 
 
 def build(isa: str):
     """Build (once per machine) and load the kernel for `isa` (a key of ISAS), and return its op,
-    `torch.ops.llmstep_cpu_<isa>.attention(q, k, v, mask, scale)`. Calling it on a CPU without that ISA is an
-    illegal instruction: `install` builds `isa_here()`'s."""
+    `torch.ops.llmstep_cpu_<isa>.attention(q, k, v, mask, scale)`. An ISA this CPU does not run is refused before
+    anything is built (its code would be an illegal instruction here); `install` builds `isa_here()`'s."""
     from torch.utils import cpp_extension
 
     if isa not in ISAS:
         raise ValueError(f"no attention kernel for the ISA {isa!r}: one of {', '.join(ISAS)}")
+    if isa not in runs_here():
+        raise RuntimeError(f"this CPU does not run the {isa} kernel (torch reads its vector instructions as "
+                           f"{torch.backends.cpu.get_cpu_capability()})")
     namespace = f"llmstep_cpu_{isa}"
-    if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), "attention"):
+    if not hasattr(getattr(torch.ops, namespace), "attention"):  # torch.ops makes any namespace; the op is loaded
         if shutil.which("ninja") is None:  # the ninja wheel (a dependency) without its environment's bin/ on PATH
             import ninja
 
@@ -306,14 +319,16 @@ def install() -> bool:
     """Build (once per machine) and load the kernel for this CPU's ISA, and register it for static CPU steps of one
     sequence (`attention_backend.use_cpu_step_kernel`). Returns whether it is registered; `why()` says what stopped
     it."""
-    if not _state:
-        capability = torch.backends.cpu.get_cpu_capability()
-        try:
-            if isa_here() is None:
-                raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: {capability}")
-            _state["op"] = build(isa_here())
-        except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
-            _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
+    with _installing:  # one build, whichever thread asks first
+        if not _state:
+            capability = torch.backends.cpu.get_cpu_capability()
+            try:
+                if isa_here() is None:
+                    raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: "
+                                       f"{capability}")
+                _state["op"] = build(isa_here())
+            except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
+                _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
     if "op" in _state:
         attention_backend.use_cpu_step_kernel(attend)
         return True
