@@ -18,10 +18,12 @@ that sees none gives NaN; a NaN score is not propagated): tests/kernels/test_cpu
 float64 computation, float32 and bf16, and shows the masked values unread.
 
 One call on SmolLM2's decode shapes (9 query heads over 3 KV heads, 200 of 256 slots visible, bf16) took 15.5 us
-on one Zen 4 thread where SDPA's took 45 us. In the step (scripts/ab_cpu.py `%ATTENTION`, results/README.md claim
-2's attention rows, paired in one process) SmolLM2's int4 step ran 1.21x SDPA's and 1.12x the plain ops', its bf16
-step 1.10x / 1.19x, and the shipped model's 1.21-1.25x / 1.12-1.15x; with the AVX2 build on a Zen 3, SmolLM2's int4
-and bf16 steps 1.15x / 1.03x SDPA's, the shipped model's 1.12x / 1.11x.
+on one Zen 4 thread where SDPA's took 45 us; the AVX2 build 28-29 us on one Zen 3 thread where SDPA's took 71-72 us
+(the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). In the step
+(scripts/ab_cpu.py `%ATTENTION`, results/README.md claim 2's attention rows, paired in one process) SmolLM2's int4
+step ran 1.21x SDPA's and 1.12x the plain ops', its bf16 step 1.10x / 1.19x, and the shipped model's 1.21-1.25x /
+1.12-1.15x; with the AVX2 build on a Zen 3, SmolLM2's int4 and bf16 steps 1.15x / 1.03x SDPA's, the shipped
+model's 1.12x / 1.11x.
 
 `install()` builds the kernel of this CPU's ISA once per machine (torch.utils.cpp_extension with ninja and the C++
 compiler inductor needs anyway: ~8 s the first time, kept in $LLMSTEP_HOME/kernels) and registers it with
