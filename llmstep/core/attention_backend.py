@@ -44,6 +44,7 @@ BACKENDS = ("auto", *_KERNELS, "flex")
 
 _chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
 _cpu_step: Callable | None = None  # llmstep.kernels.cpu_attention's `attend`, once installed (a layer above core)
+_cpu_step_op: str | None = None  # the op it calls, e.g. "llmstep_cpu_avx2::attention": which ISA's build
 
 
 def check_backend(name: str) -> str:
@@ -76,10 +77,11 @@ def kernels() -> contextlib.AbstractContextManager:
     return sdpa_kernel([_KERNELS[_chosen]])
 
 
-def use_cpu_step_kernel(kernel: Callable | None) -> None:
-    """Register the kernel a static CPU step of one sequence attends with (None: SDPA's); `cpu_step_kernel`."""
-    global _cpu_step
-    _cpu_step = kernel
+def use_cpu_step_kernel(kernel: Callable | None, op: str | None = None) -> None:
+    """Register the kernel a static CPU step of one sequence attends with (None: SDPA's); `cpu_step_kernel`. `op`
+    names the operator it calls, for records (`describe`)."""
+    global _cpu_step, _cpu_step_op
+    _cpu_step, _cpu_step_op = kernel, op if kernel is not None else None
 
 
 def cpu_step_kernel(q: torch.Tensor) -> Callable | None:
@@ -101,13 +103,16 @@ def flex_decode(device: torch.device) -> bool:
 
 def describe(device: str | torch.device) -> dict:
     """What a record says about attention: the backend asked for, what a compiled decode step of one sequence
-    attends with ("flex", "llmstep_cpu": llmstep.kernels.cpu_attention's, registered in this process, or "sdpa"),
+    attends with ("flex", "llmstep_cpu": llmstep.kernels.cpu_attention's, registered in this process, or "sdpa";
+    for "llmstep_cpu", "decode_step_op" names the operator, whose namespace says which ISA's build it is),
     and on CUDA the kernels PyTorch may pick from (its global switches, torch.backends.cuda.*_sdp_enabled, narrowed
     to the one asked for) and which are built in. Which kernel did run only a profile shows
     (llmstep.lab.probe.attention_kernels)."""
     device = torch.device(device)
     own = _cpu_step is not None and _chosen == "auto" and device.type == "cpu"
     out: dict = {"asked": _chosen, "decode_step": "flex" if flex_decode(device) else "llmstep_cpu" if own else "sdpa"}
+    if out["decode_step"] == "llmstep_cpu" and _cpu_step_op is not None:
+        out["decode_step_op"] = _cpu_step_op
     if device.type == "cuda":
         enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
                    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),

@@ -9,7 +9,7 @@ SmolLM2's shapes, and rounds the probabilities to bf16 before multiplying them w
 decode step needs and nothing more. For each query row (the n_rep query heads of a KV head stacked, as
 `attention.sdpa` stacks them; one task a row, shared among the threads by torch's `at::parallel_for`) it lists
 the visible slots, dots the (scaled) row with those keys four at a time (float32 products and sums), takes the
-softmax in float32 (e^x by a degree-6 polynomial and a power of two, within ~4 float32 ulps), sums the visible
+softmax in float32 (e^x by a degree-6 polynomial and a power of two, within ~3 float32 ulps), sums the visible
 values with those weights in float32 and rounds once to the output's dtype. Written once
 over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
 own library; head_dim a multiple of 16. The same function as SDPA
@@ -128,7 +128,7 @@ inline float top(vec x) {
 }
 #endif
 
-// e^x for W values x <= 0 (below -87: 0) to within ~2 float32 ulps: x = n ln2 + r with |r| <= ln2/2, e^r by its
+// e^x for W values x <= 0 (below -87: 0) to within ~3 float32 ulps: x = n ln2 + r with |r| <= ln2/2, e^r by its
 // Taylor polynomial to r^6, times 2^n. The same bits on both widths.
 inline vec exp_lanes(vec x) {
   const vec y = max(x, splat(-87.0f));
@@ -285,6 +285,12 @@ def isa_here() -> str | None:
     return next(iter(runs_here()), None)
 
 
+def op_name(isa: str) -> str:
+    """The qualified name of `isa`'s op ("llmstep_cpu_avx2::attention"): each ISA's build its own namespace, so
+    both can load in one process, and a profile or a record names which one ran."""
+    return f"llmstep_cpu_{isa}::attention"
+
+
 def build(isa: str):
     """Build (once per machine) and load the kernel for `isa` (a key of ISAS), and return its op,
     `torch.ops.llmstep_cpu_<isa>.attention(q, k, v, mask, scale)`. An ISA this CPU does not run is refused before
@@ -296,7 +302,7 @@ def build(isa: str):
     if isa not in runs_here():
         raise RuntimeError(f"this CPU does not run the {isa} kernel (torch reads its vector instructions as "
                            f"{torch.backends.cpu.get_cpu_capability()})")
-    namespace = f"llmstep_cpu_{isa}"
+    namespace = op_name(isa).partition("::")[0]
     if not hasattr(getattr(torch.ops, namespace), "attention"):  # torch.ops makes any namespace; the op is loaded
         if shutil.which("ninja") is None:  # the ninja wheel (a dependency) without its environment's bin/ on PATH
             import ninja
@@ -332,7 +338,7 @@ def install() -> bool:
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
                 _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
     if "op" in _state:
-        attention_backend.use_cpu_step_kernel(attend)
+        attention_backend.use_cpu_step_kernel(attend, op=op_name(isa_here()))
         return True
     return False
 

@@ -90,6 +90,7 @@ def test_records_say_which_backend_was_asked_for(model, monkeypatch):
         assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "math", "decode_step": "sdpa"}
         assert trace_step(model, context=4, repeats=1).attention == {"asked": "math", "decode_step": "sdpa"}
     monkeypatch.setattr(ab, "_cpu_step", lambda *args: None)  # one registered: "auto"'s compiled CPU step takes it
+    monkeypatch.setattr(ab, "_cpu_step_op", None)  # a kernel registered without naming its op
     assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "auto",
                                                                              "decode_step": "llmstep_cpu"}
     with attention_backend("math"):

@@ -182,11 +182,15 @@ def test_a_cpu_without_avx2_is_not_asked_to_build_it(monkeypatch):
 def test_install_builds_the_isa_the_cpu_runs(monkeypatch, capability, isa):
     monkeypatch.setattr(cpu_attention, "_state", {})
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
+    monkeypatch.setattr(attention_backend, "_cpu_step_op", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     built = []
     monkeypatch.setattr(cpu_attention, "build", lambda isa: built.append(isa) or "op")
     assert cpu_attention.install() and cpu_attention.installed() and built == [isa]
     assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 16)) is cpu_attention.attend
+    # a record names the build: its ISA's op
+    assert attention_backend.describe("cpu") == {"asked": "auto", "decode_step": "llmstep_cpu",
+                                                 "decode_step_op": f"llmstep_cpu_{isa}::attention"}
 
 
 def test_an_isa_the_cpu_does_not_run_is_refused_before_anything_is_built(monkeypatch):
@@ -223,5 +227,5 @@ def test_a_compiled_bf16_step_with_it_makes_the_eager_tokens(kernel):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         tokens = compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens
     assert tokens == eager
-    ran = [e for e in prof.events() if e.name == f"llmstep_cpu_{cpu_attention.isa_here()}::attention"]
+    ran = [e for e in prof.events() if e.name == cpu_attention.op_name(cpu_attention.isa_here())]
     assert len(ran) >= config.n_layers * 7, len(ran)  # the op itself, a layer a decode step, from the compiled code

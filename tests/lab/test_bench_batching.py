@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmstep import Llama, LlamaConfig
+from llmstep.core import attention_backend
 from llmstep.core.cost import decode_step_cost, model_step_cost
 from llmstep.core.quantize import QuantConfig, quantize
 from llmstep.lab import bench_batching
@@ -63,3 +64,22 @@ def test_a_context_past_the_model_is_refused_before_the_workload_runs(model, mon
 def test_a_workload_too_large_to_hold_is_refused_before_it_is_built():
     with pytest.raises(ValueError, match="n_requests must be an integer in 0..100,000"):
         bench_batching.random_workload(10**8, 100)
+
+
+def test_the_batch_record_says_what_attention_its_compiled_steps_took(model, monkeypatch):
+    """The header is written before anything compiles; compiling a CPU step installs llmstep's attention kernel, so
+    the record reads it again at the end (as the peers record does)."""
+    monkeypatch.setattr(attention_backend, "_cpu_step", None)  # no kernel yet, as in a fresh process
+    monkeypatch.setattr(attention_backend, "_cpu_step_op", None)
+    monkeypatch.setattr(attention_backend, "_chosen", "auto")
+    serve = bench_batching.serve_both_ways
+
+    def compiles_then_serves(*args, **kwargs):  # what compiling a CPU step does first
+        attention_backend.use_cpu_step_kernel(lambda q, k, v, mask, scale: q, op="llmstep_cpu_x::attention")
+        yield from serve(*args, **kwargs)
+
+    monkeypatch.setattr(bench_batching, "serve_both_ways", compiles_then_serves)
+    workload = {"n_requests": 1, "prompt_len": (2, 2), "new_tokens": (1, 1), "rate": None, "seed": 0}
+    record = run_batch_bench(model, "tiny", workload, [1], [1], context=2, compile=False)
+    assert record["attention"] == {"asked": "auto", "decode_step": "llmstep_cpu",
+                                   "decode_step_op": "llmstep_cpu_x::attention"}
