@@ -12,6 +12,7 @@ sides are compared: a change that alters them is not a speed question.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -54,6 +55,18 @@ def batch_run(record: dict, policy: str) -> tuple[float, list]:
     serves one policy records one run per slot count, a later tree two)."""
     run = next(r for r in record["runs"] if r["policy"] == policy and r["slots"] == 8)
     return run["tokens_per_second"], [c["tokens"] for c in run["completions"]]
+
+
+def git(checkout: Path, *args: str) -> str:
+    """The output of `git -C checkout args...`, stripped."""
+    return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True).stdout.strip()
+
+
+def changes(checkout: Path) -> str | None:
+    """The sha256 of a checkout's changes not committed (`git diff HEAD`: a worktree with a patch applied), so a
+    record tells two sides on the same commit apart; None where it is clean."""
+    diff = git(checkout, "diff", "HEAD")
+    return hashlib.sha256(diff.encode()).hexdigest() if diff else None
 
 
 def run(checkout: Path, args: list[str], threads: int) -> dict:
@@ -101,8 +114,8 @@ def main() -> None:
         load = os.getloadavg()[0]
         record = {"command": shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
                   "rounds": a.rounds, "load_average_1min_after": load,
-                  "revisions": {s: subprocess.run(["git", "-C", str(d), "rev-parse", "HEAD"], capture_output=True,
-                                                  text=True).stdout.strip() for s, d in sides.items()},
+                  "revisions": {s: git(d, "rev-parse", "HEAD") for s, d in sides.items()},
+                  "uncommitted_changes": {s: changes(d) for s, d in sides.items()},
                   "results": summary}
         atomic_write_json(a.out, record)
 
