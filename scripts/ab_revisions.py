@@ -58,15 +58,24 @@ def batch_run(record: dict, policy: str) -> tuple[float, list]:
 
 
 def git(checkout: Path, *args: str) -> str:
-    """The output of `git -C checkout args...`, stripped."""
-    return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True).stdout.strip()
+    """The output of `git -C checkout args...`, stripped; a CalledProcessError (with git's message) where git
+    fails, as in a folder that is no checkout."""
+    return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
 
 
 def changes(checkout: Path) -> str | None:
-    """The sha256 of a checkout's changes not committed (`git diff HEAD`: a worktree with a patch applied), so a
-    record tells two sides on the same commit apart; None where it is clean."""
-    diff = git(checkout, "diff", "HEAD")
-    return hashlib.sha256(diff.encode()).hexdigest() if diff else None
+    """The sha256 of a checkout's changes not committed, so a record tells two sides on the same commit apart (a
+    worktree with a patch applied): `git diff HEAD` (staged or not) and each untracked file's name and bytes. None
+    where it is clean."""
+    digest, dirty = hashlib.sha256(), False
+    if diff := git(checkout, "diff", "HEAD"):
+        digest.update(diff.encode())
+        dirty = True
+    for name in sorted(filter(None, git(checkout, "ls-files", "--others", "--exclude-standard", "-z").split("\0"))):
+        digest.update(name.encode() + b"\0" + (checkout / name).read_bytes())
+        dirty = True
+    return digest.hexdigest() if dirty else None
 
 
 def run(checkout: Path, args: list[str], threads: int) -> dict:
@@ -90,6 +99,9 @@ def main() -> None:
     benches = {name: bench for name, bench in BENCHES.items() if a.only in name}
     benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and a.only in name}
     sides = {"before": a.before.resolve(), "after": a.after.resolve()}
+    # what each side ran, read before the runs (a folder that is no checkout fails here, not after them)
+    revisions = {s: git(d, "rev-parse", "HEAD") for s, d in sides.items()}
+    uncommitted = {s: changes(d) for s, d in sides.items()}
     figures = {name: {"before": [], "after": []} for name in benches}
     same_tokens = {name: True for name in benches}
     for i in range(a.rounds):
@@ -114,8 +126,7 @@ def main() -> None:
         load = os.getloadavg()[0]
         record = {"command": shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
                   "rounds": a.rounds, "load_average_1min_after": load,
-                  "revisions": {s: git(d, "rev-parse", "HEAD") for s, d in sides.items()},
-                  "uncommitted_changes": {s: changes(d) for s, d in sides.items()},
+                  "revisions": revisions, "uncommitted_changes": uncommitted,
                   "results": summary}
         atomic_write_json(a.out, record)
 

@@ -23,7 +23,8 @@ takes it on CUDA (`flex_decode`), where the rest of the cache is memory a decode
 on a CPU the compiled step of one sequence takes llmstep's own kernel where it is installed (`cpu_step_kernel`,
 llmstep.kernels.cpu_attention), unless another choice is asked for. Every other call is SDPA's.
 
-`describe(device)` is what a record says about it: what was asked, and on CUDA which kernels PyTorch may use.
+`describe(device)` is what a record says about it: what was asked, what a compiled one-sequence step attends with
+(and for llmstep's CPU kernel, which ISA's build), and on CUDA which kernels PyTorch may use.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ BACKENDS = ("auto", *_KERNELS, "flex")
 
 _chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
 _cpu_step: Callable | None = None  # llmstep.kernels.cpu_attention's `attend`, once installed (a layer above core)
-_cpu_step_op: str | None = None  # the op it calls, e.g. "llmstep_cpu_avx2::attention": which ISA's build
+_cpu_step_op: tuple[Callable, str] | None = None  # (that kernel, the op it calls: "llmstep_cpu_avx2::attention")
 
 
 def check_backend(name: str) -> str:
@@ -81,7 +82,8 @@ def use_cpu_step_kernel(kernel: Callable | None, op: str | None = None) -> None:
     """Register the kernel a static CPU step of one sequence attends with (None: SDPA's); `cpu_step_kernel`. `op`
     names the operator it calls, for records (`describe`)."""
     global _cpu_step, _cpu_step_op
-    _cpu_step, _cpu_step_op = kernel, op if kernel is not None else None
+    _cpu_step = kernel
+    _cpu_step_op = (kernel, op) if kernel is not None and op is not None else None
 
 
 def cpu_step_kernel(q: torch.Tensor) -> Callable | None:
@@ -111,8 +113,8 @@ def describe(device: str | torch.device) -> dict:
     device = torch.device(device)
     own = _cpu_step is not None and _chosen == "auto" and device.type == "cpu"
     out: dict = {"asked": _chosen, "decode_step": "flex" if flex_decode(device) else "llmstep_cpu" if own else "sdpa"}
-    if out["decode_step"] == "llmstep_cpu" and _cpu_step_op is not None:
-        out["decode_step_op"] = _cpu_step_op
+    if out["decode_step"] == "llmstep_cpu" and _cpu_step_op is not None and _cpu_step_op[0] is _cpu_step:
+        out["decode_step_op"] = _cpu_step_op[1]  # named with the kernel registered now, never another's
     if device.type == "cuda":
         enabled = {"math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled(),
                    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),

@@ -263,7 +263,7 @@ ISAS = {"avx512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"], "avx2": [
 # torch.backends.cpu.get_cpu_capability() -> the ISAs of ISAS it runs, its own first (an AVX-512 CPU runs AVX2's)
 _RUNS = {"AVX512": ("avx512", "avx2"), "AVX2": ("avx2",)}
 _STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
-_state: dict[str, object] = {}  # "op": the installed ISA's op, or "why": what stopped it (once per process)
+_state: dict[str, object] = {}  # "op", "isa": the installed op and its ISA, or "why": what stopped it (once a process)
 _installing = threading.Lock()
 
 
@@ -334,11 +334,12 @@ def install() -> bool:
                 if isa_here() is None:
                     raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: "
                                        f"{capability}")
-                _state["op"] = build(isa_here())
+                isa = isa_here()
+                _state["op"], _state["isa"] = build(isa), isa
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
                 _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
     if "op" in _state:
-        attention_backend.use_cpu_step_kernel(attend, op=op_name(isa_here()))
+        attention_backend.use_cpu_step_kernel(attend, op=op_name(str(_state["isa"])))
         return True
     return False
 

@@ -90,11 +90,31 @@ def test_records_say_which_backend_was_asked_for(model, monkeypatch):
         assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "math", "decode_step": "sdpa"}
         assert trace_step(model, context=4, repeats=1).attention == {"asked": "math", "decode_step": "sdpa"}
     monkeypatch.setattr(ab, "_cpu_step", lambda *args: None)  # one registered: "auto"'s compiled CPU step takes it
-    monkeypatch.setattr(ab, "_cpu_step_op", None)  # a kernel registered without naming its op
     assert runinfo.header("cpu", torch.float32, None, None)["attention"] == {"asked": "auto",
                                                                              "decode_step": "llmstep_cpu"}
     with attention_backend("math"):
         assert runinfo.header("cpu", torch.float32, None, None)["attention"]["decode_step"] == "sdpa"
+
+
+def test_a_record_names_the_cpu_kernels_op_only_for_the_kernel_registered_now(monkeypatch):
+    monkeypatch.setattr(ab, "_cpu_step", None)
+    monkeypatch.setattr(ab, "_cpu_step_op", None)
+
+    def kernel(q, k, v, mask):
+        return q
+
+    ab.use_cpu_step_kernel(kernel, op="llmstep_cpu_avx2::attention")
+    assert ab.describe("cpu") == {"asked": "auto", "decode_step": "llmstep_cpu",
+                                  "decode_step_op": "llmstep_cpu_avx2::attention"}
+    for name, step in (("math", "sdpa"), ("flex", "flex")):  # a step that does not take the kernel names no op
+        with attention_backend(name):
+            assert ab.describe("cpu") == {"asked": name, "decode_step": step}
+    monkeypatch.setattr(ab, "_cpu_step", lambda q, k, v, mask: q)  # another kernel, set behind its back: no stale op
+    assert ab.describe("cpu") == {"asked": "auto", "decode_step": "llmstep_cpu"}
+    ab.use_cpu_step_kernel(kernel)  # registered without an op: none named
+    assert ab.describe("cpu") == {"asked": "auto", "decode_step": "llmstep_cpu"}
+    ab.use_cpu_step_kernel(None)
+    assert ab.describe("cpu") == {"asked": "auto", "decode_step": "sdpa"}
 
 
 def test_on_cuda_the_record_lists_the_kernels_pytorch_may_pick(monkeypatch):

@@ -75,7 +75,7 @@ def test_the_batch_record_says_what_attention_its_compiled_steps_took(model, mon
     serve = bench_batching.serve_both_ways
 
     def compiles_then_serves(*args, **kwargs):  # what compiling a CPU step does first
-        attention_backend.use_cpu_step_kernel(lambda q, k, v, mask, scale: q, op="llmstep_cpu_x::attention")
+        attention_backend.use_cpu_step_kernel(lambda q, k, v, mask: q, op="llmstep_cpu_x::attention")
         yield from serve(*args, **kwargs)
 
     monkeypatch.setattr(bench_batching, "serve_both_ways", compiles_then_serves)

@@ -183,7 +183,7 @@ def test_the_record_names_the_attention_the_compiled_steps_ran_not_the_one_befor
     run = peers._Llmstep.run
 
     def compiles_then_runs(self, ids, n, doing=""):  # what compile_step does on a CPU: install the kernel
-        attention_backend.use_cpu_step_kernel(lambda q, k, v, mask, scale: q)
+        attention_backend.use_cpu_step_kernel(lambda q, k, v, mask: q)
         return run(self, ids, n, doing)
 
     monkeypatch.setattr(peers._Llmstep, "run", compiles_then_runs)
