@@ -331,10 +331,9 @@ def install() -> bool:
         if not _state:
             capability = torch.backends.cpu.get_cpu_capability()
             try:
-                if isa_here() is None:
+                if (isa := isa_here()) is None:
                     raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: "
                                        f"{capability}")
-                isa = isa_here()
                 _state["op"], _state["isa"] = build(isa), isa
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
                 _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
