@@ -68,14 +68,14 @@ def changes(checkout: Path) -> str | None:
     """The sha256 of a checkout's changes not committed, so a record tells two sides on the same commit apart (a
     worktree with a patch applied): `git diff HEAD` (staged or not) and each untracked file's name and bytes. None
     where it is clean."""
-    digest, dirty = hashlib.sha256(), False
-    if diff := git(checkout, "diff", "HEAD"):
-        digest.update(diff.encode())
-        dirty = True
-    for name in sorted(filter(None, git(checkout, "ls-files", "--others", "--exclude-standard", "-z").split("\0"))):
+    diff = git(checkout, "diff", "HEAD")
+    untracked = sorted(filter(None, git(checkout, "ls-files", "--others", "--exclude-standard", "-z").split("\0")))
+    if not diff and not untracked:
+        return None
+    digest = hashlib.sha256(diff.encode())
+    for name in untracked:
         digest.update(name.encode() + b"\0" + (checkout / name).read_bytes())
-        dirty = True
-    return digest.hexdigest() if dirty else None
+    return digest.hexdigest()
 
 
 def run(checkout: Path, args: list[str], threads: int) -> dict:
