@@ -9,9 +9,11 @@ on a CPU with the weights frozen into the compiled code (change the model's weig
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -20,7 +22,7 @@ from ..core.device import synchronize
 from ..kernels import cpu_attention, cpu_gemm
 
 __all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graphs", "compiles", "compile_step", "Step",
-           "warm_up"]
+           "weights_digest", "warm_up"]
 
 
 def compile_options(device: torch.device, mode: str | None = None, gemm_backends: str | bool | None = "ATEN,CPP", *,
@@ -121,13 +123,36 @@ def own_code(fn: Callable) -> types.FunctionType:
     return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
 
 
+def weights_digest(*models: torch.nn.Module) -> str:
+    """A sha256 of the values of every parameter and buffer of `models` (each tensor once: a tied head is the
+    embedding), with their dtypes and shapes: the name of a frozen step's weights in torch.compile's cache keys.
+
+    Inductor's FX graph cache keys a graph whose weights are frozen by their shapes and dtypes alone, and keeps with
+    the compiled code, by value, the weights its C++ GEMM template packed for its kernels (a tuned step's matmuls):
+    a second model of the same shapes, compiled in another process that shares the cache (inductor's default folder,
+    one per user), ran the first model's weights, silently (tests/engines/test_compile_cache.py). With the digest in
+    the key such a step compiles anew; the same weights still find their cached code. ~1.6 GB/s on one core."""
+    digest, seen = hashlib.sha256(), set()
+    for model in models:
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            t = t.detach()
+            digest.update(f"{t.dtype}{tuple(t.shape)};".encode())
+            digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return f"weights-{digest.hexdigest()[:32]}"
+
+
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
-                 refilled: Iterable[torch.Tensor] = (), gemm_backends: str | None = "ATEN,CPP"):
+                 refilled: Iterable[torch.Tensor] = (), gemm_backends: str | None = "ATEN,CPP",
+                 models: Sequence[torch.nn.Module] = ()):
     """fn compiled whole for `device` (see `compile_options`), fixed shapes. static: tensors it updates in place
     every call (a KV cache), at fixed addresses a CUDA graph writes directly. refilled: tensors it only reads and
     the caller refills in place (random numbers), at fixed addresses too unless the weights are frozen (freezing
-    would fold them into constants). With CUDA graphs a call reuses the last call's outputs' memory: use what a
-    step returns before calling it again."""
+    would fold them into constants). models: those whose weights it reads; where they are frozen into the code
+    (a CPU step), their `weights_digest`, taken at the first call, is in the compile cache's keys. With CUDA graphs
+    a call reuses the last call's outputs' memory: use what a step returns before calling it again."""
     options = compile_options(device, mode, gemm_backends)
     if device.type == "cpu":
         for kernel in cpu_gemm.kernels():  # here, not in compile_options: inductor imported, the compiler probed (s)
@@ -146,7 +171,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         return graphed_step
     if not options.get("freezing"):
         return compiled
-    frozen_step = torch_compat.holding_freezing(compiled)  # the flag Dynamo reads when it traces, held set
+    # the flag Dynamo reads when it traces, held set; the weights named in the cache keys
+    frozen_step = torch_compat.holding_freezing(compiled, lambda: weights_digest(*models))
     frozen_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
     return frozen_step
 
@@ -154,16 +180,16 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
 class Step:
     """A loop's step: `fn` itself, or fn compiled for `device` (`compile_step`; compile None: on CUDA only, since a
     CPU compile takes tens of seconds). mode: torch.compile's (None: this device's best, `compile_options`);
-    static, refilled: `compile_step`'s; gemm_backends: `gemm_backends(models)` of the models the step runs.
+    static, refilled, models: `compile_step`'s; gemm_backends: `gemm_backends(models)` of the models the step runs.
     """
 
     def __init__(self, fn: Callable, device: torch.device, compile: bool | None = None, mode: str | None = None,
                  static: Iterable[torch.Tensor] = (), refilled: Iterable[torch.Tensor] = (),
-                 gemm_backends: str | None = "ATEN,CPP"):
+                 gemm_backends: str | None = "ATEN,CPP", models: Sequence[torch.nn.Module] = ()):
         compile_options(device, mode)  # an unknown mode is refused whether or not this step compiles
         self.compiled = compiles(device, compile)
         self.cuda_graphs = self.compiled and uses_cuda_graphs(device, mode)
-        self.fn = compile_step(fn, device, mode, static, refilled, gemm_backends) if self.compiled else fn
+        self.fn = compile_step(fn, device, mode, static, refilled, gemm_backends, models) if self.compiled else fn
 
     def __call__(self, *args):
         return self.fn(*args)

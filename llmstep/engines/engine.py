@@ -53,9 +53,11 @@ class Engine:
 
     def _step_of(self, fn: Callable, static: Sequence[torch.Tensor], *models: torch.nn.Module, **options) -> Step:
         """fn as this engine's step (`compile.Step`, compiled as the engine is), writing `static` in place; models:
-        those it runs (default the engine's), whose matmuls it tunes as `gemm_backends` says."""
-        return Step(fn, self.device, self._compile, self._mode, static=static,
-                    gemm_backends=gemm_backends(*(models or [self.model])), **options)
+        those it runs (default the engine's), whose matmuls it tunes as `gemm_backends` says and whose weights name
+        it in the compile cache (`compile.weights_digest`)."""
+        models = models or (self.model,)
+        return Step(fn, self.device, self._compile, self._mode, static=static, gemm_backends=gemm_backends(*models),
+                    models=models, **options)
 
     def check(self, request: Request, index: int | None = None) -> Checked:
         """`request.check_request` against this engine's sequences (the context, or the fixed cache's slots)."""

@@ -1,0 +1,65 @@
+"""A frozen CPU step is named in torch.compile's cache by its weights' values (compile.weights_digest): inductor's FX
+graph cache keys a frozen graph by its weights' shapes alone and keeps the weights its GEMM template packed by value,
+so without the digest a second model of the same shapes ran the first one's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.engines.compile import compile_step, weights_digest
+from llmstep.engines.fast import FastDecoder
+
+CPU = torch.device("cpu")
+
+
+def linear(seed: int) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16).eval()
+
+
+def test_two_linears_of_the_same_shape_each_compute_with_their_own_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # one cache, as two processes of a user share
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for seed in (0, 1):  # the second finds the first's graph in the cache without the digest in its key
+            layer = linear(seed)
+            step = compile_step(layer.forward, CPU, models=[layer])  # tuned: the GEMM template packs the weight
+            assert torch.equal(step(x), torch.nn.functional.linear(x, layer.weight)), seed
+
+
+@pytest.mark.tuned_matmuls  # as the engines compile by default: the GEMM template packs the weights
+def test_a_second_model_of_the_same_shapes_decodes_with_its_own_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    config = llmstep.LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=256,
+                                 max_seq_len=128)
+    token, position = torch.tensor([[7]]), torch.tensor([[0]])
+    for seed in (3, 4):  # bf16: the GEMM template packs its weights (float32 ones are not cached so)
+        torch.manual_seed(seed)
+        model = llmstep.Llama(config).to(torch.bfloat16).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.05)
+            want = FastDecoder(model, compile=False, max_len=16).step(token, position)  # [1, 512] float32
+            got = FastDecoder(model, compile=True, max_len=16).step(token, position)
+        error = (got - want).abs().max().item()
+        assert error < 0.05 * want.abs().max().item(), (seed, error)  # bf16 rounding; stale weights: ~1.4x
+
+
+def test_the_digest_names_values_dtypes_and_shapes_and_counts_a_tied_weight_once():
+    a, b = linear(0), linear(0)
+    assert weights_digest(a) == weights_digest(b)
+    with torch.no_grad():
+        b.weight[3, 5] += 1  # one weight of 6,144
+    assert weights_digest(a) != weights_digest(b)
+    assert weights_digest(a) != weights_digest(a.float())  # the same numbers in another dtype
+    reshaped = torch.nn.Linear(96, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        reshaped.weight.copy_(a.weight.reshape(64, 96))  # the same bytes in another shape
+    assert weights_digest(a) != weights_digest(reshaped)
+    tied = torch.nn.Module()
+    tied.embed, tied.head = a, torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    tied.head.weight = a.weight
+    assert weights_digest(tied) == weights_digest(a)  # named once, as the model holds it once
+    assert weights_digest(a, a) == weights_digest(a)
