@@ -45,7 +45,8 @@ import torch
 __all__ = ["FLOOR", "CEILING", "Feature", "FEATURES", "features", "missing", "in_tested_range", "int8_mm",
            "int4_pack_cpu", "int4_pack_cuda", "int4_mm", "mode_options", "known_options", "holding_freezing",
            "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm",
-           "register_int4_micro_gemm", "micro_gemm_withheld", "compiling_constant_bytes",
+           "register_int4_micro_gemm", "register_int8_micro_gemm", "register_vec_micro_gemm", "micro_gemm_withheld",
+           "compiling_constant_bytes",
            "kernel_profile"]
 
 FLOOR = (2, 13)  # pyproject.toml's `torch>=2.13`: the torch CI installs (.ci/run) and the tests run on
@@ -425,9 +426,18 @@ def register_int8_micro_gemm(name: str, blockings: list[tuple[int, int, int]], f
     files it at 16 (AVX2) or 32 (AVX-512) columns for small m, two chains of multiply-adds at one row. source: the
     Jinja template of the kernel the entry calls per block (`{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum,
     prefetch>(A, B, C, K, lda, ldb, ldc)`); None: inductor's own, named. options: as for the int4 kernels."""
+    return register_vec_micro_gemm(name, blockings, fits, torch.int8, source, isa, options)
+
+
+def register_vec_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable,
+                            weight_dtype: torch.dtype, source: str | None = None, isa: str = "avx2",
+                            options: Callable[[], dict] | None = None) -> type:
+    """Register a micro-kernel with inductor's float32-vector entry (`CppMicroGemmFP32Vec`) for bf16 activations and
+    `weight_dtype` weights (torch.int8: weight-only int8; torch.bfloat16: bf16 x bf16, widened to float32), as
+    `register_int8_micro_gemm` describes."""
     return _register_woq(name, "CppMicroGemmFP32Vec",
                          lambda base: source or f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}",
-                         blockings, fits, torch.int8, isa, options)
+                         blockings, fits, weight_dtype, isa, options)
 
 
 def _register_woq(name, base_name, kernel, blockings, fits, weight_dtype, isa, options) -> type:

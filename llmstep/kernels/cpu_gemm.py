@@ -1,5 +1,6 @@
 """llmstep's micro-kernels for inductor's C++ GEMM templates: a bf16 dot product for one-row decode on CPUs with
-AVX-512 BF16, int4 kernels for CPUs with AVX2 alone and for one-row decode with AVX-512 BF16, and int8 ones for both.
+AVX-512 BF16, and one for CPUs with AVX2 alone, int4 kernels for CPUs with AVX2 alone and for one-row decode with
+AVX-512 BF16, and int8 ones for both.
 
 A decode step's matmuls are GEMVs. On a CPU without AMX, the micro-kernel of inductor's tuned C++ GEMM template
 widens every bf16 weight to float32 before its FMA (`CppMicroGemmFP32Vec`), where llama.cpp multiplies bf16 pairs
@@ -59,6 +60,12 @@ a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the
 are eight, as many as the FMA units keep busy. The same arithmetic in the same order per output, so the same
 function (tests/kernels/test_cpu_int8.py: a compiled int8 step with it makes the eager step's tokens).
 
+`BF16_AVX2` is llmstep's bf16 kernel for one-row matmuls on CPUs with AVX2 and no AVX-512 (kernels/cpu_bf16.py),
+where no bf16 instruction exists and inductor's float32-vector kernel widens each weight after loading it through
+the stack (at::vec's partial loads): inductor's arithmetic in its order, so the same bits as inductor's kernel
+(tests/kernels/test_cpu_bf16.py), one load per 16 weights, at the balanced width that divides the matmul
+(results/README.md, claim 2, session 32, measures it).
+
 `INT8_AVX512` is llmstep's own kernel for weight-only int8 matmuls of one row with AVX-512 BF16 and no AMX, where it
 was measured (kernels/cpu_int8.py): inductor's arithmetic in inductor's order, so the same bits as inductor's kernel
 (tests/kernels/test_cpu_int8.py), its weights streamed by the same rule as the others, which is what it is for: a
@@ -80,12 +87,14 @@ import torch
 
 from ..core import torch_compat
 from ..core.device import last_level_cache
-from . import cpu_int4, cpu_int8
+from . import cpu_bf16, cpu_int4, cpu_int8
 
-__all__ = ["BF16", "INT4", "INT4_AVX512", "INT8", "INT8_AVX512", "kernels", "withheld", "streams_weights", "streaming",
-           "KERNEL_NAME", "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME", "INT8_AVX512_KERNEL_NAME"]
+__all__ = ["BF16", "BF16_AVX2", "INT4", "INT4_AVX512", "INT8", "INT8_AVX512", "kernels", "withheld", "streams_weights",
+           "streaming", "KERNEL_NAME", "BF16_AVX2_KERNEL_NAME", "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME",
+           "INT8_KERNEL_NAME", "INT8_AVX512_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
+BF16_AVX2_KERNEL_NAME = "llmstep_bf16_avx2"
 INT4_KERNEL_NAME = "llmstep_int4_avx2"
 INT4_AVX512_KERNEL_NAME = "llmstep_int4_avx512"
 INT8_KERNEL_NAME = "llmstep_int8_avx2"
@@ -96,6 +105,8 @@ INT8_BLOCKINGS = [(1, 64, 64)]
 WIDTHS = (64, 32)  # the bf16 dot kernel's block widths: 4 or 2 vectors of 16 columns (balanced_width picks)
 # int8 at one row on AVX-512 (kernels/cpu_int8.py): the same widths, the same choice
 INT8_AVX512_BLOCKINGS = [(1, width, 64) for width in WIDTHS]
+# bf16 at one row on AVX2 (kernels/cpu_bf16.py): the same widths, the same choice; k in blocks of 16
+BF16_AVX2_BLOCKINGS = [(1, width, 16) for width in WIDTHS]
 # int4 at one row on AVX-512 BF16 (a decode step): inductor's own (4, 64, k) blockings keep the prefill's matmuls;
 # the group sizes inductor's own int4 kernel takes
 INT4_AVX512_BLOCKINGS = [(1, 64, 32)]
@@ -378,6 +389,19 @@ def _register_int8():
     return torch_compat.register_int8_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits)
 
 
+def _register_bf16_avx2():
+    if (isa := torch_compat.cpu_vector_isa()) != "avx2":  # where it was measured: AVX2 without AVX-512
+        raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
+
+    def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
+        b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)  # the kernel has no tail
+        return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
+                and b.block_n == balanced_width(n, num_threads, dividing))
+
+    return torch_compat.register_vec_micro_gemm(BF16_AVX2_KERNEL_NAME, BF16_AVX2_BLOCKINGS, fits, torch.bfloat16,
+                                                source=cpu_bf16.AVX2, options=_stream_options)
+
+
 def _register_int8_avx512():
     if (isa := torch_compat.cpu_vector_isa()) != "avx512_bf16":  # where it was measured: AVX-512 BF16, no AMX
         raise _NotHere(f"the CPU's vector ISA ({isa}) is not AVX-512 with BF16 and without AMX")
@@ -393,6 +417,8 @@ def _register_int8_avx512():
 
 # compile.compile_step installs them all
 BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}{_streamed()}")
+BF16_AVX2 = _Kernel(BF16_AVX2_KERNEL_NAME, _register_bf16_avx2,
+                    lambda: f"{cpu_bf16.AVX2}{BF16_AVX2_BLOCKINGS}{_streamed()}")
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: cpu_int4.AVX2)
 INT4_AVX512 = _Kernel(INT4_AVX512_KERNEL_NAME, _register_int4_avx512,
                       lambda: f"{cpu_int4.AVX512}{INT4_AVX512_BLOCKINGS}{INT4_AVX512_GROUPS}{_streamed()}")
@@ -403,7 +429,7 @@ INT8_AVX512 = _Kernel(INT8_AVX512_KERNEL_NAME, _register_int8_avx512,
 
 def kernels() -> tuple[_Kernel, ...]:
     """Every micro-kernel of this module (read when called: a test may stand one in for another)."""
-    return BF16, INT4, INT4_AVX512, INT8, INT8_AVX512
+    return BF16, BF16_AVX2, INT4, INT4_AVX512, INT8, INT8_AVX512
 
 
 def _int4_layout(block: int) -> bool:

@@ -1,0 +1,136 @@
+"""llmstep's bf16 kernel for one-row matmuls on CPUs with AVX2 alone (cpu_gemm.BF16_AVX2, kernels/cpu_bf16.py).
+
+Inductor's arithmetic in inductor's order, so a compiled one-row bf16 matmul gives the same bits with it as with
+inductor's own float32-vector kernel (withheld), streaming or not, whole k or k in blocks the template adds up; it
+takes the balanced width that divides the matmul and leaves the rest to inductor. In a child process with torch and
+inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so it runs on every x86 CPU with AVX2, AVX-512 ones included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmstep.core import torch_compat
+from llmstep.kernels import cpu_gemm
+
+# (columns, depth): 64 and 32 columns wide, a matmul neither divides (48: inductor's kernel), k in several blocks
+SHAPES = [(2048, 384), (576, 576), (96, 128), (48, 128), (640, 1024)]
+WIDTHS = {(2048, 384): 64, (576, 576): 32, (96, 128): 32, (48, 128): None, (640, 1024): 64}
+
+CHILD = r"""
+import json, sys, torch
+from torch._inductor.utils import run_and_get_code
+from llmstep.engines.compile import compile_step
+from llmstep.kernels import cpu_gemm
+
+torch.set_num_threads(2)
+torch.set_grad_enabled(False)
+if not cpu_gemm.BF16_AVX2.install():
+    sys.exit("not installed: " + str(cpu_gemm.BF16_AVX2.why))
+shapes = json.loads(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+layers = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n, k in shapes]
+for layer in layers:
+    layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+xs = [torch.randn(1, 1, k, generator=g).bfloat16() for n, k in shapes]  # [1, 1, depth]: a decode step's x
+
+
+def step(*xs):
+    return [layer(x) for layer, x in zip(layers, xs)]
+
+
+runs = {}
+for name, withheld, stream in (("inductor", True, None), ("kernel", False, False), ("streaming", False, True)):
+    torch._dynamo.reset()
+    with cpu_gemm.streaming(stream), cpu_gemm.withheld(withheld, only=(cpu_gemm.BF16_AVX2,)):
+        out, code = run_and_get_code(compile_step(step, torch.device("cpu"), gemm_backends="CPP", models=layers),
+                                     *xs)
+    code = "\n".join(code)
+    widths = [int(line.split("=")[1].strip(" ;")) for line in code.splitlines() if "constexpr int64_t Nr =" in line]
+    runs[name] = {"out": [o.float().flatten().tolist() for o in out], "widths": widths,
+                  "named": cpu_gemm.BF16_AVX2_KERNEL_NAME in code, "nta": "_MM_HINT_NTA" in code}
+want = [(x.double() @ layer.weight.double().T).flatten().tolist() for layer, x in zip(layers, xs)]
+print(json.dumps({"runs": runs, "want": want}))
+"""
+
+
+@pytest.fixture(scope="module")
+def avx2_runs():
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"an x86 CPU with AVX2 (torch's CPU capability here: {torch.backends.cpu.get_cpu_capability()})")
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(SHAPES)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_on_avx2_a_one_row_bf16_matmul_gives_inductors_bits_streaming_or_not(avx2_runs):
+    """The same bits as inductor's kernel, whole k or in the template's blocks of k (the 384- and 1024-deep ones come
+    in several, each added to the sums before), streaming its weights or not; and the float64 matmul's to within
+    bf16's rounding of the outputs."""
+    runs, want = avx2_runs["runs"], avx2_runs["want"]
+    for name in ("kernel", "streaming"):
+        for shape, got, inductors in zip(SHAPES, runs[name]["out"], runs["inductor"]["out"], strict=True):
+            assert got == inductors, (name, shape)
+    for shape, got, exact in zip(SHAPES, runs["kernel"]["out"], want, strict=True):
+        got, exact = torch.tensor(got, dtype=torch.float64), torch.tensor(exact, dtype=torch.float64)
+        assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max(), shape
+
+
+def test_on_avx2_each_matmul_takes_the_balanced_width_that_divides_it(avx2_runs):
+    """With two threads: 2048 and 640 columns at 64, 576 at 32 (18 blocks, not 9 of 64), 96 at 32 (64 does not
+    divide it), 48 at inductor's own blocking; the code names the kernel, and streams only when told to."""
+    runs = avx2_runs["runs"]
+    assert not runs["inductor"]["named"] and all(w in (8, 16, 24) for w in runs["inductor"]["widths"])
+    for name in ("kernel", "streaming"):
+        run = runs[name]
+        assert run["named"] and run["nta"] == (name == "streaming"), name
+        ours = sorted(w for w in WIDTHS.values() if w)
+        assert sorted(w for w in run["widths"] if w in (32, 64)) == ours, run["widths"]
+        assert len(run["widths"]) == len(SHAPES), run["widths"]  # the fifth (48 columns): inductor's 8, 16 or 24
+
+
+@pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
+    (1, 49152, 576, 2, False, [64]),  # SmolLM2's LM head: 768 blocks of 64, evenly split
+    (1, 576, 576, 2, False, [32]),  # 9 blocks of 64 split 5/4; 18 of 32 split 9/9
+    (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
+    (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernel has no column tail
+    (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
+    (1, 576, 100, 2, False, []),  # k not a multiple of the 16-row k-block
+    (2, 576, 576, 2, False, []),  # more than one row: inductor's kernels
+    (1, 576, 576, 2, True, []),  # a prefill's dynamic row count
+])
+def test_the_kernel_takes_one_row_matmuls_at_the_balanced_width_that_divides_them(monkeypatch, m, n, k, threads,
+                                                                                 dynamic, widths):
+    seen = {}
+    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx2")
+    monkeypatch.setattr(torch_compat, "register_vec_micro_gemm",
+                        lambda name, blockings, fits, dtype, **kw: seen.update(blockings=blockings, fits=fits,
+                                                                               dtype=dtype))
+    cpu_gemm._register_bf16_avx2()  # its rule, with nothing registered
+    assert seen["dtype"] == torch.bfloat16
+    configs = [SimpleNamespace(register_blocking=SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
+               for bm, bn, bk in seen["blockings"]]
+    taken = [c.register_blocking.block_n for c in configs if seen["fits"](c, m, n, k, 1, threads, dynamic_M=dynamic)]
+    assert taken == widths
+
+
+def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):
+    import torch._inductor.select_algorithm  # noqa: F401  (inductor's codegen modules import it first)
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    before = dict(cpp_micro_gemm.micro_gemm_configs)
+    for isa in ("avx512_bf16", "amx", "avx512", "none"):  # measured on AVX2 alone (AVX-512 BF16 has cpu_gemm.BF16)
+        monkeypatch.setattr(cpu_gemm, "BF16_AVX2", replace(cpu_gemm.BF16_AVX2, cls=None, why=None))
+        monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
+        assert not cpu_gemm.BF16_AVX2.install() and f"{isa}, not AVX2 alone" in cpu_gemm.BF16_AVX2.why
+        assert cpp_micro_gemm.micro_gemm_configs == before
