@@ -3,7 +3,8 @@
 FastDecoder, FastSpeculator and the batcher each run a small step (one token through the model, a speculative
 round, one token for every slot) thousands of times with the same shapes. `Step` is that function, eager or
 compiled whole with torch.compile (`compile_step`): on CUDA as a CUDA graph, replayed with one launch per token;
-on a CPU with the weights frozen into the compiled code (change the model's weights and you need a new step).
+on a CPU with the weights frozen into the compiled code (change the model's weights and you need a new step), named
+in torch.compile's cache by their digest (`weights_digest`: another model of the same shapes compiles anew).
 `warm_up` runs the steps before timing: compiling takes seconds (tens on a CPU).
 """
 
