@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -279,27 +280,32 @@ def kernel_profile() -> contextlib.AbstractContextManager:
     return inductor_config.patch(option)
 
 
+_HOLDING = threading.RLock()  # holding_freezing's globals, held by one call at a time
+
+
 def holding_freezing(compiled: Callable, cache_tag: Callable[[], str] | None = None) -> Callable:
     """`compiled` behind a call that holds inductor's global `freezing` flag set: Dynamo decides whether parameters
     become constants from that flag when it traces, not from torch.compile's options (cost: ~1 us a call).
     cache_tag: also held, added to torch.compile's cache keys (`cache_key_tag`) during each call, made at the first
-    (compile.weights_digest: a frozen graph's key names its weights by shape alone)."""
+    (compile.weights_digest: a frozen graph's key names its weights by shape alone). Both are process-wide settings:
+    one such call runs at a time (a lock), so a call in another thread never compiles under this one's."""
     import torch._inductor.config as inductor_config
 
     tag: list[str] = []
 
     def frozen_step(*args):
-        before, inductor_config.freezing = inductor_config.freezing, True
-        key_before = torch.compiler.config.cache_key_tag
-        try:
-            if cache_tag is not None:
-                if not tag:
-                    tag.append(cache_tag())
-                torch.compiler.config.cache_key_tag = "+".join(t for t in (key_before, tag[0]) if t)
-            return compiled(*args)
-        finally:
-            inductor_config.freezing = before
-            torch.compiler.config.cache_key_tag = key_before
+        with _HOLDING:
+            before, inductor_config.freezing = inductor_config.freezing, True
+            key_before = torch.compiler.config.cache_key_tag
+            try:
+                if cache_tag is not None:
+                    if not tag:
+                        tag.append(cache_tag())
+                    torch.compiler.config.cache_key_tag = "+".join(t for t in (key_before, tag[0]) if t)
+                return compiled(*args)
+            finally:
+                inductor_config.freezing = before
+                torch.compiler.config.cache_key_tag = key_before
 
     return frozen_step
 

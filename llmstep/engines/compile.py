@@ -14,6 +14,8 @@ import hashlib
 import itertools
 import time
 import types
+import uuid
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -124,6 +126,9 @@ def own_code(fn: Callable) -> types.FunctionType:
     return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
 
 
+_DIGESTS: dict[tuple, tuple[list, str]] = {}  # weights_digest's memo: the tensors' fingerprint -> (weakrefs, digest)
+
+
 def weights_digest(*models: torch.nn.Module) -> str:
     """A sha256 of the values of every parameter and buffer of `models` (each tensor once: a tied head is the
     embedding), with their dtypes and shapes: the name of a frozen step's weights in torch.compile's cache keys.
@@ -131,18 +136,38 @@ def weights_digest(*models: torch.nn.Module) -> str:
     Inductor's FX graph cache keys a graph whose weights are frozen by their shapes and dtypes alone, and keeps with
     the compiled code, by value, the weights its C++ GEMM template packed for its kernels (a tuned step's matmuls):
     a second model of the same shapes, compiled in another process that shares the cache (inductor's default folder,
-    one per user), ran the first model's weights, silently (tests/engines/test_compile_cache.py). With the digest in
-    the key such a step compiles anew; the same weights still find their cached code. ~1.6 GB/s on one core."""
-    digest, seen = hashlib.sha256(), set()
+    one per user) or in the same one, ran the first model's weights, silently (tests/engines/test_compile_cache.py).
+    With the digest in the key such a step compiles anew; the same weights still find their cached code.
+
+    ~1.6 GB/s on one core, so it is remembered while the very same tensors live unchanged (their addresses and
+    in-place versions; a model of several steps is read once). Weights that cannot be read as bytes here (meta,
+    sparse or quantized tensors, tensor subclasses) get a name of their own: their step is never found in the cache.
+    """
+    tensors, seen = [], set()
     for model in models:
         for t in itertools.chain(model.parameters(), model.buffers()):
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors.append(t)
+    try:
+        fingerprint = tuple((id(t), t.data_ptr(), t._version) for t in tensors)
+        refs, digest = _DIGESTS.get(fingerprint, ((), None))
+        if digest is not None and all(r() is t for r, t in zip(refs, tensors, strict=True)):  # those very tensors
+            return digest
+        hashed = hashlib.sha256()
+        for t in tensors:
             t = t.detach()
-            digest.update(f"{t.dtype}{tuple(t.shape)};".encode())
-            digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return f"weights-{digest.hexdigest()[:32]}"
+            if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
+                raise TypeError(f"a {type(t).__name__} ({t.layout}, {t.device}) is not read as bytes here")
+            hashed.update(f"{t.dtype}{tuple(t.shape)};".encode())
+            hashed.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        digest = f"weights-{hashed.hexdigest()[:32]}"
+        while len(_DIGESTS) >= 8:  # the last few models' (a speculator's target, draft and both): a memo, not a store
+            del _DIGESTS[next(iter(_DIGESTS))]
+        _DIGESTS[fingerprint] = ([weakref.ref(t) for t in tensors], digest)
+        return digest
+    except (RuntimeError, TypeError, ValueError):
+        return f"weights-unread-{uuid.uuid4().hex}"
 
 
 def compile_step(fn, device: torch.device, mode: str | None = None, static: Iterable[torch.Tensor] = (),
@@ -151,10 +176,13 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     """fn compiled whole for `device` (see `compile_options`), fixed shapes. static: tensors it updates in place
     every call (a KV cache), at fixed addresses a CUDA graph writes directly. refilled: tensors it only reads and
     the caller refills in place (random numbers), at fixed addresses too unless the weights are frozen (freezing
-    would fold them into constants). models: those whose weights it reads; where they are frozen into the code
-    (a CPU step), their `weights_digest`, taken at the first call, is in the compile cache's keys. With CUDA graphs
-    a call reuses the last call's outputs' memory: use what a step returns before calling it again."""
+    would fold them into constants). models: the modules whose weights it reads; where they are frozen into the code
+    (a CPU step), their `weights_digest`, taken at the first call, is in the compile cache's keys, and a frozen step
+    given none is not cached across compiles at all (inductor's FX graph cache off for it). With CUDA graphs a call
+    reuses the last call's outputs' memory: use what a step returns before calling it again."""
     options = compile_options(device, mode, gemm_backends)
+    if options.get("freezing") and not models:  # its weights cannot be named: never served another's
+        options["fx_graph_cache"] = False
     if device.type == "cpu":
         for kernel in cpu_gemm.kernels():  # here, not in compile_options: inductor imported, the compiler probed (s)
             kernel.install()

@@ -93,7 +93,7 @@ class FastDecoder(Engine):
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """`_decode_step`, maybe compiled (with CUDA graphs, use or clone the logits before the next call)."""
         if self._step is None:
-            self._step = self._step_of(self._decode_step, self.cache.buffers)
+            self._step = self._step_of(self._decode_step, self.cache.buffers, self.net)
         return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
@@ -109,7 +109,7 @@ class FastDecoder(Engine):
 
     def _advance_step(self, sampling: tuple) -> Step:
         if sampling not in self._advances:
-            self._advances[sampling] = self._step_of(partial(self._advance, *sampling), self._state,
+            self._advances[sampling] = self._step_of(partial(self._advance, *sampling), self._state, self.net,
                                                      refilled=(self._noise,))
         return self._advances[sampling]
 

@@ -14,8 +14,8 @@ session 32).
 Here one 256-bit load brings 16 columns' weights: the even columns' are the low halves of its 32-bit lanes (shifted
 up 16 bits), the odd ones' the high halves (the low halves masked off), two chains of multiply-adds; the sums go
 back to column order once a block is done (and come in so, where the template adds a later block of k to them).
-Blocks are 64 or 32 columns (eight or four pairs of chains), as `cpu_gemm.balanced_width` splits the matmul over the
-threads.
+Blocks are 64 or 32 columns (four or two pairs of chains), as `cpu_gemm.balanced_width` splits the matmul over the
+threads, and as many as the threads at least.
 """
 
 # The kernel's template variables: inductor's (kernel_name, input_t, input2_t, output_t, restrict_keyword, trans_b,

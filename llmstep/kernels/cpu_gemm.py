@@ -395,8 +395,10 @@ def _register_bf16_avx2():
 
     def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
         b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)  # the kernel has no tail
+        # a block of columns for every thread: with fewer, the template splits k between threads, another order
+        # of the sums than inductor's narrower blocks would take
         return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
-                and b.block_n == balanced_width(n, num_threads, dividing))
+                and b.block_n == balanced_width(n, num_threads, dividing) and n // b.block_n >= num_threads)
 
     return torch_compat.register_vec_micro_gemm(BF16_AVX2_KERNEL_NAME, BF16_AVX2_BLOCKINGS, fits, torch.bfloat16,
                                                 source=cpu_bf16.AVX2, options=_stream_options)

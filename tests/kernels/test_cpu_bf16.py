@@ -54,8 +54,12 @@ for name, withheld, stream in (("inductor", True, None), ("kernel", False, False
         out, code = run_and_get_code(compile_step(step, torch.device("cpu"), gemm_backends="CPP", models=layers),
                                      *xs)
     code = "\n".join(code)
-    widths = [int(line.split("=")[1].strip(" ;")) for line in code.splitlines() if "constexpr int64_t Nr =" in line]
-    runs[name] = {"out": [o.float().flatten().tolist() for o in out], "widths": widths,
+    def ints(name):  # one of the template's constants, one per matmul, in the order of the code
+        return [int(line.split("=")[1].strip(" ;")) for line in code.splitlines()
+                if line.strip().startswith(f"constexpr int64_t {name} =")]
+
+    widths, ks, blocks = ints("Nr"), ints("K"), [kc * kr for kc, kr in zip(ints("Kc_blocks"), ints("Kr"))]
+    runs[name] = {"out": [o.float().flatten().tolist() for o in out], "widths": widths, "ks": ks, "blocks": blocks,
                   "named": cpu_gemm.BF16_AVX2_KERNEL_NAME in code, "nta": "_MM_HINT_NTA" in code}
 want = [(x.double() @ layer.weight.double().T).flatten().tolist() for layer, x in zip(layers, xs)]
 print(json.dumps({"runs": runs, "want": want}))
@@ -97,6 +101,9 @@ def test_on_avx2_each_matmul_takes_the_balanced_width_that_divides_it(avx2_runs)
         ours = sorted(w for w in WIDTHS.values() if w)
         assert sorted(w for w in run["widths"] if w in (32, 64)) == ours, run["widths"]
         assert len(run["widths"]) == len(SHAPES), run["widths"]  # the fifth (48 columns): inductor's 8, 16 or 24
+        # some of the kernel's matmuls take k in blocks of fewer rows than their depth: their sums come in through C
+        matmuls = list(zip(run["widths"], run["ks"], run["blocks"], strict=True))
+        assert any(block < k for width, k, block in matmuls if width in (32, 64)), matmuls
 
 
 @pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
@@ -105,6 +112,8 @@ def test_on_avx2_each_matmul_takes_the_balanced_width_that_divides_it(avx2_runs)
     (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
     (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernel has no column tail
     (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
+    (1, 32, 128, 2, False, []),  # one block for two threads: the template would split k between them
+    (1, 96, 128, 4, False, []),  # three blocks of 32 for four threads: the same
     (1, 576, 100, 2, False, []),  # k not a multiple of the 16-row k-block
     (2, 576, 576, 2, False, []),  # more than one row: inductor's kernels
     (1, 576, 576, 2, True, []),  # a prefill's dynamic row count
