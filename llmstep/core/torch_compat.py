@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import types
 import warnings
 from collections.abc import Callable
@@ -46,8 +45,7 @@ import torch
 __all__ = ["FLOOR", "CEILING", "Feature", "FEATURES", "features", "missing", "in_tested_range", "int8_mm",
            "int4_pack_cpu", "int4_pack_cuda", "int4_mm", "mode_options", "known_options", "holding_freezing",
            "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm",
-           "register_int4_micro_gemm", "register_int8_micro_gemm", "register_vec_micro_gemm", "micro_gemm_withheld",
-           "compiling_constant_bytes",
+           "register_int4_micro_gemm", "register_vec_micro_gemm", "micro_gemm_withheld", "compiling_constant_bytes",
            "kernel_profile"]
 
 FLOOR = (2, 13)  # pyproject.toml's `torch>=2.13`: the torch CI installs (.ci/run) and the tests run on
@@ -280,32 +278,17 @@ def kernel_profile() -> contextlib.AbstractContextManager:
     return inductor_config.patch(option)
 
 
-_HOLDING = threading.RLock()  # holding_freezing's globals, held by one call at a time
-
-
-def holding_freezing(compiled: Callable, cache_tag: Callable[[], str] | None = None) -> Callable:
+def holding_freezing(compiled: Callable) -> Callable:
     """`compiled` behind a call that holds inductor's global `freezing` flag set: Dynamo decides whether parameters
-    become constants from that flag when it traces, not from torch.compile's options (cost: ~1 us a call).
-    cache_tag: also held, added to torch.compile's cache keys (`cache_key_tag`) during each call, made at the first
-    (compile.weights_digest: a frozen graph's key names its weights by shape alone). Both are process-wide settings:
-    one such call runs at a time (a lock), so a call in another thread never compiles under this one's."""
+    become constants from that flag when it traces, not from torch.compile's options (cost: ~1 us a call)."""
     import torch._inductor.config as inductor_config
 
-    tag: list[str] = []
-
     def frozen_step(*args):
-        with _HOLDING:
-            before, inductor_config.freezing = inductor_config.freezing, True
-            key_before = torch.compiler.config.cache_key_tag
-            try:
-                if cache_tag is not None:
-                    if not tag:
-                        tag.append(cache_tag())
-                    torch.compiler.config.cache_key_tag = "+".join(t for t in (key_before, tag[0]) if t)
-                return compiled(*args)
-            finally:
-                inductor_config.freezing = before
-                torch.compiler.config.cache_key_tag = key_before
+        before, inductor_config.freezing = inductor_config.freezing, True
+        try:
+            return compiled(*args)
+        finally:
+            inductor_config.freezing = before
 
     return frozen_step
 
@@ -424,23 +407,14 @@ def register_int4_micro_gemm(name: str, source: str, blockings: list[tuple[int, 
                          options)
 
 
-def register_int8_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable,
-                             source: str | None = None, isa: str = "avx2",
-                             options: Callable[[], dict] | None = None) -> type:
-    """Register a micro-kernel for weight-only int8 matmuls of bf16 activations on AVX2 (isa "avx512": AVX-512) with
-    inductor's float32-vector entry (`CppMicroGemmFP32Vec`) at other blockings (block_m, block_n, block_k): inductor
-    files it at 16 (AVX2) or 32 (AVX-512) columns for small m, two chains of multiply-adds at one row. source: the
-    Jinja template of the kernel the entry calls per block (`{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum,
-    prefetch>(A, B, C, K, lda, ldb, ldc)`); None: inductor's own, named. options: as for the int4 kernels."""
-    return register_vec_micro_gemm(name, blockings, fits, torch.int8, source, isa, options)
-
-
 def register_vec_micro_gemm(name: str, blockings: list[tuple[int, int, int]], fits: Callable,
                             weight_dtype: torch.dtype, source: str | None = None, isa: str = "avx2",
                             options: Callable[[], dict] | None = None) -> type:
     """Register a micro-kernel with inductor's float32-vector entry (`CppMicroGemmFP32Vec`) for bf16 activations and
-    `weight_dtype` weights (torch.int8: weight-only int8; torch.bfloat16: bf16 x bf16, widened to float32), as
-    `register_int8_micro_gemm` describes."""
+    `weight_dtype` weights (int8, or bf16 widened to float32) on AVX2 (isa "avx512": AVX-512) at other blockings
+    (block_m, block_n, block_k) than inductor's. source: the Jinja template of the kernel the entry calls per block
+    (`{{kernel_name}}_kernel<BLOCK_M, BLOCK_N, accum, prefetch>(A, B, C, K, lda, ldb, ldc)`); None: inductor's own,
+    named. options: as for the int4 kernels."""
     return _register_woq(name, "CppMicroGemmFP32Vec",
                          lambda base: source or f"\n// {name}: llmstep/kernels/cpu_gemm.py\n{base.TEMPLATE_KERNEL}",
                          blockings, fits, weight_dtype, isa, options)

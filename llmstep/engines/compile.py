@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import threading
 import time
 import types
 import uuid
@@ -127,6 +128,7 @@ def own_code(fn: Callable) -> types.FunctionType:
 
 
 _DIGESTS: dict[tuple, tuple[list, str]] = {}  # weights_digest's memo: the tensors' fingerprint -> (weakrefs, digest)
+_NAMING = threading.RLock()  # a frozen step's call, which holds process-wide settings (compile_step)
 
 
 def weights_digest(*models: torch.nn.Module) -> str:
@@ -200,10 +202,25 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         return graphed_step
     if not options.get("freezing"):
         return compiled
-    # the flag Dynamo reads when it traces, held set; the weights named in the cache keys
-    frozen_step = torch_compat.holding_freezing(compiled, lambda: weights_digest(*models))
-    frozen_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
-    return frozen_step
+    frozen_step = torch_compat.holding_freezing(compiled)  # the flag Dynamo reads when it traces, held set
+    digest: list[str] = []  # the weights' name, made at the first call
+
+    def named_step(*args):
+        """frozen_step with the weights' digest held in torch.compile's cache keys (`cache_key_tag`). The tag and
+        freezing's flag are process-wide settings: one such call runs at a time, so a step in another thread never
+        compiles under this one's."""
+        with _NAMING:
+            if not digest:
+                digest.append(weights_digest(*models))
+            before = torch.compiler.config.cache_key_tag
+            torch.compiler.config.cache_key_tag = "+".join(t for t in (before, digest[0]) if t)
+            try:
+                return frozen_step(*args)
+            finally:
+                torch.compiler.config.cache_key_tag = before
+
+    named_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
+    return named_step
 
 
 class Step:

@@ -1,5 +1,8 @@
-"""The C++ of llmstep's bf16 micro-kernel for one-row matmuls on CPUs with AVX2 alone (registered by
-`cpu_gemm.BF16_AVX2`): a Jinja template of the body that inductor's float32-vector entry (`CppMicroGemmFP32Vec`)
+"""The C++ of llmstep's bf16 micro-kernels: the dot product for CPUs with AVX-512 BF16 (`AVX512`, registered by
+`cpu_gemm.BF16`, whose docstring tells it), and the kernel for one-row matmuls on CPUs with AVX2 alone (`AVX2`,
+registered by `cpu_gemm.BF16_AVX2`, below).
+
+`AVX2` is a Jinja template of the body that inductor's float32-vector entry (`CppMicroGemmFP32Vec`)
 calls for each block of columns, one row of bf16 activations (a decode step's matmul) times a block of bf16 weights
 as the template packs them for that entry: [N / BLOCK_N, K, BLOCK_N], one k-row of a block BLOCK_N weights.
 
@@ -77,5 +80,119 @@ inline void {{kernel_name}}_kernel(
         _mm256_storeu_ps(C + 16 * p, _mm256_permute2f128_ps(lo, hi, 0x20));
         _mm256_storeu_ps(C + 16 * p + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
     }
+}
+"""
+
+
+# The AVX-512 BF16 dot product. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of
+# the block at (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32
+# lane each, which `vdpbf16ps` multiplies by the broadcast pair (A[m, k], A[m, k + 1]) and adds to that lane.
+AVX512 = r"""
+// llmstep_bf16_dot: llmstep/kernels/cpu_bf16.py
+template <int64_t ROWS, bool STREAM = false>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void {{kernel_name}}_rows(
+    const at::BFloat16* A, const at::BFloat16* B, float* C,
+    int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
+) {
+    for (int64_t n = 0; n < N; n += 64) {
+        const int64_t width = std::min<int64_t>(N - n, 64);  // columns in this block: 64, or the tail
+        __mmask16 mask[4];
+        for (int j = 0; j < 4; ++j) {
+            const int64_t lanes = std::clamp<int64_t>(width - 16 * j, 0, 16);
+            mask[j] = static_cast<__mmask16>((1u << lanes) - 1u);
+        }
+        __m512 acc[ROWS][4], acc2[ROWS][4];  // acc2: odd k-pairs, a second chain of sums (ROWS == 1)
+        for (int r = 0; r < ROWS; ++r) {
+            for (int j = 0; j < 4; ++j) {
+                acc[r][j] = _mm512_setzero_ps();
+                acc2[r][j] = _mm512_setzero_ps();
+            }
+        }
+        const at::BFloat16* b = B + 2 * n;
+        int64_t k = 0;
+        if constexpr (ROWS == 1) {
+            for (; k + 4 <= K; k += 4) {
+                int32_t p0, p1;
+                std::memcpy(&p0, A + k, 4);
+                std::memcpy(&p1, A + k + 2, 4);
+                const __m512bh a0 = (__m512bh)_mm512_set1_epi32(p0);
+                const __m512bh a1 = (__m512bh)_mm512_set1_epi32(p1);
+                const at::BFloat16* b0 = b + k * ldb;  // (k / 2) * 2 * ldb, k even
+                const at::BFloat16* b1 = b0 + 2 * ldb;
+                if constexpr (STREAM) {  // the 8 * ldb bytes read STREAM_AHEAD on, past the caches (streams_weights)
+                    const char* ahead = reinterpret_cast<const char*>(b0) + {{stream_ahead}};
+                    for (int64_t line = 0; line < 8 * ldb; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+                }
+                for (int j = 0; j < 4; ++j) {
+                    if (!mask[j]) break;
+                    const __m512i w0 = _mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
+                    const __m512i w1 = _mm512_maskz_loadu_epi32(mask[j], b1 + 32 * j);
+                    acc[0][j] = _mm512_dpbf16_ps(acc[0][j], a0, (__m512bh)w0);
+                    acc2[0][j] = _mm512_dpbf16_ps(acc2[0][j], a1, (__m512bh)w1);
+                }
+            }
+        }
+        for (; k < K; k += 2) {
+            const at::BFloat16* b0 = b + k * ldb;
+            __m512bh w[4];
+            for (int j = 0; j < 4; ++j) {
+                w[j] = (__m512bh)_mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
+            }
+            for (int r = 0; r < ROWS; ++r) {
+                int32_t p;
+                std::memcpy(&p, A + r * lda + k, 4);
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(p);
+                for (int j = 0; j < 4; ++j) {
+                    if (!mask[j]) break;
+                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+                }
+            }
+        }
+        for (int r = 0; r < ROWS; ++r) {
+            for (int j = 0; j < 4; ++j) {
+                if (!mask[j]) break;
+                __m512 sum = _mm512_add_ps(acc[r][j], acc2[r][j]);
+                float* c = C + r * ldc + n + 16 * j;
+                if (accum) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[j], c));
+                _mm512_mask_storeu_ps(c, mask[j], sum);
+            }
+        }
+    }
+}
+
+static void {{kernel_name}}_block(
+    const at::BFloat16* A, const at::BFloat16* B, float* C,
+    int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
+) {
+{%- if stream_weights and not pack_vnni_B_locally %}
+    if (M == 1) {  // one row (a decode step's matmul): each weight read once a step, more bytes than the caches hold
+        {{kernel_name}}_rows<1, true>(A, B, C, N, K, lda, ldb, ldc, accum);
+        return;
+    }
+{%- endif %}
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+        {{kernel_name}}_rows<4>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
+    }
+    for (; m < M; ++m) {
+        {{kernel_name}}_rows<1>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
+    }
+}
+
+{{declare_kernel}} {
+    {{kernel.assert_function}}(K % 2 == 0, "K dimension must be a multiple of 2");
+{%- if pack_vnni_B_locally %}
+    // B as it is in memory ([K, N], row stride ldb: a tensor computed in the step, not a frozen weight):
+    // each 64 columns packed into pairs along k first, as inductor's AMX kernel does it
+    {{template.codegen_allocate_weight_buffer("packed_B_buf", input2_t, "K", 64)}}
+    for (int64_t n = 0; n < N; n += 64) {
+        const int64_t width = std::min<int64_t>(N - n, 64);
+        at::vec::pack_vnni2(B + n, packed_B_buf, ldb, K, width);
+        {{kernel_name}}_block(A, packed_B_buf, C + n, M, width, K, lda, width, ldc, accum);
+    }
+{%- else %}
+    {{kernel_name}}_block(A, B, C, M, N, K, lda, ldb, ldc, accum);
+{%- endif %}
 }
 """

@@ -118,120 +118,6 @@ STREAM_AHEAD = 4096
 STREAM_ISAS = ("avx512_bf16",)
 _STREAM: bool | None = None  # `streaming` sets it: None decides by `streams_weights`' rule, True / False always / never
 
-# The kernel. `B` is packed as the template packs it for a VNNI2 micro-kernel: element (k, n) of the block at
-# (k / 2) * 2 * ldb + 2 * n + k % 2, so one 512-bit load holds 16 columns' (k, k + 1) pairs, one float32 lane
-# each, which `vdpbf16ps` multiplies by the broadcast pair (A[m, k], A[m, k + 1]) and adds to that lane.
-_ENTRY = r"""
-// llmstep_bf16_dot: llmstep/kernels/cpu_gemm.py
-template <int64_t ROWS, bool STREAM = false>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void {{kernel_name}}_rows(
-    const at::BFloat16* A, const at::BFloat16* B, float* C,
-    int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
-) {
-    for (int64_t n = 0; n < N; n += 64) {
-        const int64_t width = std::min<int64_t>(N - n, 64);  // columns in this block: 64, or the tail
-        __mmask16 mask[4];
-        for (int j = 0; j < 4; ++j) {
-            const int64_t lanes = std::clamp<int64_t>(width - 16 * j, 0, 16);
-            mask[j] = static_cast<__mmask16>((1u << lanes) - 1u);
-        }
-        __m512 acc[ROWS][4], acc2[ROWS][4];  // acc2: odd k-pairs, a second chain of sums (ROWS == 1)
-        for (int r = 0; r < ROWS; ++r) {
-            for (int j = 0; j < 4; ++j) {
-                acc[r][j] = _mm512_setzero_ps();
-                acc2[r][j] = _mm512_setzero_ps();
-            }
-        }
-        const at::BFloat16* b = B + 2 * n;
-        int64_t k = 0;
-        if constexpr (ROWS == 1) {
-            for (; k + 4 <= K; k += 4) {
-                int32_t p0, p1;
-                std::memcpy(&p0, A + k, 4);
-                std::memcpy(&p1, A + k + 2, 4);
-                const __m512bh a0 = (__m512bh)_mm512_set1_epi32(p0);
-                const __m512bh a1 = (__m512bh)_mm512_set1_epi32(p1);
-                const at::BFloat16* b0 = b + k * ldb;  // (k / 2) * 2 * ldb, k even
-                const at::BFloat16* b1 = b0 + 2 * ldb;
-                if constexpr (STREAM) {  // the 8 * ldb bytes read STREAM_AHEAD on, past the caches (streams_weights)
-                    const char* ahead = reinterpret_cast<const char*>(b0) + {{stream_ahead}};
-                    for (int64_t line = 0; line < 8 * ldb; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
-                }
-                for (int j = 0; j < 4; ++j) {
-                    if (!mask[j]) break;
-                    const __m512i w0 = _mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
-                    const __m512i w1 = _mm512_maskz_loadu_epi32(mask[j], b1 + 32 * j);
-                    acc[0][j] = _mm512_dpbf16_ps(acc[0][j], a0, (__m512bh)w0);
-                    acc2[0][j] = _mm512_dpbf16_ps(acc2[0][j], a1, (__m512bh)w1);
-                }
-            }
-        }
-        for (; k < K; k += 2) {
-            const at::BFloat16* b0 = b + k * ldb;
-            __m512bh w[4];
-            for (int j = 0; j < 4; ++j) {
-                w[j] = (__m512bh)_mm512_maskz_loadu_epi32(mask[j], b0 + 32 * j);
-            }
-            for (int r = 0; r < ROWS; ++r) {
-                int32_t p;
-                std::memcpy(&p, A + r * lda + k, 4);
-                const __m512bh a = (__m512bh)_mm512_set1_epi32(p);
-                for (int j = 0; j < 4; ++j) {
-                    if (!mask[j]) break;
-                    acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
-                }
-            }
-        }
-        for (int r = 0; r < ROWS; ++r) {
-            for (int j = 0; j < 4; ++j) {
-                if (!mask[j]) break;
-                __m512 sum = _mm512_add_ps(acc[r][j], acc2[r][j]);
-                float* c = C + r * ldc + n + 16 * j;
-                if (accum) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask[j], c));
-                _mm512_mask_storeu_ps(c, mask[j], sum);
-            }
-        }
-    }
-}
-
-static void {{kernel_name}}_block(
-    const at::BFloat16* A, const at::BFloat16* B, float* C,
-    int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool accum
-) {
-{%- if stream_weights and not pack_vnni_B_locally %}
-    if (M == 1) {  // one row (a decode step's matmul): each weight read once a step, more bytes than the caches hold
-        {{kernel_name}}_rows<1, true>(A, B, C, N, K, lda, ldb, ldc, accum);
-        return;
-    }
-{%- endif %}
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-        {{kernel_name}}_rows<4>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
-    }
-    for (; m < M; ++m) {
-        {{kernel_name}}_rows<1>(A + m * lda, B, C + m * ldc, N, K, lda, ldb, ldc, accum);
-    }
-}
-
-{{declare_kernel}} {
-    {{kernel.assert_function}}(K % 2 == 0, "K dimension must be a multiple of 2");
-{%- if pack_vnni_B_locally %}
-    // B as it is in memory ([K, N], row stride ldb: a tensor computed in the step, not a frozen weight):
-    // each 64 columns packed into pairs along k first, as inductor's AMX kernel does it
-    {{template.codegen_allocate_weight_buffer("packed_B_buf", input2_t, "K", 64)}}
-    for (int64_t n = 0; n < N; n += 64) {
-        const int64_t width = std::min<int64_t>(N - n, 64);
-        at::vec::pack_vnni2(B + n, packed_B_buf, ldb, K, width);
-        {{kernel_name}}_block(A, packed_B_buf, C + n, M, width, K, lda, width, ldc, accum);
-    }
-{%- else %}
-    {{kernel_name}}_block(A, B, C, M, N, K, lda, ldb, ldc, accum);
-{%- endif %}
-}
-"""
-
-
 @dataclass
 class _Kernel:
     """One micro-kernel: registered with inductor at most once per process (`install`), or the reason it was not."""
@@ -338,7 +224,8 @@ def _register_bf16():
 
     # (block_m, block_n, block_k): 4 rows share each weight load; 1 row (a decode step) ranks first at m = 1
     blockings = [(rows, width, 32) for width in WIDTHS for rows in (4, 1)]
-    return torch_compat.register_micro_gemm("BF16Dot", _ENTRY, blockings, fits, rank=isa, options=_stream_options)
+    return torch_compat.register_micro_gemm("BF16Dot", cpu_bf16.AVX512, blockings, fits, rank=isa,
+                                            options=_stream_options)
 
 
 def balanced_width(n: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> int | None:
@@ -386,7 +273,7 @@ def _register_int8():
         b = config.register_blocking
         return alpha == 1 and m == 1 and not dynamic_M and n % b.block_n == 0 and k % b.block_k == 0
 
-    return torch_compat.register_int8_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits)
+    return torch_compat.register_vec_micro_gemm(INT8_KERNEL_NAME, INT8_BLOCKINGS, fits, torch.int8)
 
 
 def _register_bf16_avx2():
@@ -413,12 +300,12 @@ def _register_int8_avx512():
         return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
                 and b.block_n == balanced_width(n, num_threads, dividing))
 
-    return torch_compat.register_int8_micro_gemm(INT8_AVX512_KERNEL_NAME, INT8_AVX512_BLOCKINGS, fits,
+    return torch_compat.register_vec_micro_gemm(INT8_AVX512_KERNEL_NAME, INT8_AVX512_BLOCKINGS, fits, torch.int8,
                                                  source=cpu_int8.AVX512, isa="avx512", options=_stream_options)
 
 
 # compile.compile_step installs them all
-BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{_ENTRY}{AMX_ROWS}{WIDTHS}{_streamed()}")
+BF16 = _Kernel(KERNEL_NAME, _register_bf16, lambda: f"{cpu_bf16.AVX512}{AMX_ROWS}{WIDTHS}{_streamed()}")
 BF16_AVX2 = _Kernel(BF16_AVX2_KERNEL_NAME, _register_bf16_avx2,
                     lambda: f"{cpu_bf16.AVX2}{BF16_AVX2_BLOCKINGS}{_streamed()}")
 INT4 = _Kernel(INT4_KERNEL_NAME, _register_int4, lambda: cpu_int4.AVX2)

@@ -189,8 +189,8 @@ def test_the_avx512_kernel_takes_one_row_matmuls_at_the_balanced_width_that_divi
 
     seen = {}
     monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx512_bf16")
-    monkeypatch.setattr(torch_compat, "register_int8_micro_gemm",
-                        lambda name, blockings, fits, **kw: seen.update(blockings=blockings, fits=fits))
+    monkeypatch.setattr(torch_compat, "register_vec_micro_gemm",
+                        lambda name, blockings, fits, dtype, **kw: seen.update(blockings=blockings, fits=fits))
     cpu_gemm._register_int8_avx512()  # its rule, with nothing registered
     configs = [SimpleNamespace(register_blocking=SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
                for bm, bn, bk in seen["blockings"]]
