@@ -21,6 +21,8 @@ Blocks are 64 or 32 columns (four or two pairs of chains), as `cpu_gemm.balanced
 threads, and as many as the threads at least.
 """
 
+from .cpu_int8 import VEC_SIGNATURE
+
 # The kernel's template variables: inductor's (kernel_name, input_t, input2_t, output_t, restrict_keyword, trans_b,
 # tail_n) and cpu_gemm's streaming ones (stream_weights, stream_ahead).
 AVX2 = r"""
@@ -33,16 +35,7 @@ static_assert(false, "llmstep_bf16_avx2 takes neither a transposed B nor a tail 
 // columns) and multiplied-and-added into their columns' sums, one chain per column, k after k.
 template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum, bool prefetch=false>
 __attribute__((target("avx2,fma")))
-inline void {{kernel_name}}_kernel(
-    const {{input_t}}* {{restrict_keyword}} A,
-    const {{input2_t}}* {{restrict_keyword}} B,
-    {{output_t}}* {{restrict_keyword}} C,
-    int64_t K,
-    int64_t lda,
-    int64_t ldb,
-    int64_t ldc
-) {
-    static_assert(BLOCK_M == 1, "one row: a decode step's matmul");
+""" + VEC_SIGNATURE + r"""    static_assert(BLOCK_M == 1, "one row: a decode step's matmul");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 64, "a block is 16, 32, 48 or 64 columns");
     constexpr int PAIRS = BLOCK_N / 16;  // 16 columns a load; lane i: column 2i in its low half, 2i + 1 in its high
     const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));

@@ -13,6 +13,19 @@ step reads again. The blocks are 64 columns, or 32 where that splits the matmul 
 (cpu_gemm.balanced_width), against inductor's 32 at small m; that alone measured level (results/README.md, claim 2).
 """
 
+# What inductor's float32-vector entry calls for each block of columns (CppMicroGemmFP32Vec's TEMPLATE_KERNEL): the
+# kernels for that entry (this one, cpu_bf16.AVX2) are declared so, after their template line and instruction set
+VEC_SIGNATURE = r"""inline void {{kernel_name}}_kernel(
+    const {{input_t}}* {{restrict_keyword}} A,
+    const {{input2_t}}* {{restrict_keyword}} B,
+    {{output_t}}* {{restrict_keyword}} C,
+    int64_t K,
+    int64_t lda,
+    int64_t ldb,
+    int64_t ldc
+) {
+"""
+
 # The kernel's template variables: inductor's (kernel_name, input_t, input2_t, output_t, restrict_keyword, block_k,
 # trans_b, tail_n) and cpu_gemm's streaming ones (stream_weights, stream_ahead).
 AVX512 = r"""
@@ -25,16 +38,7 @@ static_assert(false, "llmstep_int8_avx512 takes neither a transposed B nor a tai
 // multiplied-and-added into one chain of sums per 16 columns, as inductor's kernel does, in its order.
 template <int64_t BLOCK_M, int64_t BLOCK_N, bool accum, bool prefetch=false>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-inline void {{kernel_name}}_kernel(
-    const {{input_t}}* {{restrict_keyword}} A,
-    const {{input2_t}}* {{restrict_keyword}} B,
-    {{output_t}}* {{restrict_keyword}} C,
-    int64_t K,
-    int64_t lda,
-    int64_t ldb,
-    int64_t ldc
-) {
-    static_assert(BLOCK_M == 1, "one row: a decode step's matmul");
+""" + VEC_SIGNATURE + r"""    static_assert(BLOCK_M == 1, "one row: a decode step's matmul");
     static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 64, "a block is 16, 32, 48 or 64 columns");
     constexpr int COLS = BLOCK_N / 16;
     __m512 acc[COLS];
