@@ -237,6 +237,15 @@ def balanced_width(n: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> in
     return min(widths, key=lambda w: (busiest[w], -w), default=None)
 
 
+def _one_row_balanced(config, m: int, n: int, k: int, alpha, num_threads: int, dynamic_M: bool) -> bool:
+    """Whether a float32-vector kernel of llmstep's (`BF16_AVX2`, `INT8_AVX512`) takes a matmul at `config`'s
+    blocking: one row (a decode step's), k in whole blocks, and the block width `balanced_width` picks among those
+    that divide n (the kernels have no column tail)."""
+    b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)
+    return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
+            and b.block_n == balanced_width(n, num_threads, dividing))
+
+
 def _register_int4():
     if (isa := torch_compat.cpu_vector_isa()) != "avx2":
         raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
@@ -281,11 +290,10 @@ def _register_bf16_avx2():
         raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
 
     def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
-        b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)  # the kernel has no tail
-        # a block of columns for every thread: with fewer, the template splits k between threads, another order
+        # and a block of columns for every thread: with fewer, the template splits k between threads, another order
         # of the sums than inductor's narrower blocks would take
-        return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
-                and b.block_n == balanced_width(n, num_threads, dividing) and n // b.block_n >= num_threads)
+        return (_one_row_balanced(config, m, n, k, alpha, num_threads, dynamic_M)
+                and n // config.register_blocking.block_n >= num_threads)
 
     return torch_compat.register_vec_micro_gemm(BF16_AVX2_KERNEL_NAME, BF16_AVX2_BLOCKINGS, fits, torch.bfloat16,
                                                 source=cpu_bf16.AVX2, options=_stream_options)
@@ -296,9 +304,7 @@ def _register_int8_avx512():
         raise _NotHere(f"the CPU's vector ISA ({isa}) is not AVX-512 with BF16 and without AMX")
 
     def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
-        b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)  # the kernel has no tail
-        return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
-                and b.block_n == balanced_width(n, num_threads, dividing))
+        return _one_row_balanced(config, m, n, k, alpha, num_threads, dynamic_M)
 
     return torch_compat.register_vec_micro_gemm(INT8_AVX512_KERNEL_NAME, INT8_AVX512_BLOCKINGS, fits, torch.int8,
                                                  source=cpu_int8.AVX512, isa="avx512", options=_stream_options)
