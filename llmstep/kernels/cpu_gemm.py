@@ -63,23 +63,26 @@ function (tests/kernels/test_cpu_int8.py: a compiled int8 step with it makes the
 `BF16_AVX2` is llmstep's bf16 kernel for one-row matmuls on CPUs with AVX2 and no AVX-512 (kernels/cpu_bf16.py),
 where no bf16 instruction exists and inductor's float32-vector kernel widens each weight after loading it through
 the stack (at::vec's partial loads): inductor's arithmetic in its order, so the same bits as inductor's kernel
-(tests/kernels/test_cpu_bf16.py), one load per 16 weights, at the balanced width that divides the matmul
-(results/README.md, claim 2, session 32, measures it).
+(tests/kernels/test_cpu_bf16.py), one load per 16 weights, at the balanced width of those that divide the matmul
+into a block of columns for every thread (`_one_row_balanced`: with fewer, inductor's template splits k between
+threads, another order of sums; results/README.md, claim 2, session 32, measures it).
 
 `INT8_AVX512` is llmstep's own kernel for weight-only int8 matmuls of one row with AVX-512 BF16 and no AMX, where it
 was measured (kernels/cpu_int8.py): inductor's arithmetic in inductor's order, so the same bits as inductor's kernel
 (tests/kernels/test_cpu_int8.py), its weights streamed by the same rule as the others, which is what it is for: a
 SmolLM2 int8 step, and the int8 LM head of an int4 one, gained by it, and not by its blocks (64 columns or 32,
-`balanced_width` among the widths that divide the matmul, where inductor's are 32), which alone measured level
-(results/README.md, claim 2, session 29).
+`balanced_width` among the widths that divide the matmul into a block for every thread, the rule `BF16_AVX2` takes,
+where inductor's are 32), which alone measured level (results/README.md, claim 2, session 29).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,14 +150,21 @@ class _Kernel:
         return self.installed
 
     def tag(self) -> str:
-        """The kernel's name and a hash of what selects its code (its source, and the text of its registering
-        function, where the rule of the matmuls it takes is written): a changed kernel is compiled anew, not read
-        from a cache."""
-        try:
-            rules = inspect.getsource(self.register)
-        except (OSError, TypeError):  # no source file (an installation without .py files), or no function
-            rules = ""
-        return f"{self.name}-{hashlib.sha256((self.source() + rules).encode()).hexdigest()[:16]}"
+        """The kernel's name and a hash of what selects its code: its source and the code that chooses and wraps
+        it (`_rules_text`): a changed kernel or rule is compiled anew, not read from a cache."""
+        return f"{self.name}-{hashlib.sha256((self.source() + _rules_text()).encode()).hexdigest()[:16]}"
+
+
+@functools.cache
+def _rules_text() -> str:
+    """The text of the code that chooses which matmuls a kernel takes and writes the class around its C++: this
+    module (the registering functions, the helpers their rules call, their constants) and torch_compat (the
+    registration). A change to any of it retags every kernel: a rule's helper edited alone must not leave steps
+    compiled under the old rule in the cache. Empty where the files are not installed."""
+    try:
+        return inspect.getsource(sys.modules[__name__]) + inspect.getsource(torch_compat)
+    except (OSError, TypeError):  # no source files (an installation without .py files)
+        return ""
 
 
 class _NotHere(Exception):
@@ -240,10 +250,13 @@ def balanced_width(n: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> in
 def _one_row_balanced(config, m: int, n: int, k: int, alpha, num_threads: int, dynamic_M: bool) -> bool:
     """Whether a float32-vector kernel of llmstep's (`BF16_AVX2`, `INT8_AVX512`) takes a matmul at `config`'s
     blocking: one row (a decode step's), k in whole blocks, and the block width `balanced_width` picks among those
-    that divide n (the kernels have no column tail)."""
-    b, dividing = config.register_blocking, tuple(w for w in WIDTHS if n % w == 0)
+    that divide n (the kernels have no column tail) into a block for every thread. With fewer blocks than threads
+    inductor's template splits k between threads (its thread blocking), another order of the sums than inductor's
+    own kernel takes: these kernels' "the same bits as inductor's" holds where every thread has whole columns."""
+    b = config.register_blocking
+    whole = tuple(w for w in WIDTHS if n % w == 0 and n // w >= num_threads)
     return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0
-            and b.block_n == balanced_width(n, num_threads, dividing))
+            and b.block_n == balanced_width(n, num_threads, whole))
 
 
 def _register_int4():
@@ -290,10 +303,7 @@ def _register_bf16_avx2():
         raise _NotHere(f"inductor compiles for {isa}, not AVX2 alone")
 
     def fits(config, m, n, k, alpha, num_threads, dynamic_M=False, **kwargs) -> bool:
-        # and a block of columns for every thread: with fewer, the template splits k between threads, another order
-        # of the sums than inductor's narrower blocks would take
-        return (_one_row_balanced(config, m, n, k, alpha, num_threads, dynamic_M)
-                and n // config.register_blocking.block_n >= num_threads)
+        return _one_row_balanced(config, m, n, k, alpha, num_threads, dynamic_M)
 
     return torch_compat.register_vec_micro_gemm(BF16_AVX2_KERNEL_NAME, BF16_AVX2_BLOCKINGS, fits, torch.bfloat16,
                                                 source=cpu_bf16.AVX2, options=_stream_options)

@@ -2,8 +2,9 @@
 
 Inductor's arithmetic in inductor's order, so a compiled one-row bf16 matmul gives the same bits with it as with
 inductor's own float32-vector kernel (withheld), streaming or not, whole k or k in blocks the template adds up; it
-takes the balanced width that divides the matmul and leaves the rest to inductor. In a child process with torch and
-inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so it runs on every x86 CPU with AVX2, AVX-512 ones included.
+takes the balanced width that divides the matmul and leaves the rest to inductor (the rule's table, shared with
+INT8_AVX512: tests/kernels/test_cpu_gemm.py). In a child process with torch and inductor held to AVX2
+(ATEN_CPU_CAPABILITY=avx2), so it runs on every x86 CPU with AVX2, AVX-512 ones included.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,33 +104,6 @@ def test_on_avx2_each_matmul_takes_the_balanced_width_that_divides_it(avx2_runs)
         # some of the kernel's matmuls take k in blocks of fewer rows than their depth: their sums come in through C
         matmuls = list(zip(run["widths"], run["ks"], run["blocks"], strict=True))
         assert any(block < k for width, k, block in matmuls if width in (32, 64)), matmuls
-
-
-@pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
-    (1, 49152, 576, 2, False, [64]),  # SmolLM2's LM head: 768 blocks of 64, evenly split
-    (1, 576, 576, 2, False, [32]),  # 9 blocks of 64 split 5/4; 18 of 32 split 9/9
-    (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
-    (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernel has no column tail
-    (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
-    (1, 32, 128, 2, False, []),  # one block for two threads: the template would split k between them
-    (1, 96, 128, 4, False, []),  # three blocks of 32 for four threads: the same
-    (1, 576, 100, 2, False, []),  # k not a multiple of the 16-row k-block
-    (2, 576, 576, 2, False, []),  # more than one row: inductor's kernels
-    (1, 576, 576, 2, True, []),  # a prefill's dynamic row count
-])
-def test_the_kernel_takes_one_row_matmuls_at_the_balanced_width_that_divides_them(monkeypatch, m, n, k, threads,
-                                                                                 dynamic, widths):
-    seen = {}
-    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx2")
-    monkeypatch.setattr(torch_compat, "register_vec_micro_gemm",
-                        lambda name, blockings, fits, dtype, **kw: seen.update(blockings=blockings, fits=fits,
-                                                                               dtype=dtype))
-    cpu_gemm._register_bf16_avx2()  # its rule, with nothing registered
-    assert seen["dtype"] == torch.bfloat16
-    configs = [SimpleNamespace(register_blocking=SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
-               for bm, bn, bk in seen["blockings"]]
-    taken = [c.register_blocking.block_n for c in configs if seen["fits"](c, m, n, k, 1, threads, dynamic_M=dynamic)]
-    assert taken == widths
 
 
 def test_elsewhere_nothing_is_registered_and_the_reason_is_given(monkeypatch):

@@ -1,7 +1,8 @@
 """The bf16 dot-product micro-kernel that inductor's C++ GEMM template gets on CPUs with AVX-512 BF16
 (llmstep/kernels/cpu_gemm.py): the same function as a float64 matmul to within float32 sums, at every row count
 and column tail the template hands it, and the one a compiled bf16 step's matmuls run; with AMX, on one-row
-matmuls only."""
+matmuls only. And what every kernel of cpu_gemm shares: its tag in the compile cache keys, and the width rule of the
+two float32-vector kernels (BF16_AVX2, INT8_AVX512)."""
 
 from __future__ import annotations
 
@@ -310,3 +311,67 @@ def test_a_kernels_tag_is_replaced_by_its_own_name_only():
         assert torch.compiler.config.cache_key_tag == "llmstep_k_wide-bbb"
     finally:
         torch.compiler.config.cache_key_tag = before
+
+
+def test_a_kernels_tag_follows_the_helpers_its_rule_calls(monkeypatch):
+    """A change to a helper of a kernel's rule alone (`balanced_width` here, not in any registering function's text)
+    retags the kernels: steps compiled under the old rule are not served from the cache under the new one."""
+    before = {k.name: k.tag() for k in cpu_gemm.kernels()}
+    real = cpu_gemm.inspect.getsource
+    helper = real(cpu_gemm.balanced_width)
+    assert "balanced_width" not in "".join(real(k.register) for k in cpu_gemm.kernels()).replace(
+        "balanced_width(n, num_threads", "")  # no registering function spells the helper's body
+    edited = helper.replace("return min(widths", "return max(widths")
+    assert edited != helper
+    monkeypatch.setattr(cpu_gemm.inspect, "getsource", lambda obj: real(obj).replace(helper, edited))
+    cpu_gemm._rules_text.cache_clear()
+    try:
+        after = {k.name: k.tag() for k in cpu_gemm.kernels()}
+    finally:
+        monkeypatch.undo()
+        cpu_gemm._rules_text.cache_clear()
+    assert all(after[name] != tag for name, tag in before.items()), (before, after)
+    assert {k.name: k.tag() for k in cpu_gemm.kernels()} == before  # the files' own text again
+
+
+# The two float32-vector kernels' rule (`_one_row_balanced`), and each one's k-block: a table of one-row matmuls
+# (m, n, threads) and the widths taken, where k is a multiple of both k-blocks
+FLOAT_VECTOR_KERNELS = {"BF16_AVX2": ("_register_bf16_avx2", "avx2", torch.bfloat16, 16),
+                        "INT8_AVX512": ("_register_int8_avx512", "avx512_bf16", torch.int8, 64)}
+
+
+@pytest.mark.parametrize("kernel_name", sorted(FLOAT_VECTOR_KERNELS))
+@pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
+    (1, 49152, 576, 2, False, [64]),  # SmolLM2's LM head: 768 blocks of 64, evenly split
+    (1, 576, 576, 2, False, [32]),  # 9 blocks of 64 split 5/4; 18 of 32 split 9/9
+    (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
+    (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernels have no column tail
+    (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
+    (1, 32, 128, 2, False, []),  # one block for two threads: the template would split k between them
+    (1, 96, 128, 4, False, []),  # three blocks of 32 for four threads: the same
+    (1, 192, 128, 4, False, [32]),  # 64 ties with 32 on the busiest thread but leaves one of four without a block
+    (1, 128, 128, 3, False, [32]),  # the same at three threads: two blocks of 64, four of 32
+    (1, 576, 576 + 32, 2, False, "k"),  # k a multiple of 16 and not of 64: the bf16 kernel's k-block only
+    (2, 576, 576, 2, False, []),  # more than one row: inductor's kernels
+    (1, 576, 576, 2, True, []),  # a prefill's dynamic row count
+])
+def test_the_float32_vector_kernels_take_one_row_matmuls_at_the_balanced_width_with_a_block_a_thread(
+        monkeypatch, kernel_name, m, n, k, threads, dynamic, widths):
+    from types import SimpleNamespace
+
+    from llmstep.core import torch_compat
+
+    register, isa, dtype, block_k = FLOAT_VECTOR_KERNELS[kernel_name]
+    if widths == "k":
+        widths = [32] if k % block_k == 0 else []
+    seen = {}
+    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: isa)
+    monkeypatch.setattr(torch_compat, "register_vec_micro_gemm",
+                        lambda name, blockings, fits, dtype, **kw: seen.update(blockings=blockings, fits=fits,
+                                                                               dtype=dtype))
+    getattr(cpu_gemm, register)()  # its rule, with nothing registered
+    assert seen["dtype"] == dtype and {b[2] for b in seen["blockings"]} == {block_k}
+    configs = [SimpleNamespace(register_blocking=SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
+               for bm, bn, bk in seen["blockings"]]
+    taken = [c.register_blocking.block_n for c in configs if seen["fits"](c, m, n, k, 1, threads, dynamic_M=dynamic)]
+    assert taken == widths

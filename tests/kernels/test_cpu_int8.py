@@ -6,7 +6,7 @@ own. In a child process with torch and inductor held to AVX2 (ATEN_CPU_CAPABILIT
 with AVX2, AVX-512 ones included.
 
 `INT8_AVX512`, llmstep's own kernel for one-row matmuls with AVX-512 BF16 and no AMX (kernels/cpu_int8.py): the
-same bits as inductor's kernel, streaming or not, at the balanced width that divides the matmul; registered only
+same bits as inductor's kernel, streaming or not (the widths it takes: tests/kernels/test_cpu_gemm.py); registered only
 where it was measured; named in the compile cache keys.
 """
 
@@ -168,32 +168,3 @@ def test_on_avx512_it_is_named_in_the_cache_keys_streaming_or_not(avx512_int8):
         tags = torch.compiler.config.cache_key_tag.split("+")
         assert not any(t.startswith(cpu_gemm.INT8_AVX512_KERNEL_NAME) for t in tags)
         assert all(k.tag() in tags for k in cpu_gemm.kernels() if k.installed and k is not cpu_gemm.INT8_AVX512)
-
-
-@pytest.mark.parametrize("m,n,k,threads,dynamic,widths", [
-    (1, 49152, 576, 2, False, [64]),  # SmolLM2's LM head: 768 blocks of 64, evenly split
-    (1, 576, 576, 2, False, [32]),  # 9 blocks of 64 split 5/4; 18 of 32 split 9/9
-    (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
-    (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernel has no column tail
-    (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
-    (1, 576, 96, 2, False, []),  # k not a multiple of the 64-row k-block
-    (2, 576, 576, 2, False, []),  # more than one row: inductor's kernels
-    (1, 576, 576, 2, True, []),  # a prefill's dynamic row count
-])
-def test_the_avx512_kernel_takes_one_row_matmuls_at_the_balanced_width_that_divides_them(monkeypatch, m, n, k,
-                                                                                      threads, dynamic, widths):
-    from types import SimpleNamespace
-
-    from llmstep.core import torch_compat
-    from llmstep.kernels import cpu_gemm
-
-    seen = {}
-    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx512_bf16")
-    monkeypatch.setattr(torch_compat, "register_vec_micro_gemm",
-                        lambda name, blockings, fits, dtype, **kw: seen.update(blockings=blockings, fits=fits))
-    cpu_gemm._register_int8_avx512()  # its rule, with nothing registered
-    configs = [SimpleNamespace(register_blocking=SimpleNamespace(block_m=bm, block_n=bn, block_k=bk))
-               for bm, bn, bk in seen["blockings"]]
-    taken = [c.register_blocking.block_n for c in configs
-             if seen["fits"](c, m, n, k, 1, threads, dynamic_M=dynamic)]
-    assert taken == widths
