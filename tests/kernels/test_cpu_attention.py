@@ -103,6 +103,31 @@ def test_the_masked_slots_are_never_read(each_kernel):
     torch.testing.assert_close(kernel(q, k2, v2, visible), got, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("pattern", [[0, 0, 0], [0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 2, 2, 2, 2, 2, 1]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_that_see_the_same_slots_are_taken_together_and_each_gives_its_bits_alone(each_kernel, pattern, dtype):
+    """Consecutive query rows with equal mask rows (a decode step's n_rep query heads) share each key and value the
+    kernel widens, up to four at a time: each row's output the same bits as that row attended alone. `pattern`
+    names each row's mask row; runs of equal ones of every length, two batch rows with other runs."""
+    g = torch.Generator().manual_seed(len(pattern))
+    B, H, S, D = 2, 3, 70, 64
+    R = len(pattern)
+    q = torch.randn(B, H, R, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(2))
+    masks = torch.rand(B, 1, 3, S, generator=g) < 0.6
+    masks[..., 0] = True
+    visible = masks[:, :, pattern].contiguous()
+    visible[1, 0, -1] = ~visible[1, 0, -1]  # the second batch row's last run ends a row earlier
+    visible[1, 0, -1, 0] = True
+    together = each_kernel(q, k, v, visible)
+    for r in range(R):
+        alone = each_kernel(q[:, :, r:r + 1].contiguous(), k, v, visible[:, :, r:r + 1].contiguous())
+        torch.testing.assert_close(together[:, :, r:r + 1], alone, rtol=0, atol=0)
+    want, probs = exact(q, k, v, visible)
+    rounding = 2 ** -24 if dtype == torch.float32 else 2 ** -8
+    assert ((together.double() - want).abs() <= rounding * want.abs() + 1e-5 * (probs @ v.double().abs())).all()
+
+
 def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):
     """What a static step hands it: the n_rep query heads of a KV head stacked, the cache's unwritten slots masked."""
     g = torch.Generator().manual_seed(5)
