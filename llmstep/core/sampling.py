@@ -13,7 +13,7 @@ import torch
 from .checks import is_int, is_number
 
 __all__ = ["check_params", "apply_temperature", "top_k_filter", "top_p_filter", "probs", "sample", "greedy",
-           "draw", "race", "picker"]
+           "first_max", "draw", "race", "picker"]
 
 
 def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> None:
@@ -60,7 +60,20 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B]: the most likely token (the first one on ties)."""
-    return logits.argmax(dim=-1)
+    return first_max(logits)
+
+
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] -> [...]: the index of the first largest value along the last dim, a NaN counting as larger than
+    any number: torch.argmax's rule. Eager it is torch.argmax. In a compiled step it is the same index from two
+    plain reductions, the largest value and then the first index holding it (or holding a NaN), which inductor's C++
+    vectorises well: its argmax kernel took ~3x as long over a vocabulary's row on the CPU (results/README.md,
+    claim 2, session 33), where its two-pass form would be the slower one eager."""
+    if not torch.compiler.is_compiling():
+        return x.argmax(dim=-1)
+    hit = (x == x.amax(dim=-1, keepdim=True)) | x.isnan()  # [..., V]; with a NaN the max is NaN and equals nothing
+    index = torch.arange(x.shape[-1], device=x.device)
+    return torch.where(hit, index, x.shape[-1]).amin(dim=-1)
 
 
 def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -96,7 +109,7 @@ def race(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """`draw` given its random numbers: p [B, V] and Exp(1) draws e [B, V] -> argmax(p / e) [B]. A compiled
     step takes e as an input (a seeded torch.Generator cannot be used inside one): llmstep.engines.fast."""
     e = e.clamp_min(torch.finfo(e.dtype).tiny)  # an exact 0 would make 0/0 = nan for a filtered-out token
-    return (p / e).argmax(dim=-1)
+    return first_max(p / e)
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0, top_p: float = 1.0,
@@ -113,7 +126,7 @@ def picker(sampling: tuple[float, int, float], generator: torch.Generator | None
     speculative decoding, which needs the draft's distribution q beside its token."""
     def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if sampling[0] == 0:
-            return logits.argmax(dim=-1), None
+            return greedy(logits), None
         dist = probs(logits, *sampling)
         return draw(dist, generator), dist
 

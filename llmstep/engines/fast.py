@@ -262,12 +262,12 @@ class FastSpeculator(Engine):
         whether every logit of the round, the draft's and the target's, was finite [])."""
         logits = self._draft(pair, position + torch.arange(-1, 1, device=pair.device))  # [1, V]
         finite = torch.isfinite(logits).all()
-        x = logits.argmax(-1, keepdim=True)
+        x = greedy(logits)[:, None]
         proposed = [x]  # [1, 1] each
         for i in range(1, self.k):
             logits = self._draft(x, position + i)
             finite &= torch.isfinite(logits).all()
-            x = logits.argmax(-1, keepdim=True)
+            x = greedy(logits)[:, None]
             proposed.append(x)
         drafted = torch.cat(proposed, dim=1)  # [1, k]
         tokens = torch.cat([pair[:, 1:], drafted], dim=1)  # [1, k+1]: the pending token and the proposals

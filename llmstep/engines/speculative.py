@@ -34,7 +34,7 @@ from ..core.cost import step_bytes
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
 from ..core.model import LAST, Llama
-from ..core.sampling import draw, picker, probs
+from ..core.sampling import draw, first_max, picker, probs
 from ..core.tokens import Tokenizer
 from . import decoding
 from .generate import Generation, Stream, TokenEvent, emit
@@ -79,7 +79,7 @@ def verify_greedy(target_logits: torch.Tensor, proposed: torch.Tensor) -> tuple[
 
     target_logits [B, k+1, V], proposed [B, k] -> (n_accepted [B], next_token [B]). No randomness.
     """
-    best = target_logits.argmax(dim=-1)  # [B, k+1]: what plain greedy decoding would emit at each position
+    best = first_max(target_logits)  # [B, k+1]: what plain greedy decoding would emit at each position
     n = (best[:, :-1] == proposed).long().cumprod(dim=-1).sum(dim=-1)  # [B]
     return n, best.gather(1, n[:, None])[:, 0]
 

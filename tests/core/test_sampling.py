@@ -163,3 +163,29 @@ def test_top_k_may_be_any_integer_type():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(6))
     assert torch.equal(probs(logits, 1.0, top_k=np.int64(3)), probs(logits, 1.0, top_k=3))
     assert torch.equal(probs(logits, 1.0, top_k=100), probs(logits, 1.0))  # more than the vocabulary: off
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_max_compiled_is_argmax_ties_nans_and_infinities_included(dtype):
+    """A compiled step takes the argmax (greedy's token, the exponential race's winner, speculative verification's
+    choice) as two plain reductions: the same index as torch.argmax on every row, whatever ties, NaNs and
+    infinities it holds."""
+    from llmstep.core.sampling import first_max
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (6, 5, 257), generator=g).to(dtype)  # a handful of values: ties in every row
+    x[0, 0, 100] = float("nan")  # a NaN after the maxima: it wins
+    x[0, 1, 3] = float("nan")  # two NaNs: the first
+    x[0, 1, 200] = float("nan")
+    x[1, 0] = float("-inf")  # every value -inf: the first
+    x[1, 1] = float("nan")  # every value NaN: the first
+    x[1, 2, 50] = float("inf")  # +inf wins; a later NaN still beats it
+    x[1, 3, 60] = float("inf")
+    x[1, 3, 70] = float("nan")
+    x[2] = torch.randn(5, 257, generator=g).to(dtype)  # no ties
+    compiled = torch.compile(first_max, fullgraph=True, dynamic=False)
+    want = x.argmax(dim=-1)
+    assert torch.equal(first_max(x), want)  # eager: torch.argmax itself
+    got = compiled(x)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    assert torch.equal(compiled(x[:, 0]), x[:, 0].argmax(dim=-1))  # [B, V] too (a new shape: compiled again)
