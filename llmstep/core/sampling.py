@@ -65,11 +65,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def first_max(x: torch.Tensor) -> torch.Tensor:
     """x [..., V] -> [...]: the index of the first largest value along the last dim, a NaN counting as larger than
-    any number: torch.argmax's rule. Eager it is torch.argmax. In a compiled step it is the same index from two
-    plain reductions, the largest value and then the first index holding it (or holding a NaN), which inductor's C++
-    vectorises well: its argmax kernel took ~3x as long over a vocabulary's row on the CPU (results/README.md,
-    claim 2, session 33), where its two-pass form would be the slower one eager."""
-    if not torch.compiler.is_compiling():
+    any number: torch.argmax's rule. Eager, and on other devices, it is torch.argmax. In a compiled CPU step it is
+    the same index from two plain reductions, the largest value and then the first index holding it (or holding a
+    NaN), which inductor's C++ vectorises well: its argmax kernel took ~3x as long over a vocabulary's row
+    (results/README.md, claim 2, session 33). Eager the two passes are the slower; on a GPU, not measured."""
+    if not torch.compiler.is_compiling() or x.device.type != "cpu":
         return x.argmax(dim=-1)
     hit = (x == x.amax(dim=-1, keepdim=True)) | x.isnan()  # [..., V]; with a NaN the max is NaN and equals nothing
     index = torch.arange(x.shape[-1], device=x.device)

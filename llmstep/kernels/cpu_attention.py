@@ -10,20 +10,22 @@ decode step needs and nothing more. For each query row (the n_rep query heads of
 `attention.sdpa` stacks them) it lists the visible slots, dots the (scaled) row with those keys (float32 products
 and sums), takes the softmax in float32 (e^x by a degree-6 polynomial and a power of two, within ~3 float32 ulps),
 sums the visible values with those weights in float32 and rounds once to the output's dtype. Consecutive rows that
-see the same slots (a decode step's n_rep query heads: one mask row) are one task, up to four rows, shared among
-the threads by torch's `at::parallel_for`: each key and value is widened once for all of them, and each row's
-arithmetic is what it would be alone (the same bits; tests/kernels/test_cpu_attention.py). On one Zen 3 thread a
-call on SmolLM2's decode shapes went from 25.2 to 16.2 us, the shipped model's from 17.9 to 12.4 (session 33,
-the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). Written once
+see the same slots (a decode step's n_rep query heads: one mask row; a step of several tokens stacks its rows head
+by head, token after token, so its equal rows are not consecutive and stay one task a row) are one task, up to four
+rows, shared among the threads by torch's `at::parallel_for`: each key and value is widened once for all of them,
+and each row's arithmetic is what it would be alone (the same bits; tests/kernels/test_cpu_attention.py). On one Zen
+3 thread a call on SmolLM2's decode shapes went from 25.2 to 16.2 us, the shipped model's from 17.9 to 12.4 (session
+33, the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). Written once
 over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
 own library; head_dim a multiple of 16. The same function as SDPA
 to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
 that sees none gives NaN; a NaN score is not propagated): tests/kernels/test_cpu_attention.py holds it to a
 float64 computation, float32 and bf16, and shows the masked values unread.
 
-One call on SmolLM2's decode shapes (9 query heads over 3 KV heads, 200 of 256 slots visible, bf16) took 15.5 us
-on one Zen 4 thread where SDPA's took 45 us; the AVX2 build 28-29 us on one Zen 3 thread where SDPA's took 71-72 us
-(the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). In the step
+Before rows were taken together (sessions 26-30), one call on SmolLM2's decode shapes (9 query heads over 3 KV
+heads, 200 of 256 slots visible, bf16) took 15.5 us on one Zen 4 thread where SDPA's took 45 us; the AVX2 build
+28-29 us on one Zen 3 thread where SDPA's took 71-72 us (the best of 5 loops of 2,000 calls from Python, the
+call's overhead in both; scratch, no record). In the step
 (scripts/ab_cpu.py `%ATTENTION`, results/README.md claim 2's attention rows, paired in one process) SmolLM2's int4
 step ran 1.21x SDPA's and 1.12x the plain ops', its bf16 step 1.10x / 1.19x, and the shipped model's 1.21-1.25x /
 1.12-1.15x; with the AVX2 build on a Zen 3, SmolLM2's int4 and bf16 steps 1.15x / 1.03x SDPA's, the shipped
@@ -242,6 +244,7 @@ constexpr int64_t MOST_ROWS = 4;  // query rows taken together at most: their ch
 template <typename T>
 void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B, int64_t H, int64_t R,
             int64_t S, int64_t D, float scale) {
+  if (B * H * R == 0) return;  // nothing to attend (a head count of 0 would otherwise list rows)
   std::vector<int64_t> tasks;  // (b h, first row, rows) flattened: each head of a batch row runs its rows alike
   for (int64_t b = 0; b < B; ++b) {
     const size_t first = tasks.size();
@@ -265,6 +268,7 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
       const T *qr = q + (bh * R + r) * D, *kh = k + bh * S * D, *vh = v + bh * S * D;
       const bool* m = mask + (b * R + r) * S;
       T* o = out + (bh * R + r) * D;
+      static_assert(MOST_ROWS == 4, "a case below for each run length");
       switch (g) {
         case 1: attend_rows<T, 1, 4>(qr, kh, vh, m, o, S, D, scale, rows.data(), score.data(), seen.data()); break;
         case 2: attend_rows<T, 2, 4>(qr, kh, vh, m, o, S, D, scale, rows.data(), score.data(), seen.data()); break;

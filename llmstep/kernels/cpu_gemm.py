@@ -64,8 +64,8 @@ function (tests/kernels/test_cpu_int8.py: a compiled int8 step with it makes the
 where no bf16 instruction exists and inductor's float32-vector kernel widens each weight after loading it through
 the stack (at::vec's partial loads): inductor's arithmetic in its order, so the same bits as inductor's kernel
 (tests/kernels/test_cpu_bf16.py), one load per 16 weights, at the balanced width of those that divide the matmul
-into a block of columns for every thread (`_one_row_balanced`: with fewer, inductor's template splits k between
-threads, another order of sums; results/README.md, claim 2, session 32, measures it).
+into a block of columns for every thread (`_one_row_balanced`; results/README.md, claim 2, session 32, measures
+it).
 
 `INT8_AVX512` is llmstep's own kernel for weight-only int8 matmuls of one row with AVX-512 BF16 and no AMX, where it
 was measured (kernels/cpu_int8.py): inductor's arithmetic in inductor's order, so the same bits as inductor's kernel
@@ -251,8 +251,10 @@ def _one_row_balanced(config, m: int, n: int, k: int, alpha, num_threads: int, d
     """Whether a float32-vector kernel of llmstep's (`BF16_AVX2`, `INT8_AVX512`) takes a matmul at `config`'s
     blocking: one row (a decode step's), k in whole blocks, and the block width `balanced_width` picks among those
     that divide n (the kernels have no column tail) into a block for every thread. With fewer blocks than threads
-    inductor's template splits k between threads (its thread blocking), another order of the sums than inductor's
-    own kernel takes: these kernels' "the same bits as inductor's" holds where every thread has whole columns."""
+    inductor's template leaves a thread idle, or, where k-slicing is allowed (`cpp.gemm_max_k_slices` other than
+    its default 1), splits k between threads: another order of the sums than inductor's own kernel takes. So these
+    kernels' "the same bits as inductor's" holds under any k-slicing setting (not under thread factors that force
+    a split of k, `cpp.gemm_thread_factors`)."""
     b = config.register_blocking
     whole = tuple(w for w in WIDTHS if n % w == 0 and n // w >= num_threads)
     return (alpha == 1 and m == 1 and not dynamic_M and k % b.block_k == 0

@@ -347,7 +347,7 @@ FLOAT_VECTOR_KERNELS = {"BF16_AVX2": ("_register_bf16_avx2", "avx2", torch.bfloa
     (1, 576, 576, 3, False, [64]),  # three threads: 3/3/3 of 64
     (1, 96, 128, 2, False, [32]),  # 64 does not divide 96: the kernels have no column tail
     (1, 48, 128, 2, False, []),  # neither divides 48: inductor's own kernel
-    (1, 32, 128, 2, False, []),  # one block for two threads: the template would split k between them
+    (1, 32, 128, 2, False, []),  # one block for two threads: one idles (or, k-slicing allowed, they split k)
     (1, 96, 128, 4, False, []),  # three blocks of 32 for four threads: the same
     (1, 192, 128, 4, False, [32]),  # 64 ties with 32 on the busiest thread but leaves one of four without a block
     (1, 128, 128, 3, False, [32]),  # the same at three threads: two blocks of 64, four of 32
