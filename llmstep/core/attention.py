@@ -96,7 +96,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
       see the same keys), so SDPA needs neither GQA broadcast nor expanded K/V; in a static step (traced for
       torch.compile, `Llama.forward`'s flag) of one sequence on a CPU, the same call to llmstep's CPU kernel
       where one is installed (`attention_backend.cpu_step_kernel`: it reads the cache where it lies, skipping
-      the masked slots);
+      the masked slots), and for a decode step (`Mask.last` set) its form that takes the last slot a row sees
+      instead of a mask: inductor would otherwise make the stacked mask again in every layer's kernel;
     - a static decode step (one query a row, `Mask.last` set) where `attention_backend.flex_decode` says so, and the
       cache is whole FLEX_BLOCKs: FlexAttention over the filled blocks only (`flex_decode`).
     """
@@ -111,8 +112,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
     B, H, T, hd = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, n_kv, (H // n_kv) * T, hd)  # [B, n_kv, n_rep*T, hd]: head h = g*n_rep + r, row r*T + t
-    rows = mask.visible.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
     kernel = attention_backend.cpu_step_kernel(q) if static and B == 1 else None
+    prefix = attention_backend.cpu_step_prefix_kernel(q) if kernel is not None and mask.last is not None else None
+    if prefix is not None:  # a decode step: slots 0..last, no mask tensor (a compiled step would make one a layer)
+        return prefix(q, k, v, mask.last).view(B, H, T, hd)
+    rows = mask.visible.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
     if kernel is not None:
         out = kernel(q, k, v, rows)
     else:

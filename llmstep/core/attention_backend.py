@@ -36,7 +36,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = ["BACKENDS", "attention_backend", "check_backend", "current", "kernels", "flex_decode", "cpu_step_kernel",
-           "use_cpu_step_kernel", "describe"]
+           "cpu_step_prefix_kernel", "use_cpu_step_kernel", "describe"]
 
 # The names a caller (and the --attention flag) may give, and PyTorch's kernel for each; "auto": no restriction.
 _KERNELS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
@@ -45,6 +45,7 @@ BACKENDS = ("auto", *_KERNELS, "flex")
 
 _chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
 _cpu_step: Callable | None = None  # llmstep.kernels.cpu_attention's `attend`, once installed (a layer above core)
+_cpu_step_prefix: Callable | None = None  # its form for a decode step's prefix of slots (`cpu_step_prefix_kernel`)
 _cpu_step_op: tuple[Callable, str] | None = None  # (that kernel, the op it calls: "llmstep_cpu_avx2::attention")
 
 
@@ -78,11 +79,12 @@ def kernels() -> contextlib.AbstractContextManager:
     return sdpa_kernel([_KERNELS[_chosen]])
 
 
-def use_cpu_step_kernel(kernel: Callable | None, op: str | None = None) -> None:
+def use_cpu_step_kernel(kernel: Callable | None, op: str | None = None, prefix: Callable | None = None) -> None:
     """Register the kernel a static CPU step of one sequence attends with (None: SDPA's); `cpu_step_kernel`. `op`
-    names the operator it calls, for records (`describe`)."""
-    global _cpu_step, _cpu_step_op
-    _cpu_step = kernel
+    names the operator a decode step calls, for records (`describe`); `prefix`, the kernel's form for a decode step
+    whose rows see slots 0..last (`cpu_step_prefix_kernel`)."""
+    global _cpu_step, _cpu_step_op, _cpu_step_prefix
+    _cpu_step, _cpu_step_prefix = kernel, prefix if kernel is not None else None
     _cpu_step_op = (kernel, op) if kernel is not None and op is not None else None
 
 
@@ -95,6 +97,13 @@ def cpu_step_kernel(q: torch.Tensor) -> Callable | None:
     if _cpu_step is None or _chosen != "auto" or q.device.type != "cpu" or q.shape[-1] % 16:
         return None
     return _cpu_step if q.dtype in (torch.float32, torch.bfloat16) else None
+
+
+def cpu_step_prefix_kernel(q: torch.Tensor) -> Callable | None:
+    """`cpu_step_kernel`'s form for a static decode step, where every query row of batch row b sees slots
+    0..last[b] (`Mask.last`): kernel(q, k, v, last [B] int64), no mask tensor; None where there is none (then
+    `cpu_step_kernel` with the mask)."""
+    return _cpu_step_prefix if cpu_step_kernel(q) is not None else None
 
 
 def flex_decode(device: torch.device) -> bool:

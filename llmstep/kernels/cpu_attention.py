@@ -51,7 +51,8 @@ import torch
 from ..core import attention_backend, registry
 from ..core.files import atomic_write_text
 
-__all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "build", "isa_here", "runs_here"]
+__all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_prefix", "build", "isa_here",
+           "runs_here"]
 
 SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -151,21 +152,16 @@ inline vec exp_lanes(vec x) {
   return zero_below(times_pow2(p, n), x, -87.0f);
 }
 
-// G query rows of one KV head that see the same slots (a decode step's n_rep stacked query heads) -> their outputs:
-// the visible slots listed once, only they read, and each key and value widened once for all G rows, KEYS keys at a
+// G query rows of one KV head that see the same n slots, listed in seen (a decode step's n_rep stacked query heads)
+// -> their outputs: only those slots read, each key and value widened once for all G rows, KEYS keys at a
 // time (G KEYS chains of multiply-adds in flight, within the 16 vector registers). Each row's arithmetic is that of
 // a row alone: its dot with each key a chain over d, its softmax, its even and odd chains over the values.
 template <typename T, int G, int KEYS>
-void attend_rows(const T* q, const T* kh, const T* vh, const bool* m, T* out, int64_t S, int64_t D, float scale,
-                 float* rows, float* score, int64_t* seen) {
+void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int64_t n, T* out, int64_t S, int64_t D,
+                 float scale, float* rows, float* score) {
   const int64_t padded = (S + W - 1) / W * W;
   for (int g = 0; g < G; ++g) {
     for (int64_t d = 0; d < D; d += W) store(rows + g * D + d, mul(load(q + g * D + d), splat(scale)));
-  }
-  int64_t n = 0;
-  for (int64_t s = 0; s < S; ++s) {
-    seen[n] = s;
-    n += m[s];
   }
   int64_t i = 0;
   for (; i + KEYS <= n; i += KEYS) {  // the scores of the visible keys, KEYS at a time
@@ -238,14 +234,39 @@ void attend_rows(const T* q, const T* kh, const T* vh, const bool* m, T* out, in
 
 constexpr int64_t MOST_ROWS = 4;  // query rows taken together at most: their chains and keys fill the registers
 
+// tasks (b h, first row, rows), flattened, shared among the threads by torch's `at::parallel_for`; visible(b, r,
+// seen) lists the slots row r of batch row b sees in seen and returns how many (every row of a task sees the same)
+template <typename T, typename Visible>
+void attend_tasks(const std::vector<int64_t>& tasks, const T* q, const T* k, const T* v, T* out, int64_t H,
+                  int64_t R, int64_t S, int64_t D, float scale, Visible visible) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()) / 3, 1, [&](int64_t begin, int64_t end) {
+    const int64_t padded = (S + W - 1) / W * W;
+    std::vector<float> rows(MOST_ROWS * D), score(MOST_ROWS * padded);
+    std::vector<int64_t> seen(padded);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = tasks[3 * task], r = tasks[3 * task + 1], g = tasks[3 * task + 2];
+      const int64_t n = visible(bh / H, r, seen.data());
+      const T *qr = q + (bh * R + r) * D, *kh = k + bh * S * D, *vh = v + bh * S * D;
+      T* o = out + (bh * R + r) * D;
+      static_assert(MOST_ROWS == 4, "a case below for each run length");
+      switch (g) {
+        case 1: attend_rows<T, 1, 4>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
+        case 2: attend_rows<T, 2, 4>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
+        case 3: attend_rows<T, 3, 3>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
+        default: attend_rows<T, 4, 2>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data());
+      }
+    }
+  });
+}
+
 // q [B, H, R, D], k/v [B, H, S, D], mask [B, 1, R, S] (contiguous; D a multiple of 16) -> out [B, H, R, D]: one
 // task a run of up to MOST_ROWS consecutive query rows of one KV head whose mask rows are equal (in a decode step,
-// a KV head's n_rep query heads: one task a KV head), shared among the threads by torch's `at::parallel_for`.
+// a KV head's n_rep query heads).
 template <typename T>
 void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B, int64_t H, int64_t R,
             int64_t S, int64_t D, float scale) {
   if (B * H * R == 0) return;  // nothing to attend (a head count of 0 would otherwise list rows)
-  std::vector<int64_t> tasks;  // (b h, first row, rows) flattened: each head of a batch row runs its rows alike
+  std::vector<int64_t> tasks;  // each head of a batch row runs its rows alike
   for (int64_t b = 0; b < B; ++b) {
     const size_t first = tasks.size();
     for (int64_t r = 0, g; r < R; r += g) {
@@ -259,50 +280,83 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
       for (size_t t = first; t < last; t += 3) tasks.insert(tasks.end(), {b * H + h, tasks[t + 1], tasks[t + 2]});
     }
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()) / 3, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded = (S + W - 1) / W * W;
-    std::vector<float> rows(MOST_ROWS * D), score(MOST_ROWS * padded);
-    std::vector<int64_t> seen(padded);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = tasks[3 * task], r = tasks[3 * task + 1], g = tasks[3 * task + 2], b = bh / H;
-      const T *qr = q + (bh * R + r) * D, *kh = k + bh * S * D, *vh = v + bh * S * D;
-      const bool* m = mask + (b * R + r) * S;
-      T* o = out + (bh * R + r) * D;
-      static_assert(MOST_ROWS == 4, "a case below for each run length");
-      switch (g) {
-        case 1: attend_rows<T, 1, 4>(qr, kh, vh, m, o, S, D, scale, rows.data(), score.data(), seen.data()); break;
-        case 2: attend_rows<T, 2, 4>(qr, kh, vh, m, o, S, D, scale, rows.data(), score.data(), seen.data()); break;
-        case 3: attend_rows<T, 3, 3>(qr, kh, vh, m, o, S, D, scale, rows.data(), score.data(), seen.data()); break;
-        default: attend_rows<T, 4, 2>(qr, kh, vh, m, o, S, D, scale, rows.data(), score.data(), seen.data());
-      }
+  attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
+    const bool* m = mask + (b * R + r) * S;
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      seen[n] = s;
+      n += m[s];
     }
+    return n;
   });
+}
+
+// The same with every query row of batch row b seeing slots 0..last[b] (a static decode step's, Mask.last): no mask
+// to read or to make, runs of MOST_ROWS rows.
+template <typename T>
+void attend_prefix(const T* q, const T* k, const T* v, const int64_t* last, T* out, int64_t B, int64_t H,
+                   int64_t R, int64_t S, int64_t D, float scale) {
+  if (B * H * R == 0) return;
+  std::vector<int64_t> tasks;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t r = 0; r < R; r += MOST_ROWS) tasks.insert(tasks.end(), {bh, r, std::min(MOST_ROWS, R - r)});
+  }
+  attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
+    const int64_t n = std::clamp<int64_t>(last[b] + 1, 0, S);
+    for (int64_t s = 0; s < n; ++s) seen[s] = s;
+    return n;
+  });
+}
+
+// q [B, H, R, D], k and v [B, H, S, D] of one dtype, D a multiple of 16: checked, made contiguous
+std::vector<at::Tensor> checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == v.sizes() && k.dim() == 4 && q.size(0) == k.size(0) &&
+                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "LLMSTEP_NS::", op, ": q [B, H, R, D], k and v [B, H, S, D]; got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  TORCH_CHECK(q.size(3) % 16 == 0, "LLMSTEP_NS::", op, ": head_dim a multiple of 16, got ", q.size(3));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "LLMSTEP_NS::", op, ": q, k, v of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "LLMSTEP_NS::", op, ": float32 or bfloat16, got ", q.scalar_type());
+  return {q.contiguous(), k.contiguous(), v.contiguous()};
 }
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                          double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.sizes() == v.sizes() && k.dim() == 4 && q.size(0) == k.size(0) &&
-                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "LLMSTEP_NS::attention: q [B, H, R, D], k and v [B, H, S, D]; got ", q.sizes(), ", ", k.sizes(),
-              ", ", v.sizes());
+  const auto c = checked("attention", q, k, v);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
                   mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) == k.size(2),
               "LLMSTEP_NS::attention: mask bool [B, 1, R, S]; got ", mask.scalar_type(), " ", mask.sizes());
-  TORCH_CHECK(q.size(3) % 16 == 0, "LLMSTEP_NS::attention: head_dim a multiple of 16, got ", q.size(3));
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "LLMSTEP_NS::attention: q, k, v of one dtype");
-  auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
-  auto out = at::empty_like(qc);
+  auto mc = mask.contiguous();
+  auto out = at::empty_like(c[0]);
   const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), mc.data_ptr<bool>(),
+    attend<float>(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(), mc.data_ptr<bool>(),
                   out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "LLMSTEP_NS::attention: float32 or bfloat16, got ",
-                q.scalar_type());
-    attend<c10::BFloat16>(qc.data_ptr<c10::BFloat16>(), kc.data_ptr<c10::BFloat16>(), vc.data_ptr<c10::BFloat16>(),
-                          mc.data_ptr<bool>(), out.data_ptr<c10::BFloat16>(), B, H, R, S, D,
-                          static_cast<float>(scale));
+    attend<c10::BFloat16>(c[0].data_ptr<c10::BFloat16>(), c[1].data_ptr<c10::BFloat16>(),
+                          c[2].data_ptr<c10::BFloat16>(), mc.data_ptr<bool>(), out.data_ptr<c10::BFloat16>(), B, H, R,
+                          S, D, static_cast<float>(scale));
+  }
+  return out;
+}
+
+at::Tensor attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& last, double scale) {
+  const auto c = checked("attention_prefix", q, k, v);
+  TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 1 && last.size(0) == q.size(0),
+              "LLMSTEP_NS::attention_prefix: last int64 [B]; got ", last.scalar_type(), " ", last.sizes());
+  auto lc = last.contiguous();
+  auto out = at::empty_like(c[0]);
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
+  if (q.scalar_type() == at::kFloat) {
+    attend_prefix<float>(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(),
+                         lc.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
+  } else {
+    attend_prefix<c10::BFloat16>(c[0].data_ptr<c10::BFloat16>(), c[1].data_ptr<c10::BFloat16>(),
+                                 c[2].data_ptr<c10::BFloat16>(), lc.data_ptr<int64_t>(),
+                                 out.data_ptr<c10::BFloat16>(), B, H, R, S, D, static_cast<float>(scale));
   }
   return out;
 }
@@ -316,9 +370,16 @@ at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 TORCH_LIBRARY(LLMSTEP_NS, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("attention_prefix(Tensor q, Tensor k, Tensor v, Tensor last, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) { m.impl("attention", &attention_cpu); }
-TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) { m.impl("attention", &attention_meta); }
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("attention_prefix", &attention_prefix_cpu);
+}
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) {
+  m.impl("attention", &attention_meta);
+  m.impl("attention_prefix", &attention_meta);
+}
 """
 
 # The vector ISAs it is written for, each built as its own library with its own op namespace (llmstep_cpu_ISA, where
@@ -349,6 +410,14 @@ def runs_here() -> tuple[str, ...]:
 def isa_here() -> str | None:
     """The ISA of the kernel `install` builds for this CPU, or None: none of ISAS runs here."""
     return next(iter(runs_here()), None)
+
+
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """`attend` where every query row of batch row b sees slots 0..last[b] (last int64 [B]: a static decode
+    step's `Mask.last`): no mask tensor made or read. The same bits as `attend` with that mask."""
+    if "prefix" not in _state:
+        raise RuntimeError(f"llmstep's CPU attention kernel is not installed (install(): {why() or 'not called'})")
+    return _state["prefix"](q, k, v, last, q.shape[-1] ** -0.5)
 
 
 def op_name(isa: str) -> str:
@@ -401,10 +470,15 @@ def install() -> bool:
                     raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: "
                                        f"{capability}")
                 _state["op"], _state["isa"] = build(isa), isa
+                namespace = getattr(_state["op"], "_qualified_op_name", "").partition("::")[0]
+                if prefix := namespace and getattr(getattr(torch.ops, namespace), "attention_prefix", None):
+                    _state["prefix"] = prefix
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
                 _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
     if "op" in _state:
-        attention_backend.use_cpu_step_kernel(attend, op=op_name(str(_state["isa"])))
+        prefix = attend_prefix if "prefix" in _state else None  # a decode step's: named in records (`describe`)
+        attention_backend.use_cpu_step_kernel(attend, op=op_name(str(_state["isa"])) + ("_prefix" if prefix else ""),
+                                              prefix=prefix)
         return True
     return False
 

@@ -35,6 +35,18 @@ def each_kernel(request):
     return lambda q, k, v, mask: op(q, k, v, mask, q.shape[-1] ** -0.5)
 
 
+@pytest.fixture(scope="module", params=cpu_attention.ISAS)
+def each_isa(request):
+    """Each ISA's build as its two ops, (attention, attention_prefix), where this CPU runs that ISA."""
+    if request.param not in cpu_attention.runs_here():
+        pytest.skip(f"this CPU does not run {request.param} ({torch.backends.cpu.get_cpu_capability()})")
+    try:
+        op = cpu_attention.build(request.param)
+    except Exception as e:
+        pytest.skip(f"the {request.param} kernel did not build here: {type(e).__name__}: {str(e)[-300:]}")
+    return op, getattr(torch.ops, cpu_attention.op_name(request.param).partition("::")[0]).attention_prefix
+
+
 def exact(q, k, v, visible):
     """The function in float64: q [B, H, R, D], k/v [B, H, S, D], visible [B, 1, R, S] -> out, probabilities."""
     scores = (q.double() @ k.double().transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~visible, float("-inf"))
@@ -128,6 +140,27 @@ def test_rows_that_see_the_same_slots_are_taken_together_and_each_gives_its_bits
     assert ((together.double() - want).abs() <= rounding * want.abs() + 1e-5 * (probs @ v.double().abs())).all()
 
 
+@pytest.mark.parametrize("R", [1, 3, 4, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_isa, R, dtype):
+    """A decode step's form (`attention_prefix`): every row of batch row b sees slots 0..last[b], no mask tensor;
+    the same bits as the masked kernel given that mask, last past the cache or before it included (a row that sees
+    nothing: NaN, as with a mask that shows nothing)."""
+    attention, prefix = each_isa
+    g = torch.Generator().manual_seed(R)
+    S, D = 70, 64
+    for last in ([0, 69], [41, 100], [-1, 7]):
+        B = len(last)
+        q = torch.randn(B, 3, R, D, generator=g).to(dtype)
+        k, v = (torch.randn(B, 3, S, D, generator=g).to(dtype) for _ in range(2))
+        ends = torch.tensor(last)
+        visible = (torch.arange(S) <= ends[:, None]).view(B, 1, 1, S).expand(B, 1, R, S).contiguous()
+        got = prefix(q, k, v, ends, D ** -0.5)
+        want = attention(q, k, v, visible, D ** -0.5)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert got[ends < 0].isnan().all() and not got[ends >= 0].isnan().any()
+
+
 def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):
     """What a static step hands it: the n_rep query heads of a KV head stacked, the cache's unwritten slots masked."""
     g = torch.Generator().manual_seed(5)
@@ -176,6 +209,17 @@ def test_bad_arguments_are_named(each_kernel):
         kernel(q[..., :8], k[..., :8], v[..., :8], visible)
     with pytest.raises(RuntimeError, match="k and v"):
         kernel(q, k, v[:, :, :4], visible)
+
+
+def test_the_prefix_forms_bad_arguments_are_named(each_isa):
+    _, prefix = each_isa
+    q, k, v, _ = inputs(2, 2, 3, 8, 16, torch.float32)
+    with pytest.raises(RuntimeError, match=r"last int64 \[B\]"):
+        prefix(q, k, v, torch.tensor([3.0, 4.0]), 0.25)
+    with pytest.raises(RuntimeError, match=r"last int64 \[B\]"):
+        prefix(q, k, v, torch.tensor([3]), 0.25)  # one for two batch rows
+    with pytest.raises(RuntimeError, match="attention_prefix: q \\[B, H, R, D\\]"):
+        prefix(q, k, v[:, :, :4], torch.tensor([3, 4]), 0.25)
 
 
 def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch):
@@ -252,5 +296,5 @@ def test_a_compiled_bf16_step_with_it_makes_the_eager_tokens(kernel):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         tokens = compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens
     assert tokens == eager
-    ran = [e for e in prof.events() if e.name == cpu_attention.op_name(cpu_attention.isa_here())]
-    assert len(ran) >= config.n_layers * 7, len(ran)  # the op itself, a layer a decode step, from the compiled code
+    ran = [e for e in prof.events() if e.name == cpu_attention.op_name(cpu_attention.isa_here()) + "_prefix"]
+    assert len(ran) >= config.n_layers * 7, len(ran)  # the decode step's op, a layer a step, from the compiled code
