@@ -16,7 +16,8 @@ DTYPE one of float32, bfloat16, int8, int4
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
 default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
-cpu_attention.py, the default where it builds; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
+cpu_attention.py, the default where it builds, its decode steps in its prefix form; masked, that kernel given the
+mask; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
 STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
 `streaming`: stream, nostream; default its rule), ~nodot without kernels/cpu_gemm's micro-kernels (~KERNEL_NAME:
 without that one, e.g. ~llmstep_int8_avx512), KEY=VALUE inductor options over engines/compile.py's CPU options. All
@@ -57,7 +58,9 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
 
-ATTENTION = {"kernel": cpu_attention.attend, "sdpa": None, "plain": plain_attention}
+# (the kernel, its decode step's prefix form): "kernel" as a step runs by default, "masked" that kernel given the mask
+ATTENTION = {"kernel": (cpu_attention.attend, cpu_attention.attend_prefix), "masked": (cpu_attention.attend, None),
+             "sdpa": (None, None), "plain": (plain_attention, None)}
 
 
 def attention_of(spec: str):
@@ -66,7 +69,7 @@ def attention_of(spec: str):
     name = spec.partition("|")[0].partition("&")[0].partition("%")[2] or "kernel"
     if name not in ATTENTION:
         raise SystemExit(f"unknown attention {name!r} in {spec!r}: one of {', '.join(ATTENTION)}")
-    if name == "kernel" and not cpu_attention.install():
+    if name in ("kernel", "masked") and not cpu_attention.install():
         raise SystemExit(f"llmstep's attention kernel did not build here ({cpu_attention.why()}): {spec!r} "
                          f"would run SDPA's")
     return ATTENTION[name]
@@ -133,18 +136,18 @@ def main() -> None:
     compile_mod.cpu_attention = types.SimpleNamespace(install=lambda: None)  # each variant registers its own
     decoders = []
     for v, attend, only in zip(a.variants, attentions, withheld, strict=True):
-        attention_backend.use_cpu_step_kernel(attend)
+        attention_backend.use_cpu_step_kernel(attend[0], prefix=attend[1])
         decoders.append(build(v, a.model, a.group_size, only))
     vocab = decoders[0].model.config.vocab_size
     ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     first = []
     for d, attend in zip(decoders, attentions, strict=True):
-        attention_backend.use_cpu_step_kernel(attend)
+        attention_backend.use_cpu_step_kernel(attend[0], prefix=attend[1])
         first.append(d.generate(ids, 32, temperature=0, stop_ids=()).tokens)
     rates: list[list[float]] = [[] for _ in decoders]
     for _ in range(a.rounds):
         for i, d in enumerate(decoders):
-            attention_backend.use_cpu_step_kernel(attentions[i])
+            attention_backend.use_cpu_step_kernel(attentions[i][0], prefix=attentions[i][1])
             r = d.generate(ids, a.tokens, temperature=0, stop_ids=())
             rates[i].append(r.decode_steps / r.decode_seconds)
     rows = []

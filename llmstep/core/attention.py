@@ -115,7 +115,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | torch.T
     kernel = attention_backend.cpu_step_kernel(q) if static and B == 1 else None
     prefix = attention_backend.cpu_step_prefix_kernel(q) if kernel is not None and mask.last is not None else None
     if prefix is not None:  # a decode step: slots 0..last, no mask tensor (a compiled step would make one a layer)
-        return prefix(q, k, v, mask.last).view(B, H, T, hd)
+        return prefix(q, k, v, mask.last.long()).view(B, H, T, hd)
     rows = mask.visible.expand(B, 1, T, S).repeat(1, 1, H // n_kv, 1)  # [B, 1, n_rep*T, S], row r*T + t = mask[t]
     if kernel is not None:
         out = kernel(q, k, v, rows)

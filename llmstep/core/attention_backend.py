@@ -45,8 +45,8 @@ BACKENDS = ("auto", *_KERNELS, "flex")
 
 _chosen = "auto"  # read at every SDPA call (`kernels`), and by Dynamo when it traces one, which guards on it
 _cpu_step: Callable | None = None  # llmstep.kernels.cpu_attention's `attend`, once installed (a layer above core)
-_cpu_step_prefix: Callable | None = None  # its form for a decode step's prefix of slots (`cpu_step_prefix_kernel`)
-_cpu_step_op: tuple[Callable, str] | None = None  # (that kernel, the op it calls: "llmstep_cpu_avx2::attention")
+_cpu_step_prefix: tuple[Callable, Callable] | None = None  # (that kernel, its decode steps' prefix form)
+_cpu_step_op: tuple[Callable, str] | None = None  # (that kernel, its decode step's op: "...::attention_prefix")
 
 
 def check_backend(name: str) -> str:
@@ -84,7 +84,8 @@ def use_cpu_step_kernel(kernel: Callable | None, op: str | None = None, prefix: 
     names the operator a decode step calls, for records (`describe`); `prefix`, the kernel's form for a decode step
     whose rows see slots 0..last (`cpu_step_prefix_kernel`)."""
     global _cpu_step, _cpu_step_op, _cpu_step_prefix
-    _cpu_step, _cpu_step_prefix = kernel, prefix if kernel is not None else None
+    _cpu_step = kernel
+    _cpu_step_prefix = (kernel, prefix) if kernel is not None and prefix is not None else None
     _cpu_step_op = (kernel, op) if kernel is not None and op is not None else None
 
 
@@ -102,8 +103,10 @@ def cpu_step_kernel(q: torch.Tensor) -> Callable | None:
 def cpu_step_prefix_kernel(q: torch.Tensor) -> Callable | None:
     """`cpu_step_kernel`'s form for a static decode step, where every query row of batch row b sees slots
     0..last[b] (`Mask.last`): kernel(q, k, v, last [B] int64), no mask tensor; None where there is none (then
-    `cpu_step_kernel` with the mask)."""
-    return _cpu_step_prefix if cpu_step_kernel(q) is not None else None
+    `cpu_step_kernel` with the mask). Only the form registered with the kernel registered now."""
+    if cpu_step_kernel(q) is None or _cpu_step_prefix is None or _cpu_step_prefix[0] is not _cpu_step:
+        return None
+    return _cpu_step_prefix[1]
 
 
 def flex_decode(device: torch.device) -> bool:
@@ -115,7 +118,8 @@ def flex_decode(device: torch.device) -> bool:
 def describe(device: str | torch.device) -> dict:
     """What a record says about attention: the backend asked for, what a compiled decode step of one sequence
     attends with ("flex", "llmstep_cpu": llmstep.kernels.cpu_attention's, registered in this process, or "sdpa";
-    for "llmstep_cpu", "decode_step_op" names the operator, whose namespace says which ISA's build it is),
+    for "llmstep_cpu", "decode_step_op" names the operator a decode step calls, whose namespace says which ISA's
+    build it is; a static step of several tokens calls that build's masked `attention`),
     and on CUDA the kernels PyTorch may pick from (its global switches, torch.backends.cuda.*_sdp_enabled, narrowed
     to the one asked for) and which are built in. Which kernel did run only a profile shows
     (llmstep.lab.probe.attention_kernels)."""

@@ -15,7 +15,10 @@ by head, token after token, so its equal rows are not consecutive and stay one t
 rows, shared among the threads by torch's `at::parallel_for`: each key and value is widened once for all of them,
 and each row's arithmetic is what it would be alone (the same bits; tests/kernels/test_cpu_attention.py). On one Zen
 3 thread a call on SmolLM2's decode shapes went from 25.2 to 16.2 us, the shipped model's from 17.9 to 12.4 (session
-33, the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). Written once
+33, the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). A decode step
+calls its prefix form, `attention_prefix` (`attend_prefix`): every row of batch row b sees slots 0..last[b]
+(`Mask.last`), so no mask is made or read (in a compiled step inductor made the mask again in every layer's kernel);
+the same bits as the masked form given that mask. Written once
 over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
 own library; head_dim a multiple of 16. The same function as SDPA
 to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
@@ -302,7 +305,7 @@ void attend_prefix(const T* q, const T* k, const T* v, const int64_t* last, T* o
     for (int64_t r = 0; r < R; r += MOST_ROWS) tasks.insert(tasks.end(), {bh, r, std::min(MOST_ROWS, R - r)});
   }
   attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
-    const int64_t n = std::clamp<int64_t>(last[b] + 1, 0, S);
+    const int64_t n = last[b] < 0 ? 0 : std::min<int64_t>(last[b], S - 1) + 1;  // S = 0: none
     for (int64_t s = 0; s < n; ++s) seen[s] = s;
     return n;
   });
@@ -416,7 +419,8 @@ def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch
     """`attend` where every query row of batch row b sees slots 0..last[b] (last int64 [B]: a static decode
     step's `Mask.last`): no mask tensor made or read. The same bits as `attend` with that mask."""
     if "prefix" not in _state:
-        raise RuntimeError(f"llmstep's CPU attention kernel is not installed (install(): {why() or 'not called'})")
+        raise RuntimeError("llmstep's CPU attention kernel has no attention_prefix here" if "op" in _state else
+                           f"llmstep's CPU attention kernel is not installed (install(): {why() or 'not called'})")
     return _state["prefix"](q, k, v, last, q.shape[-1] ** -0.5)
 
 
@@ -470,11 +474,12 @@ def install() -> bool:
                     raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: "
                                        f"{capability}")
                 _state["op"], _state["isa"] = build(isa), isa
-                namespace = getattr(_state["op"], "_qualified_op_name", "").partition("::")[0]
-                if prefix := namespace and getattr(getattr(torch.ops, namespace), "attention_prefix", None):
-                    _state["prefix"] = prefix
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
                 _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
+            if "op" in _state and callable(_state["op"]):  # the build's decode-step form, beside its `attention`
+                namespace = op_name(str(_state["isa"])).partition("::")[0]
+                if (prefix := getattr(getattr(torch.ops, namespace), "attention_prefix", None)) is not None:
+                    _state["prefix"] = prefix
     if "op" in _state:
         prefix = attend_prefix if "prefix" in _state else None  # a decode step's: named in records (`describe`)
         attention_backend.use_cpu_step_kernel(attend, op=op_name(str(_state["isa"])) + ("_prefix" if prefix else ""),

@@ -9,7 +9,7 @@ import torch
 
 import llmstep
 from llmstep.core import attention_backend
-from llmstep.core.attention import causal_mask, sdpa
+from llmstep.core.attention import Mask, causal_mask, sdpa
 from llmstep.core.config import LlamaConfig
 from llmstep.engines.fast import FastDecoder
 from llmstep.kernels import cpu_attention
@@ -170,6 +170,9 @@ def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):
     with attention_backend.attention_backend("math"):  # SDPA: the kernel is "auto"'s alone
         reference = sdpa(q, k, v, mask, static=True)
     torch.testing.assert_close(sdpa(q, k, v, mask, static=True).float(), reference.float(), atol=1e-2, rtol=1e-2)
+    # a decode step's Mask, its last slot beside it: the prefix form, the same bits as the kernel given the mask
+    with_last = sdpa(q, k, v, Mask(mask, last=torch.tensor([140])), static=True)
+    torch.testing.assert_close(with_last, sdpa(q, k, v, mask, static=True), rtol=0, atol=0)
 
 
 def test_it_is_asked_for_static_cpu_steps_of_one_sequence_under_auto_only(kernel):
@@ -194,7 +197,7 @@ def test_it_is_asked_for_static_cpu_steps_of_one_sequence_under_auto_only(kernel
         sdpa(q[:1], k[:1], v[:1], mask[:1])  # not static: SDPA
         sdpa(q, k, v, mask, static=True)  # two sequences: SDPA
     finally:
-        attention_backend.use_cpu_step_kernel(kernel)
+        cpu_attention.install()  # the kernel and its prefix form, registered again
     assert calls == [(1, 2, 2, 16)]  # the 2 query heads of each KV head stacked
 
 
