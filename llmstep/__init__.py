@@ -41,6 +41,7 @@ kernels/      hand-written kernels the compiled step may run, each the same func
     cpu_int4.py    the int4 micro-kernels' C++: AVX2, and AVX-512 BF16 for one-row matmuls
     cpu_int8.py    the int8 micro-kernel's C++ for one-row matmuls on AVX-512
     cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512, AVX2)
+    cpu_attention_cpp.py  that attention op's C++ (the masked form, a decode step's prefix form)
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once
     engine.py      what the engines that own a cache share: one run at a time, cache sizing, warm-up

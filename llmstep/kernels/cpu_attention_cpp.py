@@ -1,0 +1,333 @@
+"""The C++ of llmstep's CPU attention op (kernels/cpu_attention.py builds it, once per machine and ISA): the masked
+attention of a few query rows per KV head over the cache as it lies (`attention`), and a decode step's form that
+takes the last slot each row sees instead of a mask (`attention_prefix`). LLMSTEP_NS stands for the op namespace of
+the ISA's build (`cpu_attention.op_name`).
+"""
+
+SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// The vector of W float32 lanes the kernel is written in: AVX-512's 16 or AVX2's 8, whichever the build targets
+// (install() builds the one the CPU runs; the tests build both where the CPU runs both).
+#if defined(__AVX512F__)
+constexpr int W = 16;
+using vec = __m512;
+inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline vec load(const c10::BFloat16* p) {  // bf16 is float32's upper half: widening is exact, a shift
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec splat(float x) { return _mm512_set1_ps(x); }
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vec nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+inline vec times_pow2(vec p, vec n) { return _mm512_scalef_ps(p, n); }  // p 2^n
+inline vec zero_below(vec p, vec x, float floor) {  // p where x >= floor, else 0
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(floor), _CMP_GE_OQ), p);
+}
+inline float sum(vec x) { return _mm512_reduce_add_ps(x); }
+inline float top(vec x) { return _mm512_reduce_max_ps(x); }
+#else
+constexpr int W = 8;
+using vec = __m256;
+inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline vec load(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec splat(float x) { return _mm256_set1_ps(x); }
+inline vec zero() { return _mm256_setzero_ps(); }
+inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec fmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec fnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vec nearest(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec times_pow2(vec p, vec n) {  // p 2^n for whole n in [-126, 0]: 2^n built in float32's exponent field
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vec zero_below(vec p, vec x, float floor) {
+  return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(floor), _CMP_GE_OQ), p);
+}
+inline float sum(vec x) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+inline float top(vec x) {
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
+
+// e^x for W values x <= 0 (below -87: 0) to within ~3 float32 ulps: x = n ln2 + r with |r| <= ln2/2, e^r by its
+// Taylor polynomial to r^6, times 2^n. The same bits on both widths.
+inline vec exp_lanes(vec x) {
+  const vec y = max(x, splat(-87.0f));
+  const vec n = nearest(mul(y, splat(1.44269504f)));  // in [-126, 0]
+  vec r = fnmadd(n, splat(0.693145752f), y);  // ln2 in two parts: no cancellation error
+  r = fnmadd(n, splat(1.42860677e-6f), r);
+  vec p = splat(1.0f / 720);
+  p = fmadd(p, r, splat(1.0f / 120));
+  p = fmadd(p, r, splat(1.0f / 24));
+  p = fmadd(p, r, splat(1.0f / 6));
+  p = fmadd(p, r, splat(0.5f));
+  p = fmadd(p, r, splat(1.0f));
+  p = fmadd(p, r, splat(1.0f));
+  return zero_below(times_pow2(p, n), x, -87.0f);
+}
+
+// G query rows of one KV head that see the same n slots, listed in seen (a decode step's n_rep stacked query heads)
+// -> their outputs: only those slots read, each key and value widened once for all G rows, KEYS keys at a
+// time (G KEYS chains of multiply-adds in flight, within the 16 vector registers). Each row's arithmetic is that of
+// a row alone: its dot with each key a chain over d, its softmax, its even and odd chains over the values.
+template <typename T, int G, int KEYS>
+void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int64_t n, T* out, int64_t S, int64_t D,
+                 float scale, float* rows, float* score) {
+  const int64_t padded = (S + W - 1) / W * W;
+  for (int g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; d += W) store(rows + g * D + d, mul(load(q + g * D + d), splat(scale)));
+  }
+  int64_t i = 0;
+  for (; i + KEYS <= n; i += KEYS) {  // the scores of the visible keys, KEYS at a time
+    const T* key[KEYS];
+    for (int j = 0; j < KEYS; ++j) key[j] = kh + seen[i + j] * D;
+    vec a[G][KEYS];
+    for (int g = 0; g < G; ++g) {
+      for (int j = 0; j < KEYS; ++j) a[g][j] = zero();
+    }
+    for (int64_t d = 0; d < D; d += W) {
+      vec kx[KEYS];
+      for (int j = 0; j < KEYS; ++j) kx[j] = load(key[j] + d);
+      for (int g = 0; g < G; ++g) {
+        const vec x = load(rows + g * D + d);
+        for (int j = 0; j < KEYS; ++j) a[g][j] = fmadd(x, kx[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int j = 0; j < KEYS; ++j) score[g * padded + i + j] = sum(a[g][j]);
+    }
+  }
+  for (; i < n; ++i) {
+    const T* ks = kh + seen[i] * D;
+    vec a[G];
+    for (int g = 0; g < G; ++g) a[g] = zero();
+    for (int64_t d = 0; d < D; d += W) {
+      const vec kx = load(ks + d);
+      for (int g = 0; g < G; ++g) a[g] = fmadd(load(rows + g * D + d), kx, a[g]);
+    }
+    for (int g = 0; g < G; ++g) score[g * padded + i] = sum(a[g]);
+  }
+  vec inverse[G];
+  for (int g = 0; g < G; ++g) {  // each row's weights, e^(score - top), and 1 / their sum
+    float* sc = score + g * padded;
+    const float hidden = -std::numeric_limits<float>::infinity();
+    for (int64_t j = n; j < padded; ++j) sc[j] = hidden;  // past the visible ones: weight 0
+    vec highest = splat(hidden);
+    for (int64_t j = 0; j < padded; j += W) highest = max(highest, load(sc + j));
+    const vec shift = splat(top(highest));
+    vec total = zero();
+    for (int64_t j = 0; j < padded; j += W) {
+      const vec p = exp_lanes(sub(load(sc + j), shift));
+      store(sc + j, p);
+      total = add(total, p);
+    }
+    inverse[g] = splat(1.0f / sum(total));  // none visible: inf, as NaN
+  }
+  for (int64_t d = 0; d < D; d += W) {  // the weighted sums of the visible values, W columns at a time
+    vec even[G], odd[G];
+    for (int g = 0; g < G; ++g) even[g] = odd[g] = zero();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const vec v0 = load(vh + seen[j] * D + d), v1 = load(vh + seen[j + 1] * D + d);
+      for (int g = 0; g < G; ++g) {
+        even[g] = fmadd(splat(score[g * padded + j]), v0, even[g]);
+        odd[g] = fmadd(splat(score[g * padded + j + 1]), v1, odd[g]);
+      }
+    }
+    if (j < n) {
+      const vec v0 = load(vh + seen[j] * D + d);
+      for (int g = 0; g < G; ++g) even[g] = fmadd(splat(score[g * padded + j]), v0, even[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float o[W];
+      store(o, mul(add(even[g], odd[g]), inverse[g]));
+      for (int c = 0; c < W; ++c) out[g * D + d + c] = static_cast<T>(o[c]);
+    }
+  }
+}
+
+constexpr int64_t MOST_ROWS = 4;  // query rows taken together at most: their chains and keys fill the registers
+
+// tasks (b h, first row, rows), flattened, shared among the threads by torch's `at::parallel_for`; visible(b, r,
+// seen) lists the slots row r of batch row b sees in seen and returns how many (every row of a task sees the same)
+template <typename T, typename Visible>
+void attend_tasks(const std::vector<int64_t>& tasks, const T* q, const T* k, const T* v, T* out, int64_t H,
+                  int64_t R, int64_t S, int64_t D, float scale, Visible visible) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()) / 3, 1, [&](int64_t begin, int64_t end) {
+    const int64_t padded = (S + W - 1) / W * W;
+    std::vector<float> rows(MOST_ROWS * D), score(MOST_ROWS * padded);
+    std::vector<int64_t> seen(padded);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = tasks[3 * task], r = tasks[3 * task + 1], g = tasks[3 * task + 2];
+      const int64_t n = visible(bh / H, r, seen.data());
+      const T *qr = q + (bh * R + r) * D, *kh = k + bh * S * D, *vh = v + bh * S * D;
+      T* o = out + (bh * R + r) * D;
+      static_assert(MOST_ROWS == 4, "a case below for each run length");
+      switch (g) {
+        case 1: attend_rows<T, 1, 4>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
+        case 2: attend_rows<T, 2, 4>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
+        case 3: attend_rows<T, 3, 3>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
+        default: attend_rows<T, 4, 2>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data());
+      }
+    }
+  });
+}
+
+// q [B, H, R, D], k/v [B, H, S, D], mask [B, 1, R, S] (contiguous; D a multiple of 16) -> out [B, H, R, D]: one
+// task a run of up to MOST_ROWS consecutive query rows of one KV head whose mask rows are equal (in a decode step,
+// a KV head's n_rep query heads).
+template <typename T>
+void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B, int64_t H, int64_t R,
+            int64_t S, int64_t D, float scale) {
+  if (B * H * R == 0) return;  // nothing to attend (a head count of 0 would otherwise list rows)
+  std::vector<int64_t> tasks;  // each head of a batch row runs its rows alike
+  for (int64_t b = 0; b < B; ++b) {
+    const size_t first = tasks.size();
+    for (int64_t r = 0, g; r < R; r += g) {
+      const bool* m = mask + (b * R + r) * S;
+      for (g = 1; g < MOST_ROWS && r + g < R && std::memcmp(m, m + g * S, S) == 0; ++g) {
+      }
+      tasks.insert(tasks.end(), {b * H, r, g});
+    }
+    const size_t last = tasks.size();
+    for (int64_t h = 1; h < H; ++h) {
+      for (size_t t = first; t < last; t += 3) tasks.insert(tasks.end(), {b * H + h, tasks[t + 1], tasks[t + 2]});
+    }
+  }
+  attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
+    const bool* m = mask + (b * R + r) * S;
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      seen[n] = s;
+      n += m[s];
+    }
+    return n;
+  });
+}
+
+// The same with every query row of batch row b seeing slots 0..last[b] (a static decode step's, Mask.last): no mask
+// to read or to make, runs of MOST_ROWS rows.
+template <typename T>
+void attend_prefix(const T* q, const T* k, const T* v, const int64_t* last, T* out, int64_t B, int64_t H,
+                   int64_t R, int64_t S, int64_t D, float scale) {
+  if (B * H * R == 0) return;
+  std::vector<int64_t> tasks;
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t r = 0; r < R; r += MOST_ROWS) tasks.insert(tasks.end(), {bh, r, std::min(MOST_ROWS, R - r)});
+  }
+  attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
+    const int64_t n = last[b] < 0 ? 0 : std::min<int64_t>(last[b], S - 1) + 1;  // S = 0: none
+    for (int64_t s = 0; s < n; ++s) seen[s] = s;
+    return n;
+  });
+}
+
+// q [B, H, R, D], k and v [B, H, S, D] of one dtype, D a multiple of 16: checked, made contiguous
+std::vector<at::Tensor> checked(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.sizes() == v.sizes() && k.dim() == 4 && q.size(0) == k.size(0) &&
+                  q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              "LLMSTEP_NS::", op, ": q [B, H, R, D], k and v [B, H, S, D]; got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  TORCH_CHECK(q.size(3) % 16 == 0, "LLMSTEP_NS::", op, ": head_dim a multiple of 16, got ", q.size(3));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+              "LLMSTEP_NS::", op, ": q, k, v of one dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "LLMSTEP_NS::", op, ": float32 or bfloat16, got ", q.scalar_type());
+  return {q.contiguous(), k.contiguous(), v.contiguous()};
+}
+
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                         double scale) {
+  const auto c = checked("attention", q, k, v);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
+                  mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) == k.size(2),
+              "LLMSTEP_NS::attention: mask bool [B, 1, R, S]; got ", mask.scalar_type(), " ", mask.sizes());
+  auto mc = mask.contiguous();
+  auto out = at::empty_like(c[0]);
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
+  if (q.scalar_type() == at::kFloat) {
+    attend<float>(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(), mc.data_ptr<bool>(),
+                  out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
+  } else {
+    attend<c10::BFloat16>(c[0].data_ptr<c10::BFloat16>(), c[1].data_ptr<c10::BFloat16>(),
+                          c[2].data_ptr<c10::BFloat16>(), mc.data_ptr<bool>(), out.data_ptr<c10::BFloat16>(), B, H, R,
+                          S, D, static_cast<float>(scale));
+  }
+  return out;
+}
+
+at::Tensor attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& last, double scale) {
+  const auto c = checked("attention_prefix", q, k, v);
+  TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 1 && last.size(0) == q.size(0),
+              "LLMSTEP_NS::attention_prefix: last int64 [B]; got ", last.scalar_type(), " ", last.sizes());
+  auto lc = last.contiguous();
+  auto out = at::empty_like(c[0]);
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
+  if (q.scalar_type() == at::kFloat) {
+    attend_prefix<float>(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(),
+                         lc.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
+  } else {
+    attend_prefix<c10::BFloat16>(c[0].data_ptr<c10::BFloat16>(), c[1].data_ptr<c10::BFloat16>(),
+                                 c[2].data_ptr<c10::BFloat16>(), lc.data_ptr<int64_t>(),
+                                 out.data_ptr<c10::BFloat16>(), B, H, R, S, D, static_cast<float>(scale));
+  }
+  return out;
+}
+
+at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                          double scale) {
+  return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(LLMSTEP_NS, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("attention_prefix(Tensor q, Tensor k, Tensor v, Tensor last, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("attention_prefix", &attention_prefix_cpu);
+}
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) {
+  m.impl("attention", &attention_meta);
+  m.impl("attention_prefix", &attention_meta);
+}
+"""
