@@ -272,24 +272,27 @@ std::vector<at::Tensor> checked(const char* op, const at::Tensor& q, const at::T
   return {q.contiguous(), k.contiguous(), v.contiguous()};
 }
 
+// run(T{}) with T the element type of q (float32 or bf16: `checked`), into a fresh contiguous output
+template <typename Run>
+at::Tensor by_dtype(const at::Tensor& q, Run run) {
+  if (q.scalar_type() == at::kFloat) return run(float{});
+  return run(c10::BFloat16{});
+}
+
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                          double scale) {
   const auto c = checked("attention", q, k, v);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
                   mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) == k.size(2),
               "LLMSTEP_NS::attention: mask bool [B, 1, R, S]; got ", mask.scalar_type(), " ", mask.sizes());
-  auto mc = mask.contiguous();
-  auto out = at::empty_like(c[0]);
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
-  if (q.scalar_type() == at::kFloat) {
-    attend<float>(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(), mc.data_ptr<bool>(),
-                  out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
-  } else {
-    attend<c10::BFloat16>(c[0].data_ptr<c10::BFloat16>(), c[1].data_ptr<c10::BFloat16>(),
-                          c[2].data_ptr<c10::BFloat16>(), mc.data_ptr<bool>(), out.data_ptr<c10::BFloat16>(), B, H, R,
-                          S, D, static_cast<float>(scale));
-  }
-  return out;
+  const auto mc = mask.contiguous();
+  return by_dtype(q, [&](auto t) {
+    using T = decltype(t);
+    auto out = at::empty_like(c[0]);
+    attend<T>(c[0].data_ptr<T>(), c[1].data_ptr<T>(), c[2].data_ptr<T>(), mc.data_ptr<bool>(), out.data_ptr<T>(),
+              q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), static_cast<float>(scale));
+    return out;
+  });
 }
 
 at::Tensor attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -297,18 +300,15 @@ at::Tensor attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k, const 
   const auto c = checked("attention_prefix", q, k, v);
   TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 1 && last.size(0) == q.size(0),
               "LLMSTEP_NS::attention_prefix: last int64 [B]; got ", last.scalar_type(), " ", last.sizes());
-  auto lc = last.contiguous();
-  auto out = at::empty_like(c[0]);
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), S = k.size(2), D = q.size(3);
-  if (q.scalar_type() == at::kFloat) {
-    attend_prefix<float>(c[0].data_ptr<float>(), c[1].data_ptr<float>(), c[2].data_ptr<float>(),
-                         lc.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, R, S, D, static_cast<float>(scale));
-  } else {
-    attend_prefix<c10::BFloat16>(c[0].data_ptr<c10::BFloat16>(), c[1].data_ptr<c10::BFloat16>(),
-                                 c[2].data_ptr<c10::BFloat16>(), lc.data_ptr<int64_t>(),
-                                 out.data_ptr<c10::BFloat16>(), B, H, R, S, D, static_cast<float>(scale));
-  }
-  return out;
+  const auto lc = last.contiguous();
+  return by_dtype(q, [&](auto t) {
+    using T = decltype(t);
+    auto out = at::empty_like(c[0]);
+    attend_prefix<T>(c[0].data_ptr<T>(), c[1].data_ptr<T>(), c[2].data_ptr<T>(), lc.data_ptr<int64_t>(),
+                     out.data_ptr<T>(), q.size(0), q.size(1), q.size(2), k.size(2), q.size(3),
+                     static_cast<float>(scale));
+    return out;
+  });
 }
 
 at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
