@@ -1,12 +1,17 @@
 """Two checkouts of llmstep, the same benchmarks, interleaved: did a change of code (not of machine) change speed?
 
     python scripts/ab_revisions.py BEFORE_DIR AFTER_DIR --rounds 3 --out results/relayout_ab_cpu.json
+    python scripts/ab_revisions.py . . --env-after LD_PRELOAD=$VIRTUAL_ENV/lib/libiomp5.so --only "shipped int4"
 
 Each round runs, for each checkout (the order alternating from round to round), one process per benchmark with
 PYTHONPATH set to that checkout: `llmstep bench` (the fast loop, compiled, greedy) and `llmstep batch` (the
 continuous batcher, contiguous and paged KV, eager). So both sides see the same machine within a minute of each
 other, and the paired ratio after / before of each round is steadier than figures taken apart. The tokens of both
 sides are compared: a change that alters them is not a speed question.
+
+`--env-before` / `--env-after NAME=VALUE` give one side's processes an environment variable more: with the same
+checkout on both sides, the A/B of something a process cannot change once it runs (the OpenMP runtime or the
+allocator a process preloads, an OpenMP setting read at start-up). The record names them.
 """
 
 from __future__ import annotations
@@ -78,13 +83,21 @@ def changes(checkout: Path) -> str | None:
     return digest.hexdigest()
 
 
-def run(checkout: Path, args: list[str], threads: int) -> dict:
+def run(checkout: Path, args: list[str], threads: int, extra_env: dict[str, str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
-        env = os.environ | {"PYTHONPATH": str(checkout)}
+        env = os.environ | {"PYTHONPATH": str(checkout)} | (extra_env or {})
         subprocess.run([sys.executable, "-m", "llmstep", *args, "--threads", str(threads), "--json", str(out)],
                        env=env, check=True, stdout=subprocess.DEVNULL, cwd=tmp)
         return json.loads(out.read_text())
+
+
+def variable(text: str) -> tuple[str, str]:
+    """NAME=VALUE, NAME an environment variable's name."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"an environment variable is NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def main() -> None:
@@ -95,7 +108,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--only", default="", help="only the benchmarks whose name contains this, e.g. paged")
+    p.add_argument("--env-before", type=variable, action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the before side's processes (repeatable)")
+    p.add_argument("--env-after", type=variable, action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable for the after side's processes (repeatable)")
     a = p.parse_args()
+    environments = {"before": dict(a.env_before), "after": dict(a.env_after)}
     benches = {name: bench for name, bench in BENCHES.items() if a.only in name}
     benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and a.only in name}
     sides = {"before": a.before.resolve(), "after": a.after.resolve()}
@@ -109,7 +127,7 @@ def main() -> None:
         for name, (args, read) in benches.items():
             tokens = {}
             for side in order:
-                value, tokens[side] = read(run(sides[side], args, a.threads))
+                value, tokens[side] = read(run(sides[side], args, a.threads, environments[side]))
                 figures[name][side].append(value)
                 print(f"round {i + 1} {side:6s} {name}: {value:.1f}", flush=True)
             same_tokens[name] &= tokens["before"] == tokens["after"]
@@ -126,7 +144,7 @@ def main() -> None:
         load = os.getloadavg()[0]
         record = {"command": shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
                   "rounds": a.rounds, "load_average_1min_after": load,
-                  "revisions": revisions, "uncommitted_changes": uncommitted,
+                  "revisions": revisions, "uncommitted_changes": uncommitted, "environment": environments,
                   "results": summary}
         atomic_write_json(a.out, record)
 

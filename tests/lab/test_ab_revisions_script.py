@@ -67,16 +67,31 @@ def test_the_record_carries_both_sides_commits_and_changes(tmp_path, monkeypatch
     (after / "kernel.py").write_text("a = 2\n")  # the patched side
     runs = []
     monkeypatch.setattr(script, "BENCHES", {"fake": (["bench"], lambda r: (r["rate"], [1, 2]))})
-    monkeypatch.setattr(script, "run", lambda checkout, args, threads: runs.append(checkout) or {"rate": 10.0})
+    monkeypatch.setattr(script, "run", lambda checkout, args, threads, env: runs.append((checkout, env))
+                        or {"rate": 10.0})
     out = tmp_path / "record.json"
-    monkeypatch.setattr("sys.argv", ["ab_revisions.py", str(before), str(after), "--rounds", "2", "--out", str(out)])
+    monkeypatch.setattr("sys.argv", ["ab_revisions.py", str(before), str(after), "--rounds", "2", "--out", str(out),
+                                     "--env-after", "LD_PRELOAD=/x/libiomp5.so", "--env-after", "KMP_BLOCKTIME=1"])
     script.main()
     record = json.loads(out.read_text())
+    after_env = {"LD_PRELOAD": "/x/libiomp5.so", "KMP_BLOCKTIME": "1"}
+    assert sorted(env == after_env for path, env in runs) == [False, False, True, True]
+    assert all((env == after_env) == (path == after.resolve()) for path, env in runs)  # only the after side's
+    assert record["environment"] == {"before": {}, "after": after_env}
     assert record["revisions"]["before"] == script.git(before, "rev-parse", "HEAD")
     assert record["revisions"]["after"] == script.git(after, "rev-parse", "HEAD")
     assert record["uncommitted_changes"] == {"before": None, "after": script.changes(after)}
     assert record["uncommitted_changes"]["after"] is not None
     assert record["results"]["fake"]["paired_ratios"] == [1.0, 1.0] and len(runs) == 4
+
+
+def test_an_environment_variable_is_name_equals_value():
+    script = load()
+    assert script.variable("LD_PRELOAD=/a/b.so:/c.so") == ("LD_PRELOAD", "/a/b.so:/c.so")
+    assert script.variable("EMPTY=") == ("EMPTY", "")
+    for bad in ("LD_PRELOAD", "=1", "1X=2", "A B=1"):
+        with pytest.raises(Exception, match="NAME=VALUE"):
+            script.variable(bad)
 
 
 @needs_git
