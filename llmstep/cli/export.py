@@ -26,7 +26,7 @@ def run_export(args, argv) -> None:
     check_output_path(args.gguf, "GGUF")  # before the model is read; makes nothing (the write makes directories)
     model, tokenizer = load(path, device="cpu")
     dtype = args.dtype or default_dtype(model)
-    out = export_gguf(model, tokenizer, args.gguf, dtype=dtype, name=path.name)
+    out = export_gguf(model, tokenizer, args.gguf, dtype=dtype, name=path.stem if path.is_file() else path.name)
     why = ""
     if args.dtype is None and model.config.torch_dtype == "float64":
         why = " (rounded from the checkpoint's float64: llmstep writes f32 at most)"

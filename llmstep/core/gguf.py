@@ -36,7 +36,7 @@ import torch
 
 from .config import LlamaConfig, sampling_defaults
 from .files import atomic_write, check_output_path
-from .gguf_vocab import LLAMA3_SPLIT
+from .gguf_vocab import LLAMA3_SPLIT, PRE_TOKENIZERS
 from .model import Llama
 from .quantize import Int4Linear, Int8Linear
 from .rope import inv_frequencies
@@ -231,31 +231,47 @@ def pre_tokenizer_name(spec: dict) -> str:
                     "text differently")
 
 
-def _check_whole_words(tokenizer: Tokenizer, spec: dict) -> None:
-    """llama.cpp's llama-bpe reads a word that is itself a token as that token (tokenizers' ignore_merges);
-    a tokenizer without it must give the same ids for every token's own text, or the two would differ."""
-    if spec["model"].get("ignore_merges"):
+def _check_whole_words(tokenizer: Tokenizer, spec: dict, pre: str) -> None:
+    """llama.cpp's llama-bpe reads a word that is itself a token as that token (tokenizers' ignore_merges); its
+    other splits apply the merges to every word. A tokenizer that does otherwise than llama.cpp will for its split
+    must give the same ids for every token's own text, or the two would differ."""
+    ignores = PRE_TOKENIZERS[pre][1]  # what llama.cpp does with this split
+    if bool(spec["model"].get("ignore_merges")) == ignores:
         return
     import tokenizers
 
     twin_spec = json.loads(json.dumps(spec))
-    twin_spec["model"]["ignore_merges"] = True
+    twin_spec["model"]["ignore_merges"] = ignores
     twin = tokenizers.Tokenizer.from_str(json.dumps(twin_spec))
     texts = [tokenizer.tok.decode([i]) for i in spec["model"]["vocab"].values()]
     ours = tokenizer.tok.encode_batch(texts, add_special_tokens=False)
     theirs = twin.encode_batch(texts, add_special_tokens=False)
     for text, a, b in zip(texts, ours, theirs, strict=True):
         if a.ids != b.ids:
-            raise GGUFError(f"the tokenizer encodes {text!r} as {a.ids}, llama.cpp (which reads a whole-word token "
-                            f"as itself) as {b.ids}: set ignore_merges in tokenizer.json, or retrain it")
+            rule = ("reads a whole-word token as itself" if ignores
+                    else f"applies the merges to every word with the {pre!r} split")
+            fix = "set ignore_merges" if ignores else "unset ignore_merges"
+            raise GGUFError(f"the tokenizer encodes {text!r} as {a.ids}, llama.cpp (which {rule}) as {b.ids}: "
+                            f"{fix} in tokenizer.json, or retrain it")
+
+
+def _check_added_tokens(spec: dict) -> None:
+    """llama.cpp matches an added token's text exactly: one that strips the spaces beside it or matches whole words
+    only (tokenizers' lstrip, rstrip, single_word) would give other ids there."""
+    for a in spec.get("added_tokens", []):
+        flags = [f for f in ("lstrip", "rstrip", "single_word") if a.get(f)]
+        if flags:
+            raise GGUFError(f"the added token {a['content']!r} (id {a['id']}) has {' and '.join(flags)} set in "
+                            "tokenizer.json; llama.cpp matches added tokens exactly, so the two would split text "
+                            "around it differently")
 
 
 def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> dict:
     """The tokenizer.ggml.* values: tokens [vocab_size], token_type, merges ("a b"), pre, bos and eos ids."""
     spec = json.loads(tokenizer.tok.to_str())
     pre = pre_tokenizer_name(spec)
-    if pre == "llama-bpe":
-        _check_whole_words(tokenizer, spec)
+    _check_whole_words(tokenizer, spec, pre)
+    _check_added_tokens(spec)
     tokens: list[str | None] = [None] * vocab_size
     types = [UNUSED] * vocab_size
     entries = [(i, t, NORMAL) for t, i in spec["model"]["vocab"].items()]
@@ -268,7 +284,16 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> dict:
     tokens = [f"[PAD{i}]" if t is None else t for i, t in enumerate(tokens)]  # llama.cpp's converter's name
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     return {"pre": pre, "tokens": tokens, "types": types, "merges": merges, "bos": tokenizer.bos_id,
-            "eos": tokenizer.eos_ids[0] if tokenizer.eos_ids else None}
+            "eos": _eos_id(tokenizer)}
+
+
+def _eos_id(tokenizer: Tokenizer) -> int | None:
+    """The one eos id a GGUF file holds: the tokenizer's named eos_token where it has one (a chat template's
+    {{ eos_token }}, Llama 3.1 Instruct's <|eot_id|>; llama.cpp's converter writes the same), else its first end."""
+    named = tokenizer.named_tokens.get("eos_token")
+    if named is not None and (i := tokenizer.tok.token_to_id(named)) is not None:
+        return i
+    return tokenizer.eos_ids[0] if tokenizer.eos_ids else None
 
 
 # ---- the file --------------------------------------------------------------------------------------------

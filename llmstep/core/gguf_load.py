@@ -119,6 +119,8 @@ def _open(path: Path):
         if "alignment" in str(e) or isinstance(e, ZeroDivisionError):  # the reader's own check of the key
             raise GGUFLoadError(f"{path}: metadata general.alignment must be a uint32 power of two ({e})") from None
         raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+    if reader.byte_order == "S":  # the reader reads the header either way; the weights' bytes it would not swap
+        raise GGUFLoadError(f"{path} is a big-endian GGUF file; llmstep (as llama.cpp) reads little-endian ones")
     check_layout(reader, str(path))
     return reader
 
@@ -208,43 +210,68 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
     mid = (f > 1 + 1e-4) & (f < factor * (1 - 1e-4))
     wavelen = 2 * math.pi / plain
     slowed = wavelen[f >= factor * (1 - 1e-4)]
-    if mid.sum() >= 2:  # s = (orig / wavelen - low) / (high - low): a line in 1 / wavelen
-        s = (factor / f[mid] - 1) / (factor - 1)
-        slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
-        high = 1 - 1 / intercept  # low_freq_factor = 1: s = 0 at wavelen = orig
-        orig = slope * (high - 1)
-    else:  # one pair or none in between: any limits that put each pair in its region give the same frequencies
+    s = (factor / f[mid] - 1) / (factor - 1)  # s = (orig / wavelen - 1) / (high - 1) at each in-between pair
+
+    def limits():  # (orig, high) that put each pair in its region, the likeliest first
+        if mid.sum() >= 2:  # s is a line in 1 / wavelen: it fixes both, orig an integer near the fit's
+            slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
+            fitted = slope * -1 / intercept if intercept else 0.0  # high - 1 = -1 / intercept, orig = slope (high - 1)
+            for orig in sorted({max(1, round(fitted) + d) for d in (0, -1, 1, -2, 2)}, key=lambda o: abs(o - fitted)):
+                yield orig, 1 + float(np.median((orig / wavelen[mid] - 1) / s))
+            return
+        # one pair or none in between: many limits give the same frequencies; orig an integer between the
+        # in-between (or kept) pairs' wavelengths and the slowed ones', the roundest first (Llama 3.1's 8192)
         below = wavelen[mid] if mid.any() else wavelen[f <= 1 + 1e-4]
         lower = float(below.max()) if below.size else 0.0
-        orig = math.floor(lower) + 1  # slowed pairs must lie above orig, in-between and kept ones below
-        if slowed.size and orig >= slowed.min():
-            raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule")
-        if mid.any():
-            s_mid = (factor / f[mid][0] - 1) / (factor - 1)
-            high = 1 + (orig / lower - 1) / s_mid
-        else:
-            high = math.sqrt(orig / lower) if lower else 2.0
+        upper = float(slowed.min()) if slowed.size else max(2.0, 4 * lower)
+        for orig in _roundest(lower, upper):
+            if mid.any():
+                yield orig, 1 + (orig / lower - 1) / float(s[0])
+            else:
+                yield from ((orig, high) for high in (4.0, 2.0, 8.0, 1.5, 16.0) if orig / high > lower)
+
     def error(got) -> float:  # how far the factors a candidate gives are from the file's, relative
         return float(np.abs(plain / inv_frequencies(head_dim, theta, got).double().numpy() / f - 1).max())
 
-    # The float32 factors a converter wrote give the parameters to ~1e-7: the published ones are round numbers,
-    # so take the roundest that gives the same factors (then inv_freq equals transformers' from config.json).
-    def scaling(digits: int | None) -> RopeScaling | None:
+    def scaling(digits: int | None, orig: int, high: float) -> RopeScaling | None:
         try:
             r = (lambda x: float(x)) if digits is None else (lambda x: round(float(x), digits))
             return RopeScaling(factor=r(factor), low_freq_factor=1.0, high_freq_factor=r(high),
-                               original_max_position_embeddings=max(1, round(orig)))
+                               original_max_position_embeddings=orig)
         except ConfigError:
             return None  # rounded too far (high_freq_factor down to 1, say)
 
-    raw = scaling(None)
-    off = math.inf if raw is None else error(raw)
-    if off > 1e-5:
-        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule (off by up to {off:.1e})")
-    for digits in range(7):  # the roundest parameters that fit the factors as well as the recovered ones do
-        if (candidate := scaling(digits)) is not None and error(candidate) <= max(1e-6, 2 * off):
-            return candidate
-    return raw
+    # The float32 factors give the parameters to ~1e-7, and the published ones are round numbers: of the limits
+    # that fit, the one whose high_freq_factor needs the fewest decimals, then the roundest orig (listed first).
+    best, off = None, math.inf
+    for n, (orig, high) in enumerate(limits()):
+        raw = scaling(None, orig, high)
+        if raw is None or (e := error(raw)) > 1e-5:
+            off = min(off, e) if raw is not None else off
+            continue
+        digits, fit = next(((d, c) for d in range(7) if (c := scaling(d, orig, high)) is not None
+                            and error(c) <= max(1e-6, 2 * e)), (7, raw))
+        if best is None or (digits, n) < best[0]:
+            best = (digits, n), fit
+        if digits == 0 or n >= 320:  # a whole high_freq_factor at the roundest orig: nothing rounder to find
+            break
+    if best is None:
+        shown = "" if off == math.inf else f" (off by up to {off:.1e})"
+        raise GGUFLoadError(f"{where}: rope_freqs does not follow Llama 3.1's scaling rule{shown}")
+    return best[1]
+
+
+def _roundest(lower: float, upper: float, most: int = 64) -> list[int]:
+    """Up to `most` integers strictly between lower and upper, those with more factors of two first."""
+    first, last = math.floor(lower) + 1, math.ceil(upper) - 1
+    found: dict[int, None] = {}
+    for k in range(max(0, last).bit_length(), -1, -1):
+        step = 1 << k
+        for m in range(-(-first // step) * step, last + 1, step):
+            found.setdefault(m, None)
+            if len(found) >= most:
+                return list(found)
+    return list(found)
 
 
 def _shortest(value):
@@ -263,6 +290,11 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     if rope_kind != "none":  # Llama 3.1's scaling travels as the rope_freqs tensor instead
         raise GGUFLoadError(f"{where}: llama.rope.scaling.type is {rope_kind!r}; llmstep implements plain RoPE and "
                             "Llama 3.1's scaling (a rope_freqs tensor) only")
+    for key in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):  # llama.cpp: a linear factor, any type
+        linear = _float(fields, key, where, 0.0)
+        if linear not in (0.0, 1.0):
+            raise GGUFLoadError(f"{where}: {key} is {_shortest(linear)}: positions scaled linearly, which llmstep "
+                                "does not implement (plain RoPE and Llama 3.1's scaling, a rope_freqs tensor, only)")
     n_heads = _int(fields, "llama.attention.head_count", where)
     dim = _int(fields, "llama.embedding_length", where)
     if "llama.attention.key_length" not in fields and dim % n_heads:
@@ -296,7 +328,8 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
             n_layers=_int(fields, "llama.block_count", where), n_heads=n_heads,
             n_kv_heads=_int(fields, "llama.attention.head_count_kv", where, n_heads),
             hidden_dim=_int(fields, "llama.feed_forward_length", where),
-            norm_eps=_float(fields, "llama.attention.layer_norm_rms_epsilon", where, 1e-5), rope_theta=theta,
+            norm_eps=_shortest(_float(fields, "llama.attention.layer_norm_rms_epsilon", where, 1e-5)),
+            rope_theta=theta,
             rope_scaling=scaling, max_seq_len=_int(fields, "llama.context_length", where, 2048),
             tie_embeddings="output.weight" not in tensors, head_dim=head_dim, torch_dtype=stored, **fields_ids)
     except ConfigError as e:

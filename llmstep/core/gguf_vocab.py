@@ -137,6 +137,11 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
             "pair": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                      {"Sequence": {"id": "B", "type_id": 1}}]}
         tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    add_eos = fields.get("tokenizer.ggml.add_eos_token", False)
+    if add_eos is not False:  # llama.cpp would end every encoded text with eos; a prompt that ends so is no prompt
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.add_eos_token is {add_eos!r}; llmstep encodes text as a "
+                             "decoder's prompt, with no end token appended (a file for generation has it false or "
+                             "absent)")
     ends = [token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     ends += [i for i, kind in enumerate(types) if kind == CONTROL and tokens[i] in EOG_TEXTS]
     template = fields.get("tokenizer.chat_template")

@@ -82,13 +82,17 @@ def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
     The article's order: temperature, then top-k, then top-p on what is left, then softmax.
     Temperature 0 is greedy: all the mass on the argmax. A T below float32's smallest normal number (~1.2e-38),
     which float32 arithmetic cannot divide by on every device (0/0 there), gives its limit: the mass shared by the
-    tied largest logits (what any T that small gives unless two logits differ by less than ~100 T).
+    tied largest logits (what any T that small gives unless two logits differ by less than ~100 T). A row with +inf
+    logits shares its mass among them at any T; NaN logits give NaN (the engines refuse them before sampling).
     """
     check_params(temperature, top_k, top_p)
     if temperature == 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits)[..., None], 1.0)
     logits = logits.float()
-    logits = logits - logits.amax(-1, keepdim=True)  # the same softmax; a tiny T then gives -inf, never inf - inf
+    top = logits.amax(-1, keepdim=True)
+    # the same softmax; a tiny T then gives -inf, never inf - inf. A row holding +inf: every T gives its limit,
+    # the mass shared by the +inf logits (as T = 0 does), where inf - inf would be NaN (no host sync to tell)
+    logits = torch.where(top == float("inf"), torch.where(logits == float("inf"), 0.0, float("-inf")), logits - top)
     if temperature < torch.finfo(torch.float32).tiny:
         scaled = torch.where(logits == 0, 0.0, float("-inf"))  # T -> 0: the largest logits, alike
     else:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -122,7 +122,7 @@ class ContinuousBatcher(BatchRunner):
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""
-        checked = [self.check(r, i) for i, r in enumerate(requests)]  # all checked before any work
+        checked = [self.check(r, i) for i, r in enumerate(request_list(requests))]  # all checked before any work
         slot_len = max(self.max_len, self.slots_needed(checked)) if self.sized_per_request else self.max_len
         jobs = [Job.of(r, i, slot_len) for i, r in enumerate(checked)]
         kv = KVCacheManager(self.n_slots, slot_len)  # a slot is one block: it always holds its request
@@ -245,7 +245,7 @@ class PagedBatcher(Engine):
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
-        checked = [self.check(r, i) for i, r in enumerate(requests)]
+        checked = [self.check(r, i) for i, r in enumerate(request_list(requests))]
         n_blocks = self.pool_blocks(checked)
         jobs = [Job.of(r, i, self.limit) for i, r in enumerate(checked)]
         for i, job in enumerate(jobs):
@@ -289,6 +289,15 @@ def make_batcher(model: Llama, n_slots: int = 8, max_len: int | None = None, com
             raise ValueError(f"{name} sets the contiguous cache's slots: the paged cache has blocks (kv_blocks) "
                              "and runs eager")
     return PagedBatcher(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)
+
+
+def request_list(requests) -> list:
+    """A batcher's `requests`, a list (or other iterable) of Request; one Request alone, a string or a number is
+    refused by name (iterating one would fail far from the call, or not at all)."""
+    if isinstance(requests, Request | str | bytes) or not isinstance(requests, Iterable):
+        raise ValueError(f"requests must be a list of Request objects, got {type(requests).__name__}"
+                         + (" (one request: pass [request])" if isinstance(requests, Request) else ""))
+    return list(requests)
 
 
 def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, policy: str = "continuous",

@@ -57,7 +57,7 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    if len(ids) >= max_len:
+    if len(ids) > max_len:  # a prompt that fills it still gets its one new token (never written)
         raise ValueError(f"the prompt is {len(ids)} tokens, but {room} is {max_len}: "
                          "no room for a new token; shorten the prompt")
     return ids

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.checks import is_finite_number
 from ..core.cost import step_bytes
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
@@ -231,12 +232,13 @@ def check_k(k) -> None:
 
 
 def check_costs(cost_ratio, verify_costs) -> None:
-    """cost_ratio None or a number >= 0; verify_costs None or a non-empty list of numbers > 0 (see best_k)."""
-    if cost_ratio is not None and not (isinstance(cost_ratio, int | float) and cost_ratio >= 0):
-        raise ValueError(f"cost_ratio must be a number >= 0, got {cost_ratio!r}")
+    """cost_ratio None or a finite number >= 0; verify_costs None or a non-empty list of finite numbers > 0
+    (see best_k); numpy's numbers count, bools do not."""
+    if cost_ratio is not None and not (is_finite_number(cost_ratio) and cost_ratio >= 0):
+        raise ValueError(f"cost_ratio must be a finite number >= 0, got {cost_ratio!r}")
     if verify_costs is not None and not (isinstance(verify_costs, list | tuple) and verify_costs and all(
-            isinstance(v, int | float) and v > 0 for v in verify_costs)):
-        raise ValueError(f"verify_costs must be a non-empty list of numbers > 0, got {verify_costs!r}")
+            is_finite_number(v) and v > 0 for v in verify_costs)):
+        raise ValueError(f"verify_costs must be a non-empty list of finite numbers > 0, got {verify_costs!r}")
 
 
 def check_pair(target: Llama, draft: Llama) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -350,6 +351,59 @@ def test_a_llama3_tokenizer_that_differs_on_whole_word_tokens_is_refused(tmp_pat
         export_gguf(model, tokenizer, tmp_path / "m.gguf")
     spec["model"]["ignore_merges"] = True
     export_gguf(model, Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec))), tmp_path / "m.gguf")
+
+
+def test_a_gpt2_split_tokenizer_that_ignores_merges_is_refused_where_llama_cpp_would_merge(tmp_path):
+    """With the GPT-2 and SmolLM splits llama.cpp applies the merges to every word: a tokenizer that takes a
+    whole-word token as itself (ignore_merges) while merges would not reach it gives other ids there."""
+    import tokenizers
+
+    letters = {c: i for i, c in enumerate("abc")}
+    spec = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None, "post_processor": None,
+            "added_tokens": [],
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+            "model": {"type": "BPE", "ignore_merges": True, "vocab": letters | {"bc": 3, "abc": 4},
+                      "merges": [["b", "c"]]}}  # "abc" is a token no merge makes
+    model = tiny_model(5)
+    with pytest.raises(GGUFError, match=r"encodes 'abc' as \[4\], llama.cpp \(which applies the merges .*'gpt-2'.* "
+                                        r"as \[0, 3\]: unset ignore_merges"):
+        export_gguf(model, Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec))), tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+    spec["model"]["ignore_merges"] = False
+    export_gguf(model, Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec))), tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
+def test_an_added_token_that_strips_spaces_or_matches_whole_words_is_refused(tiny, tmp_path, flag):
+    import tokenizers
+
+    model, tokenizer = tiny
+    spec = json.loads(tokenizer.tok.to_str())
+    spec["added_tokens"][-1][flag] = True
+    other = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)), tokenizer.bos_id, tokenizer.eos_ids)
+    with pytest.raises(GGUFError, match=rf"added token {re.escape(repr(spec['added_tokens'][-1]['content']))} "
+                                        rf"\(id \d+\) has {flag} set"):
+        export_gguf(model, other, tmp_path / "m.gguf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_file_s_eos_is_the_tokenizer_s_named_eos_token(tiny, tmp_path):
+    """Llama 3.1 Instruct: generation ends at <|end_of_text|> or <|eot_id|>, and its eos_token (the one a chat
+    template writes) is <|eot_id|>: the file's one eos is that, as llama.cpp's converter writes it."""
+    model, tokenizer = tiny
+    first, second = tokenizer.eos_ids[0], tokenizer.vocab_size - 1
+    named = tokenizer.tok.id_to_token(second)
+    other = Tokenizer(tokenizer.tok, tokenizer.bos_id, [first, second],
+                      named_tokens={"bos_token": tokenizer.tok.id_to_token(tokenizer.bos_id), "eos_token": named},
+                      chat_template="{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+    assert second != first
+    path = export_gguf(model, other, tmp_path / "m.gguf")
+    assert fields(gguf.GGUFReader(str(path)))["tokenizer.ggml.eos_token_id"] == second
+    _, back = llmstep.load(path, device="cpu")
+    assert back.chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == f"hi{named}"
+    assert export_gguf(model, Tokenizer(tokenizer.tok, tokenizer.bos_id, [first, second]), tmp_path / "n.gguf")
+    assert fields(gguf.GGUFReader(str(tmp_path / "n.gguf")))["tokenizer.ggml.eos_token_id"] == first  # unnamed
 
 
 def test_without_the_gguf_package_the_error_says_how_to_install_it(tiny, tmp_path, monkeypatch):

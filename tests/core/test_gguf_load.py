@@ -6,6 +6,7 @@ refusal comes before a weight is read."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -59,7 +60,8 @@ def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = 
     w.add_eos_token_id(vocab["eos"])
     w.add_add_bos_token(True)
     for key, value in (fields or {}).items():
-        w.add_string(key, value) if isinstance(value, str) else w.add_uint32(key, value)
+        add = {str: w.add_string, bool: w.add_bool, float: w.add_float32}.get(type(value), w.add_uint32)
+        add(key, value)
     qtype = gguf.GGMLQuantizationType[kind]
     head = "output.weight" if "output.weight" in arrays else "token_embd.weight"
     for name, (array, _) in arrays.items():
@@ -122,6 +124,40 @@ def test_half_precision_files_load_their_own_values(tmp_path, tokenizer, dtype):
     w = model.layers[1].feed_forward.w2.weight
     assert torch.equal(loaded.layers[1].feed_forward.w2.weight, w.to(half).float())
     assert loaded.config.torch_dtype == {"bf16": "bfloat16", "f16": "float16"}[dtype]
+
+
+def test_a_linear_factor_of_one_and_add_eos_false_change_nothing(tmp_path, tokenizer):
+    model = random_llama()
+    path = write_gguf(tmp_path / "x.gguf", model, tokenizer, "F32", fields={
+        "llama.rope.scaling.factor": 1.0, "tokenizer.ggml.add_eos_token": False})
+    loaded, tok = load_gguf(path)
+    assert loaded.config.rope_scaling is None and loaded.config.norm_eps == 1e-5  # the float32 key read as 1e-05
+    assert tok.encode("hello", bos=False) == tokenizer.encode("hello", bos=False)
+
+
+def test_a_big_endian_file_is_refused_before_its_weights_are_read(tmp_path, tokenizer, no_weight_read):
+    model = random_llama()
+    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
+    w.add_uint32("llama.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(GGUFLoadError, match="be.gguf is a big-endian GGUF file"):
+        load_gguf(tmp_path / "be.gguf")
+    del model
+
+
+def test_llama31_rope_scaling_is_recovered_from_rope_freqs_wherever_the_rule_has_room():
+    """Settings where one pair or none lies between the kept and the slowed pairs leave the limits free within a
+    range (any of them gives the same frequencies): each must be recovered, to the factors' precision."""
+    for head_dim, theta, factor, high, orig in itertools.product([16, 32, 64, 128], [1e4, 5e5], [2.0, 8.0, 32.0],
+                                                                 [2.0, 4.0], [256, 8192]):
+        s = RopeScaling(factor=factor, high_freq_factor=high, original_max_position_embeddings=orig)
+        want = inv_frequencies(head_dim, theta, s)
+        got = rope_scaling_of((inv_frequencies(head_dim, theta) / want).numpy(), head_dim, theta, "test")
+        assert torch.allclose(inv_frequencies(head_dim, theta, got), want, rtol=1e-6, atol=0), (head_dim, theta, s)
 
 
 def test_llama31_rope_scaling_is_recovered_from_rope_freqs():
@@ -255,6 +291,9 @@ def test_another_architecture_is_refused_by_name(tmp_path, tokenizer, no_weight_
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("llama.expert_count", 8, "a mixture of experts"),
     ("llama.rope.scaling.type", "yarn", "llama.rope.scaling.type is 'yarn'"),
+    ("llama.rope.scaling.factor", 4.0, "llama.rope.scaling.factor is 4.0: positions scaled linearly"),  # no type:
+    ("llama.rope.scale_linear", 2.0, "llama.rope.scale_linear is 2.0: positions scaled linearly"),  # llama.cpp's
+    ("tokenizer.ggml.add_eos_token", True, "add_eos_token is True"),  # linear, and eos after every text
 ])
 def test_llama_files_with_parts_llmstep_does_not_implement_are_refused(tmp_path, tokenizer, no_weight_read, key,
                                                                        value, match):

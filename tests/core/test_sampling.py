@@ -157,6 +157,18 @@ def test_infinite_logits_and_temperature():
         probs(logits, float("inf"))
 
 
+def test_a_row_with_positive_infinite_logits_puts_its_mass_on_them_at_any_temperature():
+    inf = float("inf")
+    logits = torch.tensor([[inf, 1.0, 2.0, inf], [0.0, 1.0, 2.0, 3.0]])
+    for t in (0.5, 1.0, 1e-40):
+        p = probs(logits, t, top_k=3, top_p=0.9)
+        assert torch.equal(p[0], torch.tensor([0.5, 0.0, 0.0, 0.5]))  # the limit, as at T = 0 up to the tie
+        assert torch.equal(p[1], probs(logits[1:], t, top_k=3, top_p=0.9)[0])  # the other row untouched
+    assert probs(logits[:, :3], 0.0)[0].tolist() == [1.0, 0.0, 0.0]
+    draws = sample(logits[:1].expand(1000, -1), 1.0, generator=torch.Generator().manual_seed(2))
+    assert set(draws.tolist()) == {0, 3}
+
+
 def test_top_k_may_be_any_integer_type():
     import numpy as np
 

@@ -238,7 +238,7 @@ def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
 
 
 @pytest.mark.parametrize(("request_", "message"), [
-    (Request([1] * 48, 4, **GREEDY), "request 1: the prompt is 48 tokens, but a batch slot's length is 48"),
+    (Request([1] * 49, 4, **GREEDY), "request 1: the prompt is 49 tokens, but a batch slot's length is 48"),
     (Request([], 4, **GREEDY), "request 1: the prompt is empty"),
     (Request([1, 999], 4, **GREEDY), "request 1: prompt token id 999 is outside the vocabulary"),
     (Request([1], 4, temperature=-1, stop_ids=()), "request 1: temperature must be"),

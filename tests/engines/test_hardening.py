@@ -97,6 +97,53 @@ def test_fast_decoder_refuses_sync_every_0_and_speculation_refuses_empty_verify_
                              verify_costs=[])
 
 
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_a_batcher_given_one_request_or_no_list_says_to_pass_a_list(tiny, kv):
+    from llmstep.engines.batching import Request, make_batcher
+
+    batcher = make_batcher(tiny[0], 2, 32 if kv == "contiguous" else None, None, kv)
+    for bad, also in ((Request([1, 2, 3], 2), r"one request: pass \[request\]"), ("thy", ""), (7, "")):
+        with pytest.raises(ValueError, match=f"requests must be a list of Request objects, got {type(bad).__name__}"
+                                             f".*{also}"):
+            batcher.run(bad)
+    assert len(batcher.run(r for r in [Request([1, 2, 3], 2)]).completions) == 1  # any iterable of them
+
+
+def test_a_prompt_that_fills_the_context_gets_its_one_new_token_from_every_engine(tiny):
+    """The last token sampled is never written (decoding.budget): max_len slots hold a prompt of max_len tokens and
+    one new token, the next token plain decoding gives, ended by the context; one token more is refused."""
+    from llmstep.engines.batching import Request, make_batcher
+    from llmstep.engines.drafts import LayerSkipDraft
+    from llmstep.engines.fast import FastSpeculator
+
+    model, tok = tiny
+    ids = (tok.encode("ROMEO: thy brow, " * 20, bos=False))[:24]
+    assert len(ids) == 24
+    want = llmstep.generate(model, tok, ids, max_new_tokens=3, temperature=0).tokens[:1]
+    got = {"fast": FastDecoder(model, max_len=24, compile=False).generate(ids, 3, temperature=0),
+           "speculator": FastSpeculator(model, LayerSkipDraft(model, 1), k=2, max_len=24, compile=False).generate(
+               ids, 3, temperature=0)}
+    for name, r in got.items():
+        assert (r.tokens, r.stop_reason) == (want, "context"), name
+    [c] = make_batcher(model, 2, 24, None, "contiguous").run([Request(ids, 3, temperature=0)]).completions
+    assert (c.tokens, c.stop_reason) == (want, "context")
+    with pytest.raises(ValueError, match="the prompt is 25 tokens, but the cache it may fill is 24"):
+        FastDecoder(model, max_len=24, compile=False).generate([*ids, ids[0]], 3, temperature=0)
+
+
+def test_speculation_costs_must_be_finite_numbers(tiny):
+    import numpy as np
+
+    from llmstep.engines.speculative import check_costs
+
+    check_costs(np.float32(0.3), [np.float64(1.0), 2])  # numpy's numbers are numbers
+    for ratio, costs, match in ((float("inf"), None, "cost_ratio"), (float("nan"), None, "cost_ratio"),
+                                (True, None, "cost_ratio"), (None, [True], "verify_costs"),
+                                (None, [float("inf")], "verify_costs"), (None, [1.0, 0.0], "verify_costs")):
+        with pytest.raises(ValueError, match=f"{match} must be"):
+            check_costs(ratio, costs)
+
+
 def test_a_batch_with_one_bad_seed_late_in_the_list_is_refused_up_front_with_its_index(tiny):
     model, _ = tiny
     batcher = ContinuousBatcher(model, n_slots=2, max_len=32, compile=False)

@@ -562,8 +562,8 @@ def test_fast_speculator_names_bad_arguments(target, drafts):
     speculator = FastSpeculator(target, draft, k=2, max_len=16, compile=False)
     with pytest.raises(ValueError, match="prompt token id 300 is outside the vocabulary"):
         speculator.generate([1, 300], **GREEDY)
-    with pytest.raises(ValueError, match="prompt is 16 tokens, but the cache it may fill is 16"):
-        speculator.generate(list(range(16)), **GREEDY)
+    with pytest.raises(ValueError, match="prompt is 17 tokens, but the cache it may fill is 16"):
+        speculator.generate(list(range(17)), **GREEDY)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0"):
         speculator.generate(PROMPT, -1, **GREEDY)
     with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[2, 3\]"):
