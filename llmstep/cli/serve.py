@@ -18,7 +18,8 @@ Talk to it with any OpenAI client, e.g.
   from openai import OpenAI
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
   client.completions.create(model=client.models.list().data[0].id, prompt="ROMEO:", max_tokens=32)
-SIGINT (Ctrl-C) or SIGTERM stops it: open streams get 2 seconds, then the engine stops."""
+SIGINT (Ctrl-C) or SIGTERM stops it: the engine stops at once, each open stream ends with an error event, and
+connections still open 2 seconds later are closed. So does an engine that fails, with its error."""
 
 
 def rates(text: str) -> list[float]:

@@ -58,12 +58,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         return JSONResponse(protocol.error_body(str(e.detail), "invalid_request_error", None, code),
                             status_code=e.status_code, headers=e.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         body = engine.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "llmstep",
                                             "max_model_len": context}]}
@@ -83,9 +83,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_body")
+        if body.get("model") is not None and not isinstance(body["model"], str):
+            raise RequestError(f"model must be a string, got {protocol._short(body['model'])}", "model",
+                               "invalid_type")
         if body.get("model") not in (None, model_name):
-            raise RequestError(f"the model {body['model']!r} does not exist: this server serves {model_name!r}",
-                               "model", "model_not_found", status=404)
+            raise RequestError(f"the model {protocol._short(body['model'])} does not exist: this server serves "
+                               f"{model_name!r}", "model", "model_not_found", status=404)
         return body
 
     def generate(ids: list[int], sampling: Sampling, prompt_param: str) -> tuple[asyncio.Queue, object]:
@@ -162,6 +165,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             try:
                 async for piece, reason, made in pieces(ticket, sampling):
                     n = made
+                    if not piece and reason is None:  # a token that ends no character yet: nothing to send
+                        continue
                     if chat:
                         yield sse(protocol.chat_chunk(rid, model_name, {"content": piece} if piece else {}, reason))
                     else:
@@ -243,7 +248,8 @@ def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: fl
     """A uvicorn server for `app` (run it with `.run(sockets=[bind(...)])`). SIGINT/SIGTERM stop it: the engine
     stops at once (its open streams end with an error event and close), anything still open after
     graceful_seconds is cut; the process then returns normally (exit status 0) rather than dying of the signal
-    again, as uvicorn does by default."""
+    again, as uvicorn does by default. An engine that fails (a broken model, an attention kernel this machine
+    lacks) stops it too, after the requests it held are told: a server that can answer nothing does not stay up."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -266,7 +272,10 @@ def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: fl
 
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds, lifespan="off",
                             access_log=False)
-    return Server(config)
+    server = Server(config)
+    if engine is not None:  # an engine that fails stops the server: serve() then raises its error
+        engine.on_error = lambda: setattr(server, "should_exit", True)
+    return server
 
 
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, n_slots: int = 8,
@@ -296,12 +305,13 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
                start_seconds: float = 120.0, **options):
     """A server in a thread of this process (a notebook's, a test's), on a free port by default: yields
     (base_url, engine); stopped, its thread joined and its port closed on the way out. options: Engine's."""
-    engine = Engine(model, **options).start()
-    sock = bind(host, port)
-    server = make_server(create_app(engine, tokenizer, model_name), graceful_seconds=1.0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
-    thread.start()
+    sock = bind(host, port)  # a port in use is refused before an engine (and its KV pool) exists
+    engine = server = thread = None
     try:
+        engine = Engine(model, **options).start()
+        server = make_server(create_app(engine, tokenizer, model_name), engine, graceful_seconds=1.0)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
+        thread.start()
         deadline = time.monotonic() + start_seconds
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
@@ -310,7 +320,9 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
         where = f"[{host}]" if ":" in host else host
         yield f"http://{where}:{sock.getsockname()[1]}", engine
     finally:
-        server.should_exit = True
-        thread.join(start_seconds)
+        if thread is not None:
+            server.should_exit = True
+            thread.join(start_seconds)
         sock.close()
-        engine.stop()
+        if engine is not None:
+            engine.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core.model import Llama
@@ -75,6 +76,7 @@ class Engine:
         self._tickets: dict[int, Ticket] = {}  # engine thread only: session id -> ticket
         self._stopping = False
         self.error: BaseException | None = None  # what stopped the engine, if not `stop`
+        self.on_error: Callable[[], object] | None = None  # called (from the engine's thread) once it has failed
         self._thread = threading.Thread(target=self._loop, name="llmstep-engine", daemon=True)
 
     def start(self) -> Engine:
@@ -198,3 +200,5 @@ class Engine:
             for ticket in left:
                 self._finish(ticket, stopped)
             self.session.close()
+            if self.error is not None and self.on_error is not None:
+                self.on_error()

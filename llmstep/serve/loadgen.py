@@ -151,7 +151,8 @@ def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, in
         log(f"rate {rate:g}/s: {r['completed']}/{r['requests']} done ({r['refused_429']} refused) in "
             f"{seconds:.1f} s, {r['output_tokens_per_second']:.1f} tok/s | TTFT p50 {r['ttft_ms']['p50']:.0f} "
             f"p90 {r['ttft_ms']['p90']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms | ITL p50 {r['itl_ms']['p50']:.0f} "
-            f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms")
+            f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms"
+            + (f" | {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
     return {"server": server | {"url": url}, "workload": {"requests": requests, "prompt_len": list(prompt_len),
                                                          "new_tokens": list(new_tokens), "seed": seed,
                                                          "shared_prefix": shared_prefix},

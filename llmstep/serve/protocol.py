@@ -71,6 +71,7 @@ class Sampling:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     ignore_eos: bool = False  # vLLM's extension, for benchmarks: run to max_tokens past end-of-sequence tokens
     default_max_tokens: int | None = None  # without max_tokens: this many, or as many as fit (None: all that fit)
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came in (or max_completion_tokens), for errors
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
@@ -142,14 +143,19 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be true or false, got {stream!r}", "stream", "invalid_type")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict)
+                                or not isinstance(options.get("include_usage", False), bool)):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            "invalid_type")
+    if options is not None and not stream:  # OpenAI's rule: options of a stream with no stream asked for
+        raise RequestError("stream_options is only allowed with \"stream\": true", "stream_options",
+                           "invalid_value")
+    options = options or {}
     stop = _stops(body)
-    max_tokens = _integer(body, "max_tokens", 1)
+    max_tokens, max_tokens_param = _integer(body, "max_tokens", 1), "max_tokens"
     if max_tokens is None and "max_completion_tokens" in body:
-        max_tokens = _integer(body, "max_completion_tokens", 1)
+        max_tokens, max_tokens_param = _integer(body, "max_completion_tokens", 1), "max_completion_tokens"
     top_k = _integer(body, "top_k", -1)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -159,7 +165,8 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                     top_k=0 if top_k in (None, -1) else top_k,  # -1: off, as vLLM has it
                     seed=_seed(body), stop=stop, stream=stream,
-                    include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos)
+                    include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+                    max_tokens_param=max_tokens_param)
 
 
 def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sampling]:
@@ -246,8 +253,9 @@ def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param
         room = context - prompt_len
         return room if sampling.default_max_tokens is None else min(sampling.default_max_tokens, room)
     if prompt_len + sampling.max_tokens > context:
-        raise RequestError(f"this server holds {context} tokens a request; the prompt ({prompt_len}) and max_tokens "
-                           f"({sampling.max_tokens}) need {prompt_len + sampling.max_tokens}", "max_tokens",
+        name = sampling.max_tokens_param
+        raise RequestError(f"this server holds {context} tokens a request; the prompt ({prompt_len}) and {name} "
+                           f"({sampling.max_tokens}) need {prompt_len + sampling.max_tokens}", name,
                            "context_length_exceeded")
     return sampling.max_tokens
 

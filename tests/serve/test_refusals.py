@@ -166,3 +166,58 @@ def test_a_body_larger_than_any_request_the_server_holds_is_a_413_before_it_is_r
     assert engine.stats["requests"] == requests
     text = "ROMEO: " + "x" * (limit - 2**20 - 100)  # just under the limit: read, then refused as too long by tokens
     assert error_of(post(url, {"prompt": text, "max_tokens": 1}))["param"] == "prompt"
+
+
+def test_odd_model_stream_options_and_max_completion_tokens_are_named_as_sent(server, shipped):
+    url, engine = server
+    error = error_of(post(url, {"prompt": "hi", "max_tokens": 2, "model": 5}))
+    assert error["param"] == "model" and error["code"] == "invalid_type"
+    error = error_of(post(url, {"prompt": "hi", "max_tokens": 2, "model": "x" * 10_000}), 404)
+    assert len(error["message"]) < 200  # the name shortened, not echoed whole
+    for options in ([], False, 0, ""):
+        assert error_of(post(url, {"prompt": "hi", "stream": True, "stream_options": options}))["param"] == \
+            "stream_options"
+    error = error_of(post(url, {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}}))
+    assert error["param"] == "stream_options" and "stream" in error["message"]
+    error = error_of(post(url, {"prompt": "hi", "max_completion_tokens": engine.context + 1}))
+    assert error["param"] == "max_completion_tokens" and "max_completion_tokens" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+
+
+def test_head_asks_what_get_answers(server):
+    for path in ("/health", "/v1/models"):
+        r = httpx.head(f"{server[0]}{path}", timeout=TIMEOUT)
+        assert r.status_code == 200 and r.content == b""
+
+
+def test_a_failed_engine_stops_the_server_and_a_busy_port_leaves_no_engine(shipped):
+    """A server whose engine has failed answers nothing: it stops (serve() then raises the error) rather than
+    answering 503 for ever; and a port that cannot be bound is refused before an engine (its KV pool) exists."""
+    import threading
+
+    from llmstep.serve.app import background
+
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=2) as (url, engine):
+        def broken():
+            raise RuntimeError("no viable attention kernel")
+
+        engine.session.step = broken
+        error = error_of(post(url, {"prompt": "ROMEO:", "max_tokens": 3}), 503)
+        assert "no viable attention kernel" in error["message"]
+        def gone() -> bool:
+            try:
+                httpx.get(f"{url}/health", timeout=5)
+            except httpx.TransportError:
+                return True
+            return False
+
+        wait_for(gone, "the server to stop")
+        assert isinstance(engine.error, RuntimeError)
+    engines = sum(t.name == "llmstep-engine" for t in threading.enumerate())
+    with running_server(model, tokenizer, n_slots=2) as (busy, _):
+        port = int(busy.rsplit(":", 1)[1])
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1 port {port}"):
+            with background(model, tokenizer, port=port):
+                pass
+        assert sum(t.name == "llmstep-engine" for t in threading.enumerate()) == engines + 1  # the running one's
