@@ -135,18 +135,23 @@ def test_a_linear_factor_of_one_and_add_eos_false_change_nothing(tmp_path, token
     assert tok.encode("hello", bos=False) == tokenizer.encode("hello", bos=False)
 
 
-def test_a_big_endian_file_is_refused_before_its_weights_are_read(tmp_path, tokenizer, no_weight_read):
-    model = random_llama()
-    w = gguf.GGUFWriter(str(tmp_path / "be.gguf"), "llama", endianess=gguf.GGUFEndian.BIG)
-    w.add_uint32("llama.block_count", 1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+def bare_gguf(path, fields: dict, embedding: tuple[int, int], **writer_options):
+    """A GGUF file of a few uint32 llama.* keys and a zero token_embd.weight: metadata a test refuses."""
+    w = gguf.GGUFWriter(str(path), "llama", **writer_options)
+    for key, value in fields.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros(embedding, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_a_big_endian_file_is_refused_before_its_weights_are_read(tmp_path, no_weight_read):
+    path = bare_gguf(tmp_path / "be.gguf", {"block_count": 1}, (4, 8), endianess=gguf.GGUFEndian.BIG)
     with pytest.raises(GGUFLoadError, match="be.gguf is a big-endian GGUF file"):
-        load_gguf(tmp_path / "be.gguf")
-    del model
+        load_gguf(path)
 
 
 def test_llama31_rope_scaling_is_recovered_from_rope_freqs_wherever_the_rule_has_room():
@@ -488,17 +493,10 @@ def test_odd_metadata_is_refused_by_name(tmp_path, tokenizer):
     path = write_gguf(tmp_path / "none.gguf", model, tokenizer, "F32", tensors={})
     with pytest.raises(GGUFLoadError, match="no token_embd.weight"):
         read_gguf(path)
-    w = gguf.GGUFWriter(str(tmp_path / "heads.gguf"), "llama")
-    for key, value in {"block_count": 1, "embedding_length": 64, "attention.head_count": 7,
-                       "feed_forward_length": 96}.items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_tensor("token_embd.weight", np.zeros((300, 64), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    heads = bare_gguf(tmp_path / "heads.gguf", {"block_count": 1, "embedding_length": 64, "attention.head_count": 7,
+                                                "feed_forward_length": 96}, (300, 64))
     with pytest.raises(GGUFLoadError, match="embedding_length 64 is not a multiple of llama.attention.head_count 7"):
-        read_gguf(tmp_path / "heads.gguf")
+        read_gguf(heads)
 
 
 def test_a_user_defined_token_spelled_like_an_end_of_turn_is_a_control_token_and_an_end(tokenizer):
