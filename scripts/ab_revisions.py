@@ -97,6 +97,8 @@ def variable(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.isidentifier():
         raise argparse.ArgumentTypeError(f"an environment variable is NAME=VALUE, got {text!r}")
+    if name == "PYTHONPATH":  # each side's is its checkout: set here, both sides could run one tree
+        raise argparse.ArgumentTypeError("PYTHONPATH is each side's checkout; give the checkouts instead")
     return name, value
 
 

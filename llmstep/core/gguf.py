@@ -289,10 +289,11 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> dict:
 
 def _eos_id(tokenizer: Tokenizer) -> int | None:
     """The one eos id a GGUF file holds: the tokenizer's named eos_token where it has one (a chat template's
-    {{ eos_token }}, Llama 3.1 Instruct's <|eot_id|>; llama.cpp's converter writes the same), else its first end."""
+    {{ eos_token }}, Llama 3.1 Instruct's <|eot_id|>; llama.cpp's converter writes the same) where it is one of its
+    ends, else its first end."""
     named = tokenizer.named_tokens.get("eos_token")
-    if named is not None and (i := tokenizer.tok.token_to_id(named)) is not None:
-        return i
+    if named is not None and (i := tokenizer.tok.token_to_id(named)) in tokenizer.eos_ids:
+        return i  # one of the ends: the loaded file stops where the tokenizer did
     return tokenizer.eos_ids[0] if tokenizer.eos_ids else None
 
 

@@ -224,11 +224,15 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
         below = wavelen[mid] if mid.any() else wavelen[f <= 1 + 1e-4]
         lower = float(below.max()) if below.size else 0.0
         upper = float(slowed.min()) if slowed.size else max(2.0, 4 * lower)
-        for orig in _roundest(lower, upper):
+        origs = _roundest(lower, upper)
+        if math.floor(lower) + 1 < upper:  # the integer nearest above: always in range, if least round
+            origs.append(math.floor(lower) + 1)
+        for orig in origs:
             if mid.any():
                 yield orig, 1 + (orig / lower - 1) / float(s[0])
-            else:
-                yield from ((orig, high) for high in (4.0, 2.0, 8.0, 1.5, 16.0) if orig / high > lower)
+            else:  # the kept pairs must turn faster than orig / high: round highs, then one that always fits
+                yield from ((orig, high) for high in (4.0, 2.0, 8.0, 1.5, 16.0, math.sqrt(orig / lower))
+                            if orig / high > lower)
 
     def error(got) -> float:  # how far the factors a candidate gives are from the file's, relative
         return float(np.abs(plain / inv_frequencies(head_dim, theta, got).double().numpy() / f - 1).max())
@@ -244,7 +248,7 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
     # The float32 factors give the parameters to ~1e-7, and the published ones are round numbers: of the limits
     # that fit, the one whose high_freq_factor needs the fewest decimals, then the roundest orig (listed first).
     best, off = None, math.inf
-    for n, (orig, high) in enumerate(limits()):
+    for n, (orig, high) in enumerate(limits()):  # at most ~400 candidates
         raw = scaling(None, orig, high)
         if raw is None or (e := error(raw)) > 1e-5:
             off = min(off, e) if raw is not None else off
@@ -253,7 +257,7 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
                             and error(c) <= max(1e-6, 2 * e)), (7, raw))
         if best is None or (digits, n) < best[0]:
             best = (digits, n), fit
-        if digits == 0 or n >= 320:  # a whole high_freq_factor at the roundest orig: nothing rounder to find
+        if digits == 0:  # a whole high_freq_factor at the roundest orig: nothing rounder to find
             break
     if best is None:
         shown = "" if off == math.inf else f" (off by up to {off:.1e})"

@@ -7,16 +7,16 @@ which is how a disconnect reaches the engine; FastAPI adds the routing and the e
 request bodies is ours (llmstep.serve.protocol), not FastAPI's pydantic models, so that every refusal is HTTP
 400 with OpenAI's error body naming the field (FastAPI's own would be a 422 in its own shape).
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the checkpoint's chat
-template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data: {json}` events, then `data: [DONE]`)
-or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens skipped), as `llmstep.generate` does,
-and cut before a `stop` string (the engine then drops the request). The model's end-of-sequence tokens end a
-request with finish_reason "stop"; its max_tokens, or the end of the context, with "length". A request is checked
-whole before it is queued, its length against what the server holds (`Engine.context`: the model's context or the
-KV pool, whichever is less), so the engine never refuses one; if it still does, that is a 400 (an error event,
-then [DONE], once a stream has begun). A client that goes away, mid-stream, or while its request waits for a
-slot or runs for a whole answer, has its request dropped at once. Text is tokenised off the event loop, and a
-text too long to fit is refused unread.
+Routes: GET (and HEAD) /health, GET (and HEAD) /v1/models, POST /v1/completions, POST /v1/chat/completions (the
+checkpoint's chat template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data: {json}` events, then
+`data: [DONE]`) or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens skipped), as
+`llmstep.generate` does, and cut before a `stop` string (the engine then drops the request). The model's
+end-of-sequence tokens end a request with finish_reason "stop"; its max_tokens, or the end of the context, with
+"length". A request is checked whole before it is queued, its length against what the server holds
+(`Engine.context`: the model's context or the KV pool, whichever is less), so the engine never refuses one; if it
+still does, that is a 400 (an error event, then [DONE], once a stream has begun). A client that goes away,
+mid-stream, or while its request waits for a slot or runs for a whole answer, has its request dropped at once. Text
+is tokenised off the event loop, and a text too long to fit is refused unread.
 """
 
 from __future__ import annotations
@@ -165,8 +165,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
             try:
                 async for piece, reason, made in pieces(ticket, sampling):
                     n = made
-                    if not piece and reason is None:  # a token that ends no character yet: nothing to send
-                        continue
                     if chat:
                         yield sse(protocol.chat_chunk(rid, model_name, {"content": piece} if piece else {}, reason))
                     else:

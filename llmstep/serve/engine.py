@@ -199,6 +199,8 @@ class Engine:
                                     f"the engine failed: {type(self.error).__name__}: {self.error}")
             for ticket in left:
                 self._finish(ticket, stopped)
-            self.session.close()
-            if self.error is not None and self.on_error is not None:
-                self.on_error()
+            try:
+                self.session.close()
+            finally:
+                if self.error is not None and self.on_error is not None:
+                    self.on_error()

@@ -132,7 +132,8 @@ def summarise(timings: list[RequestTiming], seconds: float, rate: float) -> dict
             "output_tokens": tokens, "output_tokens_per_second": tokens / seconds if seconds else math.nan,
             "requests_per_second": len(ok) / seconds if seconds else math.nan,
             "ttft_ms": ms(ttft), "itl_ms": ms(itl), "e2e_latency_ms": ms(e2e),
-            "errors": sorted({t.error for t in timings if t.error})[:5]}
+            "errors": sorted({t.error for t in timings if t.error})[:5],
+            "failures": sorted({t.error or f"HTTP {t.status}" for t in timings if not t.ok and t.status != 429})[:5]}
 
 
 def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
@@ -152,7 +153,7 @@ def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, in
             f"{seconds:.1f} s, {r['output_tokens_per_second']:.1f} tok/s | TTFT p50 {r['ttft_ms']['p50']:.0f} "
             f"p90 {r['ttft_ms']['p90']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms | ITL p50 {r['itl_ms']['p50']:.0f} "
             f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms"
-            + (f" | {r['failed']} failed: {r['errors'][0]}" if r["failed"] else ""))
+            + (f" | {r['failed']} failed: {r['failures'][0]}" if r["failures"] else ""))
     return {"server": server | {"url": url}, "workload": {"requests": requests, "prompt_len": list(prompt_len),
                                                          "new_tokens": list(new_tokens), "seed": seed,
                                                          "shared_prefix": shared_prefix},

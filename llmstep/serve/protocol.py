@@ -148,7 +148,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            "invalid_type")
-    if options is not None and not stream:  # OpenAI's rule: options of a stream with no stream asked for
+    if options and options.get("include_usage") and not stream:  # a stream's usage chunk, with no stream asked for
         raise RequestError("stream_options is only allowed with \"stream\": true", "stream_options",
                            "invalid_value")
     options = options or {}

@@ -404,6 +404,9 @@ def test_the_file_s_eos_is_the_tokenizer_s_named_eos_token(tiny, tmp_path):
     assert back.chat([{"role": "user", "content": "hi"}], add_generation_prompt=False) == f"hi{named}"
     assert export_gguf(model, Tokenizer(tokenizer.tok, tokenizer.bos_id, [first, second]), tmp_path / "n.gguf")
     assert fields(gguf.GGUFReader(str(tmp_path / "n.gguf")))["tokenizer.ggml.eos_token_id"] == first  # unnamed
+    elsewhere = Tokenizer(tokenizer.tok, tokenizer.bos_id, [first], named_tokens={"eos_token": named})
+    export_gguf(model, elsewhere, tmp_path / "o.gguf")  # a named eos that ends nothing: the file keeps the end
+    assert fields(gguf.GGUFReader(str(tmp_path / "o.gguf")))["tokenizer.ggml.eos_token_id"] == first
 
 
 def test_without_the_gguf_package_the_error_says_how_to_install_it(tiny, tmp_path, monkeypatch):
