@@ -231,8 +231,8 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
             if mid.any():
                 yield orig, 1 + (orig / lower - 1) / float(s[0])
             else:  # the kept pairs must turn faster than orig / high: round highs, then one that always fits
-                yield from ((orig, high) for high in (4.0, 2.0, 8.0, 1.5, 16.0, math.sqrt(orig / lower))
-                            if orig / high > lower)
+                fits = (math.sqrt(orig / lower),) if lower else ()  # no kept pair: any high fits
+                yield from ((orig, high) for high in (4.0, 2.0, 8.0, 1.5, 16.0, *fits) if orig / high > lower)
 
     def error(got) -> float:  # how far the factors a candidate gives are from the file's, relative
         return float(np.abs(plain / inv_frequencies(head_dim, theta, got).double().numpy() / f - 1).max())

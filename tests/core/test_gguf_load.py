@@ -163,6 +163,8 @@ def test_llama31_rope_scaling_is_recovered_from_rope_freqs_wherever_the_rule_has
         want = inv_frequencies(head_dim, theta, s)
         got = rope_scaling_of((inv_frequencies(head_dim, theta) / want).numpy(), head_dim, theta, "test")
         assert torch.allclose(inv_frequencies(head_dim, theta, got), want, rtol=1e-6, atol=0), (head_dim, theta, s)
+    every = rope_scaling_of(np.full(32, 8.0), 64, 5e5, "test")  # every pair slowed: orig below the fastest's
+    assert torch.allclose(inv_frequencies(64, 5e5, every), inv_frequencies(64, 5e5) / 8, rtol=1e-6, atol=0)
     # limits with little room: no pair between (and a high below the round ones), one pair just under orig
     for head_dim, theta, s in [(128, 5e5, RopeScaling(factor=8.0, high_freq_factor=1.2)),
                                (32, 1e4, RopeScaling(factor=8.0, high_freq_factor=1.5,
