@@ -38,7 +38,7 @@ def llama31_scaling_of(factors: np.ndarray, head_dim: int, theta: float) -> Rope
     def limits():  # (orig, high) that put each pair in its region, the likeliest first
         if mid.sum() >= 2:  # s is a line in 1 / wavelen: it fixes both, orig an integer near the fit's
             slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
-            fitted = slope * -1 / intercept if intercept else 0.0  # high - 1 = -1 / intercept, orig = slope (high - 1)
+            fitted = -slope / intercept if intercept else 0.0  # high - 1 = -1 / intercept, orig = slope (high - 1)
             for orig in sorted({max(1, round(fitted) + d) for d in (0, -1, 1, -2, 2)}, key=lambda o: abs(o - fitted)):
                 yield orig, 1 + float(np.median((orig / wavelen[mid] - 1) / s))
             return
@@ -73,8 +73,11 @@ def llama31_scaling_of(factors: np.ndarray, head_dim: int, theta: float) -> Rope
     best, off = None, math.inf
     for n, (orig, high) in enumerate(limits()):  # at most ~400 candidates
         raw = scaling(None, orig, high)
-        if raw is None or (e := error(raw)) > 1e-5:
-            off = min(off, e) if raw is not None else off
+        if raw is None:
+            continue
+        e = error(raw)
+        if e > 1e-5:  # these limits do not give the file's factors: the nearest miss goes in the message
+            off = min(off, e)
             continue
         digits, fit = next(((d, c) for d in range(7) if (c := scaling(d, orig, high)) is not None
                             and error(c) <= max(1e-6, 2 * e)), (7, raw))

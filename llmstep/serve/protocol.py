@@ -148,10 +148,10 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
                                 or not isinstance(options.get("include_usage", False), bool)):
         raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                            "invalid_type")
-    if options and options.get("include_usage") and not stream:  # a stream's usage chunk, with no stream asked for
+    include_usage = bool(options and options.get("include_usage"))
+    if include_usage and not stream:  # a stream's usage chunk, with no stream asked for
         raise RequestError("stream_options is only allowed with \"stream\": true", "stream_options",
                            "invalid_value")
-    options = options or {}
     stop = _stops(body)
     max_tokens, max_tokens_param = _integer(body, "max_tokens", 1), "max_tokens"
     if max_tokens is None and "max_completion_tokens" in body:
@@ -165,7 +165,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
                     top_k=0 if top_k in (None, -1) else top_k,  # -1: off, as vLLM has it
                     seed=_seed(body), stop=stop, stream=stream,
-                    include_usage=bool(options.get("include_usage", False)), ignore_eos=ignore_eos,
+                    include_usage=include_usage, ignore_eos=ignore_eos,
                     max_tokens_param=max_tokens_param)
 
 
