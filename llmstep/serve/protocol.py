@@ -5,14 +5,17 @@ Pure Python, no web framework: a request body (parsed JSON) goes in, a `Sampling
 "code"}}`, which the `openai` client raises as `BadRequestError`). The fields are those of OpenAI's
 `/v1/completions` and `/v1/chat/completions`, plus `top_k` (as vLLM accepts it); a field llmstep does not do
 (several choices, logprobs, penalties, min_p, tools, ...: `ONLY_DEFAULT`) is refused by name unless it holds its
-default, so a client never gets an answer to a question it did not ask; `ignore_eos` (vLLM's too) lets a
-benchmark fix every request's length. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a
+default, and a field that is not the endpoint's at all (`max_new_tokens`, `repeat_penalty`, a chat's `messages`
+sent to /v1/completions) is refused as OpenAI refuses it, so a client never gets an answer to a question it did
+not ask; only fields that change no answer (`user`, `metadata`, `store`, ...: `IGNORED`) pass unread.
+`ignore_eos` (vLLM's too) lets a benchmark fix every request's length. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a
 completion and the rest of the context for a chat, either cut to what the server can hold. At most
 MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters: each token's text is checked against them.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 import uuid
@@ -22,7 +25,7 @@ from ..core.checks import check_seed, is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
            "max_body_bytes", "error_body", "StopText", "completion_body", "completion_chunk", "chat_body",
-           "chat_chunk", "usage", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT"]
+           "chat_chunk", "usage", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT", "IGNORED", "FIELDS"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 MAX_STOP_CHARS = 1000  # ours: every token's text is checked against each stop string, so they must stay short
@@ -41,6 +44,14 @@ ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": (None, False), 
                 "skip_special_tokens": True, "prompt_logprobs": None, "truncate_prompt_tokens": None,
                 "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
                 "add_generation_prompt": True, "continue_final_message": False, "chat_template": None}
+# Fields that change no answer (who asks, what to keep, which tier or cache bucket): taken and not read.
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+           "safety_identifier"}
+_READ = {"model", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k", "seed",
+         "ignore_eos"}
+# Every field an endpoint takes; any other is refused by name (OpenAI's "Unrecognized request argument").
+FIELDS = {"completions": _READ | IGNORED | set(ONLY_DEFAULT) | {"prompt"},
+          "chat": _READ | IGNORED | set(ONLY_DEFAULT) | {"messages", "max_completion_tokens"}}
 
 
 class RequestError(ValueError):
@@ -132,9 +143,22 @@ def _stops(body: dict) -> list[str]:
     return stop
 
 
-def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
+def _check_fields(body: dict, endpoint: str) -> None:
+    """Refuse the first field `endpoint` does not take, with the nearest one it does where a name is mistyped."""
+    unknown = [name for name in body if name not in FIELDS[endpoint]]
+    if unknown:
+        name = unknown[0]
+        near = difflib.get_close_matches(str(name), sorted(FIELDS[endpoint]), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        where = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+        raise RequestError(f"unrecognized request argument supplied to {where}: {_short(name)}{hint}", str(name),
+                           "unrecognized_argument")
+
+
+def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Sampling:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", None, "invalid_body")
+    _check_fields(body, endpoint)
     for name, default in ONLY_DEFAULT.items():
         if name in body and not _is_default(body[name], default):
             only = " or ".join(json.dumps(d) for d in (default if isinstance(default, tuple) else (default,)))
@@ -154,7 +178,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
                            "invalid_value")
     stop = _stops(body)
     max_tokens, max_tokens_param = _integer(body, "max_tokens", 1), "max_tokens"
-    if max_tokens is None and "max_completion_tokens" in body:
+    if max_tokens is None and "max_completion_tokens" in body:  # chat's newer name (a completion refused it)
         max_tokens, max_tokens_param = _integer(body, "max_completion_tokens", 1), "max_completion_tokens"
     top_k = _integer(body, "top_k", -1)
     ignore_eos = body.get("ignore_eos", False)
@@ -172,7 +196,7 @@ def _sampling(body: dict, default_max_tokens: int | None) -> Sampling:
 def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sampling]:
     """/v1/completions: `prompt` as text, or as token ids -> (prompt ids, Sampling). encode: text -> ids, a
     ValueError for text it cannot encode (not Unicode, too long for the context)."""
-    sampling = _sampling(body, COMPLETION_MAX_TOKENS)
+    sampling = _sampling(body, COMPLETION_MAX_TOKENS, "completions")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -199,7 +223,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
     """/v1/chat/completions: `messages` -> (messages with text content, Sampling); max_tokens None: the rest of
     the context. A content given as parts (`[{"type": "text", "text": ...}]`) is joined; other parts refused."""
-    sampling = _sampling(body, None)
+    sampling = _sampling(body, None, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(f"messages must be a non-empty list of messages, got {_short(messages)}", "messages",

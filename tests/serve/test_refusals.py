@@ -181,9 +181,32 @@ def test_odd_model_stream_options_and_max_completion_tokens_are_named_as_sent(se
     assert error["param"] == "stream_options" and "stream" in error["message"]
     for options in ({}, {"include_usage": False}, None):  # asking for nothing is no question (vLLM takes it too)
         assert post(url, {"prompt": "hi", "max_tokens": 2, "stream_options": options}).status_code == 200
-    error = error_of(post(url, {"prompt": "hi", "max_completion_tokens": engine.context + 1}))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": engine.context + 1}
+    error = error_of(post(url, chat, "/v1/chat/completions"))
     assert error["param"] == "max_completion_tokens" and "max_completion_tokens" in error["message"]
     assert error["code"] == "context_length_exceeded"
+
+
+def test_a_field_the_endpoint_does_not_take_is_refused_by_name(server):
+    """A mistyped or foreign field would otherwise be dropped and the answer made without it: refused, as OpenAI
+    refuses it, before any work; fields that change no answer pass."""
+    url, engine = server
+    requests = engine.stats["requests"]
+    for body, path, name in (({"prompt": "hi", "max_new_tokens": 2}, "/v1/completions", "max_new_tokens"),
+                             ({"prompt": "hi", "repeat_penalty": 1.1}, "/v1/completions", "repeat_penalty"),
+                             ({"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"},
+                              "/v1/chat/completions", "prompt"),
+                             ({"prompt": "hi", "messages": []}, "/v1/completions", "messages"),
+                             ({"prompt": "hi", "max_completion_tokens": 2}, "/v1/completions",
+                              "max_completion_tokens")):
+        error = error_of(post(url, body, path))
+        assert error["param"] == name and error["code"] == "unrecognized_argument", error
+        assert name in error["message"] and path in error["message"]
+    assert "did you mean max_tokens" in error_of(post(url, {"prompt": "hi", "max_token": 2}))["message"]
+    assert engine.stats["requests"] == requests
+    fine = {"prompt": "hi", "max_tokens": 1, "user": "u1", "metadata": {"a": "b"}, "store": False,
+            "service_tier": "auto"}
+    assert post(url, fine).status_code == 200
 
 
 def test_head_asks_what_get_answers(server):
