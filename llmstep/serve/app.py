@@ -84,10 +84,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_body")
         if body.get("model") is not None and not isinstance(body["model"], str):
-            raise RequestError(f"model must be a string, got {protocol._short(body['model'])}", "model",
+            raise RequestError(f"model must be a string, got {protocol.shorten(body['model'])}", "model",
                                "invalid_type")
         if body.get("model") not in (None, model_name):
-            raise RequestError(f"the model {protocol._short(body['model'])} does not exist: this server serves "
+            raise RequestError(f"the model {protocol.shorten(body['model'])} does not exist: this server serves "
                                f"{model_name!r}", "model", "model_not_found", status=404)
         return body
 

@@ -8,8 +8,9 @@ Pure Python, no web framework: a request body (parsed JSON) goes in, a `Sampling
 default, and a field that is not the endpoint's at all (`max_new_tokens`, `repeat_penalty`, a chat's `messages`
 sent to /v1/completions) is refused as OpenAI refuses it, so a client never gets an answer to a question it did
 not ask; only fields that change no answer (`user`, `metadata`, `store`, ...: `IGNORED`) pass unread.
-`ignore_eos` (vLLM's too) lets a benchmark fix every request's length. Defaults are OpenAI's: temperature 1, top_p 1, max_tokens 16 for a
-completion and the rest of the context for a chat, either cut to what the server can hold. At most
+`ignore_eos` (vLLM's too) lets a benchmark fix every request's length. Defaults are OpenAI's: temperature 1,
+top_p 1, max_tokens 16 for a completion and the rest of the context for a chat, either cut to what the server can
+hold. At most
 MAX_STOP_STRINGS stop strings of at most MAX_STOP_CHARS characters: each token's text is checked against them.
 """
 
@@ -25,7 +26,8 @@ from ..core.checks import check_seed, is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
            "max_body_bytes", "error_body", "StopText", "completion_body", "completion_chunk", "chat_body",
-           "chat_chunk", "usage", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT", "IGNORED", "FIELDS"]
+           "chat_chunk", "usage", "shorten", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT", "IGNORED",
+           "FIELDS"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 MAX_STOP_CHARS = 1000  # ours: every token's text is checked against each stop string, so they must stay short
@@ -135,7 +137,7 @@ def _stops(body: dict) -> list[str]:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
         raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them, got "
-                           f"{_short(body.get('stop'))}", "stop", "invalid_value")
+                           f"{shorten(body.get('stop'))}", "stop", "invalid_value")
     long = [i for i, s in enumerate(stop) if len(s) > MAX_STOP_CHARS]
     if long:
         raise RequestError(f"stop string {long[0]} is {len(stop[long[0]]):,} characters; llmstep serve takes at most "
@@ -151,7 +153,7 @@ def _check_fields(body: dict, endpoint: str) -> None:
         near = difflib.get_close_matches(str(name), sorted(FIELDS[endpoint]), n=1)
         hint = f" (did you mean {near[0]}?)" if near else ""
         where = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-        raise RequestError(f"unrecognized request argument supplied to {where}: {_short(name)}{hint}", str(name),
+        raise RequestError(f"unrecognized request argument supplied to {where}: {shorten(name)}{hint}", str(name),
                            "unrecognized_argument")
 
 
@@ -162,7 +164,7 @@ def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Samp
     for name, default in ONLY_DEFAULT.items():
         if name in body and not _is_default(body[name], default):
             only = " or ".join(json.dumps(d) for d in (default if isinstance(default, tuple) else (default,)))
-            raise RequestError(f"{name}={_short(body[name])} is not supported by llmstep serve (only {only})", name,
+            raise RequestError(f"{name}={shorten(body[name])} is not supported by llmstep serve (only {only})", name,
                                "unsupported_value")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -214,7 +216,7 @@ def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sa
                                "invalid_value")
         return [int(i) for i in prompt], sampling
     raise RequestError("prompt must be a non-empty string or a non-empty list of token ids (one prompt per request), "
-                       f"got {_short(prompt)}", "prompt", "invalid_value")
+                       f"got {shorten(prompt)}", "prompt", "invalid_value")
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -226,13 +228,13 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
     sampling = _sampling(body, None, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError(f"messages must be a non-empty list of messages, got {_short(messages)}", "messages",
+        raise RequestError(f"messages must be a non-empty list of messages, got {shorten(messages)}", "messages",
                            "invalid_value")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"{where} must be an object with a role in {', '.join(ROLES)}, got {_short(m)}",
+            raise RequestError(f"{where} must be an object with a role in {', '.join(ROLES)}, got {shorten(m)}",
                                f"{where}.role", "invalid_value")
         content = m.get("content")
         if isinstance(content, list):
@@ -242,7 +244,7 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
                                    "unsupported_value")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise RequestError(f"{where}.content must be a string, got {_short(content)}", f"{where}.content",
+            raise RequestError(f"{where}.content must be a string, got {shorten(content)}", f"{where}.content",
                                "invalid_value")
         role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for the system turn
         out.append({"role": role, "content": content})
@@ -284,7 +286,8 @@ def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param
     return sampling.max_tokens
 
 
-def _short(value) -> str:
+def shorten(value) -> str:
+    """A value as an error message quotes it: its repr, cut to 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
