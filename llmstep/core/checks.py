@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
-__all__ = ["is_int", "is_number", "is_finite_number", "check_int", "SEED_LIMIT", "check_seed", "check_max_len"]
+__all__ = ["is_int", "is_number", "is_finite_number", "check_int", "check_flag", "SEED_LIMIT", "check_seed",
+           "check_max_len"]
 
 
 def is_int(value) -> bool:
@@ -28,6 +29,12 @@ def check_int(value, name: str, low: int = 0) -> None:
     """An integer >= low, or a ValueError that names it."""
     if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def check_flag(value, name: str) -> None:
+    """True, False or None (the default's choice), or a ValueError that names it: "no" or 0 is not False."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be True, False or None, got {value!r}")
 
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds

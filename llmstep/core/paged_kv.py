@@ -203,6 +203,12 @@ class PagedKVCache(Cache):
         positions, write_slots, read_slots, query_seq, key_seq, key_pos = [], [], [], [], [], []
         for s, c in enumerate(chunks):
             stop = c.start + c.n_tokens
+            if c.start < 0:
+                raise ValueError(f"chunk {s}: starts at position {c.start}; positions start at 0")
+            if c.table and not 0 <= min(c.table) <= max(c.table) < self.n_blocks:
+                bad = next(b for b in c.table if not 0 <= b < self.n_blocks)
+                raise ValueError(f"chunk {s}: its table names block {bad}; this pool's blocks are "
+                                 f"0..{self.n_blocks - 1}")
             if c.n_tokens < 1 or len(c.table) < blocks_for(stop, self.block_size):
                 raise ValueError(f"chunk {s}: {c.n_tokens} tokens from position {c.start} need "
                                  f"{blocks_for(stop, self.block_size)} blocks, its table has {len(c.table)}")

@@ -49,6 +49,7 @@ class QuantConfig:
             g = self.group_size
             if not is_int(g) or g < 2 or g % 2:
                 raise QuantizationError(f"int4 group_size must be an even integer >= 2, got {g!r}")
+            object.__setattr__(self, "group_size", int(g))  # a numpy integer as Python's (saved as JSON)
         elif self.group_size is not None:
             raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
         head = self.lm_head
@@ -138,7 +139,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, scale_d
     """w [N, K] -> packed uint8 [N, K/2], scales [N, K/g], zeros [N, K/g] with w ~= (q - 8) * scale + zero.
 
     Per group of g inputs: scale = (max - min) / 15 and zero = min + 8 * scale, so q = 0 is the group's
-    minimum and q = 15 its maximum. Rounded to scale_dtype before q is computed, as for int8.
+    minimum and q = 15 its maximum. Rounded to scale_dtype before q is computed, as for int8: every weight is then
+    within scale / 2 of its dequantised value. Where the rounded zero has moved so far (a group far from 0, a
+    bf16 zero) that an end of the group lies beyond q = 0 or 15 by more than that, the scale is widened to reach it.
     """
     N, K = w.shape
     if K % group_size:
@@ -149,6 +152,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, scale_d
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, groups]
     scales = ((hi - lo) / 15).clamp_min(1e-12).to(scale_dtype)
     zeros = (lo + 8 * scales.float()).to(scale_dtype)
+    z, s = zeros.float(), scales.float()
+    short = (z - lo > 8.5 * s) | (hi - z > 7.5 * s)  # the rounded zero leaves an end past q = 0 or 15 by > s / 2
+    if short.any():  # cover [lo, hi] from the rounded zero, rounded up past scale_dtype's own rounding
+        wide = (torch.maximum((z - lo) / 8, (hi - z) / 7) * (1 + 2**-7)).to(scale_dtype)
+        scales = torch.where(short, wide, scales)
     q = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp_(0, 15)
     return pack_int4(q.view(N, K)), scales, zeros
 

@@ -330,6 +330,10 @@ def linear_names(model: Llama, lm_head: bool | str = False) -> list[str]:
 def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str] | None = None) -> None:
     """Every reason this model cannot take these settings, each naming its layer, before anything changes
     (weights=False: its shapes only, for a model on the meta device; names: these layers only)."""
+    if getattr(model, "rank_config", None) is not None:  # core.parallel's shard (or a layer-skip draft of one)
+        raise QuantizationError("this model is one rank's shard of a tensor-parallel model, whose layers add their "
+                                "partial sums across ranks and a quantised layer would not: quantise a whole "
+                                "model (tensor parallelism splits float checkpoints)")
     problems = []
     for name in linear_names(model, qc.lm_head) if names is None else names:
         m = model.get_submodule(name)

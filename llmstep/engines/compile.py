@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from ..core import torch_compat
+from ..core.checks import check_flag
 from ..core.device import synchronize
 from ..kernels import cpu_attention, cpu_gemm
 
@@ -68,6 +69,7 @@ def compile_options(device: torch.device, mode: str | None = None, gemm_backends
 
 def compiles(device: torch.device, compile: bool | None) -> bool:
     """Whether a loop's step is compiled: `compile` as given; None compiles on CUDA only (see `Step`)."""
+    check_flag(compile, "compile")
     return device.type == "cuda" if compile is None else bool(compile)
 
 

@@ -12,6 +12,7 @@ import torch
 from ..core import quantize
 from ..core.checkpoint import load
 from ..core.checks import is_int
+from ..core.kv_cache import KVCache
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
 
@@ -32,12 +33,20 @@ class LayerSkipDraft(Llama):
         torch.nn.Module.__init__(self)
         n_layers = int(n_layers)  # a numpy integer too
         self.config = target.config.replace(n_layers=n_layers)
+        if getattr(target, "rank_config", None) is not None:  # a shard's draft: this rank's heads (core.parallel)
+            self.rank_config = target.rank_config.replace(n_layers=n_layers)
         self.tok_embeddings = target.tok_embeddings  # the same modules: no weight is copied
         self.layers = torch.nn.ModuleList(target.layers[:n_layers])
         self.norm, self.output = target.norm, target.output
         self.register_buffer("inv_freq", target.inv_freq, persistent=False)
         self.generation_config = getattr(target, "generation_config", {})
         self.train(target.training)
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        """Its own cache of its n_layers layers, of this rank's heads where the target is a tensor-parallel shard."""
+        max_len = self.config.max_seq_len if max_len is None else max_len
+        return KVCache(getattr(self, "rank_config", self.config), batch_size, max_len, device=self.device,
+                       dtype=self.dtype)
 
 
 def parse_draft(spec: str, n_layers: int | None = None) -> tuple[str, int | str]:

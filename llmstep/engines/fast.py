@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 
+from ..core.checks import check_flag
 from ..core.device import synchronize
 from ..core.fuse import fused, fuses_by_default
 from ..core.model import LAST, Llama
@@ -69,8 +70,9 @@ class FastDecoder(Engine):
 
     def __init__(self, model: Llama, max_len: int | None = None, compile: bool | None = None, mode: str | None = None,
                  fuse: bool | None = None):
+        check_flag(fuse, "fuse")
         first_len = self._own(model, max_len, compile=compile, mode=mode)
-        self.fused = fuses_by_default(model, self.compiled) if fuse is None else bool(fuse)
+        self.fused = fuses_by_default(model, self.compiled) if fuse is None else fuse
         self.net = fused(model) if self.fused else model  # what the steps run: the same function
         self._allocate(first_len)
 
@@ -223,6 +225,7 @@ class FastSpeculator(Engine):
                  compile: bool | None = None, mode: str | None = None, fuse: bool | None = None):
         speculative.check_k(k)
         speculative.check_pair(target, draft)
+        check_flag(fuse, "fuse")
         context = target.config.max_seq_len  # a shorter max_len: refused by check_max_len, its range k+2..context
         if k + 2 > context:  # a round: a prompt token at least, the pending token, k proposals
             raise ValueError(f"k {k} never fits: a round writes the pending token and k proposals after at least one "
@@ -231,7 +234,7 @@ class FastSpeculator(Engine):
         first_len = self._own(target, max_len, reserve=k, low=k + 2, compile=compile, mode=mode)
         self.k = k
         self.fused = (fuses_by_default(target, self.compiled) or fuses_by_default(draft, self.compiled)
-                      if fuse is None else bool(fuse))  # as FastDecoder's
+                      if fuse is None else fuse)  # as FastDecoder's
         self.target, self.draft = (fused(target), fused(draft)) if self.fused else (target, draft)
         self._allocate(first_len)
 

@@ -143,6 +143,11 @@ def test_a_forward_must_follow_its_plan_and_a_plan_needs_its_blocks(model64):
         model64(torch.tensor([[1, 2]]), cache=cache)
     with pytest.raises(ValueError, match="chunk 1: 3 tokens from position 4 need 2 blocks, its table has 1"):
         cache.plan([SeqChunk([0], 0, 2), SeqChunk([1], 4, 3)])
+    with pytest.raises(ValueError, match="chunk 0: starts at position -2"):
+        cache.plan([SeqChunk([0, 1], -2, 3)])
+    for table in ([7], [-1], [0, 4]):
+        with pytest.raises(ValueError, match=f"chunk 0: its table names block {table[-1]}; this pool's blocks are 0"):
+            cache.plan([SeqChunk(table, 0, 1)])
     positions = cache.plan([SeqChunk([0], 0, 2)])
     with pytest.raises(ValueError, match="planned layout"):
         model64(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]]), cache)

@@ -106,6 +106,7 @@ def test_greedy_and_seeded_text_equal_one_process_on_every_rank(ranks, name):
     first = ranks[0][name]
     assert first["greedy_tp"] == first["greedy_full"] and len(first["greedy_tp"]) > 0
     assert first["sampled_tp"] == first["sampled_full"]  # the same seed, the same draws
+    assert first["speculative_tp"] == first["greedy_full"]  # the shard drafting for itself, its first layer
     for rank in ranks[1:]:
         assert rank[name]["greedy_tp"] == first["greedy_tp"] and rank[name]["sampled_tp"] == first["sampled_tp"]
         assert rank[name]["drawn_seed"] == first["drawn_seed"]  # seed None: rank 0 draws, every rank uses it
@@ -378,3 +379,29 @@ def test_commands_without_tensor_parallelism_are_refused_under_torchrun(monkeypa
     assert capsys.readouterr().err == (f"llmstep {argv[0]}: error: {argv[0]} does not run tensor-parallel (only "
                                        "generate and bench do): run it in one process, without torchrun (here "
                                        "WORLD_SIZE is 2)\n")
+
+
+def test_a_shard_is_not_quantised_and_its_layer_skip_draft_caches_its_heads(checkpoints, monkeypatch):
+    """A shard's layers add their partial sums across ranks; a quantised layer would not (wrong logits, no error):
+    refused before anything changes. A layer-skip draft of a shard caches this rank's KV heads, as the shard does."""
+    from llmstep.core.quantize import QuantizationError, quantize
+    from llmstep.engines.drafts import LayerSkipDraft, resolve_draft
+
+    full = load_model(checkpoints["gqa-untied-vocab301"], device="cpu", dtype="float32")
+    monkeypatch.setattr(parallel, "agreeing", lambda group=None: contextlib.nullcontext())
+    monkeypatch.setattr(parallel, "_rank_world", lambda group: (0, 2))  # rank 0 of 2: shapes only, no forward
+    tp = parallel.shard(full)
+    before = {k: v.clone() for k, v in tp.state_dict().items()}
+    for mode in ("int8", "int4"):
+        for inplace in (True, False):
+            with pytest.raises(QuantizationError, match="shard of a tensor-parallel model"):
+                quantize(tp, mode, inplace=inplace)
+    with pytest.raises(QuantizationError, match="shard"):
+        resolve_draft("self-int8", tp)
+    assert all(torch.equal(v, before[k]) for k, v in tp.state_dict().items()) and not hasattr(tp, "quantization")
+    draft = LayerSkipDraft(tp, 1)
+    cache, whole = draft.new_cache(1, 8), LayerSkipDraft(full, 1).new_cache(1, 8)
+    assert cache.k[0].shape[1] == tp.rank_config.n_kv_heads == 1 and whole.k[0].shape[1] == 2
+    assert len(cache.k) == 1
+    with pytest.raises(QuantizationError, match="shard"):
+        quantize(draft, "int8")

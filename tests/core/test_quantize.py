@@ -63,6 +63,28 @@ def test_int4_round_trip_error_is_at_most_half_a_step_per_group():
     assert (err <= scales[..., None] / 2 * (1 + 1e-5) + 1e-6).all()
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16])
+def test_int4_error_stays_within_half_a_step_where_a_rounded_zero_moves(scale_dtype):
+    """A group far from 0 (here 10 + a small spread): its zero rounded to bf16 moves by more than half a step, and
+    an end of the group would clamp at q = 0 or 15; the scale widens to reach it."""
+    w = torch.cat([(10 + torch.arange(64) / 1024).bfloat16().float(),
+                   torch.randn(64, generator=torch.Generator().manual_seed(3)) * 0.01 - 7])[None]  # [1, 128]
+    packed, scales, zeros = quantize_int4(w, 32, scale_dtype=scale_dtype)
+    err = (dequantize_int4(packed, scales, zeros) - w).abs().view(1, 4, 32).amax(-1)  # [1, groups]
+    assert (err <= scales.float() / 2 * (1 + 1e-5)).all(), (err, scales.float() / 2)
+    centred = torch.randn(8, 128, generator=torch.Generator().manual_seed(4))  # a usual group: scales as before
+    _, s, z = quantize_int4(centred, 32, scale_dtype=scale_dtype)
+    g = centred.view(8, 4, 32)
+    assert torch.equal(s, ((g.amax(-1) - g.amin(-1)) / 15).to(scale_dtype))
+
+
+def test_a_numpy_group_size_is_kept_as_a_python_int():
+    import numpy as np
+
+    qc = QuantConfig("int4", np.int64(16))
+    assert type(qc.group_size) is int and qc.group_size == 16
+
+
 def test_int4_packing_puts_the_even_index_in_the_high_nibble_and_unpacks_exactly():
     q = torch.randint(0, 16, (5, 12), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
     packed = pack_int4(q)

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from llmstep.core import parallel
 from llmstep.core.checkpoint import load
+from llmstep.engines.drafts import LayerSkipDraft
 from llmstep.engines.generate import generate
+from llmstep.engines.speculative import speculative_generate
 
 PROMPT = "Shall I compare thee to a summer's day?"
 STEPS = 8
@@ -55,6 +57,8 @@ def compare(path: str) -> dict:
         "greedy_tp": generate(tp, tokenizer, PROMPT, **greedy).tokens,
         "sampled_full": generate(full, tokenizer, PROMPT, **sampled).tokens,
         "sampled_tp": generate(tp, tokenizer, PROMPT, **sampled).tokens,
+        # a layer-skip draft of the shard: its cache of this rank's heads (GQA's 2 KV heads are 1 a rank)
+        "speculative_tp": speculative_generate(tp, LayerSkipDraft(tp, 1), tokenizer, PROMPT, k=3, **greedy).tokens,
         "bytes_read": tp.bytes_read,
         "param_bytes": sum(p.nbytes for p in tp.parameters()),
         "full_param_bytes": sum(p.nbytes for p in full.parameters()),

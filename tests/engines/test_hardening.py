@@ -88,6 +88,19 @@ def test_a_lone_surrogate_in_the_prompt_is_a_clear_value_error(tiny):
         llmstep.generate(model, tok, "thy \udc80 brow", max_new_tokens=2)
 
 
+@pytest.mark.parametrize("flag, value", [("compile", "no"), ("compile", 0), ("fuse", "false"), ("fuse", 1)])
+def test_compile_and_fuse_take_true_false_or_none_only(tiny, flag, value):
+    """"no" is truthy: it would compile (minutes on a CPU) or fuse against the caller's word."""
+    model, _ = tiny
+    engines = [lambda **kw: FastDecoder(model, max_len=16, **kw),
+               lambda **kw: FastSpeculator(model, LayerSkipDraft(model, 1), k=2, max_len=16, **kw)]
+    if flag == "compile":
+        engines.append(lambda **kw: ContinuousBatcher(model, n_slots=2, max_len=16, **kw))
+    for make in engines:
+        with pytest.raises(ValueError, match=f"{flag} must be True, False or None, got {value!r}"):
+            make(**{flag: value})
+
+
 def test_fast_decoder_refuses_sync_every_0_and_speculation_refuses_empty_verify_costs(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="sync_every must be an integer >= 1"):
