@@ -57,19 +57,28 @@ def check_template(template: str) -> None:
     _compile(template)
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' order: the first given wins
+
+
 def check_messages(messages) -> list[dict]:
-    """Messages -> a list of plain dicts, each with str 'role' and 'content' (an iterator is read once). Keys whose
-    value is None are dropped, as transformers drops them (templates test `'tool_calls' in message`)."""
+    """Messages -> a list of plain dicts, each with str 'role' and 'content' (an iterator is read once), but for an
+    assistant turn of tool calls, whose content may be None. Keys whose value is None are dropped, as transformers
+    drops them (templates test `'tool_calls' in message`); a reasoning field (`reasoning_content`, `thinking`,
+    `reasoning`) is given under the names templates read, as transformers gives it."""
     if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Iterable):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts, "
                          f"got {type(messages).__name__}")
     checked = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+        if not isinstance(m, Mapping) or "role" not in m or ("content" not in m and not m.get("tool_calls")):
             raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+        if not isinstance(m["role"], str) or not isinstance(m.get("content"), str | None):
             raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {m!r}")
-        checked.append({k: _plain(v, f"message {i}, {k!r}") for k, v in m.items() if v is not None})
+        if m.get("content") is None and not m.get("tool_calls"):
+            raise ValueError(f"message {i}: only a turn of tool calls may have no content, got {m!r}")
+        plain = {k: _plain(v, f"message {i}, {k!r}") for k, v in m.items() if v is not None}
+        reasoning = next((plain[k] for k in REASONING_FIELDS if k in plain), None)
+        checked.append(plain if reasoning is None else {"thinking": reasoning, **plain, "reasoning_content": reasoning})
     if not checked:
         raise ValueError("there are no messages: a chat needs at least one")
     return checked
@@ -82,8 +91,10 @@ def _plain(value, where: str):
         return value
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, list | tuple):
+    if isinstance(value, list):
         return [_plain(v, where) for v in value]
+    if isinstance(value, tuple):  # as transformers passes it: a template prints (1, 2), not [1, 2]
+        return tuple(_plain(v, where) for v in value)
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         return {str.__str__(k): _plain(v, where) for k, v in value.items()}
     raise ValueError(f"{where}: a chat template reads plain data (text, numbers, lists, dicts with text keys), "

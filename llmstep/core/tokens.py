@@ -32,6 +32,7 @@ TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", 
 # encode_chat stands one character of Supplementary Private Use Area-B in for each special token a message spells.
 HIDDEN_FIRST, HIDDEN_LAST = 0x100000, 0x10FFFD
 HIDDEN = re.compile("[\U00100000-\U0010fffd]")
+MARKS = ("\U000f0000", "\U000f0001")  # around a special token a message spells, where HIDDEN cannot serve
 
 
 class Tokenizer:
@@ -202,6 +203,10 @@ class Tokenizer:
         if not self.has_chat_format:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json's chat_template) and no "
                              "Llama 3 chat tokens (<|start_header_id|>, ...)")
+        bare = [i for i, m in enumerate(messages) if "content" not in m]
+        if bare:
+            raise ValueError(f"message {bare[0]} has no content: Llama 3's format writes only text; a turn of tool "
+                             "calls needs the checkpoint's chat template")
         parts = [BOS]
         for m in messages:
             parts.append(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>")
@@ -239,9 +244,9 @@ class Tokenizer:
         private-use character (HIDDEN), so `| trim` still works and nothing a message holds can spell, join into
         or be turned into a special token (a template's `lower`, `replace('[', '<')` or its own text right after a
         message's `<|im`); in roles and keys only the characters a special token can start with are replaced.
-        Putting the characters back must give the real render, else the template changed the messages' text and
-        it is refused. The special tokens of that render are then the template's own; the text between them is
-        encoded plain."""
+        Putting the characters back must give the real render; the special tokens of that render are then the
+        template's own, and the text between them is encoded plain. Where it does not (the template reads or
+        rewrites the text: a reasoning model's `content.split('</think>')`), `_encode_marked_chat` encodes it."""
         text = self.chat(messages, add_generation_prompt)
         specials = self._special_pattern()
         if HIDDEN.search(json.dumps(messages, ensure_ascii=False)):
@@ -274,14 +279,50 @@ class Tokenizer:
             return HIDDEN.sub(lambda m: shown.get(m.group(), m.group()), s)
 
         if put_back(marked) != text:
-            raise ValueError("the chat template changes the messages' text (beyond trimming it), so special tokens "
-                             "in it could not be kept as text; use encode(chat(...), bos=False) for trusted text")
+            own = [m.group() for m in specials.finditer(marked)]  # the template's own: no message can spell one
+            return self._encode_marked_chat(messages, add_generation_prompt, own)
+        return self._encode_between_specials(marked, put_back)
+
+    def _encode_between_specials(self, text: str, plain=lambda s: s) -> list[int]:
+        """The special tokens of `text` as their ids, the text between them (through `plain`) as plain text."""
         ids: list[int] = []
         at = 0
-        for m in specials.finditer(marked):  # the template's own special tokens: the text between them is plain
-            ids += self.encode(put_back(marked[at:m.start()]), bos=False, special=False) + [self.token_to_id(m.group())]
+        for m in self._special_pattern().finditer(text):
+            ids += self.encode(plain(text[at:m.start()]), bos=False, special=False) + [self.token_to_id(m.group())]
             at = m.end()
-        return ids + self.encode(put_back(marked[at:]), bos=False, special=False)
+        return ids + self.encode(plain(text[at:]), bos=False, special=False)
+
+    def _encode_marked_chat(self, messages: list[dict], add_generation_prompt: bool, own: list[str]) -> list[int]:
+        """For a template that reads or rewrites the messages' text, as transformers' apply_chat_template(...,
+        sanitize_control_tokens=True) encodes it: each special token a message's value spells is wrapped in two
+        private-use markers (MARKS; any already there dropped), the conversation rendered, and a marked token
+        encoded as plain text; a lone marker (a template's split cut through a marked token) is dropped but still
+        parts the text on either side. The special tokens left must be `own`, those of the render where no message
+        could spell one (a template's `lower` or `replace` must not make one out of a message): else refused."""
+        start, end = MARKS
+        specials = self._special_pattern()
+
+        def mark(value):
+            if isinstance(value, str):
+                value = value.replace(start, "").replace(end, "")
+                return specials.sub(lambda m: start + m.group() + end, value)
+            if isinstance(value, list | tuple):
+                return type(value)(mark(v) for v in value)
+            if isinstance(value, dict):
+                return {k: mark(v) for k, v in value.items()}
+            return value
+
+        rendered = render(self.chat_template, mark(messages), add_generation_prompt, self.named_tokens)
+        pieces = re.split(f"{start}({specials.pattern}){end}|[{start}{end}]", rendered)  # text, token, text, ...
+        if [m.group() for text in pieces[::2] for m in specials.finditer(text)] != own:
+            raise ValueError("the chat template changes the messages' text (beyond trimming it) or writes special "
+                             "tokens by what it says, so special tokens in it could not be kept as text; use "
+                             "encode(chat(...), bos=False) for trusted text")
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if piece:  # None: a lone marker's place
+                ids += self.encode(piece, bos=False, special=False) if i % 2 else self._encode_between_specials(piece)
+        return ids
 
     def _special_pattern(self) -> re.Pattern:
         if self._specials is None:  # longest first, so a token wins over a shorter one inside it
