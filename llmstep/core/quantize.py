@@ -1,25 +1,23 @@
 """Weight-only quantization: fewer bytes per weight, so fewer bytes per token at the memory wall.
 
-Decode at batch 1 reads every weight once per token, so its speed is set by bytes, not FLOPs. Storing
-the matrices in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16)
-while activations, norms and the KV cache stay in the model's dtype.
+Decode at batch 1 reads every weight once per token, so its speed is set by bytes, not FLOPs. Storing the matrices
+in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16) while activations, norms
+and the KV cache stay in the model's dtype.
 
 The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
 and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
 
-`quantize(model, "int8")` swaps every nn.Linear of the blocks (and the LM head with lm_head=True, or an int8 head
-under int4 blocks with lm_head="int8") for an `Int8Linear` / `Int4Linear`; the model's forward is untouched. No file
-I/O here: `llmstep.save` / `llmstep.load` write and read a quantised model in its packed form (core.checkpoint).
+`quantize(model, "int8")` swaps the blocks' nn.Linear (and the LM head: lm_head=True, or "int8" under int4 blocks)
+for `Int8Linear` / `Int4Linear`; the forward is untouched. No file I/O: `llmstep.save` / `llmstep.load` do that.
 
-The matmul either calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private torch
-ops, reached through llmstep.core.torch_compat) or dequantises and multiplies; under torch.compile the latter is
-fused into one kernel (gpt-fast's int8 path). int4 has a third way, `kernel="reduce"`: the codes read as [N, K/g,
-g/2] bytes, each byte's nibbles against the even and odd inputs, scale and zero broadcast per group, one sum; compiled,
-one reduction kernel reading half a byte a weight, the candidate to beat tinygemm at one row on a GPU. A compiled
-CPU step whose matmuls are tuned may run inductor's own int4 template on the same packed weights where it times
-faster (llmstep.kernels.cpu_gemm gives it an AVX2 kernel). `kernel="auto"` picks per mode and device (`_auto_kernel`;
-int4 on CUDA: what `prefer_int4_kernel` recorded for this GPU) and falls back where this device has no packed
-kernel; `llmstep bench --quantize none int8 int4` and scripts/gpu_probe.py measure what each costs.
+The matmul calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private torch ops,
+through llmstep.core.torch_compat) or dequantises and multiplies, which torch.compile fuses (gpt-fast's int8 path).
+int4's third way, `kernel="reduce"`: the codes as [N, K/g, g/2] bytes, each byte's nibbles against the even and odd
+inputs, scale and zero per group, one sum: compiled, one reduction kernel reading half a byte a weight (to beat
+tinygemm at one row on a GPU). A tuned compiled CPU step may run inductor's int4 template on the same packed weights
+(llmstep.kernels.cpu_gemm gives it an AVX2 kernel). `kernel="auto"` picks per mode and device (`_auto_kernel`; int4
+on CUDA: what `prefer_int4_kernel` recorded for this GPU); `llmstep bench --quantize none int8 int4` and
+scripts/gpu_probe.py measure what each costs.
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ KERNELS = ("auto", "packed", "dequant", "reduce")  # "reduce": int4 only
 PACKED_MAX_ROWS = 16
 
 
-# int4's kernel on each GPU model, as measured: scripts/gpu_probe.py times tinygemm ("packed") and "reduce" at one
-# row, applies `choose_int4_kernel` and records the winner with `prefer_int4_kernel`. A GPU not measured keeps
-# tinygemm, the kernel PyTorch ships for it; a CPU always keeps its packed kernel.
+# int4's kernel per GPU model, as measured: scripts/gpu_probe.py times tinygemm ("packed") and "reduce" at one row and
+# records `choose_int4_kernel`'s pick (`prefer_int4_kernel`); a GPU not measured keeps tinygemm, a CPU its packed one.
 _INT4_KERNEL_BY_GPU: dict[str, str] = {}
 REDUCE_MARGIN = 0.05  # "reduce" replaces tinygemm only when 5% faster: closer than that, timing noise decides
 
@@ -331,9 +328,8 @@ def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str]
     """Every reason this model cannot take these settings, each naming its layer, before anything changes
     (weights=False: its shapes only, for a model on the meta device; names: these layers only)."""
     if getattr(model, "rank_config", None) is not None:  # core.parallel's shard (or a layer-skip draft of one)
-        raise QuantizationError("this model is one rank's shard of a tensor-parallel model, whose layers add their "
-                                "partial sums across ranks and a quantised layer would not: quantise a whole "
-                                "model (tensor parallelism splits float checkpoints)")
+        raise QuantizationError("this model is one rank's shard of a tensor-parallel model, whose layers' all-reduce "
+                                "a quantised layer would drop: quantise a whole model")
     problems = []
     for name in linear_names(model, qc.lm_head) if names is None else names:
         m = model.get_submodule(name)
