@@ -15,7 +15,7 @@ from ..core.quant_formats import QuantConfig, QuantizationError
 from ..engines.decoding import check_seed
 
 __all__ = ["COUNT_LIMIT", "positive_int", "nonneg_int", "seed", "nonneg_float", "positive_float", "probability",
-           "fraction", "parse_ints", "parse_range", "int_at_most", "add_attention_arg", "quantization"]
+           "fraction", "parse_ints", "parse_range", "int_at_most", "add_attention_arg", "quantization", "check_window"]
 
 # The largest count a flag takes (tokens, repeats, requests, threads, ...): far beyond any context or machine
 # here, and small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
@@ -167,3 +167,16 @@ def check_draft(draft: str, target: str | None) -> None:
                          "self-draft starts from a float target")
     else:
         quantize.check_config(config, value, lm_head=True)  # as resolve_draft quantizes it
+
+
+def check_window(tokens: int, asked: str, model: str | None = None, preset: str | None = None, config=None) -> None:
+    """Refuse, from the model's config alone (`config`, else the preset's or the checkpoint's: no weight read or
+    built), a run of `tokens` positions (prompt and new tokens, or a context and its step's token) that the
+    model's context cannot hold; `asked`: the flags that ask."""
+    from ..core.checkpoint import read_config, resolve_model_path
+    from ..core.config import LlamaConfig
+
+    if config is None:
+        config = LlamaConfig.preset(preset) if preset else read_config(resolve_model_path(model))
+    if tokens > config.max_seq_len:
+        raise ValueError(f"{asked} need {tokens} positions; the model's context holds {config.max_seq_len}")

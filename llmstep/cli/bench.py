@@ -15,6 +15,7 @@ from ..lab.hardware import check_bandwidth_bytes
 from .args import (
     add_attention_arg,
     check_draft,
+    check_window,
     decode_tokens,
     int_at_most,
     nonneg_float,
@@ -181,14 +182,28 @@ def add_commands(sub) -> None:
     b.set_defaults(run=run_batch)
 
 
+def check_bench_flags(args) -> None:
+    """bench's flags that would do nothing as given: a row twice, int4's group size or a quantised head with no
+    quantised row, a compile mode with compiling turned off."""
+    if len(set(args.quantize)) < len(args.quantize):
+        raise ValueError(f"--quantize {' '.join(args.quantize)}: each mode once (a row twice is measured twice)")
+    if args.group_size is not None and "int4" not in args.quantize:
+        raise ValueError("--group-size sets int4's groups: add int4 to --quantize")
+    if args.quantize_lm_head and args.quantize == ["none"]:
+        raise ValueError("--quantize-lm-head quantises the head of the quantised rows: add int8 or int4 to --quantize")
+    if args.compile_mode is not None and args.compile is False:
+        raise ValueError("--compile-mode sets how the step compiles: it cannot go with --no-compile")
+
+
 def run_bench(args, argv) -> dict:
     from ..core import parallel
     from ..core.device import resolve_device, resolve_dtype
 
     if parallel.launched_by_torchrun():
         return _run_bench_tp(args, argv)
+    check_bench_flags(args)
 
-    if args.json:
+    if args.json is not None:  # "" too: refused as the folder it names, not skipped
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
     if not args.hf and (args.hf_compile or args.hf_dtype):  # before the model is built
         raise ValueError(f"--no-hf skips transformers, so {'--hf-compile' if args.hf_compile else '--hf-dtype'} "
@@ -200,6 +215,9 @@ def run_bench(args, argv) -> dict:
                               name="--bandwidth-bytes")
     if args.peers is not None:
         return run_peer_bench(args, argv)
+    check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
+                 f"{args.new_tokens}", config=decode_bench.choose_model(args.model, args.preset, args.random_weights,
+                                                                        parse_sets(args.set))[0])
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed)
@@ -237,7 +255,7 @@ def _run_bench_tp(args, argv) -> dict:
     if one_process:
         raise parallel.ParallelError(f"{one_process[0]} does not run tensor-parallel: drop it, or run the bench in "
                                      "one process, without torchrun")
-    if args.json:
+    if args.json is not None:  # "" too: refused as the folder it names, not skipped
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
     _set_threads(args.threads)
     with parallel.leaving():  # the process group left as the command ended
@@ -294,6 +312,8 @@ def run_speculative(args, argv) -> dict:
         raise ValueError("nothing to do: pass --bench")
     if args.compile and args.temperature != 0:
         raise ValueError("--compile measures greedy decoding: leave --temperature at 0")
+    if args.compile_mode is not None and not args.compile:
+        raise ValueError("--compile-mode sets how --compile compiles the loops: add --compile")
     if args.out is not None:
         check_output_path(args.out, "--out")  # before any work: a late failure would lose the run
     check_draft(args.draft, args.target)  # a bad or missing draft is refused before the target is loaded
@@ -326,7 +346,7 @@ def run_speculative(args, argv) -> dict:
 def run_batch(args, argv) -> dict:
     from ..core.checkpoint import load_model
 
-    if args.json:
+    if args.json is not None:  # "" too: refused as the folder it names, not skipped
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
     kv = {"kv": args.kv} | {k: v for k, v in (("block_size", args.block_size), ("kv_blocks", args.kv_blocks),
                                                 ("prefix_caching", args.prefix_caching or None),
@@ -336,6 +356,9 @@ def run_batch(args, argv) -> dict:
                          "add --kv paged")
     if args.kv == "paged" and args.compile:
         raise ValueError("--compile: the paged step runs eager (its shapes change every step)")
+    # a prompt may fill the context (its one new token ends it); the step timing needs its context and one token
+    check_window(max(args.prompt_len[1], args.context + 1), f"--prompt-len {args.prompt_len[1]} and --context "
+                 f"{args.context} (and the step's token)", args.model)
     _set_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     workload = {"n_requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

@@ -14,6 +14,7 @@ from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
 from .args import (
     add_attention_arg,
     check_draft,
+    check_window,
     decode_tokens,
     nonneg_float,
     nonneg_int,
@@ -133,6 +134,12 @@ def run_generate(args, argv) -> None:
         raise ValueError("the prompt is empty: give at least one character")
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat's system message: add --chat")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system or "")):
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:  # argv's bytes that are not UTF-8 arrive as lone surrogates
+            raise ValueError(f"{flag} is not UTF-8 text: the byte at character {e.start} ({text[e.start]!r}) is "
+                             "not; write it in UTF-8 (the terminal's encoding)") from None
     if args.draft is not None and parallel.launched_by_torchrun():
         raise parallel.ParallelError("speculative decoding (--draft) does not run tensor-parallel: "
                                      "run it in one process, without torchrun")
@@ -232,6 +239,9 @@ def _generate(args, load_one, stream) -> None:
                                  **sampling)
     else:
         run = stream(model, tokenizer, prompt, **sampling)
+    if args.attention not in ("auto", "flex"):  # a kernel this device lacks fails at its first call: make it now
+        with torch.inference_mode():
+            model(torch.zeros(1, 2, dtype=torch.long, device=model.device))
     if not args.chat:  # every argument was checked above: an error never lands after the echoed prompt
         print(args.prompt, end="", flush=True)
     try:
@@ -271,6 +281,7 @@ def run_trace(args, argv) -> None:
     from ..lab.hardware import measure_matmul, random_model
     from ..lab.trace import trace_step
 
+    check_window(args.context + 1, f"--context {args.context} and the step's token", args.model, args.preset)
     if args.preset:
         model = random_model(LlamaConfig.preset(args.preset), device=args.device, dtype=args.dtype)
     else:
@@ -295,12 +306,13 @@ def run_profile(args, argv) -> dict:
 
     if args.kernel_profile and not args.compile:
         raise ValueError("--kernel-profile names a compiled step's kernels: it cannot go with --no-compile")
+    if args.compile_mode is not None and not args.compile:
+        raise ValueError("--compile-mode sets how the step compiles: it cannot go with --no-compile")
+    check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
+                 f"{args.new_tokens}", args.model)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    if args.prompt_len + args.new_tokens > model.config.max_seq_len:
-        raise ValueError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} exceed the model's "
-                         f"{model.config.max_seq_len}-token context")
     if args.quantize != "none":
         quantize(model, args.quantize)
     with torch_compat.kernel_profile() if args.kernel_profile else contextlib.nullcontext():  # steps compile inside

@@ -33,6 +33,22 @@ def rates(text: str) -> list[float]:
     return out
 
 
+def server_url(text: str) -> str:
+    """An http(s) URL with a host; a trailing / and /v1 (what `llmstep serve` prints, the OpenAI clients' base)
+    dropped: the load generator asks for /health and /v1/... itself."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text.strip())
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"a server's URL is http://HOST:PORT, got {text!r}")
+    url = text.strip().rstrip("/")
+    return url.removesuffix("/v1").rstrip("/")
+
+
 def port(text: str) -> int:
     """A TCP port: 0 .. 65535 (0: any free one)."""
     try:
@@ -88,7 +104,9 @@ def add_commands(sub) -> None:
 
     b = sub.add_parser("bench-serve", help="load a running `llmstep serve` at Poisson rates: throughput, TTFT, ITL",
                        description=_loadgen_doc())
-    b.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    b.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
+                   help="the server, as `llmstep serve` prints it, with or without /v1 (default: "
+                        "http://127.0.0.1:8000)")
     b.add_argument("--rate", type=rates, default=[1.0, 2.0, 4.0], help="requests per second, e.g. 1,2,4 (inf: all "
                    "at once)")
     b.add_argument("--requests", type=positive_int, default=32, help="requests per rate")
@@ -152,7 +170,7 @@ def run_bench_serve(args, argv) -> dict:
         from ..serve import loadgen
     except ImportError as e:
         raise ValueError(f"llmstep bench-serve needs httpx ({e.name} is missing): pip install -e '.[serve]'") from None
-    if args.json:
+    if args.json is not None:  # "" too: refused as the folder it names, not skipped
         check_output_path(args.json, "--json")
     load_before = runinfo.load_average()
     try:
@@ -160,6 +178,8 @@ def run_bench_serve(args, argv) -> dict:
                                log=lambda m: print(m, flush=True), shared_prefix=args.shared_prefix)
     except httpx.ConnectError as e:  # nobody listening at --url
         raise ValueError(f"no server at {args.url}: {e} (start one with llmstep serve)") from None
+    except httpx.HTTPError as e:  # it answered, but not as llmstep serve does (loadgen.check_server: its word)
+        raise ValueError(f"the server at {args.url} failed: {type(e).__name__}: {e}") from None
     record = runinfo.header("cpu", None, argv, load_before) | result
     record["runs"] = [r | {"rate_per_second": r["rate_per_second"] if math.isfinite(r["rate_per_second"])
                            else "inf"} for r in record["runs"]]

@@ -85,6 +85,9 @@ def run_train(args, argv) -> None:
         raise FileNotFoundError(f"--corpus {args.corpus}: no such directory (train/val/test.txt.gz)")
     if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
         raise ValueError(f"--export {args.export} is a file: give a directory for the exported model")
+    check_output_path(out / train.CHECKPOINT, "--out")  # before the run, not after it: a folder that can be written
+    if args.export:
+        check_output_path(Path(args.export) / "config.json", "--export")
     cfg = train.train_config(args.preset, **{f.name: getattr(args, f.name) for f in fields(train.TrainConfig)
                                              if f.name != "preset"})
     shape = {k: getattr(args, k) for k in train.SHAPE_FIELDS}
@@ -105,11 +108,12 @@ TRAIN_FLAGS = {"resume:": "--resume:", "init_from ": "--init-from ", "teacher ":
 def run_eval(args, argv) -> None:
     from ..core.checkpoint import resolve_model_path
 
-    if args.json:
+    if args.json is not None:  # "" too: refused as the folder it names, not skipped
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the scores
     if not Path(args.corpus).is_dir():
         raise ValueError(f"--corpus {args.corpus} is not a directory: give the corpus (train/val/test.txt.gz)")
     models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
+    evaluate.check_models(models, args.seq_len, args.golden_prompt, cards=args.update_cards)  # before any scoring
     scores, settings = evaluate.evaluate_models(
         models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
         baseline=not args.no_baseline, write_eval_json=args.write_eval_json, golden_prompt=args.golden_prompt,

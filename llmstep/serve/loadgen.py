@@ -25,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["RequestTiming", "percentiles", "system_prompt", "run_load", "summarise", "bench"]
+__all__ = ["check_server", "RequestTiming", "percentiles", "system_prompt", "run_load", "summarise", "bench"]
 
 
 @dataclass
@@ -136,13 +136,34 @@ def summarise(timings: list[RequestTiming], seconds: float, rate: float) -> dict
             "failures": sorted({t.error or f"HTTP {t.status}" for t in timings if not t.ok and t.status != 429})[:5]}
 
 
+def check_server(url: str, longest: int) -> dict:
+    """The /health of the llmstep server at url (ValueError if what answers is not one) whose requests hold
+    `longest` tokens, prompt and new (ValueError if they do not: each request would fail)."""
+    import httpx
+
+    r = httpx.get(f"{url.rstrip('/')}/health", timeout=30)
+    try:
+        health = r.json()
+        models = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=30).json()["data"]
+        context = models[0]["max_model_len"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        health = None
+    if r.status_code != 200 or not isinstance(health, dict) or "vocab_size" not in health:
+        raise ValueError(f"{url} is not an llmstep server: GET /health gave HTTP {r.status_code} "
+                         f"{r.text[:80]!r} (start one with llmstep serve)")
+    if longest > context:
+        raise ValueError(f"the longest request asked for, {longest} tokens (prompt, shared prefix and new tokens), "
+                         f"is more than the server at {url} holds ({context}): every such request would fail")
+    return health
+
+
 def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
           seed: int = 0, log=print, shared_prefix: int = 0) -> dict:
     """One run per rate against the server at url; returns {"server": its /health before, "runs": [summary, ...],
     "server_after": its /health after (the counters: prefix cache hits, refusals, tokens)}."""
     import httpx
 
-    server = httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()
+    server = check_server(url, prompt_len[1] + shared_prefix + new_tokens[1])
     runs = []
     for rate in rates:
         timings, seconds = asyncio.run(run_load(url, rate, requests, prompt_len, new_tokens, seed,

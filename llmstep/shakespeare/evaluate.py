@@ -275,6 +275,24 @@ def golden(model_dir, prompt: str, max_new_tokens: int) -> dict:
             "tokens": [int(t) for t in out.tokens], "text": out.text}
 
 
+def check_models(models: list[Path], seq_len: int | None = None, golden_prompt: str | None = None,
+                 cards: bool = False) -> None:
+    """What evaluate_models (and, with `cards`, update_card) would refuse, before any scoring or writing: a model
+    that is not a checkpoint directory (a GGUF file, a registry name), windows longer than a model's context, an
+    empty golden prompt, a model with no card to update."""
+    if golden_prompt == "":
+        raise ValueError("the golden prompt is empty: give the text whose greedy continuation to record")
+    for model_dir in models:
+        if not Path(model_dir).is_dir():
+            raise ValueError(f"{model_dir}: llmstep eval scores a checkpoint directory (config.json, "
+                             "model.safetensors, tokenizer.json), not a file")
+        context = LlamaConfig.from_hf(model_dir).max_seq_len
+        if seq_len is not None and seq_len > context:
+            raise ValueError(f"seq_len {seq_len} is longer than {model_dir}'s context ({context} tokens)")
+        if cards and not (Path(model_dir) / "README.md").is_file():
+            raise ValueError(f"{Path(model_dir) / 'README.md'}: no model card to update")
+
+
 def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.CORPUS_DIR,
                     max_tokens: int | None = None, seq_len: int | None = None, batch_size: int = 8,
                     baseline: bool = True, write_eval_json: bool = False, golden_prompt: str | None = None,
@@ -286,6 +304,7 @@ def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.C
     settings = {"max_tokens": max_tokens, "corpus": Path(corpus).name, "dtype": "float32"}
     window = seq_len
     models = [resolve_model_path(m) for m in models]  # a missing model is refused before any scoring
+    check_models(models, seq_len, golden_prompt)
     for model_dir in models:
         own = [evaluate_model(model_dir, split, max_tokens, seq_len, corpus, "cpu", batch_size) for split in splits]
         scores += own

@@ -277,9 +277,7 @@ def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: 
 
 def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_after: int | None = None,
           export_dir: Path | None = None, command: str = "", quiet: bool = False) -> Llama:
-    out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / CHECKPOINT
-    log = make_logger(out)
     device = pick_device(cfg.device)
     tokenizer = LlamaTokenizer.from_file(cfg.tokenizer).tok  # a bad file is named (core.tokens checks it)
     train_ids = torch.tensor(data.encode_split(tokenizer, data.read_split("train", cfg.corpus)))  # [N]
@@ -293,6 +291,8 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         raise ValueError(f"seq_len {cfg.seq_len} is longer than the model's context {config.max_seq_len}")
     check_fits(training_bytes(config, cfg.batch_size, cfg.seq_len), device,
                f"training {cfg.preset} with batches of {cfg.batch_size} x {cfg.seq_len} tokens")
+    out.mkdir(parents=True, exist_ok=True)  # the run's folder once every setting is known to work
+    log = make_logger(out)
     torch.manual_seed(cfg.seed)
     model = Llama(config)
     init_weights(model, cfg.seed)

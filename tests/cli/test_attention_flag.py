@@ -32,6 +32,7 @@ def test_a_kernel_the_cpu_lacks_is_bad_input_named_by_its_flag(capsys):
                   "--attention", "efficient"])
     assert failed.value.code == 2
     assert str(failed.value).startswith("llmstep generate: error: --attention efficient: PyTorch has no efficient")
+    assert "ROMEO:" not in capsys.readouterr().out  # refused before the prompt is echoed
     with pytest.raises(cli.CommandFailed, match="invalid choice: 'fast'"):
         cli.main(["batch", "--attention", "fast"])
 

@@ -43,7 +43,7 @@ def test_bench_without_transformers_or_bandwidth_and_bad_settings_exit_with_a_me
     assert json.loads(out.read_text())["rows"][0]["name"] == "llmstep eager float"
     assert record["versions"]["llmstep"] == llmstep.__version__ and record["machine"]["dtype"] == "float32"
     assert len(record["load_average_1min_before_after"]) == 2
-    with pytest.raises(SystemExit, match="exceeds the model's context"):
+    with pytest.raises(SystemExit, match="need 108 positions; the model.s context holds 64"):
         main(TINY + ["--no-hf", "--new-tokens", "100"])
     with pytest.raises(SystemExit, match="group_size 48 does not divide"):
         main(TINY + ["--no-hf", "--quantize", "int4", "--group-size", "48"])

@@ -64,3 +64,40 @@ def test_an_address_bind_cannot_take_is_named_in_its_error():
 
     with pytest.raises(OSError, match="cannot listen on 256.1.1.1 port 0"):
         bind("256.1.1.1", 0)
+
+
+@pytest.mark.parametrize("url, words", [("ftp://x", "http://HOST:PORT"), ("", "http://HOST:PORT"),
+                                        ("http://[::1", "is not a URL"), ("127.0.0.1:8000", "http://HOST:PORT"),
+                                        ("http://h:port", "is not a URL")])
+def test_bench_serve_refuses_a_url_that_is_not_a_servers_by_its_flag(url, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench-serve", "--url", url])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --url" in err and words in err, err
+
+
+def test_bench_serve_takes_the_url_serve_prints_and_refuses_what_is_not_a_server_or_too_long(shipped, tmp_path):
+    import http.server
+    import threading
+
+    from llmstep.cli import CommandFailed
+
+    model, tokenizer = shipped
+    with running_server(model, tokenizer, n_slots=2, block_size=16) as (url, engine):
+        record = main(["bench-serve", "--url", f"{url}/v1/", "--rate", "1000", "--requests", "1", "--prompt-len",
+                       "2:2", "--new-tokens", "2:2"])  # serve prints .../v1: the base of OpenAI's clients
+        assert record["runs"][0]["completed"] == 1
+        requests = engine.stats["requests"]
+        with pytest.raises(CommandFailed, match="every such request would fail") as failed:
+            main(["bench-serve", "--url", url, "--requests", "1", "--prompt-len", f"{engine.context}:{engine.context}",
+                  "--new-tokens", "1:1"])
+        assert failed.value.code == 2 and engine.stats["requests"] == requests  # refused before any request
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(CommandFailed, match="is not an llmstep server: GET /health gave HTTP 404") as failed:
+            main(["bench-serve", "--url", f"http://127.0.0.1:{other.server_address[1]}", "--requests", "1"])
+        assert failed.value.code == 2
+    finally:
+        other.shutdown()
+        other.server_close()

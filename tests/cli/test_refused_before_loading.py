@@ -1,0 +1,107 @@
+"""Flags the model's context cannot hold, and text that is not UTF-8, are refused from the config alone: no weight
+is read or built (a Llama 3.1 8B preset's random model would take tens of GB before a one-line refusal)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmstep import cli
+from llmstep.core import checkpoint
+from llmstep.lab import bench as decode_bench
+from llmstep.lab import hardware
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    for owner, name in ((checkpoint, "load_model"), (checkpoint, "load"), (hardware, "random_model"),
+                        (decode_bench, "bench_model")):
+        monkeypatch.setattr(owner, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} ran"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["trace", "--preset", "llama-3.1-8b", "--context", "200000"],
+     "--context 200000 and the step's token need 200001 positions; the model's context holds 131072"),
+    (["trace", "--context", "512"], "need 513 positions; the model's context holds 512"),
+    (["profile", "--prompt-len", "500", "--new-tokens", "100"],
+     "--prompt-len 500 and --new-tokens 100 need 600 positions; the model's context holds 512"),
+    (["bench", "--prompt-len", "500", "--new-tokens", "100", "--no-hf"], "need 600 positions"),
+    (["bench", "--preset", "llama-3.2-1b", "--set", "max_seq_len=64", "--prompt-len", "60", "--new-tokens", "8"],
+     "need 68 positions; the model's context holds 64"),
+    (["batch", "--prompt-len", "600:600"], "--prompt-len 600 and --context 64 (and the step's token) need 600"),
+    (["batch", "--context", "512"], "need 513 positions"),
+    (["generate", "--prompt", "ab\udcffcd"], "--prompt is not UTF-8 text: the byte at character 2"),
+    (["generate", "--prompt", "x", "--chat", "--system", "\udcc3"], "--system is not UTF-8 text"),
+])
+def test_refused_by_its_flags_before_any_weight(nothing_loads, argv, words):
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(argv)
+    assert failed.value.code == 2 and words in str(failed.value), str(failed.value)
+
+
+def test_a_prompt_that_fills_the_context_is_taken_by_batch(nothing_loads):
+    """A batch prompt may fill the context (its one new token ends it): not refused on its length."""
+    with pytest.raises(pytest.fail.Exception, match="load_model ran"):
+        cli.main(["batch", "--prompt-len", "500:512", "--new-tokens", "8:8"])
+
+
+@pytest.fixture
+def card_less_draft(tmp_path):
+    import shutil
+
+    from llmstep.core.registry import resolve_model_path
+
+    folder = tmp_path / "draft"
+    shutil.copytree(resolve_model_path("draft"), folder)
+    (folder / "README.md").unlink()
+    return folder
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--update-cards"], "README.md: no model card to update"),
+    (["--golden-prompt", ""], "the golden prompt is empty"),
+    (["--seq-len", "600"], "seq_len 600 is longer than"),
+])
+def test_eval_refuses_before_scoring_or_writing(card_less_draft, monkeypatch, flags, words):
+    from llmstep.shakespeare import evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda *a, **k: pytest.fail("a model was scored"))
+    before = sorted((p.name, p.read_bytes()) for p in card_less_draft.iterdir())
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(["eval", str(card_less_draft), "--no-baseline", "--write-eval-json", *flags])
+    assert words in str(failed.value)
+    assert sorted((p.name, p.read_bytes()) for p in card_less_draft.iterdir()) == before  # eval.json as it was
+
+
+def test_eval_names_a_file_that_is_not_a_checkpoint_directory(tmp_path):
+    gguf = tmp_path / "a.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(cli.CommandFailed, match="scores a checkpoint directory"):
+        cli.main(["eval", str(gguf), "--no-baseline"])
+
+
+@pytest.mark.parametrize("flags, words", [(["--export", "/proc/llmstep-export"], "--export path"),
+                                          (["--n-heads", "5"], "")])
+def test_train_refuses_before_training_and_leaves_no_run_folder(tmp_path, monkeypatch, flags, words):
+    from llmstep.shakespeare import train
+
+    monkeypatch.setattr(train, "init_weights", lambda *a, **k: pytest.fail("the model was built"))
+    out = tmp_path / "run"
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(["train", "--preset", "tiny", "--steps", "2", "--out", str(out), "--quiet", *flags])
+    assert words in str(failed.value) and not out.exists(), str(failed.value)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "--quantize", "none", "none"], "each mode once"),
+    (["bench", "--group-size", "32"], "--group-size sets int4's groups"),
+    (["bench", "--quantize", "none", "int8", "--group-size", "32"], "--group-size sets int4's groups"),
+    (["bench", "--quantize-lm-head"], "--quantize-lm-head quantises the head of the quantised rows"),
+    (["bench", "--no-compile", "--compile-mode", "max-autotune"], "cannot go with --no-compile"),
+    (["profile", "--no-compile", "--compile-mode", "max-autotune"], "cannot go with --no-compile"),
+    (["speculative", "--bench", "--compile-mode", "max-autotune"], "add --compile"),
+    (["bench", "--json", ""], "--json"),
+])
+def test_a_flag_that_would_do_nothing_is_refused(nothing_loads, argv, words):
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(argv)
+    assert failed.value.code == 2 and words in str(failed.value), str(failed.value)
