@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in GROUPS:
         group.add_commands(sub)
+    parser.commands = sub.choices  # name -> its parser: a flag it does not take is named in its own words
     return parser
 
 
@@ -107,7 +108,10 @@ def main(argv: list[str] | None = None):
 
 def _main(argv: list[str] | None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own parser says it: `llmstep bench: error: ... (see llmstep bench --help)`
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _check_tensor_parallel(args.command)
         with _sigterm_raises(), _attention(getattr(args, "attention", "auto")):

@@ -31,6 +31,14 @@ def test_an_unknown_command_is_a_usage_error(capsys):
     assert e.value.code == 2 and "invalid choice: 'nonsense'" in capsys.readouterr().err
 
 
+def test_a_flag_a_command_does_not_take_is_named_by_that_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--bogus", "1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip() == ("llmstep bench: error: unrecognized arguments: --bogus 1 "
+                                               "(see llmstep bench --help)")
+
+
 @pytest.mark.parametrize("error", [ValueError("top_p must be in (0, 1]"), FileNotFoundError("no model directory x"),
                                    NotADirectoryError("x is a file"), KeyError("unknown preset 'x'")])
 def test_a_library_error_becomes_one_line_and_exit_status_2(monkeypatch, capsys, error):
