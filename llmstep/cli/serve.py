@@ -137,13 +137,17 @@ def _serve_module():
 def run_serve(args, argv) -> dict:
     import torch
 
-    from ..core.checkpoint import load
+    from ..core.checkpoint import load, read_config
     from ..core.registry import resolve_model_path
 
     app = _serve_module()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     name = args.model or resolve_model_path(None).name
+    context = read_config(resolve_model_path(args.model)).max_seq_len  # before the weights load
+    if args.block_size > context:
+        raise ValueError(f"--block-size {args.block_size} is more than the model's context ({context} tokens): a "
+                         "block holds one request's positions")
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
 
     def ready(host: str, port: int, health: dict) -> None:

@@ -100,6 +100,7 @@ def test_train_refuses_before_training_and_leaves_no_run_folder(tmp_path, monkey
     (["profile", "--no-compile", "--compile-mode", "max-autotune"], "cannot go with --no-compile"),
     (["speculative", "--bench", "--compile-mode", "max-autotune"], "add --compile"),
     (["bench", "--json", ""], "--json"),
+    (["serve", "--block-size", "100000000"], "--block-size 100000000 is more than the model's context (512"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(nothing_loads, argv, words):
     with pytest.raises(cli.CommandFailed) as failed:
