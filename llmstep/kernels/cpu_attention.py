@@ -22,8 +22,8 @@ the same bits as the masked form given that mask. Written once
 over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
 own library; head_dim a multiple of 16. The same function as SDPA
 to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
-that sees none gives NaN; a NaN score is not propagated): tests/kernels/test_cpu_attention.py holds it to a
-float64 computation, float32 and bf16, and shows the masked values unread.
+that sees none gives NaN, and a NaN score makes its row NaN, as SDPA's do): tests/kernels/test_cpu_attention.py
+holds it to a float64 computation, float32 and bf16, and shows the masked values unread.
 
 Before rows were taken together (sessions 26-30), one call on SmolLM2's decode shapes (9 query heads over 3 KV
 heads, 200 of 256 slots visible, bf16) took 15.5 us on one Zen 4 thread where SDPA's took 45 us; the AVX2 build
@@ -66,6 +66,9 @@ __all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_pr
 ISAS = {"avx512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"], "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
 # torch.backends.cpu.get_cpu_capability() -> the ISAs of ISAS it runs, its own first (an AVX-512 CPU runs AVX2's)
 _RUNS = {"AVX512": ("avx512", "avx2"), "AVX2": ("avx2",)}
+# and the CPU flags each needs: ATEN_CPU_CAPABILITY can name a capability the CPU lacks (the build would then die of
+# an illegal instruction as it loads), so where the CPU lists its flags they must be there too
+_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
 _STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
 _state: dict[str, object] = {}  # "op", "isa": the installed op and its ISA, or "why": what stopped it (once a process)
 _installing = threading.Lock()
@@ -80,8 +83,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def runs_here() -> tuple[str, ...]:
-    """The ISAs of ISAS this CPU runs, by torch's reading of it (ATEN_CPU_CAPABILITY lowers it), its own first."""
-    return _RUNS.get(torch.backends.cpu.get_cpu_capability(), ())
+    """The ISAs of ISAS this CPU runs, by torch's reading of it (ATEN_CPU_CAPABILITY lowers it) and, on Linux, by
+    the flags /proc/cpuinfo lists, its own first."""
+    flags = _cpu_flags()
+    return tuple(isa for isa in _RUNS.get(torch.backends.cpu.get_cpu_capability(), ())
+                 if flags is None or _FLAGS[isa] <= flags)
+
+
+def _cpu_flags() -> set[str] | None:
+    """The flags /proc/cpuinfo lists for the first CPU; None where there is no such list (torch's reading alone)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if line is None else set(line.split(":", 1)[1].split())
 
 
 def isa_here() -> str | None:

@@ -48,6 +48,7 @@ inline vec zero_below(vec p, vec x, float floor) {  // p where x >= floor, else 
 }
 inline float sum(vec x) { return _mm512_reduce_add_ps(x); }
 inline float top(vec x) { return _mm512_reduce_max_ps(x); }
+inline int nan_lanes(vec x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }  // a bit per NaN lane
 #else
 constexpr int W = 8;
 using vec = __m256;
@@ -83,6 +84,7 @@ inline float top(vec x) {
   const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
+inline int nan_lanes(vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 #endif
 
 // e^x for W values x <= 0 (below -87: 0) to within ~3 float32 ulps: x = n ln2 + r with |r| <= ln2/2, e^r by its
@@ -149,7 +151,12 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
     const float hidden = -std::numeric_limits<float>::infinity();
     for (int64_t j = n; j < padded; ++j) sc[j] = hidden;  // past the visible ones: weight 0
     vec highest = splat(hidden);
-    for (int64_t j = 0; j < padded; j += W) highest = max(highest, load(sc + j));
+    int nans = 0;  // max() passes a NaN on or drops it by its place: a NaN score is looked for apart
+    for (int64_t j = 0; j < padded; j += W) {
+      const vec s = load(sc + j);
+      highest = max(highest, s);
+      nans |= nan_lanes(s);
+    }
     const vec shift = splat(top(highest));
     vec total = zero();
     for (int64_t j = 0; j < padded; j += W) {
@@ -157,7 +164,8 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
       store(sc + j, p);
       total = add(total, p);
     }
-    inverse[g] = splat(1.0f / sum(total));  // none visible: inf, as NaN
+    // none visible: inf, as NaN; a NaN score: the row NaN, as SDPA's softmax makes it
+    inverse[g] = nans ? splat(std::numeric_limits<float>::quiet_NaN()) : splat(1.0f / sum(total));
   }
   for (int64_t d = 0; d < D; d += W) {  // the weighted sums of the visible values, W columns at a time
     vec even[G], odd[G];

@@ -5,7 +5,9 @@ block of columns, in torch's CPU int4 layout: [N / B, K, B / 2] bytes, byte j of
 64 with AVX-512; weight (k, n) = (q - 8) * s + z, (s, z) its group's bf16 scale and zero.
 
 Both take a group's sum as s * sum(a * q) + (z - 8 * s) * sum(a), the scale and zero applied once per group and
-column rather than per weight. scripts/int4_kernel_bench.py times either alone, out of inductor.
+column rather than per weight (so an infinite activation gives NaN, inf * 0 or inf - inf, where dequantise + matmul
+gives an infinity: a step with one is lost either way). scripts/int4_kernel_bench.py times either alone, out of
+inductor.
 """
 
 # What inductor's int4 template entry calls for each block of columns (CppMicroGemmWoQInt4Avx512's entry): both

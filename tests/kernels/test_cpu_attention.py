@@ -256,6 +256,7 @@ def test_install_builds_the_isa_the_cpu_runs(monkeypatch, capability, isa):
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
     monkeypatch.setattr(attention_backend, "_cpu_step_op", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: None)  # torch's word alone, whatever CPU runs this
     built = []
     monkeypatch.setattr(cpu_attention, "build", lambda isa: built.append(isa) or "op")
     assert cpu_attention.install() and cpu_attention.installed() and built == [isa]
@@ -269,10 +270,40 @@ def test_an_isa_the_cpu_does_not_run_is_refused_before_anything_is_built(monkeyp
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built a kernel this CPU cannot run"))
     with pytest.raises(RuntimeError, match="this CPU does not run the avx512 kernel .* as AVX2"):
         cpu_attention.build("avx512")
     assert cpu_attention.runs_here() == ("avx2",) and cpu_attention.isa_here() == "avx2"
+
+
+def test_a_capability_raised_above_the_cpus_flags_builds_nothing_it_cannot_run(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512: torch reports AVX512; the kernel goes by the CPU's flags
+    (loading an AVX-512 build there dies of an illegal instruction)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: {"sse2", "avx2", "fma"})
+    assert cpu_attention.runs_here() == ("avx2",) and cpu_attention.isa_here() == "avx2"
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: {"avx512f", "avx2", "fma"})
+    assert cpu_attention.runs_here() == ("avx512", "avx2")
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: None)  # no flags to read: torch's word
+    assert cpu_attention.runs_here() == ("avx512", "avx2")
+
+
+@pytest.mark.parametrize("S", [5, 8, 20, 64, 100])
+def test_a_nan_score_makes_its_row_nan_as_sdpa_does_wherever_it_lies(each_kernel, S):
+    """max() passes a NaN on or drops it by its lane and chunk: without a look apart, a NaN key at some slots was
+    left out silently (a finite row where SDPA gives NaN)."""
+    kernel = each_kernel
+    g = torch.Generator().manual_seed(S)
+    q, k, v = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, S, 16, generator=g), torch.randn(1, 2, S, 16,
+                                                                                                     generator=g)
+    visible = torch.ones(1, 1, 1, S, dtype=torch.bool)
+    for slot in range(S):
+        bad = k.clone()
+        bad[0, 0, slot, 3] = float("nan")  # head 0 only: head 1's row stays finite
+        out = kernel(q, bad, v, visible)
+        assert out[0, 0].isnan().all(), slot
+        torch.testing.assert_close(out[0, 1], kernel(q, k, v, visible)[0, 1], atol=0, rtol=0)
 
 
 def test_attending_before_install_says_so(monkeypatch):
