@@ -11,12 +11,11 @@ reports prefill and decode tokens per second, the bytes one decode step reads (t
 quantised or not, plus the KV cache, from llmstep.core.cost), the bandwidth that achieves, and its share of
 this device's bandwidth measured in the same run (llmstep.lab.hardware.measure_bandwidth: the faster of a
 DRAM-sized copy and a read of a buffer the size of the weights, which a CPU's cache may hold). transformers'
-LlamaForCausalLM.generate() runs on the same float weights (shared, in the model's dtype unless --hf-dtype
-asks for another), same prompt, same token count: eager, and with a static cache and its decode step compiled
-(--hf-compile, on by default on CUDA), the fair peer of llmstep's compiled loop. Every
-variant runs once per repeat, interleaved, and the best repeat counts (what the machine can do, least
-disturbed by everything else on it). `run_bench` returns the record (settings, machine, versions included);
-`format_table` renders it; the command (llmstep.cli.bench) prints it and writes it as JSON.
+LlamaForCausalLM.generate() runs on the same float weights (shared, in the model's dtype unless --hf-dtype asks for
+another), same prompt, same token count: eager, and with a static cache and its decode step compiled (--hf-compile,
+on by default on CUDA), the fair peer of llmstep's compiled loop. Every variant runs once per repeat, interleaved,
+and the best repeat counts (what the machine can do, least disturbed by everything else on it). `run_bench` returns
+the record (settings, machine, versions included); `format_table` renders it; llmstep.cli.bench prints and saves it.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from ..core.cost import (
 )
 from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama
-from ..core.quantize import QuantConfig, quantize
+from ..core.quantize import QuantConfig, check_config, quantize
 from ..engines.decoding import check_int
 from ..engines.fast import FastDecoder
 from . import runinfo
@@ -193,12 +192,7 @@ def _static_cache(kw: dict):  # the cache among generate()'s arguments `kw`, or 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens a and b share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def mean_step_cost(model: Llama, prompt_len: int, new_tokens: int) -> StepCost:
@@ -231,12 +225,17 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         raise ValueError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the model's context "
                          f"({config.max_seq_len})")
     check_peer_settings(hf, hf_compile, hf_dtype)
+    base_q = getattr(model, "quantization", None)
+    if base_q is not None and set(variants) - {"none"}:
+        raise ValueError(f"the model is already quantised ({base_q}); it cannot also be run as {variants}")
+    qcs = {v: QuantConfig(v, group_size if v == "int4" else None, lm_head) for v in variants if v != "none"}
+    for qc in qcs.values():  # a mode or group size the model's layers cannot take: refused before any measuring
+        check_config(config, qc)
     compiled = device.type == "cuda" if compile is None else compile
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len), generator=g)
     ids = prompt[0].tolist()
     max_len = prompt_len + new_tokens
-    base_q = getattr(model, "quantization", None)
 
     record: dict = {"settings": {"prompt_len": prompt_len, "new_tokens": new_tokens, "batch": 1, "greedy": True,
                                  "repeats": repeats, "compile": compiled, "compile_mode": compile_mode,
@@ -265,10 +264,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         if v == "none":
             m, label = model, str(base_q) if base_q else "float"
         else:
-            if base_q is not None:
-                raise ValueError(f"the model is already quantised ({base_q}); it cannot also be run as {v}")
-            qc = QuantConfig(v, group_size if v == "int4" else None, lm_head)
-            m, label = quantize(model, qc, inplace=False), str(qc)
+            m, label = quantize(model, qcs[v], inplace=False), str(qcs[v])
         cost = mean_step_cost(m, prompt_len, new_tokens)
         wbytes, kvbytes = float(cost.weight_bytes), float(cost.kv_bytes)
         for c in ([False] if eager and compiled else []) + [compiled]:

@@ -39,7 +39,7 @@ import torch
 
 from ..core.checkpoint import save
 from ..core.gguf import GGUFError, export_gguf
-from ..core.gguf_load import KEEPS, GGUFLoadError, is_gguf, load_gguf, read_gguf
+from ..core.gguf_load import GGUFLoadError, is_gguf, load_gguf, read_gguf
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, linear_names, quantize, quantize_lm_head
 from ..core.tokens import Tokenizer
@@ -123,7 +123,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
         plan.file_type, plan.head_type = file_types(checkpoint)
     float_name = str(model.dtype).removeprefix("torch.")
     file_float = plan.file_type is not None and _PRECISION_OF.get(plan.file_type) == float_name
-    again = plan.file_type in KEEPS or plan.file_type == "Q8_0"  # the file is quantized: requantizing is lossy
+    # the file is quantized (Q4_K, Q6_K, a mix as Q4_K_M's: any but float matmuls): requantizing it is lossy
+    again = plan.gguf_file is not None and plan.file_type not in ("F32", "F16", "BF16")
     origin = (f"{plan.gguf_file.name} dequantized to {float_name}" if plan.gguf_file is not None
               else f"the {float_name} weights")
     exports: dict[str, Path] = {}
@@ -149,7 +150,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
             m = quantize(model, qc, inplace=False)
             ours = str(m.quantization)
             plan.variants.append(Variant(precision, m, ours, f"llmstep {ours} of {origin}"
-                                         + (f" (requantized from the file's {plan.file_type})" if again else ""),
+                                         + (f" (requantized from the file's {plan.file_type or 'mixed types'})"
+                                            if again else ""),
                                          requantized=again))
         own = len(plan.variants) - 1  # the variant made from the float weights: peers' own inputs compare with it
         if kept is not None:
@@ -229,4 +231,5 @@ def _llama_cpp_input(base: PeerSpec, precision: str, v: Variant, model: Llama, f
     float_file = plan.gguf_file if file_float else export(float_kind, model, f"model-{float_kind}")
     return _with(base, gguf=float_file, quantize_to=kind, weights=f"GGUF {kind} (llama.cpp's quantiser)",
                  source=f"llama.cpp's quantiser on {'the file' if file_float else 'export_gguf of ' + origin}"
-                 + (f" (requantized from the file's {plan.file_type})" if again else ""), requantized=again)
+                 + (f" (requantized from the file's {plan.file_type or 'mixed types'})" if again else ""),
+                 requantized=again)

@@ -26,6 +26,8 @@ import traceback
 __all__ = ["PeerFailed", "PeerProcess", "describe_exit"]
 
 _STOP_SECONDS = 10  # how long a child may take to exit after "stop" before it is killed
+# how long a child may take to answer (start, compile, one run) before it is stopped as hung: far beyond any run
+ANSWER_SECONDS = 3600
 
 
 class PeerFailed(RuntimeError):
@@ -88,6 +90,10 @@ class PeerProcess:
 
     def _answer(self, doing: str):
         try:
+            if not self.conn.poll(ANSWER_SECONDS):  # hung (a deadlock, a wait on input): not forever
+                self.process.kill()
+                self.process.join(_STOP_SECONDS)
+                raise PeerFailed(f"gave no answer in {ANSWER_SECONDS:,} s while {doing}: stopped")
             reply = self.conn.recv()
         except (EOFError, ConnectionError):
             self.process.join(_STOP_SECONDS)

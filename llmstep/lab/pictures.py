@@ -87,9 +87,10 @@ def step_stages(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str 
 
 
 def si(n: float, unit: str) -> str:
-    """n with an SI prefix and 3 significant digits: si(1.5e9, "B") -> "1.5 GB"."""
-    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(n) >= scale:
+    """n with an SI prefix and 3 significant digits: si(1.5e9, "B") -> "1.5 GB"; the prefix is chosen after rounding,
+    so 999,500 is "1 MB", not "1e+03 kB"."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(float(f"{n / scale:.3g}")) >= 1:
             return f"{n / scale:,.3g} {prefix}{unit}"
     return f"{n:,.3g} {unit}"
 
@@ -178,7 +179,8 @@ def plot_cache_growth(config: LlamaConfig, prompt_len: int, max_new_tokens: int,
                          f"{config.max_seq_len}")
     per_token = batch * kv_bytes_per_token(config, dtype)
     slots = cache_len(prompt_len, max_new_tokens, config.max_seq_len)
-    steps = list(range(0, min(max_new_tokens, slots - prompt_len) + 1))  # 0: after the prefill
+    # 0: after the prefill; each decode step writes the token before it: the last new token is never written
+    steps = list(range(0, min(max_new_tokens - 1, slots - prompt_len) + 1))
     filled = [(prompt_len + s) * per_token for s in steps]  # the new token's own K, V are written in its step
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.step(steps, [f / 1e6 for f in filled], where="post", label="written (prompt, then one token per step)")
@@ -189,7 +191,7 @@ def plot_cache_growth(config: LlamaConfig, prompt_len: int, max_new_tokens: int,
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.set_title(f"KV cache of {name or si(n_params(config), 'params')}, batch {batch}: {si(per_token, 'B')} per "
-                 f"token, {prompt_len:,} prompt + {steps[-1]:,} new", fontsize=10)
+                 f"token, {prompt_len:,} prompt + {steps[-1] + 1:,} new", fontsize=10)
     fig.tight_layout()
     return fig
 

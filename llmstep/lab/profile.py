@@ -204,7 +204,7 @@ def plot_timeline(profiles: dict[str, StepProfile], ax=None, min_us: float = 0.0
 KINDS = (  # (kind, substrings of a profiler op name, lower case): the first match wins. Attention first: an
     #        inductor kernel that fuses a softmax or a batched matmul (bmm) into its name is attention's
     ("attention", ("attention", "sdpa", "flash", "softmax", "bmm")),
-    ("matmul", ("linear", "mkldnn", "mm", "gemm", "int8pack", "int4pack", "addmm")),
+    ("matmul", ("linear", "mkldnn", "mm", "matmul", "gemm", "int8pack", "int4pack", "addmm")),
     ("norm/rope/elementwise", ("cpp_fused", "triton", "copy", "add", "mul", "rsqrt", "mean", "pow", "cat", "index",
                                "silu")),
 )

@@ -40,3 +40,16 @@ class _RaisesInRuns:
 
 def raises_in_runs(spec):
     return _RaisesInRuns()
+
+
+class _Hangs:
+    info = {"name": "fake peer (hangs)"}
+
+    def run(self, ids, n, doing=""):
+        import time
+
+        time.sleep(3600)  # a deadlock, as far as the parent can tell
+
+
+def hangs_in_runs(spec):
+    return _Hangs()

@@ -33,6 +33,19 @@ def test_run_bench_refuses_zero_repeats_before_any_work(small):
         decode_bench.run_bench(small, ["none"], 4, 4, compile=False, repeats=0, hf=False, bandwidth=False)
 
 
+@pytest.mark.parametrize("variants, kw, words", [
+    (["int4"], {"group_size": 7}, "int4 group_size must be an even integer"),
+    (["int4"], {"group_size": 48}, "group_size 48 does not divide"),
+    (["int3"], {}, "unknown quantization mode 'int3'"),
+    (["int8"], {"lm_head": "int4"}, "lm_head must be True, False or 'int8'"),
+])
+def test_run_bench_refuses_a_variant_before_measuring_the_bandwidth(small, monkeypatch, variants, kw, words):
+    """The bandwidth copy takes gigabytes and seconds: a variant the model cannot take is refused before it."""
+    monkeypatch.setattr(decode_bench, "measure_bandwidth", lambda *a, **k: pytest.fail("measured the bandwidth"))
+    with pytest.raises(ValueError, match=words):
+        decode_bench.run_bench(small, variants, 4, 4, compile=False, repeats=1, hf=False, **kw)
+
+
 def test_the_speculative_benchmarks_refuse_settings_that_give_no_rate(small):
     from llmstep.lab.bench_speculative import bench
 

@@ -30,6 +30,19 @@ def test_an_exit_code_is_named_as_the_signal_or_status_it_was():
     assert describe_exit(None) == "stopped answering"
 
 
+def test_a_child_that_hangs_is_stopped_after_the_answer_time_not_waited_on_for_ever(monkeypatch):
+    from llmstep.lab import peer_process
+
+    child = PeerProcess(fake_peers.hangs_in_runs, peer_engines.PeerSpec("fake", "float32", 1, 16))
+    monkeypatch.setattr(peer_process, "ANSWER_SECONDS", 1)
+    try:
+        with pytest.raises(PeerFailed, match=r"^gave no answer in 1 s while repeat 1: stopped$"):
+            child.run([1, 2], 3, "repeat 1")
+        assert not child.process.is_alive()
+    finally:
+        child.close()
+
+
 def test_a_child_that_dies_is_peer_failed_naming_the_signal_and_when():
     child = PeerProcess(fake_peers.dies_of_sigill, peer_engines.PeerSpec("fake", "float32", 1, 16))
     try:

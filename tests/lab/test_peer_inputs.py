@@ -193,3 +193,14 @@ def test_llama_cpps_quantiser_keeps_the_lm_head_at_q8_0_as_llmsteps_int8_head(tm
     engine = peer_engines.make_llama_cpp(spec)
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(engine.info["gguf"]).tensors}
     assert types["token_embd.weight"] == "Q8_0" and types["blk.0.ffn_down.weight"] == "Q4_0"
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+def test_every_quantized_files_rows_say_they_are_rounded_again(tmp_path, tokenizer, kind):
+    """Not only Q4_0/Q4_1/Q8_0 files: any quantized file's weights, dequantized and quantized again, are a second
+    rounding, marked lossy (a Q5_0 file's int8 row was not)."""
+    path = write(tmp_path / f"m-{kind.lower()}.gguf", tokenizer, kind)
+    assert peer_inputs.file_types(path)[0] == kind
+    _, p = plan(path, ["int8"], tmp_path / "work", peer_list=("transformers",))
+    assert [(v.precision, v.requantized) for v in p.variants] == [("int8", True)]
+    assert f"requantized from the file's {kind}" in p.variants[0].source

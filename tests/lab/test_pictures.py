@@ -85,7 +85,10 @@ def test_the_cache_grows_a_tokens_worth_per_step_up_to_its_allocation():
     ax = fig.axes[0]
     per_token = 2 * kv_bytes_per_token(LLAMA8B)
     written = ax.lines[0].get_ydata()
-    assert written[0] == pytest.approx(100 * per_token / 1e6) and written[-1] == pytest.approx(150 * per_token / 1e6)
+    # 50 new tokens: the prefill makes the first, 49 decode steps the rest, each writing the token before it (the
+    # last is never fed back: generate()'s forwards are [100, 1, 1, ...], 49 of one token)
+    assert written[0] == pytest.approx(100 * per_token / 1e6) and written[-1] == pytest.approx(149 * per_token / 1e6)
+    assert len(written) == 50 and "100 prompt + 50 new" in ax.get_title()
     assert ax.lines[1].get_ydata()[0] == pytest.approx(cache_len(100, 50, LLAMA8B.max_seq_len) * per_token / 1e6)
     assert ax.lines[2].get_ydata()[0] == pytest.approx(model_bytes(LLAMA8B) / 1e6)
     with pytest.raises(ValueError, match="prompt_len"):
@@ -152,3 +155,9 @@ def test_the_queue_under_the_slots_is_the_runs_record():
     s.run.queued.clear()
     with pytest.raises(ValueError, match="queue"):
         pictures.plot_batching_slots(s.run, queue=True)
+
+
+@pytest.mark.parametrize("n, text", [(999_400, "999 kB"), (999_500, "1 MB"), (999_950_000, "1 GB"), (1e12, "1 TB"),
+                                     (1.5e9, "1.5 GB"), (0.5, "0.5 B"), (12_345, "12.3 kB")])
+def test_si_chooses_the_prefix_after_rounding(n, text):
+    assert pictures.si(n, "B") == text

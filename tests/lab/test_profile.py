@@ -181,7 +181,7 @@ def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint,
     out = capsys.readouterr().out
     assert "eager] decode" in out and "median of 2 runs of 4 tokens" in out and "2 steps profiled" in out
     assert len(record["decode_tokens_per_s_runs"]) == 2 and record["us_per_step_by_kind"]["matmul"] > 0
-    with pytest.raises(CommandFailed, match="exceed the model's 128-token context"):
+    with pytest.raises(CommandFailed, match="need 129 positions; the model's context holds 128"):
         main(["profile", "--model", str(tiny_checkpoint), "--prompt-len", "100", "--new-tokens", "29"])
     with pytest.raises(CommandFailed, match="--kernel-profile names a compiled step's kernels"):  # before any load
         main(["profile", "--model", "/no/such/model", "--no-compile", "--kernel-profile"])
@@ -207,3 +207,10 @@ def test_a_decode_rate_needs_a_decode_step_and_is_refused_by_name_as_bench_refus
         with pytest.raises(SystemExit):
             main([*command, "--new-tokens", "1"])
         assert "--new-tokens: must be an integer in 2 .. " in capsys.readouterr().err
+
+
+def test_an_aten_matmul_is_a_matmul_not_elementwise():
+    """"mul" is in "matmul": the matmul keys are tried first, and "matmul" is one of them."""
+    from llmstep.lab.profile import op_kind
+
+    assert op_kind("aten::matmul") == "matmul" and op_kind("aten::mul") == "norm/rope/elementwise"
