@@ -40,9 +40,12 @@ import torch
 
 import llmstep
 import llmstep.engines.compile as compile_mod
+from llmstep.cli.args import decode_tokens, positive_int
 from llmstep.core import attention_backend
-from llmstep.core.files import atomic_write_json
-from llmstep.core.quantize import quantize
+from llmstep.core.checkpoint import read_config
+from llmstep.core.files import atomic_write_json, check_output_path
+from llmstep.core.quant_formats import QuantizationError
+from llmstep.core.quantize import KERNELS, check_config, quantize
 from llmstep.engines.fast import FastDecoder
 from llmstep.kernels import cpu_attention, cpu_gemm
 from llmstep.lab import runinfo
@@ -92,54 +95,121 @@ def withheld_kernels(spec: str) -> tuple | None:
     return (by_name[nodot],)
 
 
-def build(spec: str, name: str, group_size: int | None = None, only: tuple | None = None) -> FastDecoder:
-    """A variant's decoder, compiled; only: `withheld_kernels(spec)`."""
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+FUSE = {"": None, "fuse": True, "nofuse": False}
+PROMPT = 128  # the random prompt's tokens
+
+
+def parse_variant(spec: str) -> dict:
+    """A variant's parts (the grammar above), each checked by its own ValueError naming it, before any model loads:
+    the dtype and its base, Int8Linear / Int4Linear's kernel and the head (quantised dtypes only), fuse, the
+    attention, streaming and each inductor option's KEY=VALUE (VALUE a Python literal)."""
     head, _, opts = spec.partition("|")
     head, _, stream = head.partition("&")
-    if stream not in STREAM:
-        raise SystemExit(f"unknown streaming {stream!r} in {spec!r}: stream or nostream")
-    head = head.partition("%")[0]  # the attention: `attention_of`
+    head, _, attention = head.partition("%")
     head, _, nodot = head.partition("~")
     head, _, fuse = head.partition("!")
     head, _, lm_head = head.partition("^")
     head, _, kernel = head.partition("+")
-    dtype, _, base = head.partition("@")
-    base = base or ("bfloat16" if dtype in ("int8", "int4") else dtype)
-    overrides = {k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opts.split(";") if o)}
-    model, _ = llmstep.load(name, device="cpu", dtype=base)
-    if dtype in ("int8", "int4"):
-        quantize(model, dtype, group_size=group_size if dtype == "int4" else None, lm_head=lm_head or False,
-                 kernel=kernel or "auto")
+    dtype, at, base = head.partition("@")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    quantised = dtype in ("int8", "int4")
+    if at and (not quantised or base not in ("float32", "bfloat16")):
+        raise ValueError(f"@{base} is what int8 / int4 quantise from: float32 or bfloat16 (int8@float32)")
+    for mark, part in (("+", kernel), ("^", lm_head)):
+        if part and not quantised:
+            raise ValueError(f"{mark}{part} takes a quantised dtype (int8, int4), not {dtype}")
+    if kernel and (kernel not in KERNELS or kernel == "reduce" and dtype != "int4"):
+        raise ValueError(f"unknown kernel {kernel!r} for {dtype}: one of "
+                         f"{', '.join(k for k in KERNELS if k != 'reduce' or dtype == 'int4')}")
+    if lm_head and lm_head not in ("int8", dtype):
+        raise ValueError(f"unknown head {lm_head!r}: int8, or the blocks' {dtype}")
+    if fuse not in FUSE:
+        raise ValueError(f"unknown !{fuse}: !fuse or !nofuse")
+    if (attention or "kernel") not in ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}: one of {', '.join(ATTENTION)}")
+    if stream not in STREAM:
+        raise ValueError(f"unknown streaming {stream!r}: stream or nostream")
+    overrides = {}
+    for option in filter(None, opts.split(";")):
+        key, eq, value = option.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"an inductor option is KEY=VALUE, got {option!r}")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{key}'s value {value!r} is not a Python literal (quote a string: {key}='...')"
+                             ) from None
+    return {"dtype": dtype, "base": base or ("bfloat16" if quantised else dtype), "kernel": kernel or "auto",
+            "lm_head": lm_head or False, "fuse": FUSE[fuse], "nodot": bool(nodot), "stream": STREAM[stream],
+            "overrides": overrides}
+
+
+def check_variants(variants: list[str], config, group_size: int | None, tokens: int) -> list[dict]:
+    """Every variant parsed (`parse_variant`) and its quantisation checked against the model's shapes
+    (quantize.check_config: no weight read), and the prompt and --tokens against its context; a SystemExit naming
+    the variant or the flag, before any model loads."""
+    parsed = []
+    for spec in variants:
+        try:
+            v = parse_variant(spec)
+            if v["dtype"] in ("int8", "int4"):
+                check_config(config, v["dtype"], group_size if v["dtype"] == "int4" else None, v["lm_head"])
+        except (ValueError, QuantizationError) as e:
+            raise SystemExit(f"ab_cpu.py: variant {spec!r}: {e}") from None
+        parsed.append(v)
+    if PROMPT + max(tokens, 32) > config.max_seq_len:
+        raise SystemExit(f"ab_cpu.py: --tokens {tokens} after a {PROMPT}-token prompt is more than the model's "
+                         f"context of {config.max_seq_len}")
+    return parsed
+
+
+def build(v: dict, name: str, group_size: int | None = None, only: tuple | None = None) -> FastDecoder:
+    """A variant's decoder (`parse_variant`'s parts), compiled; only: `withheld_kernels(spec)`."""
+    model, _ = llmstep.load(name, device="cpu", dtype=v["base"])
+    if v["dtype"] in ("int8", "int4"):
+        quantize(model, v["dtype"], group_size=group_size if v["dtype"] == "int4" else None, lm_head=v["lm_head"],
+                 kernel=v["kernel"])
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
-        _original(device, mode, backends) | overrides)
-    decoder = FastDecoder(model, compile=True, fuse={"": None, "fuse": True, "nofuse": False}[fuse])
-    with cpu_gemm.streaming(STREAM[stream]), cpu_gemm.withheld(bool(nodot), only):
+        _original(device, mode, backends) | v["overrides"])
+    decoder = FastDecoder(model, compile=True, fuse=v["fuse"])
+    with cpu_gemm.streaming(v["stream"]), cpu_gemm.withheld(v["nodot"], only):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    """Every flag and variant is checked, and --json, before any model loads."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python scripts/ab_cpu.py", description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="+")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=10)
+    p.add_argument("--tokens", type=decode_tokens, default=64, help="tokens each timed run decodes (>= 2)")
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--model", default="target", help="a model name (`llmstep models`) or path")
-    p.add_argument("--group-size", type=int, help="int4's inputs per scale and zero (default: llmstep's)")
+    p.add_argument("--group-size", type=positive_int, help="int4's inputs per scale and zero (default: llmstep's)")
     p.add_argument("--json", help="also write the rates and ratios here (atomically)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    try:
+        if a.json is not None:
+            check_output_path(a.json, "--json")
+        config = read_config(a.model)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    parsed = check_variants(a.variants, config, a.group_size, a.tokens)
     torch.set_num_threads(a.threads)
     load_before = runinfo.load_average()
     withheld = [withheld_kernels(v) for v in a.variants]  # checked before any model is loaded
     attentions = [attention_of(v) for v in a.variants]
     compile_mod.cpu_attention = types.SimpleNamespace(install=lambda: None)  # each variant registers its own
     decoders = []
-    for v, attend, only in zip(a.variants, attentions, withheld, strict=True):
+    for v, attend, only in zip(parsed, attentions, withheld, strict=True):
         attention_backend.use_cpu_step_kernel(attend[0], prefix=attend[1])
         decoders.append(build(v, a.model, a.group_size, only))
     vocab = decoders[0].model.config.vocab_size
-    ids = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     first = []
     for d, attend in zip(decoders, attentions, strict=True):
         attention_backend.use_cpu_step_kernel(attend[0], prefix=attend[1])
@@ -161,7 +231,7 @@ def main() -> None:
     load_after = runinfo.load_average()
     print("load average:", load_after, file=sys.stderr)
     if a.json:
-        atomic_write_json(a.json, {"command": shlex.join(["python", "scripts/ab_cpu.py", *sys.argv[1:]]),
+        atomic_write_json(a.json, {"command": shlex.join(["python", "scripts/ab_cpu.py", *argv]),
                                    "machine": runinfo.describe("cpu") | {"cpu_flags": runinfo.cpu_flags()},
                                    "versions": runinfo.versions(),
                                    "load_average_1min_before_after": [load_before, load_after],

@@ -20,14 +20,17 @@ import argparse
 import hashlib
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from llmstep.core.files import atomic_write_json
+from llmstep.cli.args import positive_int
+from llmstep.core.files import atomic_write_json, check_output_path
+from llmstep.lab import runinfo
+
+PROG = "python scripts/ab_revisions.py"
 
 BENCHES = {
     "fast loop, float32, compiled (decode tok/s)": (
@@ -102,22 +105,43 @@ def variable(text: str) -> tuple[str, str]:
     return name, value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command(a: argparse.Namespace, sides: dict[str, Path]) -> str:
+    """The command that made a record, as one could type it again from any folder: the checkouts resolved, every
+    setting named."""
+    argv = [str(sides["before"]), str(sides["after"]), "--rounds", str(a.rounds), "--threads", str(a.threads)]
+    argv += ["--only", a.only] if a.only else []
+    for side in ("before", "after"):
+        argv += [x for name, value in getattr(a, f"env_{side}") for x in (f"--env-{side}", f"{name}={value}")]
+    argv += ["--out", str(a.out.absolute())] if a.out else []
+    return runinfo.command_line(argv, PROG)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Every flag is checked, and --out, before git runs or any benchmark does."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("before", type=Path)
     p.add_argument("after", type=Path)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--only", default="", help="only the benchmarks whose name contains this, e.g. paged")
     p.add_argument("--env-before", type=variable, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the before side's processes (repeatable)")
     p.add_argument("--env-after", type=variable, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the after side's processes (repeatable)")
-    a = p.parse_args()
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
     environments = {"before": dict(a.env_before), "after": dict(a.env_after)}
     benches = {name: bench for name, bench in BENCHES.items() if a.only in name}
     benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and a.only in name}
+    if not benches:
+        p.error(f"argument --only: no benchmark's name contains {a.only!r}; the names are:\n  "
+                + "\n  ".join([*BENCHES, *OPTIONAL]))
+    if a.out is not None:
+        try:
+            check_output_path(a.out, "--out")
+        except ValueError as e:
+            p.error(str(e))
+    load_before = runinfo.load_average()
     sides = {"before": a.before.resolve(), "after": a.after.resolve()}
     # what each side ran, read before the runs (a folder that is no checkout fails here, not after them)
     revisions = {s: git(d, "rev-parse", "HEAD") for s, d in sides.items()}
@@ -142,14 +166,14 @@ def main() -> None:
         print(f"{name}: before {summary[name]['median_before']:.1f}, after {summary[name]['median_after']:.1f}, "
               f"after/before {summary[name]['median_ratio']:.3f} (rounds {', '.join(f'{r:.3f}' for r in ratios)}), "
               f"same tokens: {same_tokens[name]}")
+    # the machine and versions of this process (each side's llmstep is its checkout's: `revisions`)
+    record = runinfo.header("cpu", None, None, load_before) | {
+        "command": command(a, sides), "threads": a.threads, "rounds": a.rounds,
+        "load_average_1min_after": runinfo.load_average(), "revisions": revisions,
+        "uncommitted_changes": uncommitted, "environment": environments, "results": summary}
     if a.out:
-        load = os.getloadavg()[0]
-        record = {"command": shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]]), "threads": a.threads,
-                  "rounds": a.rounds, "load_average_1min_after": load,
-                  "revisions": revisions, "uncommitted_changes": uncommitted, "environment": environments,
-                  "results": summary}
         atomic_write_json(a.out, record)
-
+    return record
 
 if __name__ == "__main__":
     main()

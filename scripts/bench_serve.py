@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmstep.cli.args import nonneg_int, parse_range, positive_int, seed
 from llmstep.cli.serve import rates
 from llmstep.core import registry
 from llmstep.core.files import atomic_write_json, check_output_path
@@ -91,25 +92,42 @@ def measure(flags: list[str], rates: list[float], requests: int, prompt_len: tup
     return record | {"serve_flags": flags}
 
 
+def one_rate(text: str) -> float:
+    """--shared-rate: one rate per second > 0 (inf: all at once), as --rate's each."""
+    values = rates(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one rate per second, got {text!r}")
+    return values[0]
+
+
+def model_names(text: str) -> list[str]:
+    """--models: comma-separated names or paths, none empty."""
+    names = text.split(",")
+    if not all(n.strip() for n in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated model names or paths, none empty, got {text!r}")
+    return names
+
+
 def main(argv: list[str]) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=None,
+    """Every flag is checked while the arguments are parsed, and --out before any server starts."""
+    p = argparse.ArgumentParser(prog="python scripts/bench_serve.py", description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=model_names, default=None,
                    help=f"comma-separated names or paths llmstep.load takes (default: target, and {SMOL} if pulled)")
-    p.add_argument("--threads", type=int, default=None, help="the servers' CPU threads (default: torch's)")
-    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--threads", type=positive_int, default=None, help="the servers' CPU threads (default: torch's)")
+    p.add_argument("--slots", type=positive_int, default=8)
     p.add_argument("--rate", type=rates, default=[1.0, 2.0, 4.0, 8.0, math.inf], help="the load curve's rates")
-    p.add_argument("--requests", type=int, default=24, help="requests per run")
-    p.add_argument("--prompt-len", type=lambda s: tuple(int(x) for x in s.split(":")), default=(16, 64))
-    p.add_argument("--new-tokens", type=lambda s: tuple(int(x) for x in s.split(":")), default=(16, 64))
-    p.add_argument("--shared-prefix", type=int, default=256, help="the system prompt's tokens (0: skip part 2)")
-    p.add_argument("--shared-rate", type=float, default=4.0, help="requests per second of part 2")
-    p.add_argument("--chunk", type=int, default=64, help="prompt tokens per step when chunked prefill is on")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=positive_int, default=24, help="requests per run")
+    p.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens (N: N:N)")
+    p.add_argument("--new-tokens", type=parse_range, default=(16, 64), help="LOW:HIGH tokens (N: N:N)")
+    p.add_argument("--shared-prefix", type=nonneg_int, default=256, help="the system prompt's tokens (0: skip part 2)")
+    p.add_argument("--shared-rate", type=one_rate, default=4.0, help="requests per second of part 2 (inf: at once)")
+    p.add_argument("--chunk", type=positive_int, default=64, help="prompt tokens per step when chunked prefill is on")
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     check_output_path(args.out, "--out")
-    models = args.models.split(",") if args.models else ["target"] + ([SMOL] if registry.present(SMOL) else [])
-    record = runinfo.header("cpu", None, ["python", "scripts/bench_serve.py", *argv], runinfo.load_average())
+    models = args.models or ["target"] + ([SMOL] if registry.present(SMOL) else [])
+    record = runinfo.header("cpu", None, argv, runinfo.load_average(), prog="python scripts/bench_serve.py")
     record["models"] = {}
     for name in models:
         print(f"== {name}", flush=True)

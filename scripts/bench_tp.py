@@ -1,6 +1,7 @@
 """The tensor-parallel CPU record (results/tp.json, results/tp.md): per-token decode time and all-reduce share at
 1, 2 and 4 processes (torchrun, gloo, one thread each: a rank is one core), for two random-weight shapes, with
-the decode-time model's prediction beside each (llmstep.lab.bench_tp.predict_cpu), rounds interleaved.
+the decode-time model's prediction beside each (llmstep.lab.bench_tp.predict_cpu), rounds interleaved. The record
+starts with llmstep.lab.runinfo's header (the command, machine, versions, load average before and after).
 
     PYTHONPATH=. python scripts/bench_tp.py --rounds 2 --out results/tp.json
 """
@@ -15,7 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llmstep.core.files import atomic_write_json
+import torch
+
+from llmstep.cli.args import decode_tokens, parse_ints, positive_int
+from llmstep.core.files import atomic_write_json, check_output_path
 from llmstep.lab import bench_tp, runinfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +44,28 @@ def run(shape: str, n: int, args) -> dict:
         return json.loads(out.read_text()) | {"shape": shape}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--ranks", default="1,2,4")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+def ranks(text: str) -> list[int]:
+    """--ranks: process counts, each >= 1 and given once, 1 among them (every prediction scales the 1-rank time)."""
+    values = parse_ints(text)
+    if 1 not in values:
+        raise argparse.ArgumentTypeError(f"must include 1 (the 1-rank time every prediction starts from), got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Every flag is checked, and --out, before the first torchrun starts."""
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python scripts/bench_tp.py", description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=positive_int, default=2)
+    p.add_argument("--ranks", type=ranks, default=[1, 2, 4], help="process counts, comma-separated, 1 among them")
+    p.add_argument("--prompt-len", type=positive_int, default=16)
+    p.add_argument("--new-tokens", type=decode_tokens, default=32)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--out", default="results/tp.json")
-    args = p.parse_args()
-    ns = [int(n) for n in args.ranks.split(",")]
+    args = p.parse_args(argv)
+    check_output_path(args.out, "--out")
+    load_before = runinfo.load_average()
+    ns = args.ranks
     cores = os.cpu_count()
     runs = []
     for r in range(args.rounds):  # interleaved: every shape and N once per round
@@ -76,8 +92,10 @@ def main() -> None:
             print(f"{shape:<24} N={n}  measured {rows[-1]['ms_per_token']:8.2f} ms/token  "
                   f"predicted {rows[-1]['predicted_ms_per_token']:8.2f}  all-reduce share "
                   f"{rows[-1]['all_reduce_share']:.0%}", flush=True)
-    atomic_write_json(args.out, {"cores": cores, "rows": rows, "runs": runs,
-                                 "gpu_model": bench_tp.prediction_table()}, default=str)
+    record = runinfo.header("cpu", torch.float32, argv, load_before, prog="python scripts/bench_tp.py") | {
+        "cores": cores, "rows": rows, "runs": runs, "gpu_model": bench_tp.prediction_table()}
+    atomic_write_json(args.out, record, default=str)
+    return record
 
 
 if __name__ == "__main__":

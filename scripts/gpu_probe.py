@@ -447,6 +447,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args, argv: list[str] | None) -> int:
+    functions = dict(PHASES)
+    wanted = FIRST_CHECK if args.phases is None else [n for n, _ in PHASES] if args.phases == "all" else \
+        args.phases.split(",")
+    unknown = set(wanted) - set(functions)
+    if unknown:  # before the folder is made: a mistyped phase leaves nothing behind
+        print(f"gpu_probe: unknown phases {sorted(unknown)}; the phases are {','.join(functions)} (or all)",
+              file=sys.stderr)
+        return 2
     if not args.dry and not torch.cuda.is_available():
         print("gpu_probe: no CUDA device here; use --dry to check the probe on the CPU", file=sys.stderr)
         return 2
@@ -456,18 +464,11 @@ def _main(args, argv: list[str] | None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     p = Probe(args.dry, out_dir, args.budget, args.new_tokens, args.prompt_len)
     p.bf16_tokens_per_s, p.int4_kernel = args.bf16_tokens_per_s, args.int4_kernel
-    functions = dict(PHASES)
     if args.child:  # a child process: its one phase, its row appended to probe.jsonl
         if os.environ.get("LLMSTEP_PROBE_CRASH") == args.child:  # the tests' stand-in for a crash in this phase
             os._exit(3)
         print(json.dumps(run_phase(p, args.child, functions[args.child])), flush=True)
         return 0
-    wanted = FIRST_CHECK if args.phases is None else [n for n, _ in PHASES] if args.phases == "all" else \
-        args.phases.split(",")
-    unknown = set(wanted) - set(functions)
-    if unknown:
-        print(f"gpu_probe: unknown phases {sorted(unknown)}", file=sys.stderr)
-        return 2
     p.record("machine", "ok", 0.0, **runinfo.machine(p.device, p.dtype), **runinfo.versions(),
              gpu=gpu_state() if not p.dry else {"dry": "no GPU state on the CPU"} | gpu_state(),
              command=" ".join(["python", "scripts/gpu_probe.py", *(argv if argv is not None else sys.argv[1:])]))

@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import math
 import os
 import shutil
 import stat
@@ -31,8 +32,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "check_output_path",
-           "fsync_dir", "replace_dir", "default_mode", "write_target"]
+__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "strict_json",
+           "check_output_path", "fsync_dir", "replace_dir", "default_mode", "write_target"]
 
 _KINDS = ((stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (a named or anonymous pipe)"),
@@ -141,9 +142,24 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return _write_with(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def strict_json(obj):
+    """obj with every float that is not finite (NaN, an infinity) turned into None, through dicts, lists and tuples:
+    JSON has no NaN or Infinity (json.dumps writes them, and strict readers, jq and browsers among them, refuse
+    the file), so a figure that has no value (a rate of nothing) is written as null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def atomic_write_json(path: str | os.PathLike, obj, **dumps_kwargs) -> Path:
-    """obj as indented JSON plus a newline (`dumps_kwargs` go to json.dumps, e.g. default=str)."""
-    return atomic_write_text(path, json.dumps(obj, indent=2, **dumps_kwargs) + "\n")
+    """obj as indented, strict JSON plus a newline: a NaN or infinite float is written as null (`strict_json`).
+    `dumps_kwargs` go to json.dumps (e.g. default=str); what `default` returns is refused if it is not finite."""
+    text = json.dumps(strict_json(obj), indent=2, **{"allow_nan": False} | dumps_kwargs)
+    return atomic_write_text(path, text + "\n")
 
 
 def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from ..core import attention_backend
-from ..core.checks import is_int
+from ..core.checks import check_int, is_int
 from ..core.cost import model_step_cost
 from ..core.model import Llama
 from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, run_batch
@@ -25,7 +25,8 @@ from ..engines.scheduler import BatchRun, Completion, Job, Scheduler
 from . import runinfo
 
 __all__ = ["random_workload", "serve_both_ways", "measure_batch_scaling", "run_batch_bench", "shared_prefix_workload",
-           "measure_prefix_caching", "measure_capacity", "measure_chunked_prefill", "percentile", "schedule_capacity"]
+           "measure_prefix_caching", "measure_capacity", "measure_chunked_prefill", "check_chunked_prefill",
+           "percentile", "schedule_capacity"]
 
 
 MAX_REQUESTS = 100_000  # a workload held as Python lists: 1e8 requests of ~40 ids took 5 GB before any work
@@ -145,10 +146,11 @@ def run_batch_bench(model: Llama, model_name: str, workload: dict, slots: Iterab
 # ---- the paged KV cache's claims -------------------------------------------------------------------------
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) by linear interpolation between the sorted values (numpy's default)."""
-    v = sorted(values)
-    if not v:
-        return float("nan")
+    """The q-th percentile (0..100) by linear interpolation between the sorted values (numpy's default). No values,
+    a value that is not a finite number (a NaN sorts anywhere) and q outside 0..100 are refused (ValueError)."""
+    if isinstance(q, bool) or not (isinstance(q, int | float) and 0 <= q <= 100):  # a NaN q fails the comparison
+        raise ValueError(f"percentile q must be a number in 0..100, got {q!r}")
+    v = sorted(runinfo.finite_values(values, "percentile values"))
     x = (len(v) - 1) * q / 100
     lo = int(x)
     return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (x - lo)
@@ -165,6 +167,11 @@ def shared_prefix_workload(n_requests: int, vocab_size: int, system_len: int = 2
     return requests
 
 
+def _check_requests(requests: list[Request]) -> None:
+    if not requests:
+        raise ValueError("the paged benchmarks need at least one request, got none")
+
+
 def _same_tokens(a: BatchRun, b: BatchRun) -> bool:
     return [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
 
@@ -173,6 +180,7 @@ def measure_prefix_caching(model: Llama, requests: list[Request], n_slots: int =
                            kv_blocks: int | None = None) -> dict:
     """The same requests on the paged cache without and with prefix caching: prompt tokens computed, tokens
     found cached, mean time to first token, and whether the tokens are the same (they must be)."""
+    _check_requests(requests)
     runs = {on: run_batch(model, requests, n_slots, kv="paged", block_size=block_size, kv_blocks=kv_blocks,
                           prefix_caching=on) for on in (False, True)}
     row = {"requests": len(requests), "n_slots": n_slots, "block_size": block_size,
@@ -190,7 +198,8 @@ def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: in
     """Equal cache memory two ways: contiguous_slots slots each sized for the longest request, or the same
     positions as blocks of block_size (no cap on sequences). How many sequences each runs at once: the peak,
     and the mean over the steps that leave a request waiting (memory is the limit then; the ratio compares
-    these); in how many engine steps, with the same tokens."""
+    these, None where either never left a request waiting); in how many engine steps, with the same tokens."""
+    _check_requests(requests)
     slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, model.config.max_seq_len) for r in requests)
     kv_blocks = contiguous_slots * slot_len // block_size
     contiguous = run_batch(model, requests, contiguous_slots, max_len=slot_len, compile=False)
@@ -203,14 +212,21 @@ def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: in
                      "engine_steps": run.steps, "seconds": run.seconds, "tokens_per_second": run.tokens_per_second,
                      "peak_blocks_used": run.kv_stats["peak_blocks_used"],
                      "preemptions": run.kv_stats["preemptions"]}
-    row["sequences_ratio"] = row["paged"]["mean_sequences_while_full"] / row["contiguous"]["mean_sequences_while_full"]
+    row["sequences_ratio"] = _ratio(row["paged"]["mean_sequences_while_full"],
+                                    row["contiguous"]["mean_sequences_while_full"])
     return row
 
 
-def _mean_running_while_full(run: BatchRun) -> float:
-    """Sequences running per step over the steps that leave a request waiting; NaN if none does (all fit)."""
+def _mean_running_while_full(run: BatchRun) -> float | None:
+    """Sequences running per step over the steps that leave a request waiting; None if none does (all fit: JSON
+    has no NaN)."""
     busy = [sum(i >= 0 for i in step) for step, waiting in zip(run.timeline, run.queued, strict=True) if waiting]
-    return statistics.fmean(busy) if busy else float("nan")
+    return statistics.fmean(busy) if busy else None
+
+
+def _ratio(paged: float | None, contiguous: float | None) -> float | None:
+    """paged / contiguous sequences while full; None where either never filled (nothing to compare)."""
+    return None if paged is None or not contiguous else paged / contiguous
 
 
 def schedule_capacity(requests: list[Request], context: int, contiguous_slots: int = 4, block_size: int = 16,
@@ -219,6 +235,7 @@ def schedule_capacity(requests: list[Request], context: int, contiguous_slots: i
     the schedules (and so the sequences running at every step) do not depend on which tokens; the schedulers
     run with a made-up token. Fast enough to sweep many workloads (tests hold it equal to measure_capacity).
     rounding: the slots' length rounded up to it (ContinuousBatcher's own sizing: decoding.CACHE_ROUNDING)."""
+    _check_requests(requests)
     slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, context, rounding=rounding) for r in requests)
     if any(r.stop_ids for r in requests):
         raise ValueError("schedule_capacity needs requests without stop tokens (their schedule depends on tokens)")
@@ -235,8 +252,25 @@ def schedule_capacity(requests: list[Request], context: int, contiguous_slots: i
                       clock=lambda: float(next(ticks))).dry_run(0)
     c, p = _mean_running_while_full(contiguous), _mean_running_while_full(paged)
     return {"slot_len": slot_len, "kv_blocks": kv_blocks, "contiguous_mean_sequences_while_full": c,
-            "paged_mean_sequences_while_full": p, "sequences_ratio": p / c, "contiguous_steps": contiguous.steps,
+            "paged_mean_sequences_while_full": p, "sequences_ratio": _ratio(p, c), "contiguous_steps": contiguous.steps,
             "paged_steps": paged.steps, "preemptions": paged.kv_stats["preemptions"]}
+
+
+def check_chunked_prefill(running: int, new_tokens: int, long_prompt: int, arrival: int,
+                          chunks: Iterable[int | None], repeats: int) -> None:
+    """measure_chunked_prefill's settings, each refused (ValueError naming it) before any run: a latency between
+    tokens needs two tokens a request, and a chunk is None or >= 1 and given once."""
+    for name, value, low in (("running", running, 1), ("new_tokens", new_tokens, 2), ("long_prompt", long_prompt, 1),
+                             ("arrival", arrival, 0), ("repeats", repeats, 1)):
+        check_int(value, name, low=low)
+    chunks = list(chunks)
+    if not chunks:
+        raise ValueError("chunks must name at least one prefill chunk (None: the prompt whole), got none")
+    for chunk in chunks:
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
+            raise ValueError(f"each prefill chunk must be None or an integer >= 1, got {chunk!r}")
+    if len(set(chunks)) != len(chunks):
+        raise ValueError(f"each prefill chunk must be given once, got {chunks}")
 
 
 def measure_chunked_prefill(model: Llama, running: int = 4, new_tokens: int = 96, long_prompt: int = 400,
@@ -245,7 +279,9 @@ def measure_chunked_prefill(model: Llama, running: int = 4, new_tokens: int = 96
     """`running` short requests decode while a long_prompt-token prompt arrives at engine step `arrival`:
     the running requests' inter-token latency (the seconds of each engine step in which they make a token
     after their first), p50, p99 and max, for each prefill chunk (None: the prompt whole), runs interleaved
-    `repeats` times (medians of the runs' percentiles)."""
+    `repeats` times (medians of the runs' percentiles). Every argument is checked before any run."""
+    check_chunked_prefill(running, new_tokens, long_prompt, arrival, chunks, repeats)
+    chunks = tuple(chunks)
     short = random_workload(running, model.config.vocab_size, (8, 16), (new_tokens, new_tokens), seed=seed)
     long = random_workload(1, model.config.vocab_size, (long_prompt, long_prompt), (4, 4), seed=seed + 1)[0]
     long.arrival = arrival

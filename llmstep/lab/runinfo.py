@@ -10,17 +10,20 @@ summarised here with `median` and `spread`.
 
 - `describe(device)`: the device llmstep would use, in a few fields a learner can read;
 - `machine(device, dtype)`: the CPU, its cores, torch's threads, the device and the dtype;
-- `header(device, dtype, argv, load_before)`: the one run-metadata block of every benchmark's record (with the
-  attention backend asked for: llmstep.core.attention_backend.describe);
+- `header(device, dtype, argv, load_before, prog=)`: the one run-metadata block of every benchmark's record (with
+  the attention backend asked for: llmstep.core.attention_backend.describe); a script's names itself by `prog`;
 - `time_repeats(fn, device, repeats, warmup)`: fn() timed `repeats` times after `warmup` untimed runs;
 - `versions()`: llmstep, torch and python (and whatever else a record names);
 - `load_average()`: the 1-minute load average, recorded before and after a run (other work skews timings);
 - `command_line(argv)`: the command that made a record, as one could type it again;
-- `median(values)` and `spread(values)`: the summary of repeated timings (`timing`: both and every run).
+- `median(values)` and `spread(values)`: the summary of repeated timings (`timing`: both and every run); no
+  timings, or one that is not a finite number, is refused by name (`finite_values`).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import platform
 import shlex
@@ -36,7 +39,7 @@ from ..core.checks import check_int
 from ..core.device import resolve_device, synchronize
 
 __all__ = ["CPU_FLAGS", "cpu_flags", "describe", "machine", "header", "time_repeats", "versions", "load_average",
-           "command_line", "median", "spread", "timing"]
+           "command_line", "finite_values", "median", "spread", "timing"]
 
 
 def describe(device: str | torch.device | None = None) -> dict[str, str | int | float | None]:
@@ -130,16 +133,18 @@ def load_average() -> float | None:
 
 
 def command_line(argv: Sequence[str], prog: str = "llmstep") -> str:
-    """The command as a shell would take it again: `llmstep bench --preset llama-3.2-1b ...`."""
+    """The command as a shell would take it again: `llmstep bench --preset llama-3.2-1b ...`; a script's with its
+    own prog (`python scripts/bench_paged.py`), written as typed, not quoted."""
     return " ".join([prog, shlex.join(argv)]) if argv else prog
 
 
 def header(device: str | torch.device, dtype: torch.dtype | None, argv: Sequence[str] | None,
-           load_before: float | None, **versions_extra: str | None) -> dict:
-    """The run metadata every benchmark's record starts with: the command, the machine, the versions and the
+           load_before: float | None, *, prog: str = "llmstep", **versions_extra: str | None) -> dict:
+    """The run metadata every benchmark's record starts with: the command (`command_line(argv, prog)`: a script
+    passes its own prog, e.g. "python scripts/bench_paged.py", and its arguments), the machine, the versions and the
     1-minute load average before the run and now (taken when the record is finished), and the attention backend
     (what was asked; on CUDA the kernels PyTorch may pick from)."""
-    return {"command": None if argv is None else command_line(argv), "machine": machine(device, dtype),
+    return {"command": None if argv is None else command_line(argv, prog), "machine": machine(device, dtype),
             "versions": versions(**versions_extra), "load_average_1min_before_after": [load_before, load_average()],
             "attention": attention_backend.describe(device)}
 
@@ -164,16 +169,36 @@ def time_repeats(fn: Callable[[], object], device: str | torch.device, repeats: 
     return seconds
 
 
-def median(values: Sequence[float]) -> float:
-    """The middle of repeated timings; of an even count the upper middle, so it is always a measured run."""
+def finite_values(values: Sequence[float], what: str = "timings") -> list[float]:
+    """values as a list, refused (ValueError naming `what`) where there are none or one is not a finite number:
+    a NaN sorts anywhere, so the middle of values holding one depends on their order."""
+    values = list(values)
     if not values:
-        raise ValueError("median of no timings")
+        raise ValueError(f"no {what} to summarise")
+    for v in values:
+        if isinstance(v, bool) or not (isinstance(v, numbers.Real) and math.isfinite(v)):
+            raise ValueError(f"{what} must be finite numbers, got {v!r} among {len(values)}")
+    return values
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle of repeated timings; of an even count the upper middle, so it is always a measured run. No
+    values, or a value that is not a finite number, is refused by a ValueError (`finite_values`)."""
+    values = finite_values(values)
     return sorted(values)[len(values) // 2]
 
 
 def spread(values: Sequence[float]) -> float:
-    """(max - min) / median of repeated timings: 0.05 means the runs lie within 5% of each other."""
-    return (max(values) - min(values)) / median(values)
+    """(max - min) / median of repeated timings: 0.05 means the runs lie within 5% of each other. Runs all alike
+    spread 0 (all zero included: an all-reduce share of one process); runs that differ around a median of 0 have no
+    relative spread, a ValueError, as are no runs or a run that is not a finite number."""
+    values = finite_values(values)
+    low, high, middle = min(values), max(values), median(values)
+    if low == high:
+        return 0.0
+    if middle == 0:
+        raise ValueError(f"the spread of timings whose median is 0 is undefined (they run from {low} to {high})")
+    return (high - low) / middle
 
 
 def timing(values: Sequence[float]) -> dict:

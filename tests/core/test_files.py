@@ -1,5 +1,7 @@
 """Atomic writes: interrupted at any step, a write leaves the old file or the new one, complete, and no debris."""
 
+import json
+import math
 import os
 
 import pytest
@@ -144,3 +146,21 @@ def test_default_mode_is_what_the_os_gives_a_new_file_and_directory(tmp_path, um
         os.umask(old)
     assert file_mode == (tmp_path / "f").stat().st_mode & 0o777 and dir_mode == (tmp_path / "d").stat().st_mode & 0o777
     assert os.umask(old) == old  # the umask it read is put back
+
+
+def test_json_is_written_strict_a_nan_or_an_infinity_as_null(tmp_path):
+    """json.dumps writes NaN and Infinity, which strict readers (jq, browsers, json.loads(parse_constant=...))
+    refuse: a record's figure without a value (a ratio of nothing) is null."""
+    target = tmp_path / "record.json"
+    files.atomic_write_json(target, {"ratio": math.nan, "rows": [(1.5, -math.inf)], "n": 3, "ok": True,
+                                     "nested": {"rate": math.inf, "name": None}})
+    text = target.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    assert json.loads(text, parse_constant=refuse) == {"ratio": None, "rows": [[1.5, None]], "n": 3, "ok": True,
+                                                       "nested": {"rate": None, "name": None}}
+    files.atomic_write_json(target, {"when": object()}, default=str)  # dumps' own options still apply
+    assert json.loads(target.read_text())["when"].startswith("<object")

@@ -114,6 +114,16 @@ def test_a_crashing_child_loses_nothing_else(probe, tmp_path, monkeypatch):
     assert rows["8b_int4"]["status"] == "ok" and rows["8b_int4"]["decode_tokens_per_s"] > 0
 
 
+def test_an_unknown_phase_is_refused_before_the_folder_is_made(probe, tmp_path, monkeypatch, capsys):
+    """--phases bogus returned 2 but left an empty --out folder (by default one under results/gpu/)."""
+    out = tmp_path / "probe"
+    assert probe.main(["--dry", "--phases", "8b_bf16,bogus", "--out", str(out)]) == 2
+    assert "unknown phases ['bogus']" in capsys.readouterr().err and not out.exists()
+    monkeypatch.setattr(probe, "ROOT", tmp_path / "root")  # the default folder: results/gpu/probe-UTC under ROOT
+    assert probe.main(["--dry", "--phases", ""]) == 2
+    assert not (tmp_path / "root").exists()
+
+
 def test_phases_skip_themselves_when_time_is_short(probe, tmp_path):
     probe.main(["--dry", "--out", str(tmp_path), "--budget", "-1"])
     rows = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()][1:]

@@ -104,3 +104,43 @@ def test_a_folder_that_is_no_checkout_fails_before_any_run(tmp_path, monkeypatch
     monkeypatch.setattr("sys.argv", ["ab_revisions.py", str(repo), str(plain)])
     with pytest.raises(subprocess.CalledProcessError):
         script.main()
+
+
+@pytest.mark.parametrize("argv, says", [(["--only", "nomatch"], "argument --only: no benchmark's name contains"),
+                                        (["--rounds", "0"], "argument --rounds"),
+                                        (["--threads", "0"], "argument --threads")])
+def test_a_run_that_would_measure_nothing_is_refused_before_git_or_any_run(tmp_path, monkeypatch, capsys, argv,
+                                                                            says):
+    """--only nomatch exited 0 with "results": {}; --rounds 0 ended in StatisticsError (median of no figures)."""
+    script = load()
+    monkeypatch.setattr(script, "git", lambda *a: pytest.fail("ran git"))
+    monkeypatch.setattr(script, "run", lambda *a: pytest.fail("ran a benchmark"))
+    out = tmp_path / "record.json"
+    with pytest.raises(SystemExit) as e:
+        script.main([str(tmp_path), str(tmp_path), *argv, "--out", str(out)])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    script = load()
+    monkeypatch.setattr(script, "run", lambda *a: pytest.fail("ran a benchmark"))
+    with pytest.raises(SystemExit):
+        script.main([str(tmp_path), str(tmp_path), "--out", str(tmp_path)])
+    assert "--out path" in capsys.readouterr().err
+
+
+@needs_git
+def test_the_record_carries_the_machine_versions_and_a_command_to_type_again(tmp_path, monkeypatch):
+    """The record's command was `ab_revisions.py . . ...` (the script's basename, the checkouts as typed, relative)
+    and it named no machine or versions."""
+    script = load()
+    repo = checkout(tmp_path / "repo")
+    monkeypatch.setattr(script, "BENCHES", {"fake": (["bench"], lambda r: (r["rate"], [1, 2]))})
+    monkeypatch.setattr(script, "run", lambda *a: {"rate": 10.0})
+    monkeypatch.chdir(repo)
+    record = script.main([".", ".", "--rounds", "1", "--out", "record.json", "--env-after", "A=1 2"])
+    assert record["command"] == (f"python scripts/ab_revisions.py {repo.resolve()} {repo.resolve()} --rounds 1 "
+                                 f"--threads 2 --env-after 'A=1 2' --out {repo.resolve() / 'record.json'}")
+    assert record["machine"]["cores"] and record["versions"]["llmstep"] and record["versions"]["torch"]
+    assert json.loads((repo / "record.json").read_text())["command"] == record["command"]

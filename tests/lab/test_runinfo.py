@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 
 import pytest
@@ -21,6 +22,25 @@ def test_median_is_a_measured_run_and_spread_is_relative():
     assert runinfo.timing([2.0, 2.0]) == {"median": 2.0, "spread": 0.0, "all_runs": [2.0, 2.0]}
     with pytest.raises(ValueError, match="no timings"):
         runinfo.median([])
+
+
+@pytest.mark.parametrize("values", [[math.nan, 1.0, 2.0], [1.0, math.nan, 2.0], [1.0, math.inf], [1.0, None],
+                                    [True, 2.0], ["1.0"]])
+def test_a_timing_that_is_not_a_finite_number_is_refused_whatever_its_place(values):
+    """A NaN sorts anywhere: the median of [nan, 1, 2] was 1 and of [1, nan, 2] nan."""
+    with pytest.raises(ValueError, match="timings must be finite numbers"):
+        runinfo.median(values)
+    with pytest.raises(ValueError, match="timings must be finite numbers"):
+        runinfo.spread(values)
+
+
+def test_spread_of_no_runs_and_of_a_zero_median_is_told():
+    with pytest.raises(ValueError, match="no timings"):
+        runinfo.spread([])  # was max() of an empty sequence
+    assert runinfo.spread([0.0, 0.0]) == 0.0  # was a ZeroDivisionError: runs all alike spread 0
+    assert runinfo.timing([0.0, 0.0, 0.0]) == {"median": 0.0, "spread": 0.0, "all_runs": [0.0, 0.0, 0.0]}
+    with pytest.raises(ValueError, match="median is 0"):
+        runinfo.spread([0.0, 0.0, 0.5])
 
 
 def test_versions_and_machine():
@@ -91,6 +111,13 @@ def test_header_is_the_one_run_metadata_block():
     h = runinfo.header("cpu", torch.float32, ["bench", "--x"], 0.5)
     assert h["command"] == "llmstep bench --x" and h["machine"]["dtype"] == "float32"
     assert h["versions"]["llmstep"] and h["load_average_1min_before_after"][0] == 0.5
+
+
+def test_a_scripts_header_names_the_script_not_llmstep():
+    """scripts/bench_paged.py's records said `llmstep python scripts/bench_paged.py ...`."""
+    h = runinfo.header("cpu", None, ["--out", "a b.json"], None, prog="python scripts/bench_paged.py")
+    assert h["command"] == "python scripts/bench_paged.py --out 'a b.json'"
+    assert runinfo.header("cpu", None, [], None, prog="python scripts/x.py")["command"] == "python scripts/x.py"
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])

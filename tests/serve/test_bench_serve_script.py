@@ -46,3 +46,40 @@ def test_one_command_records_the_curve_and_the_four_settings(tmp_path):
     # the warm-up put the system prompt's 2 full blocks in the cache: each timed request found them, if caching is on
     assert [run["server_after"]["prefix_hit_tokens"] for run in runs["shared_prefix"].values()] == [64, 64, 0, 0]
     assert len(started) == 5 and all(s.proc.poll() is not None for s in started)  # every server stopped
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--prompt-len", "0:4"], "--prompt-len"), (["--prompt-len", "8:4"], "--prompt-len"),
+    (["--prompt-len", "a:b"], "--prompt-len"), (["--new-tokens", "x"], "--new-tokens"),
+    (["--requests", "0"], "--requests"), (["--slots", "0"], "--slots"), (["--chunk", "0"], "--chunk"),
+    (["--shared-rate", "0"], "--shared-rate"), (["--shared-rate", "1,2"], "--shared-rate"),
+    (["--shared-prefix", "-1"], "--shared-prefix"), (["--threads", "0"], "--threads"),
+    (["--models", "target,"], "--models")])
+def test_a_bad_flag_is_refused_before_any_server_starts(tmp_path, monkeypatch, capsys, argv, flag):
+    """--prompt-len 16 started a server, then failed with a TypeError; --requests 0 and the like likewise."""
+    script = load_script()
+    monkeypatch.setattr(script, "Server", lambda flags: pytest.fail("started a server"))
+    with pytest.raises(SystemExit) as e:
+        script.main([*argv, "--out", str(tmp_path / "serve.json")])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    assert not (tmp_path / "serve.json").exists()
+
+
+def test_the_record_names_the_script_and_takes_one_length(tmp_path, monkeypatch):
+    """The record's command said `llmstep python scripts/bench_serve.py ...`; --prompt-len N is N:N."""
+    script = load_script()
+    seen = []
+    monkeypatch.setattr(script, "measure", lambda flags, rates, requests, prompt_len, *a: seen.append(prompt_len)
+                        or {"runs": []})
+    out = tmp_path / "serve.json"
+    argv = ["--models", "target", "--prompt-len", "16", "--shared-prefix", "0", "--out", str(out)]
+    script.main(argv)
+    assert json.loads(out.read_text())["command"] == "python scripts/bench_serve.py " + " ".join(argv)
+    assert seen == [(16, 16)]

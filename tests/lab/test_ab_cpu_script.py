@@ -1,0 +1,72 @@
+"""scripts/ab_cpu.py parses and checks every variant and flag before it loads or compiles anything: a typo in the
+last variant, --rounds 0 or --tokens 1 ended the command only after every earlier variant had compiled. No compile
+here: the parsing functions alone, and main stopped before its first model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ab_cpu.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("ab_cpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def no_work(script, monkeypatch):
+    """main may parse and read the model's config, nothing more."""
+    for name in ("build", "attention_of", "withheld_kernels"):
+        monkeypatch.setattr(script, name, lambda *a, **k: pytest.fail("went past the checks"))
+
+
+def test_the_documented_variants_parse(script):
+    assert script.parse_variant("bfloat16") == {
+        "dtype": "bfloat16", "base": "bfloat16", "kernel": "auto", "lm_head": False, "fuse": None, "nodot": False,
+        "stream": None, "overrides": {}}
+    v = script.parse_variant("int4@float32+reduce^int8!nofuse~nodot%sdpa&nostream|max_autotune=True;x='A,B'")
+    assert (v["dtype"], v["base"], v["kernel"], v["lm_head"], v["fuse"], v["nodot"], v["stream"]) == (
+        "int4", "float32", "reduce", "int8", False, True, False)
+    assert v["overrides"] == {"max_autotune": True, "x": "A,B"}
+    assert script.parse_variant("int8")["base"] == "bfloat16" and script.parse_variant("int8^int8")["lm_head"] == "int8"
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("bf16", "unknown dtype 'bf16'"), ("int8+bogus", "unknown kernel 'bogus'"), ("int8+reduce", "unknown kernel"),
+    ("bfloat16+packed", r"\+packed takes a quantised dtype"), ("float32^int8", r"\^int8 takes a quantised dtype"),
+    ("int8^int4", "unknown head 'int4'"), ("int8!maybe", "unknown !maybe"), ("int8%bogus", "unknown attention"),
+    ("int8&fast", "unknown streaming"), ("float32@bfloat16", "@bfloat16 is what int8 / int4 quantise from"),
+    ("bfloat16|max_autotune", "KEY=VALUE"), ("bfloat16|backends=ATEN,CPP", "not a Python literal")])
+def test_a_bad_variant_is_named_by_its_part(script, spec, match):
+    with pytest.raises(ValueError, match=match):
+        script.parse_variant(spec)
+
+
+def test_a_bad_last_variant_stops_the_command_before_the_first_model(script, no_work):
+    with pytest.raises(SystemExit, match="variant 'bfloat16|x=notaliteral'"):
+        script.main(["bfloat16", "int8", "bfloat16|x=notaliteral"])
+    with pytest.raises(SystemExit, match="variant 'int4': int4 group_size"):  # the model's shapes, from its config
+        script.main(["bfloat16", "int4", "--group-size", "7"])
+
+
+@pytest.mark.parametrize("argv, flag", [(["--rounds", "0"], "--rounds"), (["--tokens", "1"], "--tokens"),
+                                        (["--threads", "0"], "--threads"), (["--group-size", "0"], "--group-size")])
+def test_a_bad_flag_stops_the_command_before_the_first_model(script, no_work, capsys, argv, flag):
+    with pytest.raises(SystemExit) as e:
+        script.main(["bfloat16", *argv])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_more_tokens_than_the_context_and_an_unwritable_json_are_refused_first(script, no_work, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="more than the model's context"):
+        script.main(["bfloat16", "--tokens", "100000"])
+    with pytest.raises(SystemExit):
+        script.main(["bfloat16", "--json", str(tmp_path)])
+    assert "--json path" in capsys.readouterr().err
