@@ -263,8 +263,8 @@ class Tokenizer:
                 return "".join(stand_in(c) if c in starters else c for c in value)
             if isinstance(value, str):
                 return "".join(c if c.isspace() else stand_in(c) for c in value)
-            if isinstance(value, list):
-                return [hide(v) for v in value]
+            if isinstance(value, list | tuple):  # a tuple too (check_messages keeps them): its text hidden as well
+                return type(value)(hide(v) for v in value)
             if isinstance(value, dict):
                 return {hide(k, "role"): hide(v, k) for k, v in value.items()}
             return value
@@ -297,8 +297,10 @@ class Tokenizer:
         sanitize_control_tokens=True) encodes it: each special token a message's value spells is wrapped in two
         private-use markers (MARKS; any already there dropped), the conversation rendered, and a marked token
         encoded as plain text; a lone marker (a template's split cut through a marked token) is dropped but still
-        parts the text on either side. The special tokens left must be `own`, those of the render where no message
-        could spell one (a template's `lower` or `replace` must not make one out of a message): else refused."""
+        parts the text on either side. The special tokens left must be `own`, in order, those of the render where no
+        message could spell one: else refused, as a template that makes one out of a message's text (its `lower`,
+        its `replace`) adds one. (A template that both branches on the text and rewrites it could swap one of its
+        own for one made so, in its place: a contrived template; tuples stay tuples, as the render shows them.)"""
         start, end = MARKS
         specials = self._special_pattern()
 

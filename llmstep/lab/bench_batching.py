@@ -280,8 +280,8 @@ def measure_chunked_prefill(model: Llama, running: int = 4, new_tokens: int = 96
     the running requests' inter-token latency (the seconds of each engine step in which they make a token
     after their first), p50, p99 and max, for each prefill chunk (None: the prompt whole), runs interleaved
     `repeats` times (medians of the runs' percentiles). Every argument is checked before any run."""
+    chunks = tuple(chunks)  # read once: a generator is not drained by the check
     check_chunked_prefill(running, new_tokens, long_prompt, arrival, chunks, repeats)
-    chunks = tuple(chunks)
     short = random_workload(running, model.config.vocab_size, (8, 16), (new_tokens, new_tokens), seed=seed)
     long = random_workload(1, model.config.vocab_size, (long_prompt, long_prompt), (4, 4), seed=seed + 1)[0]
     long.arrival = arrival

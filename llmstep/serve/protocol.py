@@ -48,7 +48,8 @@ ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": (None, False), 
                 "add_generation_prompt": True, "continue_final_message": False, "chat_template": None}
 # Fields that change no answer (who asks, what to keep, which tier or cache bucket): taken and not read.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-           "safety_identifier"}
+           "prompt_cache_retention", "safety_identifier",
+           "priority", "request_id", "cache_salt"}  # vLLM's: a queue's order, a log's id, a cache's partition
 _READ = {"model", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k", "seed",
          "ignore_eos"}
 # Every field an endpoint takes; any other is refused by name (OpenAI's "Unrecognized request argument").

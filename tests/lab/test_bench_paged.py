@@ -127,6 +127,13 @@ def test_chunked_prefill_settings_are_refused_before_any_run(tiny, monkeypatch, 
         measure_chunked_prefill(tiny, **(settings | kwargs))
 
 
+def test_chunked_prefill_takes_its_chunks_from_a_generator(tiny):
+    """The chunks are read once, before the check: a generator is not drained by it (it was: StopIteration)."""
+    rows = measure_chunked_prefill(tiny, running=1, new_tokens=2, long_prompt=4, arrival=0,
+                                   chunks=(c for c in (None, 2)), repeats=1)
+    assert [r["prefill_chunk"] for r in rows] == [None, 2]
+
+
 @pytest.mark.parametrize("argv, flag", [(["--parts", "prefx"], "--parts"), (["--parts", "sweep,sweep"], "--parts"),
                                         (["--repeats", "0"], "--repeats"), (["--requests", "0"], "--requests"),
                                         (["--threads", "0"], "--threads")])
