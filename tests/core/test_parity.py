@@ -224,3 +224,23 @@ def test_over_a_bf16_cache_a_static_steps_attention_is_the_float32_function_of_i
     u = 2 ** -8  # bf16's unit roundoff: each probability and each output within u of its exact value
     bound = u * (probs @ vv.abs() + want.abs()) + 1e-6  # [1, 6, T, 64]: + float32's sums and exp
     assert ((got.double() - want).abs() <= bound).all(), ((got.double() - want).abs() / bound).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_in_half_precision_is_transformers_bit_for_bit(dtype):
+    """The mean square in float32 whatever the dtype, then back, as LlamaRMSNorm does: the same bits. Taken in the
+    half type itself (no upcast) a 2,048-wide mean of squares rounds otherwise, and this fails."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from llmstep.core.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(4, 3, 2048, generator=g) * 3).to(dtype)
+    ours, theirs = RMSNorm(2048, eps=1e-5), LlamaRMSNorm(2048, eps=1e-5)
+    with torch.no_grad():
+        w = torch.rand(2048, generator=g) + 0.5
+        ours.weight.copy_(w)
+        theirs.weight.copy_(w)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))

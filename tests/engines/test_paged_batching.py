@@ -144,6 +144,20 @@ def test_prefix_caching_computes_a_shared_prompt_once(tiny64):
         assert on.completions[i].tokens == solo(model, tok, requests[i]).tokens
 
 
+def test_a_block_of_the_same_tokens_after_another_prefix_is_not_found(tiny64):
+    """A block's key chains every token before it: B's first block holds A's second block's tokens, at another place
+    after another past, so nothing of A's is B's (a key of the block's tokens alone would hand B A's keys and
+    values: other tokens). And a prompt that does share A's first block finds it, and only it."""
+    model, tok = tiny64
+    a = Request(list(range(1, 10)), 4, arrival=0, **GREEDY)  # blocks of 4: [1..4] [5..8] [9]
+    b = Request([5, 6, 7, 8, 10], 4, arrival=8, **GREEDY)  # its first block is A's second
+    c = Request([1, 2, 3, 4, 11], 4, arrival=16, **GREEDY)  # its first block is A's first
+    run = run_batch(model, [a, b, c], n_slots=1, kv="paged", block_size=4, kv_blocks=12, prefix_caching=True)
+    for r, done in zip((a, b, c), run.completions, strict=True):
+        assert done.tokens == solo(model, tok, r).tokens
+    assert run.kv_stats["prefix_hit_tokens"] == 4  # C's first block alone
+
+
 def test_chunked_prefill_keeps_the_running_sequence_decoding(tiny64):
     """A 40-token prompt arrives while a request decodes: whole, it is one step; in chunks of 8 it takes five
     steps, and the running request makes a token in every one of them."""

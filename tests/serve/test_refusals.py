@@ -246,3 +246,43 @@ def test_a_failed_engine_stops_the_server_and_a_busy_port_leaves_no_engine(shipp
             with background(model, tokenizer, port=port):
                 pass
         assert sum(t.name == "llmstep-engine" for t in threading.enumerate()) == engines + 1  # the running one's
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    """A server-sent-events body's JSON events, [DONE] last (checked)."""
+    lines = [line.removeprefix("data: ") for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_the_bodies_on_the_wire_are_openais(server):
+    """The openai client reads whatever fields come: the bodies themselves, field by field, as OpenAI's reference
+    gives them (object kinds, ids, the served model's name, the assistant's role, usage adding up)."""
+    url, _ = server
+    common = {"model": "shipped", "max_tokens": 4, "temperature": 0}
+    one = post(url, common | {"prompt": "ROMEO:"}).json()
+    assert set(one) == {"id", "object", "created", "model", "choices", "usage"}
+    assert one["object"] == "text_completion" and one["id"].startswith("cmpl-") and one["model"] == "shipped"
+    assert type(one["created"]) is int and abs(one["created"] - time.time()) < 600
+    assert [set(c) for c in one["choices"]] == [{"index", "text", "logprobs", "finish_reason"}]
+    assert one["choices"][0]["index"] == 0 and one["choices"][0]["logprobs"] is None
+    use = one["usage"]
+    assert use["total_tokens"] == use["prompt_tokens"] + use["completion_tokens"] and use["completion_tokens"] == 4
+    chat = post(url, common | {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions").json()
+    assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-") and chat["model"] == "shipped"
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["choices"][0]["index"] == 0
+    assert isinstance(chat["choices"][0]["message"]["content"], str)
+    for path, body, kind in (("/v1/completions", {"prompt": "ROMEO:"}, "text_completion"),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                              "chat.completion.chunk")):
+        events = _events(post(url, common | body | {"stream": True, "stream_options": {"include_usage": True}},
+                              path))
+        assert {e["object"] for e in events} == {kind} and len({e["id"] for e in events}) == 1
+        assert all(e["model"] == "shipped" and type(e["created"]) is int for e in events)
+        *chunks, last = events
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4  # the usage chunk, last
+        assert all(len(e["choices"]) == 1 and e["choices"][0]["index"] == 0 for e in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])
+        if kind == "chat.completion.chunk":
+            assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"  # the first delta names the role
