@@ -55,6 +55,17 @@ def tokenizer_file(tmp_path_factory) -> Path:
     return path
 
 
+def import_script(file_name: str, module_name: str | None = None):
+    """scripts/FILE_NAME as a module (the scripts are files, not a package): its functions called by the tests."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / file_name
+    spec = importlib.util.spec_from_file_location(module_name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def hf_config(**overrides):
     from transformers import LlamaConfig as HFConfig
 

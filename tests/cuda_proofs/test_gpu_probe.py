@@ -5,25 +5,19 @@ each layer streams allow."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import import_script
 
 from llmstep.core.config import LlamaConfig
 from llmstep.core.quantize import QuantConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_probe.py"
-
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("gpu_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script("gpu_probe.py")
 
 
 @pytest.fixture(scope="module")

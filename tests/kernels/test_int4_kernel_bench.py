@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
+from conftest import import_script
 
 from llmstep.kernels import cpu_gemm, cpu_int4
 from llmstep.lab import runinfo
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "int4_kernel_bench.py"
 needs_avx2 = pytest.mark.skipif(shutil.which("g++") is None or "avx2" not in runinfo.cpu_flags(),
                                 reason="needs g++ and an AVX2 CPU")
 needs_avx512_bf16 = pytest.mark.skipif(shutil.which("g++") is None or "avx512_bf16" not in runinfo.cpu_flags(),
@@ -21,10 +19,7 @@ needs_avx512_bf16 = pytest.mark.skipif(shutil.which("g++") is None or "avx512_bf
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("int4_kernel_bench", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("int4_kernel_bench.py")
 
 
 @needs_avx2

@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import import_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "ab_revisions.py"
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("ab_revisions", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("ab_revisions.py")
 
 
 def checkout(path: Path) -> Path:

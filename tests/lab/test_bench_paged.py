@@ -3,14 +3,12 @@ they count is what the runs did, and the tokens never change with the cache's la
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shlex
-from pathlib import Path
 
 import pytest
-from conftest import make_checkpoint
+from conftest import import_script, make_checkpoint
 
 import llmstep
 from llmstep.lab.bench_batching import (
@@ -74,14 +72,8 @@ def test_chunked_prefill_rows_keep_the_tokens(tiny):
     assert all(0 < r["itl_p50_ms"] <= r["itl_p99_ms"] <= r["itl_max_ms"] for r in rows)
 
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_paged.py"
-
-
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_paged", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("bench_paged.py")
 
 
 @pytest.mark.parametrize("q", [-10, 150, math.nan, math.inf, True, "50"])

@@ -3,20 +3,17 @@ llmstep.lab.runinfo's header as every benchmark's does; the torchrun runs are st
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import import_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_tp.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_tp_script", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("bench_tp.py", "bench_tp_script")
 
 
 def fake_run(shape: str, n: int, args) -> dict:

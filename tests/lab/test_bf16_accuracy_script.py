@@ -4,7 +4,6 @@ versions."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,16 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import import_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bf16_accuracy.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bf16_accuracy", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("bf16_accuracy.py")
 
 
 def test_help_answers_without_loading_torch():

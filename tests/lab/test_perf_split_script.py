@@ -3,17 +3,15 @@ step's kernels by kind, OpenMP's waiting, the host code around the kernels), cou
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from conftest import import_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "perf_split.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("perf_split", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("perf_split.py")
 
 
 KERNELS = "/tmp/torchinductor_root/oh/cohxn47.main.so"

@@ -5,22 +5,17 @@ server's options."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from conftest import import_script
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_serve.py"
-
 
 def test_one_command_records_the_curve_and_the_four_settings(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = import_script("bench_serve.py")
     started = []
     real_server = script.Server
 
@@ -49,10 +44,7 @@ def test_one_command_records_the_curve_and_the_four_settings(tmp_path):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return import_script("bench_serve.py")
 
 
 @pytest.mark.parametrize("argv, flag", [
