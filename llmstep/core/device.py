@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype", "last_level_cache"]
+__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype", "last_level_cache",
+           "cpuinfo_fields"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -95,3 +96,19 @@ def last_level_cache(root: str | os.PathLike = "/sys/devices/system/cpu/cpu0/cac
         if kind != "Instruction" and number.isascii() and number.isdigit():
             sizes.append(int(number) * _UNITS.get(unit, 1))
     return max(sizes, default=None)
+
+
+def cpuinfo_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first processor's fields ("flags", "cpu family", "model", ...) of /proc/cpuinfo, or of the text `cpuinfo`;
+    {} where there is none to read (another OS)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields

@@ -52,6 +52,7 @@ import time
 import torch
 
 from ..core import attention_backend, registry
+from ..core.device import cpuinfo_fields
 from ..core.files import atomic_write_text
 from .cpu_attention_cpp import SOURCE
 
@@ -92,12 +93,8 @@ def runs_here() -> tuple[str, ...]:
 
 def _cpu_flags() -> set[str] | None:
     """The flags /proc/cpuinfo lists for the first CPU; None where there is no such list (torch's reading alone)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), None)
-    except OSError:
-        return None
-    return None if line is None else set(line.split(":", 1)[1].split())
+    flags = cpuinfo_fields().get("flags")
+    return None if flags is None else set(flags.split())
 
 
 def isa_here() -> str | None:

@@ -29,14 +29,13 @@ import platform
 import shlex
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
 from .._version import __version__
 from ..core import attention_backend
 from ..core.checks import check_int
-from ..core.device import resolve_device, synchronize
+from ..core.device import cpuinfo_fields, resolve_device, synchronize
 
 __all__ = ["CPU_FLAGS", "cpu_flags", "describe", "machine", "header", "time_repeats", "versions", "load_average",
            "command_line", "finite_values", "median", "spread", "timing"]
@@ -73,34 +72,18 @@ def describe(device: str | torch.device | None = None) -> dict[str, str | int | 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def _cpuinfo_fields(cpuinfo: str | None = None) -> dict[str, str]:
-    """The first processor's fields ("flags", "cpu family", "model", ...) of /proc/cpuinfo, or of the text `cpuinfo`;
-    {} where there is none to read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return {}
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
     """Which of CPU_FLAGS the CPU advertises (the first `flags` line of /proc/cpuinfo, or of the text `cpuinfo`; []
     where there is none): the kind of CPU a figure was measured on, since the kernels a step runs differ between
     AVX2, AVX-512 BF16 and AMX."""
-    flags = set(_cpuinfo_fields(cpuinfo).get("flags", "").split())
+    flags = set(cpuinfo_fields(cpuinfo).get("flags", "").split())
     return [flag for flag in CPU_FLAGS if flag in flags]
 
 
 def cpu_model(cpuinfo: str | None = None) -> str | None:
     """The first processor's family and model ("family 25 model 17") from /proc/cpuinfo (or the text `cpuinfo`);
     None where either is missing. Cloud VMs name every generation "AMD EPYC": this tells a Zen 4 from a Zen 5."""
-    fields = _cpuinfo_fields(cpuinfo)
+    fields = cpuinfo_fields(cpuinfo)
     if "cpu family" not in fields or "model" not in fields:
         return None
     return f"family {fields['cpu family']} model {fields['model']}"
