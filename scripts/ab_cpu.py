@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import shlex
 import statistics
 import sys
 import types
@@ -98,6 +97,7 @@ def withheld_kernels(spec: str) -> tuple | None:
 DTYPES = ("float32", "bfloat16", "int8", "int4")
 FUSE = {"": None, "fuse": True, "nofuse": False}
 PROMPT = 128  # the random prompt's tokens
+PROG = "python scripts/ab_cpu.py"  # as its records name the command (runinfo.command_line)
 
 
 def parse_variant(spec: str) -> dict:
@@ -183,7 +183,7 @@ def build(v: dict, name: str, group_size: int | None = None, only: tuple | None 
 def main(argv: list[str] | None = None) -> None:
     """Every flag and variant is checked, and --json, before any model loads."""
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python scripts/ab_cpu.py", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="+")
     p.add_argument("--rounds", type=positive_int, default=10)
     p.add_argument("--tokens", type=decode_tokens, default=64, help="tokens each timed run decodes (>= 2)")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     load_after = runinfo.load_average()
     print("load average:", load_after, file=sys.stderr)
     if a.json:
-        atomic_write_json(a.json, {"command": shlex.join(["python", "scripts/ab_cpu.py", *argv]),
+        atomic_write_json(a.json, {"command": runinfo.command_line(argv, PROG),
                                    "machine": runinfo.describe("cpu") | {"cpu_flags": runinfo.cpu_flags()},
                                    "versions": runinfo.versions(),
                                    "load_average_1min_before_after": [load_before, load_after],
