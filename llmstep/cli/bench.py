@@ -101,7 +101,9 @@ def add_commands(sub) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--new-tokens", type=decode_tokens, default=128)
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "int4-a8"],
+                   help="rows: the float weights, int8, int4 (weight-only), int4-a8 (int4 with 8-bit activations, "
+                        "llama.cpp's arithmetic: llmstep.core.int4a8)")
     p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
     p.add_argument("--quantize-lm-head", nargs="?", const=True, default=False, type=_head_mode, metavar="int8",
                    help="quantize the LM head too: in the blocks' mode, or (given int8) in int8 under int4 blocks "
@@ -187,8 +189,8 @@ def check_bench_flags(args) -> None:
     quantised row, a compile mode with compiling turned off."""
     if len(set(args.quantize)) < len(args.quantize):
         raise ValueError(f"--quantize {' '.join(args.quantize)}: each mode once (a row twice is measured twice)")
-    if args.group_size is not None and "int4" not in args.quantize:
-        raise ValueError("--group-size sets int4's groups: add int4 to --quantize")
+    if args.group_size is not None and not {"int4", "int4-a8"} & set(args.quantize):
+        raise ValueError("--group-size sets int4's groups: add int4 (or int4-a8) to --quantize")
     if args.quantize_lm_head and args.quantize == ["none"]:
         raise ValueError("--quantize-lm-head quantises the head of the quantised rows: add int8 or int4 to --quantize")
     if args.compile_mode is not None and args.compile is False:

@@ -46,8 +46,9 @@ _FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes that loading conve
 # Buffers some old checkpoints carry, recomputed from the config: only these exact names may be skipped.
 _OPTIONAL = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 # Of the quantised layout: 2 adds an LM head in a mode of its own (QuantConfig.lm_head "int8"), which a reader of
-# version 1 would take for a head in the blocks' mode. Every other checkpoint is still written as version 1.
-FORMAT_VERSION = 2
+# version 1 would take for a head in the blocks' mode; 3 adds int4's 8-bit activations (QuantConfig.activations),
+# which a reader of 1 or 2 would drop. Every other checkpoint is still written as version 1.
+FORMAT_VERSION = 3
 QUANT_KEY = "llmstep_quantization"  # the safetensors header's copy of the quantisation settings
 # A table row: tensor name in the file -> (llmstep state name, shape, safetensors dtype: "float", "I8" or "U8").
 Table = dict[str, tuple[str, tuple[int, ...], str]]
@@ -147,7 +148,7 @@ def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:
     if method != "llmstep":
         raise CheckpointError(f"{file}: quantization_config is for {method!r}; llmstep reads only its own ('llmstep')")
     version = settings.get("format_version")
-    if version not in (1, FORMAT_VERSION) or isinstance(version, bool):
+    if version not in range(1, FORMAT_VERSION + 1) or isinstance(version, bool):
         raise CheckpointError(f"{file}: quantised format version {version!r}, this llmstep reads versions 1 to "
                               f"{FORMAT_VERSION}")
     try:
@@ -155,14 +156,16 @@ def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:
     except (QuantizationError, TypeError) as e:
         raise CheckpointError(f"{file}: bad quantization_config: {e}") from None
     if format_version(qc) > version:
-        raise CheckpointError(f"{file}: quantised format version {version} has no LM head of its own mode "
-                              f"(lm_head {qc.lm_head!r}); the file is damaged")
+        raise CheckpointError(f"{file}: quantised format version {version} has no " + (
+            "8-bit activations" if qc.activations and version < 3 else f"LM head of its own mode (lm_head "
+            f"{qc.lm_head!r})") + "; the file is damaged")
     return qc
 
 
 def format_version(qc: QuantConfig) -> int:
-    """The oldest format that holds `qc`: what a checkpoint of it is written as, so older readers keep reading it."""
-    return 2 if isinstance(qc.lm_head, str) else 1
+    """The oldest format that holds `qc`: what a checkpoint of it is written as, so older readers keep reading it
+    (version 2: an LM head of its own mode; 3: 8-bit activations, which a reader of 1 or 2 would drop silently)."""
+    return 3 if qc.activations else 2 if isinstance(qc.lm_head, str) else 1
 
 
 def generation_config_of(gen: dict, file: Path) -> dict:

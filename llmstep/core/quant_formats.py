@@ -21,7 +21,7 @@ import torch
 from .checks import is_int
 
 __all__ = ["QuantConfig", "MODES", "QuantizationError", "DEFAULT_GROUP_SIZE", "quantize_int8", "dequantize_int8",
-           "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles"]
+           "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles", "reduce_matmul"]
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
@@ -39,6 +39,9 @@ class QuantConfig:
     # `mode`, "int8" in int8 under int4 blocks (the head is the largest matmul of a small model, and its row
     # scales cost little: llama.cpp's 4-bit files keep theirs at 8 or 6 bits). "int8" under int8 blocks is True.
     lm_head: bool | str = False
+    # int4 only: 8 rounds each row of activations to 8 bits per block of 32 before the int4 matmuls (llama.cpp's
+    # arithmetic for its 4-bit files: llmstep.core.int4a8); None keeps them in the model's dtype (weight-only)
+    activations: int | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -52,6 +55,13 @@ class QuantConfig:
             object.__setattr__(self, "group_size", int(g))  # a numpy integer as Python's (saved as JSON)
         elif self.group_size is not None:
             raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
+        if self.activations is not None:
+            if self.activations != 8 or self.mode != "int4":
+                raise QuantizationError(f"activations=8 (8-bit activations) goes with int4 only, got activations="
+                                        f"{self.activations!r} with {self.mode}")
+            if self.group_size % 32:
+                raise QuantizationError(f"int4 with 8-bit activations takes whole blocks of 32 inputs a group: group "
+                                        f"size {self.group_size} is not a multiple of 32")
         head = self.lm_head
         if head == self.mode:
             object.__setattr__(self, "lm_head", True)  # one spelling of "the head in the blocks' mode"
@@ -64,25 +74,27 @@ class QuantConfig:
         """The settings the LM head is quantised with; None where it stays float."""
         if self.lm_head is False:
             return None
-        return QuantConfig(self.mode, self.group_size) if self.lm_head is True else QuantConfig("int8")
+        if self.lm_head is True:
+            return QuantConfig(self.mode, self.group_size, activations=self.activations)
+        return QuantConfig("int8")
 
     def layer(self, name: str) -> QuantConfig | None:
         """The settings of one matmul: the head's for "output" (None: float), the blocks' for any other."""
-        return self.head if name == "output" else QuantConfig(self.mode, self.group_size)
+        return self.head if name == "output" else QuantConfig(self.mode, self.group_size, activations=self.activations)
 
     @classmethod
     def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | str | None = None
            ) -> QuantConfig:
-        """A QuantConfig from itself, its name ("int8", "int4", "int4-g32", "int4-g32+lm_head-int8": what str()
-        gives) or a dict; a group_size or lm_head given overrides the spec's."""
+        """A QuantConfig from itself, its name ("int8", "int4", "int4-g32", "int4-g32-a8", "int4-g32+lm_head-int8":
+        what str() gives) or a dict; a group_size or lm_head given overrides the spec's."""
         if isinstance(spec, dict):
-            spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head")})
+            spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head", "activations")})
         elif not isinstance(spec, QuantConfig):
             spec = cls._parse(str(spec))
         if group_size is None and lm_head is None:
             return spec
         return cls(spec.mode, spec.group_size if group_size is None else group_size,
-                   spec.lm_head if lm_head is None else lm_head)
+                   spec.lm_head if lm_head is None else lm_head, spec.activations)
 
     @classmethod
     def _parse(cls, name: str) -> QuantConfig:
@@ -91,15 +103,18 @@ class QuantConfig:
             raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' may follow (the "
                                     "head in the blocks' own mode is plain '+lm_head')")
         lm_head = head.removeprefix("-") or bool(plus)
+        activations = 8 if base.startswith("int4") and base.endswith("-a8") else None
+        base = base.removesuffix("-a8") if activations else base
         if base.startswith("int4-g") and base[6:].isascii() and base[6:].isdigit():
-            return cls("int4", int(base[6:]), lm_head)
-        return cls(base, None, lm_head)
+            return cls("int4", int(base[6:]), lm_head, activations)
+        return cls(base, None, lm_head, activations)
 
-    def to_dict(self) -> dict:  # what a checkpoint records
-        return asdict(self)
+    def to_dict(self) -> dict:  # what a checkpoint records (no activations key for weight-only: as before them)
+        d = asdict(self)
+        return d if self.activations else {k: v for k, v in d.items() if k != "activations"}
 
     def __str__(self) -> str:
-        name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}"
+        name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}" + ("-a8" if self.activations else "")
         return name + ("" if self.lm_head is False else "+lm_head" if self.lm_head is True else "+lm_head-int8")
 
 
@@ -173,3 +188,18 @@ def nibbles(t: torch.Tensor) -> torch.Tensor:
     """Any tensor's bytes as a flat stream of 4-bit values, low nibble first."""
     b = t.contiguous().view(torch.uint8).flatten()
     return torch.stack([b & 15, b >> 4], dim=-1).flatten()
+
+
+def reduce_matmul(x2d: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M, N] as one multiply-and-sum over the plain codes [N, K/2] (int4's kernel="reduce"): each
+    byte's high nibble weighs the even input, its low nibble the odd one, the group's scale and zero broadcast over
+    it. Eager, it widens the weights like dequantise + matmul; compiled, it is one reduction kernel that reads each
+    byte once (half a byte a weight), with no extern matmul (tests/cuda_proofs)."""
+    N, G = scales.shape
+    dtype = torch.promote_types(x2d.dtype, torch.float32)  # accumulate in float32 at least
+    codes = codes.view(N, G, -1)  # [N, K/g, g/2] uint8
+    scale, zero = scales.to(dtype).unsqueeze(-1), zeros.to(dtype).unsqueeze(-1)  # [N, K/g, 1]
+    w_even = ((codes >> 4).to(dtype) - 8) * scale + zero  # [N, K/g, g/2]: inputs 0, 2, 4, ... of each group
+    w_odd = ((codes & 15).to(dtype) - 8) * scale + zero  # inputs 1, 3, 5, ...
+    x_even, x_odd = x2d.to(dtype).view(-1, 1, G, codes.shape[-1], 2).unbind(-1)  # [M, 1, K/g, g/2] each
+    return (w_even * x_even + w_odd * x_odd).sum(dim=(-2, -1))  # [M, N]

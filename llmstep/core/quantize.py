@@ -2,7 +2,7 @@
 
 Decode at batch 1 reads every weight once per token, so its speed is set by bytes, not FLOPs. Storing the matrices
 in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16) while activations, norms
-and the KV cache stay in the model's dtype.
+and the KV cache stay in the model's dtype (int4-a8, activations=8, rounds them too: llmstep.core.int4a8).
 
 The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
 and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import torch_compat
+from . import int4a8, torch_compat
 from .config import LlamaConfig
 from .model import Llama, materialize
 from .quant_formats import (
@@ -43,6 +43,7 @@ from .quant_formats import (
     pack_int4,
     quantize_int4,
     quantize_int8,
+    reduce_matmul,
     unpack_int4,
 )
 
@@ -102,8 +103,10 @@ def _auto_kernel(mode: str, device: torch.device | None = None) -> str:
     return "packed"
 
 
-def _check_kernel(kernel: str, mode: str) -> None:
-    if kernel not in KERNELS:
+def _check_kernel(kernel: str, mode: str, activations: int | None = None) -> None:
+    if activations and kernel not in ("auto", "a8", "dequant"):  # "a8": the int4-a8 layers' integer kernel
+        raise QuantizationError(f"int4 with 8-bit activations has its own kernel (auto), not {kernel!r}")
+    if kernel not in KERNELS and not (activations and kernel == "a8"):
         raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     if kernel == "reduce" and mode != "int4":
         raise QuantizationError("kernel 'reduce' is int4's single-reduction path; int8 has 'packed' and 'dequant'")
@@ -184,23 +187,25 @@ class Int4Linear(nn.Module):
     """y = x @ W^T with W stored as 4-bit codes, two per byte, and a scale and zero per group of inputs."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE, device=None,
-                 dtype=torch.float32, kernel: str = "auto"):
+                 dtype=torch.float32, kernel: str = "auto", activations: int | None = None):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.activations = activations  # 8: 8-bit activations (llmstep.core.int4a8), None: as they come
         groups = in_features // group_size
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
-        _check_kernel(kernel, "int4")
+        _check_kernel(kernel, "int4", activations)
         self.kernel = kernel
         # The packed kernels want their own layouts: built by prepare(), never saved.
         self.register_buffer("kernel_weight", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)  # [K/g, N, 2]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, kernel: str = "auto") -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, kernel: str = "auto",
+                    activations: int | None = None) -> Int4Linear:
         w = linear.weight
-        m = cls(w.shape[1], w.shape[0], group_size, device=w.device, dtype=w.dtype, kernel=kernel)
+        m = cls(w.shape[1], w.shape[0], group_size, w.device, w.dtype, kernel, activations)
         m.weight, m.scales, m.zeros = quantize_int4(w, group_size, scale_dtype=w.dtype)
         m.prepare()
         return m
@@ -212,6 +217,8 @@ class Int4Linear(nn.Module):
         layout when asked for (`codes`); the CPU kernel is matrix-vector, so a prompt widens the codes kept there."""
         codes = self.codes()
         device = codes.device
+        if self.activations:  # int4-a8: the integer kernel's layout on a CPU, where its shapes fit; else torch's ops
+            return int4a8.prepare(self, codes)
         if self.kernel == "auto":
             self.kernel = _auto_kernel("int4", device)
         self.kernel_weight = self.scales_and_zeros = None
@@ -275,21 +282,13 @@ class Int4Linear(nn.Module):
         return torch_compat.int4_mm(x2d, self.kernel_weight, self.group_size, sz)
 
     def reduce_mm(self, x2d: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] as one multiply-and-sum over the plain codes (kernel="reduce"): each byte's high
-        nibble weighs the even input, its low nibble the odd one, the group's scale and zero broadcast over it.
-        Eager, it widens the weights like dequantise + matmul; compiled, it is one reduction kernel that reads
-        each byte once (half a byte a weight), with no extern matmul (tests/cuda_proofs)."""
-        N, G = self.scales.shape
-        dtype = torch.promote_types(x2d.dtype, torch.float32)  # accumulate in float32 at least
-        codes = self.weight.view(N, G, -1)  # [N, K/g, g/2] uint8
-        scale, zero = self.scales.to(dtype).unsqueeze(-1), self.zeros.to(dtype).unsqueeze(-1)  # [N, K/g, 1]
-        w_even = ((codes >> 4).to(dtype) - 8) * scale + zero  # [N, K/g, g/2]: inputs 0, 2, 4, ... of each group
-        w_odd = ((codes & 15).to(dtype) - 8) * scale + zero  # inputs 1, 3, 5, ...
-        x_even, x_odd = x2d.to(dtype).view(-1, 1, G, codes.shape[-1], 2).unbind(-1)  # [M, 1, K/g, g/2] each
-        return (w_even * x_even + w_odd * x_odd).sum(dim=(-2, -1))  # [M, N]
+        """x [M, K] -> [M, N], kernel="reduce": one multiply-and-sum over the plain codes (`reduce_matmul`)."""
+        return reduce_matmul(x2d, self.weight, self.scales, self.zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.activations:
+            return int4a8.matmul(self, x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1).to(x.dtype)
         if self.kernel == "reduce" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = self.reduce_mm(x.reshape(-1, self.in_features))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -308,7 +307,7 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel={self.kernel}")
+                f"group_size={self.group_size}, kernel={self.kernel}" + (", activations=8" if self.activations else ""))
 
 
 QuantLinear = (Int8Linear, Int4Linear)
@@ -368,7 +367,7 @@ def _swap_per_layer(model: Llama, qc: QuantConfig, make: Callable[[nn.Linear, Qu
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
     if qc.mode == "int8":  # an int8 head under int4 blocks quantised with int4's "reduce" takes int8's own choice
         return Int8Linear.from_linear(linear, "auto" if kernel == "reduce" else kernel)
-    return Int4Linear.from_linear(linear, qc.group_size, kernel)
+    return Int4Linear.from_linear(linear, qc.group_size, kernel, qc.activations)
 
 
 def empty_quantized(model: Llama, qc: QuantConfig, dtype: torch.dtype) -> None:
@@ -377,7 +376,8 @@ def empty_quantized(model: Llama, qc: QuantConfig, dtype: torch.dtype) -> None:
     def make(lin: nn.Linear, layer: QuantConfig) -> nn.Module:
         if layer.mode == "int8":
             return Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype)
-        return Int4Linear(lin.in_features, lin.out_features, layer.group_size, device="meta", dtype=dtype)
+        return Int4Linear(lin.in_features, lin.out_features, layer.group_size, device="meta", dtype=dtype,
+                          activations=layer.activations)
 
     _swap_per_layer(model, qc, make)
 
@@ -398,7 +398,7 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     Quantise on the device the model will run on: the packed kernels' layouts are device-specific.
     """
     qc = QuantConfig.of(spec, group_size, lm_head)
-    _check_kernel(kernel, qc.mode)
+    _check_kernel(kernel, qc.mode, qc.activations)
     _check(model, qc)
     target = model if inplace else _float_copy(model)
     with torch.no_grad():
@@ -417,8 +417,8 @@ def quantize_lm_head(model: Llama, mode: str = "int8", kernel: str = "auto") -> 
                                    else f"is {qc}"))
     if mode not in MODES:
         raise QuantizationError(f"quantize_lm_head: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    qc = QuantConfig(qc.mode, qc.group_size, mode)
-    _check_kernel(kernel, qc.head.mode)
+    qc = QuantConfig(qc.mode, qc.group_size, mode, qc.activations)
+    _check_kernel(kernel, qc.head.mode, qc.head.activations)
     _check(model, qc, names=["output"])
     with torch.no_grad():
         swap_linears(model, ["output"], lambda linear: _make(linear, qc.head, kernel))

@@ -24,7 +24,7 @@ import torch
 from ..core import torch_compat
 from ..core.checks import check_flag
 from ..core.device import synchronize
-from ..kernels import cpu_attention, cpu_gemm
+from ..kernels import cpu_attention, cpu_gemm, cpu_int4a8
 
 __all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graphs", "compiles", "compile_step", "Step",
            "weights_digest", "warm_up"]
@@ -191,6 +191,8 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         for kernel in cpu_gemm.kernels():  # here, not in compile_options: inductor imported, the compiler probed (s)
             kernel.install()
         cpu_attention.install()  # a step of one sequence attends with it (attention_backend.cpu_step_kernel)
+        if any(getattr(m, "activations", None) for model in models for m in model.modules()):
+            cpu_int4a8.install()  # int4-a8's matmuls (llmstep.core.int4a8; prepare() has installed it where it can)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)
     traced = own_code(fn)  # its own code object: Dynamo's limit of compiled versions counts this step's alone

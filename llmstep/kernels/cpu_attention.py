@@ -43,17 +43,13 @@ registers nothing and says why (`why()`): SDPA's kernel runs.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import threading
-import time
 
 import torch
 
-from ..core import attention_backend, registry
+from ..core import attention_backend
 from ..core.device import cpuinfo_fields
-from ..core.files import atomic_write_text
+from .cpp_build import first_error, load_library
 from .cpu_attention_cpp import SOURCE
 
 __all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_prefix", "build", "isa_here",
@@ -70,7 +66,6 @@ _RUNS = {"AVX512": ("avx512", "avx2"), "AVX2": ("avx2",)}
 # and the CPU flags each needs: ATEN_CPU_CAPABILITY can name a capability the CPU lacks (the build would then die of
 # an illegal instruction as it loads), so where the CPU lists its flags they must be there too
 _FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
-_STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
 _state: dict[str, object] = {}  # "op", "isa": the installed op and its ISA, or "why": what stopped it (once a process)
 _installing = threading.Lock()
 
@@ -121,32 +116,13 @@ def build(isa: str):
     """Build (once per machine) and load the kernel for `isa` (a key of ISAS), and return its op,
     `torch.ops.llmstep_cpu_<isa>.attention(q, k, v, mask, scale)`. An ISA this CPU does not run is refused before
     anything is built (its code would be an illegal instruction here); `install` builds `isa_here()`'s."""
-    from torch.utils import cpp_extension
-
     if isa not in ISAS:
         raise ValueError(f"no attention kernel for the ISA {isa!r}: one of {', '.join(ISAS)}")
     if isa not in runs_here():
         raise RuntimeError(f"this CPU does not run the {isa} kernel (torch reads its vector instructions as "
                            f"{torch.backends.cpu.get_cpu_capability()})")
     namespace = op_name(isa).partition("::")[0]
-    if not hasattr(getattr(torch.ops, namespace), "attention"):  # torch.ops makes any namespace; the op is loaded
-        if shutil.which("ninja") is None:  # the ninja wheel (a dependency) without its environment's bin/ on PATH
-            import ninja
-
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-        text = SOURCE.replace("LLMSTEP_NS", namespace)
-        digest = hashlib.sha256((text + " ".join(ISAS[isa])).encode()).hexdigest()[:16]
-        name = f"{namespace}_attention_{digest}"
-        folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
-        source = folder / "cpu_attention.cpp"
-        if not source.exists() or source.read_text() != text:
-            atomic_write_text(source, text)  # a reader (another process building) never sees half of it
-        lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-        cpp_extension.load(name, [str(source)], extra_cflags=ISAS[isa], extra_ldflags=["-fopenmp"],
-                           build_directory=str(folder), is_python_module=False, verbose=False)
-    return getattr(torch.ops, namespace).attention
+    return load_library(namespace, "attention", SOURCE, ISAS[isa], "cpu_attention.cpp").attention
 
 
 def install() -> bool:
@@ -162,7 +138,7 @@ def install() -> bool:
                                        f"{capability}")
                 _state["op"], _state["isa"] = build(isa), isa
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
-                _state["why"] = f"{type(e).__name__}: {_first_error(str(e))}"
+                _state["why"] = f"{type(e).__name__}: {first_error(str(e))}"
             if "op" in _state and callable(_state["op"]):  # the build's decode-step form, beside its `attention`
                 namespace = op_name(str(_state["isa"])).partition("::")[0]
                 if (prefix := getattr(getattr(torch.ops, namespace), "attention_prefix", None)) is not None:
@@ -173,12 +149,6 @@ def install() -> bool:
                                               prefix=prefix)
         return True
     return False
-
-
-def _first_error(message: str) -> str:
-    """The compiler's first error line in a failed build's output, else its last line."""
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    return next((line for line in lines if "error:" in line), lines[-1] if lines else "")
 
 
 def installed() -> bool:

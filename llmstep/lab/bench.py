@@ -208,7 +208,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
               bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
               hf_dtype: torch.dtype | None = None, log=print, on_repeat=None, argv: list[str] | None = None,
               hf_compile: bool | None = None) -> dict:
-    """Measure every variant on `model` ("none" = its float weights, "int8", "int4"); return the record.
+    """Measure every variant on `model` ("none" = its float weights, "int8", "int4", "int4-a8"); return the record.
     transformers runs on the same weights in `hf_dtype` (default: the model's), twice: eager generate() and,
     with `hf_compile` (default: on CUDA only; compiling transformers on a CPU takes minutes), generate() with a
     static cache and its forward compiled; record["transformers_peers"] says which ran and why one did not.
@@ -228,7 +228,8 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
     base_q = getattr(model, "quantization", None)
     if base_q is not None and set(variants) - {"none"}:
         raise ValueError(f"the model is already quantised ({base_q}); it cannot also be run as {variants}")
-    qcs = {v: QuantConfig(v, group_size if v == "int4" else None, lm_head) for v in variants if v != "none"}
+    qcs = {v: QuantConfig.of(v, group_size if v.startswith("int4") else None, lm_head)
+           for v in variants if v != "none"}
     for qc in qcs.values():  # a mode or group size the model's layers cannot take: refused before any measuring
         check_config(config, qc)
     compiled = device.type == "cuda" if compile is None else compile

@@ -51,7 +51,8 @@ __all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_types",
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
 _MODULE = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2", "transformers": "transformers"}
 _PIP = {"llama.cpp": "llama-cpp-python", "ctranslate2": "ctranslate2", "transformers": "transformers"}
-GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # llama.cpp's type at each
+# llama.cpp's type at each precision (int4-a8: the arithmetic of llama.cpp's own Q4_0 matmul, activations in Q8_0)
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-a8": "q4_0"}
 HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (its quantiser told Q8_0)
 _PRECISION_OF = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
@@ -76,7 +77,7 @@ def why_not(peer: str, precision: str, checkpoint: Path | None, tokenizer: Token
         if CT2_COMPUTE[precision] not in ctranslate2.get_supported_compute_types("cpu"):
             return (f"compute type {CT2_COMPUTE[precision]} is not supported by CTranslate2 on this CPU "
                     f"(it offers {', '.join(sorted(ctranslate2.get_supported_compute_types('cpu')))})")
-    if peer == "transformers" and precision in ("int8", "int4"):
+    if peer == "transformers" and precision in ("int8", "int4", "int4-a8"):
         return "no weight-only int8/int4 on a CPU without further packages"
     return None
 
@@ -146,7 +147,7 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
         else:
             if precision == "int4" and plan.gguf_file is not None:
                 kept = _kept(plan, model.dtype)
-            qc = QuantConfig(precision, group_size if precision == "int4" else None, lm_head=HEAD)
+            qc = QuantConfig.of(precision, group_size if precision.startswith("int4") else None, lm_head=HEAD)
             m = quantize(model, qc, inplace=False)
             ours = str(m.quantization)
             plan.variants.append(Variant(precision, m, ours, f"llmstep {ours} of {origin}"

@@ -120,3 +120,16 @@ def test_a_bandwidth_buffer_larger_than_the_free_memory_is_refused_by_name_befor
     monkeypatch.setattr(bench.decode_bench, "bench_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(SystemExit, match=r"--bandwidth-bytes 1,073,741,824 \(the bandwidth copy's 2 buffers"):
         main(TINY + ["--bandwidth-bytes", str(2**30)])
+
+
+def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
+    """--quantize int4-a8: int4 weights (the same bytes a step as int4's) with 8-bit activations (llmstep.core.int4a8),
+    its own row; --group-size applies to it as to int4, and alone it is enough for one."""
+    rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "int4-a8", "--group-size", "32"])["rows"]
+    assert [r["name"] for r in rows] == ["llmstep eager int4-g32", "llmstep eager int4-g32-a8"]
+    assert rows[0]["weight_bytes_per_step"] == rows[1]["weight_bytes_per_step"]
+    assert len(rows[1]["tokens"]) == 6
+    assert main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4-a8", "--group-size", "64"])["rows"][0][
+        "name"] == "llmstep eager int4-g64-a8"
+    with pytest.raises(SystemExit, match="not a multiple of 32"):
+        main(TINY + ["--no-hf", "--quantize", "int4-a8", "--group-size", "16"])

@@ -1,0 +1,297 @@
+"""llmstep's CPU kernel for int4 weights times 8-bit activations (`int4-a8`, llmstep.core.int4a8): llama.cpp's
+arithmetic for its 4-bit files, a one-row matmul in integer dot products.
+
+A row of activations is rounded to 8 bits per block of 32 (`int4a8.quantize_activations`: a step d = max|x| / 127,
+codes p = round(x / d) in -127..127), once per call. Then each group of inputs of each column is
+s * sum_b d_b * sum(p q) + (z - 8 s) * sum_b d_b * sum(p), the inner sums exact in integers: `vpmaddubsw` multiplies
+32 unsigned 4-bit codes by 32 signed 8-bit activations and adds the products in pairs (at most 2 * 15 * 127 = 3,810),
+eight of those sum in 16-bit lanes without overflow (30,480), `vpmaddwd` widens them to 32 bits, and the block's
+float step, the group's scale and zero are applied once per 32 inputs and 8 columns. Against the float kernel
+(widen every code to float32, one multiply-add a weight: kernels/cpu_int4.py) that is 32 weights per two integer
+multiply-adds, where it takes 32 conversions and 32 multiply-adds.
+
+The weights in the kernel's layout (`int4a8.layout`): [N / 8, K / 8, 8, 4] bytes, for each vector of 8 columns and
+each 8 inputs a 32-byte row whose 32-bit lane c holds column c's 4 codes of inputs k..k+3 in its bytes' low nibbles
+and of k+4..k+7 in their high nibbles (so a lane's 4 bytes meet 4 consecutive activations in `vpmaddubsw`, the
+activations broadcast 4 bytes at a time); the scales and zeros [N / 8, K / g, 2, 8], the 8 columns' scales then their
+zeros, in the model's bf16 or float32. Threads share the columns, 32 at a time (at::parallel_for).
+
+Written for AVX2 (an AVX-512 CPU runs it too); `install()` builds it once per machine (kernels/cpp_build.py) and
+registers it with llmstep.core.int4a8, which calls it for one-row to 16-row matmuls on a CPU; elsewhere, and where the
+build fails (`why()`), int4a8 computes the same function with torch's ops. tests/kernels/test_cpu_int4a8.py holds the
+kernel's codes and steps to the reference bit for bit and its output to a float64 computation.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..core import int4a8
+from .cpp_build import first_error, load_library
+from .cpu_attention import runs_here
+
+__all__ = ["SOURCE", "FLAGS", "NAMESPACE", "build", "install", "installed", "why"]
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+NAMESPACE = "llmstep_int4a8_avx2"
+_state: dict[str, object] = {}  # "ops": the loaded ops, or "why": what stopped the build (once a process)
+_installing = threading.Lock()
+
+SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+#ifndef AHEAD
+#define AHEAD 4096
+#endif
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is float32's upper half: widening is exact, a shift
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// One row of K activations -> K codes p and K / 32 steps d, x ~= p * d per block of 32: d = max|x| / 127,
+// p = round-half-even(x * (1 / d)) (0 where d is 0), each in float32 as int4a8.quantize_activations takes them; a
+// block holding a NaN gets d = NaN. E[g]: the sum over group g's blocks b of d[b] * sum(p of b), in order.
+template <typename T>
+void quantize_row(const T* x, int64_t K, int64_t blocks_per_group, int8_t* p, float* d, float* E) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  float e = 0.0f;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + 32 * b + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    }
+    float db = hmax(m) / 127.0f;
+    float id = db != 0.0f ? 1.0f / db : 0.0f;
+    if (_mm256_movemask_ps(nan)) {  // max() may drop a NaN: the block's step says it
+      db = std::numeric_limits<float>::quiet_NaN();
+      id = 0.0f;
+    }
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[i] = _mm256_cvtps_epi32(r);
+    }
+    // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute puts them back)
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32 * b), bytes);
+    const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    d[b] = db;
+    e += db * static_cast<float>(_mm_cvtsi128_si32(t));
+    if ((b + 1) % blocks_per_group == 0) {
+      E[b / blocks_per_group] = e;
+      e = 0.0f;
+    }
+  }
+}
+
+inline void load_sz(const float* p, __m256& s, __m256& z) { s = _mm256_loadu_ps(p); z = _mm256_loadu_ps(p + 8); }
+inline void load_sz(const c10::BFloat16* p, __m256& s, __m256& z) { s = load8(p); z = load8(p + 8); }
+
+// A tile of CV vectors of 8 columns ([K / 8][CV][32] bytes: one stream) times one row's codes p, steps d and E.
+template <int CV, typename S>
+inline void columns(const int8_t* p, const float* d, const float* E, const uint8_t* W, const S* SZ, int64_t K,
+                    int64_t bpg, float* y) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 acc[CV];
+  for (int c = 0; c < CV; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / (32 * bpg); ++g) {
+    const __m256 eg = _mm256_set1_ps(E[g]);
+    for (int64_t l = 0; l < bpg * CV * 128; l += 64) {  // the stream AHEAD bytes on, into the L1
+      _mm_prefetch(reinterpret_cast<const char*>(W + g * bpg * CV * 128 + AHEAD + l), _MM_HINT_T0);
+    }
+    for (int c = 0; c < CV; ++c) {  // a column vector at a time: its sums stay in registers
+      __m256 ag = _mm256_setzero_ps();  // sum_b d_b * sum(p q) over the group's blocks
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        const uint8_t* wb = W + b * 4 * CV * 32 + c * 32;
+        const int8_t* pb = p + 32 * b;
+        __m256i is = _mm256_setzero_si256();  // 16 int16 sums: at most 8 * 3,810
+#pragma GCC unroll 4
+        for (int o = 0; o < 4; ++o) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + o * CV * 32));
+          const __m256i lo = _mm256_and_si256(w, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
+          const __m256i a0 = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(pb + 8 * o));
+          const __m256i a1 = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(pb + 8 * o + 4));
+          is = _mm256_add_epi16(is, _mm256_maddubs_epi16(lo, a0));
+          is = _mm256_add_epi16(is, _mm256_maddubs_epi16(hi, a1));
+        }
+        ag = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(is, ones)), _mm256_set1_ps(d[b]), ag);
+      }
+      __m256 s, z;
+      load_sz(SZ + (g * CV + c) * 16, s, z);
+      acc[c] = _mm256_fmadd_ps(s, ag, acc[c]);
+      acc[c] = _mm256_fmadd_ps(_mm256_fnmadd_ps(eight, s, z), eg, acc[c]);  // (z - 8 s) * sum_b d_b * sum(p)
+    }
+  }
+  for (int c = 0; c < CV; ++c) _mm256_storeu_ps(y + 8 * c, acc[c]);
+}
+
+template <typename T, typename S>
+void mm_rows(const T* x, const uint8_t* W, const S* SZ, float* y, int64_t M, int64_t N, int64_t K, int64_t group) {
+  const int64_t bpg = group / 32, blocks = K / 32, G = K / group;
+  std::vector<int8_t> p(M * K);
+  std::vector<float> d(M * blocks), E(M * G);
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(x + m * K, K, bpg, p.data() + m * K, d.data() + m * blocks, E.data() + m * G);
+  }
+  const int64_t wstride = K * 4, szstride = G * 16;  // a vector of 8 columns: K / 2 * 8 bytes, G * 16 values
+  constexpr int64_t TILE = 4;  // column vectors a task takes at a time
+  at::parallel_for(0, (N / 8 + TILE - 1) / TILE, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t v0 = TILE * t, cv = std::min<int64_t>(TILE, N / 8 - v0);
+      for (int64_t m = 0; m < M; ++m) {  // the tile's weights stay in cache for the next row
+        const int8_t* pm = p.data() + m * K;
+        const float* dm = d.data() + m * blocks;
+        const float* Em = E.data() + m * G;
+        const uint8_t* w = W + v0 * wstride;
+        const S* sz = SZ + v0 * szstride;
+        float* ym = y + m * N + 8 * v0;
+        switch (cv) {
+          case 4: columns<4>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          case 3: columns<3>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          case 2: columns<2>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          default: columns<1>(pm, dm, Em, w, sz, K, bpg, ym); break;
+        }
+      }
+    }
+  });
+}
+
+void check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4a8 mm: x must be [M, K] float32 or bfloat16, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "int4a8 mm: K = ", K, " and the group ", group,
+              " must be multiples of 32, K of the group");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == 4 * K && w.is_contiguous(),
+              "int4a8 mm: weights must be contiguous uint8 [N / 8, 4 K] for K = ", K, ", got ", w.sizes());
+  TORCH_CHECK(sz.is_contiguous() && (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16) &&
+              sz.numel() == w.size(0) * (K / group) * 16,
+              "int4a8 mm: scales and zeros must be contiguous [N / 8, K / group, 2, 8] bf16 or float32");
+}
+
+at::Tensor mm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check(x, w, sz, group);
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0) * 8;
+  at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* out = y.data_ptr<float>();
+  const bool bf16_scales = sz.scalar_type() == at::kBFloat16;
+  if (xc.scalar_type() == at::kBFloat16) {
+    const auto* a = xc.data_ptr<c10::BFloat16>();
+    if (bf16_scales) mm_rows(a, W, sz.data_ptr<c10::BFloat16>(), out, M, N, K, group);
+    else mm_rows(a, W, sz.data_ptr<float>(), out, M, N, K, group);
+  } else {
+    const auto* a = xc.data_ptr<float>();
+    if (bf16_scales) mm_rows(a, W, sz.data_ptr<c10::BFloat16>(), out, M, N, K, group);
+    else mm_rows(a, W, sz.data_ptr<float>(), out, M, N, K, group);
+  }
+  return y;
+}
+
+at::Tensor mm_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  return at::empty({x.size(0), w.size(0) * 8}, x.options().dtype(at::kFloat));
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "int4a8 quantize: x must be [M, K] float32 or bfloat16 with K a multiple of 32");
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor p = at::empty({M, K}, xc.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / 32}, xc.options().dtype(at::kFloat));
+  std::vector<float> E(K / 32);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* pm = p.data_ptr<int8_t>() + m * K;
+    float* dm = d.data_ptr<float>() + m * (K / 32);
+    if (xc.scalar_type() == at::kBFloat16) quantize_row(xc.data_ptr<c10::BFloat16>() + m * K, K, 1, pm, dm, E.data());
+    else quantize_row(xc.data_ptr<float>() + m * K, K, 1, pm, dm, E.data());
+  }
+  return {p, d};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(LLMSTEP_NS, m) {
+  m.def("mm(Tensor x, Tensor w, Tensor sz, int group) -> Tensor");
+  m.def("quantize(Tensor x) -> (Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) {
+  m.impl("mm", &mm_cpu);
+  m.impl("quantize", &quantize_cpu);
+}
+TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) { m.impl("mm", &mm_meta); }
+"""
+
+
+def build():
+    """Build (once per machine) and load the kernel; returns torch.ops.llmstep_int4a8_avx2 (`mm(x, w, sz, group)`,
+    `quantize(x)`). Refused, before anything is built, on a CPU that does not run AVX2."""
+    if "avx2" not in runs_here():
+        raise RuntimeError(f"it is written for AVX2; this CPU's vector instructions: "
+                           f"{torch.backends.cpu.get_cpu_capability()}")
+    return load_library(NAMESPACE, "mm", SOURCE, FLAGS, "cpu_int4a8.cpp")
+
+
+def install() -> bool:
+    """Build and load the kernel once a process and register it with llmstep.core.int4a8 (its one-row to 16-row
+    CPU matmuls). Returns whether it is registered; `why()` says what stopped it."""
+    with _installing:
+        if not _state:
+            try:
+                _state["ops"] = build()
+            except Exception as e:  # no compiler, no ninja, a build error: int4a8's torch ops compute it
+                _state["why"] = f"{type(e).__name__}: {first_error(str(e))}"
+    if "ops" in _state:
+        int4a8.use_kernel(_state["ops"].mm, f"{NAMESPACE}::mm")
+        return True
+    return False
+
+
+int4a8.use_installer(install)  # the first int4-a8 layer prepared on a CPU builds it
+
+
+def installed() -> bool:
+    return "ops" in _state
+
+
+def why() -> str | None:
+    """What stopped `install` (None: installed, or not yet tried)."""
+    return _state.get("why")  # type: ignore[return-value]

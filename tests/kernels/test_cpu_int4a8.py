@@ -1,0 +1,199 @@
+"""int4 weights times 8-bit activations (llmstep.core.int4a8) and its AVX2 kernel (llmstep.kernels.cpu_int4a8): the
+kernel's codes and steps bit for bit the reference's, its matmul the reference's function to float32 rounding at
+every shape its layout holds, a row's output independent of the rows beside it, and the mode through quantize(),
+fusion, a checkpoint and a compiled step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import llmstep
+from llmstep.core import int4a8
+from llmstep.core.fuse import fused
+from llmstep.core.quant_formats import QuantConfig, QuantizationError, dequantize_int4, quantize_int4, unpack_int4
+from llmstep.core.quantize import Int4Linear, quantize
+from llmstep.kernels import cpu_int4a8
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not cpu_int4a8.install():
+        pytest.skip(f"the int4-a8 kernel does not build here: {cpu_int4a8.why()}")
+    return torch.ops.llmstep_int4a8_avx2
+
+
+@pytest.fixture
+def reference_only():
+    """int4a8.matmul with no kernel registered (torch's ops), restored after."""
+    saved = int4a8._kernel
+    int4a8.use_kernel(None)
+    yield
+    int4a8._kernel = saved
+
+
+def _rows(M, K, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(M, K // 32, 1, generator=g).mul(4).expand(M, K // 32, 32).reshape(M, K)  # blocks apart
+    x = torch.randn(M, K, generator=g) * scale
+    x[0, :32] = 0  # a block of zeros: step 0, codes 0
+    if M > 1 and K >= 64:
+        x[1, 32:64] = torch.arange(32) - 15.5  # evenly spaced values: many products near a rounding tie
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_codes_and_steps_are_the_references_bit_for_bit(ops, dtype):
+    for seed, K in enumerate([32, 96, 576, 1536]):
+        x = _rows(5, K, dtype, seed)
+        p, d = ops.quantize(x)
+        want_p, want_d = int4a8.quantize_activations(x)
+        assert torch.equal(p.float(), want_p) and torch.equal(d, want_d)
+        assert p.abs().max() <= 127 and torch.all(d[0, 0] == 0) and torch.all(p[0, :32] == 0)
+
+
+def _layer(N, K, g, dtype, seed):
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+    codes, scales, zeros = quantize_int4(w.to(dtype), g, scale_dtype=dtype)
+    return codes, scales, zeros
+
+
+@pytest.mark.parametrize("N,K,g", [(576, 576, 32), (192, 576, 32), (40, 1536, 32), (8, 64, 64), (24, 256, 128),
+                                   (96, 384, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_the_matmul_is_x_hat_times_the_dequantised_weights_to_float32_rounding(ops, N, K, g, dtype, M):
+    codes, scales, zeros = _layer(N, K, g, dtype, N + K + g)
+    w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
+    x = _rows(M, K, dtype, M)
+    y = ops.mm(x, w, sz, g)
+    xh = int4a8.fake_quantize(x).double()
+    W = dequantize_int4(codes, scales, zeros, torch.float64)
+    want, scale = xh @ W.T, xh.abs() @ W.abs().T  # the sum of |terms|: what float32 rounding is relative to
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert ((y.double() - want).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(ops):
+    codes, scales, zeros = _layer(96, 384, 32, torch.bfloat16, 1)
+    w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
+    x = _rows(9, 384, torch.bfloat16, 2)
+    together = ops.mm(x, w, sz, 32)
+    for m in range(9):
+        assert torch.equal(ops.mm(x[m:m + 1], w, sz, 32), together[m:m + 1])
+
+
+def test_a_nan_or_an_infinity_makes_its_row_non_finite_and_leaves_the_others(ops):
+    codes, scales, zeros = _layer(64, 256, 32, torch.float32, 3)
+    w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
+    for bad in (float("nan"), float("inf")):
+        for where in (0, 37, 255):  # max() passes a NaN on or drops it by lane: every lane is looked at
+            x = _rows(3, 256, torch.float32, 4)
+            x[1, where] = bad
+            y = ops.mm(x, w, sz, 32)
+            assert not torch.isfinite(y[1]).any() and torch.isfinite(y[[0, 2]]).all()
+
+
+def test_bad_arguments_are_named(ops):
+    codes, scales, zeros = _layer(64, 256, 32, torch.float32, 3)
+    w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
+    with pytest.raises(RuntimeError, match="weights must be contiguous uint8"):
+        ops.mm(torch.randn(1, 224), w, sz, 32)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.mm(torch.randn(1, 256), w, sz, 48)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.mm(torch.randn(1, 256).half(), w, sz, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_computes_the_same_function_with_the_kernel_or_torchs_ops(ops, dtype):
+    lin = torch.nn.Linear(256, 96, bias=False).to(dtype)
+    layer = Int4Linear.from_linear(lin, 64, activations=8)
+    assert layer.kernel == "a8" and "activations=8" in repr(layer)
+    x = _rows(4, 256, dtype, 5).view(2, 2, 256)
+    with torch.no_grad():
+        y = layer(x)
+        saved = int4a8._kernel
+        int4a8.use_kernel(None)
+        try:
+            ref = layer(x)
+        finally:
+            int4a8._kernel = saved
+    assert y.shape == ref.shape == (2, 2, 96) and y.dtype == ref.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+def test_the_config_names_parses_and_refuses_it():
+    qc = QuantConfig.of("int4-g32-a8+lm_head-int8")
+    assert (qc.mode, qc.group_size, qc.activations, qc.lm_head) == ("int4", 32, 8, "int8")
+    assert str(qc) == "int4-g32-a8+lm_head-int8" and QuantConfig.of(qc.to_dict()) == qc
+    assert qc.layer("wq").activations == 8 and qc.head == QuantConfig("int8")
+    assert QuantConfig.of("int4-a8+lm_head").head.activations == 8  # the head in the blocks' mode: theirs too
+    assert QuantConfig.of("int4-a8", group_size=32) == QuantConfig("int4", 32, activations=8)
+    assert "activations" not in QuantConfig.of("int4-g32").to_dict()  # weight-only configs are written as before
+    with pytest.raises(QuantizationError, match="goes with int4 only"):
+        QuantConfig("int8", activations=8)
+    with pytest.raises(QuantizationError, match="not a multiple of 32"):
+        QuantConfig("int4", 16, activations=8)
+    with pytest.raises(QuantizationError, match="goes with int4 only"):
+        QuantConfig("int4", 32, activations=4)
+    with pytest.raises(QuantizationError, match="its own kernel"):
+        Int4Linear(64, 64, 32, kernel="packed", activations=8)
+
+
+@pytest.fixture(scope="module")
+def model128(tmp_path_factory, tokenizer_file):
+    """A small GQA model whose widths are whole blocks of 32 (the tiny fixture's MLP is 112 wide)."""
+    from tests.conftest import make_checkpoint
+
+    path = tmp_path_factory.mktemp("a8")
+    make_checkpoint(path, tokenizer_file, intermediate_size=128, num_hidden_layers=2)
+    return llmstep.load(path, dtype="float32")
+
+
+@torch.no_grad()
+def test_a_quantised_model_is_close_to_weight_only_int4_and_fuses_and_saves_exactly(ops, model128, tmp_path):
+    model, tok = model128
+    a8 = quantize(model, "int4-g32-a8+lm_head", inplace=False)
+    w4 = quantize(model, "int4-g32+lm_head", inplace=False)
+    assert all(m.activations == 8 and m.kernel == "a8" for m in a8.layers.modules() if isinstance(m, Int4Linear))
+    assert a8.output.activations == 8 and a8.output.kernel == "dequant"  # 300 columns: torch's ops, the same function
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits, weight_only = a8(tokens), w4(tokens)
+    # the activations' rounding (a step of max|x| / 127 per block) moves the logits a little, not a lot
+    err = (logits - weight_only).norm() / weight_only.norm()
+    assert 0 < err < 0.05
+    assert torch.equal(fused(a8)(tokens), logits)  # q|k|v and gate|up in one matmul each: the same bits
+    path = llmstep.save(a8, tmp_path / "a8", tokenizer=tok)
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert cfg["activations"] == 8 and cfg["format_version"] == 3
+    loaded, _ = llmstep.load(path, dtype="float32")
+    assert loaded.quantization == a8.quantization and torch.equal(loaded(tokens), logits)
+
+
+def test_a_reader_of_an_older_format_cannot_drop_the_activations(model128, tmp_path):
+    from llmstep.core.checkpoint import CheckpointError
+
+    model, tok = model128
+    path = llmstep.save(quantize(model, "int4-g32-a8", inplace=False), tmp_path / "a8", tokenizer=tok)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["format_version"] = 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="version 2 has no 8-bit activations"):
+        llmstep.load(path)
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+def test_a_compiled_step_gives_the_eager_tokens(ops, model128):
+    from llmstep.engines.fast import FastDecoder
+
+    model, _ = model128
+    a8 = quantize(model, "int4-g32-a8", inplace=False)
+    prompt = [5, 9, 2, 7, 11]
+    eager = FastDecoder(a8, max_len=40, compile=False).generate(prompt, 24, temperature=0).tokens
+    assert FastDecoder(a8, max_len=40, compile=True).generate(prompt, 24, temperature=0).tokens == eager
