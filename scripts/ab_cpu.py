@@ -120,8 +120,10 @@ def parse_variant(spec: str) -> dict:
         raise ValueError(f"@{base} is what int8 / int4 quantise from: float32 or bfloat16 (int8@float32)")
     for mark, part in (("+", kernel), ("^", lm_head)):
         if part and not quantised:
-            raise ValueError(f"{mark}{part} takes a quantised dtype (int8, int4), not {dtype}")
-    if kernel and (kernel not in KERNELS or kernel == "reduce" and dtype != "int4" or dtype == "int4-a8"):
+            raise ValueError(f"{mark}{part} takes a quantised dtype (int8, int4, int4-a8), not {dtype}")
+    if kernel and dtype == "int4-a8":
+        raise ValueError(f"unknown kernel {kernel!r} for int4-a8: it has its own (llmstep.core.int4a8)")
+    if kernel and (kernel not in KERNELS or kernel == "reduce" and dtype != "int4"):
         raise ValueError(f"unknown kernel {kernel!r} for {dtype}: one of "
                          f"{', '.join(k for k in KERNELS if k != 'reduce' or dtype == 'int4')}")
     if lm_head and lm_head not in ("int8", dtype):
@@ -143,7 +145,8 @@ def parse_variant(spec: str) -> dict:
             raise ValueError(f"{key}'s value {value!r} is not a Python literal (quote a string: {key}='...')"
                              ) from None
     return {"dtype": dtype, "base": base or ("bfloat16" if quantised else dtype), "kernel": kernel or "auto",
-            "lm_head": True if lm_head == dtype else lm_head or False, "fuse": FUSE[fuse], "nodot": bool(nodot),
+            "lm_head": True if lm_head == dtype == "int4-a8" else lm_head or False,  # QuantConfig's word for it
+            "fuse": FUSE[fuse], "nodot": bool(nodot),
             "stream": STREAM[stream],
             "overrides": overrides}
 

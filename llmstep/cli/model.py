@@ -50,10 +50,11 @@ def add_commands(sub) -> None:
                    help="a GGUF file's Q4_0/Q4_1 matrices stay 4-bit (llmstep int4, groups of 32) instead of being "
                         "dequantized into --dtype")
     g.add_argument("--quantize", default="none", type=quantization,
-                   help="weight-only quantization of the loaded float weights in --dtype before generating: int8, "
-                        "int4, int4-g32, ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under "
-                        "int4 blocks); with --keep-quantized, int4-g32+lm_head-int8 or int4-g32+lm_head quantizes "
-                        "the head alone under the file's kept blocks")
+                   help="quantization of the loaded float weights in --dtype before generating: int8, "
+                        "int4, int4-g32, int4-g32-a8 (8-bit activations too), ...; +lm_head (the head too), "
+                        "int4-g32+lm_head-int8 (an int8 head under int4 blocks); with --keep-quantized, "
+                        "int4-g32+lm_head-int8 or int4-g32+lm_head quantizes the head alone under the file's kept "
+                        "blocks")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
@@ -91,8 +92,9 @@ def add_commands(sub) -> None:
     f.add_argument("--device", default=None)
     f.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: by device)")
     f.add_argument("--quantize", default="none", type=quantization,
-                   help="weight-only quantization of the model in --dtype: int8, int4, int4-g32, ...; "
-                        "+lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under int4 blocks)")
+                   help="quantization of the model in --dtype: int8, int4, int4-g32, int4-g32-a8 (8-bit "
+                        "activations too), ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under "
+                        "int4 blocks)")
     f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the compiled step, FastDecoder's default settings (default: on)")
     f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
@@ -202,7 +204,7 @@ def check_kept_head(path, mode: str) -> None:
     gguf = read_gguf(path)
     kept = gguf.quant_config(keep_quantized=True)  # GGUFLoadError naming a matrix that is not Q4_0/Q4_1
     qc = QuantConfig.of(mode)
-    if (qc.mode, qc.group_size) != (kept.mode, kept.group_size) or qc.lm_head is False:
+    if (qc.mode, qc.group_size, qc.activations) != (kept.mode, kept.group_size, None) or qc.lm_head is False:
         raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
                          f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}"
                          + ("" if str(qc) == mode else f" ({qc})"))

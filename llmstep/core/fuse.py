@@ -145,7 +145,7 @@ def _fused_int4(parts: list[Int4Linear]) -> Int4Linear:
                 view = layer.kernel_weight[int(r.start * per_row): int(r.stop * per_row)]
                 if view.shape == m.kernel_weight.shape and torch.equal(view, m.kernel_weight):
                     m.kernel_weight = view
-        if m.kernel == layer.kernel == "a8" and r.start % 8 == 0 and r.stop % 8 == 0:  # rows of 8 columns, in tiles
+        if m.kernel == layer.kernel == "a8" and r.start % 32 == 0:  # a part of whole tiles (int4a8.layout): its own
             views = [t[r.start // 8: r.stop // 8] for t in (layer.kernel_weight, layer.scales_and_zeros)]
             if all(torch.equal(v, own) for v, own in zip(views, (m.kernel_weight, m.scales_and_zeros), strict=True)):
                 m.kernel_weight, m.scales_and_zeros = views

@@ -56,13 +56,14 @@ def kernel_op() -> str | None:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K a multiple of 32) -> codes p [..., K] (float32, integers in -127..127) and steps d [..., K/32]
-    (float32): d = max|x| / 127 per block of 32, p = round-half-even(x * (1 / d)), p = 0 where d is 0. A block with
-    a NaN has a NaN step (and NaN codes)."""
+    (float32): d = max|x| / 127 per block of 32, p = round-half-even(x * (1 / d)), p = 0 where d is 0 or 1 / d is not
+    finite (a block below 4e-37: its codes 0). A block with a NaN has a NaN step."""
     if x.shape[-1] % BLOCK:
         raise ValueError(f"8-bit activations take blocks of {BLOCK} inputs: {x.shape[-1]} is not a multiple of it")
     xb = x.float().unflatten(-1, (-1, BLOCK))  # [..., K/32, 32]
     d = xb.abs().amax(dim=-1) / 127  # [..., K/32]
-    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    inv = 1 / d
+    inv = torch.where((d != 0) & torch.isfinite(inv), inv, torch.zeros_like(d))
     p = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127)
     return p.flatten(-2), d
 
@@ -106,14 +107,20 @@ def layout(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tu
 
 
 def prepare(layer, codes: torch.Tensor):
-    """Int4Linear.prepare of an int4-a8 layer (its plain codes [N, K/2]): the kernel's layout where the layer is on a
-    CPU and its shapes fit (kernel "a8"), else none ("dequant": torch's ops). Returns the layer."""
-    fits = codes.device.type == "cpu" and supports(layer.out_features, layer.in_features, layer.group_size)
+    """Int4Linear.prepare of an int4-a8 layer (its plain codes [N, K/2]): where the layer is on a CPU, its shapes fit
+    and the kernel is registered (the installer tried first), the kernel's layout alone (kernel "a8": the plain codes
+    dropped, recovered from it by `Int4Linear.codes` when asked for); else the codes ("dequant": torch's ops, as
+    also when kernel="dequant" is asked for). Returns the layer."""
+    fits = (layer.kernel != "dequant" and codes.device.type == "cpu"
+            and supports(layer.out_features, layer.in_features, layer.group_size))
     if fits and _kernel is None and _installer is not None:
         _installer()  # once a process: it remembers a failed build
-    layer.kernel_weight, layer.scales_and_zeros = (layout(unpack_int4(codes), layer.scales, layer.zeros) if fits
-                                                   else (None, None))
-    layer.kernel, layer.weight = "a8" if fits else "dequant", codes
+    if fits and _kernel is not None:
+        layer.kernel_weight, layer.scales_and_zeros = layout(unpack_int4(codes), layer.scales, layer.zeros)
+        layer.kernel, layer.weight = "a8", None
+    else:
+        layer.kernel_weight = layer.scales_and_zeros = None
+        layer.kernel, layer.weight = "dequant", codes
     return layer
 
 

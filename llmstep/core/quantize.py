@@ -199,7 +199,7 @@ class Int4Linear(nn.Module):
         self.kernel = kernel
         # The packed kernels want their own layouts: built by prepare(), never saved.
         self.register_buffer("kernel_weight", None, persistent=False)
-        self.register_buffer("scales_and_zeros", None, persistent=False)  # [K/g, N, 2]
+        self.register_buffer("scales_and_zeros", None, persistent=False)  # [K/g, N, 2] (int4-a8: int4a8.layout's)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE, kernel: str = "auto",
@@ -211,10 +211,8 @@ class Int4Linear(nn.Module):
         return m
 
     def prepare(self) -> Int4Linear:
-        """Build the packed kernel's layout for the weights' device, check it once, else fall back.
-
-        Where the kernel serves every row count (tinygemm on CUDA) the plain codes are dropped, recovered from its
-        layout when asked for (`codes`); the CPU kernel is matrix-vector, so a prompt widens the codes kept there."""
+        """The packed kernel's layout for the weights' device, checked once, else a fallback. Where it serves every row
+        count (tinygemm, int4-a8's) the codes are dropped (`codes` recovers them); the CPU kernel keeps them."""
         codes = self.codes()
         device = codes.device
         if self.activations:  # int4-a8: the integer kernel's layout on a CPU, where its shapes fit; else torch's ops
@@ -245,7 +243,9 @@ class Int4Linear(nn.Module):
         return self
 
     def _convert(self, q: torch.Tensor) -> torch.Tensor:
-        """Codes [N, K] (0..15) -> the packed kernel's layout on their device."""
+        """Codes [N, K] (0..15) -> the packed kernel's layout on their device (int4-a8's: llmstep.core.int4a8)."""
+        if self.kernel == "a8":
+            return int4a8.layout(q, self.scales, self.zeros)[0]
         if q.device.type == "cuda":
             # tinygemm: bf16 activations, K a multiple of inner_k_tiles * 16, N of 8 (PyTorch's checks).
             inner_k_tiles = 8 if self.in_features % 128 == 0 else 4 if self.in_features % 64 == 0 else 2
@@ -288,7 +288,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.activations:
-            return int4a8.matmul(self, x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1).to(x.dtype)
+            return int4a8.matmul(self, x.reshape(-1, self.in_features)).unflatten(0, x.shape[:-1]).to(x.dtype)
         if self.kernel == "reduce" and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = self.reduce_mm(x.reshape(-1, self.in_features))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -365,8 +365,8 @@ def _swap_per_layer(model: Llama, qc: QuantConfig, make: Callable[[nn.Linear, Qu
 
 
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
-    if qc.mode == "int8":  # an int8 head under int4 blocks quantised with int4's "reduce" takes int8's own choice
-        return Int8Linear.from_linear(linear, "auto" if kernel == "reduce" else kernel)
+    if qc.mode == "int8":  # an int8 head under int4 blocks quantised with int4's "reduce"/"a8" takes int8's own
+        return Int8Linear.from_linear(linear, "auto" if kernel in ("reduce", "a8") else kernel)
     return Int4Linear.from_linear(linear, qc.group_size, kernel, qc.activations)
 
 

@@ -2,7 +2,7 @@
 
 A kernel module (cpu_attention, cpu_int4a8) hands over its source, with LLMSTEP_NS standing for the op namespace,
 and the compiler flags of its ISA; `load_library` builds it with torch.utils.cpp_extension (ninja and the C++
-compiler inductor needs anyway: seconds the first time) in $LLMSTEP_HOME/kernels/<namespace>_<digest>, a folder
+compiler inductor needs anyway: seconds the first time) in $LLMSTEP_HOME/kernels/<namespace>_<op>_<digest>, a folder
 named by the source and flags, so an edited source is a new build and an unchanged one is loaded from there.
 """
 
@@ -35,7 +35,7 @@ def load_library(namespace: str, op: str, source: str, flags: list[str], filenam
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         text = source.replace("LLMSTEP_NS", namespace)
         digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
-        name = f"{namespace}_{filename.partition('.')[0]}_{digest}"
+        name = f"{namespace}_{op}_{digest}"
         folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
         path = folder / filename
         if not path.exists() or path.read_text() != text:

@@ -10,16 +10,18 @@ float step, the group's scale and zero are applied once per 32 inputs and 8 colu
 (widen every code to float32, one multiply-add a weight: kernels/cpu_int4.py) that is 32 weights per two integer
 multiply-adds, where it takes 32 conversions and 32 multiply-adds.
 
-The weights in the kernel's layout (`int4a8.layout`): [N / 8, K / 8, 8, 4] bytes, for each vector of 8 columns and
-each 8 inputs a 32-byte row whose 32-bit lane c holds column c's 4 codes of inputs k..k+3 in its bytes' low nibbles
-and of k+4..k+7 in their high nibbles (so a lane's 4 bytes meet 4 consecutive activations in `vpmaddubsw`, the
-activations broadcast 4 bytes at a time); the scales and zeros [N / 8, K / g, 2, 8], the 8 columns' scales then their
-zeros, in the model's bf16 or float32. Threads share the columns, 32 at a time (at::parallel_for).
+The weights in the kernel's layout (`int4a8.layout`), in tiles of 4 vectors of 8 columns: for each 8 inputs, each
+vector's 32 bytes, whose 32-bit lane c holds column c's 4 codes of inputs k..k+3 in its bytes' low nibbles and of
+k+4..k+7 in their high nibbles (so a lane's 4 bytes meet 4 consecutive activations in `vpmaddubsw`, the activations
+broadcast 4 bytes at a time); the scales and zeros likewise, for each group each vector's 8 scales then its 8 zeros,
+in the model's bf16 or float32. A tile's bytes lie in the order it reads them, so each thread's share (tiles of 32
+columns, at::parallel_for) is one stream, prefetched 4 KiB ahead.
 
 Written for AVX2 (an AVX-512 CPU runs it too); `install()` builds it once per machine (kernels/cpp_build.py) and
-registers it with llmstep.core.int4a8, which calls it for one-row to 16-row matmuls on a CPU; elsewhere, and where the
-build fails (`why()`), int4a8 computes the same function with torch's ops. tests/kernels/test_cpu_int4a8.py holds the
-kernel's codes and steps to the reference bit for bit and its output to a float64 computation.
+registers it with llmstep.core.int4a8, which calls it for every int4-a8 matmul on a CPU, at any row count; elsewhere,
+and where the build fails (`why()`), int4a8 computes the same function with torch's ops.
+tests/kernels/test_cpu_int4a8.py holds the kernel's codes and steps to the reference bit for bit and its output to
+a float64 computation.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ SOURCE = r"""
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -74,7 +78,8 @@ inline float hmax(__m256 v) {
 }
 
 // One row of K activations -> K codes p and K / 32 steps d, x ~= p * d per block of 32: d = max|x| / 127,
-// p = round-half-even(x * (1 / d)) (0 where d is 0), each in float32 as int4a8.quantize_activations takes them; a
+// p = round-half-even(x * (1 / d)) (0 where 1 / d is 0 or not finite), each in float32 as
+// int4a8.quantize_activations takes them; a
 // block holding a NaN gets d = NaN. E[g]: the sum over group g's blocks b of d[b] * sum(p of b), in order.
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t blocks_per_group, int8_t* p, float* d, float* E) {
@@ -90,6 +95,7 @@ void quantize_row(const T* x, int64_t K, int64_t blocks_per_group, int8_t* p, fl
     }
     float db = hmax(m) / 127.0f;
     float id = db != 0.0f ? 1.0f / db : 0.0f;
+    if (!std::isfinite(id)) id = 0.0f;  // a step below 1 / FLT_MAX: the block's codes 0, as the reference has them
     if (_mm256_movemask_ps(nan)) {  // max() may drop a NaN: the block's step says it
       db = std::numeric_limits<float>::quiet_NaN();
       id = 0.0f;
@@ -145,8 +151,10 @@ inline void columns(const int8_t* p, const float* d, const float* E, const uint8
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + o * CV * 32));
           const __m256i lo = _mm256_and_si256(w, low4);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
-          const __m256i a0 = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(pb + 8 * o));
-          const __m256i a1 = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(pb + 8 * o + 4));
+          int32_t lo4, hi4;  // 4 activations each, as one 32-bit lane to broadcast
+          std::memcpy(&lo4, pb + 8 * o, 4);
+          std::memcpy(&hi4, pb + 8 * o + 4, 4);
+          const __m256i a0 = _mm256_set1_epi32(lo4), a1 = _mm256_set1_epi32(hi4);
           is = _mm256_add_epi16(is, _mm256_maddubs_epi16(lo, a0));
           is = _mm256_add_epi16(is, _mm256_maddubs_epi16(hi, a1));
         }
@@ -202,7 +210,7 @@ void check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64
               "int4a8 mm: weights must be contiguous uint8 [N / 8, 4 K] for K = ", K, ", got ", w.sizes());
   TORCH_CHECK(sz.is_contiguous() && (sz.scalar_type() == at::kFloat || sz.scalar_type() == at::kBFloat16) &&
               sz.numel() == w.size(0) * (K / group) * 16,
-              "int4a8 mm: scales and zeros must be contiguous [N / 8, K / group, 2, 8] bf16 or float32");
+              "int4a8 mm: scales and zeros must be contiguous bf16 or float32, 16 K / group per 8 columns");
 }
 
 at::Tensor mm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -271,8 +279,8 @@ def build():
 
 
 def install() -> bool:
-    """Build and load the kernel once a process and register it with llmstep.core.int4a8 (its one-row to 16-row
-    CPU matmuls). Returns whether it is registered; `why()` says what stopped it."""
+    """Build and load the kernel once a process and register it with llmstep.core.int4a8 (its CPU matmuls).
+    Returns whether it is registered; `why()` says what stopped it."""
     with _installing:
         if not _state:
             try:

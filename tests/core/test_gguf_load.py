@@ -250,6 +250,8 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
     ("Q4_0", "int4-g32", "not int4-g32$"),  # no head: nothing to quantize
     ("Q4_0", "int4-g64+lm_head-int8", "not int4-g64"),  # the kept blocks' groups are 32
     ("Q4_0", "int4+lm_head-int8", r"not int4\+lm_head-int8 \(int4-g64\+lm_head-int8\)$"),  # int4's default groups
+    ("Q4_1", "int4-g32-a8+lm_head-int8", r"not int4-g32-a8\+lm_head-int8$"),  # kept blocks: weight-only (8-bit
+    # activations would have been dropped silently)
     ("Q8_0", "int4-g32+lm_head-int8", "layers.0.attention.wq is Q8_0"),
 ])
 def test_generate_refuses_what_kept_blocks_cannot_take_before_loading(tmp_path, tokenizer, capsys, monkeypatch, kind,

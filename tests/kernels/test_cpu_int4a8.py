@@ -97,6 +97,18 @@ def test_a_nan_or_an_infinity_makes_its_row_non_finite_and_leaves_the_others(ops
             assert not torch.isfinite(y[1]).any() and torch.isfinite(y[[0, 2]]).all()
 
 
+def test_a_block_too_small_to_invert_gets_codes_0_on_both_paths(ops):
+    """max|x| below 127 / FLT_MAX: 1 / d overflows. The codes are 0 (the block adds nothing), where x * inf would
+    give NaN codes (and a NaN row from a finite input) on torch's path and -128 on the kernel's."""
+    x = torch.zeros(1, 64)
+    x[0, :5] = torch.tensor([1e-38, -2e-38, 0.0, 3e-39, 1e-37])
+    x[0, 32:] = torch.randn(32)
+    p, d = ops.quantize(x)
+    want_p, want_d = int4a8.quantize_activations(x)
+    assert torch.equal(p.float(), want_p) and torch.equal(d, want_d) and not p[0, :32].any()
+    assert torch.isfinite(int4a8.fake_quantize(x)).all()
+
+
 def test_bad_arguments_are_named(ops):
     codes, scales, zeros = _layer(64, 256, 32, torch.float32, 3)
     w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
@@ -125,6 +137,19 @@ def test_a_layer_computes_the_same_function_with_the_kernel_or_torchs_ops(ops, d
     assert y.shape == ref.shape == (2, 2, 96) and y.dtype == ref.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+    assert layer(torch.zeros(0, 256, dtype=dtype)).shape == (0, 96)
+
+
+def test_the_kernels_layout_replaces_the_codes_which_come_back_exactly(ops):
+    lin = torch.nn.Linear(256, 72, bias=False)  # 9 vectors of 8 columns: two whole tiles and a tail
+    codes, _, _ = quantize_int4(lin.weight, 32)
+    layer = Int4Linear.from_linear(lin, 32, activations=8)
+    assert layer.weight is None and layer.kernel_weight is not None  # held once, in the kernel's layout
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.state_dict()["weight"], codes)
+    asked = Int4Linear.from_linear(lin, 32, kernel="dequant", activations=8)  # torch's ops, as asked
+    assert asked.kernel == "dequant" and asked.kernel_weight is None and torch.equal(asked.weight, codes)
+    x = torch.randn(3, 256)
+    assert torch.allclose(asked(x), layer(x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_config_names_parses_and_refuses_it():
@@ -168,6 +193,9 @@ def test_a_quantised_model_is_close_to_weight_only_int4_and_fuses_and_saves_exac
     err = (logits - weight_only).norm() / weight_only.norm()
     assert 0 < err < 0.05
     assert torch.equal(fused(a8)(tokens), logits)  # q|k|v and gate|up in one matmul each: the same bits
+    # kernel="a8" asked of the whole model: the int8 head takes its own (not a half-quantised model and an error)
+    mixed = quantize(model, "int4-g32-a8+lm_head-int8", kernel="a8", inplace=False)
+    assert mixed.output.kernel != "a8" and mixed.layers[0].attention.wq.kernel == "a8"
     path = llmstep.save(a8, tmp_path / "a8", tokenizer=tok)
     cfg = json.loads((path / "config.json").read_text())["quantization_config"]
     assert cfg["activations"] == 8 and cfg["format_version"] == 3

@@ -29,6 +29,10 @@ def test_the_documented_variants_parse(script):
         "int4", "float32", "reduce", "int8", False, True, False)
     assert v["overrides"] == {"max_autotune": True, "x": "A,B"}
     assert script.parse_variant("int8")["base"] == "bfloat16" and script.parse_variant("int8^int8")["lm_head"] == "int8"
+    a8 = script.parse_variant("int4-a8^int4-a8")  # int4 with 8-bit activations, its head in the blocks' mode
+    assert (a8["dtype"], a8["base"], a8["lm_head"]) == ("int4-a8", "bfloat16", True)
+    with pytest.raises(ValueError, match="unknown kernel 'packed' for int4-a8"):
+        script.parse_variant("int4-a8+packed")
 
 
 @pytest.mark.parametrize("spec, match", [
