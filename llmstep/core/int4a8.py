@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from .quant_formats import unpack_int4
 
 __all__ = ["BLOCK", "TILE", "quantize_activations", "fake_quantize", "layout", "supports", "prepare", "matmul",
-           "use_kernel", "use_installer", "kernel_op"]
+           "use_kernel", "use_installer", "kernel_op",
+           "describe"]
 
 BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
@@ -131,3 +132,13 @@ def matmul(layer, x2d: torch.Tensor) -> torch.Tensor:
             and x2d.dtype in (torch.float32, torch.bfloat16)):
         return _kernel[0](x2d, layer.kernel_weight, layer.scales_and_zeros, layer.group_size)
     return F.linear(fake_quantize(x2d), layer.dequantized(torch.float32))
+
+
+def describe(model: torch.nn.Module) -> str | None:
+    """What a model's int4-a8 matmuls run, for records: the kernel's op where every such layer has its layout, "torch
+    ops" where none has, both named where some have; None for a model without int4-a8 layers."""
+    kinds = {m.kernel for m in model.modules() if getattr(m, "activations", None)}
+    if not kinds:
+        return None
+    kernel = _kernel[1] if _kernel is not None and "a8" in kinds else None
+    return kernel if kinds == {"a8"} else "torch ops" if kernel is None else f"{kernel}, and torch ops where it cannot"

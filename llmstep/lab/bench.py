@@ -25,6 +25,7 @@ from functools import partial
 
 import torch
 
+from ..core import int4a8
 from ..core.checkpoint import hf_names, load_model, read_config, resolve_model_path
 from ..core.checks import is_int
 from ..core.config import LlamaConfig
@@ -377,6 +378,8 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
                      "same_tokens_as_eager_float": r["tokens"] == reference,
                      "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
                      "tokens": list(r["tokens"])})
+        if (a8 := int4a8.describe(r["model"])) is not None:
+            rows[-1]["int4a8_matmul"] = a8  # the kernel's op, or torch's ops (llmstep.core.int4a8)
     peer_rows = {}
     for peer in (p for p in peers if p["runs"]):
         runs_ = peer["runs"]

@@ -128,6 +128,10 @@ def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
     rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "int4-a8", "--group-size", "32"])["rows"]
     assert [r["name"] for r in rows] == ["llmstep eager int4-g32", "llmstep eager int4-g32-a8"]
     assert rows[0]["weight_bytes_per_step"] == rows[1]["weight_bytes_per_step"]
+    from llmstep.kernels import cpu_int4a8  # the record names what the matmuls ran: the kernel, or torch's ops
+
+    assert "int4a8_matmul" not in rows[0] and rows[1]["int4a8_matmul"] == (
+        "llmstep_int4a8_avx2::mm" if cpu_int4a8.installed() else "torch ops")
     assert len(rows[1]["tokens"]) == 6
     assert main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4-a8", "--group-size", "64"])["rows"][0][
         "name"] == "llmstep eager int4-g64-a8"
