@@ -86,6 +86,22 @@ def test_shipped_model_in_float32_batched_gives_the_solo_tokens(shipped):
         assert c.tokens == solo(model, tok, r).tokens
 
 
+def test_int4_with_8_bit_activations_batched_gives_the_solo_tokens(shipped):
+    """int4-a8 rounds each row's activations by that row's own blocks, and its CPU kernel takes each row alone:
+    a request's tokens cannot depend on the rows batched beside it."""
+    from llmstep.core.quantize import quantize
+
+    model, tok = shipped
+    a8 = quantize(model, "int4-g64-a8+lm_head-int8", inplace=False)
+    requests = [Request(tok.encode(p, bos=True), max_new_tokens=n, temperature=t, seed=i, stop_ids=tok.eos_ids,
+                        arrival=a)
+                for i, (p, n, t, a) in enumerate(zip(["ROMEO:", "JULIET:\nO Romeo, Romeo", "KING HENRY", "To be"],
+                                                     [20, 8, 16, 12], [0, 0.8, 0, 1.0], [0, 0, 2, 5], strict=True))]
+    run = run_batch(a8, requests, n_slots=3)
+    for r, c in zip(requests, run.completions, strict=True):
+        assert c.tokens == solo(a8, tok, r).tokens
+
+
 def test_stop_tokens_end_a_request_inside_the_batch(tiny64):
     model, tok = tiny64
     base = Request(list(range(3, 12)), max_new_tokens=20, **GREEDY)
