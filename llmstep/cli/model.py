@@ -204,7 +204,7 @@ def check_kept_head(path, mode: str) -> None:
     gguf = read_gguf(path)
     kept = gguf.quant_config(keep_quantized=True)  # GGUFLoadError naming a matrix that is not Q4_0/Q4_1
     qc = QuantConfig.of(mode)
-    if (qc.mode, qc.group_size, qc.activations) != (kept.mode, kept.group_size, None) or qc.lm_head is False:
+    if (qc.mode, qc.group_size) != (kept.mode, kept.group_size) or qc.lm_head is False:
         raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
                          f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}"
                          + ("" if str(qc) == mode else f" ({qc})"))
@@ -219,6 +219,10 @@ def _generate(args, load_one, stream) -> None:
         from ..core.quantize import QuantConfig, quantize_lm_head
 
         qc = QuantConfig.of(args.quantize)
+        if qc.activations:  # int4-g32-a8: the file's blocks with 8-bit activations, llama.cpp's own arithmetic
+            from ..core.int4a8 import with_activations
+
+            with_activations(model)
         quantize_lm_head(model, qc.head.mode)
     elif args.quantize != "none":  # checked above against the checkpoint's shapes (check_quantize)
         from ..core.quantize import quantize

@@ -30,7 +30,7 @@ from .quant_formats import unpack_int4
 
 __all__ = ["BLOCK", "TILE", "quantize_activations", "fake_quantize", "layout", "supports", "prepare", "matmul",
            "use_kernel", "use_installer", "kernel_op",
-           "describe"]
+           "describe", "with_activations"]
 
 BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
@@ -142,3 +142,22 @@ def describe(model: torch.nn.Module) -> str | None:
         return None
     kernel = _kernel[1] if _kernel is not None and "a8" in kinds else None
     return kernel if kinds == {"a8"} else "torch ops" if kernel is None else f"{kernel}, and torch ops where it cannot"
+
+
+def with_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """A model with int4 blocks (quantised, or a GGUF file's Q4 blocks kept: `keep_quantized`) given 8-bit activations
+    in place: every int4 layer's, its `quantization` saying so. Its weights are untouched: llama.cpp's arithmetic on
+    llama.cpp's own blocks. Refused for a model without int4 blocks or with groups that are not whole blocks of 32."""
+    from .quant_formats import QuantConfig, QuantizationError
+
+    qc = getattr(model, "quantization", None)
+    if qc is None or qc.mode != "int4" or qc.activations:
+        raise QuantizationError(f"8-bit activations go on int4 blocks with weight-only activations; this model is "
+                                f"{qc or 'not quantised'}")
+    new = QuantConfig(qc.mode, qc.group_size, qc.lm_head, 8)  # refuses a group size that is not whole blocks
+    for m in model.modules():
+        if hasattr(m, "activations") and m.activations is None:  # Int4Linear (Int8Linear has none)
+            m.activations, m.kernel = 8, "auto"
+            m.prepare()
+    model.quantization = new
+    return model

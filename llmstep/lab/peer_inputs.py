@@ -17,7 +17,9 @@ From a GGUF file (SmolLM2-135M-Instruct ships as Q4_1) the file is an input in i
   F32/BF16 at that float dtype): that is the row the issue asks about, llama.cpp on its own file.
 - llmstep's int4 comes twice: the file's Q4_0/Q4_1 blocks held exactly as int4-g32 (`keep_quantized`: the same
   block weights as llama.cpp's row on the file; the file's 8-bit head, scaled per block of 32, rounded again to
-  llmstep's int8 per row), and llmstep's own int4 of the dequantized weights.
+  llmstep's int8 per row), and llmstep's own int4 of the dequantized weights; so does int4-a8 (the same two, with
+  8-bit activations: on the file's blocks, the arithmetic of llama.cpp's own row on the file), against the same
+  llama.cpp rows as int4.
 - Every other row starts from the float weights llmstep runs (the file dequantized to --dtype): llama.cpp's BF16
   or F32 is their export, and its Q8_0 / Q4_0 are made by llama.cpp's own quantiser (llama_model_quantize) from
   that export, as llmstep's int8 / int4 are made from the same numbers. A BF16 GGUF cannot be made from a Q4_1
@@ -40,6 +42,7 @@ import torch
 from ..core.checkpoint import save
 from ..core.gguf import GGUFError, export_gguf
 from ..core.gguf_load import GGUFLoadError, is_gguf, load_gguf, read_gguf
+from ..core.int4a8 import with_activations
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, linear_names, quantize, quantize_lm_head
 from ..core.tokens import Tokenizer
@@ -145,8 +148,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
         if precision in ("float32", "bfloat16"):
             plan.variants.append(Variant(precision, model, float_name, origin))
         else:
-            if precision == "int4" and plan.gguf_file is not None:
-                kept = _kept(plan, model.dtype)
+            if precision.startswith("int4") and plan.gguf_file is not None:
+                kept = _kept(plan, model.dtype, activations=precision == "int4-a8")
             qc = QuantConfig.of(precision, group_size if precision.startswith("int4") else None, lm_head=HEAD)
             m = quantize(model, qc, inplace=False)
             ours = str(m.quantization)
@@ -178,11 +181,11 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
                                               source="its converter on the checkpoint's safetensors" if ct2
                                               else v.source, requantized=v.requantized and not ct2)))
                 continue
-            if plan.file_type is not None and _PRECISION_OF.get(plan.file_type) == precision:
+            if plan.file_type is not None and _PRECISION_OF.get(plan.file_type) == precision.removesuffix("-a8"):
                 plan.peers.append((first if kept is not None else own, _with(
                     base, gguf=plan.gguf_file, weights=f"GGUF {plan.file_type.lower()} (the file)",
                     source=f"{plan.gguf_file.name} itself, as shipped")))
-                if precision != "int4" or plan.file_type == "Q4_0":
+                if not precision.startswith("int4") or plan.file_type == "Q4_0":
                     continue  # int4 from a Q4_1 file: Q4_0 too, by llama.cpp's quantiser
             try:
                 plan.peers.append((own, _llama_cpp_input(base, precision, v, model, float_kind, file_float,
@@ -198,19 +201,23 @@ def _with(spec: PeerSpec, **changes) -> PeerSpec:
     return PeerSpec(**(vars(spec) | changes))
 
 
-def _kept(plan: Plan, dtype: torch.dtype) -> Variant | None:
-    """The GGUF file's Q4_0/Q4_1 blocks as llmstep int4-g32, exactly, and its LM head as llmstep's int8 (a second
-    rounding of a quantised head: GGUF's 8-bit types scale blocks of 32, llmstep's int8 whole rows); None (and a
-    skipped entry) if it has no such blocks."""
+def _kept(plan: Plan, dtype: torch.dtype, activations: bool = False) -> Variant | None:
+    """The GGUF file's Q4_0/Q4_1 blocks as llmstep int4-g32, exactly (with 8-bit activations: int4-a8, llama.cpp's
+    arithmetic on its own blocks), and its LM head as llmstep's int8 (a second rounding of a quantised head: GGUF's
+    8-bit types scale blocks of 32, llmstep's int8 whole rows); None (and a skipped entry) if it has no such blocks."""
     try:
         kept, _ = load_gguf(plan.gguf_file, device="cpu", dtype=dtype, keep_quantized=True)
     except GGUFLoadError as e:
-        plan.skipped.append({"peer": "llmstep", "precision": "int4", "why": f"the file's own int4-g32: {e}"})
+        plan.skipped.append({"peer": "llmstep", "precision": "int4-a8" if activations else "int4",
+                             "why": f"the file's own int4-g32: {e}"})
         return None
     head = plan.head_type or "float"
+    if activations:
+        with_activations(kept)
     quantize_lm_head(kept, HEAD)
-    return Variant("int4", kept, str(kept.quantization), f"{plan.gguf_file.name}'s {plan.file_type} blocks, exactly "
-                   f"(keep_quantized); its {head} LM head as llmstep {HEAD}")
+    return Variant("int4-a8" if activations else "int4", kept, str(kept.quantization), f"{plan.gguf_file.name}'s "
+                   f"{plan.file_type} blocks, exactly (keep_quantized" + (", 8-bit activations" if activations else "")
+                   + f"); its {head} LM head as llmstep {HEAD}")
 
 
 def _llama_cpp_input(base: PeerSpec, precision: str, v: Variant, model: Llama, float_kind: str, file_float: bool,

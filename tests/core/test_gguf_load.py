@@ -19,6 +19,7 @@ from llmstep.core.config import RopeScaling
 from llmstep.core.gguf import export_gguf, gguf_tensors, gguf_vocab
 from llmstep.core.gguf_load import TYPES, GGUFLoadError, load_gguf, read_gguf, rope_scaling_of
 from llmstep.core.gguf_vocab import GGUFVocabError
+from llmstep.core.int4a8 import with_activations
 from llmstep.core.model import Llama
 from llmstep.core.quantize import Int4Linear, quantize_lm_head, unpack_int4
 from llmstep.core.rope import inv_frequencies
@@ -216,7 +217,9 @@ def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, toke
 @pytest.mark.parametrize("mode, tied, head_kind", [("int4-g32+lm_head-int8", False, None),
                                                    ("int4-g32+lm_head", False, None),
                                                    ("int4-g32+lm_head-int8", True, "Q8_0"),
-                                                   ("int4-g32+lm_head-int8", True, "F32")])
+                                                   ("int4-g32+lm_head-int8", True, "F32"),
+                                                   ("int4-g32-a8+lm_head-int8", False, None),
+                                                   ("int4-g32-a8+lm_head", True, "F32")])
 def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer, capsys, mode, tied, head_kind):
     """`llmstep generate --keep-quantized --quantize int4-g32+lm_head-int8`: the file's Q4 blocks kept, the LM head
     quantized as `llmstep bench` builds its int4 runs (quantize_lm_head); the text is that model's. A head the file
@@ -230,8 +233,12 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
     main(argv + ["--quantize", mode])
     out = capsys.readouterr()
     kept, tok = load_gguf(path, device="cpu", dtype=torch.float32, keep_quantized=True)
+    if "-a8" in mode:  # the file's blocks with 8-bit activations (llmstep.core.int4a8), the head's too where int4
+        with_activations(kept)
+        assert all(m.activations == 8 for m in kept.layers.modules() if hasattr(m, "activations"))
     want = llmstep.generate(quantize_lm_head(kept, "int8" if mode.endswith("int8") else "int4"), tok, "ROMEO:",
                             max_new_tokens=8, temperature=0).text
+    assert str(kept.quantization) == mode
     assert out.out == "ROMEO:" + want + "\n"
     assert f"[cpu float32 {mode}]" in out.err
     if head_kind == "F32":
@@ -250,8 +257,6 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
     ("Q4_0", "int4-g32", "not int4-g32$"),  # no head: nothing to quantize
     ("Q4_0", "int4-g64+lm_head-int8", "not int4-g64"),  # the kept blocks' groups are 32
     ("Q4_0", "int4+lm_head-int8", r"not int4\+lm_head-int8 \(int4-g64\+lm_head-int8\)$"),  # int4's default groups
-    ("Q4_1", "int4-g32-a8+lm_head-int8", r"not int4-g32-a8\+lm_head-int8$"),  # kept blocks: weight-only (8-bit
-    # activations would have been dropped silently)
     ("Q8_0", "int4-g32+lm_head-int8", "layers.0.attention.wq is Q8_0"),
 ])
 def test_generate_refuses_what_kept_blocks_cannot_take_before_loading(tmp_path, tokenizer, capsys, monkeypatch, kind,

@@ -225,3 +225,17 @@ def test_a_compiled_step_gives_the_eager_tokens(ops, model128):
     prompt = [5, 9, 2, 7, 11]
     eager = FastDecoder(a8, max_len=40, compile=False).generate(prompt, 24, temperature=0).tokens
     assert FastDecoder(a8, max_len=40, compile=True).generate(prompt, 24, temperature=0).tokens == eager
+
+
+@torch.no_grad()
+def test_with_activations_gives_int4_blocks_8_bit_activations_and_nothing_else(model128):
+    model, _ = model128
+    w4 = quantize(model, "int4-g32+lm_head-int8", inplace=False)
+    tokens = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(1))
+    a8 = int4a8.with_activations(w4)
+    assert a8 is w4 and str(a8.quantization) == "int4-g32-a8+lm_head-int8"
+    assert torch.equal(a8(tokens), quantize(model, "int4-g32-a8+lm_head-int8", inplace=False)(tokens))
+    for bad, says in [(model, "not quantised"), (quantize(model, "int8", inplace=False), "int8"),
+                      (a8, "int4-g32-a8"), (quantize(model, "int4-g16", inplace=False), "not a multiple of 32")]:
+        with pytest.raises(QuantizationError, match=says):
+            int4a8.with_activations(bad)

@@ -109,6 +109,22 @@ def test_a_q4_1_file_is_llama_cpps_own_int4_input_and_llmsteps_int4_holds_its_bl
 
 
 @needs_llama_cpp
+def test_int4_a8_from_a_q4_1_file_holds_its_blocks_with_8_bit_activations_against_the_file_itself(tmp_path, tokenizer):
+    """int4-a8 comes twice, as int4 does: the file's blocks exactly, now with 8-bit activations (llama.cpp's own
+    arithmetic on its own blocks), and llmstep's int4-a8 of the dequantized weights; against the same llama.cpp rows:
+    the file itself and llama.cpp's Q4_0 of its export."""
+    path = write(tmp_path / "m-q4_1.gguf", tokenizer, "Q4_1")
+    model, p = plan(path, ["int4-a8"], tmp_path / "work", peer_list=("llama.cpp",))
+    assert [(v.precision, v.weights, v.requantized) for v in p.variants] == [
+        ("int4-a8", "int4-g32-a8+lm_head-int8", False), ("int4-a8", "int4-g64-a8+lm_head-int8", True)]
+    kept = p.variants[0]
+    assert "blocks, exactly (keep_quantized, 8-bit activations)" in kept.source
+    assert kept.model.layers[0].feed_forward.w2.activations == 8 and isinstance(kept.model.output, Int8Linear)
+    assert [(n, s.weights) for n, s in p.peers] == [(0, "GGUF q4_1 (the file)"),
+                                                   (1, "GGUF q4_0 (llama.cpp's quantiser)")]
+
+
+@needs_llama_cpp
 def test_a_float_file_is_its_own_float_input_and_has_no_int4_blocks_to_keep(tmp_path, tokenizer):
     path = write(tmp_path / "m-f32.gguf", tokenizer, "F32")
     _, p = plan(path, ["float32", "int4"], tmp_path / "work", peer_list=("llama.cpp",), dtype="float32")
