@@ -12,8 +12,10 @@ with W the int4 weights dequantised ((q - 8) * s + z per group), every step in f
 the codes and steps bit for bit those of llmstep's kernel). On a CPU with AVX2 the matmul is llmstep's integer kernel
 (llmstep.kernels.cpu_int4a8, built and registered when the first such layer is prepared on a CPU), at every row
 count, so a row's output never depends on the rows beside it; elsewhere, or where it cannot be built, `matmul`
-computes the same function with torch's ops (the dequantised weights times x^, in float32). The two agree to
-float32 rounding (the kernel sums each block in integers and scales once per block; tests/kernels/test_cpu_int4a8.py).
+computes the same function with torch's ops (the dequantised weights times x^, in float32: for checking, not for
+speed, since it widens every weight each call). The two agree to float32 rounding (the kernel sums each block in
+integers and scales once per block; tests/kernels/test_cpu_int4a8.py). It is a CPU mode: on a GPU the weight-only
+int4 kernels are the ones to use.
 
 The group size must be a multiple of 32 (a group is whole blocks). Activations with a NaN or an infinity give a
 non-finite output row, as the float path does.

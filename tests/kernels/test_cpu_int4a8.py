@@ -173,7 +173,7 @@ def test_the_config_names_parses_and_refuses_it():
 @pytest.fixture(scope="module")
 def model128(tmp_path_factory, tokenizer_file):
     """A small GQA model whose widths are whole blocks of 32 (the tiny fixture's MLP is 112 wide)."""
-    from tests.conftest import make_checkpoint
+    from conftest import make_checkpoint
 
     path = tmp_path_factory.mktemp("a8")
     make_checkpoint(path, tokenizer_file, intermediate_size=128, num_hidden_layers=2)
