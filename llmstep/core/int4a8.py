@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from .quant_formats import unpack_int4
 
 __all__ = ["BLOCK", "TILE", "quantize_activations", "fake_quantize", "layout", "supports", "prepare", "matmul",
-           "use_kernel", "use_installer", "kernel_op",
-           "describe", "with_activations"]
+           "use_kernel", "use_installer", "kernel_op", "describe", "with_activations"]
 
 BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
+TILE = 4  # vectors of 8 columns the kernel takes together, their weights one stream
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
 _installer: Callable[[], bool] | None = None  # builds and registers it (llmstep.kernels.cpu_int4a8.install)
 
@@ -81,8 +81,6 @@ def supports(out_features: int, in_features: int, group_size: int) -> bool:
     """Whether the kernel's layout holds these shapes: 8 columns to a vector, groups of whole blocks."""
     return out_features % 8 == 0 and in_features % group_size == 0 and group_size % BLOCK == 0
 
-
-TILE = 4  # vectors of 8 columns the kernel takes together, their weights one stream
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
