@@ -206,7 +206,8 @@ def check_kept_head(path, mode: str) -> None:
     qc = QuantConfig.of(mode)
     if (qc.mode, qc.group_size) != (kept.mode, kept.group_size) or qc.lm_head is False:
         raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
-                         f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head), not {mode}"
+                         f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head; {kept}-a8+... gives "
+                         f"them 8-bit activations too), not {mode}"
                          + ("" if str(qc) == mode else f" ({qc})"))
     if (kind := gguf.head_type) not in FLOAT_GGUF:
         print(f"note: {path.name}'s LM head is {kind}: --quantize {mode} rounds its dequantized values again",

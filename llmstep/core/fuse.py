@@ -123,7 +123,8 @@ def _fused_int4(parts: list[Int4Linear]) -> Int4Linear:
     for m in parts:
         rows.append(slice(start, start + m.out_features))
         start += m.out_features
-    if before is not None and before.out_features == n_out and all(  # fused before, and still its views
+    if before is not None and before.out_features == n_out and (before.kernel, before.activations) == (
+            first.kernel, first.activations) and all(  # fused before, as they are now, and still its views
             m.scales.data_ptr() == before.scales[r].data_ptr() for m, r in zip(parts, rows, strict=True)):
         return _sharing(before)
     layer = Int4Linear(first.in_features, n_out, first.group_size, device="meta", dtype=first.scales.dtype,

@@ -82,7 +82,6 @@ def supports(out_features: int, in_features: int, group_size: int) -> bool:
     return out_features % 8 == 0 and in_features % group_size == 0 and group_size % BLOCK == 0
 
 
-
 def _tiles(t: torch.Tensor) -> torch.Tensor:
     """[N/8, R, B] per vector of 8 columns -> the same bytes per tile of TILE vectors, row by row: [N/8, R * B]
     (tile after tile, each [R, vectors in the tile, B]; the last tile may hold fewer)."""
@@ -147,7 +146,9 @@ def describe(model: torch.nn.Module) -> str | None:
 def with_activations(model: torch.nn.Module) -> torch.nn.Module:
     """A model with int4 blocks (quantised, or a GGUF file's Q4 blocks kept: `keep_quantized`) given 8-bit activations
     in place: every int4 layer's, its `quantization` saying so. Its weights are untouched: llama.cpp's arithmetic on
-    llama.cpp's own blocks. Refused for a model without int4 blocks or with groups that are not whole blocks of 32."""
+    llama.cpp's own blocks. Refused for a model without int4 blocks or with groups that are not whole blocks of 32;
+    a layer that fails to convert leaves every layer as it was. A fused twin made before (a decoder's) keeps its
+    weight-only layers: build the decoder again; fusing the model again fuses the converted layers."""
     from .quant_formats import QuantConfig, QuantizationError
 
     qc = getattr(model, "quantization", None)
@@ -155,9 +156,23 @@ def with_activations(model: torch.nn.Module) -> torch.nn.Module:
         raise QuantizationError(f"8-bit activations go on int4 blocks with weight-only activations; this model is "
                                 f"{qc or 'not quantised'}")
     new = QuantConfig(qc.mode, qc.group_size, qc.lm_head, 8)  # refuses a group size that is not whole blocks
-    for m in model.modules():
-        if hasattr(m, "activations") and m.activations is None:  # Int4Linear (Int8Linear has none)
+    layers = [m for m in model.modules() if hasattr(m, "activations") and m.activations is None]  # Int4Linear's
+    if _kernel is None and _installer is not None and any(m.scales.device.type == "cpu" for m in layers):
+        _installer()  # the build first: nothing is changed while it runs
+    saved = [(m, dict(m.__dict__), {k: getattr(m, k) for k in ("weight", "kernel_weight", "scales_and_zeros")})
+             for m in layers]
+    try:
+        for m in layers:
+            m.codes()  # the plain codes recoverable from any layout, before this layer changes
+            m.__dict__.pop("_fused_into", None)  # a fused twin of the weight-only layer is not this layer's
             m.activations, m.kernel = 8, "auto"
             m.prepare()
+    except BaseException:
+        for m, attrs, buffers in saved:  # every layer back as it was
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for k, v in buffers.items():
+                setattr(m, k, v)
+        raise
     model.quantization = new
     return model

@@ -378,7 +378,7 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
                      "same_tokens_as_eager_float": r["tokens"] == reference,
                      "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
                      "tokens": list(r["tokens"])})
-        if (a8 := int4a8.describe(r["model"])) is not None:
+        if (a8 := int4a8.describe(r["decoder"].net)) is not None:  # what the steps ran (fused or not)
             rows[-1]["int4a8_matmul"] = a8  # the kernel's op, or torch's ops (llmstep.core.int4a8)
     peer_rows = {}
     for peer in (p for p in peers if p["runs"]):

@@ -243,7 +243,7 @@ def _rows(entries: list[_Entry], runs, ids, new_tokens, bw) -> list[dict]:
                "bytes_per_step": step_bytes, "bytes_counted_from": counted, "tokens": runs[i][-1][2]}
         if info.get("notes"):
             row["notes"] = info["notes"]
-        if e.peer is None and (a8 := int4a8.describe(e.model)) is not None:
+        if e.peer is None and (a8 := int4a8.describe(e.engine.decoder.net)) is not None:
             row["int4a8_matmul"] = a8  # the kernel's op, or torch's ops (llmstep.core.int4a8)
         rate = row["decode_tokens_per_s"]["median"]
         row["copy_bandwidth_share"] = rate * step_bytes / (bw * 1e9) if bw else None

@@ -252,8 +252,9 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
 
 
 @pytest.mark.parametrize("kind, mode, says", [
-    ("Q4_1", "int8", r"can only add a quantized LM head to them \(int4-g32\+lm_head-int8 or int4-g32\+lm_head\), "
-                     "not int8$"),
+    ("Q4_1", "int8", r"can only add a quantized LM head to them \(int4-g32\+lm_head-int8 or int4-g32\+lm_head; "
+                     r"int4-g32-a8\+\.\.\. gives them 8-bit activations too\), not int8$"),
+    ("Q4_1", "int4-g32-a8", "not int4-g32-a8$"),  # 8-bit activations, but no head: nothing for --quantize to add
     ("Q4_0", "int4-g32", "not int4-g32$"),  # no head: nothing to quantize
     ("Q4_0", "int4-g64+lm_head-int8", "not int4-g64"),  # the kept blocks' groups are 32
     ("Q4_0", "int4+lm_head-int8", r"not int4\+lm_head-int8 \(int4-g64\+lm_head-int8\)$"),  # int4's default groups

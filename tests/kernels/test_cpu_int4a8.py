@@ -239,3 +239,33 @@ def test_with_activations_gives_int4_blocks_8_bit_activations_and_nothing_else(m
                       (a8, "int4-g32-a8"), (quantize(model, "int4-g16", inplace=False), "not a multiple of 32")]:
         with pytest.raises(QuantizationError, match=says):
             int4a8.with_activations(bad)
+
+
+@torch.no_grad()
+def test_with_activations_after_a_fuse_fuses_the_converted_layers_and_a_failure_changes_nothing(model128,
+                                                                                               monkeypatch):
+    model, _ = model128
+    w4 = quantize(model, "int4-g32", inplace=False)
+    tokens = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(2))
+    weight_only = w4(tokens)
+    before = fused(w4)  # a decoder's twin of the weight-only layers, alive (the layers remember it)
+    assert before.layers[0].attention.wqkv.activations is None
+    calls, original = [], Int4Linear.prepare
+
+    def failing(self):  # the third layer's conversion fails (memory, an interrupt)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(Int4Linear, "prepare", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        int4a8.with_activations(w4)
+    assert len(calls) == 2 and w4.quantization == QuantConfig("int4", 32)  # two layers converted, then a failure
+    assert all(m.activations is None for m in w4.modules() if isinstance(m, Int4Linear))
+    assert torch.equal(w4(tokens), weight_only)  # every layer as it was
+    monkeypatch.setattr(Int4Linear, "prepare", original)
+    int4a8.with_activations(w4)
+    twin = fused(w4)  # not the weight-only twin of before
+    assert twin.layers[0].attention.wqkv.activations == 8 and twin.layers[0].attention.wqkv.kernel == "a8"
+    assert torch.equal(twin(tokens), w4(tokens)) and before.layers[0].attention.wqkv.activations is None
