@@ -96,6 +96,7 @@ def withheld_kernels(spec: str) -> tuple | None:
 
 
 DTYPES = ("float32", "bfloat16", "int8", "int4", "int4-a8")
+QUANTISED = DTYPES[2:]  # quantised from a float base (DTYPE@BASE)
 FUSE = {"": None, "fuse": True, "nofuse": False}
 PROMPT = 128  # the random prompt's tokens
 PROG = "python scripts/ab_cpu.py"  # as its records name the command (runinfo.command_line)
@@ -115,7 +116,7 @@ def parse_variant(spec: str) -> dict:
     dtype, at, base = head.partition("@")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: one of {', '.join(DTYPES)}")
-    quantised = dtype in ("int8", "int4", "int4-a8")
+    quantised = dtype in QUANTISED
     if at and (not quantised or base not in ("float32", "bfloat16")):
         raise ValueError(f"@{base} is what int8 / int4 quantise from: float32 or bfloat16 (int8@float32)")
     for mark, part in (("+", kernel), ("^", lm_head)):
@@ -159,7 +160,7 @@ def check_variants(variants: list[str], config, group_size: int | None, tokens: 
     for spec in variants:
         try:
             v = parse_variant(spec)
-            if v["dtype"] in ("int8", "int4", "int4-a8"):
+            if v["dtype"] in QUANTISED:
                 check_config(config, v["dtype"], group_size if v["dtype"] != "int8" else None, v["lm_head"])
         except (ValueError, QuantizationError) as e:
             raise SystemExit(f"ab_cpu.py: variant {spec!r}: {e}") from None
@@ -173,7 +174,7 @@ def check_variants(variants: list[str], config, group_size: int | None, tokens: 
 def build(v: dict, name: str, group_size: int | None = None, only: tuple | None = None) -> FastDecoder:
     """A variant's decoder (`parse_variant`'s parts), compiled; only: `withheld_kernels(spec)`."""
     model, _ = llmstep.load(name, device="cpu", dtype=v["base"])
-    if v["dtype"] in ("int8", "int4", "int4-a8"):
+    if v["dtype"] in QUANTISED:
         quantize(model, v["dtype"], group_size=group_size if v["dtype"] != "int8" else None, lm_head=v["lm_head"],
                  kernel=v["kernel"])
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
