@@ -42,7 +42,8 @@ claim 2, measures both). This one reads the weights as torch packed them for tha
 code to float32 and multiplies-and-adds it with the activation, applying each group's scale and zero once per group:
 the same function as dequantise + matmul to within float32 sums (tests/kernels/test_cpu_int4.py holds it to a
 float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
-choices of every int4 matmul, timed against torch's kernel.
+choices of every int4 matmul; a bf16 step whose int4 matmuls it all takes (`int4_takes`) tunes among the template
+alone (engines/compile.py's `gemm_backends`): timed hot in the cache, torch's kernel can win and then lose the step.
 
 `INT4_AVX512` is its counterpart for CPUs with AVX-512 BF16 and no AMX, for one-row matmuls (a decode step's):
 there inductor's own int4 micro-kernel widens each code to float32 and spends two float32 multiply-adds a weight
@@ -93,8 +94,8 @@ from ..core.device import last_level_cache
 from . import cpu_bf16, cpu_int4, cpu_int8
 
 __all__ = ["BF16", "BF16_AVX2", "INT4", "INT4_AVX512", "INT8", "INT8_AVX512", "kernels", "withheld", "streams_weights",
-           "streaming", "KERNEL_NAME", "BF16_AVX2_KERNEL_NAME", "INT4_KERNEL_NAME", "INT4_AVX512_KERNEL_NAME",
-           "INT8_KERNEL_NAME", "INT8_AVX512_KERNEL_NAME"]
+           "streaming", "int4_takes", "KERNEL_NAME", "BF16_AVX2_KERNEL_NAME", "INT4_KERNEL_NAME",
+           "INT4_AVX512_KERNEL_NAME", "INT8_KERNEL_NAME", "INT8_AVX512_KERNEL_NAME"]
 
 KERNEL_NAME = "llmstep_bf16_dot"  # appears in the generated C++ of a step that uses it
 BF16_AVX2_KERNEL_NAME = "llmstep_bf16_avx2"
@@ -268,11 +269,17 @@ def _register_int4():
         raise _NotHere("torch's CPU int4 weights are not packed in 32-column blocks (its AVX2 layout) here")
 
     def fits(config, m, n, k, alpha, num_threads, q_group_size=None, **kwargs) -> bool:
-        return (alpha == 1 and n % 32 == 0 and k % config.register_blocking.block_k == 0
-                and q_group_size is not None and k % q_group_size == 0)
+        return (alpha == 1 and q_group_size is not None and int4_takes(n, k, q_group_size)
+                and k % config.register_blocking.block_k == 0)
 
     # (block_m, block_n, block_k): 4 rows share each widened weight; 1 row (a decode step) ranks first at m = 1
     return torch_compat.register_int4_micro_gemm("Int4AVX2", cpu_int4.AVX2, [(4, 32, 32), (1, 32, 32)], fits)
+
+
+def int4_takes(n: int, k: int, group_size: int) -> bool:
+    """Whether `INT4` (AVX2) takes an int4 matmul of n outputs and k inputs in groups of `group_size`: whole
+    blocks of 32 columns, k in steps of 32 (its blockings' block_k), whole groups."""
+    return n % 32 == 0 and k % 32 == 0 and k % group_size == 0
 
 
 def _register_int4_avx512():

@@ -220,6 +220,65 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only(monkeypatch):
     assert not uses_cuda_graphs(torch.device("cuda"), "default") and not uses_cuda_graphs(torch.device("cpu"))
 
 
+def test_bf16_int4_steps_tune_among_the_template_alone_where_the_avx2_int4_kernel_takes_every_matmul(monkeypatch):
+    # On the Zen 1 VM torch's int4 kernel won inductor's hot-cache timing for one of SmolLM2's matmul shapes and then
+    # ran at a third of the template's speed in the step (results/README.md, claim 2): where cpu_gemm.INT4 takes every
+    # int4 matmul of a bf16 step, the template alone; where one shape is not its, torch's kernel must stay a choice
+    # (inductor has no other then: NoValidChoicesError)
+    from llmstep.core.quantize import Int4Linear
+    from llmstep.engines.compile import gemm_backends
+    from llmstep.kernels import cpu_gemm
+
+    def model(*out_features, dtype=torch.bfloat16, kernel="packed"):
+        net = torch.nn.Sequential(torch.nn.LayerNorm(64).to(dtype))
+        for n in out_features:
+            layer = Int4Linear(64, n, 32, dtype=dtype)
+            layer.kernel = kernel  # as prepare() leaves it where torch's packed CPU kernel runs the layer
+            net.append(layer)
+        return net
+
+    monkeypatch.setattr(cpu_gemm.BF16, "install", lambda: False)  # a CPU without AVX-512 BF16
+    for installs in (True, False):
+        monkeypatch.setattr(cpu_gemm.INT4, "install", lambda installs=installs: installs)
+        assert gemm_backends(model(64, 96)) == ("CPP" if installs else "ATEN,CPP")
+        assert gemm_backends(model(64, 48)) == "ATEN,CPP"  # 48 columns: not whole blocks of 32
+        assert gemm_backends(model(64, dtype=torch.float32)) == "ATEN,CPP"  # float32 activations: not its kernel
+        assert gemm_backends(model(64, kernel="dequant")) == "ATEN,CPP"  # no int4 matmul of torch's kernel
+        assert gemm_backends(model(64), model(48)) == "ATEN,CPP"  # every model of the step
+    assert cpu_gemm.int4_takes(96, 64, 32) and cpu_gemm.int4_takes(32, 128, 128)
+    assert not cpu_gemm.int4_takes(48, 64, 32) and not cpu_gemm.int4_takes(32, 48, 16)
+    assert not cpu_gemm.int4_takes(32, 96, 64)  # a group across the end of the row
+
+
+@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
+                    "set LLMSTEP_SLOW_TESTS=1")
+@pytest.mark.tuned_matmuls
+@pytest.mark.parametrize("whole_blocks", [True, False])
+def test_a_bf16_int4_step_compiles_and_runs_with_the_backends_its_shapes_allow(tmp_path, tokenizer_file, whole_blocks):
+    """The engines' default compile of a bf16 int4 model: where every int4 matmul is the AVX2 kernel's (whole blocks
+    of 32 columns) the template alone, else torch's kernel too (two KV heads of 8: wk and wv 16 wide): either
+    compiles, and its greedy tokens follow its eager logits."""
+    from conftest import make_checkpoint
+
+    from llmstep.engines.compile import gemm_backends
+    from llmstep.kernels import cpu_gemm
+
+    shapes = dict(intermediate_size=96, num_key_value_heads=4 if whole_blocks else 2)
+    make_checkpoint(tmp_path, tokenizer_file, num_hidden_layers=1, **shapes)
+    model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.bfloat16)
+    qmodel = quantize(model, QuantConfig("int4", 32), inplace=False)
+    packed = [m for m in qmodel.modules() if getattr(m, "kernel", None) == "packed"]
+    if packed and cpu_gemm.INT4.install():  # AVX2 alone, where torch packs its CPU int4 weights
+        assert gemm_backends(qmodel) == ("CPP" if whole_blocks else "ATEN,CPP")
+    decoder = FastDecoder(qmodel, max_len=len(PROMPT) + 8, compile=True)
+    tokens = decoder.generate(PROMPT, 8, **GREEDY).tokens
+    # each greedy token is the eager model's argmax given the tokens before it, or within bf16 rounding of it
+    ids = torch.tensor([PROMPT + tokens[:-1]])
+    logits = qmodel(ids)[0, len(PROMPT) - 1:].float()  # [8, vocab]: the eager logits at each decoded position
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (logits.amax(1) - chosen <= 0.05 * logits.abs().amax(1)).all(), (tokens, logits.argmax(1).tolist())
+
+
 def test_prompt_tensors_hold_one_sequence(tiny):
     model, _ = tiny
     decoder = FastDecoder(model, max_len=32, compile=False)
