@@ -102,28 +102,26 @@ def _bf16_instructions() -> bool:
 def gemm_backends(*models: torch.nn.Module) -> str | None:
     """What a CPU step running `models` tunes its matmuls among by default (`compile_options`): None (not tuned)
     unless every model's are (`tunes_matmuls`); "CPP", inductor's C++ GEMM template alone, where every model is
-    bf16 (its linears quantised or not) and either `cpu_gemm`'s bf16 kernel is installed or the models hold int4
-    matmuls of torch's packed kernel, every one of which `cpu_gemm.INT4` (AVX2) takes; else "ATEN,CPP".
+    bf16 (its linears quantised or not) and either `cpu_gemm`'s bf16 kernel is installed or `cpu_gemm.INT4` (AVX2)
+    is, and the template has an int4 micro-kernel for every int4 matmul of torch's packed kernel the models hold
+    (`cpu_gemm.int4_takes`; none: none needed); else "ATEN,CPP".
 
     Inductor times each candidate on one weight, again and again: hot in the cache. A decode step whose weights do
     not fit in the cache streams them from memory, where the template's kernel is the faster one; on weights hot in
     the cache oneDNN's (or torch's int4 kernel) can win the timing and then lose the step (scripts/ab_cpu.py's
     `|max_autotune_gemm_backends=` variants measure both; results/README.md, claim 2). The template alone must take
-    every matmul (inductor has no other choice then), so int4 needs `cpu_gemm.int4_takes` of each layer."""
+    every matmul (inductor has no other choice then): its float and int8 kernels take any shape, its int4 ones not."""
     if not all(tunes_matmuls(m) for m in models):
         return None
     bf16 = all(next(m.parameters()).dtype == torch.bfloat16 for m in models)
-    cpu = next(models[0].parameters()).device.type == "cpu"
-    return "CPP" if bf16 and cpu and (cpu_gemm.BF16.install() or _int4_template(models)) else "ATEN,CPP"
-
-
-def _int4_template(models: Sequence[torch.nn.Module]) -> bool:
-    """Whether the models hold int4 layers of torch's packed CPU kernel and `cpu_gemm.INT4` takes every one."""
+    if not bf16 or next(models[0].parameters()).device.type != "cpu":
+        return "ATEN,CPP"
     from ..core.quantize import Int4Linear
 
-    packed = [m for model in models for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "packed"]
-    return (bool(packed) and cpu_gemm.INT4.install()
-            and all(cpu_gemm.int4_takes(m.out_features, m.in_features, m.group_size) for m in packed))
+    int4 = [m for model in models for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "packed"]
+    if not all(cpu_gemm.int4_takes(m.out_features, m.in_features, m.group_size) for m in int4):
+        return "ATEN,CPP"  # an int4 matmul no micro-kernel takes: torch's kernel stays its choice
+    return "CPP" if cpu_gemm.BF16.install() or (int4 and cpu_gemm.INT4.install()) else "ATEN,CPP"
 
 
 def uses_cuda_graphs(device: torch.device, mode: str | None = None) -> bool:

@@ -44,6 +44,7 @@ the same function as dequantise + matmul to within float32 sums (tests/kernels/t
 float64 matmul in a process where torch and inductor are held to AVX2). With it the template joins the tuned
 choices of every int4 matmul; a bf16 step whose int4 matmuls it all takes (`int4_takes`) tunes among the template
 alone (engines/compile.py's `gemm_backends`): timed hot in the cache, torch's kernel can win and then lose the step.
+A step with an int4 matmul no micro-kernel takes keeps torch's kernel a choice, on every CPU.
 
 `INT4_AVX512` is its counterpart for CPUs with AVX-512 BF16 and no AMX, for one-row matmuls (a decode step's):
 there inductor's own int4 micro-kernel widens each code to float32 and spends two float32 multiply-adds a weight
@@ -135,6 +136,10 @@ class _Kernel:
     @property
     def installed(self) -> bool:
         return self.cls is not None
+
+    def active(self) -> bool:
+        """Installed and in inductor's registry now (`withheld` takes it out for a while)."""
+        return self.install() and torch_compat.micro_gemm_registered(self.cls)
 
     def install(self) -> bool:
         if self.cls is None and self.why is None:
@@ -269,17 +274,32 @@ def _register_int4():
         raise _NotHere("torch's CPU int4 weights are not packed in 32-column blocks (its AVX2 layout) here")
 
     def fits(config, m, n, k, alpha, num_threads, q_group_size=None, **kwargs) -> bool:
-        return (alpha == 1 and q_group_size is not None and int4_takes(n, k, q_group_size)
+        return (alpha == 1 and q_group_size is not None and _int4_avx2_shape(n, k, q_group_size)
                 and k % config.register_blocking.block_k == 0)
 
     # (block_m, block_n, block_k): 4 rows share each widened weight; 1 row (a decode step) ranks first at m = 1
     return torch_compat.register_int4_micro_gemm("Int4AVX2", cpu_int4.AVX2, [(4, 32, 32), (1, 32, 32)], fits)
 
 
-def int4_takes(n: int, k: int, group_size: int) -> bool:
-    """Whether `INT4` (AVX2) takes an int4 matmul of n outputs and k inputs in groups of `group_size`: whole
-    blocks of 32 columns, k in steps of 32 (its blockings' block_k), whole groups."""
+def _int4_avx2_shape(n: int, k: int, group_size: int) -> bool:
+    """`INT4`'s shapes: whole blocks of 32 columns, k in steps of 32 (its blockings' block_k), whole groups."""
     return n % 32 == 0 and k % 32 == 0 and k % group_size == 0
+
+
+def int4_takes(n: int, k: int, group_size: int) -> bool:
+    """Whether inductor's int4 template has a micro-kernel for a one-row int4 matmul of n outputs and k inputs in
+    groups of `group_size` on this CPU (with the template alone, a matmul none takes has no choice at all): on AVX2
+    alone `INT4`, while it is registered (`withheld` takes it out); with AVX-512 BF16 or AMX inductor's own AVX-512
+    kernel (and `INT4_AVX512`), 64 columns a block and groups of 32, 64 or 128; elsewhere none."""
+    try:
+        isa = torch_compat.cpu_vector_isa()
+    except RuntimeError:  # no inductor vector ISA to read: no micro-kernel to count on
+        return False
+    if isa == "avx2":
+        return _int4_avx2_shape(n, k, group_size) and INT4.active()
+    if isa in ("avx512_bf16", "amx"):
+        return n % 64 == 0 and group_size in INT4_AVX512_GROUPS and k % group_size == 0
+    return False
 
 
 def _register_int4_avx512():

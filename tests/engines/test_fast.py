@@ -220,34 +220,68 @@ def test_compile_options_freeze_and_fuse_on_the_cpu_only(monkeypatch):
     assert not uses_cuda_graphs(torch.device("cuda"), "default") and not uses_cuda_graphs(torch.device("cpu"))
 
 
-def test_bf16_int4_steps_tune_among_the_template_alone_where_the_avx2_int4_kernel_takes_every_matmul(monkeypatch):
-    # On the Zen 1 VM torch's int4 kernel won inductor's hot-cache timing for one of SmolLM2's matmul shapes and then
-    # ran at a third of the template's speed in the step (results/README.md, claim 2): where cpu_gemm.INT4 takes every
-    # int4 matmul of a bf16 step, the template alone; where one shape is not its, torch's kernel must stay a choice
-    # (inductor has no other then: NoValidChoicesError)
+def test_bf16_int4_steps_tune_among_the_template_alone_where_an_int4_micro_kernel_takes_every_matmul(monkeypatch):
+    # On the Zen 1 VM torch's int4 kernel won inductor's hot-cache timing for some of SmolLM2's matmul shapes and then
+    # ran at about half the template's speed in the step (results/README.md, claim 2): where cpu_gemm.INT4 takes every
+    # int4 matmul of a bf16 step, the template alone. Where a shape is no micro-kernel's, torch's kernel must stay a
+    # choice, on every CPU (inductor has no other then: NoValidChoicesError)
+    from llmstep.core import torch_compat
     from llmstep.core.quantize import Int4Linear
     from llmstep.engines.compile import gemm_backends
     from llmstep.kernels import cpu_gemm
 
-    def model(*out_features, dtype=torch.bfloat16, kernel="packed"):
-        net = torch.nn.Sequential(torch.nn.LayerNorm(64).to(dtype))
+    def model(*out_features, k=64, group=32, dtype=torch.bfloat16, kernel="packed"):
+        net = torch.nn.Sequential(torch.nn.LayerNorm(k).to(dtype))
         for n in out_features:
-            layer = Int4Linear(64, n, 32, dtype=dtype)
+            layer = Int4Linear(k, n, group, dtype=dtype)
             layer.kernel = kernel  # as prepare() leaves it where torch's packed CPU kernel runs the layer
             net.append(layer)
         return net
 
-    monkeypatch.setattr(cpu_gemm.BF16, "install", lambda: False)  # a CPU without AVX-512 BF16
-    for installs in (True, False):
-        monkeypatch.setattr(cpu_gemm.INT4, "install", lambda installs=installs: installs)
-        assert gemm_backends(model(64, 96)) == ("CPP" if installs else "ATEN,CPP")
+    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_gemm.BF16, "install", lambda: False)  # no AVX-512 BF16
+    for installed in (True, False):
+        monkeypatch.setattr(cpu_gemm.INT4, "install", lambda installed=installed: installed)
+        monkeypatch.setattr(cpu_gemm.INT4, "active", lambda installed=installed: installed)
+        assert gemm_backends(model(64, 96)) == ("CPP" if installed else "ATEN,CPP")
         assert gemm_backends(model(64, 48)) == "ATEN,CPP"  # 48 columns: not whole blocks of 32
-        assert gemm_backends(model(64, dtype=torch.float32)) == "ATEN,CPP"  # float32 activations: not its kernel
+        assert gemm_backends(model(64, dtype=torch.float32)) == "ATEN,CPP"  # a float32 step: oneDNN too
         assert gemm_backends(model(64, kernel="dequant")) == "ATEN,CPP"  # no int4 matmul of torch's kernel
         assert gemm_backends(model(64), model(48)) == "ATEN,CPP"  # every model of the step
+    monkeypatch.setattr(cpu_gemm.INT4, "install", lambda: True)
+    monkeypatch.setattr(cpu_gemm.INT4, "active", lambda: False)  # installed, withheld (scripts/ab_cpu.py's ~nodot)
+    assert gemm_backends(model(64, 96)) == "ATEN,CPP"
+    assert cpu_gemm.int4_takes(96, 64, 32) is False
+    # AVX-512 BF16 (or AMX) with cpu_gemm's bf16 kernel: the template alone already, now only where inductor's int4
+    # kernel takes every int4 matmul: 64 columns a block, groups of 32, 64 or 128
+    monkeypatch.setattr(cpu_gemm.BF16, "install", lambda: True)
+    for isa in ("avx512_bf16", "amx"):
+        monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda isa=isa: isa)
+        assert gemm_backends(model(64, 128)) == "CPP" and gemm_backends(model(64, 96)) == "ATEN,CPP"
+        assert gemm_backends(model(64, k=256, group=256)) == "ATEN,CPP"
+        assert gemm_backends(model(64, kernel="dequant")) == "CPP"  # no int4 matmul: as before
+    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx512")  # AVX-512 without BF16: no int4 kernel
+    assert not cpu_gemm.int4_takes(64, 64, 32)
+    monkeypatch.setattr(torch_compat, "cpu_vector_isa", lambda: "avx2")
+    monkeypatch.setattr(cpu_gemm.INT4, "active", lambda: True)
     assert cpu_gemm.int4_takes(96, 64, 32) and cpu_gemm.int4_takes(32, 128, 128)
     assert not cpu_gemm.int4_takes(48, 64, 32) and not cpu_gemm.int4_takes(32, 48, 16)
     assert not cpu_gemm.int4_takes(32, 96, 64)  # a group across the end of the row
+
+
+def test_a_withheld_avx2_int4_kernel_leaves_torchs_kernel_a_choice():
+    from llmstep.core.quantize import Int4Linear
+    from llmstep.engines.compile import gemm_backends
+    from llmstep.kernels import cpu_gemm
+
+    if not cpu_gemm.INT4.install():
+        pytest.skip(f"the AVX2 int4 kernel is not used here: {cpu_gemm.INT4.why}")
+    net = torch.nn.Sequential(torch.nn.LayerNorm(64).to(torch.bfloat16), Int4Linear(64, 64, 32, dtype=torch.bfloat16))
+    net[1].kernel = "packed"
+    assert gemm_backends(net) == "CPP" and cpu_gemm.INT4.active()
+    with cpu_gemm.withheld(only=(cpu_gemm.INT4,)):
+        assert not cpu_gemm.INT4.active() and gemm_backends(net) == "ATEN,CPP"
+    assert gemm_backends(net) == "CPP"
 
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
