@@ -45,8 +45,8 @@ import torch
 __all__ = ["FLOOR", "CEILING", "Feature", "FEATURES", "features", "missing", "in_tested_range", "int8_mm",
            "int4_pack_cpu", "int4_pack_cuda", "int4_mm", "mode_options", "known_options", "holding_freezing",
            "mark_static_address", "unguarded_code", "cpu_vector_isa", "register_micro_gemm",
-           "register_int4_micro_gemm", "register_vec_micro_gemm", "micro_gemm_registered", "micro_gemm_withheld",
-           "compiling_constant_bytes", "kernel_profile"]
+           "register_int4_micro_gemm", "register_vec_micro_gemm", "micro_gemm_withheld", "compiling_constant_bytes",
+           "kernel_profile"]
 
 FLOOR = (2, 13)  # pyproject.toml's `torch>=2.13`: the torch CI installs (.ci/run) and the tests run on
 CEILING = (2, 14)  # the first torch release not yet tested: gated features are off from here on
@@ -435,13 +435,6 @@ def _register_woq(name, base_name, kernel, blockings, fits, weight_dtype, isa, o
                                                     output_dtype=torch.float, compute_dtype=torch.float,
                                                     extra_check=fits))(cls)
     return cls
-
-
-def micro_gemm_registered(cls: type) -> bool:
-    """Whether inductor's registry holds `cls` now (not held back by `micro_gemm_withheld`)."""
-    from torch._inductor.codegen import cpp_micro_gemm as mg
-
-    return cls in mg.micro_gemm_configs
 
 
 @contextlib.contextmanager

@@ -122,6 +122,7 @@ AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode
 STREAM_AHEAD = 4096
 STREAM_ISAS = ("avx512_bf16",)
 _STREAM: bool | None = None  # `streaming` sets it: None decides by `streams_weights`' rule, True / False always / never
+_WITHHELD: set[str] = set()  # the kernels `withheld` holds out of inductor's registry now, by name
 
 @dataclass
 class _Kernel:
@@ -139,7 +140,7 @@ class _Kernel:
 
     def active(self) -> bool:
         """Installed and in inductor's registry now (`withheld` takes it out for a while)."""
-        return self.install() and torch_compat.micro_gemm_registered(self.cls)
+        return self.install() and self.name not in _WITHHELD
 
     def install(self) -> bool:
         if self.cls is None and self.why is None:
@@ -403,4 +404,6 @@ def withheld(when: bool = True, only: tuple[_Kernel, ...] | None = None):
         for kernel in installed:
             _tag(kernel.name, kernel.tag(), False)
             stack.enter_context(torch_compat.micro_gemm_withheld(kernel.cls))
+            _WITHHELD.add(kernel.name)
+            stack.callback(_WITHHELD.discard, kernel.name)
         yield
