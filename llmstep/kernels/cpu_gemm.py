@@ -287,6 +287,12 @@ def _int4_avx2_shape(n: int, k: int, group_size: int) -> bool:
     return n % 32 == 0 and k % 32 == 0 and k % group_size == 0
 
 
+def _int4_avx512_shape(n: int, k: int, group_size: int | None) -> bool:
+    """The AVX-512 int4 kernels' shapes (inductor's own and `INT4_AVX512`): 64 columns a block, groups of 32, 64 or
+    128, whole groups."""
+    return n % 64 == 0 and group_size in INT4_AVX512_GROUPS and k % group_size == 0
+
+
 def int4_takes(n: int, k: int, group_size: int) -> bool:
     """Whether inductor's int4 template has a micro-kernel for a one-row int4 matmul of n outputs and k inputs in
     groups of `group_size` on this CPU (with the template alone, a matmul none takes has no choice at all): on AVX2
@@ -299,7 +305,7 @@ def int4_takes(n: int, k: int, group_size: int) -> bool:
     if isa == "avx2":
         return _int4_avx2_shape(n, k, group_size) and INT4.active()
     if isa in ("avx512_bf16", "amx"):
-        return n % 64 == 0 and group_size in INT4_AVX512_GROUPS and k % group_size == 0
+        return _int4_avx512_shape(n, k, group_size)
     return False
 
 
@@ -310,8 +316,8 @@ def _register_int4_avx512():
         raise _NotHere("torch's CPU int4 weights are not packed in 64-column blocks (its AVX-512 layout) here")
 
     def fits(config, m, n, k, alpha, num_threads, q_group_size=None, dynamic_M=False, **kwargs) -> bool:
-        return (alpha == 1 and m == 1 and not dynamic_M and n % 64 == 0 and k % config.register_blocking.block_k == 0
-                and q_group_size in INT4_AVX512_GROUPS and k % q_group_size == 0)
+        return (alpha == 1 and m == 1 and not dynamic_M and _int4_avx512_shape(n, k, q_group_size)
+                and k % config.register_blocking.block_k == 0)
 
     return torch_compat.register_int4_micro_gemm("Int4AVX512", cpu_int4.AVX512, INT4_AVX512_BLOCKINGS, fits,
                                                  isa="avx512", options=_stream_options)
