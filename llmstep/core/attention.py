@@ -27,6 +27,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from . import attention_backend
 from .config import LlamaConfig
+from .linear import Linear
 from .rope import apply_rope
 
 __all__ = ["Attention", "attention", "causal_mask", "sdpa", "flex_decode", "FLEX_BLOCK", "Mask", "CAUSAL", "UNMASKED"]
@@ -151,10 +152,10 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq = nn.Linear(config.dim, config.n_heads * config.head_dim, bias=False)  # HF: q_proj
-        self.wk = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: k_proj
-        self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: v_proj
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)  # HF: o_proj
+        self.wq = Linear(config.dim, config.n_heads * config.head_dim, bias=False)  # HF: q_proj
+        self.wk = Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: k_proj
+        self.wv = Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)  # HF: v_proj
+        self.wo = Linear(config.n_heads * config.head_dim, config.dim, bias=False)  # HF: o_proj
         self.wqkv: nn.Module | None = None  # wq|wk|wv stacked as one matmul, set by llmstep.core.fuse
 
     def forward(self, x, cos, sin, positions, mask: Mask | torch.Tensor, cache=None, layer: int = 0,

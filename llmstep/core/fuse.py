@@ -38,6 +38,7 @@ import weakref
 import torch
 from torch import nn
 
+from .linear import Linear
 from .model import Llama
 from .quantize import Int4Linear, Int8Linear
 
@@ -87,9 +88,9 @@ def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
     if not all(type(m) is type(first) and m.in_features == first.in_features for m in linears):
         return None
     n_out = sum(m.out_features for m in linears)
-    if type(first) is nn.Linear and all(m.bias is None for m in linears):
+    if type(first) in (nn.Linear, Linear) and all(m.bias is None for m in linears):
         with torch.device("meta"):
-            fused_layer = nn.Linear(first.in_features, n_out, bias=False)
+            fused_layer = Linear(first.in_features, n_out, bias=False)
         fused_layer.weight = nn.Parameter(fuse_rows(linears, "weight"), requires_grad=False)  # [n_out, in]
         return fused_layer
     if type(first) is Int8Linear and len({(m.kernel, m.eager_packed) for m in linears}) == 1:

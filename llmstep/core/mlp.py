@@ -7,15 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import Linear
+
 __all__ = ["FeedForward"]
 
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate, HF: gate_proj   (hidden_dim, dim)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up,   HF: up_proj     (hidden_dim, dim)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down, HF: down_proj   (dim, hidden_dim)
+        self.w1 = Linear(dim, hidden_dim, bias=False)  # gate, HF: gate_proj   (hidden_dim, dim)
+        self.w3 = Linear(dim, hidden_dim, bias=False)  # up,   HF: up_proj     (hidden_dim, dim)
+        self.w2 = Linear(hidden_dim, dim, bias=False)  # down, HF: down_proj   (dim, hidden_dim)
         self.w13: nn.Module | None = None  # w1|w3 stacked as one matmul, set by llmstep.core.fuse
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from .attention import CAUSAL, Attention, Mask, causal_mask
 from .config import LlamaConfig
 from .cost import check_fits, model_bytes
 from .kv_cache import Cache, KVCache
+from .linear import Linear
 from .mlp import FeedForward
 from .norm import RMSNorm
 from .rope import config_inv_frequencies, rope_cos_sin
@@ -53,7 +54,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)  # HF: embed_tokens (vocab, dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)  # LM head, HF: lm_head (vocab, dim)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)  # LM head, HF: lm_head (vocab, dim)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Rotation speeds, derived from the config, never saved: [head_dim/2] float32.

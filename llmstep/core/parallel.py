@@ -41,6 +41,7 @@ from .checkpoint_layout import Checkpoint, checkpoint_tokenizer, read_checkpoint
 from .config import LlamaConfig
 from .device import synchronize
 from .kv_cache import KVCache
+from .linear import Linear, linear
 from .loader import Slicer, build, load_dtype, read_state
 from .model import Llama, materialize
 from .parallel_split import VOCAB_ROWS, Split, check_split, pad_rows, rank_slices, split
@@ -109,12 +110,12 @@ def _all_reduce(x: torch.Tensor, group, stats: CommStats) -> torch.Tensor:
     return x
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Linear):
     """Output features out/N of a Linear: y_r = x W_r^T, [.., in] -> [.., out/N]. No communication: what
     follows (attention per head, silu(gate) * up) is local to the rank's slice."""
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features in/N of a Linear: each rank's x_r W_r^T is a partial sum of x W^T; one all-reduce adds
     them. [.., in/N] -> [.., out], the same on every rank."""
 
@@ -123,7 +124,7 @@ class RowParallelLinear(nn.Linear):
         self.group, self.stats = group, stats if stats is not None else CommStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(F.linear(x, self.weight), self.group, self.stats)  # [.., out]
+        return _all_reduce(linear(x, self.weight), self.group, self.stats)  # [.., out]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -142,7 +143,7 @@ class VocabParallelEmbedding(nn.Module):
         return _all_reduce(x, self.group, self.stats)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """LM-head rows start .. start + rows [rows, dim]: each rank scores its slice of the vocabulary, an
     all-gather concatenates the N slices, the padding columns are cut off: [B, T, dim] -> [B, T, vocab]."""
 
@@ -151,7 +152,7 @@ class ParallelLMHead(nn.Linear):
         self.vocab_size, self.group, self.stats = vocab_size, group, stats if stats is not None else CommStats()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight).contiguous()  # [B, T, rows]
+        local = linear(x, self.weight).contiguous()  # [B, T, rows]
         if self.stats.world == 1:
             return local[..., :self.vocab_size]
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]

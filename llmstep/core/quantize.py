@@ -26,11 +26,11 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import int4a8, torch_compat
 from .config import LlamaConfig
+from .linear import linear
 from .model import Llama, materialize
 from .quant_formats import (
     DEFAULT_GROUP_SIZE,
@@ -160,7 +160,7 @@ class Int8Linear(nn.Module):
             got = None if torch_compat.missing("int8_mm") else torch_compat.int8_mm(x, self.weight, self.scales)
         except (RuntimeError, NotImplementedError):  # not for this device, dtype or shape
             return False
-        return got is not None and _agrees(got[:, :r], F.linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
+        return got is not None and _agrees(got[:, :r], linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -169,7 +169,7 @@ class Int8Linear(nn.Module):
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul
+        return linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul
 
     @property
     def nbytes(self) -> int:
@@ -230,7 +230,7 @@ class Int4Linear(nn.Module):
             self.kernel_weight, self.scales_and_zeros = self._convert(unpack_int4(codes)), sz
             x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
             r = min(CHECK_ROWS, self.out_features)
-            want = F.linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
+            want = linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
             ok = _agrees(self._packed_mm(x)[:, :r], want)
         except (RuntimeError, NotImplementedError):
             ok = False
@@ -295,7 +295,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "packed" and (self.weight is None or x.numel() <= PACKED_MAX_ROWS * self.in_features):
             y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales.dtype))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
-        return F.linear(x, self.dequantized().to(x.dtype))
+        return linear(x, self.dequantized().to(x.dtype))
 
     @property
     def nbytes(self) -> int:
