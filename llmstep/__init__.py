@@ -8,6 +8,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     chat.py        a checkpoint's own chat template, rendered as transformers renders it (Jinja2 sandbox)
     rope.py        rotary position embedding with Llama 3.1 scaling
     norm.py        RMSNorm
+    linear.py      the linear layer: nn.Linear's function, a half-precision prompt widened to float32 where a
+                   CPU's torch has no bf16 kernel
     attention.py   grouped-query attention
     attention_backend.py  which SDPA kernel runs (PyTorch's choice, or math/flash/efficient/cudnn by name)
     kv_cache.py    the preallocated KV cache, written at explicit positions

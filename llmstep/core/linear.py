@@ -1,20 +1,24 @@
 """The model's linear layer: y = x W^T, nn.Linear's function, with one difference in how a CPU computes it.
 
 On a CPU, PyTorch multiplies bfloat16 (and float16) matrices with oneDNN where the CPU has instructions for them
-(AVX-512 with BF16 / FP16, AMX); elsewhere (every AVX2-only CPU: AMD before Zen 4, most desktop Intel parts) it
-falls back to a generic loop that widens each element to float32 as it goes, sums in float32 and rounds the sum
-to bf16 once. That loop is several times slower than float32's own GEMM: at SmolLM2's shapes with 128 rows on a
-2-core Zen 1 EPYC (llmstep/core/linear.py's numbers, measured in session 38, torch 2.13), [128, 576] x [576, 576]^T
-took 8.9 ms in bf16 and 1.8 ms widened to float32 (weights included), 4.4-5.9x across the shapes, so llmstep's
-bf16 prefill ran at a third of llama.cpp's (results/README.md, claim 2).
+(AVX-512 with BF16 / FP16, AMX, and where torch's own check finds them elsewhere); on other CPUs (AMD before Zen 4,
+most desktop Intel parts: AVX2 alone) it falls back to a generic loop that widens each element to float32 as it
+goes, sums in float32 and rounds each sum to bf16 once. That loop is several times slower than float32's own GEMM:
+on a 2-core Zen 1 EPYC at SmolLM2's five matmul shapes with 128 rows, 3.2-4.6x slower than the same products
+widened to float32, the weight's widening included (SmolLM2's whole bf16 prefill 3.9x: `scripts/prefill_cpu.py`,
+results/README.md, claim 2, session 38), and llmstep's bf16 prefill ran at a third of llama.cpp's.
 
-`linear` widens such a matmul itself: both operands to float32, one float32 GEMM, the result rounded to the
+`linear` widens such a matmul itself: both operands to float32, float32 GEMMs, each result rounded once to the
 input's dtype. Both sides sum float32 products of the same bf16 numbers and round once, so the two are the same
-function up to the order of the float32 additions (tests/core/test_linear.py holds the result to within one
-rounding of a float64 matmul, as torch's own). The weight is widened on every call (nothing is kept: the model's
-memory is unchanged), which costs more than it saves for a few rows, so it widens from `WIDEN_ROWS` rows up (a
-prompt, a batch of 16); a decode step's one row keeps torch's kernel, and a compiled step (engines.compile) never
-reaches here: inductor's own GEMM templates take its matmuls.
+function up to the order of the float32 additions (tests/core/test_linear.py holds both, torch's and this, within
+half a step of the dtype plus float32's summation error of a float64 matmul). The weight is widened on every call,
+`WIDEN_BLOCK` of its elements at a time (at most that much float32 of it held at once: no second copy of a weight,
+an LM head's included), which at 8 rows costs about what it saves, so it widens from `WIDEN_ROWS` rows up (a
+prompt, a step of 16 sequences); a decode step's one row keeps torch's kernel. So does anything torch.compile
+traces (`is_compiling`: inductor's own GEMMs take those matmuls), a torch.fx symbolic trace (its Proxy takes
+the plain op), and an autograd graph (its saved tensors would be the float32 copies). In half precision on such a
+CPU a row's bits may so depend on whether it is multiplied among 16 rows or more (a batched step, a long verify)
+or fewer: the same function up to float32's order of additions, as between any two matmul kernels.
 """
 
 from __future__ import annotations
@@ -25,32 +29,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WIDEN_ROWS", "Linear", "linear", "widens"]
+__all__ = ["WIDEN_BLOCK", "WIDEN_ROWS", "Linear", "linear", "widens"]
 
-WIDEN_ROWS = 16  # at 16 rows widening measured 1.2-2.1x on the Zen 1's SmolLM2 shapes; at 8, 0.5-1.7x
+WIDEN_ROWS = 16  # widening at 16 rows measured 1.5-1.8x on the Zen 1's SmolLM2 shapes; at 8, 0.97-1.4x
+WIDEN_BLOCK = 1 << 20  # weight elements widened at a time: 4 MiB of float32
 
 
 @functools.cache
-def _slow_half_gemm(dtype: torch.dtype) -> bool:
-    """Whether torch's CPU matmul in `dtype` (bf16 or fp16) is its generic loop: no oneDNN kernel for it here."""
+def _no_half_kernel(dtype: torch.dtype) -> bool:
+    """Whether torch has no oneDNN kernel for CPU matmuls in `dtype` (bf16 or fp16) on this CPU or build."""
+    if not torch.backends.mkldnn.is_available():
+        return True
     probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
     supported = getattr(torch.ops.mkldnn, probe, None)  # torch's own check (mkldnn_bf16_device_check and kin)
-    return supported is not None and torch.backends.mkldnn.is_available() and not supported()
+    return supported is not None and not supported()  # a torch without the check: assume its kernel
 
 
-def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` computes x @ weight^T in float32 (see the module's docstring)."""
+def _slow_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU matmul in `dtype` is its generic loop: no oneDNN kernel, or oneDNN turned off."""
+    return not torch.backends.mkldnn.enabled or _no_half_kernel(dtype)
+
+
+def widens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` computes x @ weight^T (+ bias) in float32 (see the module's docstring)."""
+    if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy):
+        return False
     return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.numel() >= WIDEN_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
+            and (bias is None or bias.dtype == x.dtype) and x.dim() >= 2 and x.numel() >= WIDEN_ROWS * x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and _slow_half_gemm(x.dtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [.., in] @ weight [out, in]^T (+ bias [out]) -> [.., out]."""
-    if not widens(x, weight):
+    if not widens(x, weight, bias):
         return F.linear(x, weight, bias)
-    wide_bias = None if bias is None else bias.float()
-    return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)  # [.., out]: one rounding, as torch's
+    x32 = x.float()  # [.., in]
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])  # [.., out] in x's dtype
+    rows = max(1, WIDEN_BLOCK // max(1, weight.shape[1]))  # weight rows a block
+    for start in range(0, weight.shape[0], rows):
+        part = slice(start, start + rows)
+        b = None if bias is None else bias[part].float()
+        y[..., part] = F.linear(x32, weight[part].float(), b)  # [.., rows]: each sum rounded once, as torch's
+    return y
 
 
 class Linear(nn.Linear):

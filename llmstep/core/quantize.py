@@ -169,7 +169,7 @@ class Int8Linear(nn.Module):
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
-        return linear(x, self.weight.to(x.dtype)) * self.scales  # compile fuses the widening into the matmul
+        return linear(x, self.weight.to(x.dtype)) * self.scales  # compiled: the int8 -> dtype cast fuses into it
 
     @property
     def nbytes(self) -> int:

@@ -33,22 +33,26 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(tiny))) - bits)
 
 
+def assert_a_sum_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> None:
+    """Each output is a float32 sum of the exact products (within e = (K + 1) 2^-24 sum|x w| of the exact sum, the
+    worst case of any order) rounded once to the dtype (half a step): within half a step + e of the float64 matmul.
+    Two roundings (the sum in two halves, each rounded to the dtype) miss this by 1.2-15x."""
+    want = F.linear(x.double(), w.double(), b.double())  # [.., out], exact in float64
+    e = (x.shape[-1] + 1) * 2.0**-24 * F.linear(x.double().abs(), w.double().abs(), b.double().abs())
+    bound = ulp(want.abs() + e, x.dtype) / 2 + e
+    assert got.dtype == x.dtype and got.shape == want.shape
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), (err / bound).max()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, WIDEN_ROWS - 1, WIDEN_ROWS, 128])
 def test_the_result_is_a_float32_sum_of_the_products_rounded_once_either_way(slow, dtype, rows):
-    """Widened or not, each output is a float32 sum of the exact products (within e = (K + 1) 2^-24 sum|x w| of the
-    exact sum, the worst case of any order) rounded once to `dtype` (half a step): so within half a step + e of the
-    float64 matmul. Two roundings (the sum in two halves, each rounded to `dtype`) miss this by 1.2-15x."""
     g = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=g).to(dtype), torch.randn(300, 576, generator=g).to(dtype)
     b = torch.randn(300, generator=g).to(dtype)
-    want = F.linear(x.double(), w.double(), b.double())  # [rows, 300], exact in float64
-    e = 577 * 2.0**-24 * F.linear(x.double().abs(), w.double().abs(), b.double().abs())  # float32's sums, any order
-    bound = ulp(want.abs() + e, dtype) / 2 + e
-    for got in (linear.linear(x, w, b), F.linear(x, w, b)):  # ours, torch's
-        assert got.dtype == dtype and got.shape == (rows, 300)
-        err = (got.double() - want).abs()
-        assert (err <= bound).all(), (err / bound).max()
+    assert_a_sum_rounded_once(linear.linear(x, w, b), x, w, b)  # ours
+    assert_a_sum_rounded_once(F.linear(x, w, b), x, w, b)  # torch's
 
 
 def test_it_widens_from_widen_rows_rows_of_a_half_precision_input_on_the_cpu(slow, monkeypatch):
@@ -74,9 +78,47 @@ def test_not_where_torch_has_a_half_precision_kernel(monkeypatch):
     assert seen == [(torch.bfloat16, torch.bfloat16)]
 
 
-def test_the_probe_asks_torch_per_dtype():
+def test_the_probe_asks_torch_per_dtype_and_whether_onednn_is_on(monkeypatch):
     for dtype, probe in ((torch.bfloat16, "_is_mkldnn_bf16_supported"), (torch.float16, "_is_mkldnn_fp16_supported")):
-        assert linear._slow_half_gemm(dtype) == (not getattr(torch.ops.mkldnn, probe)())
+        has = torch.backends.mkldnn.is_available() and getattr(torch.ops.mkldnn, probe)()
+        assert linear._slow_half_gemm(dtype) == (not has)
+    monkeypatch.setattr(linear, "_no_half_kernel", lambda dtype: False)  # as on a CPU with AVX-512 BF16
+    assert not linear._slow_half_gemm(torch.bfloat16)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # oneDNN turned off: torch takes its loop
+    assert not torch.backends.mkldnn.enabled and linear._slow_half_gemm(torch.bfloat16)
+
+
+def test_what_torch_would_refuse_or_must_differentiate_keeps_torch_s_op(slow, monkeypatch):
+    seen = calls(monkeypatch)
+    x, w = torch.randn(WIDEN_ROWS, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    with pytest.raises(RuntimeError):  # a float32 bias beside bf16 operands: refused, as by F.linear
+        linear.linear(x, w, torch.randn(32))
+    with pytest.raises(RuntimeError):  # a 0-d input
+        linear.linear(torch.tensor(1.0).bfloat16(), w)
+    with torch.enable_grad():  # training: autograd would keep the float32 copies
+        y = linear.linear(x, w.clone().requires_grad_())
+        y.sum().backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 3
+
+
+def test_a_weight_is_widened_a_block_at_a_time_to_the_same_result(slow, monkeypatch):
+    """WIDEN_BLOCK bounds the float32 of a weight held at once (an LM head of 8B's vocabulary is 2 GB widened): a
+    200-row weight in blocks of 3 rows (the last one 2), every output still one float32 sum rounded once, each block
+    in its place (a block written to the wrong columns, or one left out, misses the bound by far)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 20, 64, generator=g).bfloat16(), torch.randn(200, 64, generator=g).bfloat16()
+    b = torch.randn(200, generator=g).bfloat16()
+    seen = calls(monkeypatch)
+    monkeypatch.setattr(linear, "WIDEN_BLOCK", 3 * 64 + 10)  # 3 rows a block
+    got = linear.linear(x, w, b)
+    assert seen == [(torch.float32, torch.float32)] * 67  # ceil(200 / 3)
+    assert_a_sum_rounded_once(got, x, w, b)
+
+
+def test_a_torch_fx_symbolic_trace_records_the_plain_op(slow):
+    """torch.fx's Proxy cannot answer the rule's questions: the trace gets F.linear (tests/cuda_proofs trace so)."""
+    traced = torch.fx.symbolic_trace(Linear(64, 32, bias=False))
+    assert [n.target for n in traced.graph.nodes if n.op == "call_function"] == [F.linear]
 
 
 def test_a_compiled_graph_keeps_the_half_precision_matmul(slow):
@@ -117,3 +159,18 @@ def test_the_model_and_its_fused_twin_compute_by_it(slow, monkeypatch):
         seen.clear()
         model(tokens[:, :1])
         assert seen == [(torch.bfloat16, torch.bfloat16)] * (2 * 7 + 1)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_layer_s_prompt_widens_its_dequantized_weight(slow, monkeypatch, mode):
+    """Past the packed kernels' rows (PACKED_MAX_ROWS) a quantized layer dequantizes to the input's dtype and
+    multiplies by `linear`: widened there too."""
+    from llmstep.core.quantize import PACKED_MAX_ROWS, Int4Linear, Int8Linear
+
+    torch.manual_seed(0)
+    dense = Linear(64, 32, bias=False).bfloat16()
+    layer = Int8Linear.from_linear(dense) if mode == "int8" else Int4Linear.from_linear(dense, 32)
+    seen = calls(monkeypatch)
+    with torch.no_grad():
+        layer(torch.randn(1, PACKED_MAX_ROWS + 1, 64).bfloat16())
+    assert seen == [(torch.float32, torch.float32)]
