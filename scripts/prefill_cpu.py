@@ -4,11 +4,12 @@
 
 Two parts, both in one process, 2 threads. First each of the model's matmul shapes alone (its block's four, and the
 LM head), x [rows, in] @ W [out, in]^T in `--dtype`: torch's F.linear against `linear.linear` with the widening forced
-on (widening both operands to float32 on every call, the weight included), the median of --rounds timings of
-0.2 s each, and the largest difference between the two in the dtype's steps. Then the model's eager prefill of a
-random --prompt-len prompt (its last token's logits, as an engine's prefill computes them), torch's matmul
-(the widening forced off) against llmstep's default, interleaved for --rounds, with each side's largest logit
-difference from the float32 model and whether its argmax is float32's.
+on at every row count (both operands widened to float32 on every call, the weight included), --rounds timings of
+0.2 s each, interleaved (which side first alternating), their medians, and the largest absolute difference between
+the two. Then the model's eager prefill of a random --prompt-len prompt (its last token's logits, as an engine's
+prefill computes them), torch's matmul (the widening forced off) against the widening forced on (at linear's own
+WIDEN_ROWS), interleaved likewise, with each side's largest logit difference from the float32 model and whether its
+argmax is float32's. The module's state, torch's threads and grad mode are as they were after it, error or not.
 """
 
 from __future__ import annotations
@@ -43,6 +44,51 @@ def forced(on: bool):
     return lambda dtype: on
 
 
+def matmul_shapes(c) -> dict[str, tuple[int, int]]:
+    """A block's four matmul shapes and the LM head's, [out, in]."""
+    return {"wq": (c.n_heads * c.head_dim, c.dim), "wk": (c.n_kv_heads * c.head_dim, c.dim),
+            "w1": (c.hidden_dim, c.dim), "w2": (c.dim, c.hidden_dim), "head": (c.vocab_size, c.dim)}
+
+
+def time_shape(name: str, x: torch.Tensor, w: torch.Tensor, rounds: int) -> dict:
+    """x @ w^T by torch's F.linear and by linear.linear (forced to widen), interleaved, which first alternating."""
+    sides = {"torch": lambda: F.linear(x, w), "widened": lambda: linear.linear(x, w)}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in (("torch", "widened") if r % 2 == 0 else ("widened", "torch")):
+            times[side].append(seconds(sides[side]))
+    t_torch, t_wide = statistics.median(times["torch"]), statistics.median(times["widened"])
+    diff = (F.linear(x, w).float() - linear.linear(x, w).float()).abs().max().item()
+    (rows, k), n = x.shape, w.shape[0]
+    print(f"{name:>4} [{rows:>4}, {k}] x [{n}, {k}]^T: torch {t_torch * 1e6:>9.0f} us, "
+          f"widened {t_wide * 1e6:>9.0f} us, {t_torch / t_wide:5.2f}x (largest difference {diff:.3g})")
+    return {"matmul": name, "out": w.shape[0], "in": w.shape[1], "rows": x.shape[0], "torch_us": t_torch * 1e6,
+            "widened_us": t_wide * 1e6, "speedup": t_torch / t_wide, "max_abs_diff": diff,
+            "rounds_us": {side: [t * 1e6 for t in ts] for side, ts in times.items()}}
+
+
+def time_prefill(model, name: str | None, prompt_len: int, rounds: int, g: torch.Generator) -> dict:
+    """The model's eager prefill of a random prompt, torch's matmul (the rule forced off) against linear's widening
+    (forced on), interleaved, which first alternating; each side's last logits against the float32 model's."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=g)
+    ref = llmstep.load(name, device="cpu", dtype=torch.float32)[0](ids, last_only=True).double()
+    result: dict[str, dict] = {"torch": {"seconds": []}, "widened": {"seconds": []}}
+    for r in range(rounds):
+        for side in (("torch", "widened") if r % 2 == 0 else ("widened", "torch")):
+            linear._slow_half_gemm = forced(side == "widened")
+            start = time.perf_counter()
+            logits = model(ids, last_only=True).double()
+            result[side]["seconds"].append(time.perf_counter() - start)
+            result[side] |= {"max_abs_logit_diff_vs_float32": (logits - ref).abs().max().item(),
+                             "argmax_is_float32s": logits.argmax().item() == ref.argmax().item()}
+    for side, rec in result.items():
+        rec["tokens_per_second"] = prompt_len / statistics.median(rec["seconds"])
+        print(f"prefill of {prompt_len} tokens, {side}: {rec['tokens_per_second']:,.1f} tok/s (median of {rounds}), "
+              f"largest logit difference from float32 {rec['max_abs_logit_diff_vs_float32']:.3f}, argmax float32's: "
+              f"{rec['argmax_is_float32s']}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -58,49 +104,26 @@ def main(argv: list[str] | None = None) -> dict:
             check_output_path(a.json, "--json")
         except ValueError as e:
             p.error(str(e))
-    torch.set_num_threads(2)
-    torch.set_grad_enabled(False)
     dtype = getattr(torch, a.dtype)
-    model, _ = llmstep.load(a.model, device="cpu", dtype=dtype)
-    c = model.config
-    shapes = {"wq": (c.n_heads * c.head_dim, c.dim), "wk": (c.n_kv_heads * c.head_dim, c.dim),
-              "w1": (c.hidden_dim, c.dim), "w2": (c.dim, c.hidden_dim), "head": (c.vocab_size, c.dim)}
-    g = torch.Generator().manual_seed(0)
-    rule = linear._slow_half_gemm
+    rule, widen_rows, threads = linear._slow_half_gemm, linear.WIDEN_ROWS, torch.get_num_threads()
     out = runinfo.header("cpu", dtype, argv, runinfo.load_average(), prog=PROG) | {
         "model": a.model or "shipped", "torch_slow_half_gemm": rule(dtype), "shapes": [], "prefill": {}}
     try:
-        linear._slow_half_gemm = forced(True)
-        for name, (n, k) in shapes.items():
-            w = torch.randn(n, k, generator=g).to(dtype)
-            for rows in a.rows:
-                x = torch.randn(rows, k, generator=g).to(dtype)
-                t_torch = statistics.median(seconds(lambda x=x, w=w: F.linear(x, w)) for _ in range(a.rounds))
-                t_wide = statistics.median(seconds(lambda x=x, w=w: linear.linear(x, w)) for _ in range(a.rounds))
-                steps = (F.linear(x, w).float() - linear.linear(x, w).float()).abs().max().item()
-                row = {"matmul": name, "out": n, "in": k, "rows": rows, "torch_us": t_torch * 1e6,
-                       "widened_us": t_wide * 1e6, "speedup": t_torch / t_wide, "max_abs_diff": steps}
-                out["shapes"].append(row)
-                print(f"{name:>4} [{rows:>4}, {k}] x [{n}, {k}]^T: torch {t_torch * 1e6:>9.0f} us, widened "
-                      f"{t_wide * 1e6:>9.0f} us, {t_torch / t_wide:5.2f}x (largest difference {steps:.3g})")
-        ids = torch.randint(0, c.vocab_size, (1, a.prompt_len), generator=g)
-        ref = llmstep.load(a.model, device="cpu", dtype=torch.float32)[0](ids, last_only=True).double()
-        times: dict[str, list[float]] = {"torch": [], "widened": []}
-        for _ in range(a.rounds):
-            for side, on in (("torch", False), ("widened", True)):
-                linear._slow_half_gemm = forced(on)
-                start = time.perf_counter()
-                logits = model(ids, last_only=True)
-                times[side].append(time.perf_counter() - start)
-                out["prefill"][side] = {"max_abs_logit_diff_vs_float32": (logits.double() - ref).abs().max().item(),
-                                        "argmax_is_float32s": logits.argmax().item() == ref.argmax().item()}
-        for side, ts in times.items():
-            med = statistics.median(ts)
-            out["prefill"][side] |= {"seconds": ts, "tokens_per_second": a.prompt_len / med}
-            print(f"prefill of {a.prompt_len} tokens, {side}: {a.prompt_len / med:,.1f} tok/s (median of {a.rounds}), "
-                  f"{out['prefill'][side]}")
+        torch.set_num_threads(2)
+        with torch.no_grad():
+            model = llmstep.load(a.model, device="cpu", dtype=dtype)[0]
+            g = torch.Generator().manual_seed(0)
+            linear._slow_half_gemm, linear.WIDEN_ROWS = forced(True), 1  # widened at every row count
+            for name, (n, k) in matmul_shapes(model.config).items():
+                w = torch.randn(n, k, generator=g).to(dtype)
+                for rows in a.rows:
+                    x = torch.randn(rows, k, generator=g).to(dtype)
+                    out["shapes"].append(time_shape(name, x, w, a.rounds))
+            linear.WIDEN_ROWS = widen_rows  # the prefill under linear's own rows rule, forced on or off
+            out["prefill"] = time_prefill(model, a.model, a.prompt_len, a.rounds, g)
     finally:
-        linear._slow_half_gemm = rule
+        linear._slow_half_gemm, linear.WIDEN_ROWS = rule, widen_rows
+        torch.set_num_threads(threads)
     out["load_average_1min_before_after"][1] = runinfo.load_average()
     if a.json:
         atomic_write_json(a.json, out)

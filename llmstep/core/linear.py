@@ -1,8 +1,8 @@
 """The model's linear layer: y = x W^T, nn.Linear's function, with one difference in how a CPU computes it.
 
-On a CPU, PyTorch multiplies bfloat16 (and float16) matrices with oneDNN where the CPU has instructions for them
-(AVX-512 with BF16 / FP16, AMX, and where torch's own check finds them elsewhere); on other CPUs (AMD before Zen 4,
-most desktop Intel parts: AVX2 alone) it falls back to a generic loop that widens each element to float32 as it
+On a CPU, PyTorch multiplies bfloat16 (and float16) matrices with oneDNN where its own check passes (AVX-512 cores,
+AMX, AVX-NE-CONVERT; `torch.ops.mkldnn._is_mkldnn_bf16_supported`, which `linear` asks); on other CPUs (AMD before
+Zen 4, most desktop Intel parts: AVX2 alone) it falls back to a generic loop that widens each element to float32 as it
 goes, sums in float32 and rounds each sum to bf16 once. That loop is several times slower than float32's own GEMM:
 on a 2-core Zen 1 EPYC at SmolLM2's five matmul shapes with 128 rows, 3.2-4.6x slower than the same products
 widened to float32, the weight's widening included (SmolLM2's whole bf16 prefill 3.9x: `scripts/prefill_cpu.py`,
@@ -13,7 +13,7 @@ input's dtype. Both sides sum float32 products of the same bf16 numbers and roun
 function up to the order of the float32 additions (tests/core/test_linear.py holds both, torch's and this, within
 half a step of the dtype plus float32's summation error of a float64 matmul). The weight is widened on every call,
 `WIDEN_BLOCK` of its elements at a time (at most that much float32 of it held at once: no second copy of a weight,
-an LM head's included), which at 8 rows costs about what it saves, so it widens from `WIDEN_ROWS` rows up (a
+an LM head's included), which costs more than it saves for a few rows, so it widens from `WIDEN_ROWS` rows up (a
 prompt, a step of 16 sequences); a decode step's one row keeps torch's kernel. So does anything torch.compile
 traces (`is_compiling`: inductor's own GEMMs take those matmuls), a torch.fx symbolic trace (its Proxy takes
 the plain op), and an autograd graph (its saved tensors would be the float32 copies). In half precision on such a
@@ -31,7 +31,7 @@ from torch import nn
 
 __all__ = ["WIDEN_BLOCK", "WIDEN_ROWS", "Linear", "linear", "widens"]
 
-WIDEN_ROWS = 16  # widening at 16 rows measured 1.5-1.8x on the Zen 1's SmolLM2 shapes; at 8, 0.97-1.4x
+WIDEN_ROWS = 16  # from here widening measured faster on every SmolLM2 shape (the Zen 1; scripts/prefill_cpu.py)
 WIDEN_BLOCK = 1 << 20  # weight elements widened at a time: 4 MiB of float32
 
 
@@ -51,12 +51,15 @@ def _slow_half_gemm(dtype: torch.dtype) -> bool:
 
 
 def widens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `linear` computes x @ weight^T (+ bias) in float32 (see the module's docstring)."""
+    """Whether `linear` computes x @ weight^T (+ bias) in float32 (see the module's docstring). Shapes F.linear would
+    refuse keep F.linear, and its error."""
     if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy):
         return False
     return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and x.dim() >= 2 and x.numel() >= WIDEN_ROWS * x.shape[-1]
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and x.dim() >= 2 and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]))
+            and x.numel() >= WIDEN_ROWS * x.shape[-1]
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
             and _slow_half_gemm(x.dtype))
 
 

@@ -36,7 +36,7 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def assert_a_sum_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> None:
     """Each output is a float32 sum of the exact products (within e = (K + 1) 2^-24 sum|x w| of the exact sum, the
     worst case of any order) rounded once to the dtype (half a step): within half a step + e of the float64 matmul.
-    Two roundings (the sum in two halves, each rounded to the dtype) miss this by 1.2-15x."""
+    Two roundings (the sum in two halves, each rounded to the dtype) missed it by 1.2-15x (a scratch check)."""
     want = F.linear(x.double(), w.double(), b.double())  # [.., out], exact in float64
     e = (x.shape[-1] + 1) * 2.0**-24 * F.linear(x.double().abs(), w.double().abs(), b.double().abs())
     bound = ulp(want.abs() + e, x.dtype) / 2 + e
@@ -95,10 +95,16 @@ def test_what_torch_would_refuse_or_must_differentiate_keeps_torch_s_op(slow, mo
         linear.linear(x, w, torch.randn(32))
     with pytest.raises(RuntimeError):  # a 0-d input
         linear.linear(torch.tensor(1.0).bfloat16(), w)
+    with pytest.raises(RuntimeError):  # a bias of the wrong length
+        linear.linear(x, w, torch.randn(64).bfloat16())
+    with pytest.raises(RuntimeError):  # a weight of no rows and the wrong width
+        linear.linear(x, torch.randn(0, 63).bfloat16())
+    with pytest.raises(RuntimeError):  # a 1-d weight whose length is not x's width
+        linear.linear(x, torch.randn(63).bfloat16())
     with torch.enable_grad():  # training: autograd would keep the float32 copies
-        y = linear.linear(x, w.clone().requires_grad_())
-        y.sum().backward()
-    assert seen == [(torch.bfloat16, torch.bfloat16)] * 3
+        linear.linear(x, w.clone().requires_grad_()).sum().backward()
+        linear.linear(x, w, torch.randn(32).bfloat16().requires_grad_()).sum().backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 7
 
 
 def test_a_weight_is_widened_a_block_at_a_time_to_the_same_result(slow, monkeypatch):

@@ -4,6 +4,7 @@ the prefill's, both sides' logits against float32, and it leaves llmstep.core.li
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,19 +13,31 @@ from conftest import import_script
 from llmstep.core import linear
 
 
-def test_a_small_run_writes_its_record_and_restores_the_rule(tmp_path):
-    script, before = import_script("prefill_cpu.py"), linear._slow_half_gemm
-    out = tmp_path / "prefill.json"
-    script.main(["--rows", "16", "--rounds", "1", "--prompt-len", "16", "--json", str(out)])
-    assert linear._slow_half_gemm is before
+def test_a_small_run_writes_its_record_and_restores_what_it_changed(tmp_path, monkeypatch):
+    """It widens at 8 rows too (WIDEN_ROWS forced to 1: the shapes' timings compare two computations), and leaves
+    linear's rule, torch's threads and grad mode as it found them (this runs inside a CI worker)."""
+    script, before, rows = import_script("prefill_cpu.py"), linear._slow_half_gemm, linear.WIDEN_ROWS
+    seen, real = [], linear.F.linear
+    record_call = lambda x, w, b=None: seen.append((x.dtype, x.shape[-2])) or real(x, w, b)  # noqa: E731
+    monkeypatch.setattr(linear, "F", SimpleNamespace(linear=record_call))
+    out, threads = tmp_path / "prefill.json", torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        script.main(["--rows", "8", "--rounds", "2", "--prompt-len", "16", "--json", str(out)])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert linear._slow_half_gemm is before and linear.WIDEN_ROWS == rows and torch.is_grad_enabled()
+    assert (torch.float32, 8) in seen  # 8-row products were widened: not torch's matmul timed twice
     record = json.loads(out.read_text())
-    assert record["command"].startswith("python scripts/prefill_cpu.py --rows 16")
+    assert record["command"].startswith("python scripts/prefill_cpu.py --rows 8")
     assert record["torch_slow_half_gemm"] == before(torch.bfloat16)
     assert [s["matmul"] for s in record["shapes"]] == ["wq", "wk", "w1", "w2", "head"]
-    assert all(s["rows"] == 16 and s["torch_us"] > 0 and s["widened_us"] > 0 for s in record["shapes"])
+    assert all(s["rows"] == 8 and len(s["rounds_us"]["torch"]) == len(s["rounds_us"]["widened"]) == 2
+               for s in record["shapes"])
     for side in ("torch", "widened"):
         p = record["prefill"][side]
-        assert len(p["seconds"]) == 1 and p["tokens_per_second"] > 0
+        assert len(p["seconds"]) == 2 and p["tokens_per_second"] > 0
         assert 0 <= p["max_abs_logit_diff_vs_float32"] < 1  # bf16 rounding, not another function
 
 
