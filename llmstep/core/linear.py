@@ -4,8 +4,8 @@ On a CPU, PyTorch multiplies bfloat16 (and float16) matrices with oneDNN where i
 AMX, AVX-NE-CONVERT; `torch.ops.mkldnn._is_mkldnn_bf16_supported`, which `linear` asks); on other CPUs (AMD before
 Zen 4, most desktop Intel parts: AVX2 alone) it falls back to a generic loop that widens each element to float32 as it
 goes, sums in float32 and rounds each sum to bf16 once. That loop is several times slower than float32's own GEMM:
-on a 2-core Zen 1 EPYC at SmolLM2's five matmul shapes with 128 rows, 3.2-4.6x slower than the same products
-widened to float32, the weight's widening included (SmolLM2's whole bf16 prefill 3.9x: `scripts/prefill_cpu.py`,
+on a 2-core Zen 1 EPYC at SmolLM2's five matmul shapes with 128 rows, 3.6-4.3x slower than the same products
+widened to float32, the weight's widening included (SmolLM2's whole bf16 prefill 3.8x: `scripts/prefill_cpu.py`,
 results/README.md, claim 2, session 38), and llmstep's bf16 prefill ran at a third of llama.cpp's.
 
 `linear` widens such a matmul itself: both operands to float32, float32 GEMMs, each result rounded once to the
@@ -31,7 +31,7 @@ from torch import nn
 
 __all__ = ["WIDEN_BLOCK", "WIDEN_ROWS", "Linear", "linear", "widens"]
 
-WIDEN_ROWS = 16  # from here widening measured faster on every SmolLM2 shape (the Zen 1; scripts/prefill_cpu.py)
+WIDEN_ROWS = 16  # widening: 1.2-1.8x at 16 rows on SmolLM2's shapes (the Zen 1), 0.70-1.5x at 8
 WIDEN_BLOCK = 1 << 20  # weight elements widened at a time: 4 MiB of float32
 
 

@@ -118,9 +118,11 @@ INT4_AVX512_BLOCKINGS = [(1, 64, 32)]
 INT4_AVX512_GROUPS = (32, 64, 128)
 AMX_ROWS = 1  # with AMX, the matmuls of up to this many rows run here (a decode step's); the rest on AMX tiles
 # A one-row matmul of a step whose weights outgrow the last-level cache prefetches them this many bytes ahead of its
-# loads, non-temporally (`streams_weights`), on the vector ISAs where that was measured to win
+# loads, non-temporally (`streams_weights`), on the vector ISAs where that was measured to win: AVX-512 BF16 (a Zen 4,
+# 1.06-1.17x SmolLM2's bf16 step) and AVX2 (the bf16 kernel on a Zen 1 with an 8 MiB L3: 1.14x SmolLM2's step, 1.28x the
+# shipped model's; a Zen 3 with 32 MiB: 1.02x SmolLM2's, its shipped model cached; results/README.md, claim 2)
 STREAM_AHEAD = 4096
-STREAM_ISAS = ("avx512_bf16",)
+STREAM_ISAS = ("avx512_bf16", "avx2")
 _STREAM: bool | None = None  # `streaming` sets it: None decides by `streams_weights`' rule, True / False always / never
 _WITHHELD: set[str] = set()  # the kernels `withheld` holds out of inductor's registry now, by name
 

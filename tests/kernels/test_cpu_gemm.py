@@ -239,6 +239,10 @@ def test_a_compiled_bf16_step_runs_it_and_gives_the_eager_logits(kernel, tiny_ch
     (300 * 2**20, None, "avx512_bf16", False),  # no cache listed: nothing known to stream past
     (None, 32 * 2**20, "avx512_bf16", False),  # outside a graph's code generation
     (300 * 2**20, 32 * 2**20, "amx", False),  # not measured there yet (STREAM_ISAS)
+    (270 * 2**20, 8 * 2**20, "avx2", True),  # SmolLM2's bf16 step on a Zen 1's 8 MiB L3 (and a Zen 3's 32)
+    (25 * 2**20, 8 * 2**20, "avx2", True),  # the shipped model's, outgrowing the Zen 1's L3
+    (25 * 2**20, 32 * 2**20, "avx2", False),  # and fitting a Zen 3's
+    (300 * 2**20, 8 * 2**20, "avx512", False),  # AVX-512 without BF16: not measured
 ])
 def test_a_step_streams_its_weights_past_the_caches_only_where_they_outgrow_the_last_level(weights, cache, isa,
                                                                                            streams):
