@@ -33,6 +33,7 @@ __all__ = ["WIDEN_BLOCK", "WIDEN_ROWS", "Linear", "linear", "widens"]
 
 WIDEN_ROWS = 16  # widening: 1.2-1.8x at 16 rows on SmolLM2's shapes (the Zen 1), 0.70-1.5x at 8
 WIDEN_BLOCK = 1 << 20  # weight elements widened at a time: 4 MiB of float32
+_HALF = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -52,13 +53,14 @@ def _slow_half_gemm(dtype: torch.dtype) -> bool:
 
 def widens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` computes x @ weight^T (+ bias) in float32 (see the module's docstring). Shapes F.linear would
-    refuse keep F.linear, and its error."""
-    if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy):
+    refuse keep F.linear, and its error. Asked on every eager matmul: the checks that settle most calls come first
+    (a float32 model's at the dtype, a decode step's at the row count)."""
+    if isinstance(x, torch.fx.Proxy) or x.dtype not in _HALF:
         return False
-    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.dim() >= 2 and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+    if x.dim() < 2 or x.numel() < WIDEN_ROWS * x.shape[-1] or torch.compiler.is_compiling() or x.device.type != "cpu":
+        return False
+    return (weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
             and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]))
-            and x.numel() >= WIDEN_ROWS * x.shape[-1]
             and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
             and _slow_half_gemm(x.dtype))
 
