@@ -51,9 +51,10 @@ BENCHES = {
 OPTIONAL = {
     f"fast loop, {name} {label}, compiled (decode tok/s)": (
         ["bench", "--compile", "--no-eager", "--no-hf", "--no-bandwidth", "--quantize", quant, "--dtype", "bfloat16",
-         *model, "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
+         *model, *(groups if quant == "int4" else []), "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
         lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"]))
-    for name, model in (("SmolLM2", ["--model", "smollm2-135m-instruct", "--group-size", "32"]), ("shipped", []))
+    for name, model, groups in (("SmolLM2", ["--model", "smollm2-135m-instruct"], ["--group-size", "32"]),
+                                ("shipped", [], []))
     for label, quant in (("int4", "int4"), ("int8", "int8"), ("bf16", "none"))
 }
 

@@ -19,17 +19,23 @@ traces (`is_compiling`: inductor's own GEMMs take those matmuls), a torch.fx sym
 the plain op), and an autograd graph (its saved tensors would be the float32 copies). In half precision on such a
 CPU a row's bits may so depend on whether it is multiplied among 16 rows or more (a batched step, a long verify)
 or fewer: the same function up to float32's order of additions, as between any two matmul kernels.
+
+The quantized layers (core.quantize) take the same rule (`widens_rows`) for their prompts, their weights made float32
+a block of rows at a time straight from the codes (`widened`): int8's exactly as widening its bf16 copy would give
+them (the same bits, without the copy); int4's dequantized in float32, as its kernels dequantize, not rounded to the
+activations' dtype first as the layer's other prompt path (torch's half-precision matmul) does.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["WIDEN_BLOCK", "WIDEN_ROWS", "Linear", "linear", "widens"]
+__all__ = ["WIDEN_BLOCK", "WIDEN_ROWS", "Linear", "linear", "widened", "widens", "widens_rows"]
 
 WIDEN_ROWS = 16  # widening: 1.2-1.8x at 16 rows on SmolLM2's shapes (the Zen 1), 0.70-1.5x at 8
 WIDEN_BLOCK = 1 << 20  # weight elements widened at a time: 4 MiB of float32
@@ -51,32 +57,45 @@ def _slow_half_gemm(dtype: torch.dtype) -> bool:
     return not torch.backends.mkldnn.enabled or _no_half_kernel(dtype)
 
 
-def widens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `linear` computes x @ weight^T (+ bias) in float32 (see the module's docstring). Shapes F.linear would
-    refuse keep F.linear, and its error. Asked on every eager matmul: the checks that settle most calls come first
-    (a float32 model's at the dtype, a decode step's at the row count)."""
+def widens_rows(x: torch.Tensor) -> bool:
+    """Whether x's matmul is computed in float32 (see the module's docstring), whatever the weight: a half-precision
+    prompt of `WIDEN_ROWS` rows or more, eager, on a CPU without torch's half-precision GEMM, not in an autograd graph.
+    Asked on every eager matmul: the checks that settle most calls come first (a float32 model's at the dtype, a decode
+    step's at the row count). A quantized layer asks it before it dequantizes (its rows widened by `widened`)."""
     if isinstance(x, torch.fx.Proxy) or x.dtype not in _HALF:
         return False
     if x.dim() < 2 or x.numel() < WIDEN_ROWS * x.shape[-1] or torch.compiler.is_compiling() or x.device.type != "cpu":
         return False
-    return (weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+    return not (torch.is_grad_enabled() and x.requires_grad) and _slow_half_gemm(x.dtype)
+
+
+def widens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` computes x @ weight^T (+ bias) in float32: `widens_rows`, and a weight (and bias) of x's
+    dtype that F.linear takes: shapes it would refuse keep F.linear, and its error."""
+    return (widens_rows(x) and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
             and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]))
-            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
-            and _slow_half_gemm(x.dtype))
+            and not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (weight, bias))))
+
+
+def widened(x: torch.Tensor, rows_of: Callable[[slice], torch.Tensor], out_features: int,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [.., in] @ W^T (+ bias) -> [.., out_features] in x's dtype, multiplied in float32, each sum rounded once:
+    rows_of(rows) gives W's rows `rows` in float32 ([rows, in]), `WIDEN_BLOCK` elements of W or so at a time (a
+    layer's weight widened, or a quantized one's dequantized: never a whole float32 copy of W held)."""
+    x32 = x.float()  # [.., in]
+    y = x.new_empty(*x.shape[:-1], out_features)  # [.., out] in x's dtype
+    step = max(1, WIDEN_BLOCK // max(1, x.shape[-1]))  # weight rows a block
+    for start in range(0, out_features, step):
+        rows = slice(start, min(start + step, out_features))
+        y[..., rows] = F.linear(x32, rows_of(rows), None if bias is None else bias[rows].float())  # [.., rows]
+    return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [.., in] @ weight [out, in]^T (+ bias [out]) -> [.., out]."""
     if not widens(x, weight, bias):
         return F.linear(x, weight, bias)
-    x32 = x.float()  # [.., in]
-    y = x.new_empty(*x.shape[:-1], weight.shape[0])  # [.., out] in x's dtype
-    rows = max(1, WIDEN_BLOCK // max(1, weight.shape[1]))  # weight rows a block
-    for start in range(0, weight.shape[0], rows):
-        part = slice(start, start + rows)
-        b = None if bias is None else bias[part].float()
-        y[..., part] = F.linear(x32, weight[part].float(), b)  # [.., rows]: each sum rounded once, as torch's
-    return y
+    return widened(x, lambda rows: weight[rows].float(), weight.shape[0], bias)
 
 
 class Linear(nn.Linear):

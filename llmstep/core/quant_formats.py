@@ -21,7 +21,7 @@ import torch
 from .checks import is_int
 
 __all__ = ["QuantConfig", "MODES", "QuantizationError", "DEFAULT_GROUP_SIZE", "quantize_int8", "dequantize_int8",
-           "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles", "reduce_matmul"]
+           "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles", "reduce_matmul", "agrees"]
 
 MODES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
@@ -203,3 +203,9 @@ def reduce_matmul(x2d: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
     w_odd = ((codes & 15).to(dtype) - 8) * scale + zero  # inputs 1, 3, 5, ...
     x_even, x_odd = x2d.to(dtype).view(-1, 1, G, codes.shape[-1], 2).unbind(-1)  # [M, 1, K/g, g/2] each
     return (w_even * x_even + w_odd * x_odd).sum(dim=(-2, -1))  # [M, N]
+
+
+def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A packed kernel's output matches dequantise + matmul to within its dtype's rounding (1% of the norm)."""
+    got, want = got.float(), want.float()
+    return got.shape == want.shape and bool((got - want).norm() <= 1e-2 * want.norm() + 1e-6)

@@ -30,13 +30,14 @@ from torch import nn
 
 from . import int4a8, torch_compat
 from .config import LlamaConfig
-from .linear import linear
+from .linear import linear, widened, widens_rows
 from .model import Llama, materialize
 from .quant_formats import (
     DEFAULT_GROUP_SIZE,
     MODES,
     QuantConfig,
     QuantizationError,
+    agrees,
     dequantize_int4,
     dequantize_int8,
     nibbles,
@@ -115,12 +116,6 @@ def _check_kernel(kernel: str, mode: str, activations: int | None = None) -> Non
 CHECK_ROWS = 64  # rows prepare() checks a packed kernel on (all rows: a layer's weights in float while loading)
 
 
-def _agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """A packed kernel's output matches dequantise + matmul to within its dtype's rounding (1% of the norm)."""
-    got, want = got.float(), want.float()
-    return got.shape == want.shape and bool((got - want).norm() <= 1e-2 * want.norm() + 1e-6)
-
-
 class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T: an nn.Linear (no bias) whose weight is stored as int8 rows and their scales."""
 
@@ -160,7 +155,7 @@ class Int8Linear(nn.Module):
             got = None if torch_compat.missing("int8_mm") else torch_compat.int8_mm(x, self.weight, self.scales)
         except (RuntimeError, NotImplementedError):  # not for this device, dtype or shape
             return False
-        return got is not None and _agrees(got[:, :r], linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
+        return got is not None and agrees(got[:, :r], linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -169,6 +164,8 @@ class Int8Linear(nn.Module):
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
+        if widens_rows(x):  # a prompt on a CPU without a half-precision GEMM: int8 is exact in float32 (core.linear)
+            return widened(x, lambda rows: self.weight[rows].float(), self.out_features) * self.scales
         return linear(x, self.weight.to(x.dtype)) * self.scales  # compiled: the int8 -> dtype cast fuses into it
 
     @property
@@ -231,7 +228,7 @@ class Int4Linear(nn.Module):
             x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
             r = min(CHECK_ROWS, self.out_features)
             want = linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
-            ok = _agrees(self._packed_mm(x)[:, :r], want)
+            ok = agrees(self._packed_mm(x)[:, :r], want)
         except (RuntimeError, NotImplementedError):
             ok = False
         if not ok:  # this device, dtype or shape has no packed kernel: dequantise + matmul
@@ -295,6 +292,8 @@ class Int4Linear(nn.Module):
         if self.kernel == "packed" and (self.weight is None or x.numel() <= PACKED_MAX_ROWS * self.in_features):
             y = self._packed_mm(x.reshape(-1, self.in_features).to(self.scales.dtype))
             return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+        if widens_rows(x):  # a prompt on a CPU without a half-precision GEMM: dequantized in float32, as the kernels do
+            return widened(x, partial(self.dequantized, torch.float32), self.out_features)
         return linear(x, self.dequantized().to(x.dtype))
 
     @property
@@ -302,8 +301,8 @@ class Int4Linear(nn.Module):
         """Bytes streamed per matmul: half a byte per weight plus a scale and a zero per group."""
         return self.in_features * self.out_features // 2 + self.scales.nbytes + self.zeros.nbytes
 
-    def dequantized(self, dtype: torch.dtype | None = None) -> torch.Tensor:  # in the scales' dtype by default
-        return dequantize_int4(self.codes(), self.scales, self.zeros, dtype or self.scales.dtype)
+    def dequantized(self, dtype: torch.dtype | None = None, rows: slice = slice(None)) -> torch.Tensor:  # [rows, K]
+        return dequantize_int4(self.codes()[rows], self.scales[rows], self.zeros[rows], dtype or self.scales.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

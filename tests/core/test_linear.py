@@ -167,16 +167,53 @@ def test_the_model_and_its_fused_twin_compute_by_it(slow, monkeypatch):
         assert seen == [(torch.bfloat16, torch.bfloat16)] * (2 * 7 + 1)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_quantized_layer_s_prompt_widens_its_dequantized_weight(slow, monkeypatch, mode):
-    """Past the packed kernels' rows (PACKED_MAX_ROWS) a quantized layer dequantizes to the input's dtype and
-    multiplies by `linear`: widened there too."""
-    from llmstep.core.quantize import PACKED_MAX_ROWS, Int4Linear, Int8Linear
+def _quantized(mode: str, out: int = 96, depth: int = 64):
+    from llmstep.core.quantize import Int4Linear, Int8Linear
 
     torch.manual_seed(0)
-    dense = Linear(64, 32, bias=False).bfloat16()
-    layer = Int8Linear.from_linear(dense) if mode == "int8" else Int4Linear.from_linear(dense, 32)
-    seen = calls(monkeypatch)
+    dense = Linear(depth, out, bias=False).bfloat16()
+    return Int8Linear.from_linear(dense) if mode == "int8" else Int4Linear.from_linear(dense, 32)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_layer_s_prompt_is_widened_a_block_of_rows_at_a_time(slow, monkeypatch, mode):
+    """Past the packed kernels' rows (PACKED_MAX_ROWS) a quantized layer's prompt multiplies in float32 with its
+    weight made float32 a block of rows at a time, straight from the codes: no half-precision copy of the weight."""
+    from llmstep.core.quantize import PACKED_MAX_ROWS
+
+    layer = _quantized(mode)
+    monkeypatch.setattr(linear, "WIDEN_BLOCK", 40 * 64)  # 40 of the 96 rows a block: 40, 40, 16
+    seen = []
+    monkeypatch.setattr(linear, "F", SimpleNamespace(
+        linear=lambda x, w, b=None: seen.append((x.dtype, w.dtype, w.shape[0])) or F.linear(x, w, b)))
+    casts = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: casts.append((t.dtype, t.shape)) or real_to(t, *a, **k))
     with torch.no_grad():
         layer(torch.randn(1, PACKED_MAX_ROWS + 1, 64).bfloat16())
-    assert seen == [(torch.float32, torch.float32)]
+    assert seen == [(torch.float32, torch.float32, 40), (torch.float32, torch.float32, 40),
+                    (torch.float32, torch.float32, 16)]
+    assert not any(shape[0] == 96 and len(shape) == 2 for _, shape in casts), casts  # no whole weight cast
+
+
+def test_an_int8_prompt_gives_the_bits_of_its_bf16_weights_widened(slow):
+    """int8 codes are exact in bf16 and in float32: widened straight from the codes, the prompt is the same function
+    to the bit as the layer's bf16 weights through `linear`, times the scales."""
+    layer = _quantized("int8")
+    x = torch.randn(3, 20, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), linear.linear(x, layer.weight.bfloat16()) * layer.scales)
+
+
+def test_an_int4_prompt_multiplies_the_float32_dequantized_weights_rounded_once(slow):
+    """int4's weights dequantized in float32 (codes, scale and zero), as its kernels do, not rounded to bf16 first:
+    each output within half a bf16 step plus float32's summation error of the float64 matmul of those weights (the
+    bf16-rounded weights miss that bound here)."""
+    layer = _quantized("int4", out=256, depth=512)
+    x = torch.randn(32, 512).bfloat16()
+    with torch.no_grad():
+        got = layer(x)
+        w32 = layer.dequantized(torch.float32)  # [256, 512]
+        assert_a_sum_rounded_once(got, x, w32, torch.zeros(256))
+        with pytest.raises(AssertionError):  # the old path: weights rounded to bf16 before the matmul
+            assert_a_sum_rounded_once(linear.linear(x, w32.bfloat16()), x, w32, torch.zeros(256))

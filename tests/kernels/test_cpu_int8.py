@@ -1,9 +1,10 @@
 """llmstep's int8 micro-kernels for inductor's weight-only int8 template (llmstep/kernels/cpu_gemm.py).
 
-`INT8`, inductor's own kernel registered at wider blockings for one-row decode on AVX2: a compiled int8 decode step
-runs it (64 columns, where 64 divide the matmul) and makes the eager step's tokens; `withheld` leaves inductor's
-own. In a child process with torch and inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so it runs on every x86 CPU
-with AVX2, AVX-512 ones included.
+`INT8`, inductor's own kernel registered at wider blockings for one-row decode on AVX2: a one-row int8 matmul runs
+it at 64 columns where 64 divide the matmul, and gives the bits of inductor's own blockings (withheld), whole k or k
+in the blocks the template adds up; a compiled int8 decode step runs it and makes the eager step's tokens. In child
+processes with torch and inductor held to AVX2 (ATEN_CPU_CAPABILITY=avx2), so they run on every x86 CPU with AVX2,
+AVX-512 ones included.
 
 `INT8_AVX512`, llmstep's own kernel for one-row matmuls with AVX-512 BF16 and no AMX (kernels/cpu_int8.py): the
 same bits as inductor's kernel, streaming or not (the widths it takes: tests/kernels/test_cpu_gemm.py); registered only
@@ -68,6 +69,82 @@ def test_a_one_row_decode_takes_the_wide_blocking_and_the_same_tokens():
     on, off = results["False"], results["True"]
     assert on["kernel"] and on["wide"] and on["same_tokens"], on
     assert not off["kernel"] and off["same_tokens"], off
+
+
+# (columns, depth) -> whether the kernel takes the matmul (64 columns) with two threads: 64 divides it (576: 9 blocks,
+# 192: 3) or not (96, 40, 544: inductor's blockings); k in several blocks of the template (all but the 128-deep)
+MATMULS = {(2048, 384): True, (576, 576): True, (192, 576): True, (96, 128): False, (40, 128): False,
+           (544, 192): False, (640, 1024): True}
+
+MATMUL_CHILD = r"""
+import json, sys, torch
+from torch._inductor.utils import run_and_get_code
+from llmstep.core.quantize import Int8Linear
+from llmstep.engines.compile import compile_step
+from llmstep.kernels import cpu_gemm
+
+torch.set_num_threads(2)
+torch.set_grad_enabled(False)
+if not cpu_gemm.INT8.install():
+    sys.exit("not installed: " + str(cpu_gemm.INT8.why))
+shapes = json.loads(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+layers = []
+for n, k in shapes:
+    linear = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
+    linear.weight.copy_(torch.randn(n, k, generator=g))
+    layers.append(Int8Linear.from_linear(linear))
+# [1, 1, depth]: a decode step's x (on a 2-D x inductor folds the widened weights into a bf16 constant for oneDNN)
+xs = [torch.randn(1, 1, k, generator=g).bfloat16() for n, k in shapes]
+
+
+def step(*xs):
+    return [layer(x) for layer, x in zip(layers, xs)]
+
+
+runs = {}
+for name, withheld in (("inductor", True), ("kernel", False)):
+    torch._dynamo.reset()
+    with cpu_gemm.withheld(withheld, only=(cpu_gemm.INT8,)):
+        out, code = run_and_get_code(compile_step(step, torch.device("cpu"), gemm_backends="CPP", models=layers),
+                                     *xs)
+    code = "\n".join(code)
+    def ints(name):  # one of the template's constants, one per matmul, in the order of the code
+        return [int(line.split("=")[1].strip(" ;")) for line in code.splitlines()
+                if line.strip().startswith(f"constexpr int64_t {name} =")]
+
+    # Kr: the k-rows of each call of the kernel, the sums of the calls before coming in through C
+    runs[name] = {"out": [o.float().flatten().tolist() for o in out], "widths": ints("Nr"), "ks": ints("K"),
+                  "blocks": ints("Kr"), "named": cpu_gemm.INT8_KERNEL_NAME in code}
+want = [(x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T).flatten().tolist()
+        for layer, x in zip(layers, xs)]
+print(json.dumps({"runs": runs, "want": want}))
+"""
+
+
+def test_on_avx2_a_one_row_int8_matmul_takes_64_columns_and_gives_inductors_bits():
+    """Each matmul 64 divides runs the kernel at 64 columns, the rest inductor's own blockings; the outputs are those
+    of inductor's blockings (withheld) bit for bit, whole k or in the template's blocks of k (each added to the sums
+    before), and the float64 matmul of the dequantised weights' to within bf16's rounding."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip(f"an x86 CPU with AVX2 (torch's CPU capability here: {torch.backends.cpu.get_cpu_capability()})")
+    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", MATMUL_CHILD, json.dumps(list(MATMULS))], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    runs, want = result["runs"], result["want"]
+    assert runs["kernel"]["named"] and not runs["inductor"]["named"]
+    assert 64 not in runs["inductor"]["widths"] and len(runs["kernel"]["widths"]) == len(MATMULS)
+    for (shape, takes), width in zip(MATMULS.items(), runs["kernel"]["widths"], strict=True):
+        assert (width == 64) == takes, (shape, width)
+    matmuls = list(zip(runs["kernel"]["widths"], runs["kernel"]["ks"], runs["kernel"]["blocks"], strict=True))
+    assert any(block < k for width, k, block in matmuls if width == 64), matmuls
+    for shape, got, inductors, exact in zip(MATMULS, runs["kernel"]["out"], runs["inductor"]["out"], want,
+                                            strict=True):
+        assert got == inductors, shape
+        got, exact = torch.tensor(got, dtype=torch.float64), torch.tensor(exact, dtype=torch.float64)
+        assert (got - exact).abs().max() <= 2 ** -7 * exact.abs().max(), shape
 
 
 @pytest.mark.parametrize("name,isas,why", [

@@ -140,3 +140,18 @@ def test_the_record_carries_the_machine_versions_and_a_command_to_type_again(tmp
                                  f"--threads 2 --env-after 'A=1 2' --out {repo.resolve() / 'record.json'}")
     assert record["machine"]["cores"] and record["versions"]["llmstep"] and record["versions"]["torch"]
     assert json.loads((repo / "record.json").read_text())["command"] == record["command"]
+
+
+def test_every_benchmark_it_can_run_is_a_command_llmstep_accepts():
+    """Each benchmark's arguments (the default ones and those --only picks) parse and pass `llmstep bench`'s flag
+    checks: a flag bench refuses (--group-size without int4, as the SmolLM2 int8 and bf16 ones once passed) would fail
+    an A/B only after its first side had run."""
+    from llmstep.cli import build_parser
+    from llmstep.cli.bench import check_bench_flags
+
+    script = load()
+    for name, (args, _) in {**script.BENCHES, **script.OPTIONAL}.items():
+        parsed = build_parser().parse_args([*args, "--threads", "2", "--json", "out.json"])
+        if args[0] == "bench":
+            check_bench_flags(parsed)  # raises ValueError naming the flag
+        assert parsed.threads == 2, name
