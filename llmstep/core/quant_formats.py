@@ -206,6 +206,7 @@ def reduce_matmul(x2d: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, 
 
 
 def agrees(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """A packed kernel's output matches dequantise + matmul to within its dtype's rounding (1% of the norm)."""
+    """A tolerance: got within 1% of want's norm (a dtype's rounding), e.g. a packed kernel's output against
+    dequantise + matmul's."""
     got, want = got.float(), want.float()
     return got.shape == want.shape and bool((got - want).norm() <= 1e-2 * want.norm() + 1e-6)

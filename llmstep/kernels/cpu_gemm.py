@@ -60,9 +60,10 @@ The third, `INT8`, is no kernel of llmstep's: inductor's own float32-vector micr
 a weight-only int8 matmul of one row on AVX2, at 64 columns (where 64 divide the matmul). Inductor files it at
 16 columns for small m: two vectors, so a one-row decode waits on two chains of multiply-adds; at 64 there
 are eight, as many as the FMA units keep busy. The same arithmetic in the same order per output, so the same
-function (tests/kernels/test_cpu_int8.py: the same bits as inductor's blockings). On a Zen 1 its widening, not memory,
-bounds it: streamed past the caches (llmstep's C++ of the same arithmetic), its weights lost, and 48-column blocks
-that split SmolLM2's matmuls evenly over two threads measured level (results/README.md, claim 2, session 39).
+function (tests/kernels/test_cpu_int8.py: the same bits as inductor's blockings). On a Zen 1 its weights streamed
+past the caches (llmstep's C++ of the same arithmetic) lost, 0.79-0.88x, and 48-column blocks that split SmolLM2's
+matmuls evenly over two threads measured level: its widening, not memory, looks to bound it there (results/README.md,
+claim 2, session 39).
 
 `BF16_AVX2` is llmstep's bf16 kernel for one-row matmuls on CPUs with AVX2 and no AVX-512 (kernels/cpu_bf16.py),
 where no bf16 instruction exists and inductor's float32-vector kernel widens each weight after loading it through

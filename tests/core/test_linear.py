@@ -186,14 +186,16 @@ def test_a_quantized_layer_s_prompt_is_widened_a_block_of_rows_at_a_time(slow, m
     seen = []
     monkeypatch.setattr(linear, "F", SimpleNamespace(
         linear=lambda x, w, b=None: seen.append((x.dtype, w.dtype, w.shape[0])) or F.linear(x, w, b)))
-    casts = []
-    real_to = torch.Tensor.to
-    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: casts.append((t.dtype, t.shape)) or real_to(t, *a, **k))
+    casts = []  # (dtype, shape) of every tensor cast by .to, .float or .bfloat16
+    for method in ("to", "float", "bfloat16"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda t, *a, real=real, **k: casts.append((t.dtype, t.shape)) or real(t, *a, **k))
     with torch.no_grad():
         layer(torch.randn(1, PACKED_MAX_ROWS + 1, 64).bfloat16())
     assert seen == [(torch.float32, torch.float32, 40), (torch.float32, torch.float32, 40),
                     (torch.float32, torch.float32, 16)]
-    assert not any(shape[0] == 96 and len(shape) == 2 for _, shape in casts), casts  # no whole weight cast
+    assert casts and not any(tuple(shape) == (96, 64) for _, shape in casts), casts  # no whole weight cast
 
 
 def test_an_int8_prompt_gives_the_bits_of_its_bf16_weights_widened(slow):
@@ -217,3 +219,13 @@ def test_an_int4_prompt_multiplies_the_float32_dequantized_weights_rounded_once(
         assert_a_sum_rounded_once(got, x, w32, torch.zeros(256))
         with pytest.raises(AssertionError):  # the old path: weights rounded to bf16 before the matmul
             assert_a_sum_rounded_once(linear.linear(x, w32.bfloat16()), x, w32, torch.zeros(256))
+
+
+def test_where_torch_has_a_half_precision_gemm_an_int4_prompt_keeps_its_bf16_weights(monkeypatch):
+    """Not widened (AVX-512, AMX, or a float32 model): the prompt multiplies the weights dequantized to the input's
+    dtype by torch's own matmul, the same function as the layer's eager and compiled dequant path at every row count."""
+    monkeypatch.setattr(linear, "_slow_half_gemm", lambda dtype: False)
+    layer = _quantized("int4", out=256, depth=512)
+    x = torch.randn(32, 512).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.dequantized().to(x.dtype)))
