@@ -9,14 +9,11 @@ INT8_AVX512: tests/kernels/test_cpu_gemm.py). In a child process with torch and 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from avx2_matmuls import one_row_matmuls
 
 from llmstep.core import torch_compat
 from llmstep.kernels import cpu_gemm
@@ -25,56 +22,13 @@ from llmstep.kernels import cpu_gemm
 SHAPES = [(2048, 384), (576, 576), (96, 128), (48, 128), (640, 1024)]
 WIDTHS = {(2048, 384): 64, (576, 576): 32, (96, 128): 32, (48, 128): None, (640, 1024): 64}
 
-CHILD = r"""
-import json, sys, torch
-from torch._inductor.utils import run_and_get_code
-from llmstep.engines.compile import compile_step
-from llmstep.kernels import cpu_gemm
-
-torch.set_num_threads(2)
-torch.set_grad_enabled(False)
-if not cpu_gemm.BF16_AVX2.install():
-    sys.exit("not installed: " + str(cpu_gemm.BF16_AVX2.why))
-shapes = json.loads(sys.argv[1])
-g = torch.Generator().manual_seed(0)
-layers = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n, k in shapes]
-for layer in layers:
-    layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
-xs = [torch.randn(1, 1, k, generator=g).bfloat16() for n, k in shapes]  # [1, 1, depth]: a decode step's x
-
-
-def step(*xs):
-    return [layer(x) for layer, x in zip(layers, xs)]
-
-
-runs = {}
-for name, withheld, stream in (("inductor", True, None), ("kernel", False, False), ("streaming", False, True)):
-    torch._dynamo.reset()
-    with cpu_gemm.streaming(stream), cpu_gemm.withheld(withheld, only=(cpu_gemm.BF16_AVX2,)):
-        out, code = run_and_get_code(compile_step(step, torch.device("cpu"), gemm_backends="CPP", models=layers),
-                                     *xs)
-    code = "\n".join(code)
-    def ints(name):  # one of the template's constants, one per matmul, in the order of the code
-        return [int(line.split("=")[1].strip(" ;")) for line in code.splitlines()
-                if line.strip().startswith(f"constexpr int64_t {name} =")]
-
-    widths, ks, blocks = ints("Nr"), ints("K"), [kc * kr for kc, kr in zip(ints("Kc_blocks"), ints("Kr"))]
-    runs[name] = {"out": [o.float().flatten().tolist() for o in out], "widths": widths, "ks": ks, "blocks": blocks,
-                  "named": cpu_gemm.BF16_AVX2_KERNEL_NAME in code, "nta": "_MM_HINT_NTA" in code}
-want = [(x.double() @ layer.weight.double().T).flatten().tolist() for layer, x in zip(layers, xs)]
-print(json.dumps({"runs": runs, "want": want}))
-"""
-
-
 @pytest.fixture(scope="module")
 def avx2_runs():
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip(f"an x86 CPU with AVX2 (torch's CPU capability here: {torch.backends.cpu.get_cpu_capability()})")
-    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}
-    run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(SHAPES)], env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    variants = [("inductor", True, None), ("kernel", False, False), ("streaming", False, True)]
+    result = one_row_matmuls("BF16_AVX2", SHAPES, variants)
+    for run in result["runs"].values():  # the k-rows of each call of the kernel, where the template sets them
+        run["blocks"] = [kc * kr for kc, kr in zip(run["kc_blocks"], run["kr"], strict=False)]
+    return result
 
 
 def test_on_avx2_a_one_row_bf16_matmul_gives_inductors_bits_streaming_or_not(avx2_runs):

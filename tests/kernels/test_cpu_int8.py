@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from avx2_matmuls import one_row_matmuls
 
 slow = pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"),
                           reason="compiles with tuned matmuls on the CPU (~1 min); set LLMSTEP_SLOW_TESTS=1")
@@ -76,70 +77,19 @@ def test_a_one_row_decode_takes_the_wide_blocking_and_the_same_tokens():
 MATMULS = {(2048, 384): True, (576, 576): True, (192, 576): True, (128, 64): True, (96, 128): False,
            (40, 128): False, (544, 192): False, (640, 1024): True}
 
-MATMUL_CHILD = r"""
-import json, sys, torch
-from torch._inductor.utils import run_and_get_code
-from llmstep.core.quantize import Int8Linear
-from llmstep.engines.compile import compile_step
-from llmstep.kernels import cpu_gemm
-
-torch.set_num_threads(2)
-torch.set_grad_enabled(False)
-if not cpu_gemm.INT8.install():
-    sys.exit("not installed: " + str(cpu_gemm.INT8.why))
-shapes = json.loads(sys.argv[1])
-g = torch.Generator().manual_seed(0)
-layers = []
-for n, k in shapes:
-    linear = torch.nn.Linear(k, n, bias=False).to(torch.bfloat16)
-    linear.weight.copy_(torch.randn(n, k, generator=g))
-    layers.append(Int8Linear.from_linear(linear))
-# [1, 1, depth]: a decode step's x (on a 2-D x inductor folds the widened weights into a bf16 constant for oneDNN)
-xs = [torch.randn(1, 1, k, generator=g).bfloat16() for n, k in shapes]
-
-
-def step(*xs):
-    return [layer(x) for layer, x in zip(layers, xs)]
-
-
-runs = {}
-for name, withheld in (("inductor", True), ("kernel", False)):
-    torch._dynamo.reset()
-    with cpu_gemm.withheld(withheld, only=(cpu_gemm.INT8,)):
-        out, code = run_and_get_code(compile_step(step, torch.device("cpu"), gemm_backends="CPP", models=layers),
-                                     *xs)
-    code = "\n".join(code)
-    def ints(name):  # one of the template's constants, one per matmul, in the order of the code
-        return [int(line.split("=")[1].strip(" ;")) for line in code.splitlines()
-                if line.strip().startswith(f"constexpr int64_t {name} =")]
-
-    # Kr: the k-rows of each call of the kernel, the sums of the calls before coming in through C
-    runs[name] = {"out": [o.float().flatten().tolist() for o in out], "widths": ints("Nr"), "ks": ints("K"),
-                  "blocks": ints("Kr"), "named": cpu_gemm.INT8_KERNEL_NAME in code}
-want = [(x.double() @ (layer.weight.double() * layer.scales.double()[:, None]).T).flatten().tolist()
-        for layer, x in zip(layers, xs)]
-print(json.dumps({"runs": runs, "want": want}))
-"""
-
-
 def test_on_avx2_a_one_row_int8_matmul_takes_64_columns_and_gives_inductors_bits():
     """Each matmul 64 divides runs the kernel at 64 columns, the rest inductor's own blockings; the outputs are those
     of inductor's blockings (withheld) bit for bit, whole k or in the template's blocks of k (each added to the sums
     before), and the float64 matmul of the dequantised weights' to within bf16's rounding."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip(f"an x86 CPU with AVX2 (torch's CPU capability here: {torch.backends.cpu.get_cpu_capability()})")
-    env = os.environ | {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}
-    run = subprocess.run([sys.executable, "-c", MATMUL_CHILD, json.dumps(list(MATMULS))], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = one_row_matmuls("INT8", list(MATMULS), [("inductor", True, None), ("kernel", False, None)], int8=True)
     runs, want = result["runs"], result["want"]
     assert runs["kernel"]["named"] and not runs["inductor"]["named"]
     assert len(runs["inductor"]["widths"]) == len(runs["kernel"]["widths"]) == len(MATMULS)  # each the template's
     assert 64 not in runs["inductor"]["widths"]
     for (shape, takes), width in zip(MATMULS.items(), runs["kernel"]["widths"], strict=True):
         assert (width == 64) == takes, (shape, width)
-    matmuls = list(zip(runs["kernel"]["widths"], runs["kernel"]["ks"], runs["kernel"]["blocks"], strict=True))
+    # Kr: the k-rows of each call of the kernel, the sums of the calls before coming in through C
+    matmuls = list(zip(runs["kernel"]["widths"], runs["kernel"]["ks"], runs["kernel"]["kr"], strict=True))
     assert {block < k for width, k, block in matmuls if width == 64} == {True, False}, matmuls  # several, one
     for shape, got, inductors, exact in zip(MATMULS, runs["kernel"]["out"], runs["inductor"]["out"], want,
                                             strict=True):
