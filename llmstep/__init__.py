@@ -21,7 +21,9 @@ core/         the model, one module per stage of the token's journey (notebooks 
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
     quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
     quantize.py    weight-only int8/int4: the quantized linears and their kernels, swapped into a model
+    quant_kernels.py  which matmul a quantized layer runs when not told: per mode and device, int4's per GPU
     int4a8.py      int4 with 8-bit activations (llama.cpp's arithmetic): the reference, the kernel's layout
+    int8a8.py      int8 with 8-bit activations (llama.cpp's Q8_0 arithmetic): the reference, its kernel's call
     fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)
     checkpoint.py  Hugging Face layout in and out, plain or quantized, validated before allocating
     checkpoint_layout.py  a checkpoint directory parsed once: config, quantisation, tensor names, index, headers
@@ -46,7 +48,7 @@ kernels/      hand-written kernels the compiled step may run, each the same func
     cpu_int8.py    the int8 micro-kernel's C++ for one-row matmuls on AVX-512
     cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512, AVX2)
     cpu_attention_cpp.py  that attention op's C++ (the masked form, a decode step's prefix form)
-    cpu_int4a8.py  int4 times 8-bit activations in integer dot products (AVX2), any row count, a C++ op
+    cpu_int4a8.py  int4 and int8 times 8-bit activations in integer dot products (AVX2), any row count, C++ ops
     cpp_build.py   building a C++ op once per machine into llmstep's cache, and loading it
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once

@@ -8,12 +8,13 @@
     python scripts/ab_cpu.py --model smollm2-135m-instruct "bfloat16|max_autotune_gemm_backends='ATEN,CPP'" bfloat16
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
     python scripts/ab_cpu.py --group-size 32 int4^int8 int4-a8^int8   # weight-only int4 / with 8-bit activations
+    python scripts/ab_cpu.py int8^int8 int8-a8^int8-a8   # weight-only int8 / with 8-bit activations
     python scripts/ab_cpu.py int4^int8 int4^int8%sdpa int4^int8%plain   # a one-sequence step's attention
     python scripts/ab_cpu.py --model smollm2-135m-instruct bfloat16 "bfloat16&nostream"  # weights through the caches
 
 Each argument is a variant:
 DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot|~KERNEL_NAME][%ATTENTION][&STREAM][|KEY=VALUE;KEY=VALUE],
-DTYPE one of float32, bfloat16, int8, int4, int4-a8 (int4 with 8-bit activations: llmstep.core.int4a8)
+DTYPE one of float32, bfloat16, int8, int4, int8-a8, int4-a8 (with 8-bit activations: llmstep.core.int8a8, int4a8)
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
 default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
@@ -95,7 +96,7 @@ def withheld_kernels(spec: str) -> tuple | None:
     return (by_name[nodot],)
 
 
-DTYPES = ("float32", "bfloat16", "int8", "int4", "int4-a8")
+DTYPES = ("float32", "bfloat16", "int8", "int4", "int8-a8", "int4-a8")
 QUANTISED = DTYPES[2:]  # quantised from a float base (DTYPE@BASE)
 FUSE = {"": None, "fuse": True, "nofuse": False}
 PROMPT = 128  # the random prompt's tokens
@@ -121,9 +122,9 @@ def parse_variant(spec: str) -> dict:
         raise ValueError(f"@{base} is what int8 / int4 quantise from: float32 or bfloat16 (int8@float32)")
     for mark, part in (("+", kernel), ("^", lm_head)):
         if part and not quantised:
-            raise ValueError(f"{mark}{part} takes a quantised dtype (int8, int4, int4-a8), not {dtype}")
-    if kernel and dtype == "int4-a8":
-        raise ValueError(f"unknown kernel {kernel!r} for int4-a8: it has its own (llmstep.core.int4a8)")
+            raise ValueError(f"{mark}{part} takes a quantised dtype (int8, int4, int8-a8, int4-a8), not {dtype}")
+    if kernel and dtype.endswith("-a8"):
+        raise ValueError(f"unknown kernel {kernel!r} for {dtype}: it has its own (llmstep.core.{dtype[:4]}a8)")
     if kernel and (kernel not in KERNELS or kernel == "reduce" and dtype != "int4"):
         raise ValueError(f"unknown kernel {kernel!r} for {dtype}: one of "
                          f"{', '.join(k for k in KERNELS if k != 'reduce' or dtype == 'int4')}")
@@ -146,7 +147,7 @@ def parse_variant(spec: str) -> dict:
             raise ValueError(f"{key}'s value {value!r} is not a Python literal (quote a string: {key}='...')"
                              ) from None
     return {"dtype": dtype, "base": base or ("bfloat16" if quantised else dtype), "kernel": kernel or "auto",
-            "lm_head": True if lm_head == dtype == "int4-a8" else lm_head or False,  # QuantConfig's word for it
+            "lm_head": True if lm_head == dtype and dtype.endswith("-a8") else lm_head or False,  # QuantConfig's word
             "fuse": FUSE[fuse], "nodot": bool(nodot),
             "stream": STREAM[stream],
             "overrides": overrides}
@@ -161,7 +162,7 @@ def check_variants(variants: list[str], config, group_size: int | None, tokens: 
         try:
             v = parse_variant(spec)
             if v["dtype"] in QUANTISED:
-                check_config(config, v["dtype"], group_size if v["dtype"] != "int8" else None, v["lm_head"])
+                check_config(config, v["dtype"], group_size if v["dtype"].startswith("int4") else None, v["lm_head"])
         except (ValueError, QuantizationError) as e:
             raise SystemExit(f"ab_cpu.py: variant {spec!r}: {e}") from None
         parsed.append(v)
@@ -175,8 +176,8 @@ def build(v: dict, name: str, group_size: int | None = None, only: tuple | None 
     """A variant's decoder (`parse_variant`'s parts), compiled; only: `withheld_kernels(spec)`."""
     model, _ = llmstep.load(name, device="cpu", dtype=v["base"])
     if v["dtype"] in QUANTISED:
-        quantize(model, v["dtype"], group_size=group_size if v["dtype"] != "int8" else None, lm_head=v["lm_head"],
-                 kernel=v["kernel"])
+        quantize(model, v["dtype"], group_size=group_size if v["dtype"].startswith("int4") else None,
+                 lm_head=v["lm_head"], kernel=v["kernel"])
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | v["overrides"])
     decoder = FastDecoder(model, compile=True, fuse=v["fuse"])

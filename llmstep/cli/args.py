@@ -123,8 +123,8 @@ def parse_range(text: str) -> tuple[int, int]:
 
 
 def quantization(text: str) -> str:
-    """none, or a quantisation by its name: int8, int4, int4-g32, int4-g32-a8, int8+lm_head, int4-g32+lm_head-int8
-    (QuantConfig)."""
+    """none, or a quantisation by its name: int8, int4, int4-g32, int8-a8, int4-g32-a8, int8+lm_head,
+    int4-g32+lm_head-int8 (QuantConfig)."""
     if text != "none":
         try:
             QuantConfig.of(text)

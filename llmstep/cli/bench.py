@@ -101,9 +101,9 @@ def add_commands(sub) -> None:
     p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--new-tokens", type=decode_tokens, default=128)
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "int4-a8"],
-                   help="rows: the float weights, int8, int4 (weight-only), int4-a8 (int4 with 8-bit activations, "
-                        "llama.cpp's arithmetic: llmstep.core.int4a8)")
+    p.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "int8-a8", "int4-a8"],
+                   help="rows: the float weights, int8, int4 (weight-only), int8-a8 and int4-a8 (with 8-bit "
+                        "activations, llama.cpp's arithmetic: llmstep.core.int8a8, int4a8)")
     p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
     p.add_argument("--quantize-lm-head", nargs="?", const=True, default=False, type=_head_mode, metavar="int8",
                    help="quantize the LM head too: in the blocks' mode, or (given int8) in int8 under int4 blocks "

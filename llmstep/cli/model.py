@@ -51,7 +51,7 @@ def add_commands(sub) -> None:
                         "dequantized into --dtype")
     g.add_argument("--quantize", default="none", type=quantization,
                    help="quantization of the loaded float weights in --dtype before generating: int8, "
-                        "int4, int4-g32, int4-g32-a8 (8-bit activations too), ...; +lm_head (the head too), "
+                        "int4, int4-g32, int8-a8, int4-g32-a8 (8-bit activations too), ...; +lm_head (the head too), "
                         "int4-g32+lm_head-int8 (an int8 head under int4 blocks); with --keep-quantized, "
                         "int4-g32+lm_head-int8 or int4-g32+lm_head quantizes the head alone under the file's kept "
                         "blocks")
@@ -92,9 +92,9 @@ def add_commands(sub) -> None:
     f.add_argument("--device", default=None)
     f.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: by device)")
     f.add_argument("--quantize", default="none", type=quantization,
-                   help="quantization of the model in --dtype: int8, int4, int4-g32, int4-g32-a8 (8-bit "
-                        "activations too), ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head under "
-                        "int4 blocks)")
+                   help="quantization of the model in --dtype: int8, int4, int4-g32, int8-a8, int4-g32-a8 "
+                        "(8-bit activations too), ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head "
+                        "under int4 blocks)")
     f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the compiled step, FastDecoder's default settings (default: on)")
     f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")

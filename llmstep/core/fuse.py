@@ -93,9 +93,9 @@ def _fused_linear(linears: list[nn.Module]) -> nn.Module | None:
             fused_layer = Linear(first.in_features, n_out, bias=False)
         fused_layer.weight = nn.Parameter(fuse_rows(linears, "weight"), requires_grad=False)  # [n_out, in]
         return fused_layer
-    if type(first) is Int8Linear and len({(m.kernel, m.eager_packed) for m in linears}) == 1:
+    if type(first) is Int8Linear and len({(m.kernel, m.eager_packed, m.activations) for m in linears}) == 1:
         fused_layer = Int8Linear(first.in_features, n_out, device="meta", dtype=first.scales.dtype,
-                                 kernel=first.kernel)
+                                 kernel=first.kernel, activations=first.activations)
         fused_layer.eager_packed = first.eager_packed  # the parts' kernel check holds for their stacked rows
         fused_layer.weight = fuse_rows(linears, "weight")  # [n_out, in] int8
         fused_layer.scales = fuse_rows(linears, "scales")  # [n_out]

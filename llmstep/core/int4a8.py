@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from .quant_formats import unpack_int4
 
 __all__ = ["BLOCK", "TILE", "quantize_activations", "fake_quantize", "layout", "supports", "prepare", "matmul",
-           "use_kernel", "use_installer", "kernel_op", "describe", "with_activations"]
+           "use_kernel", "use_installer", "install", "kernel_op", "with_activations"]
 
 BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
 TILE = 4  # vectors of 8 columns the kernel takes together, their weights one stream
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
-_installer: Callable[[], bool] | None = None  # builds and registers it (llmstep.kernels.cpu_int4a8.install)
+_installer: Callable[[], bool] | None = None  # builds and registers it, int8-a8's too (kernels.cpu_int4a8.install)
 
 
 def use_installer(install: Callable[[], bool] | None) -> None:
@@ -44,6 +44,12 @@ def use_installer(install: Callable[[], bool] | None) -> None:
     so every matmul of a run, the first prompt's too, takes the same path."""
     global _installer
     _installer = install
+
+
+def install() -> bool:
+    """Build and register the CPU kernels of 8-bit activations (int4-a8's and int8-a8's: one library) where an
+    installer is registered; whether it ran and succeeded. A failed build is remembered: it is tried once a process."""
+    return _installer is not None and bool(_installer())
 
 
 def use_kernel(kernel: Callable | None, op: str | None = None) -> None:
@@ -113,8 +119,8 @@ def prepare(layer, codes: torch.Tensor):
     also when kernel="dequant" is asked for). Returns the layer."""
     fits = (layer.kernel != "dequant" and codes.device.type == "cpu"
             and supports(layer.out_features, layer.in_features, layer.group_size))
-    if fits and _kernel is None and _installer is not None:
-        _installer()  # once a process: it remembers a failed build
+    if fits and _kernel is None:
+        install()  # once a process: it remembers a failed build
     if fits and _kernel is not None:
         layer.kernel_weight, layer.scales_and_zeros = layout(unpack_int4(codes), layer.scales, layer.zeros)
         layer.kernel, layer.weight = "a8", None
@@ -133,16 +139,6 @@ def matmul(layer, x2d: torch.Tensor) -> torch.Tensor:
     return F.linear(fake_quantize(x2d), layer.dequantized(torch.float32))
 
 
-def describe(model: torch.nn.Module) -> str | None:
-    """What a model's int4-a8 matmuls run, for records: the kernel's op where every such layer has its layout, "torch
-    ops" where none has, both named where some have; None for a model without int4-a8 layers."""
-    kinds = {m.kernel for m in model.modules() if getattr(m, "activations", None)}
-    if not kinds:
-        return None
-    kernel = _kernel[1] if _kernel is not None and "a8" in kinds else None
-    return kernel if kinds == {"a8"} else "torch ops" if kernel is None else f"{kernel}, and torch ops where it cannot"
-
-
 def with_activations(model: torch.nn.Module) -> torch.nn.Module:
     """A model with int4 blocks (quantised, or a GGUF file's Q4 blocks kept: `keep_quantized`) given 8-bit activations
     in place: every int4 layer's, its `quantization` saying so. Its weights are untouched: llama.cpp's arithmetic on
@@ -156,9 +152,9 @@ def with_activations(model: torch.nn.Module) -> torch.nn.Module:
         raise QuantizationError(f"8-bit activations go on int4 blocks with weight-only activations; this model is "
                                 f"{qc or 'not quantised'}")
     new = QuantConfig(qc.mode, qc.group_size, qc.lm_head, 8)  # refuses a group size that is not whole blocks
-    layers = [m for m in model.modules() if hasattr(m, "activations") and m.activations is None]  # Int4Linear's
-    if _kernel is None and _installer is not None and any(m.scales.device.type == "cpu" for m in layers):
-        _installer()  # the build first: nothing is changed while it runs
+    layers = [m for m in model.modules() if getattr(m, "mode", None) == "int4" and m.activations is None]
+    if _kernel is None and any(m.scales.device.type == "cpu" for m in layers):
+        install()  # the build first: nothing is changed while it runs
     saved = [(m, dict(m.__dict__), {k: getattr(m, k) for k in ("weight", "kernel_weight", "scales_and_zeros")})
              for m in layers]
     try:

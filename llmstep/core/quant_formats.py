@@ -39,8 +39,8 @@ class QuantConfig:
     # `mode`, "int8" in int8 under int4 blocks (the head is the largest matmul of a small model, and its row
     # scales cost little: llama.cpp's 4-bit files keep theirs at 8 or 6 bits). "int8" under int8 blocks is True.
     lm_head: bool | str = False
-    # int4 only: 8 rounds each row of activations to 8 bits per block of 32 before the int4 matmuls (llama.cpp's
-    # arithmetic for its 4-bit files: llmstep.core.int4a8); None keeps them in the model's dtype (weight-only)
+    # 8 rounds each row of activations to 8 bits per block of 32 before the matmuls (llama.cpp's arithmetic for its
+    # 4-bit and Q8_0 files: llmstep.core.int4a8, int8a8); None keeps them in the model's dtype (weight-only)
     activations: int | None = None
 
     def __post_init__(self):
@@ -56,10 +56,10 @@ class QuantConfig:
         elif self.group_size is not None:
             raise QuantizationError(f"group_size applies to int4 only (int8 scales whole rows), got {self.group_size}")
         if self.activations is not None:
-            if self.activations != 8 or self.mode != "int4":
-                raise QuantizationError(f"activations=8 (8-bit activations) goes with int4 only, got activations="
-                                        f"{self.activations!r} with {self.mode}")
-            if self.group_size % 32:
+            if self.activations != 8:
+                raise QuantizationError(f"activations=8 (8-bit activations) or None (weight-only), got activations="
+                                        f"{self.activations!r}")
+            if self.mode == "int4" and self.group_size % 32:
                 raise QuantizationError(f"int4 with 8-bit activations takes whole blocks of 32 inputs a group: group "
                                         f"size {self.group_size} is not a multiple of 32")
         head = self.lm_head
@@ -85,8 +85,8 @@ class QuantConfig:
     @classmethod
     def of(cls, spec: QuantConfig | str | dict, group_size: int | None = None, lm_head: bool | str | None = None
            ) -> QuantConfig:
-        """A QuantConfig from itself, its name ("int8", "int4", "int4-g32", "int4-g32-a8", "int4-g32+lm_head-int8":
-        what str() gives) or a dict; a group_size or lm_head given overrides the spec's."""
+        """A QuantConfig from itself, its name ("int8", "int8-a8", "int4", "int4-g32", "int4-g32-a8",
+        "int4-g32+lm_head-int8": what str() gives) or a dict; a group_size or lm_head given overrides the spec's."""
         if isinstance(spec, dict):
             spec = cls(**{k: v for k, v in spec.items() if k in ("mode", "group_size", "lm_head", "activations")})
         elif not isinstance(spec, QuantConfig):
@@ -103,7 +103,7 @@ class QuantConfig:
             raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' may follow (the "
                                     "head in the blocks' own mode is plain '+lm_head')")
         lm_head = head.removeprefix("-") or bool(plus)
-        activations = 8 if base.startswith("int4") and base.endswith("-a8") else None
+        activations = 8 if base.endswith("-a8") else None
         base = base.removesuffix("-a8") if activations else base
         if base.startswith("int4-g") and base[6:].isascii() and base[6:].isdigit():
             return cls("int4", int(base[6:]), lm_head, activations)
@@ -114,7 +114,7 @@ class QuantConfig:
         return d if self.activations else {k: v for k, v in d.items() if k != "activations"}
 
     def __str__(self) -> str:
-        name = self.mode if self.mode == "int8" else f"int4-g{self.group_size}" + ("-a8" if self.activations else "")
+        name = (self.mode if self.mode == "int8" else f"int4-g{self.group_size}") + ("-a8" if self.activations else "")
         return name + ("" if self.lm_head is False else "+lm_head" if self.lm_head is True else "+lm_head-int8")
 
 

@@ -2,7 +2,7 @@
 
 Decode at batch 1 reads every weight once per token, so its speed is set by bytes, not FLOPs. Storing the matrices
 in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16) while activations, norms
-and the KV cache stay in the model's dtype (int4-a8, activations=8, rounds them too: llmstep.core.int4a8).
+and the KV cache stay in the model's dtype (int8-a8 and int4-a8, activations=8, round them too: core.int8a8, int4a8).
 
 The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
 and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
@@ -15,9 +15,9 @@ through llmstep.core.torch_compat) or dequantises and multiplies, which torch.co
 int4's third way, `kernel="reduce"`: the codes as [N, K/g, g/2] bytes, each byte's nibbles against the even and odd
 inputs, scale and zero per group, one sum: compiled, one reduction kernel reading half a byte a weight (to beat
 tinygemm at one row on a GPU). A tuned compiled CPU step may run inductor's int4 template on the same packed weights
-(llmstep.kernels.cpu_gemm gives it an AVX2 kernel). `kernel="auto"` picks per mode and device (`_auto_kernel`; int4
-on CUDA: what `prefer_int4_kernel` recorded for this GPU); `llmstep bench --quantize none int8 int4` and
-scripts/gpu_probe.py measure what each costs.
+(llmstep.kernels.cpu_gemm gives it an AVX2 kernel). `kernel="auto"` picks per mode and device
+(llmstep.core.quant_kernels; int4 on CUDA: what `prefer_int4_kernel` recorded for this GPU); `llmstep bench
+--quantize none int8 int4` and scripts/gpu_probe.py measure what each costs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from . import int4a8, torch_compat
+from . import int4a8, int8a8, torch_compat
 from .config import LlamaConfig
 from .linear import linear, widened, widens_rows
 from .model import Llama, materialize
@@ -47,6 +47,7 @@ from .quant_formats import (
     reduce_matmul,
     unpack_int4,
 )
+from .quant_kernels import auto_kernel, choose_int4_kernel, prefer_int4_kernel
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize", "check_config",
@@ -59,54 +60,9 @@ KERNELS = ("auto", "packed", "dequant", "reduce")  # "reduce": int4 only
 PACKED_MAX_ROWS = 16
 
 
-# int4's kernel per GPU model, as measured: scripts/gpu_probe.py times tinygemm ("packed") and "reduce" at one row and
-# records `choose_int4_kernel`'s pick (`prefer_int4_kernel`); a GPU not measured keeps tinygemm, a CPU its packed one.
-_INT4_KERNEL_BY_GPU: dict[str, str] = {}
-REDUCE_MARGIN = 0.05  # "reduce" replaces tinygemm only when 5% faster: closer than that, timing noise decides
-
-
-def choose_int4_kernel(us_per_call: dict[str, float], margin: float = REDUCE_MARGIN) -> str:
-    """The selection rule: from microseconds per one-row matmul of "packed" (tinygemm) and "reduce", "reduce"
-    where it is faster by more than `margin`, else "packed"; a kernel missing from the timings (it failed) loses."""
-    packed, reduce = us_per_call.get("packed"), us_per_call.get("reduce")
-    if reduce is None:
-        return "packed"
-    if packed is None:
-        return "reduce"
-    return "reduce" if reduce < (1 - margin) * packed else "packed"
-
-
-def prefer_int4_kernel(device: torch.device | str, kernel: str | None) -> None:
-    """Record `kernel` ("packed" or "reduce"; None forgets) as int4's `kernel="auto"` on this CUDA device's model
-    of GPU, for every Int4Linear prepared after this in the process."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise QuantizationError(f"int4's kernel is chosen per GPU; {device} keeps its packed kernel")
-    if kernel not in ("packed", "reduce", None):
-        raise QuantizationError(f"int4's measured kernel is 'packed' or 'reduce', got {kernel!r}")
-    name = torch.cuda.get_device_name(device)
-    if kernel is None:
-        _INT4_KERNEL_BY_GPU.pop(name, None)
-    else:
-        _INT4_KERNEL_BY_GPU[name] = kernel
-
-
-def _auto_kernel(mode: str, device: torch.device | None = None) -> str:
-    """Which matmul to use when the caller does not say. int8: dequantise + matmul (compile fuses the widening into
-    the matmul on CUDA, gpt-fast's path, and rewrites it to _weight_int8pack_mm on a CPU for bf16, which an eager
-    bf16 CPU call runs itself: `Int8Linear.prepare`). int4: the packed kernels (tinygemm on CUDA, _for_cpu on a
-    CPU): dequantising a whole int4 matrix per token would read more bytes than the float weights; on a GPU whose
-    measurement chose it (`prefer_int4_kernel`), "reduce". No packed kernel here: prepare() falls back to dequant."""
-    if mode != "int4":
-        return "dequant"
-    if device is not None and device.type == "cuda" and _INT4_KERNEL_BY_GPU:
-        return _INT4_KERNEL_BY_GPU.get(torch.cuda.get_device_name(device), "packed")
-    return "packed"
-
-
 def _check_kernel(kernel: str, mode: str, activations: int | None = None) -> None:
-    if activations and kernel not in ("auto", "a8", "dequant"):  # "a8": the int4-a8 layers' integer kernel
-        raise QuantizationError(f"int4 with 8-bit activations has its own kernel (auto), not {kernel!r}")
+    if activations and kernel not in ("auto", "a8", "dequant"):  # "a8": the 8-bit activation layers' integer kernel
+        raise QuantizationError(f"{mode} with 8-bit activations has its own kernel (auto), not {kernel!r}")
     if kernel not in KERNELS and not (activations and kernel == "a8"):
         raise QuantizationError(f"unknown kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
     if kernel == "reduce" and mode != "int4":
@@ -119,19 +75,23 @@ CHECK_ROWS = 64  # rows prepare() checks a packed kernel on (all rows: a layer's
 class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T: an nn.Linear (no bias) whose weight is stored as int8 rows and their scales."""
 
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=torch.float32, kernel: str = "auto"):
+    mode = "int8"
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=torch.float32, kernel: str = "auto",
+                 activations: int | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.activations = activations  # 8: 8-bit activations (llmstep.core.int8a8), None: as they come
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))  # [N]
-        _check_kernel(kernel, "int8")
+        _check_kernel(kernel, "int8", activations)
         self.kernel = self.asked = kernel  # asked: what prepare() settles from, each time it runs
         self.eager_packed = False  # set by prepare(): "auto" in bf16 on a CPU, the packed op outside a compiled graph
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, kernel: str = "auto") -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, kernel: str = "auto", activations: int | None = None) -> Int8Linear:
         w = linear.weight
-        m = cls(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype, kernel=kernel)
+        m = cls(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype, kernel=kernel, activations=activations)
         m.weight, m.scales = quantize_int8(w, scale_dtype=w.dtype)
         m.prepare()
         return m
@@ -139,9 +99,12 @@ class Int8Linear(nn.Module):
     def prepare(self) -> Int8Linear:
         """Settle the kernel for the weights' device, checking the packed op once. "auto" in bf16 on a CPU also runs
         the packed op at a few rows outside a compiled graph (dequantising widens the whole matrix every call: 3-11x
-        slower at one row; not so in float32 or f16); compiled, the dequant pattern, which inductor rewrites."""
+        slower at one row; not so in float32 or f16); compiled, the dequant pattern, which inductor rewrites.
+        int8-a8: its integer kernel on a CPU, else torch's ops (llmstep.core.int8a8)."""
+        if self.activations:
+            return int8a8.prepare(self)
         auto, bf16_cpu = self.asked == "auto", self.weight.device.type == "cpu" and self.scales.dtype == torch.bfloat16
-        self.kernel = _auto_kernel("int8") if auto else self.asked
+        self.kernel = auto_kernel("int8") if auto else self.asked
         packed = (self.kernel == "packed" or auto and bf16_cpu) and self._packed_agrees()
         if self.kernel == "packed" and not packed:
             self.kernel = "dequant"  # this torch, device, dtype or shape has no packed int8 kernel
@@ -159,6 +122,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
+        if self.activations:
+            return int8a8.matmul(self, x.reshape(-1, self.in_features)).unflatten(0, x.shape[:-1]).to(x.dtype)
         eager = self.eager_packed and x.dtype == self.scales.dtype and not torch.compiler.is_compiling()
         packed = self.kernel == "packed" or eager
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
@@ -177,11 +142,14 @@ class Int8Linear(nn.Module):
         return dequantize_int8(self.weight, self.scales, dtype or self.scales.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
+                + (", activations=8" if self.activations else ""))
 
 
 class Int4Linear(nn.Module):
     """y = x @ W^T with W stored as 4-bit codes, two per byte, and a scale and zero per group of inputs."""
+
+    mode = "int4"
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE, device=None,
                  dtype=torch.float32, kernel: str = "auto", activations: int | None = None):
@@ -215,7 +183,7 @@ class Int4Linear(nn.Module):
         if self.activations:  # int4-a8: the integer kernel's layout on a CPU, where its shapes fit; else torch's ops
             return int4a8.prepare(self, codes)
         if self.kernel == "auto":
-            self.kernel = _auto_kernel("int4", device)
+            self.kernel = auto_kernel("int4", device)
         self.kernel_weight = self.scales_and_zeros = None
         if self.kernel == "packed" and torch_compat.missing("int4_mm_cuda" if device.type == "cuda" else "int4_mm_cpu"):
             self.kernel = "dequant"  # this torch has no int4 kernel for the device
@@ -344,6 +312,9 @@ def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str]
                 problems.append(f"{name}: in_features {K} is odd; int4 packs two weights per byte along it")
             elif K % layer.group_size:
                 problems.append(f"{name}: group_size {layer.group_size} does not divide in_features {K}")
+        elif layer.activations and K % int4a8.BLOCK:
+            problems.append(f"{name}: in_features {K} is not a multiple of {int4a8.BLOCK}, the blocks 8-bit "
+                            "activations are rounded in")
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise QuantizationError(f"cannot quantise to {qc}: " + "; ".join(problems[:3]) + more)
@@ -365,7 +336,8 @@ def _swap_per_layer(model: Llama, qc: QuantConfig, make: Callable[[nn.Linear, Qu
 
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
     if qc.mode == "int8":  # an int8 head under int4 blocks quantised with int4's "reduce"/"a8" takes int8's own
-        return Int8Linear.from_linear(linear, "auto" if kernel in ("reduce", "a8") else kernel)
+        return Int8Linear.from_linear(linear, "auto" if kernel == "reduce" or kernel == "a8" and not qc.activations
+                                      else kernel, qc.activations)
     return Int4Linear.from_linear(linear, qc.group_size, kernel, qc.activations)
 
 
@@ -374,7 +346,8 @@ def empty_quantized(model: Llama, qc: QuantConfig, dtype: torch.dtype) -> None:
     filled from a checkpoint (llmstep.core.checkpoint) and then `prepare()`d on their device."""
     def make(lin: nn.Linear, layer: QuantConfig) -> nn.Module:
         if layer.mode == "int8":
-            return Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype)
+            return Int8Linear(lin.in_features, lin.out_features, device="meta", dtype=dtype,
+                              activations=layer.activations)
         return Int4Linear(lin.in_features, lin.out_features, layer.group_size, device="meta", dtype=dtype,
                           activations=layer.activations)
 

@@ -201,7 +201,7 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
             kernel.install()
         cpu_attention.install()  # a step of one sequence attends with it (attention_backend.cpu_step_kernel)
         if any(getattr(m, "activations", None) for model in models for m in model.modules()):
-            cpu_int4a8.install()  # int4-a8's matmuls (llmstep.core.int4a8; prepare() has installed it where it can)
+            cpu_int4a8.install()  # int4-a8's and int8-a8's matmuls (core.int4a8, int8a8; prepare() has installed them)
     for t in (*static, *(() if options.get("freezing") else refilled)):
         torch_compat.mark_static_address(t)
     traced = own_code(fn)  # its own code object: Dynamo's limit of compiled versions counts this step's alone

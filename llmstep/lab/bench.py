@@ -25,7 +25,7 @@ from functools import partial
 
 import torch
 
-from ..core import int4a8
+from ..core import int8a8
 from ..core.checkpoint import hf_names, load_model, read_config, resolve_model_path
 from ..core.checks import is_int
 from ..core.config import LlamaConfig
@@ -209,7 +209,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
               bandwidth: bool = True, seed: int = 0, bandwidth_bytes: int | None = None,
               hf_dtype: torch.dtype | None = None, log=print, on_repeat=None, argv: list[str] | None = None,
               hf_compile: bool | None = None) -> dict:
-    """Measure every variant on `model` ("none" = its float weights, "int8", "int4", "int4-a8"); return the record.
+    """Measure each variant of `model` ("none": its float weights; int8, int4, int8-a8, int4-a8); return the record.
     transformers runs on the same weights in `hf_dtype` (default: the model's), twice: eager generate() and,
     with `hf_compile` (default: on CUDA only; compiling transformers on a CPU takes minutes), generate() with a
     static cache and its forward compiled; record["transformers_peers"] says which ran and why one did not.
@@ -378,8 +378,8 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
                      "same_tokens_as_eager_float": r["tokens"] == reference,
                      "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
                      "tokens": list(r["tokens"])})
-        if (a8 := int4a8.describe(r["decoder"].net)) is not None:  # what the steps ran (fused or not)
-            rows[-1]["int4a8_matmul"] = a8  # the kernel's op, or torch's ops (llmstep.core.int4a8)
+        if (a8 := int8a8.describe(r["decoder"].net)) is not None:  # what the steps ran (fused or not)
+            rows[-1]["a8_matmul"] = a8  # the kernels' ops, or torch's ops (llmstep.core.int4a8, int8a8)
     peer_rows = {}
     for peer in (p for p in peers if p["runs"]):
         runs_ = peer["runs"]

@@ -10,6 +10,8 @@ From a checkpoint directory (or a random model) everything starts from llmstep's
   quantiser on the float file); int4 as Q4_0 made by llama.cpp's quantiser from the float file, its head told to be
   Q8_0 (GGUF has no exact form of llmstep's int4 groups with zero points: the same weights, rounded by llama.cpp's
   rule).
+- int8-a8 (llmstep's int8 with 8-bit activations, llama.cpp's Q8_0 arithmetic): llmstep's int8 as for int8, and
+  llama.cpp's row the same Q8_0 file as int8's.
 - CTranslate2: its own converter on the directory's safetensors; transformers: llmstep's float tensors.
 
 From a GGUF file (SmolLM2-135M-Instruct ships as Q4_1) the file is an input in its own right:
@@ -54,8 +56,9 @@ __all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_types",
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
 _MODULE = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2", "transformers": "transformers"}
 _PIP = {"llama.cpp": "llama-cpp-python", "ctranslate2": "ctranslate2", "transformers": "transformers"}
-# llama.cpp's type at each precision (int4-a8: the arithmetic of llama.cpp's own Q4_0 matmul, activations in Q8_0)
-GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0", "int4-a8": "q4_0"}
+# llama.cpp's type at each precision (int8-a8, int4-a8: the arithmetic of llama.cpp's own Q8_0, Q4_0 matmuls, whose
+# activations are rounded to Q8_0)
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0", "int8-a8": "q8_0", "int4-a8": "q4_0"}
 HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (its quantiser told Q8_0)
 _PRECISION_OF = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
@@ -80,7 +83,7 @@ def why_not(peer: str, precision: str, checkpoint: Path | None, tokenizer: Token
         if CT2_COMPUTE[precision] not in ctranslate2.get_supported_compute_types("cpu"):
             return (f"compute type {CT2_COMPUTE[precision]} is not supported by CTranslate2 on this CPU "
                     f"(it offers {', '.join(sorted(ctranslate2.get_supported_compute_types('cpu')))})")
-    if peer == "transformers" and precision in ("int8", "int4", "int4-a8"):
+    if peer == "transformers" and precision in ("int8", "int4", "int8-a8", "int4-a8"):
         return "no weight-only int8/int4 on a CPU without further packages"
     return None
 
@@ -228,7 +231,7 @@ def _llama_cpp_input(base: PeerSpec, precision: str, v: Variant, model: Llama, f
         kind = GGUF_TYPE[precision]
         return _with(base, gguf=export(kind, model, f"model-{kind}"), weights=f"GGUF {kind}",
                      source=f"export_gguf of {origin}")
-    if precision == "int8":
+    if precision in ("int8", "int8-a8"):
         try:
             path = export(float_kind, v.model, "model-q8_0")  # Q8_0: llmstep's int8 codes and scales, exactly
             return _with(base, gguf=path, weights="GGUF q8_0", source=f"export_gguf of {v.source}, exactly",

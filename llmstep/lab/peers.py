@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..core import attention_backend, int4a8
+from ..core import attention_backend, int8a8
 from ..core.cost import kv_bytes_per_token
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
@@ -243,8 +243,8 @@ def _rows(entries: list[_Entry], runs, ids, new_tokens, bw) -> list[dict]:
                "bytes_per_step": step_bytes, "bytes_counted_from": counted, "tokens": runs[i][-1][2]}
         if info.get("notes"):
             row["notes"] = info["notes"]
-        if e.peer is None and (a8 := int4a8.describe(e.engine.decoder.net)) is not None:
-            row["int4a8_matmul"] = a8  # the kernel's op, or torch's ops (llmstep.core.int4a8)
+        if e.peer is None and (a8 := int8a8.describe(e.engine.decoder.net)) is not None:
+            row["a8_matmul"] = a8  # the kernels' ops, or torch's ops (llmstep.core.int4a8, int8a8)
         rate = row["decode_tokens_per_s"]["median"]
         row["copy_bandwidth_share"] = rate * step_bytes / (bw * 1e9) if bw else None
         if e.peer is None:

@@ -130,10 +130,24 @@ def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
     assert rows[0]["weight_bytes_per_step"] == rows[1]["weight_bytes_per_step"]
     from llmstep.kernels import cpu_int4a8  # the record names what the matmuls ran: the kernel, or torch's ops
 
-    assert "int4a8_matmul" not in rows[0] and rows[1]["int4a8_matmul"] == (
+    assert "a8_matmul" not in rows[0] and rows[1]["a8_matmul"] == (
         "llmstep_int4a8_avx2::mm" if cpu_int4a8.installed() else "torch ops")
     assert len(rows[1]["tokens"]) == 6
     assert main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4-a8", "--group-size", "64"])["rows"][0][
         "name"] == "llmstep eager int4-g64-a8"
     with pytest.raises(SystemExit, match="not a multiple of 32"):
         main(TINY + ["--no-hf", "--quantize", "int4-a8", "--group-size", "16"])
+
+
+def test_an_int8_a8_row_reads_the_int8_rows_bytes_and_names_its_kernel():
+    """--quantize int8-a8: int8 weights (the same bytes a step as int8's) with 8-bit activations (llmstep.core.int8a8),
+    its own row, naming what its matmuls ran; --group-size is int4's alone."""
+    rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int8", "int8-a8"])["rows"]
+    assert [r["name"] for r in rows] == ["llmstep eager int8", "llmstep eager int8-a8"]
+    assert rows[0]["weight_bytes_per_step"] == rows[1]["weight_bytes_per_step"]
+    from llmstep.kernels import cpu_int4a8
+
+    assert "a8_matmul" not in rows[0] and rows[1]["a8_matmul"] == (
+        "llmstep_int4a8_avx2::mm8" if cpu_int4a8.installed() else "torch ops")
+    with pytest.raises(SystemExit, match="--group-size sets int4's groups"):
+        main(TINY + ["--no-hf", "--quantize", "int8-a8", "--group-size", "32"])

@@ -408,17 +408,17 @@ def test_the_int4_kernel_rule_prefers_reduce_only_when_clearly_faster():
 
 
 def test_auto_picks_the_kernel_measured_for_this_gpu_and_keeps_the_cpus(monkeypatch):
-    import llmstep.core.quantize as q
+    import llmstep.core.quant_kernels as q
 
     monkeypatch.setattr(q, "_INT4_KERNEL_BY_GPU", {})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     cuda = torch.device("cuda")
-    assert q._auto_kernel("int4", cuda) == "packed"  # not measured: tinygemm
+    assert q.auto_kernel("int4", cuda) == "packed"  # not measured: tinygemm
     prefer_int4_kernel(cuda, "reduce")
-    assert q._auto_kernel("int4", cuda) == "reduce" and q._auto_kernel("int8", cuda) == "dequant"
+    assert q.auto_kernel("int4", cuda) == "reduce" and q.auto_kernel("int8", cuda) == "dequant"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA T4")
-    assert q._auto_kernel("int4", cuda) == "packed"  # another GPU model: its own measurement
-    assert q._auto_kernel("int4", torch.device("cpu")) == "packed"
+    assert q.auto_kernel("int4", cuda) == "packed"  # another GPU model: its own measurement
+    assert q.auto_kernel("int4", torch.device("cpu")) == "packed"
     assert Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), group_size=32).kernel == "packed"  # a CPU
     with pytest.raises(QuantizationError, match="chosen per GPU"):
         prefer_int4_kernel("cpu", "reduce")

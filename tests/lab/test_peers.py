@@ -121,15 +121,17 @@ def test_llama_cpp_at_int8_runs_llmsteps_own_int8_codes_as_q8_0_and_int4_as_llam
     if peers.why_not("llama.cpp", "int8", None, shipped[1]) is not None:
         pytest.skip(f"llama.cpp: {peers.why_not('llama.cpp', 'int8', None, shipped[1])}")
     model = llmstep.load("target", device="cpu", dtype="bfloat16")[0]  # bf16 scales are float16 numbers here
-    record = peers.run_peers(model, ["llama.cpp"], ["int8", "int4", "int4-a8"], shipped[1], prompt_len=8,
+    record = peers.run_peers(model, ["llama.cpp"], ["int8", "int4", "int8-a8", "int4-a8"], shipped[1], prompt_len=8,
                              new_tokens=4, repeats=1, compile=False, bandwidth=False, log=lambda m: None)
     weights = {row["precision"]: row["weights"] for row in record["rows"] if row["engine"].startswith("llama")}
-    # int4-a8 (8-bit activations) meets Q4_0 again: llama.cpp's own Q4_0 matmul rounds its activations to Q8_0
-    assert weights == {"int8": "GGUF q8_0", "int4": "GGUF q4_0 (llama.cpp's quantiser)",
+    # int8-a8 and int4-a8 (8-bit activations) meet Q8_0 and Q4_0 again: llama.cpp's own Q8_0 and Q4_0 matmuls round
+    # their activations to Q8_0
+    assert weights == {"int8": "GGUF q8_0", "int4": "GGUF q4_0 (llama.cpp's quantiser)", "int8-a8": "GGUF q8_0",
                        "int4-a8": "GGUF q4_0 (llama.cpp's quantiser)"}
     ours = {row["precision"]: row for row in record["rows"] if row["engine"].startswith("llmstep")}
-    assert ours["int4-a8"]["weights"] == "int4-g64-a8+lm_head-int8" and "int4a8_matmul" in ours["int4-a8"]
-    assert "int4a8_matmul" not in ours["int4"]
+    assert ours["int4-a8"]["weights"] == "int4-g64-a8+lm_head-int8" and "a8_matmul" in ours["int4-a8"]
+    assert ours["int8-a8"]["weights"] == "int8-a8+lm_head" and "a8_matmul" in ours["int8-a8"]
+    assert "a8_matmul" not in ours["int4"] and "a8_matmul" not in ours["int8"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
