@@ -20,7 +20,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
     checks.py      the argument checks every layer shares: an integer (not a bool), a seed, a cache's length
     cost.py        parameters, bytes and FLOPs of a step, for float and quantized weights
     quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
-    quantize.py    weight-only int8/int4: the quantized linears and their kernels, swapped into a model
+    quantize.py    int8/int4: the quantized linears and their kernels, swapped into a model
     quant_kernels.py  which matmul a quantized layer runs when not told: per mode and device, int4's per GPU
     int4a8.py      int4 with 8-bit activations (llama.cpp's arithmetic): the reference, the kernel's layout
     int8a8.py      int8 with 8-bit activations (llama.cpp's Q8_0 arithmetic): the reference, its kernel's call

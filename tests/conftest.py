@@ -156,3 +156,57 @@ def tiny64(tmp_path_factory, tokenizer_file):
 
     model, tok = llmstep.load(path, dtype="float32")
     return model.double(), tok
+
+
+# ---- 8-bit activations (tests/kernels/test_cpu_int4a8.py, test_cpu_int8a8.py) --------------------------------
+
+@pytest.fixture(scope="module")
+def a8_ops():
+    """torch.ops of the 8-bit activation kernels (llmstep.kernels.cpu_int4a8: int4-a8's mm, int8-a8's mm8)."""
+    from llmstep.kernels import cpu_int4a8
+
+    if not cpu_int4a8.install():
+        pytest.skip(f"the 8-bit activation kernels do not build here: {cpu_int4a8.why()}")
+    return torch.ops.llmstep_int4a8_avx2
+
+
+@pytest.fixture(scope="module")
+def model128(tmp_path_factory, tokenizer_file):
+    """A small GQA model whose widths are whole blocks of 32 (the tiny fixture's MLP is 112 wide), float32."""
+    import llmstep
+
+    path = tmp_path_factory.mktemp("a8")
+    make_checkpoint(path, tokenizer_file, intermediate_size=128, num_hidden_layers=2)
+    return llmstep.load(path, dtype="float32")
+
+
+def a8_rows(M: int, K: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """M rows of K activations whose blocks of 32 lie apart in scale, a block of zeros (step 0, codes 0) and, from
+    two rows of 64 on, a block of evenly spaced values (many products near a rounding tie)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(M, K // 32, 1, generator=g).mul(4).expand(M, K // 32, 32).reshape(M, K)
+    x = torch.randn(M, K, generator=g) * scale
+    x[0, :32] = 0
+    if M > 1 and K >= 64:
+        x[1, 32:64] = torch.arange(32) - 15.5
+    return x.to(dtype)
+
+
+def a8_kernel_agrees(layer, module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer with 8-bit activations on [2, 2, in] rows: its output with `module`'s kernel (llmstep.core.int4a8 or
+    int8a8) and with torch's ops (the kernel unregistered) agree to the dtype's rounding, and 0 rows give 0 rows.
+    Returns (x, torch's ops' output)."""
+    x = a8_rows(4, layer.in_features, dtype, 5).view(2, 2, layer.in_features)
+    with torch.no_grad():
+        y = layer(x)
+        saved = module._kernel
+        module.use_kernel(None)
+        try:
+            ref = layer(x)
+        finally:
+            module._kernel = saved
+    assert y.shape == ref.shape == (2, 2, layer.out_features) and y.dtype == ref.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+    assert layer(torch.zeros(0, layer.in_features, dtype=dtype)).shape == (0, layer.out_features)
+    return x, ref

@@ -192,7 +192,8 @@ def check_bench_flags(args) -> None:
     if args.group_size is not None and not {"int4", "int4-a8"} & set(args.quantize):
         raise ValueError("--group-size sets int4's groups: add int4 (or int4-a8) to --quantize")
     if args.quantize_lm_head and args.quantize == ["none"]:
-        raise ValueError("--quantize-lm-head quantises the head of the quantised rows: add int8 or int4 to --quantize")
+        raise ValueError("--quantize-lm-head quantises the head of the quantised rows: add int8, int4, int8-a8 or "
+                         "int4-a8 to --quantize")
     if args.compile_mode is not None and args.compile is False:
         raise ValueError("--compile-mode sets how the step compiles: it cannot go with --no-compile")
 

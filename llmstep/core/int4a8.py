@@ -78,7 +78,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fake_quantize(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] -> x^ = p * d (float32), the activations the int4-a8 matmul multiplies."""
+    """x [..., K] -> x^ = p * d (float32), the activations the int4-a8 and int8-a8 matmuls multiply."""
     p, d = quantize_activations(x)
     return (p.unflatten(-1, (-1, BLOCK)) * d.unsqueeze(-1)).flatten(-2)
 

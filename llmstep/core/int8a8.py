@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from . import int4a8
+from .quant_formats import QuantizationError
 
-__all__ = ["supports", "prepare", "matmul", "use_kernel", "kernel_op", "describe"]
+__all__ = ["check_width", "prepare", "matmul", "use_kernel", "kernel_op", "describe"]
 
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
 
@@ -46,16 +47,20 @@ def kernel_op() -> str | None:
     return None if _kernel is None else _kernel[1]
 
 
-def supports(in_features: int) -> bool:
-    """Whether the kernel takes rows of this width: whole blocks of 32 activations."""
-    return in_features % int4a8.BLOCK == 0
+def check_width(in_features: int) -> None:
+    """Refuse a layer whose rows are not whole blocks of 32 activations (the rounding's blocks, on every path)."""
+    if in_features % int4a8.BLOCK:
+        raise QuantizationError(f"int8 with 8-bit activations takes whole blocks of {int4a8.BLOCK} inputs: "
+                                f"in_features {in_features} is not a multiple of it")
 
 
 def prepare(layer):
-    """Int8Linear.prepare of an int8-a8 layer: kernel "a8" where the layer is on a CPU, its width is whole blocks and
-    the kernel is registered (int4-a8's installer, which builds both, tried first); else "dequant" (torch's ops, as
-    also when kernel="dequant" is asked for). The weights stay as they are. Returns the layer."""
-    fits = layer.asked != "dequant" and layer.weight.device.type == "cpu" and supports(layer.in_features)
+    """Int8Linear.prepare of an int8-a8 layer: kernel "a8" where the layer is on a CPU with float32 or bf16 scales
+    (the model's dtype, its activations') and the kernel is registered (int4-a8's installer, which builds both, tried
+    first); else "dequant" (torch's ops, as also when kernel="dequant" is asked for). The weights stay as they are.
+    Returns the layer."""
+    fits = (layer.asked != "dequant" and layer.weight.device.type == "cpu"
+            and layer.scales.dtype in (torch.float32, torch.bfloat16))
     if fits and _kernel is None:
         int4a8.install()  # once a process: it remembers a failed build
     layer.kernel = "a8" if fits and _kernel is not None else "dequant"

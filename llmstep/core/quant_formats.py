@@ -35,9 +35,10 @@ class QuantizationError(ValueError):
 class QuantConfig:
     mode: str  # "int8" (per output channel) or "int4" (per group, two values per byte)
     group_size: int | None = None  # int4 only: inputs sharing one scale/zero; None -> DEFAULT_GROUP_SIZE
-    # The LM head (tied or not; the embedding lookup stays float): False keeps it float, True quantises it in
-    # `mode`, "int8" in int8 under int4 blocks (the head is the largest matmul of a small model, and its row
-    # scales cost little: llama.cpp's 4-bit files keep theirs at 8 or 6 bits). "int8" under int8 blocks is True.
+    # The LM head (tied or not; the embedding lookup stays float): False keeps it float, True quantises it as the
+    # blocks are (their mode, their activations), "int8" in weight-only int8 under other blocks (the head is the
+    # largest matmul of a small model, and its row scales cost little: llama.cpp's 4-bit files keep theirs at 8 or 6
+    # bits). "int8" under weight-only int8 blocks, and "int4" under int4 blocks, is True.
     lm_head: bool | str = False
     # 8 rounds each row of activations to 8 bits per block of 32 before the matmuls (llama.cpp's arithmetic for its
     # 4-bit and Q8_0 files: llmstep.core.int4a8, int8a8); None keeps them in the model's dtype (weight-only)
@@ -63,11 +64,12 @@ class QuantConfig:
                 raise QuantizationError(f"int4 with 8-bit activations takes whole blocks of 32 inputs a group: group "
                                         f"size {self.group_size} is not a multiple of 32")
         head = self.lm_head
-        if head == self.mode:
-            object.__setattr__(self, "lm_head", True)  # one spelling of "the head in the blocks' mode"
+        if head == self.mode and (head == "int4" or not self.activations):
+            object.__setattr__(self, "lm_head", True)  # one spelling of "the head as the blocks are"
         elif not isinstance(head, bool) and head != "int8":
-            raise QuantizationError(f"lm_head must be True, False or 'int8' (an int8 head under int4 blocks), got "
-                                    f"{head!r}" + (": an int4 head takes int4 blocks" if head == "int4" else ""))
+            raise QuantizationError(f"lm_head must be True, False or 'int8' (a weight-only int8 head under other "
+                                    f"blocks), got {head!r}" + (": an int4 head takes int4 blocks" if head == "int4"
+                                                                else ""))
 
     @property
     def head(self) -> QuantConfig | None:

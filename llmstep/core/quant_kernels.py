@@ -2,7 +2,8 @@
 
 int4 on CUDA has two: PyTorch's tinygemm ("packed") and llmstep's single reduction ("reduce"); scripts/gpu_probe.py
 times both at one row on a GPU and records the pick for that GPU model here (`prefer_int4_kernel`). A GPU not
-measured keeps tinygemm, a CPU its packed kernel; int8 dequantises (the layers in llmstep.core.quantize).
+measured keeps tinygemm, a CPU its packed kernel; int8 dequantises (the layers in llmstep.core.quantize). Layers
+with 8-bit activations have their own kernel ("a8": llmstep.core.int8a8, int4a8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Weight-only quantization: fewer bytes per weight, so fewer bytes per token at the memory wall.
+"""Quantization: fewer bytes per weight, so fewer bytes per token at the memory wall.
 
 Decode at batch 1 reads every weight once per token, so its speed is set by bytes, not FLOPs. Storing the matrices
 in 8 or 4 bits and widening them back inside the matmul cuts those bytes 2-4x (from bf16) while activations, norms
@@ -85,6 +85,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=dtype, device=device))  # [N]
         _check_kernel(kernel, "int8", activations)
+        if activations is not None:
+            QuantConfig("int8", activations=activations)  # 8 or None, else refused by name
+            int8a8.check_width(in_features)
         self.kernel = self.asked = kernel  # asked: what prepare() settles from, each time it runs
         self.eager_packed = False  # set by prepare(): "auto" in bf16 on a CPU, the packed op outside a compiled graph
 
@@ -363,7 +366,7 @@ def _float_copy(model: Llama) -> Llama:
 def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: int | None = None,
              lm_head: bool | str | None = None, kernel: str = "auto", inplace: bool = True) -> Llama:
     """Replace the block matmuls (and the LM head with lm_head=True, or lm_head="int8" for an int8 head under
-    int4 blocks) by weight-only int8/int4 modules.
+    int4 blocks) by int8/int4 modules (weight-only, or with 8-bit activations: "int8-a8", "int4-g32-a8").
 
     inplace=False quantises a twin that shares the float model's other tensors, leaving `model` as it
     was (to compare float and quantised side by side without a second copy of the embeddings).

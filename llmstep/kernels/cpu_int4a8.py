@@ -88,8 +88,8 @@ inline float hmax(__m256 v) {
 
 // One row of K activations -> K codes p and K / 32 steps d, x ~= p * d per block of 32: d = max|x| / 127,
 // p = round-half-even(x * (1 / d)) (0 where 1 / d is 0 or not finite), each in float32 as
-// int4a8.quantize_activations takes them; a
-// block holding a NaN gets d = NaN. E[g]: the sum over group g's blocks b of d[b] * sum(p of b), in order.
+// int4a8.quantize_activations takes them; a block holding a NaN gets d = NaN. E[g] (where E is not null): the sum
+// over group g's blocks b of d[b] * sum(p of b), in order.
 template <typename T>
 void quantize_row(const T* x, int64_t K, int64_t blocks_per_group, int8_t* p, float* d, float* E) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -119,11 +119,12 @@ void quantize_row(const T* x, int64_t K, int64_t blocks_per_group, int8_t* p, fl
     const __m256i bytes = _mm256_permutevar8x32_epi32(
         _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32 * b), bytes);
+    d[b] = db;
+    if (E == nullptr) continue;  // int8-a8's weights are symmetric: no zero point, no sum of codes
     const __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-    d[b] = db;
     e += db * static_cast<float>(_mm_cvtsi128_si32(t));
     if ((b + 1) % blocks_per_group == 0) {
       E[b / blocks_per_group] = e;
@@ -248,10 +249,8 @@ template <typename T, typename S>
 void mm8_rows(const T* x, const int8_t* W, const S* scales, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = K / 32;
   std::vector<int8_t> p(M * K);
-  std::vector<float> d(M * blocks), E(M);
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(x + m * K, K, blocks, p.data() + m * K, d.data() + m * blocks, E.data() + m);
-  }
+  std::vector<float> d(M * blocks);
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, blocks, p.data() + m * K, d.data() + m * blocks, nullptr);
   // each thread a run of columns: its weights one stream, each column's K bytes read once for all the rows, 4 at a time
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
@@ -279,6 +278,21 @@ void check8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
               "int8a8 mm: scales must be contiguous bf16 or float32 [N] for N = ", w.size(0), ", got ", s.sizes());
 }
 
+// f(activations, scales) with each tensor's data as its element type: float32 or bf16
+template <typename F>
+void with_types(const at::Tensor& x, const at::Tensor& s, F&& f) {
+  const bool bf16_scales = s.scalar_type() == at::kBFloat16;
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* a = x.data_ptr<c10::BFloat16>();
+    if (bf16_scales) f(a, s.data_ptr<c10::BFloat16>());
+    else f(a, s.data_ptr<float>());
+  } else {
+    const auto* a = x.data_ptr<float>();
+    if (bf16_scales) f(a, s.data_ptr<c10::BFloat16>());
+    else f(a, s.data_ptr<float>());
+  }
+}
+
 at::Tensor mm8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
   check8(x, w, s);
   const auto xc = x.contiguous();
@@ -286,16 +300,7 @@ at::Tensor mm8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
   const int8_t* W = w.data_ptr<int8_t>();
   float* out = y.data_ptr<float>();
-  const bool bf16_scales = s.scalar_type() == at::kBFloat16;
-  if (xc.scalar_type() == at::kBFloat16) {
-    const auto* a = xc.data_ptr<c10::BFloat16>();
-    if (bf16_scales) mm8_rows(a, W, s.data_ptr<c10::BFloat16>(), out, M, N, K);
-    else mm8_rows(a, W, s.data_ptr<float>(), out, M, N, K);
-  } else {
-    const auto* a = xc.data_ptr<float>();
-    if (bf16_scales) mm8_rows(a, W, s.data_ptr<c10::BFloat16>(), out, M, N, K);
-    else mm8_rows(a, W, s.data_ptr<float>(), out, M, N, K);
-  }
+  with_types(xc, s, [&](auto a, auto scales) { mm8_rows(a, W, scales, out, M, N, K); });
   return y;
 }
 
@@ -323,16 +328,7 @@ at::Tensor mm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz
   at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  const bool bf16_scales = sz.scalar_type() == at::kBFloat16;
-  if (xc.scalar_type() == at::kBFloat16) {
-    const auto* a = xc.data_ptr<c10::BFloat16>();
-    if (bf16_scales) mm_rows(a, W, sz.data_ptr<c10::BFloat16>(), out, M, N, K, group);
-    else mm_rows(a, W, sz.data_ptr<float>(), out, M, N, K, group);
-  } else {
-    const auto* a = xc.data_ptr<float>();
-    if (bf16_scales) mm_rows(a, W, sz.data_ptr<c10::BFloat16>(), out, M, N, K, group);
-    else mm_rows(a, W, sz.data_ptr<float>(), out, M, N, K, group);
-  }
+  with_types(xc, sz, [&](auto a, auto z) { mm_rows(a, W, z, out, M, N, K, group); });
   return y;
 }
 
@@ -378,8 +374,9 @@ TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) {
 
 
 def build():
-    """Build (once per machine) and load the kernel; returns torch.ops.llmstep_int4a8_avx2 (`mm(x, w, sz, group)`,
-    `quantize(x)`). Refused, before anything is built, on a CPU that does not run AVX2."""
+    """Build (once per machine) and load the kernels; returns torch.ops.llmstep_int4a8_avx2 (`mm(x, w, sz, group)`,
+    `quantize(x)`, int8-a8's `mm8(x, q, scales)`). Refused, before anything is built, on a CPU that does not run
+    AVX2."""
     if "avx2" not in runs_here():
         raise RuntimeError(f"it is written for AVX2; this CPU's vector instructions: "
                            f"{torch.backends.cpu.get_cpu_capability()}")

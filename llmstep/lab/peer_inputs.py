@@ -10,8 +10,9 @@ From a checkpoint directory (or a random model) everything starts from llmstep's
   quantiser on the float file); int4 as Q4_0 made by llama.cpp's quantiser from the float file, its head told to be
   Q8_0 (GGUF has no exact form of llmstep's int4 groups with zero points: the same weights, rounded by llama.cpp's
   rule).
-- int8-a8 (llmstep's int8 with 8-bit activations, llama.cpp's Q8_0 arithmetic): llmstep's int8 as for int8, and
-  llama.cpp's row the same Q8_0 file as int8's.
+- int8-a8 (llmstep's int8 with 8-bit activations, llama.cpp's Q8_0 arithmetic): llmstep's int8 as for int8, its
+  head int8-a8 too (llama.cpp's Q8_0 head takes 8-bit activations as its blocks do), and llama.cpp's row the same
+  Q8_0 file as int8's (the same codes and scales).
 - CTranslate2: its own converter on the directory's safetensors; transformers: llmstep's float tensors.
 
 From a GGUF file (SmolLM2-135M-Instruct ships as Q4_1) the file is an input in its own right:
@@ -153,7 +154,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
         else:
             if precision.startswith("int4") and plan.gguf_file is not None:
                 kept = _kept(plan, model.dtype, activations=precision == "int4-a8")
-            qc = QuantConfig.of(precision, group_size if precision.startswith("int4") else None, lm_head=HEAD)
+            head = True if precision == "int8-a8" else HEAD  # int8-a8's head as its blocks: Q8_0's arithmetic
+            qc = QuantConfig.of(precision, group_size if precision.startswith("int4") else None, lm_head=head)
             m = quantize(model, qc, inplace=False)
             ours = str(m.quantization)
             plan.variants.append(Variant(precision, m, ours, f"llmstep {ours} of {origin}"

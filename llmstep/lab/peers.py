@@ -4,14 +4,14 @@
     llmstep bench --peers llama.cpp,transformers --model smollm2-135m-instruct --dtype bfloat16 \
         --quantize none int8 int4
 
-At each precision asked for (--dtype's float, and int8 / int4 quantised from it by llmstep.core.quantize) llmstep's
-compiled loop (`FastDecoder(model, compile=True)`, its default mode) runs next to every installed peer: the same
-greedy decode of the same random prompt, batch 1, one repeat of every engine after another (interleaved, so a busy
-machine slows them alike), the median and spread of the repeats reported. What each engine runs, and where its
-weights come from, is llmstep.lab.peer_inputs (for a GGUF model: llama.cpp on the file itself, llmstep on the
-file's int4 blocks exactly, and both engines' other precisions from the same dequantized weights); every row names
-its `source`, and a row whose weights were rounded a second time from an already quantized file is marked
-`requantized`.
+At each precision asked for (--dtype's float, and int8 / int4 / int8-a8 / int4-a8 quantised from it by
+llmstep.core.quantize) llmstep's compiled loop (`FastDecoder(model, compile=True)`, its default mode) runs next to
+every installed peer: the same greedy decode of the same random prompt, batch 1, one repeat of every engine after
+another (interleaved, so a busy machine slows them alike), the median and spread of the repeats reported. What each
+engine runs, and where its weights come from, is llmstep.lab.peer_inputs (for a GGUF model: llama.cpp on the file
+itself, llmstep on the file's int4 blocks exactly, and both engines' other precisions from the same dequantized
+weights); every row names its `source`, and a row whose weights were rounded a second time from an already quantized
+file is marked `requantized`.
 
 Each peer runs in its own child process (llmstep.lab.peer_process): a peer that raises or dies (llama.cpp's AMX
 kernels can die with SIGILL on Intel virtual machines) loses its own row, recorded under `failed` with how it
@@ -117,10 +117,10 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
               bandwidth_bytes: int | None = None, seed: int = 0, log=print, argv=None, group_size: int | None = None,
               extra_bufts: bool | None = None) -> dict:
     """llmstep's compiled loop and each peer at each precision, interleaved `repeats` times (see the module).
-    `model` is the float model (on the CPU); int8 / int4 are quantised from it; `checkpoint` the directory or GGUF
-    file it came from (None: a random model). compile=False runs llmstep's loop eager (a quick check, not the
-    comparison). `extra_bufts`: llama.cpp's extra buffer types (None: off where the CPU has AMX). Returns the
-    record."""
+    `model` is the float model (on the CPU); the quantised precisions are quantised from it; `checkpoint` the
+    directory or GGUF file it came from (None: a random model). compile=False runs llmstep's loop eager (a quick
+    check, not the comparison). `extra_bufts`: llama.cpp's extra buffer types (None: off where the CPU has AMX).
+    Returns the record."""
     for p in peers:
         if p not in MAKERS:
             raise PeerError(f"unknown peer {p!r}: choose from {', '.join(PEERS)}")

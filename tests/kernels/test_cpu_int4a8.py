@@ -1,29 +1,21 @@
 """int4 weights times 8-bit activations (llmstep.core.int4a8) and its AVX2 kernel (llmstep.kernels.cpu_int4a8): the
 kernel's codes and steps bit for bit the reference's, its matmul the reference's function to float32 rounding at
 every shape its layout holds, a row's output independent of the rows beside it, and the mode through quantize(),
-fusion, a checkpoint and a compiled step."""
+fusion and a checkpoint (a compiled step: tests/kernels/test_cpu_int8a8.py, for both modes)."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
+from conftest import a8_kernel_agrees, a8_rows
 
 import llmstep
 from llmstep.core import int4a8
 from llmstep.core.fuse import fused
 from llmstep.core.quant_formats import QuantConfig, QuantizationError, dequantize_int4, quantize_int4, unpack_int4
 from llmstep.core.quantize import Int4Linear, quantize
-from llmstep.kernels import cpu_int4a8
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if not cpu_int4a8.install():
-        pytest.skip(f"the int4-a8 kernel does not build here: {cpu_int4a8.why()}")
-    return torch.ops.llmstep_int4a8_avx2
 
 
 @pytest.fixture
@@ -35,21 +27,11 @@ def reference_only():
     int4a8._kernel = saved
 
 
-def _rows(M, K, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.rand(M, K // 32, 1, generator=g).mul(4).expand(M, K // 32, 32).reshape(M, K)  # blocks apart
-    x = torch.randn(M, K, generator=g) * scale
-    x[0, :32] = 0  # a block of zeros: step 0, codes 0
-    if M > 1 and K >= 64:
-        x[1, 32:64] = torch.arange(32) - 15.5  # evenly spaced values: many products near a rounding tie
-    return x.to(dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_codes_and_steps_are_the_references_bit_for_bit(ops, dtype):
+def test_the_kernels_codes_and_steps_are_the_references_bit_for_bit(a8_ops, dtype):
     for seed, K in enumerate([32, 96, 576, 1536]):
-        x = _rows(5, K, dtype, seed)
-        p, d = ops.quantize(x)
+        x = a8_rows(5, K, dtype, seed)
+        p, d = a8_ops.quantize(x)
         want_p, want_d = int4a8.quantize_activations(x)
         assert torch.equal(p.float(), want_p) and torch.equal(d, want_d)
         assert p.abs().max() <= 127 and torch.all(d[0, 0] == 0) and torch.all(p[0, :32] == 0)
@@ -65,11 +47,11 @@ def _layer(N, K, g, dtype, seed):
                                    (96, 384, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 3, 17])
-def test_the_matmul_is_x_hat_times_the_dequantised_weights_to_float32_rounding(ops, N, K, g, dtype, M):
+def test_the_matmul_is_x_hat_times_the_dequantised_weights_to_float32_rounding(a8_ops, N, K, g, dtype, M):
     codes, scales, zeros = _layer(N, K, g, dtype, N + K + g)
     w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
-    x = _rows(M, K, dtype, M)
-    y = ops.mm(x, w, sz, g)
+    x = a8_rows(M, K, dtype, M)
+    y = a8_ops.mm(x, w, sz, g)
     xh = int4a8.fake_quantize(x).double()
     W = dequantize_int4(codes, scales, zeros, torch.float64)
     want, scale = xh @ W.T, xh.abs() @ W.abs().T  # the sum of |terms|: what float32 rounding is relative to
@@ -77,70 +59,58 @@ def test_the_matmul_is_x_hat_times_the_dequantised_weights_to_float32_rounding(o
     assert ((y.double() - want).abs() <= 1e-6 * scale + 1e-30).all()
 
 
-def test_a_rows_output_does_not_depend_on_the_rows_beside_it(ops):
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(a8_ops):
     codes, scales, zeros = _layer(96, 384, 32, torch.bfloat16, 1)
     w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
-    x = _rows(9, 384, torch.bfloat16, 2)
-    together = ops.mm(x, w, sz, 32)
+    x = a8_rows(9, 384, torch.bfloat16, 2)
+    together = a8_ops.mm(x, w, sz, 32)
     for m in range(9):
-        assert torch.equal(ops.mm(x[m:m + 1], w, sz, 32), together[m:m + 1])
+        assert torch.equal(a8_ops.mm(x[m:m + 1], w, sz, 32), together[m:m + 1])
 
 
-def test_a_nan_or_an_infinity_makes_its_row_non_finite_and_leaves_the_others(ops):
+def test_a_nan_or_an_infinity_makes_its_row_non_finite_and_leaves_the_others(a8_ops):
     codes, scales, zeros = _layer(64, 256, 32, torch.float32, 3)
     w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
     for bad in (float("nan"), float("inf")):
         for where in (0, 37, 255):  # max() passes a NaN on or drops it by lane: every lane is looked at
-            x = _rows(3, 256, torch.float32, 4)
+            x = a8_rows(3, 256, torch.float32, 4)
             x[1, where] = bad
-            y = ops.mm(x, w, sz, 32)
+            y = a8_ops.mm(x, w, sz, 32)
             assert not torch.isfinite(y[1]).any() and torch.isfinite(y[[0, 2]]).all()
 
 
-def test_a_block_too_small_to_invert_gets_codes_0_on_both_paths(ops):
+def test_a_block_too_small_to_invert_gets_codes_0_on_both_paths(a8_ops):
     """max|x| below 127 / FLT_MAX: 1 / d overflows. The codes are 0 (the block adds nothing), where x * inf would
     give NaN codes (and a NaN row from a finite input) on torch's path and -128 on the kernel's."""
     x = torch.zeros(1, 64)
     x[0, :5] = torch.tensor([1e-38, -2e-38, 0.0, 3e-39, 1e-37])
     x[0, 32:] = torch.randn(32)
-    p, d = ops.quantize(x)
+    p, d = a8_ops.quantize(x)
     want_p, want_d = int4a8.quantize_activations(x)
     assert torch.equal(p.float(), want_p) and torch.equal(d, want_d) and not p[0, :32].any()
     assert torch.isfinite(int4a8.fake_quantize(x)).all()
 
 
-def test_bad_arguments_are_named(ops):
+def test_bad_arguments_are_named(a8_ops):
     codes, scales, zeros = _layer(64, 256, 32, torch.float32, 3)
     w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
     with pytest.raises(RuntimeError, match="weights must be contiguous uint8"):
-        ops.mm(torch.randn(1, 224), w, sz, 32)
+        a8_ops.mm(torch.randn(1, 224), w, sz, 32)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        ops.mm(torch.randn(1, 256), w, sz, 48)
+        a8_ops.mm(torch.randn(1, 256), w, sz, 48)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.mm(torch.randn(1, 256).half(), w, sz, 32)
+        a8_ops.mm(torch.randn(1, 256).half(), w, sz, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_layer_computes_the_same_function_with_the_kernel_or_torchs_ops(ops, dtype):
+def test_a_layer_computes_the_same_function_with_the_kernel_or_torchs_ops(a8_ops, dtype):
     lin = torch.nn.Linear(256, 96, bias=False).to(dtype)
     layer = Int4Linear.from_linear(lin, 64, activations=8)
     assert layer.kernel == "a8" and "activations=8" in repr(layer)
-    x = _rows(4, 256, dtype, 5).view(2, 2, 256)
-    with torch.no_grad():
-        y = layer(x)
-        saved = int4a8._kernel
-        int4a8.use_kernel(None)
-        try:
-            ref = layer(x)
-        finally:
-            int4a8._kernel = saved
-    assert y.shape == ref.shape == (2, 2, 96) and y.dtype == ref.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert torch.allclose(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
-    assert layer(torch.zeros(0, 256, dtype=dtype)).shape == (0, 96)
+    a8_kernel_agrees(layer, int4a8, dtype)
 
 
-def test_the_kernels_layout_replaces_the_codes_which_come_back_exactly(ops):
+def test_the_kernels_layout_replaces_the_codes_which_come_back_exactly(a8_ops):
     lin = torch.nn.Linear(256, 72, bias=False)  # 9 vectors of 8 columns: two whole tiles and a tail
     codes, _, _ = quantize_int4(lin.weight, 32)
     layer = Int4Linear.from_linear(lin, 32, activations=8)
@@ -168,18 +138,8 @@ def test_the_config_names_parses_and_refuses_it():
         Int4Linear(64, 64, 32, kernel="packed", activations=8)
 
 
-@pytest.fixture(scope="module")
-def model128(tmp_path_factory, tokenizer_file):
-    """A small GQA model whose widths are whole blocks of 32 (the tiny fixture's MLP is 112 wide)."""
-    from conftest import make_checkpoint
-
-    path = tmp_path_factory.mktemp("a8")
-    make_checkpoint(path, tokenizer_file, intermediate_size=128, num_hidden_layers=2)
-    return llmstep.load(path, dtype="float32")
-
-
 @torch.no_grad()
-def test_a_quantised_model_is_close_to_weight_only_int4_and_fuses_and_saves_exactly(ops, model128, tmp_path):
+def test_a_quantised_model_is_close_to_weight_only_int4_and_fuses_and_saves_exactly(a8_ops, model128, tmp_path):
     model, tok = model128
     a8 = quantize(model, "int4-g32-a8+lm_head", inplace=False)
     w4 = quantize(model, "int4-g32+lm_head", inplace=False)
@@ -194,6 +154,7 @@ def test_a_quantised_model_is_close_to_weight_only_int4_and_fuses_and_saves_exac
     # kernel="a8" asked of the whole model: the int8 head takes its own (not a half-quantised model and an error)
     mixed = quantize(model, "int4-g32-a8+lm_head-int8", kernel="a8", inplace=False)
     assert mixed.output.kernel != "a8" and mixed.layers[0].attention.wq.kernel == "a8"
+    assert mixed.output.mode == "int8" and mixed.output.activations is None  # the head weight-only int8
     path = llmstep.save(a8, tmp_path / "a8", tokenizer=tok)
     cfg = json.loads((path / "config.json").read_text())["quantization_config"]
     assert cfg["activations"] == 8 and cfg["format_version"] == 3
@@ -211,18 +172,6 @@ def test_a_reader_of_an_older_format_cannot_drop_the_activations(model128, tmp_p
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="version 2 has no 8-bit activations"):
         llmstep.load(path)
-
-
-@pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "
-                    "set LLMSTEP_SLOW_TESTS=1")
-def test_a_compiled_step_gives_the_eager_tokens(ops, model128):
-    from llmstep.engines.fast import FastDecoder
-
-    model, _ = model128
-    a8 = quantize(model, "int4-g32-a8", inplace=False)
-    prompt = [5, 9, 2, 7, 11]
-    eager = FastDecoder(a8, max_len=40, compile=False).generate(prompt, 24, temperature=0).tokens
-    assert FastDecoder(a8, max_len=40, compile=True).generate(prompt, 24, temperature=0).tokens == eager
 
 
 @torch.no_grad()
