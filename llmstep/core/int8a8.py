@@ -1,11 +1,12 @@
 """int8 weights times 8-bit activations (`QuantConfig("int8", activations=8)`, "int8-a8"): llama.cpp's Q8_0 arithmetic.
 
-llmstep's int8 is weight-only: each weight is widened to a float and multiplied with the activations as they are;
-on a CPU without a half-precision dot product that widening (a sign extension, a conversion and a multiply-add a
-weight), not memory, bounds the one-row matmul. llama.cpp's Q8_0 matmul first rounds each row of activations to 8 bits
-per block of 32, as int4-a8 does (llmstep.core.int4a8: `quantize_activations`, the same codes and steps), and then
-takes integer dot products, 32 weights per two integer multiply-adds. This mode declares that second approximation
-and computes it exactly, on llmstep's own int8 weights (one scale per output row, `quantize_int8`):
+llmstep's int8 is weight-only: each weight is widened to a float and multiplied with the activations as they are; on
+the AVX2 CPU measured (results/README.md, claim 2, sessions 39-40) that widening (a sign extension, a conversion and
+a multiply-add a weight), not memory, bounded the one-row matmul. llama.cpp's Q8_0 matmul first rounds each row of
+activations to 8 bits per block of 32, as int4-a8 does (llmstep.core.int4a8: `quantize_activations`, the same codes
+and steps), and then takes integer dot products, 32 weights per two integer multiply-adds. This mode declares that
+second approximation and computes it exactly, on llmstep's own int8 weights (one scale per output row,
+`quantize_int8`):
 
     y[n] = s[n] * sum_b d_b * sum_{k in b} p_k q[n, k],   x^ = p * d per block of 32 (int4a8.quantize_activations)
 
