@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from . import int4a8
-from .quant_formats import QuantizationError
 
-__all__ = ["check_width", "prepare", "matmul", "use_kernel", "kernel_op", "describe"]
+__all__ = ["width_problem", "prepare", "matmul", "use_kernel", "kernel_op", "describe"]
 
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
 
@@ -48,11 +47,13 @@ def kernel_op() -> str | None:
     return None if _kernel is None else _kernel[1]
 
 
-def check_width(in_features: int) -> None:
-    """Refuse a layer whose rows are not whole blocks of 32 activations (the rounding's blocks, on every path)."""
+def width_problem(in_features: int) -> str | None:
+    """Why a layer of this width cannot take 8-bit activations (its rows must be whole blocks of 32, the rounding's
+    blocks on every path), or None: the one rule `quantize`'s checks and Int8Linear both apply."""
     if in_features % int4a8.BLOCK:
-        raise QuantizationError(f"int8 with 8-bit activations takes whole blocks of {int4a8.BLOCK} inputs: "
-                                f"in_features {in_features} is not a multiple of it")
+        return (f"in_features {in_features} is not a multiple of {int4a8.BLOCK}, the blocks 8-bit activations are "
+                "rounded in")
+    return None
 
 
 def prepare(layer):

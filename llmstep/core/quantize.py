@@ -87,7 +87,8 @@ class Int8Linear(nn.Module):
         _check_kernel(kernel, "int8", activations)
         if activations is not None:
             QuantConfig("int8", activations=activations)  # 8 or None, else refused by name
-            int8a8.check_width(in_features)
+            if why := int8a8.width_problem(in_features):
+                raise QuantizationError(f"int8 with 8-bit activations: {why}")
         self.kernel = self.asked = kernel  # asked: what prepare() settles from, each time it runs
         self.eager_packed = False  # set by prepare(): "auto" in bf16 on a CPU, the packed op outside a compiled graph
 
@@ -315,9 +316,8 @@ def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str]
                 problems.append(f"{name}: in_features {K} is odd; int4 packs two weights per byte along it")
             elif K % layer.group_size:
                 problems.append(f"{name}: group_size {layer.group_size} does not divide in_features {K}")
-        elif layer.activations and K % int4a8.BLOCK:
-            problems.append(f"{name}: in_features {K} is not a multiple of {int4a8.BLOCK}, the blocks 8-bit "
-                            "activations are rounded in")
+        elif layer.activations and (why := int8a8.width_problem(K)):
+            problems.append(f"{name}: {why}")
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise QuantizationError(f"cannot quantise to {qc}: " + "; ".join(problems[:3]) + more)

@@ -131,7 +131,7 @@ def test_the_config_names_parses_and_refuses_it():
         QuantConfig.of("int8-a8", group_size=32)
     with pytest.raises(QuantizationError, match="int8 with 8-bit activations has its own kernel"):
         Int8Linear(64, 64, kernel="packed", activations=8)
-    with pytest.raises(QuantizationError, match="in_features 48 is not a multiple of it"):
+    with pytest.raises(QuantizationError, match="in_features 48 is not a multiple of 32"):
         Int8Linear(48, 64, activations=8)  # as a checkpoint's layer is made, before its weights are read
     with pytest.raises(QuantizationError, match="activations=8 .* got activations=4"):
         Int8Linear(64, 64, activations=4)
