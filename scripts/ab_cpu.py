@@ -9,6 +9,7 @@
     python scripts/ab_cpu.py int4 int4^int8 int4^int4       # the LM head in int8 / in the blocks' int4
     python scripts/ab_cpu.py --group-size 32 int4^int8 int4-a8^int8   # weight-only int4 / with 8-bit activations
     python scripts/ab_cpu.py int8^int8 int8-a8^int8-a8   # weight-only int8 / with 8-bit activations
+    python scripts/ab_cpu.py --group-size 32 int4-a8^int8 int4-a8^int8-a8   # int4-a8's head weight-only / a8
     python scripts/ab_cpu.py int4^int8 int4^int8%sdpa int4^int8%plain   # a one-sequence step's attention
     python scripts/ab_cpu.py --model smollm2-135m-instruct bfloat16 "bfloat16&nostream"  # weights through the caches
 
@@ -16,8 +17,8 @@ Each argument is a variant:
 DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot|~KERNEL_NAME][%ATTENTION][&STREAM][|KEY=VALUE;KEY=VALUE],
 DTYPE one of float32, bfloat16, int8, int4, int8-a8, int4-a8 (with 8-bit activations: llmstep.core.int8a8, int4a8)
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
-Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, or the blocks' mode;
-default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
+Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, int8-a8, or the blocks'
+mode; default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
 cpu_attention.py, the default where it builds, its decode steps in its prefix form; masked, that kernel given the
 mask; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
 STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
@@ -45,7 +46,7 @@ from llmstep.cli.args import decode_tokens, positive_int
 from llmstep.core import attention_backend
 from llmstep.core.checkpoint import read_config
 from llmstep.core.files import atomic_write_json, check_output_path
-from llmstep.core.quant_formats import QuantizationError
+from llmstep.core.quant_formats import HEADS, QuantizationError
 from llmstep.core.quantize import KERNELS, check_config, quantize
 from llmstep.engines.fast import FastDecoder
 from llmstep.kernels import cpu_attention, cpu_gemm
@@ -128,8 +129,8 @@ def parse_variant(spec: str) -> dict:
     if kernel and (kernel not in KERNELS or kernel == "reduce" and dtype != "int4"):
         raise ValueError(f"unknown kernel {kernel!r} for {dtype}: one of "
                          f"{', '.join(k for k in KERNELS if k != 'reduce' or dtype == 'int4')}")
-    if lm_head and lm_head not in ("int8", dtype):
-        raise ValueError(f"unknown head {lm_head!r}: int8, or the blocks' {dtype}")
+    if lm_head and lm_head not in (*HEADS, dtype):
+        raise ValueError(f"unknown head {lm_head!r}: {', '.join(HEADS)}, or the blocks' {dtype}")
     if fuse not in FUSE:
         raise ValueError(f"unknown !{fuse}: !fuse or !nofuse")
     if (attention or "kernel") not in ATTENTION:

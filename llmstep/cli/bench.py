@@ -9,6 +9,7 @@ import torch
 
 from ..core.config import PRESETS, LlamaConfig, RopeScaling, parse_json
 from ..core.files import atomic_write_json, check_output_path
+from ..core.quant_formats import HEADS
 from ..lab import bench as decode_bench
 from ..lab import bench_batching, runinfo
 from ..lab.hardware import check_bandwidth_bytes
@@ -79,9 +80,9 @@ bandwidth_bytes = int_at_most(2**20, 2**40)  # the bandwidth copy's buffer: 1 Mi
 
 
 def _head_mode(value: str) -> str:
-    if value != "int8":
-        raise argparse.ArgumentTypeError(f"the LM head's own mode can be int8 only (or give no value: the blocks' "
-                                         f"mode), got {value!r}")
+    if value not in HEADS:
+        raise argparse.ArgumentTypeError(f"the LM head's own mode can be {' or '.join(HEADS)} (or give no value: the "
+                                         f"blocks' mode), got {value!r}")
     return value
 
 
@@ -105,9 +106,10 @@ def add_commands(sub) -> None:
                    help="rows: the float weights, int8, int4 (weight-only), int8-a8 and int4-a8 (with 8-bit "
                         "activations, llama.cpp's arithmetic: llmstep.core.int8a8, int4a8)")
     p.add_argument("--group-size", type=positive_int, default=None, help="int4 group size (default 64)")
-    p.add_argument("--quantize-lm-head", nargs="?", const=True, default=False, type=_head_mode, metavar="int8",
-                   help="quantize the LM head too: in the blocks' mode, or (given int8) in int8 under int4 blocks "
-                        "(not with --peers, whose quantised rows hold an int8 head already)")
+    p.add_argument("--quantize-lm-head", nargs="?", const=True, default=False, type=_head_mode, metavar="HEAD",
+                   help="quantize the LM head too: in the blocks' mode, or in int8 (int8) or int8 with 8-bit "
+                        "activations (int8-a8) under other blocks (not with --peers, whose quantised rows hold an "
+                        "8-bit head already)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on CUDA only)")
     p.add_argument("--compile-mode", default=None, help="default: reduce-overhead (CUDA graphs) on CUDA")

@@ -52,9 +52,9 @@ def add_commands(sub) -> None:
     g.add_argument("--quantize", default="none", type=quantization,
                    help="quantization of the loaded float weights in --dtype before generating: int8, "
                         "int4, int4-g32, int8-a8, int4-g32-a8 (8-bit activations too), ...; +lm_head (the head too), "
-                        "int4-g32+lm_head-int8 (an int8 head under int4 blocks); with --keep-quantized, "
-                        "int4-g32+lm_head-int8 or int4-g32+lm_head quantizes the head alone under the file's kept "
-                        "blocks")
+                        "int4-g32+lm_head-int8 / -int8-a8 (an int8 head under int4 blocks); with --keep-quantized, "
+                        "int4-g32+lm_head-int8, -int8-a8 or int4-g32+lm_head quantizes the head alone under the "
+                        "file's kept blocks")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
@@ -93,8 +93,8 @@ def add_commands(sub) -> None:
     f.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: by device)")
     f.add_argument("--quantize", default="none", type=quantization,
                    help="quantization of the model in --dtype: int8, int4, int4-g32, int8-a8, int4-g32-a8 "
-                        "(8-bit activations too), ...; +lm_head (the head too), int4-g32+lm_head-int8 (an int8 head "
-                        "under int4 blocks)")
+                        "(8-bit activations too), ...; +lm_head (the head too), int4-g32+lm_head-int8 / -int8-a8 "
+                        "(an int8 head under int4 blocks)")
     f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the compiled step, FastDecoder's default settings (default: on)")
     f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
@@ -206,8 +206,8 @@ def check_kept_head(path, mode: str) -> None:
     qc = QuantConfig.of(mode)
     if (qc.mode, qc.group_size) != (kept.mode, kept.group_size) or qc.lm_head is False:
         raise ValueError(f"--keep-quantized keeps {path.name}'s blocks as {kept}: --quantize can only add a "
-                         f"quantized LM head to them ({kept}+lm_head-int8 or {kept}+lm_head; {kept}-a8+... gives "
-                         f"them 8-bit activations too), not {mode}"
+                         f"quantized LM head to them ({kept}+lm_head-int8, {kept}+lm_head-int8-a8 or {kept}+lm_head; "
+                         f"{kept}-a8+... gives them 8-bit activations too), not {mode}"
                          + ("" if str(qc) == mode else f" ({qc})"))
     if (kind := gguf.head_type) not in FLOAT_GGUF:
         print(f"note: {path.name}'s LM head is {kind}: --quantize {mode} rounds its dequantized values again",
@@ -224,7 +224,7 @@ def _generate(args, load_one, stream) -> None:
             from ..core.int4a8 import with_activations
 
             with_activations(model)
-        quantize_lm_head(model, qc.head.mode)
+        quantize_lm_head(model, qc.lm_head)
     elif args.quantize != "none":  # checked above against the checkpoint's shapes (check_quantize)
         from ..core.quantize import quantize
 

@@ -157,15 +157,16 @@ def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:
         raise CheckpointError(f"{file}: bad quantization_config: {e}") from None
     if format_version(qc) > version:
         raise CheckpointError(f"{file}: quantised format version {version} has no " + (
-            "8-bit activations" if qc.activations and version < 3 else f"LM head of its own mode (lm_head "
+            "8-bit activations" if format_version(qc) == 3 and version < 3 else f"LM head of its own mode (lm_head "
             f"{qc.lm_head!r})") + "; the file is damaged")
     return qc
 
 
 def format_version(qc: QuantConfig) -> int:
     """The oldest format that holds `qc`: what a checkpoint of it is written as, so older readers keep reading it
-    (version 2: an LM head of its own mode; 3: 8-bit activations, which a reader of 1 or 2 would drop silently)."""
-    return 3 if qc.activations else 2 if isinstance(qc.lm_head, str) else 1
+    (version 2: an LM head of its own mode; 3: 8-bit activations, the blocks' or the head's, which a reader of 1 or 2
+    would drop silently)."""
+    return 3 if qc.activations or qc.head and qc.head.activations else 2 if isinstance(qc.lm_head, str) else 1
 
 
 def generation_config_of(gen: dict, file: Path) -> dict:

@@ -20,10 +20,12 @@ import torch
 
 from .checks import is_int
 
-__all__ = ["QuantConfig", "MODES", "QuantizationError", "DEFAULT_GROUP_SIZE", "quantize_int8", "dequantize_int8",
-           "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles", "reduce_matmul", "agrees"]
+__all__ = ["QuantConfig", "MODES", "HEADS", "QuantizationError", "DEFAULT_GROUP_SIZE", "quantize_int8",
+           "dequantize_int8", "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4", "nibbles",
+           "reduce_matmul", "agrees"]
 
 MODES = ("int8", "int4")
+HEADS = ("int8", "int8-a8")  # the LM head's own modes under other blocks (QuantConfig.lm_head)
 DEFAULT_GROUP_SIZE = 64  # int4: 64 inputs per scale/zero pair; gpt-fast and torchao's common default
 
 
@@ -38,7 +40,9 @@ class QuantConfig:
     # The LM head (tied or not; the embedding lookup stays float): False keeps it float, True quantises it as the
     # blocks are (their mode, their activations), "int8" in weight-only int8 under other blocks (the head is the
     # largest matmul of a small model, and its row scales cost little: llama.cpp's 4-bit files keep theirs at 8 or 6
-    # bits). "int8" under weight-only int8 blocks, and "int4" under int4 blocks, is True.
+    # bits), "int8-a8" in int8 with 8-bit activations (the arithmetic of llama.cpp's Q8_0 head under its 4-bit
+    # blocks). A head spelled as the blocks are ("int8" under weight-only int8, "int8-a8" under int8-a8, "int4"
+    # under int4 blocks) is True.
     lm_head: bool | str = False
     # 8 rounds each row of activations to 8 bits per block of 32 before the matmuls (llama.cpp's arithmetic for its
     # 4-bit and Q8_0 files: llmstep.core.int4a8, int8a8); None keeps them in the model's dtype (weight-only)
@@ -64,12 +68,13 @@ class QuantConfig:
                 raise QuantizationError(f"int4 with 8-bit activations takes whole blocks of 32 inputs a group: group "
                                         f"size {self.group_size} is not a multiple of 32")
         head = self.lm_head
-        if head == self.mode and (head == "int4" or not self.activations):
+        own = self.mode + ("-a8" if self.activations and self.mode == "int8" else "")  # int4 blocks: any int4 head
+        if head == own or head == "int4" == self.mode:
             object.__setattr__(self, "lm_head", True)  # one spelling of "the head as the blocks are"
-        elif not isinstance(head, bool) and head != "int8":
-            raise QuantizationError(f"lm_head must be True, False or 'int8' (a weight-only int8 head under other "
-                                    f"blocks), got {head!r}" + (": an int4 head takes int4 blocks" if head == "int4"
-                                                                else ""))
+        elif not isinstance(head, bool) and head not in HEADS:
+            raise QuantizationError(f"lm_head must be True, False, 'int8' or 'int8-a8' (an int8 head, weight-only "
+                                    f"or with 8-bit activations, under other blocks), got {head!r}"
+                                    + (": an int4 head takes int4 blocks" if head == "int4" else ""))
 
     @property
     def head(self) -> QuantConfig | None:
@@ -78,7 +83,7 @@ class QuantConfig:
             return None
         if self.lm_head is True:
             return QuantConfig(self.mode, self.group_size, activations=self.activations)
-        return QuantConfig("int8")
+        return QuantConfig.of(self.lm_head)  # "int8" or "int8-a8"
 
     def layer(self, name: str) -> QuantConfig | None:
         """The settings of one matmul: the head's for "output" (None: float), the blocks' for any other."""
@@ -101,9 +106,9 @@ class QuantConfig:
     @classmethod
     def _parse(cls, name: str) -> QuantConfig:
         base, plus, head = name.partition("+lm_head")
-        if plus and head not in ("", "-int8"):
-            raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' may follow (the "
-                                    "head in the blocks' own mode is plain '+lm_head')")
+        if plus and head not in ("", *(f"-{h}" for h in HEADS)):
+            raise QuantizationError(f"unknown quantization {name!r}: after '+lm_head' only '-int8' or '-int8-a8' may "
+                                    "follow (the head in the blocks' own mode is plain '+lm_head')")
         lm_head = head.removeprefix("-") or bool(plus)
         activations = 8 if base.endswith("-a8") else None
         base = base.removesuffix("-a8") if activations else base
@@ -117,7 +122,8 @@ class QuantConfig:
 
     def __str__(self) -> str:
         name = (self.mode if self.mode == "int8" else f"int4-g{self.group_size}") + ("-a8" if self.activations else "")
-        return name + ("" if self.lm_head is False else "+lm_head" if self.lm_head is True else "+lm_head-int8")
+        head = self.lm_head
+        return name + ("" if head is False else "+lm_head" if head is True else f"+lm_head-{head}")
 
 
 # ---- the modules ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ and the KV cache stay in the model's dtype (int8-a8 and int4-a8, activations=8, 
 The formats (int8 per output channel, int4 per group of inputs with a scale and a zero, two codes a byte)
 and their pure arithmetic are in llmstep.core.quant_formats; this module holds the layers that compute with them.
 
-`quantize(model, "int8")` swaps the blocks' nn.Linear (and the LM head: lm_head=True, or "int8" under int4 blocks)
+`quantize(model, "int8")` swaps the blocks' nn.Linear (and the LM head: lm_head=True, or "int8" / "int8-a8")
 for `Int8Linear` / `Int4Linear`; the forward is untouched. No file I/O: `llmstep.save` / `llmstep.load` do that.
 
 The matmul calls PyTorch's packed kernels (int8's, int4's tinygemm on CUDA and its CPU kernel: private torch ops,
@@ -34,6 +34,7 @@ from .linear import linear, widened, widens_rows
 from .model import Llama, materialize
 from .quant_formats import (
     DEFAULT_GROUP_SIZE,
+    HEADS,
     MODES,
     QuantConfig,
     QuantizationError,
@@ -337,10 +338,20 @@ def _swap_per_layer(model: Llama, qc: QuantConfig, make: Callable[[nn.Linear, Qu
         swap_linears(model, [name], partial(make, layer=qc.layer(name)))
 
 
+def _layer_kernel(kernel: str, layer: QuantConfig) -> str:
+    """The kernel a layer of `layer`'s settings takes in a model quantised with `kernel` (the blocks' choice): that
+    one, or "auto" where it is not the layer's (int4's "reduce" for an int8 head; "a8" for a weight-only head,
+    "packed" for an 8-bit-activation one)."""
+    if layer.mode == "int8" and (kernel == "reduce" or kernel in ("a8", "packed")
+                                 and (kernel == "a8") != bool(layer.activations)):
+        return "auto"
+    return kernel
+
+
 def _make(linear: nn.Linear, qc: QuantConfig, kernel: str) -> nn.Module:
-    if qc.mode == "int8":  # an int8 head under int4 blocks quantised with int4's "reduce"/"a8" takes int8's own
-        return Int8Linear.from_linear(linear, "auto" if kernel == "reduce" or kernel == "a8" and not qc.activations
-                                      else kernel, qc.activations)
+    kernel = _layer_kernel(kernel, qc)
+    if qc.mode == "int8":
+        return Int8Linear.from_linear(linear, kernel, qc.activations)
     return Int4Linear.from_linear(linear, qc.group_size, kernel, qc.activations)
 
 
@@ -365,8 +376,8 @@ def _float_copy(model: Llama) -> Llama:
 
 def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: int | None = None,
              lm_head: bool | str | None = None, kernel: str = "auto", inplace: bool = True) -> Llama:
-    """Replace the block matmuls (and the LM head with lm_head=True, or lm_head="int8" for an int8 head under
-    int4 blocks) by int8/int4 modules (weight-only, or with 8-bit activations: "int8-a8", "int4-g32-a8").
+    """Replace the block matmuls (and the LM head with lm_head=True, or lm_head="int8" / "int8-a8" for an int8 head
+    under other blocks) by int8/int4 modules (weight-only, or with 8-bit activations: "int8-a8", "int4-g32-a8").
 
     inplace=False quantises a twin that shares the float model's other tensors, leaving `model` as it
     was (to compare float and quantised side by side without a second copy of the embeddings).
@@ -382,17 +393,20 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
     return target
 
 
-def quantize_lm_head(model: Llama, mode: str = "int8", kernel: str = "auto") -> Llama:
+def quantize_lm_head(model: Llama, head: str | bool = "int8", kernel: str = "auto") -> Llama:
     """Quantise the float LM head of a model whose blocks are quantised already (a GGUF file's blocks kept as
-    int4, a quantised checkpoint), in place; `model.quantization` then says so (its lm_head)."""
+    int4, a quantised checkpoint), in place, as QuantConfig.lm_head names it: "int8", "int8-a8", or True (or the
+    blocks' mode): as the blocks are. `model.quantization` then says so (its lm_head)."""
     qc = getattr(model, "quantization", None)
     if qc is None or qc.lm_head is not False:
         raise QuantizationError("quantize_lm_head takes a model with quantised blocks and a float LM head; this one "
                                 + ("is not quantised: use quantize(model, mode, lm_head=...)" if qc is None
                                    else f"is {qc}"))
-    if mode not in MODES:
-        raise QuantizationError(f"quantize_lm_head: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    qc = QuantConfig(qc.mode, qc.group_size, mode, qc.activations)
+    if head is not True and head not in (*HEADS, qc.mode):
+        raise QuantizationError(f"quantize_lm_head: head must be True, {', '.join(map(repr, HEADS))} or the blocks' "
+                                f"mode {qc.mode!r}, got {head!r}")
+    qc = QuantConfig(qc.mode, qc.group_size, head, qc.activations)
+    kernel = _layer_kernel(kernel, qc.head)
     _check_kernel(kernel, qc.head.mode, qc.head.activations)
     _check(model, qc, names=["output"])
     with torch.no_grad():

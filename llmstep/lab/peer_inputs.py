@@ -11,8 +11,9 @@ From a checkpoint directory (or a random model) everything starts from llmstep's
   Q8_0 (GGUF has no exact form of llmstep's int4 groups with zero points: the same weights, rounded by llama.cpp's
   rule).
 - int8-a8 (llmstep's int8 with 8-bit activations, llama.cpp's Q8_0 arithmetic): llmstep's int8 as for int8, its
-  head int8-a8 too (llama.cpp's Q8_0 head takes 8-bit activations as its blocks do), and llama.cpp's row the same
-  Q8_0 file as int8's (the same codes and scales).
+  head int8-a8 too (llama.cpp's Q8_0 head takes 8-bit activations as its blocks do: `head_of`), and llama.cpp's row
+  the same Q8_0 file as int8's (the same codes and scales). int4-a8's head is int8-a8 as well: llama.cpp's Q8_0 head
+  under its Q4 blocks, in llama.cpp's arithmetic.
 - CTranslate2: its own converter on the directory's safetensors; transformers: llmstep's float tensors.
 
 From a GGUF file (SmolLM2-135M-Instruct ships as Q4_1) the file is an input in its own right:
@@ -52,7 +53,7 @@ from ..core.tokens import Tokenizer
 from .peer_engines import CT2_COMPUTE, PeerSpec
 
 __all__ = ["PEERS", "GGUF_TYPE", "Variant", "Plan", "why_not", "file_types",
-           "plan_inputs", "HEAD"]
+           "plan_inputs", "HEAD", "head_of"]
 
 PEERS = ("llama.cpp", "ctranslate2", "transformers")
 _MODULE = {"llama.cpp": "llama_cpp", "ctranslate2": "ctranslate2", "transformers": "transformers"}
@@ -61,6 +62,12 @@ _PIP = {"llama.cpp": "llama-cpp-python", "ctranslate2": "ctranslate2", "transfor
 # activations are rounded to Q8_0)
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0", "int8-a8": "q8_0", "int4-a8": "q4_0"}
 HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (its quantiser told Q8_0)
+
+
+def head_of(precision: str) -> str:
+    """llmstep's LM head at a quantised precision: int8 (`HEAD`), with 8-bit activations where the blocks take them
+    (int8-a8, int4-a8: the arithmetic of llama.cpp's Q8_0 head, whose activations are rounded to Q8_0 too)."""
+    return HEAD + "-a8" if precision.endswith("-a8") else HEAD
 _PRECISION_OF = {"F32": "float32", "BF16": "bfloat16", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 
 
@@ -154,8 +161,8 @@ def plan_inputs(model: Llama, peers: list[str], precision_list: list[str], token
         else:
             if precision.startswith("int4") and plan.gguf_file is not None:
                 kept = _kept(plan, model.dtype, activations=precision == "int4-a8")
-            head = True if precision == "int8-a8" else HEAD  # int8-a8's head as its blocks: Q8_0's arithmetic
-            qc = QuantConfig.of(precision, group_size if precision.startswith("int4") else None, lm_head=head)
+            qc = QuantConfig.of(precision, group_size if precision.startswith("int4") else None,
+                                lm_head=head_of(precision))
             m = quantize(model, qc, inplace=False)
             ours = str(m.quantization)
             plan.variants.append(Variant(precision, m, ours, f"llmstep {ours} of {origin}"
@@ -216,13 +223,13 @@ def _kept(plan: Plan, dtype: torch.dtype, activations: bool = False) -> Variant 
         plan.skipped.append({"peer": "llmstep", "precision": "int4-a8" if activations else "int4",
                              "why": f"the file's own int4-g32: {e}"})
         return None
-    head = plan.head_type or "float"
+    head, precision = plan.head_type or "float", "int4-a8" if activations else "int4"
     if activations:
         with_activations(kept)
-    quantize_lm_head(kept, HEAD)
-    return Variant("int4-a8" if activations else "int4", kept, str(kept.quantization), f"{plan.gguf_file.name}'s "
-                   f"{plan.file_type} blocks, exactly (keep_quantized" + (", 8-bit activations" if activations else "")
-                   + f"); its {head} LM head as llmstep {HEAD}")
+    quantize_lm_head(kept, head_of(precision))
+    return Variant(precision, kept, str(kept.quantization), f"{plan.gguf_file.name}'s {plan.file_type} blocks, "
+                   "exactly (keep_quantized" + (", 8-bit activations" if activations else "")
+                   + f"); its {head} LM head as llmstep {head_of(precision)}")
 
 
 def _llama_cpp_input(base: PeerSpec, precision: str, v: Variant, model: Llama, float_kind: str, file_float: bool,

@@ -219,7 +219,8 @@ def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, toke
                                                    ("int4-g32+lm_head-int8", True, "Q8_0"),
                                                    ("int4-g32+lm_head-int8", True, "F32"),
                                                    ("int4-g32-a8+lm_head-int8", False, None),
-                                                   ("int4-g32-a8+lm_head", True, "F32")])
+                                                   ("int4-g32-a8+lm_head", True, "F32"),
+                                                   ("int4-g32-a8+lm_head-int8-a8", True, "Q8_0")])
 def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer, capsys, mode, tied, head_kind):
     """`llmstep generate --keep-quantized --quantize int4-g32+lm_head-int8`: the file's Q4 blocks kept, the LM head
     quantized as `llmstep bench` builds its int4 runs (quantize_lm_head); the text is that model's. A head the file
@@ -236,8 +237,8 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
     if "-a8" in mode:  # the file's blocks with 8-bit activations (llmstep.core.int4a8), the head's too where int4
         with_activations(kept)
         assert all(m.activations == 8 for m in kept.layers.modules() if hasattr(m, "activations"))
-    want = llmstep.generate(quantize_lm_head(kept, "int8" if mode.endswith("int8") else "int4"), tok, "ROMEO:",
-                            max_new_tokens=8, temperature=0).text
+    head = mode.partition("+lm_head")[2].removeprefix("-") or True
+    want = llmstep.generate(quantize_lm_head(kept, head), tok, "ROMEO:", max_new_tokens=8, temperature=0).text
     assert str(kept.quantization) == mode
     assert out.out == "ROMEO:" + want + "\n"
     assert f"[cpu float32 {mode}]" in out.err
@@ -252,8 +253,8 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
 
 
 @pytest.mark.parametrize("kind, mode, says", [
-    ("Q4_1", "int8", r"can only add a quantized LM head to them \(int4-g32\+lm_head-int8 or int4-g32\+lm_head; "
-                     r"int4-g32-a8\+\.\.\. gives them 8-bit activations too\), not int8$"),
+    ("Q4_1", "int8", r"can only add a quantized LM head to them \(int4-g32\+lm_head-int8, int4-g32\+lm_head-int8-a8 or "
+                     r"int4-g32\+lm_head; int4-g32-a8\+\.\.\. gives them 8-bit activations too\), not int8$"),
     ("Q4_1", "int4-g32-a8", "not int4-g32-a8$"),  # 8-bit activations, but no head: nothing for --quantize to add
     ("Q4_0", "int4-g32", "not int4-g32$"),  # no head: nothing to quantize
     ("Q4_0", "int4-g64+lm_head-int8", "not int4-g64"),  # the kept blocks' groups are 32

@@ -261,7 +261,7 @@ def test_a_quantisation_is_named_one_way_and_read_back_from_its_name():
                      (dict(mode="int4", lm_head=1), "got 1"), (dict(mode="int4", lm_head="fp8"), "got 'fp8'")]:
         with pytest.raises(QuantizationError, match=why):
             QuantConfig(**bad)
-    with pytest.raises(QuantizationError, match="after '\\+lm_head' only '-int8' may follow"):
+    with pytest.raises(QuantizationError, match="after '\\+lm_head' only '-int8' or '-int8-a8' may follow"):
         QuantConfig.of("int4+lm_head-int4")
 
 

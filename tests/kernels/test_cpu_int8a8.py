@@ -16,7 +16,7 @@ import llmstep
 from llmstep.core import int4a8, int8a8
 from llmstep.core.fuse import fused
 from llmstep.core.quant_formats import QuantConfig, QuantizationError, quantize_int8
-from llmstep.core.quantize import Int8Linear, quantize
+from llmstep.core.quantize import Int8Linear, quantize, quantize_lm_head
 
 
 def _codes(N, K, seed):
@@ -190,6 +190,52 @@ def test_a_quantised_model_is_close_to_weight_only_int8_and_fuses_and_saves_exac
     assert cfg["activations"] == 8 and cfg["format_version"] == 3 and cfg["mode"] == "int8"
     loaded, _ = llmstep.load(path, dtype="float32")
     assert loaded.quantization == a8.quantization and torch.equal(loaded(tokens), logits)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("blocks", ["int4-g32-a8", "int4-g32", "int8"])
+def test_an_int8_a8_head_under_other_blocks(a8_ops, model128, tmp_path, blocks):
+    """lm_head="int8-a8": the head in int8 with 8-bit activations (llama.cpp's Q8_0 head under its 4-bit blocks)
+    whatever the blocks are: the same layer as an int8-a8 model's head, the same model quantised in one call or the
+    head afterwards, with any block kernel, and a checkpoint of format 3 that loads to the same bits."""
+    model, tok = model128
+    qc = QuantConfig.of(f"{blocks}+lm_head-int8-a8")
+    assert str(qc) == f"{blocks}+lm_head-int8-a8" and QuantConfig.of(qc.to_dict()) == qc
+    assert qc.head == QuantConfig("int8", activations=8) and qc.layer("layers.0.attention.wq") == QuantConfig.of(blocks)
+    mixed = quantize(model, qc, inplace=False)
+    head = mixed.output
+    assert type(head) is Int8Linear and head.activations == 8 and head.kernel == "a8"
+    own = quantize(model, "int8-a8+lm_head", inplace=False).output  # an int8-a8 model's head
+    assert torch.equal(head.weight, own.weight) and torch.equal(head.scales, own.scales)
+    h = model.norm(model.tok_embeddings(torch.arange(40).view(2, 20)))
+    assert torch.equal(head(h), own(h))
+    later = quantize_lm_head(quantize(model, blocks, inplace=False), "int8-a8")
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(3))
+    logits = mixed(tokens)
+    assert later.quantization == qc and torch.equal(later(tokens), logits)
+    path = llmstep.save(mixed, tmp_path / "mixed", tokenizer=tok)
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert cfg["format_version"] == 3 and cfg["lm_head"] == "int8-a8"  # a reader of 2 would drop the head's
+    loaded, _ = llmstep.load(path, dtype="float32")
+    assert loaded.quantization == qc and loaded.output.kernel == "a8" and torch.equal(loaded(tokens), logits)
+    if blocks.startswith("int4"):  # int4's own kernels for the blocks, the head's own for the head
+        for kernel in ("reduce", "packed", "dequant") if blocks == "int4-g32" else ("a8",):
+            other = quantize(model, qc, kernel=kernel, inplace=False)
+            assert other.output.kernel == ("dequant" if kernel == "dequant" else "a8")
+            assert torch.allclose(other(tokens), logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item())
+
+
+def test_an_lm_head_of_its_own_is_refused_by_name(model128):
+    model, _ = model128
+    blocks = quantize(model, "int4-g32-a8", inplace=False)
+    for bad in ("int4-a8", "int8-a4", "fp8"):
+        with pytest.raises(QuantizationError, match=f"head must be True, 'int8', 'int8-a8' or the blocks' mode "
+                                                    f"'int4', got '{bad}'"):
+            quantize_lm_head(blocks, bad)
+    assert not isinstance(blocks.output, Int8Linear) and blocks.quantization.lm_head is False  # nothing changed
+    with pytest.raises(QuantizationError, match="only '-int8' or '-int8-a8' may follow"):
+        QuantConfig.of("int4-g32-a8+lm_head-int4-a8")
+    assert QuantConfig.of("int8-a8+lm_head-int8-a8") == QuantConfig.of("int8-a8+lm_head")  # the blocks' own: True
 
 
 @pytest.mark.skipif(not os.environ.get("LLMSTEP_SLOW_TESTS"), reason="torch.compile on the CPU takes ~30 s; "

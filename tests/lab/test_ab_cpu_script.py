@@ -36,6 +36,7 @@ def test_the_documented_variants_parse(script):
     a8 = script.parse_variant("int8-a8^int8-a8")  # int8 with 8-bit activations, the head as the blocks
     assert (a8["dtype"], a8["lm_head"]) == ("int8-a8", True)
     assert script.parse_variant("int8-a8^int8")["lm_head"] == "int8"  # a weight-only int8 head under them
+    assert script.parse_variant("int4-a8^int8-a8")["lm_head"] == "int8-a8"  # an int8-a8 head under int4-a8 blocks
     with pytest.raises(ValueError, match=r"unknown kernel 'dequant' for int8-a8: it has its own \(llmstep.core.int8a8"):
         script.parse_variant("int8-a8+dequant")
 

@@ -37,7 +37,7 @@ def test_run_bench_refuses_zero_repeats_before_any_work(small):
     (["int4"], {"group_size": 7}, "int4 group_size must be an even integer"),
     (["int4"], {"group_size": 48}, "group_size 48 does not divide"),
     (["int3"], {}, "unknown quantization mode 'int3'"),
-    (["int8"], {"lm_head": "int4"}, "lm_head must be True, False or 'int8'"),
+    (["int8"], {"lm_head": "int4"}, "lm_head must be True, False, 'int8' or 'int8-a8'"),
 ])
 def test_run_bench_refuses_a_variant_before_measuring_the_bandwidth(small, monkeypatch, variants, kw, words):
     """The bandwidth copy takes gigabytes and seconds: a variant the model cannot take is refused before it."""

@@ -116,10 +116,11 @@ def test_int4_a8_from_a_q4_1_file_holds_its_blocks_with_8_bit_activations_agains
     path = write(tmp_path / "m-q4_1.gguf", tokenizer, "Q4_1")
     model, p = plan(path, ["int4-a8"], tmp_path / "work", peer_list=("llama.cpp",))
     assert [(v.precision, v.weights, v.requantized) for v in p.variants] == [
-        ("int4-a8", "int4-g32-a8+lm_head-int8", False), ("int4-a8", "int4-g64-a8+lm_head-int8", True)]
+        ("int4-a8", "int4-g32-a8+lm_head-int8-a8", False), ("int4-a8", "int4-g64-a8+lm_head-int8-a8", True)]
     kept = p.variants[0]
-    assert "blocks, exactly (keep_quantized, 8-bit activations)" in kept.source
+    assert "blocks, exactly (keep_quantized, 8-bit activations); its Q8_0 LM head as llmstep int8-a8" in kept.source
     assert kept.model.layers[0].feed_forward.w2.activations == 8 and isinstance(kept.model.output, Int8Linear)
+    assert kept.model.output.activations == 8  # llama.cpp's Q8_0 head takes Q8_0 activations too
     assert [(n, s.weights) for n, s in p.peers] == [(0, "GGUF q4_1 (the file)"),
                                                    (1, "GGUF q4_0 (llama.cpp's quantiser)")]
 

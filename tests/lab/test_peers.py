@@ -129,7 +129,7 @@ def test_llama_cpp_at_int8_runs_llmsteps_own_int8_codes_as_q8_0_and_int4_as_llam
     assert weights == {"int8": "GGUF q8_0", "int4": "GGUF q4_0 (llama.cpp's quantiser)", "int8-a8": "GGUF q8_0",
                        "int4-a8": "GGUF q4_0 (llama.cpp's quantiser)"}
     ours = {row["precision"]: row for row in record["rows"] if row["engine"].startswith("llmstep")}
-    assert ours["int4-a8"]["weights"] == "int4-g64-a8+lm_head-int8" and "a8_matmul" in ours["int4-a8"]
+    assert ours["int4-a8"]["weights"] == "int4-g64-a8+lm_head-int8-a8" and "a8_matmul" in ours["int4-a8"]
     assert ours["int8-a8"]["weights"] == "int8-a8+lm_head" and "a8_matmul" in ours["int8-a8"]
     assert "a8_matmul" not in ours["int4"] and "a8_matmul" not in ours["int8"]
 

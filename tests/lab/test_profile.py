@@ -193,7 +193,7 @@ def test_the_profile_command_prints_the_rate_then_the_operators(tiny_checkpoint,
     assert "float32 int8 eager] decode" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["profile", "--quantize", "int4+lm_head-int4"])
-    assert "after '+lm_head' only '-int8' may follow" in capsys.readouterr().err
+    assert "after '+lm_head' only '-int8' or '-int8-a8' may follow" in capsys.readouterr().err
 
 
 def test_a_decode_rate_needs_a_decode_step_and_is_refused_by_name_as_bench_refuses_it(model, capsys):
