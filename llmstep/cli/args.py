@@ -124,7 +124,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def quantization(text: str) -> str:
     """none, or a quantisation by its name: int8, int4, int4-g32, int8-a8, int4-g32-a8, int8+lm_head,
-    int4-g32+lm_head-int8 (QuantConfig)."""
+    int4-g32+lm_head-int8, int4-g32-a8+lm_head-int8-a8 (QuantConfig)."""
     if text != "none":
         try:
             QuantConfig.of(text)

@@ -52,9 +52,9 @@ def add_commands(sub) -> None:
     g.add_argument("--quantize", default="none", type=quantization,
                    help="quantization of the loaded float weights in --dtype before generating: int8, "
                         "int4, int4-g32, int8-a8, int4-g32-a8 (8-bit activations too), ...; +lm_head (the head too), "
-                        "int4-g32+lm_head-int8 / -int8-a8 (an int8 head under int4 blocks); with --keep-quantized, "
-                        "int4-g32+lm_head-int8, -int8-a8 or int4-g32+lm_head quantizes the head alone under the "
-                        "file's kept blocks")
+                        "int4-g32+lm_head-int8 / -int8-a8 (an int8 head, weight-only / 8-bit activations); with "
+                        "--keep-quantized, int4-g32+lm_head-int8, -int8-a8 or int4-g32+lm_head quantizes the head "
+                        "alone under the file's kept blocks")
     g.add_argument("--draft", default=None,
                    help="speculative decoding with this draft: a checkpoint directory ('draft' = the shipped one) "
                         "or self-N (the model's own first N layers) or self-int8 / self-int4 (its quantized copy)")
@@ -94,7 +94,7 @@ def add_commands(sub) -> None:
     f.add_argument("--quantize", default="none", type=quantization,
                    help="quantization of the model in --dtype: int8, int4, int4-g32, int8-a8, int4-g32-a8 "
                         "(8-bit activations too), ...; +lm_head (the head too), int4-g32+lm_head-int8 / -int8-a8 "
-                        "(an int8 head under int4 blocks)")
+                        "(an int8 head, weight-only / 8-bit activations)")
     f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the compiled step, FastDecoder's default settings (default: on)")
     f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
@@ -193,9 +193,10 @@ def check_quantize(args) -> None:
 
 def check_kept_head(path, mode: str) -> None:
     """--quantize beside --keep-quantized: the file must be a GGUF file whose blocks are kept (every matrix Q4_0 or
-    Q4_1, held as int4-g32), and the mode those blocks plus a quantized LM head (int4-g32+lm_head-int8, or
-    int4-g32+lm_head: the head in int4 too), the one thing left to quantize; the head's dequantized values rounded
-    again where the file holds it quantized (a note says so). Read from the file's header alone."""
+    Q4_1, held as int4-g32), and the mode those blocks plus a quantized LM head (int4-g32+lm_head-int8,
+    +lm_head-int8-a8, or int4-g32+lm_head: the head in int4 too; -a8 blocks alike), the one thing left to quantize;
+    the head's dequantized values rounded again where the file holds it quantized (a note says so). Read from the
+    file's header alone."""
     from ..core.gguf_load import read_gguf
     from ..core.quantize import QuantConfig
 

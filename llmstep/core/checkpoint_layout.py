@@ -46,8 +46,8 @@ _FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes that loading conve
 # Buffers some old checkpoints carry, recomputed from the config: only these exact names may be skipped.
 _OPTIONAL = re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 # Of the quantised layout: 2 adds an LM head in a mode of its own (QuantConfig.lm_head "int8"), which a reader of
-# version 1 would take for a head in the blocks' mode; 3 adds 8-bit activations (QuantConfig.activations),
-# which a reader of 1 or 2 would drop. Every other checkpoint is still written as version 1.
+# version 1 would take for a head in the blocks' mode; 3 adds 8-bit activations (QuantConfig.activations, or an
+# "int8-a8" head's), which a reader of 1 or 2 would drop. Every other checkpoint is still written as version 1.
 FORMAT_VERSION = 3
 QUANT_KEY = "llmstep_quantization"  # the safetensors header's copy of the quantisation settings
 # A table row: tensor name in the file -> (llmstep state name, shape, safetensors dtype: "float", "I8" or "U8").

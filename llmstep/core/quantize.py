@@ -395,8 +395,9 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
 
 def quantize_lm_head(model: Llama, head: str | bool = "int8", kernel: str = "auto") -> Llama:
     """Quantise the float LM head of a model whose blocks are quantised already (a GGUF file's blocks kept as
-    int4, a quantised checkpoint), in place, as QuantConfig.lm_head names it: "int8", "int8-a8", or True (or the
-    blocks' mode): as the blocks are. `model.quantization` then says so (its lm_head)."""
+    int4, a quantised checkpoint), in place, as QuantConfig.lm_head names it: True as the blocks are (their mode and
+    activations; "int4" under int4 blocks, "int8" under weight-only int8 say the same), "int8" a weight-only int8
+    head, "int8-a8" an int8 head with 8-bit activations. `model.quantization` then says so (its lm_head)."""
     qc = getattr(model, "quantization", None)
     if qc is None or qc.lm_head is not False:
         raise QuantizationError("quantize_lm_head takes a model with quantised blocks and a float LM head; this one "
@@ -406,8 +407,7 @@ def quantize_lm_head(model: Llama, head: str | bool = "int8", kernel: str = "aut
         raise QuantizationError(f"quantize_lm_head: head must be True, {', '.join(map(repr, HEADS))} or the blocks' "
                                 f"mode {qc.mode!r}, got {head!r}")
     qc = QuantConfig(qc.mode, qc.group_size, head, qc.activations)
-    kernel = _layer_kernel(kernel, qc.head)
-    _check_kernel(kernel, qc.head.mode, qc.head.activations)
+    _check_kernel(kernel, qc.head.mode, qc.head.activations)  # the head's own: no blocks' choice to map
     _check(model, qc, names=["output"])
     with torch.no_grad():
         swap_linears(model, ["output"], lambda linear: _make(linear, qc.head, kernel))

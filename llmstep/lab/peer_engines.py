@@ -95,7 +95,7 @@ class _LlamaCpp:
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype, params.nthread = LLAMA_FTYPE[spec.quantize_to], spec.threads
             # The LM head (a tied model's token embedding) in Q8_0 whatever the blocks' type, as llmstep's quantised
-            # rows hold theirs in int8 (peer_inputs.HEAD); left to itself the quantiser picks Q8_0 or Q6_K by width.
+            # rows hold theirs in int8 (peer_inputs.head_of); left to itself the quantiser picks Q8_0 or Q6_K by width.
             params.output_tensor_type = GGML_Q8_0
             if llama_cpp.llama_model_quantize(str(spec.gguf).encode(), str(path).encode(), params) != 0:
                 raise RuntimeError(f"llama.cpp could not quantise {spec.gguf} to {spec.quantize_to}")

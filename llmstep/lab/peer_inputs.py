@@ -3,8 +3,8 @@ from: every row of the record names its source.
 
 From a checkpoint directory (or a random model) everything starts from llmstep's float model:
 - llmstep: the float model; int8 and int4 quantised from it by llmstep.core.quantize, the LM head in int8 at both
-  (`HEAD`: llama.cpp's quantiser keeps a model's head at 8 or 6 bits whatever the blocks' type, so an int4 row with a
-  bfloat16 head would read twice the head's bytes its peer reads, and compare two different functions).
+  (`head_of`; `HEAD`: llama.cpp's quantiser keeps a model's head at 8 or 6 bits whatever the blocks' type, so an int4
+  row with a bfloat16 head would read twice the head's bytes its peer reads, and compare two different functions).
 - llama.cpp: the float model exported by `llmstep.core.gguf.export_gguf` (f32 or bf16); int8 as Q8_0 holding
   llmstep's own int8 codes and scales exactly, the head's too, where the scales are float16 numbers (else llama.cpp's
   quantiser on the float file); int4 as Q4_0 made by llama.cpp's quantiser from the float file, its head told to be
@@ -22,8 +22,8 @@ From a GGUF file (SmolLM2-135M-Instruct ships as Q4_1) the file is an input in i
 - llmstep's int4 comes twice: the file's Q4_0/Q4_1 blocks held exactly as int4-g32 (`keep_quantized`: the same
   block weights as llama.cpp's row on the file; the file's 8-bit head, scaled per block of 32, rounded again to
   llmstep's int8 per row), and llmstep's own int4 of the dequantized weights; so does int4-a8 (the same two, with
-  8-bit activations: on the file's blocks, the arithmetic of llama.cpp's own row on the file), against the same
-  llama.cpp rows as int4.
+  8-bit activations, the head's too: on the file's blocks, the arithmetic of llama.cpp's own row on the file),
+  against the same llama.cpp rows as int4.
 - Every other row starts from the float weights llmstep runs (the file dequantized to --dtype): llama.cpp's BF16
   or F32 is their export, and its Q8_0 / Q4_0 are made by llama.cpp's own quantiser (llama_model_quantize) from
   that export, as llmstep's int8 / int4 are made from the same numbers. A BF16 GGUF cannot be made from a Q4_1
@@ -61,7 +61,8 @@ _PIP = {"llama.cpp": "llama-cpp-python", "ctranslate2": "ctranslate2", "transfor
 # llama.cpp's type at each precision (int8-a8, int4-a8: the arithmetic of llama.cpp's own Q8_0, Q4_0 matmuls, whose
 # activations are rounded to Q8_0)
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "q8_0", "int4": "q4_0", "int8-a8": "q8_0", "int4-a8": "q4_0"}
-HEAD = "int8"  # the LM head of every quantised row, llmstep's and llama.cpp's (its quantiser told Q8_0)
+HEAD = "int8"  # the LM head of the quantised rows, llmstep's (with 8-bit activations too: head_of) and llama.cpp's
+# (its quantiser told Q8_0)
 
 
 def head_of(precision: str) -> str:
@@ -91,8 +92,10 @@ def why_not(peer: str, precision: str, checkpoint: Path | None, tokenizer: Token
         if CT2_COMPUTE[precision] not in ctranslate2.get_supported_compute_types("cpu"):
             return (f"compute type {CT2_COMPUTE[precision]} is not supported by CTranslate2 on this CPU "
                     f"(it offers {', '.join(sorted(ctranslate2.get_supported_compute_types('cpu')))})")
-    if peer == "transformers" and precision in ("int8", "int4", "int8-a8", "int4-a8"):
+    if peer == "transformers" and precision in ("int8", "int4"):
         return "no weight-only int8/int4 on a CPU without further packages"
+    if peer == "transformers" and precision in ("int8-a8", "int4-a8"):
+        return "no int8/int4 with 8-bit activations (llama.cpp's arithmetic) in transformers"
     return None
 
 
@@ -215,8 +218,9 @@ def _with(spec: PeerSpec, **changes) -> PeerSpec:
 
 def _kept(plan: Plan, dtype: torch.dtype, activations: bool = False) -> Variant | None:
     """The GGUF file's Q4_0/Q4_1 blocks as llmstep int4-g32, exactly (with 8-bit activations: int4-a8, llama.cpp's
-    arithmetic on its own blocks), and its LM head as llmstep's int8 (a second rounding of a quantised head: GGUF's
-    8-bit types scale blocks of 32, llmstep's int8 whole rows); None (and a skipped entry) if it has no such blocks."""
+    arithmetic on its own blocks), and its LM head as llmstep's int8, int8-a8 under int4-a8 (`head_of`; a second
+    rounding of a quantised head: GGUF's 8-bit types scale blocks of 32, llmstep's int8 whole rows); None (and a
+    skipped entry) if it has no such blocks."""
     try:
         kept, _ = load_gguf(plan.gguf_file, device="cpu", dtype=dtype, keep_quantized=True)
     except GGUFLoadError as e:

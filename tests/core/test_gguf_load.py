@@ -220,7 +220,8 @@ def test_q4_files_kept_quantized_hold_the_files_codes_and_weights(tmp_path, toke
                                                    ("int4-g32+lm_head-int8", True, "F32"),
                                                    ("int4-g32-a8+lm_head-int8", False, None),
                                                    ("int4-g32-a8+lm_head", True, "F32"),
-                                                   ("int4-g32-a8+lm_head-int8-a8", True, "Q8_0")])
+                                                   ("int4-g32-a8+lm_head-int8-a8", True, "Q8_0"),
+                                                   ("int4-g32+lm_head-int8-a8", False, None)])
 def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer, capsys, mode, tied, head_kind):
     """`llmstep generate --keep-quantized --quantize int4-g32+lm_head-int8`: the file's Q4 blocks kept, the LM head
     quantized as `llmstep bench` builds its int4 runs (quantize_lm_head); the text is that model's. A head the file
@@ -234,11 +235,14 @@ def test_generate_quantizes_the_head_alone_under_kept_blocks(tmp_path, tokenizer
     main(argv + ["--quantize", mode])
     out = capsys.readouterr()
     kept, tok = load_gguf(path, device="cpu", dtype=torch.float32, keep_quantized=True)
-    if "-a8" in mode:  # the file's blocks with 8-bit activations (llmstep.core.int4a8), the head's too where int4
+    blocks, _, head = mode.partition("+lm_head")
+    if blocks.endswith("-a8"):  # the file's blocks with 8-bit activations (llmstep.core.int4a8), the head's as named
         with_activations(kept)
         assert all(m.activations == 8 for m in kept.layers.modules() if hasattr(m, "activations"))
-    head = mode.partition("+lm_head")[2].removeprefix("-") or True
-    want = llmstep.generate(quantize_lm_head(kept, head), tok, "ROMEO:", max_new_tokens=8, temperature=0).text
+    quantize_lm_head(kept, head.removeprefix("-") or True)
+    a8_head = head == "-int8-a8" or head == "" and blocks.endswith("-a8")
+    assert kept.output.activations == (8 if a8_head else None)
+    want = llmstep.generate(kept, tok, "ROMEO:", max_new_tokens=8, temperature=0).text
     assert str(kept.quantization) == mode
     assert out.out == "ROMEO:" + want + "\n"
     assert f"[cpu float32 {mode}]" in out.err

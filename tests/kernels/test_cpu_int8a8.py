@@ -14,6 +14,7 @@ from conftest import a8_kernel_agrees, a8_rows
 
 import llmstep
 from llmstep.core import int4a8, int8a8
+from llmstep.core.checkpoint import CheckpointError
 from llmstep.core.fuse import fused
 from llmstep.core.quant_formats import QuantConfig, QuantizationError, quantize_int8
 from llmstep.core.quantize import Int8Linear, quantize, quantize_lm_head
@@ -197,7 +198,8 @@ def test_a_quantised_model_is_close_to_weight_only_int8_and_fuses_and_saves_exac
 def test_an_int8_a8_head_under_other_blocks(a8_ops, model128, tmp_path, blocks):
     """lm_head="int8-a8": the head in int8 with 8-bit activations (llama.cpp's Q8_0 head under its 4-bit blocks)
     whatever the blocks are: the same layer as an int8-a8 model's head, the same model quantised in one call or the
-    head afterwards, with any block kernel, and a checkpoint of format 3 that loads to the same bits."""
+    head afterwards, int4's block kernels (reduce, packed, dequant; a8) beside the head's own, and a checkpoint of
+    format 3 that loads to the same bits (and that a format-2 claim cannot load: it would drop the head's rounding)."""
     model, tok = model128
     qc = QuantConfig.of(f"{blocks}+lm_head-int8-a8")
     assert str(qc) == f"{blocks}+lm_head-int8-a8" and QuantConfig.of(qc.to_dict()) == qc
@@ -218,6 +220,11 @@ def test_an_int8_a8_head_under_other_blocks(a8_ops, model128, tmp_path, blocks):
     assert cfg["format_version"] == 3 and cfg["lm_head"] == "int8-a8"  # a reader of 2 would drop the head's
     loaded, _ = llmstep.load(path, dtype="float32")
     assert loaded.quantization == qc and loaded.output.kernel == "a8" and torch.equal(loaded(tokens), logits)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"]["format_version"] = 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="version 2 has no 8-bit activations; the file is damaged"):
+        llmstep.load(path)
     if blocks.startswith("int4"):  # int4's own kernels for the blocks, the head's own for the head
         for kernel in ("reduce", "packed", "dequant") if blocks == "int4-g32" else ("a8",):
             other = quantize(model, qc, kernel=kernel, inplace=False)
@@ -232,6 +239,9 @@ def test_an_lm_head_of_its_own_is_refused_by_name(model128):
         with pytest.raises(QuantizationError, match=f"head must be True, 'int8', 'int8-a8' or the blocks' mode "
                                                     f"'int4', got '{bad}'"):
             quantize_lm_head(blocks, bad)
+    for head, kernel in (("int8-a8", "packed"), ("int8-a8", "reduce"), ("int8", "reduce")):  # the head's own only
+        with pytest.raises(QuantizationError, match=f"not {kernel!r}|kernel '{kernel}' is int4's"):
+            quantize_lm_head(blocks, head, kernel=kernel)
     assert not isinstance(blocks.output, Int8Linear) and blocks.quantization.lm_head is False  # nothing changed
     with pytest.raises(QuantizationError, match="only '-int8' or '-int8-a8' may follow"):
         QuantConfig.of("int4-g32-a8+lm_head-int4-a8")

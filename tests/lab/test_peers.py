@@ -54,6 +54,7 @@ def test_each_reason_a_peer_cannot_run_is_named(monkeypatch, tmp_path):
     assert "tokenizer" in peers.why_not("llama.cpp", "float32", tmp_path, None)
     monkeypatch.undo()
     assert peers.why_not("transformers", "int8", None, None).startswith("no weight-only int8/int4")
+    assert peers.why_not("transformers", "int4-a8", None, None).startswith("no int8/int4 with 8-bit activations")
     assert peers.why_not("transformers", "float32", None, None) is None
     monkeypatch.setattr(importlib.util, "find_spec", missing("ctranslate2"))
     assert peers.why_not("ctranslate2", "float32", tmp_path, None).startswith("not installed (pip install ")
