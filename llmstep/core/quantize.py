@@ -340,10 +340,11 @@ def _swap_per_layer(model: Llama, qc: QuantConfig, make: Callable[[nn.Linear, Qu
 
 def _layer_kernel(kernel: str, layer: QuantConfig) -> str:
     """The kernel a layer of `layer`'s settings takes in a model quantised with `kernel` (the blocks' choice): that
-    one, or "auto" where it is not the layer's (int4's "reduce" for an int8 head; "a8" for a weight-only head,
-    "packed" for an 8-bit-activation one)."""
-    if layer.mode == "int8" and (kernel == "reduce" or kernel in ("a8", "packed")
-                                 and (kernel == "a8") != bool(layer.activations)):
+    one where the layer takes it (`_check_kernel`'s rule), else "auto" (int4's "reduce" for an int8 head; "a8" for a
+    weight-only head, "packed" for an 8-bit-activation one)."""
+    try:
+        _check_kernel(kernel, layer.mode, layer.activations)
+    except QuantizationError:
         return "auto"
     return kernel
 
