@@ -148,6 +148,9 @@ def run_generate(args, argv) -> None:
     if args.quantize != "none":
         check_quantize(args)  # before the draft's checks and any weight read
     if args.draft is not None:
+        if args.keep_quantized and args.draft.startswith("self-int"):  # before the file's blocks are read
+            raise ValueError(f"--draft {args.draft} quantizes a float copy of the target; --keep-quantized keeps "
+                             "the file's quantized blocks: use a layer draft (self-N) or a draft checkpoint")
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded
     elif args.speculate_k is not None or args.adaptive_k:
         raise ValueError(f"{'--speculate-k' if args.speculate_k is not None else '--adaptive-k'} sets speculative "

@@ -148,7 +148,12 @@ def run_serve(args, argv) -> dict:
     if args.block_size > context:
         raise ValueError(f"--block-size {args.block_size} is more than the model's context ({context} tokens): a "
                          "block holds one request's positions")
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    sock = app.bind(args.host, args.port)  # a port in use is refused before the weights load
+    try:
+        model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    except BaseException:
+        sock.close()
+        raise
 
     def ready(host: str, port: int, health: dict) -> None:
         where = f"[{host}]" if ":" in host else host
@@ -159,7 +164,7 @@ def run_serve(args, argv) -> dict:
               file=sys.stderr, flush=True)
 
     stats = app.serve(model, tokenizer, name, args.host, args.port, args.slots, args.block_size, args.kv_blocks,
-                      args.prefix_caching, args.prefill_chunk, args.max_queue, ready=ready)
+                      args.prefix_caching, args.prefill_chunk, args.max_queue, ready=ready, sock=sock)
     print(f"llmstep serve: stopped after {stats['requests']} requests, {stats['tokens']} tokens", file=sys.stderr)
     return stats
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .checks import is_int
 from .config import ConfigError, LlamaConfig, check_generation_config, parse_json, read_config_json, read_json_object
 from .model import Llama
 from .quantize import QuantConfig, QuantizationError, linear_names
@@ -241,6 +242,8 @@ def _read_headers(path: Path, files: dict[str, list[str]]
                 header = parse_json(fh.read(header_len), f"{fpath}'s header", CheckpointError)
             tensors = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][1])
                        for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
+            if not all(is_int(end) and end >= 0 for _, _, end in tensors.values()):
+                raise TypeError("a tensor's data_offsets are not whole numbers of bytes")
             data_end = max((end for _, _, end in tensors.values()), default=0)
             meta = header.get("__metadata__")
             metadata[file] = meta if isinstance(meta, dict) else {}

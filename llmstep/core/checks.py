@@ -37,7 +37,7 @@ def check_flag(value, name: str) -> None:
         raise ValueError(f"{name} must be True, False or None, got {value!r}")
 
 
-SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 64-bit seeds (a CPU one keeps 32: request.generator_seed)
 
 
 def check_seed(seed, name: str = "seed") -> None:

@@ -23,7 +23,8 @@ non-finite output row, as the float path does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,33 @@ import torch.nn.functional as F
 from .quant_formats import unpack_int4
 
 __all__ = ["BLOCK", "TILE", "quantize_activations", "fake_quantize", "layout", "supports", "prepare", "matmul",
-           "use_kernel", "use_installer", "install", "kernel_op", "with_activations"]
+           "use_kernel", "use_installer", "install", "kernel_op", "with_activations", "streaming", "streams"]
 
 BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
 TILE = 4  # vectors of 8 columns the kernel takes together, their weights one stream
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
 _installer: Callable[[], bool] | None = None  # builds and registers it, int8-a8's too (kernels.cpu_int4a8.install)
+_stream = False  # `streaming` holds it: the one-row calls prefetch their weights past the outer caches
+
+
+@contextlib.contextmanager
+def streaming(on: bool) -> Iterator[None]:
+    """While held, the kernels' one-row calls traced or run here stream their weights past the outer caches
+    (`_MM_HINT_NTA`) instead of into the L1: a compiled decode step whose weights outgrow the last-level cache is
+    traced under it (engines.compile: the rule of kernels.cpu_gemm.streams_weights). A hint: the same bits."""
+    global _stream
+    before, _stream = _stream, bool(on)
+    try:
+        yield
+    finally:
+        _stream = before
+
+
+@torch.compiler.assume_constant_result
+def streams() -> bool:
+    """Whether the kernels' one-row calls stream their weights now (`streaming`). A compiled step reads it once, as
+    it is traced, and keeps it (no guard: held while the step is traced, not while it runs)."""
+    return _stream
 
 
 def use_installer(install: Callable[[], bool] | None) -> None:
@@ -53,7 +75,8 @@ def install() -> bool:
 
 
 def use_kernel(kernel: Callable | None, op: str | None = None) -> None:
-    """Register the CPU kernel (`kernel(x, w, sz, group_size)` -> float32 [M, N]; None: torch's ops) and its op name."""
+    """Register the CPU kernel (`kernel(x, w, sz, group_size, stream)` -> float32 [M, N]; None: torch's ops) and its
+    op name."""
     global _kernel
     _kernel = None if kernel is None else (kernel, op or getattr(kernel, "__name__", "kernel"))
 
@@ -135,7 +158,7 @@ def matmul(layer, x2d: torch.Tensor) -> torch.Tensor:
     on a CPU in float32 or bf16; else x^ times the dequantised weights in float32."""
     if (_kernel is not None and layer.kernel_weight is not None and x2d.device.type == "cpu"
             and x2d.dtype in (torch.float32, torch.bfloat16)):
-        return _kernel[0](x2d, layer.kernel_weight, layer.scales_and_zeros, layer.group_size)
+        return _kernel[0](x2d, layer.kernel_weight, layer.scales_and_zeros, layer.group_size, streams())
     return F.linear(fake_quantize(x2d), layer.dequantized(torch.float32))
 
 

@@ -37,7 +37,8 @@ _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, o
 
 
 def use_kernel(kernel: Callable | None, op: str | None = None) -> None:
-    """Register the CPU kernel (`kernel(x, q, scales)` -> float32 [M, N]; None: torch's ops) and its op name."""
+    """Register the CPU kernel (`kernel(x, q, scales, stream)` -> float32 [M, N]; None: torch's ops) and its op
+    name; `stream`: int4a8.streams()."""
     global _kernel
     _kernel = None if kernel is None else (kernel, op or getattr(kernel, "__name__", "kernel"))
 
@@ -75,7 +76,7 @@ def matmul(layer, x2d: torch.Tensor) -> torch.Tensor:
     float32 or bf16; else x^ times the codes in float32, times the scales."""
     if (layer.kernel == "a8" and _kernel is not None and x2d.device.type == "cpu"
             and x2d.dtype in (torch.float32, torch.bfloat16)):
-        return _kernel[0](x2d, layer.weight, layer.scales)
+        return _kernel[0](x2d, layer.weight, layer.scales, int4a8.streams())
     return F.linear(int4a8.fake_quantize(x2d), layer.weight.float()) * layer.scales.float()
 
 

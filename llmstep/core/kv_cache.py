@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .attention import CAUSAL, UNMASKED, Mask, causal_mask
+from .checks import is_int
 from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
 
@@ -142,8 +143,24 @@ class KVCache(Cache):
         return view
 
     def rollback(self, lengths: torch.Tensor | int):
-        """Forget everything from position `lengths` on (per sequence, or one int for all)."""
-        self.lengths.copy_(torch.as_tensor(lengths, device=self.lengths.device).expand_as(self.lengths))
+        """Forget everything from position `lengths` on (per sequence, or one int for all), each in 0 .. max_len;
+        refused, with nothing changed, otherwise."""
+        if is_int(lengths):  # one length for all, checked on the host (no device sync)
+            low = high = int(lengths)
+            new = None
+        else:
+            new = torch.as_tensor(lengths, device=self.lengths.device)
+            if new.is_floating_point() or new.is_complex() or new.dtype == torch.bool:
+                raise ValueError(f"rollback takes whole-number lengths, got {new.dtype}")
+            new = new.expand_as(self.lengths)  # a RuntimeError naming the shapes where they do not fit
+            low, high = int(new.min()), int(new.max())
+        if low < 0 or high > self.max_len:
+            raise ValueError(f"rollback lengths must be in 0 .. {self.max_len} (the cache's slots), got "
+                             f"{low if low < 0 else high}")
+        if new is None:
+            self.lengths.fill_(low)
+        else:
+            self.lengths.copy_(new)
 
     def reset(self):
         self.lengths.zero_()

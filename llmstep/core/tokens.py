@@ -17,7 +17,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from .chat import check_messages, render
+from .chat import check_messages, check_template, render
 from .checks import is_int
 from .config import read_json_object
 from .files import atomic_write, atomic_write_text
@@ -387,6 +387,8 @@ def _read_tokenizer_config(folder: Path) -> dict:
         if not (template is None or isinstance(template, str)):
             raise ValueError(f"{f}: chat_template must be Jinja source text or a list of {{'name', 'template'}}, "
                              f"got {type(template).__name__}")
+        if template is not None:
+            _check_template(template, f"{f}: chat_template")
         options["chat_template"] = template
         options["named_tokens"] = {}
         for name in TOKEN_NAMES:
@@ -397,8 +399,21 @@ def _read_tokenizer_config(folder: Path) -> dict:
             options["named_tokens"][name] = value
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():  # newer checkpoints keep the template in its own file; transformers prefers it
-        options["chat_template"] = jinja.read_text(encoding="utf-8")
+        try:
+            options["chat_template"] = jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja} is not UTF-8 text (byte {e.start} cannot be read)") from None
+        _check_template(options["chat_template"], str(jinja))
     return options
+
+
+def _check_template(template: str, where: str) -> None:
+    """A checkpoint's chat template compiled when it is read (as a GGUF file's is), its error naming the file: a
+    broken one is refused now, not after the weights load at the first chat (or at an export writing it on)."""
+    try:
+        check_template(template)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _is_id(i) -> bool:

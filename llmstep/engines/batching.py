@@ -29,9 +29,10 @@ any work (a bad one is refused with its index).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -42,7 +43,7 @@ from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
 from .decoding import check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
-from .request import MAX_ARRIVAL_STEP, Checked, Request
+from .request import MAX_ARRIVAL_STEP, Checked, Request, check_request
 from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduled, Scheduler
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
@@ -303,6 +304,13 @@ def request_list(requests) -> list:
 def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, policy: str = "continuous",
               max_len: int | None = None, compile: bool | None = None, kv: str = "contiguous", block_size: int = 16,
               kv_blocks: int | None = None, prefix_caching: bool = False, prefill_chunk: int | None = None) -> BatchRun:
-    """One-shot: `make_batcher`'s batcher serves `requests`."""
+    """One-shot: `make_batcher`'s batcher serves `requests`. The policy and each request are checked first (against
+    the model's context; the batcher checks them again against its own room), before a cache is allocated."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    requests = [dataclasses.replace(r, stop_ids=tuple(r.stop_ids)) if isinstance(r, Request)  # read once, kept
+                and isinstance(r.stop_ids, Iterator) else r for r in request_list(requests)]
+    for i, r in enumerate(requests):
+        check_request(r, model, index=i)
     return make_batcher(model, n_slots, max_len, compile, kv, block_size, kv_blocks, prefix_caching,
                         prefill_chunk).run(requests, policy)

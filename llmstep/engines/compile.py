@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ..core import torch_compat
+from ..core import int4a8, torch_compat
 from ..core.checks import check_flag
-from ..core.device import synchronize
+from ..core.device import last_level_cache, synchronize
 from ..kernels import cpu_attention, cpu_gemm, cpu_int4a8
 
 __all__ = ["compile_options", "tunes_matmuls", "gemm_backends", "uses_cuda_graphs", "compiles", "compile_step", "Step",
@@ -216,24 +216,42 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     if not options.get("freezing"):
         return compiled
     frozen_step = torch_compat.holding_freezing(compiled)  # the flag Dynamo reads when it traces, held set
-    digest: list[str] = []  # the weights' name, made at the first call
+    digest: list = []  # the weights' name and whether the kernels stream them, decided at the first call
 
     def named_step(*args):
-        """frozen_step with the weights' digest held in torch.compile's cache keys (`cache_key_tag`). The tag and
-        freezing's flag are process-wide settings: one such call runs at a time, so a step in another thread never
-        compiles under this one's."""
+        """frozen_step with the weights' digest held in torch.compile's cache keys (`cache_key_tag`), and the 8-bit-
+        activation kernels' streaming (`int4a8.streaming`, by `streams_weights`' rule) held while it is traced. The
+        tag and freezing's flag are process-wide settings: one such call runs at a time, so a step in another thread
+        never compiles under this one's."""
         with _NAMING:
             if not digest:
-                digest.append(weights_digest(*models))
+                digest.extend((weights_digest(*models), streams_weights(models)))
             before = torch.compiler.config.cache_key_tag
             torch.compiler.config.cache_key_tag = "+".join(t for t in (before, digest[0]) if t)
             try:
-                return frozen_step(*args)
+                with int4a8.streaming(digest[1]):
+                    return frozen_step(*args)
             finally:
                 torch.compiler.config.cache_key_tag = before
 
     named_step.traced = traced  # the function Dynamo compiles: Step.unguarded finds its compiled code there
     return named_step
+
+
+def streams_weights(models: Sequence[torch.nn.Module]) -> bool:
+    """Whether a CPU step running `models` streams their weights past the outer caches in its 8-bit-activation
+    kernels' one-row calls (int4a8.streaming): `cpu_gemm.streams_weights`' rule (the bf16 and int4 templates'), on
+    the bytes of every parameter and buffer of the models against the last-level cache; `cpu_gemm.streaming(on)`
+    overrides it (scripts/ab_cpu.py's `&stream` / `&nostream`)."""
+    tensors = {id(t): t for m in models for t in itertools.chain(m.parameters(), m.buffers())}.values()
+    return cpu_gemm.streams_weights(sum(t.nbytes for t in tensors), last_level_cache(), _vector_isa())
+
+
+def _vector_isa() -> str:
+    try:
+        return torch_compat.cpu_vector_isa()
+    except RuntimeError:
+        return ""
 
 
 class Step:

@@ -261,7 +261,10 @@ class DecodeResult:
             parts[0] += (f", prefill {self.prefill_seconds * 1e3:.1f} ms "
                          f"({self.prefill_tokens_per_second:,.0f} tok/s)")
         if self.decode_steps:
-            parts.append(f"decode {self.decode_steps} tokens at {self.decode_tokens_per_second:,.1f} tok/s")
+            kept = max(len(self.tokens) - 1, 0)  # a loop that checks its stop every few steps may run past it
+            ran = (f"{self.decode_steps} tokens" if kept >= self.decode_steps else
+                   f"{self.decode_steps} steps ({kept} kept: the rest came after the stop)")
+            parts.append(f"decode {ran} at {self.decode_tokens_per_second:,.1f} tok/s")
             if self.decode_bytes:
                 parts.append(f"{self.bytes_per_token / 1e6:,.2f} MB read per token, "
                              f"{self.bandwidth_gb_per_second:,.2f} GB/s achieved")

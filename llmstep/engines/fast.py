@@ -148,12 +148,13 @@ class FastDecoder(Engine):
 
     def _generate(self, r: Checked, sync_every: int) -> FastResult:
         ids, sampling, stops = r.ids, r.sampling, r.stops
-        self.warmup(3, *sampling)
         plan = budget(len(ids), r.max_new_tokens, self.max_len)
         result = FastResult(prompt_ids=ids, stop_reason=plan.stop_reason)
         n = plan.tokens
         if n == 0:
             return result
+        if n > 1:  # a decode step will run: compiled (and warm) before anything is timed; one token needs none
+            self.warmup(3, *sampling)
         device, first = self.device, len(ids)
         generator = r.generator(device)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(sorted(stops), device=device, dtype=torch.long)

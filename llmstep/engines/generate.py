@@ -70,7 +70,7 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tensor
     request = as_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=seed, stop_ids=stop_ids)
     r = check_request(request, model, tokenizer=tokenizer)
-    result = Generation(prompt_ids=r.ids)
+    result = Generation(prompt_ids=r.ids, stop_reason="interrupted")  # not yet run: unfinished (`_run` decides)
     return Stream(_run(model, tokenizer, r, result), result)
 
 

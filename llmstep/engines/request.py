@@ -19,7 +19,8 @@ from ..core.sampling import check_params
 from ..core.tokens import Tokenizer
 from .decoding import check_prompt_ids, encode_prompt, stop_id_set
 
-__all__ = ["Request", "Checked", "as_request", "check_request", "check_arrival", "end_ids", "MAX_ARRIVAL_STEP"]
+__all__ = ["Request", "Checked", "as_request", "check_request", "check_arrival", "end_ids", "generator_seed",
+           "MAX_ARRIVAL_STEP"]
 
 # The latest arrival step a batcher's run takes. Each engine step before it is recorded (a timeline row, shared by
 # idle steps: ~24 bytes a step), so 10**6 steps cost ~24 MB and a few milliseconds; a workload whose requests come
@@ -91,8 +92,23 @@ class Checked:
         if self.seed is None:
             g.seed()
         else:
-            g.manual_seed(int(self.seed))
+            g.manual_seed(generator_seed(int(self.seed), g.device))
         return g
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a request's generator on `device` is given for `seed` (0 .. 2**64 - 1). torch's CPU generator (a
+    Mersenne twister) keeps a seed's low 32 bits alone, so 5 and 5 + 2**32 would draw the same numbers: there a seed
+    of 2**32 or more is mixed down to 32 bits (splitmix64's finaliser: every bit of it moves the result), and seeds
+    below 2**32 are themselves. With 2**32 seeds a CPU generator can tell apart, two mixed seeds may still meet, by
+    chance, not by a pattern. A CUDA generator (Philox) keeps all 64 bits: the seed as given."""
+    if device.type != "cpu" or seed < 2**32:
+        return seed
+    mask = 2**64 - 1
+    z = (seed ^ (seed >> 30)) * 0xBF58476D1CE4E5B9 & mask
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & mask
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
 
 
 def check_request(request: Request, model: torch.nn.Module, limit: int | None = None,

@@ -26,6 +26,12 @@ is one stream, prefetched 4 KiB ahead; measured against tiles of 8 columns (int4
 streams as fast (14.7 vs 14.1 GB/s over SmolLM2's matmuls at one row, 2 threads), and the plain layout is the one
 every other path of the layer reads.
 
+A one-row call (a decode step's) given `stream` prefetches its weights with the non-temporal hint instead
+(`_MM_HINT_NTA`: past the outer caches where the CPU honours it), as kernels/cpu_gemm.py's templates do where a
+step's weights outgrow the last-level cache (the same rule, `engines.compile.streams_weights`; the flag is traced
+into the step: `int4a8.streaming`): there each weight is read once a step and gone before the next, and kept in the
+caches it would evict what the step reads again (the C++ wrapper's tensor handles, the KV cache). The same bits.
+
 Written for AVX2 (an AVX-512 CPU runs it too); `install()` builds it once per machine (kernels/cpp_build.py) and
 registers them with llmstep.core.int4a8 and int8a8, which call them for every such matmul on a CPU, at any row
 count; elsewhere, and where the build fails (`why()`), those modules compute the same functions with torch's ops.
@@ -136,8 +142,15 @@ void quantize_row(const T* x, int64_t K, int64_t blocks_per_group, int8_t* p, fl
 inline void load_sz(const float* p, __m256& s, __m256& z) { s = _mm256_loadu_ps(p); z = _mm256_loadu_ps(p + 8); }
 inline void load_sz(const c10::BFloat16* p, __m256& s, __m256& z) { s = load8(p); z = load8(p + 8); }
 
+// The hint a weight stream is prefetched with: into the L1 (T0), or past the outer caches (NTA: a step whose weights
+// outgrow the last-level cache, where keeping them would evict what the step reads again).
+template <bool NT>
+inline void prefetch(const void* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), NT ? _MM_HINT_NTA : _MM_HINT_T0);
+}
+
 // A tile of CV vectors of 8 columns ([K / 8][CV][32] bytes: one stream) times one row's codes p, steps d and E.
-template <int CV, typename S>
+template <int CV, bool NT, typename S>
 inline void columns(const int8_t* p, const float* d, const float* E, const uint8_t* W, const S* SZ, int64_t K,
                     int64_t bpg, float* y) {
   const __m256i low4 = _mm256_set1_epi8(15);
@@ -147,9 +160,7 @@ inline void columns(const int8_t* p, const float* d, const float* E, const uint8
   for (int c = 0; c < CV; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < K / (32 * bpg); ++g) {
     const __m256 eg = _mm256_set1_ps(E[g]);
-    for (int64_t l = 0; l < bpg * CV * 128; l += 64) {  // the stream AHEAD bytes on, into the L1
-      _mm_prefetch(reinterpret_cast<const char*>(W + g * bpg * CV * 128 + AHEAD + l), _MM_HINT_T0);
-    }
+    for (int64_t l = 0; l < bpg * CV * 128; l += 64) prefetch<NT>(W + g * bpg * CV * 128 + AHEAD + l);  // AHEAD on
     for (int c = 0; c < CV; ++c) {  // a column vector at a time: its sums stay in registers
       __m256 ag = _mm256_setzero_ps();  // sum_b d_b * sum(p q) over the group's blocks
       for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
@@ -179,7 +190,7 @@ inline void columns(const int8_t* p, const float* d, const float* E, const uint8
   for (int c = 0; c < CV; ++c) _mm256_storeu_ps(y + 8 * c, acc[c]);
 }
 
-template <typename T, typename S>
+template <bool NT, typename T, typename S>
 void mm_rows(const T* x, const uint8_t* W, const S* SZ, float* y, int64_t M, int64_t N, int64_t K, int64_t group) {
   const int64_t bpg = group / 32, blocks = K / 32, G = K / group;
   std::vector<int8_t> p(M * K);
@@ -200,10 +211,10 @@ void mm_rows(const T* x, const uint8_t* W, const S* SZ, float* y, int64_t M, int
         const S* sz = SZ + v0 * szstride;
         float* ym = y + m * N + 8 * v0;
         switch (cv) {
-          case 4: columns<4>(pm, dm, Em, w, sz, K, bpg, ym); break;
-          case 3: columns<3>(pm, dm, Em, w, sz, K, bpg, ym); break;
-          case 2: columns<2>(pm, dm, Em, w, sz, K, bpg, ym); break;
-          default: columns<1>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          case 4: columns<4, NT>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          case 3: columns<3, NT>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          case 2: columns<2, NT>(pm, dm, Em, w, sz, K, bpg, ym); break;
+          default: columns<1, NT>(pm, dm, Em, w, sz, K, bpg, ym); break;
         }
       }
     }
@@ -225,14 +236,14 @@ inline float to_float(c10::BFloat16 s) { return static_cast<float>(s); }
 // a pair of products is at most 2 * 128 * 127 = 32,512, inside int16; `vpmaddwd` adds pairs into 32-bit lanes. Eight
 // lanes of 4 products, scaled by the block's step, accumulate in float32 and are summed once at the end. The R rows
 // (a prompt's) share each load of the weights and their magnitudes; every row's arithmetic is the one-row order.
-template <int R, typename S>
+template <int R, bool NT, typename S>
 inline void column8(const int8_t* p, const float* d, const int8_t* w, S s, int64_t K, float* y, int64_t N) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t blocks = K / 32;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * b + AHEAD), _MM_HINT_T0);  // the stream AHEAD bytes on
+    prefetch<NT>(w + 32 * b + AHEAD);  // the stream AHEAD bytes on
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * b));
     const __m256i magnitude = _mm256_sign_epi8(q, q);
     for (int r = 0; r < R; ++r) {
@@ -245,7 +256,7 @@ inline void column8(const int8_t* p, const float* d, const int8_t* w, S s, int64
   for (int r = 0; r < R; ++r) y[r * N] = hsum(acc[r]) * to_float(s);
 }
 
-template <typename T, typename S>
+template <bool NT, typename T, typename S>
 void mm8_rows(const T* x, const int8_t* W, const S* scales, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = K / 32;
   std::vector<int8_t> p(M * K);
@@ -256,10 +267,10 @@ void mm8_rows(const T* x, const int8_t* W, const S* scales, float* y, int64_t M,
     for (int64_t n = n0; n < n1; ++n) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
-        column8<4>(p.data() + m * K, d.data() + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
+        column8<4, NT>(p.data() + m * K, d.data() + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
       }
       for (; m < M; ++m) {
-        column8<1>(p.data() + m * K, d.data() + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
+        column8<1, NT>(p.data() + m * K, d.data() + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
       }
     }
   });
@@ -293,18 +304,21 @@ void with_types(const at::Tensor& x, const at::Tensor& s, F&& f) {
   }
 }
 
-at::Tensor mm8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
+at::Tensor mm8_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, bool stream) {
   check8(x, w, s);
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
   const int8_t* W = w.data_ptr<int8_t>();
   float* out = y.data_ptr<float>();
-  with_types(xc, s, [&](auto a, auto scales) { mm8_rows(a, W, scales, out, M, N, K); });
+  with_types(xc, s, [&](auto a, auto scales) {
+    if (stream && M == 1) mm8_rows<true>(a, W, scales, out, M, N, K);  // a decode step's weights, read once
+    else mm8_rows<false>(a, W, scales, out, M, N, K);
+  });
   return y;
 }
 
-at::Tensor mm8_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s) {
+at::Tensor mm8_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, bool stream) {
   return at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
 }
 
@@ -321,18 +335,21 @@ void check(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64
               "int4a8 mm: scales and zeros must be contiguous bf16 or float32, 16 K / group per 8 columns");
 }
 
-at::Tensor mm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor mm_cpu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group, bool stream) {
   check(x, w, sz, group);
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = w.size(0) * 8;
   at::Tensor y = at::empty({M, N}, xc.options().dtype(at::kFloat));
   const uint8_t* W = w.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  with_types(xc, sz, [&](auto a, auto z) { mm_rows(a, W, z, out, M, N, K, group); });
+  with_types(xc, sz, [&](auto a, auto z) {
+    if (stream && M == 1) mm_rows<true>(a, W, z, out, M, N, K, group);  // a decode step's weights, read once
+    else mm_rows<false>(a, W, z, out, M, N, K, group);
+  });
   return y;
 }
 
-at::Tensor mm_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor mm_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group, bool stream) {
   return at::empty({x.size(0), w.size(0) * 8}, x.options().dtype(at::kFloat));
 }
 
@@ -357,9 +374,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(LLMSTEP_NS, m) {
-  m.def("mm(Tensor x, Tensor w, Tensor sz, int group) -> Tensor");
+  m.def("mm(Tensor x, Tensor w, Tensor sz, int group, bool stream=False) -> Tensor");
   m.def("quantize(Tensor x) -> (Tensor, Tensor)");
-  m.def("mm8(Tensor x, Tensor w, Tensor s) -> Tensor");
+  m.def("mm8(Tensor x, Tensor w, Tensor s, bool stream=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) {
   m.impl("mm", &mm_cpu);
@@ -374,9 +391,10 @@ TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) {
 
 
 def build():
-    """Build (once per machine) and load the kernels; returns torch.ops.llmstep_int4a8_avx2 (`mm(x, w, sz, group)`,
-    `quantize(x)`, int8-a8's `mm8(x, q, scales)`). Refused, before anything is built, on a CPU that does not run
-    AVX2."""
+    """Build (once per machine) and load the kernels; returns torch.ops.llmstep_int4a8_avx2 (`mm(x, w, sz, group,
+    stream=False)`, `quantize(x)`, int8-a8's `mm8(x, q, scales, stream=False)`; `stream`: a one-row call prefetches
+    its weights past the outer caches, int4a8.streaming). Refused, before anything is built, on a CPU that does not
+    run AVX2."""
     if "avx2" not in runs_here():
         raise RuntimeError(f"it is written for AVX2; this CPU's vector instructions: "
                            f"{torch.backends.cpu.get_cpu_capability()}")

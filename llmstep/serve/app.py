@@ -7,14 +7,15 @@ which is how a disconnect reaches the engine; FastAPI adds the routing and the e
 request bodies is ours (llmstep.serve.protocol), not FastAPI's pydantic models, so that every refusal is HTTP
 400 with OpenAI's error body naming the field (FastAPI's own would be a 422 in its own shape).
 
-Routes: GET (and HEAD) /health, GET (and HEAD) /v1/models, POST /v1/completions, POST /v1/chat/completions (the
-checkpoint's chat template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data: {json}` events, then
-`data: [DONE]`) or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens skipped), as
-`llmstep.generate` does, and cut before a `stop` string (the engine then drops the request). The model's
-end-of-sequence tokens end a request with finish_reason "stop"; its max_tokens, or the end of the context, with
-"length". A request is checked whole before it is queued, its length against what the server holds
+Routes: GET (and HEAD) /health, GET (and HEAD) /v1/models and /v1/models/{id}, POST /v1/completions, POST
+/v1/chat/completions (the checkpoint's chat template, `Tokenizer.encode_chat`), each streamed (`"stream": true`:
+`data: {json}` events, then `data: [DONE]`) or not. Text is decoded incrementally (`Tokenizer.stream`, special
+tokens skipped), as `llmstep.generate` does, and cut before a `stop` string (the engine then drops the request).
+The model's end-of-sequence tokens end a request with finish_reason "stop"; its max_tokens, or the end of the
+context, with "length". A request is checked whole before it is queued, its length against what the server holds
 (`Engine.context`: the model's context or the KV pool, whichever is less), so the engine never refuses one; if it
-still does, that is a 400 (an error event, then [DONE], once a stream has begun). A client that goes away,
+still does, that is a 400 (an error event, then [DONE], once a stream has begun; so is a server stopping under
+an open stream). Every chunk of a response carries the one `created` time. A client that goes away,
 mid-stream, or while its request waits for a slot or runs for a whole answer, has its request dropped at once. Text
 is tokenised off the event loop, and a text too long to fit is refused unread.
 """
@@ -50,7 +51,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
 
     @app.exception_handler(RequestError)
     async def bad_request(_, e: RequestError):
-        return JSONResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status)
+        headers = {"Retry-After": "1"} if e.status == 429 else None  # a full queue drains in about a second
+        return JSONResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status,
+                            headers=headers)
 
     @app.exception_handler(HTTPException)
     async def no_route(_, e: HTTPException):  # 404, 405: in OpenAI's shape too, not FastAPI's {"detail": ...}
@@ -63,10 +66,18 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         body = engine.health()
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "llmstep", "max_model_len": context}
+
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "llmstep",
-                                            "max_model_len": context}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise RequestError(f"the model {protocol.shorten(model_id)} does not exist: this server serves "
+                               f"{model_name!r}", "model", "model_not_found", status=404)
+        return model_card
 
     limit = protocol.max_body_bytes(context, tokenizer.longest)
 
@@ -79,8 +90,14 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                                    "tokens can hold", None, "request_too_large", status=413)
         try:
             body = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
-            raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
+        except json.JSONDecodeError as e:
+            raise RequestError(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
+                               None, "invalid_json") from None
+        except UnicodeDecodeError as e:
+            raise RequestError(f"the request body is not UTF-8 text: byte {e.start} cannot be read", None,
+                               "invalid_json") from None
+        except RecursionError:  # JSON nested about a thousand deep: valid, too deep to read
+            raise RequestError("the request body nests its JSON too deeply to be read", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_body")
         if body.get("model") is not None and not isinstance(body["model"], str):
@@ -148,7 +165,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         return text, reason, n
 
     async def answer(http: Request, ids: list[int], sampling: Sampling, chat: bool):
-        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        rid, created = protocol.new_id("chatcmpl" if chat else "cmpl"), int(time.time())  # one time for its chunks
         ticket = generate(ids, sampling, "messages" if chat else "prompt")
         if not sampling.stream:
             done = await unless_gone(http, whole(ticket, sampling))
@@ -156,36 +173,42 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                 return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
             text, reason, n = done
             use = protocol.usage(len(ids), n)
-            return (protocol.chat_body if chat else protocol.completion_body)(rid, model_name, text, reason, use)
+            body = protocol.chat_body if chat else protocol.completion_body
+            return body(rid, created, model_name, text, reason, use)
 
         async def events() -> AsyncIterator[str]:
             n = 0
             if chat:
-                yield sse(protocol.chat_chunk(rid, model_name, {"role": "assistant", "content": ""}, None))
+                yield sse(protocol.chat_chunk(rid, created, model_name, {"role": "assistant", "content": ""},
+                                              None))
             try:
                 async for piece, reason, made in pieces(ticket, sampling):
                     n = made
                     if chat:
-                        yield sse(protocol.chat_chunk(rid, model_name, {"content": piece} if piece else {}, reason))
+                        delta = {"content": piece} if piece else {}
+                        yield sse(protocol.chat_chunk(rid, created, model_name, delta, reason))
                     else:
-                        yield sse(protocol.completion_chunk(rid, model_name, piece, reason))
-            except EngineStopped as e:
+                        yield sse(protocol.completion_chunk(rid, created, model_name, piece, reason))
+            except EngineStopped as e:  # after the 200 went out: the error as an event, the stream ended as any
                 yield sse(protocol.error_body(str(e), "server_error", None, "engine_stopped"))
+                yield sse("[DONE]")
                 return
-            except ValueError as e:  # refused by the session after the 200 went out: say so, end the stream cleanly
+            except ValueError as e:  # refused by the session after the 200 went out: likewise
                 yield sse(protocol.error_body(str(e), "invalid_request_error", None, "invalid_value"))
                 yield sse("[DONE]")
                 return
             if sampling.include_usage:
                 use = protocol.usage(len(ids), n)
-                yield sse((protocol.chat_chunk if chat else protocol.completion_chunk)(rid, model_name, "", None, use))
+                chunk = protocol.chat_chunk if chat else protocol.completion_chunk
+                yield sse(chunk(rid, created, model_name, "", None, use))
             yield sse("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, max_tokens=context)  # a text far too long is refused before it is read
+        protocol.check_prompt_size(text, context, tokenizer.longest)  # a text far too long is refused unread
+        return tokenizer.encode(text, max_tokens=context)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -278,12 +301,18 @@ def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: fl
 
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, n_slots: int = 8,
           block_size: int = 16, kv_blocks: int | None = None, prefix_caching: bool = True,
-          prefill_chunk: int | None = 256, max_queue: int = 64, ready=None) -> dict:
+          prefill_chunk: int | None = 256, max_queue: int = 64, ready=None, sock: socket.socket | None = None) -> dict:
     """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port, health) is
-    called once the socket listens (port 0 picks a free one), with what /health says."""
-    engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
+    called once the socket listens (port 0 picks a free one), with what /health says. The socket is bound before
+    the engine (its KV pool) exists, so a port in use is refused at once; sock: one bound already (`bind`: the CLI
+    binds it before it loads the weights), served and closed here."""
+    sock = bind(host, port) if sock is None else sock
     try:
-        sock = bind(host, port)
+        engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
+    except BaseException:
+        sock.close()
+        raise
+    try:
         server = make_server(create_app(engine, tokenizer, model_name), engine)
         try:
             if ready is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -167,26 +166,29 @@ def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Samp
             only = " or ".join(json.dumps(d) for d in (default if isinstance(default, tuple) else (default,)))
             raise RequestError(f"{name}={shorten(body[name])} is not supported by llmstep serve (only {only})", name,
                                "unsupported_value")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {stream!r}", "stream", "invalid_type")
+    stream = _flag(body, "stream")
     options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict)
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
-                           "invalid_type")
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
+                               "invalid_type")
+        unknown = [name for name in options if name != "include_usage"]
+        if unknown:
+            raise RequestError(f"stream_options.{shorten(unknown[0])} is not supported by llmstep serve (only "
+                               "include_usage)",
+                               f"stream_options.{unknown[0]}", "unrecognized_argument")
     include_usage = bool(options and options.get("include_usage"))
-    if include_usage and not stream:  # a stream's usage chunk, with no stream asked for
+    if include_usage and not stream:  # a stream's usage chunk, with no stream asked for (asking nothing passes)
         raise RequestError("stream_options is only allowed with \"stream\": true", "stream_options",
                            "invalid_value")
     stop = _stops(body)
     max_tokens, max_tokens_param = _integer(body, "max_tokens", 1), "max_tokens"
-    if max_tokens is None and "max_completion_tokens" in body:  # chat's newer name (a completion refused it)
-        max_tokens, max_tokens_param = _integer(body, "max_completion_tokens", 1), "max_completion_tokens"
+    if "max_completion_tokens" in body:  # chat's newer name (a completion refused it), read first where both come
+        newer = _integer(body, "max_completion_tokens", 1)
+        if newer is not None:
+            max_tokens, max_tokens_param = newer, "max_completion_tokens"
     top_k = _integer(body, "top_k", -1)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise RequestError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos", "invalid_type")
+    ignore_eos = _flag(body, "ignore_eos")
     return Sampling(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                     temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's range
                     top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
@@ -194,6 +196,16 @@ def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Samp
                     seed=_seed(body), stop=stop, stream=stream,
                     include_usage=include_usage, ignore_eos=ignore_eos,
                     max_tokens_param=max_tokens_param)
+
+
+def _flag(body: dict, name: str) -> bool:
+    """A true/false field; absent or null: false."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {shorten(value)}", name, "invalid_type")
+    return value
 
 
 def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sampling]:
@@ -234,9 +246,16 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"{where} must be an object with a role in {', '.join(ROLES)}, got {shorten(m)}",
+        if not isinstance(m, dict):
+            raise RequestError(f"{where} must be an object with a role and a content, got {shorten(m)}", where,
+                               "invalid_value")
+        if m.get("role") not in ROLES:
+            raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {shorten(m.get('role'))}",
                                f"{where}.role", "invalid_value")
+        unread = [name for name in m if name not in ("role", "content") and m[name] is not None]
+        if unread:  # a name, a tool call: the chat template reads role and content only
+            raise RequestError(f"{where}.{shorten(unread[0])} is not supported by llmstep serve (a message's role and "
+                               "content are read)", f"{where}.{unread[0]}", "unsupported_value")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -262,10 +281,19 @@ def max_body_bytes(context: int, longest: int) -> int:
 def check_chat_size(messages: list[dict], context: int, longest: int) -> None:
     """Refuse, before tokenising, messages whose text alone must make more than `context` tokens: no token holds
     more than `longest` bytes, and a character is at least one (whitespace around a turn's text may be cut)."""
-    chars = sum(len(m["content"].strip()) for m in messages)
+    _check_size(sum(len(m["content"].strip()) for m in messages), context, longest, "messages", "their text")
+
+
+def check_prompt_size(text: str, context: int, longest: int) -> None:
+    """`check_chat_size` for a completion's prompt text: refused, unread, where it must make more than `context`
+    tokens (the same code, context_length_exceeded, as a prompt found too long once tokenised)."""
+    _check_size(len(text), context, longest, "prompt", "the text")
+
+
+def _check_size(chars: int, context: int, longest: int, param: str, what: str) -> None:
     if chars > context * longest:
-        raise RequestError(f"messages: their text is {chars:,} characters, at least {chars // longest:,} tokens; "
-                           f"this server holds {context} tokens a request", "messages", "context_length_exceeded")
+        raise RequestError(f"{param}: {what} is {chars:,} characters, at least {chars // longest:,} tokens; this "
+                           f"server holds {context} tokens a request", param, "context_length_exceeded")
 
 
 def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param: str = "prompt") -> int:
@@ -340,24 +368,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], "usage": use}
 
 
-def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None = None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None,
+                     use: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [] if use else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str, use: dict) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+def chat_body(rid: str, created: int, model: str, text: str, finish_reason: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": finish_reason}], "usage": use}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, use: dict | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None,
+               use: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [] if use else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
             "usage": use}

@@ -45,6 +45,8 @@ def no_loading(monkeypatch):
     (["--quantize", "int4-g48"], "group_size 48 does not divide"),
     (["--quantize", "int4-g32+lm_head-int8", "--keep-quantized"], "is a checkpoint directory"),
     (["--quantize", "int8", "--draft", "self-int4"], "--draft self-int4 quantizes the float target"),
+    (["--keep-quantized", "--draft", "self-int8"], "--draft self-int8 quantizes a float copy of the target; "
+                                                   "--keep-quantized keeps"),
 ])
 def test_what_it_cannot_serve_is_refused_before_loading(tiny_checkpoint, no_loading, extra, says):
     with pytest.raises(SystemExit, match=f"llmstep generate: error: .*{says}"):

@@ -246,6 +246,8 @@ def _write_header(path, header: bytes):
 @pytest.mark.parametrize("header", [
     b"[1, 2]", b'"text"', b'{"model.norm.weight": {"dtype": "F32", "data_offsets": [0, 4]}}',  # no shape
     b'{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}',
+    b'{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, "4"]}}',  # not a number of bytes
+    b'{"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, -4]}}',
 ])
 def test_malformed_safetensors_header(ckpt, header):
     _write_header(ckpt / "model.safetensors", header)

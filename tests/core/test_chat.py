@@ -423,6 +423,20 @@ def test_a_tokenizer_config_of_the_wrong_shape_is_refused_naming_the_field(tmp_p
         Tokenizer.from_dir(folder_with(tmp_path, bpe, config))
 
 
+def test_a_broken_template_in_a_checkpoints_files_is_refused_when_read_naming_the_file(tmp_path, bpe):
+    """As a GGUF file's template is: checked when the tokenizer is read, not after the weights load at the first
+    chat (nor written on by an export)."""
+    with pytest.raises(ValueError, match=r"tokenizer_config.json: chat_template: .*not valid Jinja"):
+        Tokenizer.from_dir(folder_with(tmp_path, bpe, {"chat_template": "{% for m in messages %}{{ m.content"}))
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "chat_template.jinja").write_text("{{ x")
+    with pytest.raises(ValueError, match=r"chat_template.jinja: .*not valid Jinja"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{x}}")
+    with pytest.raises(ValueError, match=r"chat_template.jinja is not UTF-8 text \(byte 0"):
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_save_dir_writes_what_from_dir_reads_back(tmp_path, bpe):
     ours, _ = pair(bpe, "llama3.1")
     ours.save_dir(tmp_path)

@@ -85,6 +85,22 @@ def test_rollback_then_rewrite_gives_the_same_logits(tiny_checkpoint):
     torch.testing.assert_close(resumed, model(tokens)[:, 12:], atol=1e-5, rtol=0)
 
 
+def test_a_rollback_to_a_length_the_cache_cannot_hold_is_refused_with_nothing_changed(tiny_checkpoint):
+    """A negative length or one past the cache's slots would fail at the next forward, far from the call."""
+    model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
+    cache = model.new_cache(batch_size=2, max_len=8)
+    cache.rollback(torch.tensor([3, 5]))
+    for bad, match in ((-1, "got -1"), (9, "got 9"), (torch.tensor([2, 9]), "got 9"), (torch.tensor([-2, 1]), "got -2"),
+                       (3.0, "whole-number"), (torch.tensor([1.0, 2.0]), "whole-number")):
+        with pytest.raises(ValueError, match=match):
+            cache.rollback(bad)
+        assert cache.lengths.tolist() == [3, 5]
+    cache.rollback(8)
+    assert cache.lengths.tolist() == [8, 8]
+    cache.rollback(0)
+    assert cache.lengths.tolist() == [0, 0]
+
+
 @torch.no_grad()
 def test_batched_rows_at_different_positions(tiny_checkpoint):
     """Each row of a batch decodes at its own position, as in continuous batching."""

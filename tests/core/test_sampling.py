@@ -203,3 +203,10 @@ def test_first_max_compiled_is_argmax_ties_nans_and_infinities_included(dtype):
     assert "argmax" not in "".join(code) and "amin" in "".join(code)  # the two reductions ran, not argmax's kernel
     assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
     assert torch.equal(compiled(x[:, 0]), x[:, 0].argmax(dim=-1))  # [B, V] too (a new shape: compiled again)
+
+
+def test_a_temperature_past_float32s_largest_is_refused():
+    """1e39 is a finite Python float and infinite in float32, where the logits are divided: every logit 0 or NaN."""
+    with pytest.raises(ValueError, match="temperature must be at most"):
+        sample(torch.tensor([[float("-inf"), 0.0, 1.0]]), 1e39)
+    assert sample(torch.tensor([[float("-inf"), 0.0, 1.0]]), 3e38).item() in (1, 2)

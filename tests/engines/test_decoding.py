@@ -211,6 +211,19 @@ def test_the_summary_never_prints_nan_for_what_did_not_run():
     assert "decode 2 tokens at 2.0 tok/s | 1.00 MB read per token, 0.00 GB/s achieved" in more.summary()
 
 
+def test_the_summary_of_a_loop_that_ran_past_its_stop_says_how_many_tokens_it_kept(loaded):
+    """FastDecoder checks its stop ids every sync_every steps: the steps it ran after the stop are timed (the rate
+    is the loop's) and not passed off as tokens made."""
+    from llmstep.fast import FastDecoder
+
+    model, _ = loaded
+    free = FastDecoder(model, compile=False).generate([1, 2], 12, temperature=0, stop_ids=()).tokens
+    r = FastDecoder(model, compile=False).generate([1, 2], 12, temperature=0, stop_ids=[free[2]], sync_every=8)
+    kept = len(r.tokens) - 1
+    assert r.tokens == free[: free.index(free[2]) + 1] and r.decode_steps == 7 > kept  # checked before step 8
+    assert f"decode 7 steps ({kept} kept: the rest came after the stop)" in r.summary()
+
+
 def test_a_stop_id_outside_the_vocabulary_is_refused_by_every_loop(loaded):
     from llmstep.batching import Request, run_batch
     from llmstep.fast import FastDecoder

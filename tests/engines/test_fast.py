@@ -107,6 +107,17 @@ def test_the_warmup_runs_the_step_even_when_eager(tiny):
         handle.remove()
 
 
+def test_a_request_for_no_new_token_or_one_runs_no_decode_step(tiny):
+    """No decode step runs for 0 new tokens (nothing to make) or 1 (the prefill makes it): none is warmed, so a
+    compiled decoder compiles nothing for it."""
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=32, compile=False)
+    for n in (0, 1):
+        r = decoder.generate([1, 2, 3], n, temperature=0.5, top_k=7)
+        assert len(r.tokens) == n and r.decode_steps == 0
+        assert not decoder.is_warm((0.5, 7, 1.0))
+
+
 def test_a_decoder_sized_per_request_uses_the_one_sizing_rule(tiny):
     model, tok = tiny
     decoder = FastDecoder(model, compile=False)

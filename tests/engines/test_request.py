@@ -157,3 +157,42 @@ def test_a_request_is_read_once_so_a_one_shot_stop_iterator_works(small):
     free = FastDecoder(model).generate([1, 2, 3], 10, temperature=0, stop_ids=()).tokens
     r = FastDecoder(model).generate(Request([1, 2, 3], 10, temperature=0, stop_ids=iter([free[4]])))
     assert r.tokens == free[: free.index(free[4]) + 1] and r.stop_reason == "stop"
+
+
+def test_run_batch_refuses_a_bad_policy_or_request_before_a_cache_is_allocated(small, monkeypatch):
+    """The batcher's cache would be allocated, then the run refused: both are checked first."""
+    model, _ = small
+    import llmstep.engines.batching as batching
+
+    def never(*args, **kwargs):
+        raise AssertionError("a batcher was built for a run that is refused")
+
+    monkeypatch.setattr(batching, "make_batcher", never)
+    with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
+        run_batch(model, [Request([1, 2, 3], 4)], policy="fifo")
+    with pytest.raises(ValueError, match="request 1: temperature must be"):
+        run_batch(model, [Request([1, 2, 3], 4), Request([1, 2], 4, temperature=-1)])
+    monkeypatch.undo()
+    free = FastDecoder(model).generate([1, 2, 3], 10, temperature=0, stop_ids=()).tokens
+    done = run_batch(model, [Request([1, 2, 3], 10, temperature=0, stop_ids=iter([free[4]]))]).completions[0]
+    assert done.tokens == free[: free.index(free[4]) + 1]  # a one-shot stop iterator, read once, still works
+
+
+def test_seeds_that_differ_above_32_bits_draw_differently_on_a_cpu(shipped):
+    """torch's CPU generator keeps a seed's low 32 bits: llmstep mixes larger seeds down (generator_seed), so 5,
+    5 + 2**32 and 5 + 2**40 are three seeds; below 2**32 a seed is itself (the draws every record was made with)."""
+    import torch
+
+    from llmstep.engines.request import generator_seed
+
+    model, tok = shipped
+    runs = [llmstep.generate(model, tok, "ROMEO:", max_new_tokens=8, seed=s, stop_ids=()).tokens
+            for s in (5, 5 + 2**32, 5 + 2**40)]
+    assert len({tuple(r) for r in runs}) == 3
+    cpu = torch.device("cpu")
+    assert generator_seed(5, cpu) == 5 and generator_seed(2**32 - 1, cpu) == 2**32 - 1
+    mixed = [generator_seed(s, cpu) for s in (2**32, 2**32 + 1, 2**63, 2**64 - 1)]
+    assert all(0 <= m < 2**32 for m in mixed) and len(set(mixed)) == 4
+    assert generator_seed(5 + 2**40, torch.device("meta")) == 5 + 2**40  # another device's generator keeps 64 bits
+    g = check_request(Request([1], 1, seed=5 + 2**40), model).generator(cpu)
+    assert g.initial_seed() == generator_seed(5 + 2**40, cpu)

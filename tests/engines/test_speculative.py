@@ -182,6 +182,18 @@ def test_adaptive_k_keeps_the_greedy_output(target, drafts, tok):
     assert len(set(out.proposed[:-3])) > 1  # k moved with the acceptance measured
 
 
+def test_adaptive_k_far_past_the_context_chooses_among_the_ks_a_round_can_use(target, drafts, tok, monkeypatch):
+    """k is any positive integer; adaptive k searches 1..k each round, so a k of ten million (a flag typed wrong)
+    searched ten million a round: the search stops at the target's context, the output the same."""
+    searched, best = [], spec.best_k
+    monkeypatch.setattr(spec, "best_k", lambda a, c, k_max, v=None: searched.append(k_max) or best(a, c, k_max, v))
+    ref = plain_greedy(target, tok, 12, stop_ids=[])
+    out = speculative_generate(target, drafts["noisy-copy"], tok, PROMPT, k=10_000_000, max_new_tokens=12,
+                               temperature=0, stop_ids=[], adaptive=True, cost_ratio=0.0)
+    assert out.tokens == ref.tokens
+    assert searched and max(searched) == target.config.max_seq_len
+
+
 def test_theory_of_tokens_per_forward_and_the_best_k():
     assert spec.expected_tokens_per_forward(0.0, 4) == 1  # every proposal rejected: one token per forward
     assert spec.expected_tokens_per_forward(1.0, 4) == 5  # all accepted: k + 1

@@ -299,3 +299,10 @@ def test_a_vocabulary_padded_past_the_tokenizer_decodes_its_padding_to_nothing(t
         tok.decode([5, 400])
     with pytest.raises(ValueError, match="cannot decode token id 400"):
         tok.stream().step(400)
+
+
+def test_a_stream_not_yet_read_says_it_is_unfinished():
+    model, tok = llmstep.load()
+    s = llmstep.stream(model, tok, "ROMEO:", max_new_tokens=3, temperature=0)
+    assert s.result.stop_reason == "interrupted" and s.result.tokens == []
+    assert len(list(s)) == 3 and s.result.stop_reason == "length"

@@ -68,6 +68,62 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(a8_ops):
         assert torch.equal(a8_ops.mm(x[m:m + 1], w, sz, 32), together[m:m + 1])
 
 
+def test_streaming_the_weights_past_the_caches_changes_no_bit(a8_ops):
+    """`stream` is a prefetch hint for one-row calls (a decode step's): the same bits at one row and at several."""
+    codes, scales, zeros = _layer(96, 384, 32, torch.bfloat16, 4)
+    w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)
+    q = torch.randint(-128, 128, (96, 384), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    s = torch.rand(96, dtype=torch.bfloat16) + 0.5
+    for M in (1, 3):
+        x = a8_rows(M, 384, torch.bfloat16, 6 + M)
+        assert torch.equal(a8_ops.mm(x, w, sz, 32, True), a8_ops.mm(x, w, sz, 32, False))
+        assert torch.equal(a8_ops.mm8(x, q, s, True), a8_ops.mm8(x, q, s))
+
+
+def test_a_step_traced_while_streaming_holds_its_kernels_stream_and_keeps_it(a8_ops, model128):
+    """int4a8.streams() is read once, as a step is traced: the kernels' calls in the graph carry it (no guard, so
+    the step keeps it when run outside `streaming`); outside, they do not stream."""
+    model = quantize(model128[0], "int4-g32-a8+lm_head-int8-a8", inplace=False)
+    graphs = []
+
+    def capture(gm, inputs):
+        graphs.append([tuple(n.args[4:] if "mm8" not in str(n.target) else n.args[3:]) for n in gm.graph.nodes
+                       if n.op == "call_function" and "llmstep_int4a8_avx2" in str(n.target)])
+        return gm.forward
+
+    x = torch.tensor([[1, 2, 3]])
+    for on in (True, False):
+        torch._dynamo.reset()
+        step = torch.compile(lambda t: model(t), backend=capture, fullgraph=True)
+        with torch.no_grad(), int4a8.streaming(on):
+            step(x)
+        with torch.no_grad():
+            step(x)  # outside: the same code, not traced again
+        assert len(graphs) == 1 and len(graphs[0]) == 7 * model.config.n_layers + 1  # unfused: 7 a layer, a head
+        assert all(args == (on,) for args in graphs.pop())
+    assert not int4a8.streams()
+
+
+def test_a_compiled_step_streams_where_its_weights_outgrow_the_last_level_cache(monkeypatch, model128):
+    """engines.compile.streams_weights: kernels.cpu_gemm's rule on the models' bytes (each tensor once), the
+    override of cpu_gemm.streaming first."""
+    import llmstep.engines.compile as compile_mod
+    from llmstep.kernels import cpu_gemm
+
+    model = model128[0]
+    size = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])  # its head is its embedding: once
+    monkeypatch.setattr(compile_mod, "_vector_isa", lambda: "avx2")
+    for cache, want in ((size - 1, True), (size, False), (None, False)):
+        monkeypatch.setattr(compile_mod, "last_level_cache", lambda cache=cache: cache)
+        assert compile_mod.streams_weights([model, model]) is want
+        for on in (True, False):
+            with cpu_gemm.streaming(on):
+                assert compile_mod.streams_weights([model]) is on
+    monkeypatch.setattr(compile_mod, "_vector_isa", lambda: "avx512")  # not an ISA where streaming was measured
+    monkeypatch.setattr(compile_mod, "last_level_cache", lambda: 1)
+    assert compile_mod.streams_weights([model]) is False
+
+
 def test_a_nan_or_an_infinity_makes_its_row_non_finite_and_leaves_the_others(a8_ops):
     codes, scales, zeros = _layer(64, 256, 32, torch.float32, 3)
     w, sz = int4a8.layout(unpack_int4(codes), scales, zeros)

@@ -8,7 +8,7 @@ import json
 import pytest
 from serving import load_shipped, running_server
 
-from llmstep.cli import main
+from llmstep.cli import CommandFailed, main
 
 shipped = pytest.fixture(scope="module", name="shipped")(load_shipped)
 
@@ -21,13 +21,14 @@ def test_serve_passes_prefill_chunk_and_prefix_caching_to_the_engine(flags, chun
     seen = {}
 
     def fake_serve(model, tokenizer, name, host, port, n_slots, block_size, kv_blocks, prefix_caching,
-                   prefill_chunk, max_queue, ready):
+                   prefill_chunk, max_queue, ready, sock):
         seen.update(prefix_caching=prefix_caching, prefill_chunk=prefill_chunk)
-        ready(host, 1234, {"kv_blocks_total": 1, "block_size": 16, "kv_bytes": 0})
+        ready(host, sock.getsockname()[1], {"kv_blocks_total": 1, "block_size": 16, "kv_bytes": 0})
+        sock.close()
         return {"requests": 0, "tokens": 0}
 
     monkeypatch.setattr(app, "serve", fake_serve)
-    main(["serve", *flags])
+    main(["serve", "--port", "0", *flags])
     assert seen == {"prefix_caching": caching, "prefill_chunk": chunk}
     said = capsys.readouterr().err
     assert ("chunked prefill off" if chunk is None else f"chunked prefill {chunk} tokens a step") in said, said
@@ -101,3 +102,18 @@ def test_bench_serve_takes_the_url_serve_prints_and_refuses_what_is_not_a_server
     finally:
         other.shutdown()
         other.server_close()
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch):
+    """The CLI binds its socket first: a busy port costs no load of the weights (seconds to minutes)."""
+    from llmstep.core import checkpoint
+    from llmstep.serve.app import bind
+
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    busy = bind("127.0.0.1", 0)
+    try:
+        port = busy.getsockname()[1]
+        with pytest.raises(CommandFailed, match=f"cannot listen on 127.0.0.1 port {port}: Address already in use"):
+            main(["serve", "--port", str(port)])
+    finally:
+        busy.close()

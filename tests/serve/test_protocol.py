@@ -13,8 +13,11 @@ from llmstep.serve.protocol import (
     RequestError,
     StopText,
     _overlap,
+    chat_chunk,
     check_chat_size,
     check_length,
+    check_prompt_size,
+    completion_body,
     parse_chat,
     parse_completion,
 )
@@ -104,6 +107,55 @@ def test_chat_text_that_cannot_fit_is_refused_before_it_is_tokenised():
         check_chat_size(messages, context=10, longest=30)
     assert caught.value.param == "messages" and caught.value.code == "context_length_exceeded"
     check_chat_size([{"role": "user", "content": "a" * 300}], context=10, longest=30)  # may fit: tokenise it
+
+
+def test_completion_text_that_cannot_fit_is_refused_before_it_is_tokenised_as_a_context_length():
+    """The code a client reads for a prompt too long is context_length_exceeded however the prompt came: as text
+    far too long to tokenise, as token ids, or as messages."""
+    with pytest.raises(RequestError) as caught:
+        check_prompt_size("a" * 301, context=10, longest=30)
+    assert caught.value.param == "prompt" and caught.value.code == "context_length_exceeded"
+    check_prompt_size("a" * 300, context=10, longest=30)
+
+
+def test_max_completion_tokens_is_checked_and_read_first_where_max_tokens_comes_too():
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    _, s = parse_chat(chat | {"max_tokens": 2, "max_completion_tokens": 5})
+    assert (s.max_tokens, s.max_tokens_param) == (5, "max_completion_tokens")
+    _, s = parse_chat(chat | {"max_tokens": 2, "max_completion_tokens": None})
+    assert (s.max_tokens, s.max_tokens_param) == (2, "max_tokens")
+    for bad in (-5, "abc", 0, 1.5):
+        with pytest.raises(RequestError) as caught:
+            parse_chat(chat | {"max_tokens": 2, "max_completion_tokens": bad})
+        assert caught.value.param == "max_completion_tokens"
+
+
+def test_null_true_false_fields_are_their_defaults_and_other_values_refused():
+    _, s = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stream": None, "ignore_eos": None})
+    assert (s.stream, s.ignore_eos) == (False, False)
+    for name in ("stream", "ignore_eos"):
+        error = refused(**{name: "yes"})
+        assert error.param == name and error.code == "invalid_type" and "'yes'" in error.message
+
+
+def test_stream_options_other_than_include_usage_and_message_fields_other_than_role_and_content_are_refused():
+    error = refused(stream=True, stream_options={"include_usage": False, "continuous_usage_stats": True})
+    assert error.param == "stream_options.continuous_usage_stats" and error.code == "unrecognized_argument"
+    assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+    for field in ({"name": "bob"}, {"tool_call_id": "c1"}, {"weight": 1}):
+        with pytest.raises(RequestError) as caught:
+            parse_chat({"messages": [{"role": "user", "content": "hi"} | field]})
+        assert caught.value.param == f"messages[0].{next(iter(field))}" and caught.value.code == "unsupported_value"
+    assert parse_chat({"messages": [{"role": "user", "content": "hi", "name": None}]})[0] == [
+        {"role": "user", "content": "hi"}]  # a null field says nothing
+    with pytest.raises(RequestError) as caught:
+        parse_chat({"messages": ["hi"]})
+    assert caught.value.param == "messages[0]" and "object" in caught.value.message
+
+
+def test_a_response_and_its_chunks_carry_the_time_they_are_given():
+    assert completion_body("cmpl-1", 1234, "m", "hi", "stop", {})["created"] == 1234
+    assert chat_chunk("chatcmpl-1", 1234, "m", {}, None)["created"] == 1234
 
 
 UNSUPPORTED = [("min_p", 0.1), ("repetition_penalty", 1.2), ("tool_choice", "auto"), ("functions", [{"name": "f"}]),

@@ -108,7 +108,8 @@ def test_text_too_long_to_fit_is_refused_unread(server, shipped):
     _, tokenizer = shipped
     too_long = "a" * (512 * tokenizer.longest + 1)  # more bytes than 512 of the longest token hold
     error = error_of(post(url, {"prompt": too_long, "max_tokens": 1}))
-    assert error["param"] == "prompt" and "bytes" in error["message"]  # counted, not tokenised
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")  # as messages' below
+    assert "characters" in error["message"]  # counted, not tokenised
     chat = {"messages": [{"role": "user", "content": too_long}], "max_tokens": 1}
     error = error_of(post(url, chat, "/v1/chat/completions"))
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")

@@ -229,6 +229,13 @@ def test_an_unknown_model_is_a_404_and_a_body_that_is_not_json_a_400(server):
     assert caught.value.body["param"] == "model"
     r = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert "line 1 column 2" in r.json()["error"]["message"]  # where the parser stopped
+    r = httpx.post(f"{url}/v1/completions", content=b"[" * 5000 + b"]" * 5000, timeout=TIMEOUT)  # valid, too deep
+    assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/models/shipped", timeout=TIMEOUT).json()["id"] == "shipped"  # models.retrieve
+    assert client(url).models.retrieve("shipped").id == "shipped"
+    r = httpx.get(f"{url}/v1/models/gpt-9", timeout=TIMEOUT)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_a_full_queue_answers_429_at_once_and_the_others_go_on(shipped):
@@ -241,6 +248,7 @@ def test_a_full_queue_answers_429_at_once_and_the_others_go_on(shipped):
         with pytest.raises(openai.RateLimitError) as caught:
             c.completions.create(model="shipped", prompt="hi", max_tokens=2)
         assert caught.value.status_code == 429 and caught.value.body["code"] == "queue_full"
+        assert caught.value.response.headers["Retry-After"] == "1"  # when a client may ask again
         assert engine.stats["refused"] == 1
         for s in streams:
             s.close()  # both go: the server takes requests again
