@@ -130,6 +130,7 @@ def load_for_command(args, load_one):
 def run_generate(args, argv) -> None:
     from ..core import parallel
     from ..core.checkpoint import load
+    from ..engines.drafts import parse_draft
     from ..engines.generate import stream
 
     if not args.prompt:  # stream() refuses it too, but only once the model is loaded; a chat's empty message it takes
@@ -148,7 +149,7 @@ def run_generate(args, argv) -> None:
     if args.quantize != "none":
         check_quantize(args)  # before the draft's checks and any weight read
     if args.draft is not None:
-        if args.keep_quantized and args.draft.startswith("self-int"):  # before the file's blocks are read
+        if args.keep_quantized and parse_draft(args.draft)[0] == "quantized":  # before the file's blocks are read
             raise ValueError(f"--draft {args.draft} quantizes a float copy of the target; --keep-quantized keeps "
                              "the file's quantized blocks: use a layer draft (self-N) or a draft checkpoint")
         check_draft(args.draft, args.model)  # a bad or missing draft is refused before the target is loaded

@@ -12,7 +12,8 @@ lstrip_blocks=True)` with Jinja's `loopcontrols` extension (`break`, `continue`)
 The template sees `messages`, `add_generation_prompt`, `tools`, `documents` and the special-token strings
 (`bos_token`, `eos_token`, ...). `render` builds the same environment and context, so one template and one
 conversation give one string in both. A template is code written by whoever published the checkpoint: the sandbox
-keeps it from reaching Python's internals, and every way it can fail is a ValueError saying which.
+keeps it from reaching Python's internals and bounds what one `*` or `**` makes (`MAX_REPEAT`, `MAX_POWER_BITS`),
+and every way it can fail is a ValueError saying which.
 """
 
 from __future__ import annotations
@@ -158,12 +159,34 @@ class _Generation(Extension):
         return caller()
 
 
+MAX_REPEAT = 1_000_000  # the most characters or items a template's `*` makes at once ('x' * 10**10: refused)
+MAX_POWER_BITS = 100_000  # the largest integer a template's `**` makes, in bits (10 ** 10 ** 10: refused)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with its `*` and `**` bounded: Jinja's own bounds `range` alone, so one expression could ask for
+    gigabytes or hours. A real template repeats a separator or indents a few times."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                    raise SecurityError(f"{type(seq).__name__} * {n} would make {len(seq) * n:,} "
+                                        f"{'characters' if isinstance(seq, str) else 'items'} (at most {MAX_REPEAT:,})")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            if right * abs(left).bit_length() > MAX_POWER_BITS:
+                raise SecurityError(f"{left} ** {right} is an integer of more than {MAX_POWER_BITS:,} bits")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     """The template compiled once per text (a chat compiles nothing after its first message)."""
     if not isinstance(template, str):
         raise ValueError(f"a chat template is Jinja source text, got {type(template).__name__}")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
                        namespace=_Namespace, dict=_Dict())

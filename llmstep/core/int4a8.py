@@ -24,6 +24,7 @@ non-finite output row, as the float path does.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator
 
 import torch
@@ -38,27 +39,28 @@ BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
 TILE = 4  # vectors of 8 columns the kernel takes together, their weights one stream
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
 _installer: Callable[[], bool] | None = None  # builds and registers it, int8-a8's too (kernels.cpu_int4a8.install)
-_stream = False  # `streaming` holds it: the one-row calls prefetch their weights past the outer caches
+# `streaming` holds it, in this thread (or asyncio task) alone: the one-row calls prefetch their weights past the
+# outer caches
+_stream: contextvars.ContextVar[bool] = contextvars.ContextVar("llmstep_int4a8_stream", default=False)
 
 
 @contextlib.contextmanager
 def streaming(on: bool) -> Iterator[None]:
-    """While held, the kernels' one-row calls traced or run here stream their weights past the outer caches
-    (`_MM_HINT_NTA`) instead of into the L1: a compiled decode step whose weights outgrow the last-level cache is
-    traced under it (engines.compile: the rule of kernels.cpu_gemm.streams_weights). A hint: the same bits."""
-    global _stream
-    before, _stream = _stream, bool(on)
+    """While held (in this thread), the kernels' one-row calls traced or run here stream their weights past the
+    outer caches (`_MM_HINT_NTA`) instead of into the L1: a compiled decode step whose weights outgrow the last-level
+    cache is traced under it (engines.compile.streams_weights). A hint: the same bits."""
+    token = _stream.set(bool(on))
     try:
         yield
     finally:
-        _stream = before
+        _stream.reset(token)
 
 
 @torch.compiler.assume_constant_result
 def streams() -> bool:
     """Whether the kernels' one-row calls stream their weights now (`streaming`). A compiled step reads it once, as
     it is traced, and keeps it (no guard: held while the step is traced, not while it runs)."""
-    return _stream
+    return _stream.get()
 
 
 def use_installer(install: Callable[[], bool] | None) -> None:

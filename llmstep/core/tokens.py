@@ -387,9 +387,7 @@ def _read_tokenizer_config(folder: Path) -> dict:
         if not (template is None or isinstance(template, str)):
             raise ValueError(f"{f}: chat_template must be Jinja source text or a list of {{'name', 'template'}}, "
                              f"got {type(template).__name__}")
-        if template is not None:
-            _check_template(template, f"{f}: chat_template")
-        options["chat_template"] = template
+        options["chat_template"], source = template, f"{f}: chat_template"
         options["named_tokens"] = {}
         for name in TOKEN_NAMES:
             value = data.get(name)
@@ -400,10 +398,11 @@ def _read_tokenizer_config(folder: Path) -> dict:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():  # newer checkpoints keep the template in its own file; transformers prefers it
         try:
-            options["chat_template"] = jinja.read_text(encoding="utf-8")
+            options["chat_template"], source = jinja.read_text(encoding="utf-8"), str(jinja)
         except UnicodeDecodeError as e:
             raise ValueError(f"{jinja} is not UTF-8 text (byte {e.start} cannot be read)") from None
-        _check_template(options["chat_template"], str(jinja))
+    if options.get("chat_template") is not None:  # the template used: a stale one it replaces is not read
+        _check_template(options["chat_template"], source)
     return options
 
 

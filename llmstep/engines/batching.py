@@ -44,7 +44,7 @@ from .decoding import check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
 from .request import MAX_ARRIVAL_STEP, Checked, Request, check_request
-from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduled, Scheduler
+from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduled, Scheduler, check_policy
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
            "engine_step", "run_steps", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP",
@@ -306,8 +306,7 @@ def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, polic
               kv_blocks: int | None = None, prefix_caching: bool = False, prefill_chunk: int | None = None) -> BatchRun:
     """One-shot: `make_batcher`'s batcher serves `requests`. The policy and each request are checked first (against
     the model's context; the batcher checks them again against its own room), before a cache is allocated."""
-    if policy not in POLICIES:
-        raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+    check_policy(policy)
     requests = [dataclasses.replace(r, stop_ids=tuple(r.stop_ids)) if isinstance(r, Request)  # read once, kept
                 and isinstance(r.stop_ids, Iterator) else r for r in request_list(requests)]
     for i, r in enumerate(requests):

@@ -241,8 +241,11 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
 def streams_weights(models: Sequence[torch.nn.Module]) -> bool:
     """Whether a CPU step running `models` streams their weights past the outer caches in its 8-bit-activation
     kernels' one-row calls (int4a8.streaming): `cpu_gemm.streams_weights`' rule (the bf16 and int4 templates'), on
-    the bytes of every parameter and buffer of the models against the last-level cache; `cpu_gemm.streaming(on)`
-    overrides it (scripts/ab_cpu.py's `&stream` / `&nostream`)."""
+    the bytes of every parameter and buffer of the models (each tensor once) against the last-level cache;
+    `cpu_gemm.streaming(on)` overrides it (scripts/ab_cpu.py's `&stream` / `&nostream`). Decided before the step is
+    traced, it counts what the models hold, where the templates count the step's frozen constants: an int4-a8
+    layer's plain scales and zeros beside its kernel's copy of them (about a fifth more at g=32 in bf16), so within
+    that margin of the cache's size the two may decide apart."""
     tensors = {id(t): t for m in models for t in itertools.chain(m.parameters(), m.buffers())}.values()
     return cpu_gemm.streams_weights(sum(t.nbytes for t in tensors), last_level_cache(), _vector_isa())
 

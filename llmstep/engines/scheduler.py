@@ -28,7 +28,7 @@ from .decoding import Budget, DecodeResult, budget, end_reason
 from .kv_manager import KVCacheManager
 from .request import Checked, check_arrival
 
-__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "Scheduled"]
+__all__ = ["POLICIES", "Completion", "BatchRun", "Job", "Scheduler", "Scheduled", "check_policy"]
 
 POLICIES = ("continuous", "static")
 
@@ -158,6 +158,12 @@ class Scheduled:
     samples: bool  # the cache catches up with what it knows: the forward's last logits give its next token
 
 
+def check_policy(policy) -> None:
+    """A batching policy of POLICIES, or a ValueError naming it."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+
+
 class Scheduler:
     """One run over `jobs` (in submission order): at most n_slots sequences at once, each in a slot (the lowest
     free one) from its admission until it leaves, admitted when the KV-cache manager `kv` fits it (a contiguous
@@ -167,8 +173,7 @@ class Scheduler:
 
     def __init__(self, jobs: list[Job], n_slots: int, kv: KVCacheManager, prefill_chunk: int | None = None,
                  policy: str = "continuous", clock: Callable[[], float] = time.perf_counter):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        check_policy(policy)
         for job in jobs:  # check_request's rule, for jobs built without it (a simulated workload's)
             try:
                 check_arrival(job.completion.arrival)

@@ -307,8 +307,8 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
         L = len(seq)  # the pending token sits at position L - 1
         if policy is not None:  # adaptive: the best k for the acceptance seen so far (Laplace estimate)
             cost_ratio, verify_costs = policy
-            k = best_k((sum(result.accepted) + 1) / (result.examined + 2), cost_ratio,
-                       min(k_max, target.config.max_seq_len), verify_costs)  # no round proposes past the context
+            usable = max(1, min(k_max, plan.tokens - len(result.tokens) - 1))  # no round proposes past the budget
+            k = best_k((sum(result.accepted) + 1) / (result.examined + 2), cost_ratio, usable, verify_costs)
         # A round adds one token of its own after its accepted proposals, so it proposes at most one less than
         # the budget has left (which also keeps the target's writes, L-1 .. L-1+k, inside its cache); the draft,
         # proposing from the L tokens so far, writes L-1 .. L+k-2, inside its own cache.

@@ -14,10 +14,10 @@ tokens skipped), as `llmstep.generate` does, and cut before a `stop` string (the
 The model's end-of-sequence tokens end a request with finish_reason "stop"; its max_tokens, or the end of the
 context, with "length". A request is checked whole before it is queued, its length against what the server holds
 (`Engine.context`: the model's context or the KV pool, whichever is less), so the engine never refuses one; if it
-still does, that is a 400 (an error event, then [DONE], once a stream has begun; so is a server stopping under
-an open stream). Every chunk of a response carries the one `created` time. A client that goes away,
-mid-stream, or while its request waits for a slot or runs for a whole answer, has its request dropped at once. Text
-is tokenised off the event loop, and a text too long to fit is refused unread.
+still does, that is a 400 (an error event, then [DONE], once a stream has begun; a server stopping under an open
+stream sends a server_error event, then [DONE]). Every chunk of a response carries the one `created` time. A
+client that goes away, mid-stream, or while its request waits for a slot or runs for a whole answer, has its
+request dropped at once. Text is tokenised off the event loop, and a text too long to fit is refused unread.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                                "invalid_json") from None
         except RecursionError:  # JSON nested about a thousand deep: valid, too deep to read
             raise RequestError("the request body nests its JSON too deeply to be read", None, "invalid_json") from None
+        except ValueError as e:  # what else the parser refuses: an integer of more than 4,300 digits
+            raise RequestError(f"the request body cannot be read as JSON: {e}", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object", None, "invalid_body")
         if body.get("model") is not None and not isinstance(body["model"], str):
@@ -251,7 +253,9 @@ async def unless_gone(http: Request, work):
 
 
 def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
-    """A listening TCP socket (port 0: any free port; read it back with sock.getsockname()[1])."""
+    """A TCP socket bound to (host, port) (port 0: any free port; read it back with sock.getsockname()[1]); a port
+    another socket listens on is refused here. It listens once the server runs (asyncio's create_server): until
+    then, while the engine is built or the weights load, a client is refused at once rather than left waiting."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -260,7 +264,6 @@ def bind(host: str = "127.0.0.1", port: int = 8000) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(e.errno, f"cannot listen on {host} port {port}: {e.strerror or e}") from None
-    sock.listen(128)
     sock.set_inheritable(True)
     return sock
 
@@ -315,6 +318,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     try:
         server = make_server(create_app(engine, tokenizer, model_name), engine)
         try:
+            sock.listen(128)  # ready: a client told the address now waits in the backlog for the first accept
             if ready is not None:
                 ready(host, sock.getsockname()[1], engine.health())
             server.run(sockets=[sock])

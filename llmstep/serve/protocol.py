@@ -169,7 +169,8 @@ def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Samp
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        usage = options.get("include_usage") if isinstance(options, dict) else None  # null: not asked
+        if not isinstance(options, dict) or not (usage is None or isinstance(usage, bool)):
             raise RequestError("stream_options must be an object like {\"include_usage\": true}", "stream_options",
                                "invalid_type")
         unknown = [name for name in options if name != "include_usage"]
@@ -280,20 +281,26 @@ def max_body_bytes(context: int, longest: int) -> int:
 
 def check_chat_size(messages: list[dict], context: int, longest: int) -> None:
     """Refuse, before tokenising, messages whose text alone must make more than `context` tokens: no token holds
-    more than `longest` bytes, and a character is at least one (whitespace around a turn's text may be cut)."""
-    _check_size(sum(len(m["content"].strip()) for m in messages), context, longest, "messages", "their text")
+    more than `longest` bytes of UTF-8 (whitespace around a turn's text may be cut)."""
+    _check_size(sum(_utf8_bytes(m["content"].strip()) for m in messages), context, longest, "messages", "their text")
 
 
 def check_prompt_size(text: str, context: int, longest: int) -> None:
     """`check_chat_size` for a completion's prompt text: refused, unread, where it must make more than `context`
-    tokens (the same code, context_length_exceeded, as a prompt found too long once tokenised)."""
-    _check_size(len(text), context, longest, "prompt", "the text")
+    tokens (the same code, context_length_exceeded, as a prompt found too long once tokenised; the tokenizer's own
+    rule, `Tokenizer.encode(max_tokens=)`, which never refuses what passes here)."""
+    _check_size(_utf8_bytes(text), context, longest, "prompt", "the text")
 
 
-def _check_size(chars: int, context: int, longest: int, param: str, what: str) -> None:
-    if chars > context * longest:
-        raise RequestError(f"{param}: {what} is {chars:,} characters, at least {chars // longest:,} tokens; this "
-                           f"server holds {context} tokens a request", param, "context_length_exceeded")
+def _utf8_bytes(text: str) -> int:
+    """Its length in UTF-8, a lone surrogate (not Unicode: refused by the tokenizer, named) counted as 3 bytes."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_size(size: int, context: int, longest: int, param: str, what: str) -> None:
+    if size > context * longest:
+        raise RequestError(f"{param}: {what} is {size:,} bytes of UTF-8, at least {size // longest:,} tokens; "
+                           f"this server holds {context} tokens a request", param, "context_length_exceeded")
 
 
 def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param: str = "prompt") -> int:

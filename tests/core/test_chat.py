@@ -318,10 +318,19 @@ def test_the_template_refuses_a_conversation_by_its_own_message(bpe):
     ("{{ messages.append(messages[0]) }}", "sandbox forbids"),  # the immutable sandbox: no changing the input
     ("{% set ns = namespace() %}{% set ns._secret = 1 %}", "sandbox forbids"),
     ("{{ messages[0].content + 1 }}", "failed on these messages: TypeError"),
+    ("{{ 'x' * 10**10 }}", r"sandbox forbids \(str \* 10000000000 would make"),  # 10 GB: refused, not allocated
+    ("{{ 10 * [1, 2] * 10**6 }}", "sandbox forbids"),
+    ("{{ 10 ** 10 ** 10 }}", "sandbox forbids .*bits"),  # hours of arithmetic
 ])
 def test_a_broken_or_hostile_template_is_a_clear_error(template, error):
     with pytest.raises(ValueError, match=error):
         render(template, [{"role": "user", "content": "hi"}])
+
+
+def test_a_template_repeats_and_powers_within_bounds_as_jinja_does():
+    out = render("{{ '-' * 3 }}{{ 2 ** 10 }}{{ [0] * 2 }}{{ 3 * 'ab' }}{{ 2.5 * 2 }}{{ (-2) ** 3 }}",
+                 [{"role": "user", "content": "hi"}])
+    assert out == "---1024[0, 0]ababab5.0-8"
 
 
 def test_an_iterator_of_messages_is_read_once_and_works(bpe):
@@ -428,6 +437,8 @@ def test_a_broken_template_in_a_checkpoints_files_is_refused_when_read_naming_th
     chat (nor written on by an export)."""
     with pytest.raises(ValueError, match=r"tokenizer_config.json: chat_template: .*not valid Jinja"):
         Tokenizer.from_dir(folder_with(tmp_path, bpe, {"chat_template": "{% for m in messages %}{{ m.content"}))
+    (tmp_path / "chat_template.jinja").write_text(SMOLLM2)  # the template used: the stale one is not read
+    assert Tokenizer.from_dir(tmp_path).chat_template == SMOLLM2
     (tmp_path / "tokenizer_config.json").unlink()
     (tmp_path / "chat_template.jinja").write_text("{{ x")
     with pytest.raises(ValueError, match=r"chat_template.jinja: .*not valid Jinja"):

@@ -104,6 +104,20 @@ def test_a_step_traced_while_streaming_holds_its_kernels_stream_and_keeps_it(a8_
     assert not int4a8.streams()
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_a_frozen_step_is_called_under_the_streaming_its_rule_decides(monkeypatch, model128, on):
+    """compile_step holds int4a8.streaming(streams_weights(models)) around the compiled call (where it is traced),
+    decided once, at the first call; outside the call nothing streams."""
+    import llmstep.engines.compile as compile_mod
+
+    decided = []
+    monkeypatch.setattr(compile_mod, "streams_weights", lambda models: decided.append(models) or on)
+    monkeypatch.setattr(compile_mod.torch_compat, "holding_freezing", lambda compiled: lambda *a: int4a8.streams())
+    step = compile_mod.compile_step(lambda: None, torch.device("cpu"), models=[model128[0]])
+    assert step() is on and step() is on and len(decided) == 1
+    assert not int4a8.streams()
+
+
 def test_a_compiled_step_streams_where_its_weights_outgrow_the_last_level_cache(monkeypatch, model128):
     """engines.compile.streams_weights: kernels.cpu_gemm's rule on the models' bytes (each tensor once), the
     override of cpu_gemm.streaming first."""

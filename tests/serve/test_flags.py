@@ -111,6 +111,7 @@ def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch):
 
     monkeypatch.setattr(checkpoint, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     busy = bind("127.0.0.1", 0)
+    busy.listen()  # a server's, serving
     try:
         port = busy.getsockname()[1]
         with pytest.raises(CommandFailed, match=f"cannot listen on 127.0.0.1 port {port}: Address already in use"):

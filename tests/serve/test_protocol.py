@@ -142,6 +142,8 @@ def test_stream_options_other_than_include_usage_and_message_fields_other_than_r
     error = refused(stream=True, stream_options={"include_usage": False, "continuous_usage_stats": True})
     assert error.param == "stream_options.continuous_usage_stats" and error.code == "unrecognized_argument"
     assert completion(stream=True, stream_options={"include_usage": True}).include_usage
+    assert not completion(stream=True, stream_options={"include_usage": None}).include_usage  # null: not asked
+    assert refused(stream=True, stream_options={"include_usage": 0}).param == "stream_options"
     for field in ({"name": "bob"}, {"tool_call_id": "c1"}, {"weight": 1}):
         with pytest.raises(RequestError) as caught:
             parse_chat({"messages": [{"role": "user", "content": "hi"} | field]})

@@ -109,11 +109,14 @@ def test_text_too_long_to_fit_is_refused_unread(server, shipped):
     too_long = "a" * (512 * tokenizer.longest + 1)  # more bytes than 512 of the longest token hold
     error = error_of(post(url, {"prompt": too_long, "max_tokens": 1}))
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")  # as messages' below
-    assert "characters" in error["message"]  # counted, not tokenised
+    assert "bytes" in error["message"]  # counted, not tokenised
     chat = {"messages": [{"role": "user", "content": too_long}], "max_tokens": 1}
     error = error_of(post(url, chat, "/v1/chat/completions"))
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
-    assert "characters" in error["message"]
+    assert "bytes" in error["message"]
+    wide = "語" * (512 * tokenizer.longest // 3 + 1)  # fewer characters than the bound, more bytes
+    error = error_of(post(url, {"prompt": wide, "max_tokens": 1}))
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
 
 
 def test_a_client_that_leaves_while_its_request_waits_frees_its_place(shipped, monkeypatch):

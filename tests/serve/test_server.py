@@ -232,6 +232,9 @@ def test_an_unknown_model_is_a_404_and_a_body_that_is_not_json_a_400(server):
     assert "line 1 column 2" in r.json()["error"]["message"]  # where the parser stopped
     r = httpx.post(f"{url}/v1/completions", content=b"[" * 5000 + b"]" * 5000, timeout=TIMEOUT)  # valid, too deep
     assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}",
+                   timeout=TIMEOUT)  # valid JSON; Python's parser refuses an integer of more than 4,300 digits
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert httpx.get(f"{url}/v1/models/shipped", timeout=TIMEOUT).json()["id"] == "shipped"  # models.retrieve
     assert client(url).models.retrieve("shipped").id == "shipped"
     r = httpx.get(f"{url}/v1/models/gpt-9", timeout=TIMEOUT)
