@@ -226,7 +226,10 @@ def run_bench(args, argv) -> dict:
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed)
-    variants = ["none"] if getattr(model, "quantization", None) is not None else args.quantize
+    if (qc := getattr(model, "quantization", None)) is not None and args.quantize != ["none"]:
+        raise ValueError(f"{source} is quantized already ({qc}): it is measured as it is; drop --quantize "
+                         f"{' '.join(args.quantize)}")
+    variants = ["none"] if qc is not None else args.quantize
     print(f"llmstep bench: {source}, {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
           f"{model.device} {str(model.dtype).removeprefix('torch.')}", flush=True)
     hf_dtype = resolve_dtype(args.hf_dtype, model.device, model.dtype) if args.hf_dtype else None

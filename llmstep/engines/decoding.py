@@ -93,6 +93,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
         ids = tokenizer.encode(prompt, max_tokens=max_seq_len)  # a text far too long is refused before it is read
     elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
         ids = tokenizer.encode_chat(list(prompt))
+        if not ids:  # not the caller's empty prompt: the template's
+            raise ValueError("the chat template rendered these messages to no tokens: the checkpoint's template "
+                             "(its chat_template) formats nothing for them")
     else:  # token ids, a list or a tensor
         ids = prompt
     return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)

@@ -151,3 +151,16 @@ def test_an_int8_a8_row_reads_the_int8_rows_bytes_and_names_its_kernel():
         "llmstep_int4a8_avx2::mm8" if cpu_int4a8.installed() else "torch ops")
     with pytest.raises(SystemExit, match="--group-size sets int4's groups"):
         main(TINY + ["--no-hf", "--quantize", "int8-a8", "--group-size", "32"])
+
+
+def test_a_quantized_checkpoint_asked_to_quantize_again_is_refused_not_measured_as_it_is(tmp_path, tiny_checkpoint):
+    import llmstep
+    from llmstep.core import checkpoint
+    from llmstep.core.quantize import quantize
+
+    model, tokenizer = llmstep.load(tiny_checkpoint, device="cpu", dtype="float32")
+    path = checkpoint.save(quantize(model, "int8"), tmp_path / "int8", tokenizer)
+    with pytest.raises(SystemExit, match=r"is quantized already \(int8\): it is measured as it is; drop --quantize "
+                                         "int4"):
+        main(["--model", str(path), "--quantize", "int4", "--no-hf", "--no-bandwidth", "--repeats", "1",
+              "--prompt-len", "8", "--new-tokens", "4"])

@@ -501,3 +501,11 @@ def test_generate_chat_renders_the_checkpoints_template(tmp_path, tiny_checkpoin
 def test_generate_system_needs_chat(tiny_checkpoint):
     with pytest.raises(SystemExit, match="--system is a chat's system message: add --chat"):
         cli.main(["generate", "--model", str(tiny_checkpoint), "--system", "Be brief.", "--prompt", "Hi"])
+
+
+def test_a_template_that_renders_no_tokens_says_so_not_that_the_prompt_is_empty(bpe):
+    from llmstep.engines.decoding import encode_prompt
+
+    tok = Tokenizer(bpe, add_bos=False, chat_template="{% for m in messages %}{% endfor %}")
+    with pytest.raises(ValueError, match="the chat template rendered these messages to no tokens"):
+        encode_prompt(tok, [{"role": "user", "content": "hi"}], 64)
