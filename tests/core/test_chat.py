@@ -320,7 +320,7 @@ def test_the_template_refuses_a_conversation_by_its_own_message(bpe):
     ("{{ messages[0].content + 1 }}", "failed on these messages: TypeError"),
     ("{{ 'x' * 10**10 }}", r"sandbox forbids \(str \* 10000000000 would make"),  # 10 GB: refused, not allocated
     ("{{ 10 * [1, 2] * 10**6 }}", "sandbox forbids"),
-    ("{{ 10 ** 10 ** 10 }}", "sandbox forbids .*bits"),  # hours of arithmetic
+    ("{{ 10 ** 1000000 }}", "sandbox forbids .*bits"),  # a million digits; ((10 ** 10) ** 10: Jinja reads ** leftwards)
 ])
 def test_a_broken_or_hostile_template_is_a_clear_error(template, error):
     with pytest.raises(ValueError, match=error):
