@@ -160,7 +160,7 @@ class _Generation(Extension):
 
 
 MAX_REPEAT = 1_000_000  # the most characters or items a template's `*` makes at once ('x' * 10**10: refused)
-MAX_POWER_BITS = 100_000  # the largest integer a template's `**` makes, in bits (10 ** 10 ** 10: refused)
+MAX_POWER_BITS = 100_000  # the largest integer a template's `**` makes, in bits (10 ** 1000000: refused)
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
