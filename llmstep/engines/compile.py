@@ -156,12 +156,7 @@ def weights_digest(*models: torch.nn.Module) -> str:
     in-place versions; a model of several steps is read once). Weights that cannot be read as bytes here (meta,
     sparse or quantized tensors, tensor subclasses) get a name of their own: their step is never found in the cache.
     """
-    tensors, seen = [], set()
-    for model in models:
-        for t in itertools.chain(model.parameters(), model.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t)
+    tensors = _tensors(models)
     try:
         fingerprint = tuple((id(t), t.data_ptr(), t._version) for t in tensors)
         refs, digest = _DIGESTS.get(fingerprint, ((), None))
@@ -246,8 +241,12 @@ def streams_weights(models: Sequence[torch.nn.Module]) -> bool:
     traced, it counts what the models hold, where the templates count the step's frozen constants: an int4-a8
     layer's plain scales and zeros beside its kernel's copy of them (about a fifth more at g=32 in bf16), so within
     that margin of the cache's size the two may decide apart."""
-    tensors = {id(t): t for m in models for t in itertools.chain(m.parameters(), m.buffers())}.values()
-    return cpu_gemm.streams_weights(sum(t.nbytes for t in tensors), last_level_cache(), _vector_isa())
+    return cpu_gemm.streams_weights(sum(t.nbytes for t in _tensors(models)), last_level_cache(), _vector_isa())
+
+
+def _tensors(models: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer of `models`, each tensor once (a tied head is the embedding), in order."""
+    return list({id(t): t for m in models for t in itertools.chain(m.parameters(), m.buffers())}.values())
 
 
 def _vector_isa() -> str:
