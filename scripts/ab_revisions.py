@@ -46,16 +46,19 @@ BENCHES = {
 }
 
 
-# Run only when --only names them: the compiled loop at bf16, int8 and int4 (the CPU kernels' A/Bs), on the real model
-# (its weights stream from memory) and on the shipped one (in the cache).
+# Run only when --only names them: the compiled loop at bf16, int8 and int4, weight-only and with 8-bit activations
+# (the CPU kernels' A/Bs; the a8 rows with an int8-a8 head, as the peers' rows), on the real model (its weights stream
+# from memory) and on the shipped one (in the cache).
 OPTIONAL = {
-    f"fast loop, {name} {label}, compiled (decode tok/s)": (
+    f"fast loop, {name} {quant if quant != 'none' else 'bf16'}, compiled (decode tok/s)": (
         ["bench", "--compile", "--no-eager", "--no-hf", "--no-bandwidth", "--quantize", quant, "--dtype", "bfloat16",
-         *model, *(groups if quant == "int4" else []), "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
+         *model, *(groups if quant.startswith("int4") else []),
+         *(["--quantize-lm-head", "int8-a8"] if quant.endswith("-a8") else []),
+         "--new-tokens", "128", "--prompt-len", "128", "--repeats", "3"],
         lambda r: (r["rows"][0]["decode_tokens_per_s"], r["rows"][0]["tokens"]))
     for name, model, groups in (("SmolLM2", ["--model", "smollm2-135m-instruct"], ["--group-size", "32"]),
                                 ("shipped", [], []))
-    for label, quant in (("int4", "int4"), ("int8", "int8"), ("bf16", "none"))
+    for quant in ("int4", "int8", "none", "int4-a8", "int8-a8")
 }
 
 

@@ -190,13 +190,39 @@ inline void columns(const int8_t* p, const float* d, const float* E, const uint8
   for (int c = 0; c < CV; ++c) _mm256_storeu_ps(y + 8 * c, acc[c]);
 }
 
+// A call's rounded rows (codes p, steps d, group sums E) in buffers of the calling thread, kept for its next call: a
+// decode step makes ~120 of these calls, and each malloc and free of them was host time the other threads waited
+// through. A prompt's rows past KEEP bytes are let go after the call. The pointers are taken in the calling thread;
+// its tasks on the other threads read them.
+struct Buffers {
+  std::vector<int8_t> p;
+  std::vector<float> d, E;
+};
+inline Buffers& kept() {
+  thread_local Buffers buffers;
+  return buffers;
+}
+struct Rounded : Buffers {
+  static constexpr size_t KEEP = 1 << 20;
+  Rounded(int64_t M, int64_t K, int64_t G) {
+    std::swap<Buffers>(*this, kept());
+    p.resize(std::max<size_t>(p.size(), M * K));
+    d.resize(std::max<size_t>(d.size(), M * K / 32));
+    E.resize(std::max<size_t>(E.size(), M * G));
+  }
+  ~Rounded() {
+    if (p.size() <= KEEP) std::swap<Buffers>(*this, kept());  // else a prompt's: freed
+  }
+};
+
 template <bool NT, typename T, typename S>
 void mm_rows(const T* x, const uint8_t* W, const S* SZ, float* y, int64_t M, int64_t N, int64_t K, int64_t group) {
   const int64_t bpg = group / 32, blocks = K / 32, G = K / group;
-  std::vector<int8_t> p(M * K);
-  std::vector<float> d(M * blocks), E(M * G);
+  Rounded rounded(M, K, G);
+  int8_t* p = rounded.p.data();
+  float *d = rounded.d.data(), *E = rounded.E.data();
   for (int64_t m = 0; m < M; ++m) {
-    quantize_row(x + m * K, K, bpg, p.data() + m * K, d.data() + m * blocks, E.data() + m * G);
+    quantize_row(x + m * K, K, bpg, p + m * K, d + m * blocks, E + m * G);
   }
   const int64_t wstride = K * 4, szstride = G * 16;  // a vector of 8 columns: K / 2 * 8 bytes, G * 16 values
   constexpr int64_t TILE = 4;  // column vectors a task takes at a time
@@ -204,9 +230,9 @@ void mm_rows(const T* x, const uint8_t* W, const S* SZ, float* y, int64_t M, int
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t v0 = TILE * t, cv = std::min<int64_t>(TILE, N / 8 - v0);
       for (int64_t m = 0; m < M; ++m) {  // the tile's weights stay in cache for the next row
-        const int8_t* pm = p.data() + m * K;
-        const float* dm = d.data() + m * blocks;
-        const float* Em = E.data() + m * G;
+        const int8_t* pm = p + m * K;
+        const float* dm = d + m * blocks;
+        const float* Em = E + m * G;
         const uint8_t* w = W + v0 * wstride;
         const S* sz = SZ + v0 * szstride;
         float* ym = y + m * N + 8 * v0;
@@ -259,18 +285,19 @@ inline void column8(const int8_t* p, const float* d, const int8_t* w, S s, int64
 template <bool NT, typename T, typename S>
 void mm8_rows(const T* x, const int8_t* W, const S* scales, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t blocks = K / 32;
-  std::vector<int8_t> p(M * K);
-  std::vector<float> d(M * blocks);
-  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, blocks, p.data() + m * K, d.data() + m * blocks, nullptr);
+  Rounded rounded(M, K, 0);
+  int8_t* p = rounded.p.data();
+  float* d = rounded.d.data();
+  for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, blocks, p + m * K, d + m * blocks, nullptr);
   // each thread a run of columns: its weights one stream, each column's K bytes read once for all the rows, 4 at a time
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) {
-        column8<4, NT>(p.data() + m * K, d.data() + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
+        column8<4, NT>(p + m * K, d + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
       }
       for (; m < M; ++m) {
-        column8<1, NT>(p.data() + m * K, d.data() + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
+        column8<1, NT>(p + m * K, d + m * blocks, W + n * K, scales[n], K, y + m * N + n, N);
       }
     }
   });
