@@ -238,6 +238,10 @@ def _generate(args, load_one, stream) -> None:
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.8)
     top_k = args.top_k if args.top_k is not None else defaults.get("top_k", 0)
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)
+    ignored = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "seed") if getattr(args, name) is not None]
+    if temperature == 0 and ignored:  # greedy: nothing is drawn, so nothing of the draw's settings applies
+        print(f"llmstep generate: temperature 0 takes the likeliest token every step; {', '.join(ignored)} change "
+              f"nothing", file=sys.stderr)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     prompt = [*system, {"role": "user", "content": args.prompt}] if args.chat else args.prompt
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

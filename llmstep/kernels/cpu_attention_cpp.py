@@ -249,36 +249,15 @@ void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_
   });
 }
 
-// How many query rows of a KV head a decode step's task takes (1..MOST_ROWS): the most whose tasks, shared out as
-// at::parallel_for shares them (a run of ceil(n / threads) tasks each), leave the busiest of `threads` threads the
-// fewest rows. SmolLM2's 3 KV heads of 3 rows on 2 threads: runs of 2 (5 rows and 4), not of 3 (6 and 3). Rows
-// taken together give each row the bits it has alone, so this decides the speed only.
-int64_t rows_per_task(int64_t heads, int64_t R, int64_t threads) {
-  int64_t best = 1, fewest = std::numeric_limits<int64_t>::max();
-  for (int64_t per = std::min(MOST_ROWS, R); per >= 1; --per) {
-    const int64_t runs = (R + per - 1) / per, n = heads * runs;
-    const int64_t used = std::min(threads, n), chunk = (n + used - 1) / used;
-    int64_t busiest = 0;
-    for (int64_t t0 = 0; t0 < n; t0 += chunk) {
-      int64_t rows = 0;
-      for (int64_t t = t0; t < std::min(n, t0 + chunk); ++t) rows += std::min(per, R - (t % runs) * per);
-      busiest = std::max(busiest, rows);
-    }
-    if (busiest < fewest) best = per, fewest = busiest;
-  }
-  return best;
-}
-
 // The same with every query row of batch row b seeing slots 0..last[b] (a static decode step's, Mask.last): no mask
-// to read or to make, runs of up to MOST_ROWS rows (`rows_per_task`).
+// to read or to make, runs of MOST_ROWS rows.
 template <typename T>
 void attend_prefix(const T* q, const T* k, const T* v, const int64_t* last, T* out, int64_t B, int64_t H,
                    int64_t R, int64_t S, int64_t D, float scale) {
   if (B * H * R == 0) return;
-  const int64_t per = rows_per_task(B * H, R, at::get_num_threads());
   std::vector<int64_t> tasks;
   for (int64_t bh = 0; bh < B * H; ++bh) {
-    for (int64_t r = 0; r < R; r += per) tasks.insert(tasks.end(), {bh, r, std::min(per, R - r)});
+    for (int64_t r = 0; r < R; r += MOST_ROWS) tasks.insert(tasks.end(), {bh, r, std::min(MOST_ROWS, R - r)});
   }
   attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
     const int64_t n = last[b] < 0 ? 0 : std::min<int64_t>(last[b], S - 1) + 1;  // S = 0: none

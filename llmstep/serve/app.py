@@ -76,7 +76,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     async def model(model_id: str):
         if model_id != model_name:
             raise RequestError(f"the model {protocol.shorten(model_id)} does not exist: this server serves "
-                               f"{model_name!r}", "model", "model_not_found", status=404)
+                               f"{json.dumps(model_name, ensure_ascii=False)}", "model", "model_not_found", status=404)
         return model_card
 
     limit = protocol.max_body_bytes(context, tokenizer.longest)
@@ -107,7 +107,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                                "invalid_type")
         if body.get("model") not in (None, model_name):
             raise RequestError(f"the model {protocol.shorten(body['model'])} does not exist: this server serves "
-                               f"{model_name!r}", "model", "model_not_found", status=404)
+                               f"{json.dumps(model_name, ensure_ascii=False)}", "model", "model_not_found", status=404)
         return body
 
     def generate(ids: list[int], sampling: Sampling, prompt_param: str) -> tuple[asyncio.Queue, object]:

@@ -94,7 +94,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     if not is_number(value) or not (low < value if low_open else low <= value) \
             or value > high:
         span = f"{'(' if low_open else '['}{low}, {high}]"
-        raise RequestError(f"{name} must be a number in {span}, got {value!r}", name, "invalid_value")
+        raise RequestError(f"{name} must be a number in {span}, got {shorten(value)}", name, "invalid_value")
     return float(value)
 
 
@@ -104,7 +104,7 @@ def _integer(body: dict, name: str, low: int, high: int | None = None) -> int | 
         return None
     if not is_int(value) or value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
-        raise RequestError(f"{name} must be an integer {span}, got {value!r}", name, "invalid_value")
+        raise RequestError(f"{name} must be an integer {span}, got {shorten(value)}", name, "invalid_value")
     return int(value)
 
 
@@ -323,8 +323,12 @@ def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param
 
 
 def shorten(value) -> str:
-    """A value as an error message quotes it: its repr, cut to 60 characters."""
-    text = repr(value)
+    """A value as an error message quotes it to a JSON client: as JSON writes it (true, null, "text"; a value JSON
+    cannot hold, such as NaN, as Python writes it), cut to 60 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

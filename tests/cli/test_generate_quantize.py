@@ -79,3 +79,17 @@ def test_a_draft_keeps_the_quantized_targets_greedy_text(tiny_checkpoint, capsys
     alone = capsys.readouterr().out
     cli.main(argv + ["--draft", draft if draft != "checkpoint" else str(tiny_checkpoint)])  # itself, unquantized
     assert capsys.readouterr().out == alone
+
+
+def test_greedy_says_the_draws_settings_change_nothing(tiny_checkpoint, capsys):
+    """--temperature 0 takes the likeliest token: --top-k / --top-p / --seed given with it are named as doing
+    nothing (the text is the greedy one), and no note where none is given."""
+    argv = ["generate", "--model", str(tiny_checkpoint), "--prompt", "thy", "--max-new-tokens", "6",
+            "--temperature", "0", "--device", "cpu", "--dtype", "float32"]
+    cli.main(argv)
+    plain = capsys.readouterr()
+    assert "change nothing" not in plain.err
+    cli.main(argv + ["--top-k", "3", "--seed", "7"])
+    noted = capsys.readouterr()
+    assert noted.out == plain.out
+    assert "--top-k, --seed change nothing" in noted.err and "--top-p" not in noted.err

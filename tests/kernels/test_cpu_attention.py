@@ -142,32 +142,23 @@ def test_rows_that_see_the_same_slots_are_taken_together_and_each_gives_its_bits
 
 @pytest.mark.parametrize("R", [1, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_isa, R, dtype, threads):
+def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_isa, R, dtype):
     """A decode step's form (`attention_prefix`): every row of batch row b sees slots 0..last[b], no mask tensor;
     the same bits as the masked kernel given that mask, last past the cache or before it included (a row that sees
-    nothing: NaN, as with a mask that shows nothing). At any thread count: the prefix form shares a KV head's rows
-    out among tasks by the threads there are (`rows_per_task`), the masked one takes them four at a time."""
+    nothing: NaN, as with a mask that shows nothing)."""
     attention, prefix = each_isa
     g = torch.Generator().manual_seed(R)
     S, D = 70, 64
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for last, H in (([0, 69], 3), ([41, 100], 3), ([-1, 7], 3), ([50], 3), ([60], 5)):
-            B = len(last)
-            q = torch.randn(B, H, R, D, generator=g).to(dtype)
-            k, v = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(2))
-            ends = torch.tensor(last)
-            visible = (torch.arange(S) <= ends[:, None]).view(B, 1, 1, S).expand(B, 1, R, S).contiguous()
-            got = prefix(q, k, v, ends, D ** -0.5)
-            torch.set_num_threads(1)  # the masked form one task after the other
-            want = attention(q, k, v, visible, D ** -0.5)
-            torch.set_num_threads(threads)
-            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-            assert got[ends < 0].isnan().all() and not got[ends >= 0].isnan().any()
-    finally:
-        torch.set_num_threads(before)
+    for last in ([0, 69], [41, 100], [-1, 7]):
+        B = len(last)
+        q = torch.randn(B, 3, R, D, generator=g).to(dtype)
+        k, v = (torch.randn(B, 3, S, D, generator=g).to(dtype) for _ in range(2))
+        ends = torch.tensor(last)
+        visible = (torch.arange(S) <= ends[:, None]).view(B, 1, 1, S).expand(B, 1, R, S).contiguous()
+        got = prefix(q, k, v, ends, D ** -0.5)
+        want = attention(q, k, v, visible, D ** -0.5)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert got[ends < 0].isnan().all() and not got[ends >= 0].isnan().any()
 
 
 def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):

@@ -135,7 +135,7 @@ def test_null_true_false_fields_are_their_defaults_and_other_values_refused():
     assert (s.stream, s.ignore_eos) == (False, False)
     for name in ("stream", "ignore_eos"):
         error = refused(**{name: "yes"})
-        assert error.param == name and error.code == "invalid_type" and "'yes'" in error.message
+        assert error.param == name and error.code == "invalid_type" and '"yes"' in error.message
 
 
 def test_stream_options_other_than_include_usage_and_message_fields_other_than_role_and_content_are_refused():
@@ -197,3 +197,12 @@ def test_the_held_back_end_is_the_longest_end_that_begins_a_stop_string():
             continue  # found, not held back
         naive = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
         assert _overlap(text, stop) == naive, (text, stop)
+
+
+@pytest.mark.parametrize("field, value, quoted", [("temperature", True, "got true"), ("top_p", "0.5", 'got "0.5"'),
+                                                  ("max_tokens", 2.5, "got 2.5"), ("top_k", [1], "got [1]"),
+                                                  ("stream", "yes", 'got "yes"'), ("max_tokens", False, "got false")])
+def test_a_refused_value_is_quoted_as_json_writes_it(field, value, quoted):
+    """The client wrote JSON: true, null and "text" in the error, not Python's True, None and 'text'."""
+    error = refused(**{field: value})
+    assert str(error).endswith(quoted) and error.param == field
