@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -60,6 +61,12 @@ OPTIONAL = {
                                 ("shipped", [], []))
     for quant in ("int4", "int8", "none", "int4-a8", "int8-a8")
 }
+
+
+def names(only: str, name: str) -> bool:
+    """Whether `--only only` picks the benchmark `name`: `only` in it, not as the start of a longer word or mode
+    ("SmolLM2 int4" picks the int4 row, not int4-a8's; the records' commands were written before the a8 rows)."""
+    return re.search(re.escape(only) + r"(?![\w-])", name) is not None
 
 
 def batch_run(record: dict, policy: str) -> tuple[float, list]:
@@ -128,15 +135,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--only", default="", help="only the benchmarks whose name contains this, e.g. paged")
+    p.add_argument("--only", default="", help="only the benchmarks whose name contains this, not as the start "
+                   "of a longer word, e.g. paged ('SmolLM2 int4' is not 'SmolLM2 int4-a8')")
     p.add_argument("--env-before", type=variable, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the before side's processes (repeatable)")
     p.add_argument("--env-after", type=variable, action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for the after side's processes (repeatable)")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     environments = {"before": dict(a.env_before), "after": dict(a.env_after)}
-    benches = {name: bench for name, bench in BENCHES.items() if a.only in name}
-    benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and a.only in name}
+    benches = {name: bench for name, bench in BENCHES.items() if names(a.only, name)}
+    benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and names(a.only, name)}
     if not benches:
         p.error(f"argument --only: no benchmark's name contains {a.only!r}; the names are:\n  "
                 + "\n  ".join([*BENCHES, *OPTIONAL]))

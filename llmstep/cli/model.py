@@ -240,8 +240,10 @@ def _generate(args, load_one, stream) -> None:
     top_p = args.top_p if args.top_p is not None else defaults.get("top_p", 0.95)
     ignored = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "seed") if getattr(args, name) is not None]
     if temperature == 0 and ignored:  # greedy: nothing is drawn, so nothing of the draw's settings applies
-        print(f"llmstep generate: temperature 0 takes the likeliest token every step; {', '.join(ignored)} change "
-              f"nothing", file=sys.stderr)
+        why = "--temperature 0" if args.temperature is not None else \
+            "the checkpoint's generation_config.json (give --temperature to sample)"
+        print(f"note: greedy decoding by {why} takes the likeliest token every step; {', '.join(ignored)} "
+              f"change{'s' if len(ignored) == 1 else ''} nothing", file=sys.stderr)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
     prompt = [*system, {"role": "user", "content": args.prompt}] if args.chat else args.prompt
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

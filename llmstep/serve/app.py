@@ -44,6 +44,14 @@ from .protocol import RequestError, Sampling
 __all__ = ["create_app", "make_server", "bind", "serve", "background"]
 
 
+class ErrorResponse(JSONResponse):
+    """An error's JSON in ASCII (every other character escaped): a field name or value the client sent that is no
+    Unicode text (a lone surrogate, which JSON's "\\ud800" parses to) cannot make the error itself fail to send."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
     """The app over a started engine. model_name: what /v1/models lists and requests may name."""
     app = FastAPI(title="llmstep serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -52,13 +60,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     @app.exception_handler(RequestError)
     async def bad_request(_, e: RequestError):
         headers = {"Retry-After": "1"} if e.status == 429 else None  # a full queue drains in about a second
-        return JSONResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status,
+        return ErrorResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status,
                             headers=headers)
 
     @app.exception_handler(HTTPException)
     async def no_route(_, e: HTTPException):  # 404, 405: in OpenAI's shape too, not FastAPI's {"detail": ...}
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(protocol.error_body(str(e.detail), "invalid_request_error", None, code),
+        return ErrorResponse(protocol.error_body(str(e.detail), "invalid_request_error", None, code),
                             status_code=e.status_code, headers=e.headers)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -76,7 +84,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     async def model(model_id: str):
         if model_id != model_name:
             raise RequestError(f"the model {protocol.shorten(model_id)} does not exist: this server serves "
-                               f"{json.dumps(model_name, ensure_ascii=False)}", "model", "model_not_found", status=404)
+                               f"{protocol.quote(model_name)}", "model", "model_not_found", status=404)
         return model_card
 
     limit = protocol.max_body_bytes(context, tokenizer.longest)
@@ -107,7 +115,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                                "invalid_type")
         if body.get("model") not in (None, model_name):
             raise RequestError(f"the model {protocol.shorten(body['model'])} does not exist: this server serves "
-                               f"{json.dumps(model_name, ensure_ascii=False)}", "model", "model_not_found", status=404)
+                               f"{protocol.quote(model_name)}", "model", "model_not_found", status=404)
         return body
 
     def generate(ids: list[int], sampling: Sampling, prompt_param: str) -> tuple[asyncio.Queue, object]:

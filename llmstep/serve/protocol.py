@@ -322,13 +322,23 @@ def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param
     return sampling.max_tokens
 
 
-def shorten(value) -> str:
-    """A value as an error message quotes it to a JSON client: as JSON writes it (true, null, "text"; a value JSON
-    cannot hold, such as NaN, as Python writes it), cut to 60 characters."""
+def quote(value) -> str:
+    """A value as an error message quotes it to a JSON client: as JSON writes it (true, null, "text", NaN), a value
+    JSON cannot hold as Python writes it; a lone surrogate (JSON's "\\ud800" parses to one) as its escape, so the
+    message can be sent as UTF-8."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
-        text = repr(value)
+        try:
+            text = repr(value)
+        except RecursionError:
+            text = f"a {type(value).__name__} nested too deep to quote"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def shorten(value) -> str:
+    """`quote(value)` cut to 60 characters."""
+    text = quote(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

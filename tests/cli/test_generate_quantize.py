@@ -92,4 +92,7 @@ def test_greedy_says_the_draws_settings_change_nothing(tiny_checkpoint, capsys):
     cli.main(argv + ["--top-k", "3", "--seed", "7"])
     noted = capsys.readouterr()
     assert noted.out == plain.out
-    assert "--top-k, --seed change nothing" in noted.err and "--top-p" not in noted.err
+    assert "by --temperature 0" in noted.err and "--top-k, --seed change nothing" in noted.err
+    assert "--top-p" not in noted.err
+    cli.main(argv + ["--top-p", "0.5"])
+    assert "; --top-p changes nothing" in capsys.readouterr().err

@@ -155,3 +155,14 @@ def test_every_benchmark_it_can_run_is_a_command_llmstep_accepts():
         if args[0] == "bench":
             check_bench_flags(parsed)  # raises ValueError naming the flag
         assert parsed.threads == 2, name
+
+
+def test_only_picks_a_name_not_the_start_of_a_longer_mode():
+    """The records' commands (`--only "SmolLM2 int4"`) were written before the int4-a8 rows: they still pick the
+    weight-only row alone, and the a8 rows are named in full."""
+    script = load()
+    picked = [name for name in script.OPTIONAL if script.names("SmolLM2 int4", name)]
+    assert picked == ["fast loop, SmolLM2 int4, compiled (decode tok/s)"]
+    assert [name for name in script.OPTIONAL if script.names("int4-a8", name)] == [
+        "fast loop, SmolLM2 int4-a8, compiled (decode tok/s)", "fast loop, shipped int4-a8, compiled (decode tok/s)"]
+    assert script.names("paged", "continuous batcher, paged KV, 8 slots (tok/s)")

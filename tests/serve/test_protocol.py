@@ -20,6 +20,7 @@ from llmstep.serve.protocol import (
     completion_body,
     parse_chat,
     parse_completion,
+    shorten,
 )
 
 
@@ -206,3 +207,11 @@ def test_a_refused_value_is_quoted_as_json_writes_it(field, value, quoted):
     """The client wrote JSON: true, null and "text" in the error, not Python's True, None and 'text'."""
     error = refused(**{field: value})
     assert str(error).endswith(quoted) and error.param == field
+
+
+def test_quote_writes_json_and_never_a_lone_surrogate():
+    assert [shorten(v) for v in (True, None, "a", float("nan"), 2.5)] == [
+        "true", "null", '"a"', "NaN", "2.5"]
+    assert shorten("\ud800x") == '"\\ud800x"' and shorten("\ud800x").encode("utf-8")
+    assert shorten("x" * 100).endswith("...") and len(shorten("x" * 100)) == 60
+    assert shorten(b"ab") == "b'ab'"  # no JSON value: as Python writes it

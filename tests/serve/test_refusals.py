@@ -103,6 +103,16 @@ def test_a_prompt_that_is_not_unicode_is_a_400_naming_prompt(server, raw):
     assert error["param"] == "prompt" and "Unicode" in error["message"]
 
 
+@pytest.mark.parametrize("raw, status, param", [(b'{"prompt": [1], "model": "\\ud800"}', 404, "model"),
+                                                (b'{"prompt": [1], "stream": "\\udfff"}', 400, "stream"),
+                                                (b'{"prompt": [1], "\\ud800x": 1}', 400, "\ud800x")])
+def test_a_lone_surrogate_in_a_refused_field_or_name_is_still_a_clean_refusal(server, raw, status, param):
+    """JSON's "\\ud800" parses to a lone surrogate, no Unicode text: quoted in the error (or naming its field), it
+    must not turn the refusal into a 500 when the error is encoded to send."""
+    error = error_of(post(server[0], raw), status)
+    assert error["param"] == param and "\\ud" in error["message"]
+
+
 def test_text_too_long_to_fit_is_refused_unread(server, shipped):
     url, _ = server
     _, tokenizer = shipped
