@@ -10,7 +10,7 @@ import sys
 import torch
 
 from ..core.config import PRESETS, LlamaConfig, sampling_defaults
-from ..core.cost import decode_step_cost, kv_bytes_per_token, param_counts
+from ..core.cost import checkpoint_bytes, decode_step_cost, kv_bytes_per_token, param_counts
 from .args import (
     add_attention_arg,
     check_draft,
@@ -276,20 +276,28 @@ def _generate(args, load_one, stream) -> None:
 
 
 def run_info(args, argv) -> None:
+    qc = None  # a quantized checkpoint's settings: its step reads its codes, not float weights
     if args.preset:
         config, name = LlamaConfig.preset(args.preset), args.preset
     else:
         from ..core.checkpoint import read_config, resolve_model_path
+        from ..core.checkpoint_layout import read_checkpoint
 
-        config, name = read_config(args.model), str(resolve_model_path(args.model))
+        path = resolve_model_path(args.model)
+        config, name = read_config(path), str(path)
+        if path.is_dir():
+            qc = read_checkpoint(path).quantization
     dtype = getattr(torch, args.dtype)
     counts = param_counts(config)
     total = sum(counts.values())
     print(f"{name}: {total / 1e9:.3f} B parameters")
     for part, n in counts.items():
         print(f"  {part:<10} {n:>16,}  {100 * n / total:5.1f}%")
-    cost = decode_step_cost(config, context=args.context, dtype=dtype)
-    print(f"one decode step at {args.dtype}, {args.context} tokens of context: "
+    cost = decode_step_cost(config, context=args.context, dtype=dtype, qc=qc)
+    if qc is not None:
+        print(f"stored quantized ({qc}): {checkpoint_bytes(config, dtype, qc) / 1e9:.3f} GB in memory with the rest "
+              f"in {args.dtype}")
+    print(f"one decode step at {args.dtype}{f' {qc}' if qc is not None else ''}, {args.context} tokens of context: "
           f"{cost.weight_bytes / 1e9:.3f} GB of weights + {cost.kv_bytes / 1e6:.3f} MB of KV cache, "
           f"{cost.flops / 1e9:.2f} GFLOP, {cost.arithmetic_intensity:.2f} FLOP/byte")
     print(f"KV cache per token: {kv_bytes_per_token(config, dtype) / 1024:.1f} KiB")

@@ -172,23 +172,33 @@ class StepCost:
 
 
 def decode_step_cost(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str = torch.bfloat16,
-                     weight_bytes_per_param: float | None = None, batch: int = 1) -> StepCost:
+                     weight_bytes_per_param: float | None = None, batch: int = 1, qc=None) -> StepCost:
     """Bytes and FLOPs of generating one token after `context` tokens, for each of `batch` sequences.
 
-    `weight_bytes_per_param` overrides the weights' storage size (1 for int8, ~0.5 for int4) while the
-    KV cache stays in `dtype`. A batch reads the weights once and its own KV cache per sequence, and
-    does every sequence's arithmetic: its intensity grows ~batch-fold.
+    `qc` (llmstep.core.quantize.QuantConfig) counts the weights as a checkpoint quantized by it holds them
+    (`checkpoint_bytes`: codes, scales and zeros, the rest in `dtype`): what `weight_bytes` of that model reads.
+    `weight_bytes_per_param` instead overrides every weight's storage size (1 for int8, ~0.5 for int4). The KV
+    cache stays in `dtype`. A batch reads the weights once and its own KV cache per sequence, and does every
+    sequence's arithmetic: its intensity grows ~batch-fold.
     """
     if not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    if qc is not None and weight_bytes_per_param is not None:
+        raise ValueError("give qc (a quantized checkpoint's layout) or weight_bytes_per_param, not both")
     counts = param_counts(config)
-    wbytes = dtype_bytes(dtype) if weight_bytes_per_param is None else weight_bytes_per_param
-    # The embedding table is not streamed: one row is gathered. A tied LM head streams it all.
     matmul_params = counts["attention"] + counts["mlp"] + config.vocab_size * config.dim
-    streamed = matmul_params + counts["norms"] + (0 if config.tie_embeddings else config.dim)
     attn_flops = 4 * config.n_layers * config.n_heads * config.head_dim * (context + 1)  # q.k and p.v
+    if weight_bytes_per_param is None:
+        # The weights as held, less the embedding table but for the one row a step gathers, unless a tied float
+        # head streams the table whole (that row among it).
+        streams_table = config.tie_embeddings and (qc is None or qc.head is None)
+        table = 0 if streams_table else (config.vocab_size - 1) * config.dim * dtype_bytes(dtype)
+        weights = checkpoint_bytes(config, dtype, qc) - table
+    else:
+        weights = (matmul_params + counts["norms"] + (0 if config.tie_embeddings else config.dim)) \
+            * weight_bytes_per_param
     return StepCost(
-        weight_bytes=streamed * wbytes,
+        weight_bytes=weights,
         kv_bytes=batch * (context + 1) * kv_bytes_per_token(config, dtype),
         flops=batch * (2 * matmul_params + attn_flops),
     )

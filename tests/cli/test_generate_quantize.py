@@ -96,3 +96,23 @@ def test_greedy_says_the_draws_settings_change_nothing(tiny_checkpoint, capsys):
     assert "--top-p" not in noted.err
     cli.main(argv + ["--top-p", "0.5"])
     assert "; --top-p changes nothing" in capsys.readouterr().err
+
+
+def test_info_reports_a_quantized_checkpoints_own_bytes(tiny_checkpoint, tmp_path, capsys):
+    """`llmstep info` on a quantized checkpoint: its mode, its bytes in memory and a step's weight bytes as stored
+    (core.cost's one rule), not the float model's."""
+    from llmstep.core.cost import checkpoint_bytes, decode_step_cost, weight_bytes
+
+    model, tokenizer = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.bfloat16)
+    float_step = decode_step_cost(model.config, dtype=torch.bfloat16).weight_bytes
+    quantized = quantize(model, "int4-g16+lm_head-int8")
+    path = checkpoint.save(quantized, tmp_path / "int4", tokenizer)
+    cli.main(["info", "--model", str(path), "--dtype", "bfloat16"])
+    out = capsys.readouterr().out
+    qc = quantized.quantization
+    assert f"stored quantized ({qc}): {checkpoint_bytes(model.config, torch.bfloat16, qc) / 1e9:.3f} GB" in out
+    step = f"at bfloat16 {qc}, 0 tokens of context: {weight_bytes(quantized) / 1e9:.3f} GB of weights"
+    assert step in out and weight_bytes(quantized) < float_step
+    cli.main(["info", "--model", str(tiny_checkpoint), "--dtype", "bfloat16"])
+    plain = capsys.readouterr().out
+    assert "stored quantized" not in plain and f"at bfloat16, 0 tokens of context: {float_step / 1e9:.3f} GB" in plain

@@ -75,3 +75,27 @@ def test_a_torch_dtype_llmstep_does_not_load_in_is_refused_by_name(dtype):
                                          f"float64 .*got '{dtype}'"):
         LlamaConfig.from_hf(hf, "m/config.json")
     assert LlamaConfig.from_hf(hf | {"torch_dtype": "float16"}).torch_dtype == "float16"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("spec", [None, "int8", "int4-g32", "int8+lm_head", "int4-g32+lm_head",
+                                  "int4-g32+lm_head-int8", "int4-g32-a8+lm_head-int8-a8"])
+def test_a_quantized_steps_bytes_from_the_config_are_the_models_own(spec, tied):
+    """decode_step_cost(config, qc=...) (what `llmstep info` reports for a quantized checkpoint) = weight_bytes of
+    the model quantized so: codes, scales and zeros, the norms, one embedding row or the table a tied float head
+    streams."""
+    from llmstep.core.cost import weight_bytes
+    from llmstep.core.model import Llama
+    from llmstep.core.quantize import quantize
+
+    cfg = LlamaConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
+                      tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = Llama(cfg).to(torch.bfloat16)
+    if spec is not None:
+        quantize(model, spec)
+    qc = getattr(model, "quantization", None)
+    assert (qc is None) == (spec is None)
+    assert decode_step_cost(cfg, dtype=torch.bfloat16, qc=qc).weight_bytes == weight_bytes(model)
+    with pytest.raises(ValueError, match="not both"):
+        decode_step_cost(cfg, qc=qc or "x", weight_bytes_per_param=1)
