@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     benches = {name: bench for name, bench in BENCHES.items() if names(a.only, name)}
     benches |= {name: bench for name, bench in OPTIONAL.items() if a.only and names(a.only, name)}
     if not benches:
-        p.error(f"argument --only: no benchmark's name contains {a.only!r}; the names are:\n  "
-                + "\n  ".join([*BENCHES, *OPTIONAL]))
+        p.error(f"argument --only: no benchmark's name contains {a.only!r} (as a whole word or mode); the names "
+                "are:\n  " + "\n  ".join([*BENCHES, *OPTIONAL]))
     if a.out is not None:
         try:
             check_output_path(a.out, "--out")

@@ -241,7 +241,7 @@ def _generate(args, load_one, stream) -> None:
     ignored = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "seed") if getattr(args, name) is not None]
     if temperature == 0 and ignored:  # greedy: nothing is drawn, so nothing of the draw's settings applies
         why = "--temperature 0" if args.temperature is not None else \
-            "the checkpoint's generation_config.json (give --temperature to sample)"
+            "the checkpoint's sampling defaults (give --temperature to sample)"
         print(f"note: greedy decoding by {why} takes the likeliest token every step; {', '.join(ignored)} "
               f"change{'s' if len(ignored) == 1 else ''} nothing", file=sys.stderr)
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
@@ -280,13 +280,10 @@ def run_info(args, argv) -> None:
     if args.preset:
         config, name = LlamaConfig.preset(args.preset), args.preset
     else:
-        from ..core.checkpoint import read_config, resolve_model_path
-        from ..core.checkpoint_layout import read_checkpoint
+        from ..core.checkpoint import read_config, read_quant_config, resolve_model_path
 
         path = resolve_model_path(args.model)
-        config, name = read_config(path), str(path)
-        if path.is_dir():
-            qc = read_checkpoint(path).quantization
+        config, name, qc = read_config(path), str(path), read_quant_config(path)
     dtype = getattr(torch, args.dtype)
     counts = param_counts(config)
     total = sum(counts.values())

@@ -25,7 +25,7 @@ from ..core.checks import check_seed, is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
            "max_body_bytes", "error_body", "StopText", "completion_body", "completion_chunk", "chat_body",
-           "chat_chunk", "usage", "shorten", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT", "IGNORED",
+           "chat_chunk", "usage", "quote", "shorten", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT", "IGNORED",
            "FIELDS"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`

@@ -88,7 +88,7 @@ def test_greedy_says_the_draws_settings_change_nothing(tiny_checkpoint, capsys):
             "--temperature", "0", "--device", "cpu", "--dtype", "float32"]
     cli.main(argv)
     plain = capsys.readouterr()
-    assert "change nothing" not in plain.err
+    assert "note: greedy" not in plain.err
     cli.main(argv + ["--top-k", "3", "--seed", "7"])
     noted = capsys.readouterr()
     assert noted.out == plain.out
@@ -98,7 +98,7 @@ def test_greedy_says_the_draws_settings_change_nothing(tiny_checkpoint, capsys):
     assert "; --top-p changes nothing" in capsys.readouterr().err
 
 
-def test_info_reports_a_quantized_checkpoints_own_bytes(tiny_checkpoint, tmp_path, capsys):
+def test_info_reports_a_quantized_checkpoints_own_bytes(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     """`llmstep info` on a quantized checkpoint: its mode, its bytes in memory and a step's weight bytes as stored
     (core.cost's one rule), not the float model's."""
     from llmstep.core.cost import checkpoint_bytes, decode_step_cost, weight_bytes
@@ -107,12 +107,18 @@ def test_info_reports_a_quantized_checkpoints_own_bytes(tiny_checkpoint, tmp_pat
     float_step = decode_step_cost(model.config, dtype=torch.bfloat16).weight_bytes
     quantized = quantize(model, "int4-g16+lm_head-int8")
     path = checkpoint.save(quantized, tmp_path / "int4", tokenizer)
+    import llmstep.cli.model as command
+
+    asked = []  # the tiny model's GB round to 0.000 either way: the qc handed to the one rule is what is checked
+    monkeypatch.setattr(command, "decode_step_cost", lambda *a, **k: asked.append(k.get("qc")) or
+                        decode_step_cost(*a, **k))
     cli.main(["info", "--model", str(path), "--dtype", "bfloat16"])
     out = capsys.readouterr().out
     qc = quantized.quantization
     assert f"stored quantized ({qc}): {checkpoint_bytes(model.config, torch.bfloat16, qc) / 1e9:.3f} GB" in out
     step = f"at bfloat16 {qc}, 0 tokens of context: {weight_bytes(quantized) / 1e9:.3f} GB of weights"
-    assert step in out and weight_bytes(quantized) < float_step
+    assert step in out and weight_bytes(quantized) < float_step and asked == [qc]
     cli.main(["info", "--model", str(tiny_checkpoint), "--dtype", "bfloat16"])
     plain = capsys.readouterr().out
+    assert asked == [qc, None]
     assert "stored quantized" not in plain and f"at bfloat16, 0 tokens of context: {float_step / 1e9:.3f} GB" in plain

@@ -78,8 +78,8 @@ def test_a_torch_dtype_llmstep_does_not_load_in_is_refused_by_name(dtype):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("spec", [None, "int8", "int4-g32", "int8+lm_head", "int4-g32+lm_head",
-                                  "int4-g32+lm_head-int8", "int4-g32-a8+lm_head-int8-a8"])
+@pytest.mark.parametrize("spec", [None, "int8", "int4-g32", "int4-g64", "int8+lm_head", "int4-g32+lm_head",
+                                  "int4-g32+lm_head-int8", "int8-a8", "int4-g32-a8+lm_head-int8-a8"])
 def test_a_quantized_steps_bytes_from_the_config_are_the_models_own(spec, tied):
     """decode_step_cost(config, qc=...) (what `llmstep info` reports for a quantized checkpoint) = weight_bytes of
     the model quantized so: codes, scales and zeros, the norms, one embedding row or the table a tied float head
