@@ -190,29 +190,23 @@ inline void columns(const int8_t* p, const float* d, const float* E, const uint8
   for (int c = 0; c < CV; ++c) _mm256_storeu_ps(y + 8 * c, acc[c]);
 }
 
-// A call's rounded rows (codes p, steps d, group sums E) in buffers of the calling thread, kept for its next call: a
-// decode step makes ~120 of these calls, and each malloc and free of them was host time the other threads waited
-// through. A prompt's rows past KEEP bytes are let go after the call. The pointers are taken in the calling thread;
-// its tasks on the other threads read them.
+// A call's rounded rows (codes p, steps d, group sums E) in buffers the calling thread keeps for its next call (~120
+// calls a decode step: each malloc and free of them was host time the other threads waited through); a prompt's past
+// KEEP bytes are freed after its call. Taken in the calling thread, read by its tasks on the other threads.
 struct Buffers {
   std::vector<int8_t> p;
   std::vector<float> d, E;
 };
-inline Buffers& kept() {
-  thread_local Buffers buffers;
-  return buffers;
-}
 struct Rounded : Buffers {
   static constexpr size_t KEEP = 1 << 20;
+  static Buffers& kept() { thread_local Buffers buffers; return buffers; }
   Rounded(int64_t M, int64_t K, int64_t G) {
     std::swap<Buffers>(*this, kept());
     p.resize(std::max<size_t>(p.size(), M * K));
     d.resize(std::max<size_t>(d.size(), M * K / 32));
     E.resize(std::max<size_t>(E.size(), M * G));
   }
-  ~Rounded() {
-    if (p.size() <= KEEP) std::swap<Buffers>(*this, kept());  // else a prompt's: freed
-  }
+  ~Rounded() { if (p.size() <= KEEP) std::swap<Buffers>(*this, kept()); }  // else a prompt's: freed
 };
 
 template <bool NT, typename T, typename S>
