@@ -56,7 +56,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
     """The app over a started engine. model_name: what /v1/models lists and requests may name."""
     app = FastAPI(title="llmstep serve", docs_url=None, redoc_url=None, openapi_url=None)
     # a name from argv may hold undecodable bytes (lone surrogates): escaped once, so every response can be sent
-    model_name = model_name.encode("utf-8", "backslashreplace").decode("utf-8")
+    model_name = protocol.sendable(model_name)
     context = engine.context  # the most tokens, prompt and new, one request may have
 
     @app.exception_handler(RequestError)

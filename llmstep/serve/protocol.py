@@ -25,8 +25,8 @@ from ..core.checks import check_seed, is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
            "max_body_bytes", "error_body", "StopText", "completion_body", "completion_chunk", "chat_body",
-           "chat_chunk", "usage", "quote", "shorten", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "ONLY_DEFAULT", "IGNORED",
-           "FIELDS"]
+           "chat_chunk", "usage", "quote", "sendable", "shorten", "MAX_STOP_STRINGS", "MAX_STOP_CHARS",
+           "ONLY_DEFAULT", "IGNORED", "FIELDS"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
 MAX_STOP_CHARS = 1000  # ours: every token's text is checked against each stop string, so they must stay short
@@ -333,6 +333,12 @@ def quote(value) -> str:
             text = repr(value)
         except RecursionError:
             text = f"a {type(value).__name__} nested too deep to quote"
+    return sendable(text)
+
+
+def sendable(text: str) -> str:
+    """`text` with each lone surrogate (no Unicode character: from JSON's "\\ud800" or undecodable bytes in argv)
+    written as its escape, so the text encodes as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
