@@ -198,6 +198,8 @@ def check_bench_flags(args) -> None:
                          "int4-a8 to --quantize")
     if args.compile_mode is not None and args.compile is False:
         raise ValueError("--compile-mode sets how the step compiles: it cannot go with --no-compile")
+    if not args.bandwidth and args.bandwidth_bytes is not None:
+        raise ValueError("--bandwidth-bytes sizes the bandwidth copy, which --no-bandwidth skips: drop one of them")
 
 
 def run_bench(args, argv) -> dict:

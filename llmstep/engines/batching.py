@@ -88,9 +88,10 @@ class BatchRunner(Engine):
         """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call)."""
         return self._step(tokens, positions)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def warmup(self, steps: int = 3) -> float:
-        """`Engine.warm_once` for the batched step; the cache reset afterwards."""
+        """`Engine.warm_once` for the batched step, under inference mode as the runs (Dynamo guards the mode: a step
+        compiled under no_grad would compile again in the run); the cache reset afterwards."""
         # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
         tokens, positions = (torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device) for _ in range(2))
         seconds = self.warm_once("step", lambda: self.step(tokens, positions), steps=steps)

@@ -121,9 +121,10 @@ class FastDecoder(Engine):
         self._position.zero_()
         self._finite.fill_(True)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def warmup(self, steps: int = 3, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> float:
-        """`Engine.warm_once` for this sampling setting's decode step, from position 0 and with a clean cache."""
+        """`Engine.warm_once` for this sampling setting's decode step, from position 0 and with a clean cache, under
+        inference mode as the runs (Dynamo guards the mode: a step compiled under another would compile again)."""
         check_params(temperature, top_k, top_p)
         sampling = (temperature, top_k, top_p)
         if self.is_warm(sampling):
@@ -133,7 +134,6 @@ class FastDecoder(Engine):
         self._reset()
         return seconds
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop_ids=None, sync_every: int = 32) -> FastResult:
@@ -146,6 +146,7 @@ class FastDecoder(Engine):
         with self.running(r):
             return self._generate(r, sync_every)
 
+    @torch.inference_mode()  # the cache was grown (`running`) outside it: its tensors stay normal ones
     def _generate(self, r: Checked, sync_every: int) -> FastResult:
         ids, sampling, stops = r.ids, r.sampling, r.stops
         plan = budget(len(ids), r.max_new_tokens, self.max_len)
@@ -214,8 +215,10 @@ class FastSpeculator(Engine):
     verification are separate calls, since each draw comes from the host's generator.
 
     The rule is `speculative_generate`'s (`verify`, `verify_greedy`), its random numbers drawn in the same order;
-    k is fixed (one compilation per k). Where the next round would write past either cache, the target goes on
-    alone, one token a step, as `speculative_generate` does. max_len: the target's cache slots (the draft's as
+    k is fixed (one compilation per k): where the budget has fewer than k + 1 tokens left, `speculative_generate`
+    proposes fewer and this one proposes k and keeps what the budget takes, so with sampling the last round's
+    tokens may differ (each drawn from the target's distribution all the same). Where the next round would write
+    past either cache, the target goes on alone, one token a step, as `speculative_generate` does. max_len: the target's cache slots (the draft's as
     many, at most its context); None: sized for each request with k slots reserved, as FastDecoder's. fuse: as
     FastDecoder's, for both models.
     """
@@ -279,7 +282,7 @@ class FastSpeculator(Engine):
         n, token = speculative.verify_greedy(logits, drafted)
         return drafted, n, token, finite & torch.isfinite(logits).all()
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as the runs: see FastDecoder.warmup
     def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False, rounds: bool = True) -> float:
         """`Engine.warm_once` for a greedy or a sampling round's steps (rounds False: none, for a run where the draft
         never proposes; its slots past the caches' would not fit) and, alone: the target's step alone."""
@@ -299,7 +302,6 @@ class FastSpeculator(Engine):
             seconds += self.warm_once("alone", lambda: self._target_step(ids(1), ids(1)), steps=steps)
         return seconds
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int] | torch.Tensor | Request, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, stop_ids=None) -> FastSpeculativeResult:
@@ -310,6 +312,7 @@ class FastSpeculator(Engine):
         with self.running(r):
             return self._generate(r)
 
+    @torch.inference_mode()  # as FastDecoder._generate
     def _generate(self, r: Checked) -> FastSpeculativeResult:
         ids, stops, sampling, greedy = r.ids, r.stops, r.sampling, r.greedy
         k, device = self.k, self.device

@@ -14,6 +14,7 @@ def main(argv: list[str]) -> dict:
 TINY = ["--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=64", "n_heads=4", "n_kv_heads=2", "hidden_dim=128",
         "vocab_size=512", "max_seq_len=64", "--dtype", "float32", "--device", "cpu", "--threads", "1",
         "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1", "--bandwidth-bytes", "1048576"]
+QUIET = [*TINY[:-2], "--no-bandwidth"]  # TINY without the bandwidth copy (and so without its size)
 
 
 def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
@@ -39,7 +40,7 @@ def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
 
 def test_bench_without_transformers_or_bandwidth_and_bad_settings_exit_with_a_message(tmp_path):
     out = tmp_path / "b.json"
-    record = main(TINY + ["--no-hf", "--no-bandwidth", "--json", str(out)])
+    record = main(QUIET + ["--no-hf", "--json", str(out)])
     assert json.loads(out.read_text())["rows"][0]["name"] == "llmstep eager float"
     assert record["versions"]["llmstep"] == llmstep.__version__ and record["machine"]["dtype"] == "float32"
     assert len(record["load_average_1min_before_after"]) == 2
@@ -52,12 +53,12 @@ def test_bench_without_transformers_or_bandwidth_and_bad_settings_exit_with_a_me
 def test_the_lm_head_is_quantised_as_asked(capsys):
     """--quantize-lm-head: the head in the blocks' mode; --quantize-lm-head int8: an int8 head under int4 blocks,
     which reads more bytes than an int4 head and fewer than a float one."""
-    rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "int8", "--group-size", "32",
+    rows = main(QUIET + ["--no-hf", "--quantize", "int4", "int8", "--group-size", "32",
                         "--quantize-lm-head", "int8"])["rows"]
     assert [r["name"] for r in rows] == ["llmstep eager int4-g32+lm_head-int8", "llmstep eager int8+lm_head"]
-    same = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "--group-size", "32",
+    same = main(QUIET + ["--no-hf", "--quantize", "int4", "--group-size", "32",
                         "--quantize-lm-head"])["rows"]
-    plain = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "--group-size", "32"])["rows"]
+    plain = main(QUIET + ["--no-hf", "--quantize", "int4", "--group-size", "32"])["rows"]
     assert same[0]["name"] == "llmstep eager int4-g32+lm_head"
     # the head's bytes: 512 x 64 weights in float32 (tied: the table), int8 (+ a float32 scale per row) or int4
     # g32 (+ a scale and a zero per group); a quantised head leaves the embedding one float32 row to gather
@@ -72,8 +73,8 @@ def test_the_lm_head_is_quantised_as_asked(capsys):
 def test_transformers_can_run_in_another_dtype_on_the_same_weights(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
-    bf16 = [a if a != "float32" else "bfloat16" for a in TINY]
-    main(bf16 + ["--hf-dtype", "float32", "--no-bandwidth", "--json", str(out)])
+    bf16 = [a if a != "float32" else "bfloat16" for a in QUIET]
+    main(bf16 + ["--hf-dtype", "float32", "--json", str(out)])
     ours, hf = json.loads(out.read_text())["rows"]
     assert hf["name"] == "transformers generate() float32"
     assert hf["weight_bytes_per_step"] == 2 * ours["weight_bytes_per_step"]  # the same weights, widened
@@ -88,6 +89,11 @@ def test_transformers_flags_with_no_hf_are_refused_by_name():
         main(TINY + ["--no-hf", "--hf-dtype", "float32"])
 
 
+def test_a_size_for_a_bandwidth_copy_that_is_skipped_is_refused():
+    with pytest.raises(SystemExit, match="--bandwidth-bytes sizes the bandwidth copy, which --no-bandwidth skips"):
+        main(TINY + ["--no-bandwidth"])  # TINY sizes the copy
+
+
 def test_hf_compile_adds_the_static_cache_row(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from llmstep.lab import bench as decode_bench
@@ -96,7 +102,7 @@ def test_hf_compile_adds_the_static_cache_row(tmp_path, monkeypatch):
     kw = decode_bench.static_compiled_generate_kw
     monkeypatch.setattr(decode_bench, "static_compiled_generate_kw", lambda *a: kw(*a) | {"disable_compile": True})
     out = tmp_path / "bench.json"
-    main(TINY + ["--hf-compile", "--no-bandwidth", "--json", str(out)])
+    main(QUIET + ["--hf-compile", "--json", str(out)])
     record = json.loads(out.read_text())
     assert [r["name"] for r in record["rows"]][1:] == ["transformers generate()", "transformers static cache + compile"]
     assert all(p["ran"] for p in record["transformers_peers"].values())
@@ -125,7 +131,7 @@ def test_a_bandwidth_buffer_larger_than_the_free_memory_is_refused_by_name_befor
 def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
     """--quantize int4-a8: int4 weights (the same bytes a step as int4's) with 8-bit activations (llmstep.core.int4a8),
     its own row; --group-size applies to it as to int4, and alone it is enough for one."""
-    rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4", "int4-a8", "--group-size", "32"])["rows"]
+    rows = main(QUIET + ["--no-hf", "--quantize", "int4", "int4-a8", "--group-size", "32"])["rows"]
     assert [r["name"] for r in rows] == ["llmstep eager int4-g32", "llmstep eager int4-g32-a8"]
     assert rows[0]["weight_bytes_per_step"] == rows[1]["weight_bytes_per_step"]
     from llmstep.kernels import cpu_int4a8  # the record names what the matmuls ran: the kernel, or torch's ops
@@ -133,7 +139,7 @@ def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
     assert "a8_matmul" not in rows[0] and rows[1]["a8_matmul"] == (
         "llmstep_int4a8_avx2::mm" if cpu_int4a8.installed() else "torch ops")
     assert len(rows[1]["tokens"]) == 6
-    assert main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int4-a8", "--group-size", "64"])["rows"][0][
+    assert main(QUIET + ["--no-hf", "--quantize", "int4-a8", "--group-size", "64"])["rows"][0][
         "name"] == "llmstep eager int4-g64-a8"
     with pytest.raises(SystemExit, match="not a multiple of 32"):
         main(TINY + ["--no-hf", "--quantize", "int4-a8", "--group-size", "16"])
@@ -142,7 +148,7 @@ def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
 def test_an_int8_a8_row_reads_the_int8_rows_bytes_and_names_its_kernel():
     """--quantize int8-a8: int8 weights (the same bytes a step as int8's) with 8-bit activations (llmstep.core.int8a8),
     its own row, naming what its matmuls ran; --group-size is int4's alone."""
-    rows = main(TINY + ["--no-hf", "--no-bandwidth", "--quantize", "int8", "int8-a8"])["rows"]
+    rows = main(QUIET + ["--no-hf", "--quantize", "int8", "int8-a8"])["rows"]
     assert [r["name"] for r in rows] == ["llmstep eager int8", "llmstep eager int8-a8"]
     assert rows[0]["weight_bytes_per_step"] == rows[1]["weight_bytes_per_step"]
     from llmstep.kernels import cpu_int4a8

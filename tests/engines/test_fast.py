@@ -12,6 +12,7 @@ import llmstep
 from llmstep.core.quantize import Int8Linear, QuantConfig, quantize
 from llmstep.engines.compile import compile_step
 from llmstep.engines.decoding import CACHE_ROUNDING, cache_len
+from llmstep.lab.probe import no_recompiles
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
 
@@ -135,8 +136,9 @@ def test_compiled_step_gives_the_eager_tokens(one_layer):
     model, tok = one_layer
     eager = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0, stop_ids=[])
     decoder = FastDecoder(model, max_len=len(PROMPT) + 24, compile=True)
-    assert decoder.generate(PROMPT, 24, **GREEDY).tokens == eager.tokens
-    assert decoder.compile_seconds > 0
+    assert decoder.warmup() > 0  # public, as a benchmark calls it: the step the runs use, in the runs' mode
+    with no_recompiles():
+        assert decoder.generate(PROMPT, 24, **GREEDY).tokens == eager.tokens
     # Seeded sampling inside the compiled step: the noise the loop refills is read, not frozen into the code.
     sampled = llmstep.generate(model, tok, PROMPT, max_new_tokens=24, temperature=0.8, seed=3, stop_ids=[])
     assert decoder.generate(PROMPT, 24, temperature=0.8, seed=3, stop_ids=()).tokens == sampled.tokens
