@@ -218,9 +218,9 @@ class FastSpeculator(Engine):
     k is fixed (one compilation per k): where the budget has fewer than k + 1 tokens left, `speculative_generate`
     proposes fewer and this one proposes k and keeps what the budget takes, so with sampling the last round's
     tokens may differ (each drawn from the target's distribution all the same). Where the next round would write
-    past either cache, the target goes on alone, one token a step, as `speculative_generate` does. max_len: the target's cache slots (the draft's as
-    many, at most its context); None: sized for each request with k slots reserved, as FastDecoder's. fuse: as
-    FastDecoder's, for both models.
+    past either cache, the target goes on alone, one token a step, as `speculative_generate` does. max_len: the
+    target's cache slots (the draft's as many, at most its context); None: sized for each request with k slots
+    reserved, as FastDecoder's. fuse: as FastDecoder's, for both models.
     """
 
     room = "the target's context"
