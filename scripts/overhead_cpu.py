@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
+    if a.rounds < 2:
+        p.error(f"argument --rounds: at least 2 (the paired ratio's quartiles need two rounds), got {a.rounds}")
     torch.set_num_threads(a.threads)
     model, _ = llmstep.load("target", device="cpu", dtype="bfloat16" if a.dtype in ("int8", "int4") else a.dtype)
     if a.dtype in ("int8", "int4"):
@@ -71,7 +73,7 @@ def main() -> None:
                 Step.unguarded = original
         return [r.decode_seconds / r.decode_steps * 1e6], [ids[0], *r.tokens[:n]]
 
-    with torch.no_grad():
+    with torch.inference_mode():  # the mode FastDecoder compiles and runs its steps in (Dynamo guards it)
         unguarded = step.unguarded()
         if unguarded is step:
             raise SystemExit("Step.unguarded() found no compiled code to call")

@@ -131,8 +131,13 @@ def main() -> None:
     prompt = [random.Random(0).randrange(100, 1000) for _ in range(128)]
     with cpu_gemm.streaming({"rule": None, "on": True, "off": False}[a.stream]):
         decoder.generate(prompt, max_new_tokens=128, temperature=0.0)  # compiles; the cache holds 256 tokens
-    advance = decoder._advance_step((0.0, 0, 1.0)).unguarded()  # the greedy step, as the decode loop calls it
+    with torch.inference_mode():  # the mode FastDecoder compiled its step in (Dynamo guards it)
+        step = decoder._advance_step((0.0, 0, 1.0))
+        advance = step.unguarded()  # the greedy step, as the decode loop calls it
+    if advance is step:
+        sys.exit("perf_split.py: Step.unguarded() found no compiled code to call")
 
+    @torch.inference_mode()  # as FastDecoder's loop
     def decode() -> float:  # the 127 steps after the prompt (prefill not sampled) -> tokens/s
         decoder._position.fill_(len(prompt))
         start = time.perf_counter()

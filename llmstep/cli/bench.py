@@ -188,7 +188,7 @@ def add_commands(sub) -> None:
 
 def check_bench_flags(args) -> None:
     """bench's flags that would do nothing as given: a row twice, int4's group size or a quantised head with no
-    quantised row, a compile mode with compiling turned off."""
+    quantised row, a compile mode with compiling turned off, a bandwidth copy's size with the copy skipped."""
     if len(set(args.quantize)) < len(args.quantize):
         raise ValueError(f"--quantize {' '.join(args.quantize)}: each mode once (a row twice is measured twice)")
     if args.group_size is not None and not {"int4", "int4-a8"} & set(args.quantize):
