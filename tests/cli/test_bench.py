@@ -11,10 +11,11 @@ from llmstep import cli
 def main(argv: list[str]) -> dict:
     return cli.main(["bench", *argv])
 
-TINY = ["--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=64", "n_heads=4", "n_kv_heads=2", "hidden_dim=128",
+_RUN = ["--preset", "llama-3.2-1b", "--set", "n_layers=2", "dim=64", "n_heads=4", "n_kv_heads=2", "hidden_dim=128",
         "vocab_size=512", "max_seq_len=64", "--dtype", "float32", "--device", "cpu", "--threads", "1",
-        "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1", "--bandwidth-bytes", "1048576"]
-QUIET = [*TINY[:-2], "--no-bandwidth"]  # TINY without the bandwidth copy (and so without its size)
+        "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1"]
+TINY = [*_RUN, "--bandwidth-bytes", "1048576"]  # with a small bandwidth copy
+QUIET = [*_RUN, "--no-bandwidth"]  # without the copy (and so without its size)
 
 
 def test_bench_writes_valid_json_with_every_variant_and_transformers(tmp_path):
