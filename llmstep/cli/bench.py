@@ -120,7 +120,8 @@ def add_commands(sub) -> None:
                    help="also time transformers with a static cache and its decode step compiled "
                         "(default: on CUDA only; compiling transformers on a CPU takes minutes)")
     p.add_argument("--no-bandwidth", dest="bandwidth", action="store_false")
-    p.add_argument("--bandwidth-bytes", type=bandwidth_bytes, default=None, help="buffer size for the bandwidth copy")
+    p.add_argument("--bandwidth-bytes", type=bandwidth_bytes, default=None,
+                   help="buffer size for the bandwidth copy (and the most the reads at the weights' size take)")
     p.add_argument("--peers", default=None, metavar="NAME,...",
                    help="instead of the table above: llmstep's compiled loop next to these peers on the same "
                         "weights, at --dtype and each --quantize mode (llama.cpp, ctranslate2, transformers; "
@@ -162,7 +163,7 @@ def add_commands(sub) -> None:
     b.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
     b.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     b.add_argument("--slots", type=parse_ints, default=[1, 4, 8], help="batch slots to try, e.g. 1,4,8")
-    b.add_argument("--requests", type=positive_int, default=32)
+    b.add_argument("--requests", type=int_at_most(1, bench_batching.MAX_REQUESTS), default=32)
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(8, 128), help="LOW:HIGH tokens")
     b.add_argument("--rate", type=positive_float, default=None, help="arrivals per engine step (default: all at once)")
@@ -202,6 +203,22 @@ def check_bench_flags(args) -> None:
         raise ValueError("--bandwidth-bytes sizes the bandwidth copy, which --no-bandwidth skips: drop one of them")
 
 
+def check_compiling_flags(args, device) -> None:
+    """bench's flags for compiled rows, refused where no row compiles: compiling is off by default on a CPU
+    (`engines.compile.compiles`), so there --compile-mode and --no-eager need --compile."""
+    from ..engines.compile import compiles
+
+    if compiles(device, args.compile):
+        return
+    why = ("--no-compile turns compiling off" if args.compile is False
+           else f"the bench does not compile on {device.type} by default")
+    if args.compile_mode is not None:
+        raise ValueError(f"--compile-mode sets how the step compiles, and {why}: add --compile")
+    if not args.eager:
+        raise ValueError(f"--no-eager drops the eager rows, the only ones without compiled rows ({why}): add "
+                         "--compile")
+
+
 def run_bench(args, argv) -> dict:
     from ..core import parallel
     from ..core.device import resolve_device, resolve_dtype
@@ -222,6 +239,9 @@ def run_bench(args, argv) -> dict:
                               name="--bandwidth-bytes")
     if args.peers is not None:
         return run_peer_bench(args, argv)
+    if args.llama_cpp_extra_bufts != "auto":
+        raise ValueError("--llama-cpp-extra-bufts sets the llama.cpp peer's buffers: add --peers llama.cpp")
+    check_compiling_flags(args, resolve_device(args.device))
     check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
                  f"{args.new_tokens}", config=decode_bench.choose_model(args.model, args.preset, args.random_weights,
                                                                         parse_sets(args.set))[0])
@@ -256,11 +276,15 @@ def _run_bench_tp(args, argv) -> dict:
     from ..core import parallel
     from ..lab import bench_tp
 
+    check_bench_flags(args)  # a row twice, a group size with no int4 row: said as in one process
     one_process = [flag for flag, on in (("--quantize int8/int4", args.quantize != ["none"]),
                                          ("--quantize-lm-head", args.quantize_lm_head),
                                          ("--group-size", args.group_size is not None),
                                          ("--compile", bool(args.compile)), ("--compile-mode", bool(args.compile_mode)),
-                                         ("--hf-compile", bool(args.hf_compile)), ("--hf-dtype", bool(args.hf_dtype)))
+                                         ("--hf-compile", bool(args.hf_compile)), ("--hf-dtype", bool(args.hf_dtype)),
+                                         ("--peers", args.peers is not None),
+                                         ("--bandwidth-bytes", args.bandwidth_bytes is not None),
+                                         ("--llama-cpp-extra-bufts", args.llama_cpp_extra_bufts != "auto"))
                    if on]
     if one_process:
         raise parallel.ParallelError(f"{one_process[0]} does not run tensor-parallel: drop it, or run the bench in "
@@ -289,10 +313,24 @@ def run_peer_bench(args, argv) -> dict:
     names = peers.parse_peers(args.peers)  # before the model is built
     if args.device not in (None, "cpu"):
         raise ValueError(f"--peers runs on the CPU: drop --device {args.device}")
+    ignored = [flag for flag, on in (("--no-hf", not args.hf), ("--hf-dtype", bool(args.hf_dtype)),
+                                     ("--hf-compile", bool(args.hf_compile)), ("--no-eager", not args.eager)) if on]
+    if ignored:  # the peers table has its own rows: transformers is a peer there, llmstep's rows are compiled
+        raise ValueError(f"{ignored[0]} sets a row of the bench without --peers; the peers table runs each engine "
+                         "once, compiled (transformers as a peer: name it in --peers or leave it out): drop it")
     if args.quantize_lm_head:  # each peer's LM head is its own input's (llama.cpp's Q8_0 / Q4_x files keep theirs)
         raise ValueError("--quantize-lm-head does not apply to --peers: the int8 / int4 rows of every engine hold "
                          "the LM head in 8 bits already (int8 / Q8_0, as llama.cpp's int4 files keep theirs at 8 "
                          "or 6 bits); drop the flag")
+    from ..core.device import resolve_dtype
+
+    if args.dtype is not None and resolve_dtype(args.dtype, torch.device("cpu")) not in (torch.float32,
+                                                                                       torch.bfloat16):
+        raise ValueError(f"--peers compares float32 or bfloat16 weights (llama.cpp's F32 / BF16 files), not "
+                         f"--dtype {args.dtype}")
+    check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
+                 f"{args.new_tokens}", config=decode_bench.choose_model(args.model, args.preset, args.random_weights,
+                                                                        parse_sets(args.set))[0])
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              "cpu", args.dtype, args.seed)

@@ -7,7 +7,8 @@ import math
 import socket
 import sys
 
-from .args import add_attention_arg, nonneg_int, parse_range, positive_int, seed
+from ..lab.bench_batching import MAX_REQUESTS
+from .args import add_attention_arg, int_at_most, nonneg_int, parse_range, positive_int, seed
 
 SERVE_HELP = """\
 Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
@@ -109,7 +110,7 @@ def add_commands(sub) -> None:
                         "http://127.0.0.1:8000)")
     b.add_argument("--rate", type=rates, default=[1.0, 2.0, 4.0], help="requests per second, e.g. 1,2,4 (inf: all "
                    "at once)")
-    b.add_argument("--requests", type=positive_int, default=32, help="requests per rate")
+    b.add_argument("--requests", type=int_at_most(1, MAX_REQUESTS), default=32, help="requests per rate")
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--shared-prefix", type=nonneg_int, default=0,
@@ -182,16 +183,37 @@ def run_bench_serve(args, argv) -> dict:
     if args.json is not None:  # "" too: refused as the folder it names, not skipped
         check_output_path(args.json, "--json")
     load_before = runinfo.load_average()
+    done: list[dict] = []  # the record so far, once the server has answered
+
+    def finished(result: dict) -> dict:  # the header, and rates JSON can hold ("inf", not Infinity)
+        record = runinfo.header("cpu", None, argv, load_before) | result
+        record["runs"] = [r | {"rate_per_second": r["rate_per_second"] if math.isfinite(r["rate_per_second"])
+                               else "inf"} for r in record["runs"]]
+        return record
+
+    def keep(partial: dict) -> None:  # after each rate: a server that goes away later leaves the rates done
+        done[:] = [partial]
+        if args.json:
+            atomic_write_json(args.json, finished(partial), default=str)
+
     try:
         result = loadgen.bench(args.url, args.rate, args.requests, args.prompt_len, args.new_tokens, args.seed,
-                               log=lambda m: print(m, flush=True), shared_prefix=args.shared_prefix)
-    except httpx.ConnectError as e:  # nobody listening at --url
-        raise ValueError(f"no server at {args.url}: {e} (start one with llmstep serve)") from None
-    except httpx.HTTPError as e:  # it answered, but not as llmstep serve does (loadgen.check_server: its word)
-        raise ValueError(f"the server at {args.url} failed: {type(e).__name__}: {e}") from None
-    record = runinfo.header("cpu", None, argv, load_before) | result
-    record["runs"] = [r | {"rate_per_second": r["rate_per_second"] if math.isfinite(r["rate_per_second"])
-                           else "inf"} for r in record["runs"]]
+                               log=lambda m: print(m, flush=True), shared_prefix=args.shared_prefix, on_run=keep)
+    except httpx.HTTPError as e:
+        if not done and isinstance(e, httpx.ConnectError):  # nobody listening at --url
+            raise ValueError(f"no server at {args.url}: {e} (start one with llmstep serve)") from None
+        if not done:  # it answered, but not as llmstep serve does (loadgen.check_server: its word)
+            raise ValueError(f"the server at {args.url} failed: {type(e).__name__}: {e}") from None
+        runs = len(done[0]["runs"])
+        kept = f"; the {runs} rate(s) done are in {args.json}" if args.json and runs else ""
+        raise ValueError(f"the server at {args.url} stopped answering after {runs} of {len(args.rate)} rate(s): "
+                         f"{type(e).__name__}: {e}{kept}") from None
+    record = finished(result)
     if args.json:
         atomic_write_json(args.json, record, default=str)
+    if not any(r["completed"] for r in record["runs"]):  # after the record: it says what failed
+        first = record["runs"][0]
+        why = f": {first['failures'][0]}" if first["failures"] else ""
+        raise ValueError(f"no request completed at any rate (at the first, {first['failed']} failed{why}, "
+                         f"{first['refused_429']} refused with 429)")
     return record

@@ -22,12 +22,15 @@ import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-__all__ = ["render", "check_messages", "check_template"]
+from .config import read_json_object
+
+__all__ = ["render", "check_messages", "check_template", "read_tokenizer_config", "TOKEN_NAMES"]
 
 
 def render(template: str, messages, add_generation_prompt: bool = True,
@@ -194,3 +197,70 @@ def _compile(template: str) -> jinja2.Template:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"the chat template is not valid Jinja: line {e.lineno}: {e.message}") from None
+
+
+# ---- a checkpoint's tokenizer_config.json ----------------------------------------------------------------
+
+TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def read_tokenizer_config(folder: Path) -> dict:
+    """`Tokenizer`'s add_bos, chat_template and named_tokens from a checkpoint folder's tokenizer_config.json and
+    chat_template.jinja, the ones present."""
+    options: dict = {}
+    f = folder / "tokenizer_config.json"
+    if f.is_file():
+        data = read_json_object(f)
+        if data.get("add_bos_token") is not None:
+            if not isinstance(data["add_bos_token"], bool):
+                raise ValueError(f"{f}: add_bos_token must be true or false, got {data['add_bos_token']!r}")
+            options["add_bos"] = data["add_bos_token"]
+        template = data.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if len(named) != len(template) or not all(isinstance(v, str) for v in named.values()):
+                raise ValueError(f"{f}: chat_template as a list holds {{'name': ..., 'template': ...}} entries, "
+                                 f"one per name, got {template!r:.200}")
+            if "default" not in named:  # transformers uses the one named "default" unless asked for another
+                raise ValueError(f"{f}: chat_template names {sorted(map(str, named))} but none 'default'")
+            template = named["default"]
+        if not (template is None or isinstance(template, str)):
+            raise ValueError(f"{f}: chat_template must be Jinja source text or a list of {{'name', 'template'}}, "
+                             f"got {type(template).__name__}")
+        options["chat_template"], source = template, f"{f}: chat_template"
+        options["named_tokens"] = _token_names(data, f)
+    names = folder / "special_tokens_map.json"
+    if names.is_file():  # older saves name the tokens here (too); where both name one, this file's (transformers')
+        given = _token_names(read_json_object(names), names)
+        options["named_tokens"] = options.get("named_tokens", {}) | {k: v for k, v in given.items() if v is not None}
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():  # newer checkpoints keep the template in its own file; transformers prefers it
+        try:
+            options["chat_template"], source = jinja.read_text(encoding="utf-8"), str(jinja)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{jinja} is not UTF-8 text (byte {e.start} cannot be read)") from None
+    if options.get("chat_template") is not None:  # the template used: a stale one it replaces is not read
+        check_template_in(options["chat_template"], source)
+    return options
+
+
+def _token_names(data: dict, f: Path) -> dict[str, str | None]:
+    """{"bos_token": its text, ...} of a tokenizer_config.json or special_tokens_map.json object (a name's value
+    plain text or an AddedToken written out, {"content": ...})."""
+    names = {}
+    for name in TOKEN_NAMES:
+        value = data.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if not (value is None or isinstance(value, str)):
+            raise ValueError(f"{f}: {name} must be a token's text, got {data[name]!r}")
+        names[name] = value
+    return names
+
+
+def check_template_in(template: str, where: str) -> None:
+    """A checkpoint's chat template compiled when it is read (as a GGUF file's is), its error naming the file: a
+    broken one is refused now, not after the weights load at the first chat (or at an export writing it on)."""
+    try:
+        check_template(template)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -117,7 +117,8 @@ def _open(path: Path):
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, ZeroDivisionError) as e:
         if "alignment" in str(e) or isinstance(e, ZeroDivisionError):  # the reader's own check of the key
             raise GGUFLoadError(f"{path}: metadata general.alignment must be a uint32 power of two ({e})") from None
-        raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {e})") from None
+        raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file, or one of a version or tensor type the gguf "
+                            f"package does not know (its reader: {type(e).__name__}: {e})") from None
     if reader.byte_order == "S":  # the reader reads the header either way; the weights' bytes it would not swap
         raise GGUFLoadError(f"{path} is a big-endian GGUF file; llmstep (as llama.cpp) reads little-endian ones")
     check_layout(reader, str(path))
@@ -185,8 +186,10 @@ def _int(fields: dict, key: str, where: str, default=None) -> int:
     return value
 
 
-def _float(fields: dict, key: str, where: str, default: float) -> float:
+def _float(fields: dict, key: str, where: str, default: float | None = None) -> float:
     value = fields.get(key, default)
+    if value is None:
+        raise GGUFLoadError(f"{where}: metadata {key} is missing")
     if not is_finite_number(value):
         raise GGUFLoadError(f"{where}: metadata {key} must be a finite number, got {value!r}")
     return float(value)
@@ -196,7 +199,7 @@ def rope_scaling_of(factors: np.ndarray, head_dim: int, theta: float, where: str
     """A rope_freqs tensor -> the Llama 3.1 scaling that gives it (`gguf_rope.llama31_scaling_of`), or None."""
     try:
         return llama31_scaling_of(factors, head_dim, theta)
-    except ValueError as e:
+    except (ValueError, ArithmeticError) as e:  # a crafted tensor can overflow the fit
         raise GGUFLoadError(f"{where}: {e}") from None
 
 
@@ -247,16 +250,19 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     fields_ids = {"bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
                   "eos_token_id": fields.get("tokenizer.ggml.eos_token_id")}
     kinds = [t.tensor_type.name for name, t in tensors.items() if len(t.shape) == 2]
-    stored = {"F32": "float32", "F16": "float16"}.get(max(set(kinds), key=kinds.count) if kinds else "", "bfloat16")
+    # the matrices' commonest type (a tie: the first in name order, so every process picks the same)
+    stored = {"F32": "float32", "F16": "float16"}.get(max(sorted(set(kinds)), key=kinds.count) if kinds else "",
+                                                      "bfloat16")
     try:
         return LlamaConfig(
             vocab_size=_int(fields, "llama.vocab_size", where, vocab), dim=dim,
             n_layers=_int(fields, "llama.block_count", where), n_heads=n_heads,
             n_kv_heads=_int(fields, "llama.attention.head_count_kv", where, n_heads),
             hidden_dim=_int(fields, "llama.feed_forward_length", where),
-            norm_eps=_shortest(_float(fields, "llama.attention.layer_norm_rms_epsilon", where, 1e-5)),
+            # both required, as llama.cpp requires them: a guessed epsilon or context would be another model
+            norm_eps=_shortest(_float(fields, "llama.attention.layer_norm_rms_epsilon", where)),
             rope_theta=theta,
-            rope_scaling=scaling, max_seq_len=_int(fields, "llama.context_length", where, 2048),
+            rope_scaling=scaling, max_seq_len=_int(fields, "llama.context_length", where),
             tie_embeddings="output.weight" not in tensors, head_dim=head_dim, torch_dtype=stored, **fields_ids)
     except ConfigError as e:
         raise GGUFLoadError(f"{where}: {e}") from None
@@ -284,6 +290,13 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         fields = _fields(reader)
     except GGUFLoadError as e:
         raise GGUFLoadError(f"{where}: {e}") from None
+    count = fields.get("split.count", 1)
+    if count != 1:  # llama-gguf-split's shards: the first holds the metadata, every one some tensors
+        shard = fields.get("split.no")
+        which = (f"shard {shard + 1} of {count}" if is_int(shard) and is_int(count)
+                 else f"a shard (split.count {count!r})")
+        raise GGUFLoadError(f"{where}: {which} of a model split over several files (llama-gguf-split); llmstep reads "
+                            "a model from one file: merge the shards first (llama-gguf-split --merge)")
     tensors = {t.name: t for t in reader.tensors}
     config = _config(fields, tensors, where)
     try:
@@ -371,22 +384,23 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
     show = g.path.stat().st_size > 2**30 if progress is None else progress
     state: dict[str, torch.Tensor] = {}
     try:
-        for name, t in tqdm(g.tensors.items(), desc=f"loading {g.path.name}", unit="tensor", disable=not show):
-            if name in kept:
-                n, k = (int(d) for d in reversed(t.shape.tolist()))
-                codes, scales, zeros = int4_from_blocks(np.asarray(t.data), g.types[name], n, k)
-                if not (all_finite(scales) and all_finite(zeros)):  # float32 here: no check_finite wording
-                    raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) has NaN or Inf scales; the file is "
-                                        "damaged")
-                module = name.removesuffix(".weight")
-                parts = {"weight": codes, "scales": scales, "zeros": zeros}
-                for part, value in parts.items():  # rows permute whole: a block never crosses a row
-                    rows = qk_rows(module, value, g.config, from_interleaved)
-                    state[f"{module}.{part}"] = rows.to(device, dtype if part != "weight" else torch.uint8)
-                continue
-            w = _dequantized(t, name, g.config).to(device, dtype)
-            check_finite(w, f"{g.path}: tensor {t.name} ({name})", dtype, GGUFLoadError, "the file")
-            state[name] = w
+        with tqdm(g.tensors.items(), desc=f"loading {g.path.name}", unit="tensor", disable=not show) as bar:
+            for name, t in bar:  # the bar closed on the way out, a failure's too
+                if name in kept:
+                    n, k = (int(d) for d in reversed(t.shape.tolist()))
+                    codes, scales, zeros = int4_from_blocks(np.asarray(t.data), g.types[name], n, k)
+                    if not (all_finite(scales) and all_finite(zeros)):  # float32 here: no check_finite wording
+                        raise GGUFLoadError(f"{g.path}: tensor {t.name} ({name}) has NaN or Inf scales; the file is "
+                                            "damaged")
+                    module = name.removesuffix(".weight")
+                    parts = {"weight": codes, "scales": scales, "zeros": zeros}
+                    for part, value in parts.items():  # rows permute whole: a block never crosses a row
+                        rows = qk_rows(module, value, g.config, from_interleaved)
+                        state[f"{module}.{part}"] = rows.to(device, dtype if part != "weight" else torch.uint8)
+                    continue
+                w = _dequantized(t, name, g.config).to(device, dtype)
+                check_finite(w, f"{g.path}: tensor {t.name} ({name})", dtype, GGUFLoadError, "the file")
+                state[name] = w
     except (ValueError, OSError) as e:
         if isinstance(e, GGUFLoadError):
             raise

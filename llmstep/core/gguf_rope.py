@@ -39,6 +39,8 @@ def llama31_scaling_of(factors: np.ndarray, head_dim: int, theta: float) -> Rope
         if mid.sum() >= 2:  # s is a line in 1 / wavelen: it fixes both, orig an integer near the fit's
             slope, intercept = np.polyfit(1 / wavelen[mid], s, 1)
             fitted = -slope / intercept if intercept else 0.0  # high - 1 = -1 / intercept, orig = slope (high - 1)
+            if not math.isfinite(fitted):  # an intercept that small: no limits to find
+                return
             for orig in sorted({max(1, round(fitted) + d) for d in (0, -1, 1, -2, 2)}, key=lambda o: abs(o - fitted)):
                 yield orig, 1 + float(np.median((orig / wavelen[mid] - 1) / s))
             return

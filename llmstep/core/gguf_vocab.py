@@ -42,9 +42,10 @@ PRE_TOKENIZERS = {"llama-bpe": (_LLAMA3, True), "llama3": (_LLAMA3, True), "llam
 ADDS_BOS = {"llama-bpe", "llama3", "llama-v3"}  # llama.cpp starts their text with bos unless add_bos_token says no
 # gguf.TokenType values
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-# Control tokens that end a turn, whose text llama.cpp also treats as end-of-generation (llama-vocab.cpp's list).
+# Tokens that end a turn, by text: llama.cpp (llama-vocab.cpp's list) makes each one it finds a control token, whatever
+# the file typed it, and an end of generation.
 EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
-             "<end_of_turn>", "<|return|>", "<|call|>")
+             "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "_<EOT>", "<end_of_utterance>")
 
 
 class GGUFVocabError(ValueError):
@@ -86,9 +87,9 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         raise GGUFVocabError(f"{where}: tokenizer.ggml.token_type must give one type per token ({len(tokens)})")
     if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
         raise GGUFVocabError(f"{where}: tokenizer.ggml.merges must be a list of strings")
-    # llama.cpp reads a user-defined token spelled like an end-of-turn token as a control token (and an end)
-    types = [CONTROL if kind == USER_DEFINED and text in EOG_TEXTS else kind
-             for text, kind in zip(tokens, types, strict=True)]
+    # llama.cpp reads a token spelled like an end-of-turn token as a control token (and an end), whatever its type:
+    # user-defined, normal (every token of a file without token types) or unused
+    types = [CONTROL if text in EOG_TEXTS else kind for text, kind in zip(tokens, types, strict=True)]
     unknown = sorted({t for t in types if t not in (NORMAL, CONTROL, USER_DEFINED, UNUSED)})
     if unknown:
         raise GGUFVocabError(f"{where}: token type {unknown[0]} (tokenizer.ggml.token_type) is not one a byte-level "

@@ -88,11 +88,13 @@ def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
     Temperature 0 is greedy: all the mass on the argmax. A T below float32's smallest normal number (~1.2e-38),
     which float32 arithmetic cannot divide by on every device (0/0 there), gives its limit: the mass shared by the
     tied largest logits (what any T that small gives unless two logits differ by less than ~100 T). A row with +inf
-    logits shares its mass among them at any T; NaN logits give NaN (the engines refuse them before sampling).
+    logits shares its mass among them at any T; NaN logits give NaN, and so does a row with no logit above -inf
+    (no distribution to draw from: `sample` then returns index 0; the engines refuse non-finite logits first).
     """
     check_params(temperature, top_k, top_p)
     if temperature == 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits)[..., None], 1.0)
+    temperature, top_k, top_p = float(temperature), int(top_k or 0), float(top_p)  # any real number (a Fraction)
     logits = logits.float()
     top = logits.amax(-1, keepdim=True)
     # the same softmax; a tiny T then gives -inf, never inf - inf. A row holding +inf: every T gives its limit,

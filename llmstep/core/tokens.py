@@ -17,7 +17,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from .chat import check_messages, check_template, render
+from .chat import check_messages, read_tokenizer_config, render
 from .checks import is_int
 from .config import read_json_object
 from .files import atomic_write, atomic_write_text
@@ -28,7 +28,6 @@ BOS = "<|begin_of_text|>"
 EOS_CANDIDATES = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 # The special-token strings a chat template sees by name (transformers' SPECIAL_TOKENS_ATTRIBUTES).
-TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # encode_chat stands one character of Supplementary Private Use Area-B in for each special token a message spells.
 HIDDEN_FIRST, HIDDEN_LAST = 0x100000, 0x10FFFD
 HIDDEN = re.compile("[\U00100000-\U0010fffd]")
@@ -84,7 +83,9 @@ class Tokenizer:
     def from_dir(cls, path: str | Path, parsed: Mapping[str, dict] | None = None) -> Tokenizer:
         """tokenizer.json plus the stop tokens of generation_config.json (or config.json) when present, and
         tokenizer_config.json's chat template, add_bos_token and special-token names (chat_template.jinja, where
-        there is one, is the template: transformers reads it before tokenizer_config.json's).
+        there is one, is the template: transformers reads it before tokenizer_config.json's). Without add_bos_token,
+        text starts with bos where tokenizer.json's post-processor puts it there (Llama 3's template does, SmolLM2's
+        byte-level one not), as transformers' tokenizer of the folder encodes it.
 
         `parsed`: generation_config.json and config.json as already read (file name -> object, a file absent
         when the folder has none), so that a loader reads each file once."""
@@ -103,8 +104,11 @@ class Tokenizer:
                     raise ValueError(f"{f}: bos_token_id must be a token id, got {data['bos_token_id']!r}")
                 eos += ids
                 bos = data.get("bos_token_id") if bos is None else bos
-        tokenizer = cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None,
-                                  **_read_tokenizer_config(path))
+        options = read_tokenizer_config(path)
+        tokenizer = cls.from_file(path / "tokenizer.json", bos_id=bos, eos_ids=eos or None, **options)
+        if "add_bos" not in options:  # as transformers reads the folder: bos where tokenizer.json's template puts it
+            first = [tokenizer.tok.encode("a", add_special_tokens=s).ids[:1] for s in (True, False)]
+            tokenizer.add_bos = tokenizer.bos_id is not None and first[0] == [tokenizer.bos_id] != first[1]
         outside = [i for i in [*tokenizer.eos_ids, tokenizer.bos_id] if i is not None and i >= tokenizer.vocab_size]
         if outside:
             raise ValueError(f"{path}: bos_token_id/eos_token_id {outside[0]} is outside tokenizer.json's vocabulary "
@@ -362,57 +366,6 @@ def _check_encodable(text: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"the text is not valid Unicode: {text[e.start]!r} at character {e.start} is a lone "
                          "surrogate; decode the input with errors='replace'") from None
-
-
-def _read_tokenizer_config(folder: Path) -> dict:
-    """The constructor's add_bos, chat_template and named_tokens from tokenizer_config.json and
-    chat_template.jinja, the ones present."""
-    options: dict = {}
-    f = folder / "tokenizer_config.json"
-    if f.is_file():
-        data = read_json_object(f)
-        if data.get("add_bos_token") is not None:
-            if not isinstance(data["add_bos_token"], bool):
-                raise ValueError(f"{f}: add_bos_token must be true or false, got {data['add_bos_token']!r}")
-            options["add_bos"] = data["add_bos_token"]
-        template = data.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            if len(named) != len(template) or not all(isinstance(v, str) for v in named.values()):
-                raise ValueError(f"{f}: chat_template as a list holds {{'name': ..., 'template': ...}} entries, "
-                                 f"one per name, got {template!r:.200}")
-            if "default" not in named:  # transformers uses the one named "default" unless asked for another
-                raise ValueError(f"{f}: chat_template names {sorted(map(str, named))} but none 'default'")
-            template = named["default"]
-        if not (template is None or isinstance(template, str)):
-            raise ValueError(f"{f}: chat_template must be Jinja source text or a list of {{'name', 'template'}}, "
-                             f"got {type(template).__name__}")
-        options["chat_template"], source = template, f"{f}: chat_template"
-        options["named_tokens"] = {}
-        for name in TOKEN_NAMES:
-            value = data.get(name)
-            value = value.get("content") if isinstance(value, dict) else value  # an AddedToken written out
-            if not (value is None or isinstance(value, str)):
-                raise ValueError(f"{f}: {name} must be a token's text, got {data[name]!r}")
-            options["named_tokens"][name] = value
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():  # newer checkpoints keep the template in its own file; transformers prefers it
-        try:
-            options["chat_template"], source = jinja.read_text(encoding="utf-8"), str(jinja)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{jinja} is not UTF-8 text (byte {e.start} cannot be read)") from None
-    if options.get("chat_template") is not None:  # the template used: a stale one it replaces is not read
-        _check_template(options["chat_template"], source)
-    return options
-
-
-def _check_template(template: str, where: str) -> None:
-    """A checkpoint's chat template compiled when it is read (as a GGUF file's is), its error naming the file: a
-    broken one is refused now, not after the weights load at the first chat (or at an export writing it on)."""
-    try:
-        check_template(template)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
 
 
 def _is_id(i) -> bool:

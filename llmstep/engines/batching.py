@@ -84,8 +84,12 @@ class BatchRunner(Engine):
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
         return self.model(tokens, positions, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
+    @torch.inference_mode()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call)."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call), under inference
+        mode on inference tensors, as the runs and the warm-up call it: Dynamo guards the mode and the inputs'
+        dispatch keys, so a caller outside the mode (its tensors copied: S ints each) runs the same compiled step."""
+        tokens, positions = (t if t.is_inference() else t.clone() for t in (tokens, positions))
         return self._step(tokens, positions)
 
     @torch.inference_mode()
@@ -295,11 +299,23 @@ def make_batcher(model: Llama, n_slots: int = 8, max_len: int | None = None, com
 
 def request_list(requests) -> list:
     """A batcher's `requests`, a list (or other iterable) of Request; one Request alone, a string or a number is
-    refused by name (iterating one would fail far from the call, or not at all)."""
+    refused by name (iterating one would fail far from the call, or not at all). A request whose prompt_ids or
+    stop_ids is a one-shot iterator gets them read once, here, into a list / tuple (a request is checked more than
+    once, and one listed twice would find its iterator spent the second time): every copy of it sees the same."""
     if isinstance(requests, Request | str | bytes) or not isinstance(requests, Iterable):
         raise ValueError(f"requests must be a list of Request objects, got {type(requests).__name__}"
                          + (" (one request: pass [request])" if isinstance(requests, Request) else ""))
-    return list(requests)
+    settled: dict[int, Request] = {}  # id of a request given -> its settled copy
+    out = []
+    for r in requests:
+        if isinstance(r, Request):
+            if id(r) not in settled:
+                read = {name: (list if name == "prompt_ids" else tuple)(value) for name in ("prompt_ids", "stop_ids")
+                        if isinstance(value := getattr(r, name), Iterator)}
+                settled[id(r)] = dataclasses.replace(r, **read) if read else r
+            r = settled[id(r)]
+        out.append(r)
+    return out
 
 
 def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, policy: str = "continuous",
@@ -308,8 +324,7 @@ def run_batch(model: Llama, requests: Sequence[Request], n_slots: int = 8, polic
     """One-shot: `make_batcher`'s batcher serves `requests`. The policy and each request are checked first (against
     the model's context; the batcher checks them again against its own room), before a cache is allocated."""
     check_policy(policy)
-    requests = [dataclasses.replace(r, stop_ids=tuple(r.stop_ids)) if isinstance(r, Request)  # read once, kept
-                and isinstance(r.stop_ids, Iterator) else r for r in request_list(requests)]
+    requests = request_list(requests)  # its iterators read once: the batcher checks each request again
     for i, r in enumerate(requests):
         check_request(r, model, index=i)
     return make_batcher(model, n_slots, max_len, compile, kv, block_size, kv_blocks, prefix_caching,

@@ -35,8 +35,12 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     """Token ids (a list, or a tensor [T] or [1, T]) as a list of ints: not empty, inside the vocabulary,
     and leaving room for one new token."""
     if torch.is_tensor(ids) or hasattr(ids, "__array__"):  # a tensor or a numpy array
-        ids = torch.as_tensor(ids)
-        if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        try:
+            ids = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):  # numpy strings or objects: no tensor of them
+            raise ValueError(f"a prompt array must hold integer token ids, got one of dtype "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)}") from None
+        if ids.dim() == 0 or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
         ids = ids.flatten().tolist()
     # Text and chat messages reach here only from an engine without a tokenizer (`encode_prompt` encodes them).
@@ -82,9 +86,10 @@ def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor | list[dict],
-                  max_seq_len: int) -> list[int]:
+                  max_seq_len: int, vocab_size: int | None = None) -> list[int]:
     """A prompt as text (bos added where the tokenizer adds it), as token ids (a list or a tensor, used as given)
-    or as chat messages -> ids, checked."""
+    or as chat messages -> ids, checked against vocab_size: the model's, whose embedding reads them, as every engine
+    checks them without a tokenizer (None: the tokenizer's)."""
     if isinstance(prompt, bytes | bytearray):  # iterating bytes would give integers: read as token ids
         raise ValueError("the prompt is bytes: give text (decode it first, e.g. prompt.decode('utf-8')) or token ids")
     if isinstance(prompt, str):
@@ -98,7 +103,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
                              "(its chat_template) formats nothing for them")
     else:  # token ids, a list or a tensor
         ids = prompt
-    return check_prompt_ids(ids, tokenizer.vocab_size, max_seq_len)
+    return check_prompt_ids(ids, tokenizer.vocab_size if vocab_size is None else vocab_size, max_seq_len)
 
 
 # ---- Non-finite numbers, and one run at a time -------------------------------------------------------------

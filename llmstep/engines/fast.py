@@ -41,7 +41,7 @@ from .decoding import (
     step_bytes_by_context,
 )
 from .engine import Engine
-from .request import Checked, Request, as_request
+from .request import Checked, Request, as_request, sampling_key
 from .speculative import Rounds
 
 __all__ = ["FastResult", "FastDecoder", "FastSpeculativeResult", "FastSpeculator"]
@@ -82,7 +82,8 @@ class FastDecoder(Engine):
         # The run's state on the device, at fixed addresses: a CUDA graph reads and writes them in place.
         self._history = torch.zeros(max_len + 1, dtype=torch.long, device=device)  # [max_len+1]: token at position p
         self._position = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]: the pending token's position
-        self._noise = torch.ones(1, self.model.config.vocab_size, device=device)  # [1, V] float32: Exp(1) draws
+        self._noise = torch.ones(1, self.model.config.vocab_size, dtype=torch.float32,  # [1, V]: Exp(1) draws
+                                 device=device)  # float32 whatever the default dtype: `draw`'s noise is p's
         self._finite = torch.ones((), dtype=torch.bool, device=device)  # []: every logit of the run was finite
         self._state = (*self.cache.buffers, self._history, self._position, self._finite)  # written by the step
         self._advances: dict[tuple, Step] = {}  # one compiled step per sampling setting (its constants)
@@ -126,7 +127,7 @@ class FastDecoder(Engine):
         """`Engine.warm_once` for this sampling setting's decode step, from position 0 and with a clean cache, under
         inference mode as the runs (Dynamo guards the mode: a step compiled under another would compile again)."""
         check_params(temperature, top_k, top_p)
-        sampling = (temperature, top_k, top_p)
+        sampling = sampling_key(temperature, top_k, top_p)  # the key `generate` asks for: one greedy step
         if self.is_warm(sampling):
             return 0.0
         self._reset()  # from position 0: a run before may have left the position near the cache's end

@@ -20,7 +20,7 @@ from ..core.tokens import Tokenizer
 from .decoding import check_prompt_ids, encode_prompt, stop_id_set
 
 __all__ = ["Request", "Checked", "as_request", "check_request", "check_arrival", "end_ids", "generator_seed",
-           "MAX_ARRIVAL_STEP"]
+           "sampling_key", "MAX_ARRIVAL_STEP"]
 
 # The latest arrival step a batcher's run takes. Each engine step before it is recorded (a timeline row, shared by
 # idle steps: ~24 bytes a step), so 10**6 steps cost ~24 MB and a few milliseconds; a workload whose requests come
@@ -128,12 +128,21 @@ def check_request(request: Request, model: torch.nn.Module, limit: int | None = 
         check_arrival(r.arrival)
         stops = stop_id_set(end_ids(model, tokenizer) if r.stop_ids is None else r.stop_ids, vocab)
         if tokenizer is not None:
-            ids = encode_prompt(tokenizer, r.prompt_ids, limit)
+            ids = encode_prompt(tokenizer, r.prompt_ids, limit, vocab)
         else:
             ids = check_prompt_ids(r.prompt_ids, vocab, limit, room=room)
     except ValueError as e:
         if index is None:
             raise
         raise ValueError(f"request {index}: {e}") from None
-    return Checked(ids, int(r.max_new_tokens), (r.temperature, int(r.top_k or 0), r.top_p), r.seed, frozenset(stops),
-                   int(r.arrival))
+    return Checked(ids, int(r.max_new_tokens), sampling_key(r.temperature, r.top_k, r.top_p), r.seed,
+                   frozenset(stops), int(r.arrival))
+
+
+def sampling_key(temperature: float, top_k: int | None, top_p: float) -> tuple[float, int, float]:
+    """Checked sampling settings as plain numbers, (temperature, top_k, top_p): greedy is (0.0, 0, 1.0) whatever
+    top_k and top_p it was given (they change nothing at temperature 0), so an engine keyed by the setting (a compiled
+    step each) makes one greedy step, not one per pair."""
+    if temperature == 0:
+        return 0.0, 0, 1.0
+    return float(temperature), int(top_k or 0), float(top_p)

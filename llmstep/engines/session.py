@@ -17,7 +17,6 @@ from ..core.model import Llama
 from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
 from .batching import PagedRunner, check_paged_options, engine_step
-from .decoding import check_finite
 from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
 from .scheduler import Job, Scheduler
@@ -30,8 +29,8 @@ class TokenOut:
     """What one engine step made for one request: its new token, and why it ended (None: more to come)."""
 
     id: int
-    token: int
-    finish_reason: str | None  # "stop", "length", "context"
+    token: int  # -1: none (a request that wanted none, or one whose logits broke)
+    finish_reason: str | None  # "stop", "length", "context"; "error": its logits held a NaN or an Inf
 
 
 class PagedSession:
@@ -56,6 +55,7 @@ class PagedSession:
         self.stats = self.scheduler.stats
         self._jobs: dict[int, tuple[Job, Checked, torch.Generator]] = {}  # unfinished: id -> job, request, generator
         self._ids = itertools.count()
+        self._broken: set[int] = set()  # this step's requests whose logits held a NaN or an Inf
 
     @property
     def pending(self) -> int:
@@ -87,14 +87,21 @@ class PagedSession:
 
     @torch.inference_mode()
     def step(self) -> list[TokenOut]:
-        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one;
-        NonFiniteLogitsError at once if a request's logits held NaN or Inf (the model is broken for everyone)."""
+        """One engine step (nothing when no request is pending): the tokens it made, one per request that got one.
+        A request whose logits held a NaN or an Inf ends here with finish_reason "error" and no token (its draw is
+        meaningless, so not shown), its blocks freed; the others go on (a model may overflow on one input alone)."""
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
         out = []
         if self.scheduler.done:
             return out
+        self._broken = set()
         for job in engine_step(self.scheduler, lambda work: self.runner.compute(work, self._draw), self.device):
+            if job.id in self._broken:
+                self.scheduler.cancel(job)  # its blocks back now (a no-op where its meaningless token ended it)
+                del self._jobs[job.id]
+                out.append(TokenOut(job.id, -1, "error"))
+                continue
             reason = job.completion.stop_reason or None
             if reason:
                 del self._jobs[job.id]
@@ -108,10 +115,14 @@ class PagedSession:
         return out
 
     def _draw(self, logits: torch.Tensor, ids: list[int]) -> list[int]:
-        """logits [K, vocab], row k of request ids[k] -> one token each, drawn with its request's own generator."""
-        check_finite(logits, self.scheduler.step, "the model")
-        return torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
-                          enumerate(self._jobs[i] for i in ids)]).tolist()
+        """logits [K, vocab], row k of request ids[k] -> one token each, drawn with its request's own generator; the
+        requests whose rows are not all finite noted in `_broken` (`step` ends them). One wait for the device."""
+        tokens = torch.cat([sample(logits[k:k + 1], *r.sampling, g) for k, (_, r, g) in
+                            enumerate(self._jobs[i] for i in ids)])  # [K]
+        finite = torch.isfinite(logits).all(-1)  # [K]
+        tokens, finite = torch.stack([tokens, finite.long()]).tolist()
+        self._broken.update(i for i, ok in zip(ids, finite, strict=True) if not ok)
+        return tokens
 
     def close(self) -> None:
         """Cancel what is left; the session takes no more steps."""

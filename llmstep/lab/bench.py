@@ -248,11 +248,11 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         record["hardware"] = describe(device)
         log("measuring memory bandwidth ...")
         record["bandwidth_gb_per_s"] = measure_bandwidth(device, nbytes=bandwidth_bytes)
-        # Reading (not copying) a buffer the size of the float weights: what a decode step does. On a
-        # CPU whose last-level cache holds the whole model this, not DRAM, is the ceiling decode meets,
-        # and reads run faster than copies there. Capped at 1 GiB, already beyond every cache.
+        # Reading (not copying) a buffer the size of the float weights, as a decode step does: where the LLC holds the
+        # model, its ceiling (reads outrun copies there). At most 1 GiB, beyond every cache, or bandwidth_bytes.
         nbytes = int(decode_step_cost(config, dtype=model.dtype).weight_bytes)
         nbytes = min(max(nbytes, 2**20), 2**30 if bandwidth_bytes is None else bandwidth_bytes)
+        record["weight_size_buffer_bytes"] = nbytes
         record["bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes)
         record["read_bandwidth_at_weight_size_gb_per_s"] = measure_bandwidth(device, nbytes=nbytes, kind="read")
     # The share of bandwidth is taken against the larger of the two: the most this device showed it can move.

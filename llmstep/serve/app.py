@@ -15,9 +15,11 @@ The model's end-of-sequence tokens end a request with finish_reason "stop"; its 
 context, with "length". A request is checked whole before it is queued, its length against what the server holds
 (`Engine.context`: the model's context or the KV pool, whichever is less), so the engine never refuses one; if it
 still does, that is a 400 (an error event, then [DONE], once a stream has begun; a server stopping under an open
-stream sends a server_error event, then [DONE]). Every chunk of a response carries the one `created` time. A
-client that goes away, mid-stream, or while its request waits for a slot or runs for a whole answer, has its
-request dropped at once. Text is tokenised off the event loop, and a text too long to fit is refused unread.
+stream sends a server_error event, then [DONE]). A request on which the model's logits break (NaN or Inf) is a
+500 "model_error" (or that event), and the engine serves the others. Every chunk of a response carries the one
+`created` time. A client that goes away, mid-stream, or while its request waits for a slot or runs for a whole
+answer, has its request dropped at once. Text is tokenised off the event loop, and a text too long to fit is
+refused unread.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from starlette.exceptions import HTTPException
 
 from ..core.tokens import Tokenizer
 from ..engines.batching import Request as EngineRequest
+from ..engines.decoding import NonFiniteLogitsError
 from . import protocol
 from .engine import Busy, Engine, EngineStopped
 from .protocol import RequestError, Sampling
@@ -139,7 +142,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         try:
             while reason is None:
                 item = await ticket.queue.get()
-                if isinstance(item, BaseException):  # EngineStopped, or a ValueError: the session refused it
+                if isinstance(item, BaseException):  # EngineStopped, a ValueError (refused), NonFiniteLogitsError
                     raise item
                 token, reason = item
                 if token is not None and token >= 0:
@@ -170,6 +173,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                 text, reason, n = text + piece, finish, made
         except EngineStopped as e:
             raise RequestError(str(e), None, "engine_stopped", status=503, type="server_error") from None
+        except NonFiniteLogitsError as e:  # the model broke on this request (the server serves the others)
+            raise RequestError(str(e), None, "model_error", status=500, type="server_error") from None
         except ValueError as e:  # the session's own check refused it (the web layer's checks should have)
             raise RequestError(str(e), None, "invalid_value") from None
         finally:
@@ -203,6 +208,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
                         yield sse(protocol.completion_chunk(rid, created, model_name, piece, reason))
             except EngineStopped as e:  # after the 200 went out: the error as an event, the stream ended as any
                 yield sse(protocol.error_body(str(e), "server_error", None, "engine_stopped"))
+                yield sse("[DONE]")
+                return
+            except NonFiniteLogitsError as e:  # likewise: the model broke on this request alone
+                yield sse(protocol.error_body(str(e), "server_error", None, "model_error"))
                 yield sse("[DONE]")
                 return
             except ValueError as e:  # refused by the session after the 200 went out: likewise

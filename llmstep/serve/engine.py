@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ..core.model import Llama
 from ..engines.batching import Request
+from ..engines.decoding import NonFiniteLogitsError
 from ..engines.kv_manager import pool_tokens
 from ..engines.session import PagedSession
 
@@ -184,7 +185,11 @@ class Engine:
                         continue
                     if out.token >= 0:
                         self.stats["tokens"] += 1
-                    if out.finish_reason:
+                    if out.finish_reason == "error":  # this request's logits broke; the others go on
+                        self._finish(ticket, NonFiniteLogitsError(
+                            "the model produced non-finite logits (NaN or Inf) for this request: its tokens would "
+                            "be meaningless, so it was ended (the server serves the others)"))
+                    elif out.finish_reason:
                         self._finish(ticket, (out.token, out.finish_reason))
                     else:
                         ticket.put((out.token, None))

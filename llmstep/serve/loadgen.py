@@ -158,13 +158,20 @@ def check_server(url: str, longest: int) -> dict:
 
 
 def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, int], new_tokens: tuple[int, int],
-          seed: int = 0, log=print, shared_prefix: int = 0) -> dict:
+          seed: int = 0, log=print, shared_prefix: int = 0, on_run=None) -> dict:
     """One run per rate against the server at url; returns {"server": its /health before, "runs": [summary, ...],
-    "server_after": its /health after (the counters: prefix cache hits, refusals, tokens)}."""
+    "server_after": its /health after (the counters: prefix cache hits, refusals, tokens)}. on_run(record), if
+    given, gets the record so far once the server has answered and after each rate: a server that goes away later
+    leaves the rates done (an httpx error is raised after that call)."""
     import httpx
 
     server = check_server(url, prompt_len[1] + shared_prefix + new_tokens[1])
     runs = []
+    so_far = lambda: {"server": server | {"url": url}, "runs": runs,  # noqa: E731
+                      "workload": {"requests": requests, "prompt_len": list(prompt_len),
+                                   "new_tokens": list(new_tokens), "seed": seed, "shared_prefix": shared_prefix}}
+    report = on_run or (lambda record: None)
+    report(so_far())
     for rate in rates:
         timings, seconds = asyncio.run(run_load(url, rate, requests, prompt_len, new_tokens, seed,
                                                 shared_prefix=shared_prefix))
@@ -175,7 +182,5 @@ def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, in
             f"p90 {r['ttft_ms']['p90']:.0f} p99 {r['ttft_ms']['p99']:.0f} ms | ITL p50 {r['itl_ms']['p50']:.0f} "
             f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms"
             + (f" | {r['failed']} failed: {r['failures'][0]}" if r["failures"] else ""))
-    return {"server": server | {"url": url}, "workload": {"requests": requests, "prompt_len": list(prompt_len),
-                                                         "new_tokens": list(new_tokens), "seed": seed,
-                                                         "shared_prefix": shared_prefix},
-            "runs": runs, "server_after": httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()}
+        report(so_far())
+    return so_far() | {"server_after": httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()}

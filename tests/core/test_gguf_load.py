@@ -37,10 +37,12 @@ def tokenizer(tokenizer_file) -> Tokenizer:
 
 
 def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = "llama", fields: dict | None = None,
-               tensors: dict | None = None, n_tokens: int | None = None, head_kind: str | None = None):
+               tensors: dict | None = None, n_tokens: int | None = None, head_kind: str | None = None,
+               omit: tuple[str, ...] = ()):
     """A GGUF file as llama.cpp's converter lays it out (names, q/k rows, metadata), its matrices in `kind` (the LM
     head in `head_kind` if given: output.weight, or token_embd.weight where it is tied). Types gguf-py can quantize
-    are quantized from the model; the K-quants get random blocks (scales kept small)."""
+    are quantized from the model; the K-quants get random blocks (scales kept small). omit: metadata keys (after
+    the architecture's name) left out."""
     c = model.config
     arrays = gguf_tensors(model, "f32") if tensors is None else tensors
     rng = np.random.default_rng(0)
@@ -49,7 +51,7 @@ def write_gguf(path, model: Llama, tokenizer: Tokenizer, kind: str, arch: str = 
             "feed_forward_length": c.hidden_dim, "attention.head_count": c.n_heads,
             "attention.head_count_kv": c.n_kv_heads, "rope.freq_base": float(c.rope_theta),
             "attention.layer_norm_rms_epsilon": float(c.norm_eps), "vocab_size": c.vocab_size}
-    for key, value in meta.items():
+    for key, value in ((k, v) for k, v in meta.items() if k not in omit):
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     vocab = gguf_vocab(tokenizer, n_tokens or c.vocab_size)  # n_tokens: fewer than the embedding's rows
     w.add_tokenizer_model("gpt2")
@@ -521,17 +523,36 @@ def test_odd_metadata_is_refused_by_name(tmp_path, tokenizer):
         read_gguf(heads)
 
 
-def test_a_user_defined_token_spelled_like_an_end_of_turn_is_a_control_token_and_an_end(tokenizer):
-    from llmstep.core.gguf_vocab import USER_DEFINED, build_tokenizer
+@pytest.mark.parametrize("key", ["context_length", "attention.layer_norm_rms_epsilon"])
+def test_metadata_llama_cpp_requires_is_required_not_guessed(tmp_path, tokenizer, key):
+    path = write_gguf(tmp_path / "m.gguf", random_llama(), tokenizer, "F32", omit=(key,))
+    with pytest.raises(GGUFLoadError, match=rf"metadata llama\.{re.escape(key)} is missing"):
+        read_gguf(path)
+
+
+def test_a_shard_of_a_split_model_is_named_as_one(tmp_path, tokenizer):
+    path = write_gguf(tmp_path / "m-00001-of-00003.gguf", random_llama(), tokenizer, "F32",
+                      fields={"split.no": 0, "split.count": 3, "split.tensors.count": 10})
+    with pytest.raises(GGUFLoadError, match=r"shard 1 of 3 of a model split over several files .* merge the shards"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("kind", ["user-defined", "normal", "unused", "no types in the file"])
+def test_a_token_spelled_like_an_end_of_turn_is_a_control_token_and_an_end_whatever_its_type(tokenizer, kind):
+    """llama.cpp's rule: typed anything, such a token is a control token (its text not split up by BPE) and an end
+    of generation; a file without token types has every token normal."""
+    from llmstep.core.gguf_vocab import NORMAL, UNUSED, USER_DEFINED, build_tokenizer
 
     vocab = gguf_vocab(tokenizer, 300)
     types = list(vocab["types"])
     eot = vocab["tokens"].index("<|eot_id|>")
-    types[eot] = USER_DEFINED
-    t = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
-                         "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": types,
-                         "tokenizer.ggml.merges": vocab["merges"]}, "x")
+    types[eot] = {"user-defined": USER_DEFINED, "normal": NORMAL, "unused": UNUSED}.get(kind)
+    fields = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": vocab["tokens"],
+              "tokenizer.ggml.token_type": None if kind == "no types in the file" else types,
+              "tokenizer.ggml.merges": vocab["merges"]}
+    t = build_tokenizer({k: v for k, v in fields.items() if v is not None}, "x")
     assert eot in t.eos_ids and "<|eot_id|>" in t.special_tokens
+    assert t.encode("hi<|eot_id|>")[-1] == eot  # one token, not its pieces
 
 
 def test_a_file_whose_vocabulary_is_padded_past_its_tokens_decodes_the_padding_to_nothing(tmp_path, tokenizer):

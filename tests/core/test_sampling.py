@@ -139,6 +139,15 @@ def test_tiny_temperature_tends_to_greedy_not_nan(temperature):
     assert probs(logits, temperature, top_k=1).isfinite().all()
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.5, top_k=2), dict(temperature=1e-46)])
+def test_a_row_with_no_logit_above_minus_inf_is_no_distribution(kw):
+    """probs' documented rule: NaN, never a made-up distribution (a uniform one, say); the other row is untouched."""
+    logits = torch.tensor([[float("-inf")] * 4, [0.0, 1.0, -1.0, float("-inf")]])
+    p = probs(logits, **kw)
+    assert p[0].isnan().all() and p[1].isfinite().all() and p[1].sum().item() == pytest.approx(1.0)
+    assert sample(logits, **kw, generator=torch.Generator().manual_seed(0))[0] == 0
+
+
 @pytest.mark.parametrize("top_p", [1e-30, 1e-46, 1e-300])  # the last two: 0 in float32
 def test_a_tiny_top_p_keeps_the_top_token(top_p):
     logits = torch.tensor([[1.0, 3.0, 2.0], [-5.0, -4.0, -6.0]])

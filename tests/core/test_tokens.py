@@ -85,3 +85,55 @@ def test_encode_refuses_a_max_tokens_that_leaves_no_room_by_name(tok, bad):
     with pytest.raises(ValueError, match=f"max_tokens must be a whole number of at least 1, got {bad!r}"):
         tok.encode("a", max_tokens=bad)
     assert tok.encode("a", bos=False, max_tokens=1) == tok.encode("a", bos=False)
+
+
+@pytest.mark.parametrize("templated", [False, True], ids=["byte-level-only", "bos-template"])
+@pytest.mark.parametrize("config", [None, {"tokenizer_class": "GPT2Tokenizer"},
+                                    {"tokenizer_class": "PreTrainedTokenizerFast"}, {"add_bos_token": False},
+                                    {"add_bos_token": True}], ids=["no-config", "gpt2", "fast", "no-bos", "bos"])
+def test_a_folders_text_starts_with_bos_exactly_where_transformers_tokenizer_of_it_starts_it(tmp_path,
+                                                                                           tokenizer_file, templated,
+                                                                                           config):
+    """Without add_bos_token, tokenizer.json's post-processor decides (SmolLM2's byte-level one adds nothing, Llama
+    3's template writes bos), transformers' AutoTokenizer of the same folder the oracle; with it, the flag."""
+    import json
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    source = DATA_DIR / "tokenizer.json" if templated else tokenizer_file  # the shipped one has Llama 3's template
+    shutil.copy(source, tmp_path / "tokenizer.json")
+    raw = Tokenizer.from_file(source).tok
+    bos, eos = raw.token_to_id("<|begin_of_text|>"), raw.token_to_id("<|end_of_text|>")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": bos,
+                                                      "eos_token_id": eos}))
+    if config is not None:
+        names = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(names | config))
+    ours = Tokenizer.from_dir(tmp_path)
+    if config is not None and "add_bos_token" in config:  # the file's word (transformers' depends on its class)
+        assert ours.add_bos == config["add_bos_token"] and (ours.encode("hi")[0] == bos) == config["add_bos_token"]
+        return
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("hello world", "KING: O"):
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+    assert ours.add_bos == templated
+
+
+def test_special_tokens_map_names_the_tokens_tokenizer_config_leaves_out_as_transformers_reads_it(tmp_path):
+    """Older saves name bos/eos in special_tokens_map.json: a template's eos_token is that text, not "", and where
+    both files name a token the map's word is transformers'."""
+    import json
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    shutil.copy(DATA_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = "{% for m in messages %}{{ bos_token + m['content'] + eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
+                                                                "bos_token": "<|begin_of_text|>"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|eot_id|>"},
+                                                                  "bos_token": "<|end_of_text|>"}))
+    messages = [{"role": "user", "content": "hi"}]
+    ours = Tokenizer.from_dir(tmp_path).chat(messages, False)
+    assert ours == "<|end_of_text|>hi<|eot_id|>"  # the map's eos, and its bos over tokenizer_config.json's
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours == theirs.apply_chat_template(messages, tokenize=False)

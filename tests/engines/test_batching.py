@@ -365,6 +365,12 @@ def test_compiled_batcher_gives_the_eager_tokens(one_layer_checkpoint):
         compiled = batcher.run(requests)
     assert [c.tokens for c in compiled.completions] == [c.tokens for c in eager.completions]
     assert compiled.timeline == eager.timeline
+    # The public step, called outside any mode, runs the code compiled in the runs' mode: no recompile
+    rows = [(5, 0), None, (7, 0)]
+    with no_recompiles():
+        logits = batcher.decode(rows)
+    expected = BatchRunner(model, n_slots=3, max_len=40, compile=False).decode(rows)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_batch_reads_the_weights_once():

@@ -196,3 +196,88 @@ def test_seeds_that_differ_above_32_bits_draw_differently_on_a_cpu(shipped):
     assert generator_seed(5 + 2**40, torch.device("meta")) == 5 + 2**40  # another device's generator keeps 64 bits
     g = check_request(Request([1], 1, seed=5 + 2**40), model).generator(cpu)
     assert g.initial_seed() == generator_seed(5 + 2**40, cpu)
+
+
+def test_one_shot_prompt_and_stop_iterators_and_a_request_listed_twice_give_every_copy_the_same(small):
+    """A batcher checks each request more than once and a request may be listed twice: its iterators are read
+    once, into one settled copy, so each copy gets what `generate` gives the request alone."""
+    model, tok = small
+    free = FastDecoder(model).generate([1, 2, 3], 10, temperature=0, stop_ids=()).tokens
+    alone = llmstep.generate(model, tok, Request([1, 2, 3], 10, temperature=0, stop_ids=[free[4]]))
+    for kv in ("contiguous", "paged"):
+        r = Request(iter([1, 2, 3]), 10, temperature=0, stop_ids=iter([free[4]]))
+        run = run_batch(model, [r, r], kv=kv)
+        assert [(c.tokens, c.stop_reason) for c in run.completions] == [(alone.tokens, "stop")] * 2, kv
+        r = Request(iter([1, 2, 3]), 10, temperature=0, stop_ids=iter([free[4]]))
+        run = ContinuousBatcher(model, n_slots=2).run([r, r])
+        assert [c.tokens for c in run.completions] == [alone.tokens] * 2
+
+
+def test_prompt_ids_are_checked_against_the_models_vocabulary_with_a_tokenizer_or_without(small):
+    """The embedding reads the ids: an engine with a tokenizer takes the ids an engine without one takes."""
+    import dataclasses as dc
+
+    model, tok = small
+    padded = dc.replace(model.config, vocab_size=tok.vocab_size + 8)
+    wide = llmstep.Llama(padded).eval().requires_grad_(False)  # 8 rows the tokenizer does not name
+    pad_id = tok.vocab_size + 3
+    with_tok = llmstep.generate(wide, tok, [1, pad_id], max_new_tokens=3, temperature=0, stop_ids=())
+    assert with_tok.tokens == FastDecoder(wide).generate([1, pad_id], 3, temperature=0, stop_ids=()).tokens
+    with pytest.raises(ValueError, match=rf"prompt token id {tok.vocab_size + 8} is outside the vocabulary "
+                                         rf"\(size {tok.vocab_size + 8}\)"):
+        llmstep.generate(wide, tok, [1, tok.vocab_size + 8], max_new_tokens=3)
+    narrow_config = dc.replace(model.config, vocab_size=tok.vocab_size - 4, bos_token_id=None, eos_token_id=None)
+    narrow = llmstep.Llama(narrow_config).eval().requires_grad_(False)
+    with pytest.raises(ValueError, match=rf"prompt token id {tok.vocab_size - 2} is outside the vocabulary "
+                                         rf"\(size {tok.vocab_size - 4}\)"):  # refused, not an IndexError later
+        llmstep.generate(narrow, tok, [1, tok.vocab_size - 2], max_new_tokens=3, stop_ids=())
+
+
+def test_greedy_is_one_sampling_setting_whatever_top_k_and_top_p_and_numbers_may_be_fractions(small):
+    from fractions import Fraction
+
+    from llmstep.engines.request import sampling_key
+
+    model, tok = small
+    assert sampling_key(0, 5, 0.3) == sampling_key(0.0, None, 1.0) == (0.0, 0, 1.0)
+    assert sampling_key(Fraction(1, 2), 3, Fraction(9, 10)) == (0.5, 3, 0.9)
+    decoder = FastDecoder(model)
+    runs = [decoder.generate([1, 2, 3], 6, temperature=0, top_k=k, top_p=p, stop_ids=()).tokens
+            for k, p in ((0, 1.0), (5, 0.3), (40, 0.9))]
+    assert runs[0] == runs[1] == runs[2] and list(decoder._advances) == [(0.0, 0, 1.0)]  # one greedy step
+    kw = dict(max_new_tokens=6, seed=2, stop_ids=())
+    assert (llmstep.generate(model, tok, [1, 2, 3], temperature=Fraction(1, 2), top_p=Fraction(9, 10), **kw).tokens
+            == llmstep.generate(model, tok, [1, 2, 3], temperature=0.5, top_p=0.9, **kw).tokens)
+
+
+def test_the_fast_decoders_noise_is_float32_whatever_the_default_dtype(small):
+    """Its seeded draws are `generate`'s: Exp(1) noise in float32, as `draw` makes it next to float32 probs."""
+    import torch
+
+    model, tok = small
+    expected = llmstep.generate(model, tok, [1, 2, 3], max_new_tokens=8, seed=4, stop_ids=()).tokens
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        decoder = FastDecoder(model)
+        got = decoder.generate([1, 2, 3], 8, temperature=1.0, seed=4, stop_ids=()).tokens
+    finally:
+        torch.set_default_dtype(before)
+    assert got == expected
+    assert decoder._noise.dtype == torch.float32  # the same tokens could come from float64 draws of the same bits
+
+
+def test_a_prompt_array_of_no_sequence_or_of_strings_is_refused_by_name(small):
+    import numpy as np
+    import torch
+
+    from llmstep.engines.decoding import check_prompt_ids
+
+    with pytest.raises(ValueError, match=r"one sequence, \[T\] or \[1, T\]; got shape \[\]"):
+        check_prompt_ids(torch.tensor(5), 300, 64)  # a plain 5 is refused too: one id is [5]
+    with pytest.raises(ValueError, match="a prompt array must hold integer token ids, got one of dtype <U1"):
+        check_prompt_ids(np.array(["a", "b"]), 300, 64)
+    assert check_prompt_ids(np.array([[4, 5]]), 300, 64) == [4, 5]
+    model, tok = small
+    with pytest.raises(ValueError, match="got shape \\[\\]"):
+        llmstep.generate(model, tok, torch.tensor(5), max_new_tokens=2)

@@ -79,3 +79,44 @@ def test_a_closed_session_refuses_a_submitted_request_as_it_refuses_a_step(tiny6
     with pytest.raises(RuntimeError, match="this PagedSession is closed"):
         session.submit(Request([1, 2], max_new_tokens=5))
     assert session.pending == 0
+
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_a_request_whose_logits_break_ends_with_an_error_and_the_others_go_on(tiny64, when):
+    """Non-finite logits on one input alone (an fp16 overflow, say) end that request (finish_reason "error", no
+    token shown, its blocks freed); the others get their solo tokens and the session stays usable."""
+    model, tok = tiny64
+    requests = [Request([5, 6, 7], max_new_tokens=6, temperature=0, stop_ids=()),
+                Request([9, 10, 3, 4], max_new_tokens=6, temperature=0.8, seed=1, stop_ids=()),
+                Request([11, 12], max_new_tokens=6, temperature=0.9, seed=3, stop_ids=())]
+    expected = [solo(model, tok, r).tokens for r in requests]
+    session = PagedSession(model, n_slots=4, block_size=4)
+    ids = [session.submit(r) for r in requests]
+    forward = session.runner.forward
+
+    def breaking(work):  # NaN in the broken request's row: at its prompt's forward, or at its first decode step
+        logits = forward(work)  # [K, vocab]: the chunks that sample, in order
+        for k, s in enumerate([s for s in work if s.samples]):
+            if s.job.id == ids[1] and (s.chunk.start == 0) == (when == "prefill"):
+                logits[k, 7] = float("nan")
+        return logits
+
+    session.runner.forward = breaking
+    made: dict[int, list] = {i: [] for i in ids}
+    reasons = {}
+    while session.pending:
+        for out in session.step():
+            made[out.id] += [out.token] if out.token >= 0 else []
+            reasons[out.id] = out.finish_reason
+        check_blocks(session.scheduler)
+    assert reasons == {ids[0]: "length", ids[1]: "error", ids[2]: "length"}
+    assert made[ids[1]] == ([] if when == "prefill" else expected[1][:1])  # nothing drawn from NaN is shown
+    assert [made[ids[0]], made[ids[2]]] == [expected[0], expected[2]]
+    assert session.blocks.n_used == 0
+    session.runner.forward = forward
+    again = session.submit(requests[1])  # the session goes on: the request itself was fine
+    tokens = []
+    while session.pending:
+        tokens += [o.token for o in session.step() if o.id == again]
+    assert tokens == expected[1]

@@ -18,6 +18,7 @@ from llmstep import Llama, LlamaConfig, Tokenizer
 from llmstep.cli import main as llmstep_main
 from llmstep.engines.drafts import LayerSkipDraft
 from llmstep.engines.speculative import speculative_generate, speculative_stream, verify
+from llmstep.lab.probe import no_recompiles
 
 GREEDY = dict(temperature=0, stop_ids=())  # greedy, never stopping early: what these runs ask for
 
@@ -598,10 +599,12 @@ def test_compiled_fast_speculator_keeps_the_greedy_output(tok):
     target = random_model(0, logit_scale=4.0, n_layers=1)
     ref = plain_greedy(target, tok, 30, stop_ids=[])
     speculator = FastSpeculator(target, noisy_copy(target, 0.3, seed=1), k=3, max_len=48, compile=True)
-    out = speculator.generate(PROMPT, 30, **GREEDY)
+    # Public, as a benchmark warms it: the greedy round's steps and the target's step alone, in the runs' mode
+    assert speculator.warmup(alone=True) > 0 and speculator.compile_seconds > 0
+    with no_recompiles():
+        out = speculator.generate(PROMPT, 30, **GREEDY)
     assert out.tokens == ref.tokens
     assert {0, 1, 3} <= set(out.accepted)  # rejections, partial and full acceptances all ran compiled
-    assert speculator.compile_seconds > 0
 
 
 @pytest.mark.skipif(not __import__("os").environ.get("LLMSTEP_SLOW_TESTS"),
@@ -761,3 +764,12 @@ def test_a_quantized_self_draft_the_target_cannot_take_is_refused_before_it_load
         check_draft("self-int8", str(tmp_path / "int8"))
     with pytest.raises(SystemExit, match="group_size 64"):
         llmstep_main(["generate", "--model", str(tiny_checkpoint), "--prompt", "Shall", "--draft", "self-int4"])
+
+
+def test_the_speculative_bench_refuses_more_new_tokens_than_the_targets_context_holds(target, drafts, tok):
+    """Else `budget` would cut every run at the context and the record would name tokens it never made."""
+    from llmstep.lab.bench_speculative import bench, bench_compiled
+
+    for run in (bench, bench_compiled):
+        with pytest.raises(ValueError, match=r"needs \d+ positions; the target's context holds"):
+            run(target, drafts["noisy-copy"], tok, ks=[2], max_new_tokens=target.config.max_seq_len, repeats=1)

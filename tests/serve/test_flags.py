@@ -118,3 +118,34 @@ def test_a_port_in_use_is_refused_before_the_model_loads(monkeypatch):
             main(["serve", "--port", str(port)])
     finally:
         busy.close()
+
+
+def test_bench_serve_keeps_the_rates_done_when_the_server_goes_and_fails_when_nothing_completed(monkeypatch,
+                                                                                                tmp_path):
+    """A server that stops answering mid-run leaves the rates done in --json, and the error says so (not "no
+    server"); a run where no request completed ends in an error after its record is written."""
+    import httpx
+
+    from llmstep.serve import loadgen
+
+    out = tmp_path / "serve.json"
+    run = {"rate_per_second": 1.0, "requests": 2, "completed": 2, "failed": 0, "refused_429": 0, "failures": []}
+
+    def goes_away(url, rates, *args, on_run=None, **kwargs):
+        on_run({"server": {"url": url}, "runs": []})
+        on_run({"server": {"url": url}, "runs": [run]})
+        raise httpx.ConnectError("connection refused")
+
+    monkeypatch.setattr(loadgen, "bench", goes_away)
+    with pytest.raises(CommandFailed, match=r"stopped answering after 1 of 3 rate\(s\).* the 1 rate\(s\) done are in"):
+        main(["bench-serve", "--url", "http://127.0.0.1:9", "--rate", "1,2,4", "--json", str(out)])
+    assert json.loads(out.read_text())["runs"] == [run]
+
+    def nothing_completes(url, rates, *args, on_run=None, **kwargs):
+        failed = run | {"completed": 0, "failed": 2, "failures": ["HTTP 500"]}
+        return {"server": {"url": url}, "runs": [failed], "server_after": {}}
+
+    monkeypatch.setattr(loadgen, "bench", nothing_completes)
+    with pytest.raises(CommandFailed, match="no request completed at any rate .*2 failed: HTTP 500"):
+        main(["bench-serve", "--url", "http://127.0.0.1:9", "--rate", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["runs"][0]["completed"] == 0  # the record says what failed

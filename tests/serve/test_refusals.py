@@ -63,6 +63,33 @@ def test_a_request_the_engine_refuses_is_a_400_or_an_error_event_then_done(serve
     assert "max_new_tokens" in json.loads(lines[-2])["error"]["message"]
 
 
+def test_a_request_whose_logits_break_is_a_500_and_the_server_serves_the_others(shipped):
+    """NaN logits on one request's input (a model overflowing on it alone): that request is a 500 model_error (an
+    error event, then [DONE], once streaming), its blocks are freed, and the engine goes on serving."""
+    model, tokenizer = shipped
+    bad = tokenizer.encode("JULIET:")
+    with running_server(model, tokenizer, n_slots=2) as (url, engine):
+        forward = engine.session.runner.forward
+
+        def breaking(work):  # NaN in the row of any request whose prompt is "JULIET:"
+            logits = forward(work)  # [K, vocab]: the chunks that sample, in order
+            for k, s in enumerate([s for s in work if s.samples]):
+                if list(s.job.known[:len(bad)]) == bad:
+                    logits[k, 0] = float("nan")
+            return logits
+
+        engine.session.runner.forward = breaking
+        error = error_of(post(url, {"prompt": "JULIET:", "max_tokens": 3}), 500)
+        assert (error["type"], error["code"]) == ("server_error", "model_error")
+        assert "non-finite logits" in error["message"]
+        status, lines = events(url, {"prompt": "JULIET:", "max_tokens": 3})
+        assert status == 200 and lines[-1] == "[DONE]"
+        assert json.loads(lines[-2])["error"]["code"] == "model_error"
+        ok = post(url, {"prompt": "ROMEO:", "max_tokens": 3, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        assert engine.alive and engine.health()["kv_blocks_used"] == 0
+
+
 def test_the_engines_context_is_what_its_session_takes(shipped):
     from llmstep.engines.batching import Request
     from llmstep.serve.engine import Engine
