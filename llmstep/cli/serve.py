@@ -206,8 +206,8 @@ def run_bench_serve(args, argv) -> dict:
             raise ValueError(f"the server at {args.url} failed: {type(e).__name__}: {e}") from None
         runs = len(done[0]["runs"])
         kept = f"; the {runs} rate(s) done are in {args.json}" if args.json and runs else ""
-        raise ValueError(f"the server at {args.url} stopped answering after {runs} of {len(args.rate)} rate(s): "
-                         f"{type(e).__name__}: {e}{kept}") from None
+        raise ValueError(f"the server at {args.url} stopped answering during the run ({runs} of {len(args.rate)} "
+                         f"rate(s) recorded): {type(e).__name__}: {e}{kept}") from None
     record = finished(result)
     if args.json:
         atomic_write_json(args.json, record, default=str)

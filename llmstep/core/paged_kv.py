@@ -148,6 +148,14 @@ class BlockPool:
         if self.prefix_caching and key not in self.cached and block not in self.key_of:
             self.cached[key], self.key_of[block] = block, key
 
+    def forget_cached(self) -> None:
+        """No block is found by a prefix any more: the held ones stay with their holders, the others are free. For
+        blocks a forward may have filled with NaN (a step whose logits broke) before it registered them."""
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        self.key_of.clear()
+
     def release(self, blocks: Sequence[int]) -> None:
         """A sequence gives its blocks back (finished or preempted). Cached ones stay cached, the tail's first
         in the LRU order (a prefix's later blocks are the least likely to be shared); others are free."""

@@ -89,14 +89,20 @@ class PagedSession:
     def step(self) -> list[TokenOut]:
         """One engine step (nothing when no request is pending): the tokens it made, one per request that got one.
         A request whose logits held a NaN or an Inf ends here with finish_reason "error" and no token (its draw is
-        meaningless, so not shown), its blocks freed; the others go on (a model may overflow on one input alone)."""
+        meaningless, so not shown), its blocks freed; the others go on (a model may overflow on one input alone).
+        A NaN in one sequence's keys and values reaches the others of its forward (a masked-out key's weight is 0,
+        and 0 x NaN is NaN), so they may end so too, at once or at their next sampled token; and the prefix cache is
+        emptied, since this step registered blocks that may hold NaN: no later request finds them."""
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
         out = []
         if self.scheduler.done:
             return out
         self._broken = set()
-        for job in engine_step(self.scheduler, lambda work: self.runner.compute(work, self._draw), self.device):
+        made = engine_step(self.scheduler, lambda work: self.runner.compute(work, self._draw), self.device)
+        if self._broken:
+            self.kv.pool.forget_cached()
+        for job in made:
             if job.id in self._broken:
                 self.scheduler.cancel(job)  # its blocks back now (a no-op where its meaningless token ended it)
                 del self._jobs[job.id]

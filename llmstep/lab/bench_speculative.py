@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from ..core.checks import check_int
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
+from ..engines.decoding import room
 from ..engines.fast import FastDecoder, FastSpeculator
 from ..engines.generate import generate
 from ..engines.speculative import (
@@ -47,7 +48,7 @@ def bench(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterable[int] =
     the repeats so far after each one (with "repeats_done"), to be written as the run goes. The report carries
     runinfo.header's run metadata (argv: the command that ran it, if any).
     """
-    prompts, ks = _check(prompts, ks, max_new_tokens, repeats, tokenizer, target)
+    prompts, ks = _check(prompts, ks, max_new_tokens, repeats, tokenizer, target.config.max_seq_len)
     check_costs_args(target, draft, max(ks), COST_CONTEXT, k_name="max(ks)")  # before any work
     load_before = runinfo.load_average()  # other processes on the machine skew every timing: record them
     configs = [("target", None)] + [(f"k={k}", k) for k in ks] + [("adaptive", max(ks))]
@@ -108,7 +109,9 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
     """`bench` for the fast loops, greedy: `llmstep.fast.FastDecoder` (the target alone) against a
     `FastSpeculator` per k, every one compiled with the same settings. Same prompts, interleaved repeats,
     medians; each run's tokens are compared with the target-alone run's. on_repeat: as for `bench`."""
-    prompts, ks = _check(prompts, ks, max_new_tokens, repeats, tokenizer, target)
+    # the target alone runs in the speculators' cache size, which the draft's context may bound
+    prompts, ks = _check(prompts, ks, max_new_tokens, repeats, tokenizer,
+                         min(target.config.max_seq_len, draft.config.max_seq_len))
     prompts = [tokenizer.encode(p) for p in prompts]
     max_len = min(target.config.max_seq_len, draft.config.max_seq_len,
                   max(len(p) for p in prompts) + max_new_tokens + max(ks) + 1)
@@ -152,10 +155,10 @@ def bench_compiled(target: Llama, draft: Llama, tokenizer: Tokenizer, ks: Iterab
 
 
 def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repeats: int,
-           tokenizer: Tokenizer | None = None, target: Llama | None = None) -> tuple[list, list]:
+           tokenizer: Tokenizer | None = None, context: int | None = None) -> tuple[list, list]:
     """The benchmarks' settings as lists, refused by name before anything runs (a rate needs decode steps), and
-    (given the tokenizer and target) the longest prompt with its max_new_tokens inside the target's context: a run
-    cut short by the context would time, and record, fewer tokens than asked."""
+    (given the tokenizer and the positions a run may fill) the longest prompt's max_new_tokens inside them
+    (`decoding.room`): a run cut short by the context would time, and record, fewer tokens than asked."""
     prompts, ks = list(prompts), list(ks)
     if not prompts or not ks:
         raise ValueError("give at least one prompt and one k")
@@ -165,10 +168,9 @@ def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repea
         check_k(k)
     if tokenizer is not None:
         longest = max(len(tokenizer.encode(p)) for p in prompts)
-        context = target.config.max_seq_len
-        if longest + max_new_tokens > context:
+        if max_new_tokens > room(longest, context):
             raise ValueError(f"max_new_tokens {max_new_tokens} after the longest prompt ({longest} tokens) needs "
-                             f"{longest + max_new_tokens} positions; the target's context holds {context}")
+                             f"{longest + max_new_tokens - 1} positions; the context holds {context}")
     return prompts, ks
 
 

@@ -291,8 +291,10 @@ def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: fl
     """A uvicorn server for `app` (run it with `.run(sockets=[bind(...)])`). SIGINT/SIGTERM stop it: the engine
     stops at once (its open streams end with an error event and close), anything still open after
     graceful_seconds is cut; the process then returns normally (exit status 0) rather than dying of the signal
-    again, as uvicorn does by default. An engine that fails (a broken model, an attention kernel this machine
-    lacks) stops it too, after the requests it held are told: a server that can answer nothing does not stay up."""
+    again, as uvicorn does by default. An engine that fails (an attention kernel this machine lacks, a model that
+    raises) stops it too, after the requests it held are told: a server that can answer nothing does not stay up. A
+    request on which the model's logits break (NaN or Inf) is answered 500 model_error and counted in /health's
+    model_errors; the server goes on (an overflow may come from one input alone), even for a model broken on all."""
     import uvicorn
 
     class Server(uvicorn.Server):

@@ -70,7 +70,7 @@ class Engine:
         self.capacity = n_slots + max_queue
         # cancelled: their clients left; stop_strings: ended by a stop string (they count as finished too)
         self.stats = {"requests": 0, "finished": 0, "cancelled": 0, "stop_strings": 0, "refused": 0, "tokens": 0,
-                      "steps": 0}
+                      "steps": 0, "model_errors": 0}  # model_errors: requests ended by NaN or Inf logits
         self._inbox: deque[tuple[str, Ticket]] = deque()
         self._wake = threading.Condition()
         self._in_flight = 0  # submitted and not finished: guarded by _wake
@@ -186,6 +186,7 @@ class Engine:
                     if out.token >= 0:
                         self.stats["tokens"] += 1
                     if out.finish_reason == "error":  # this request's logits broke; the others go on
+                        self.stats["model_errors"] += 1
                         self._finish(ticket, NonFiniteLogitsError(
                             "the model produced non-finite logits (NaN or Inf) for this request: its tokens would "
                             "be meaningless, so it was ended (the server serves the others)"))

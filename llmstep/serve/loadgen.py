@@ -183,4 +183,6 @@ def bench(url: str, rates: list[float], requests: int, prompt_len: tuple[int, in
             f"p90 {r['itl_ms']['p90']:.0f} p99 {r['itl_ms']['p99']:.0f} ms"
             + (f" | {r['failed']} failed: {r['failures'][0]}" if r["failures"] else ""))
         report(so_far())
+        if r["failed"] and not r["completed"]:  # every request failed: a server gone raises here, not later
+            httpx.get(f"{url.rstrip('/')}/health", timeout=30).raise_for_status()
     return so_far() | {"server_after": httpx.get(f"{url.rstrip('/')}/health", timeout=30).json()}

@@ -120,3 +120,49 @@ def test_a_request_whose_logits_break_ends_with_an_error_and_the_others_go_on(ti
     while session.pending:
         tokens += [o.token for o in session.step() if o.id == again]
     assert tokens == expected[1]
+
+
+def test_a_nan_in_one_sequences_keys_leaves_no_poisoned_block_for_a_later_request(tiny64):
+    """NaN hidden states (so keys and values) in one request's rows: it ends with "error", and the blocks that step
+    registered in the prefix cache (the other request's prompt, reached by the NaN through the shared forward) are
+    forgotten: a later request with that prompt gets its solo tokens, not a cached NaN."""
+    import itertools
+
+    model, tok = tiny64
+    good = Request(list(range(20, 28)) + [5], max_new_tokens=3, temperature=0, stop_ids=())  # two full blocks
+    bad = Request([40, 41, 42], max_new_tokens=3, temperature=0, stop_ids=())
+    session = PagedSession(model, n_slots=4, block_size=4, prefix_caching=True)
+    ids = [session.submit(good), session.submit(bad)]
+    forward, rows = session.runner.forward, []
+
+    def breaking(work):  # the bad request's rows of this forward's packed tokens, for the hook
+        starts = itertools.accumulate([s.chunk.n_tokens for s in work], initial=0)
+        rows[:] = [i for start, s in zip(starts, work, strict=False) if s.job.id == ids[1]
+                   for i in range(start, start + s.chunk.n_tokens)]
+        try:
+            return forward(work)
+        finally:
+            rows.clear()
+
+    def hook(module, args, out):  # NaN in those rows after the first block: every later layer's keys and values
+        if not rows:
+            return out
+        out = out.clone()
+        out[:, rows] = float("nan")
+        return out
+
+    session.runner.forward = breaking
+    handle = model.layers[0].register_forward_hook(hook)
+    reasons = {}
+    try:
+        while session.pending:
+            reasons |= {o.id: o.finish_reason for o in session.step() if o.finish_reason}
+    finally:
+        handle.remove()
+        session.runner.forward = forward
+    assert reasons[ids[1]] == "error"
+    again = session.submit(good)
+    tokens = []
+    while session.pending:
+        tokens += [o.token for o in session.step() if o.id == again and o.token >= 0]
+    assert tokens == solo(model, tok, good).tokens and session.blocks.n_used == 0

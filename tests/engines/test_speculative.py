@@ -771,5 +771,11 @@ def test_the_speculative_bench_refuses_more_new_tokens_than_the_targets_context_
     from llmstep.lab.bench_speculative import bench, bench_compiled
 
     for run in (bench, bench_compiled):
-        with pytest.raises(ValueError, match=r"needs \d+ positions; the target's context holds"):
+        with pytest.raises(ValueError, match=r"needs \d+ positions; the context holds"):
             run(target, drafts["noisy-copy"], tok, ks=[2], max_new_tokens=target.config.max_seq_len, repeats=1)
+    from llmstep.lab.bench_speculative import BENCH_PROMPTS, _check
+
+    longest, context = max(len(tok.encode(p)) for p in BENCH_PROMPTS), target.config.max_seq_len
+    _check(BENCH_PROMPTS, [2], context - longest + 1, 1, tok, context)  # the last token is never fed back: fits
+    with pytest.raises(ValueError, match=f"needs {context + 1} positions"):
+        _check(BENCH_PROMPTS, [2], context - longest + 2, 1, tok, context)

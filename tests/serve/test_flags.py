@@ -137,7 +137,8 @@ def test_bench_serve_keeps_the_rates_done_when_the_server_goes_and_fails_when_no
         raise httpx.ConnectError("connection refused")
 
     monkeypatch.setattr(loadgen, "bench", goes_away)
-    with pytest.raises(CommandFailed, match=r"stopped answering after 1 of 3 rate\(s\).* the 1 rate\(s\) done are in"):
+    with pytest.raises(CommandFailed, match=r"stopped answering during the run \(1 of 3 rate\(s\) recorded\).* the 1 "
+                                            r"rate\(s\) done are in"):
         main(["bench-serve", "--url", "http://127.0.0.1:9", "--rate", "1,2,4", "--json", str(out)])
     assert json.loads(out.read_text())["runs"] == [run]
 
@@ -149,3 +150,32 @@ def test_bench_serve_keeps_the_rates_done_when_the_server_goes_and_fails_when_no
     with pytest.raises(CommandFailed, match="no request completed at any rate .*2 failed: HTTP 500"):
         main(["bench-serve", "--url", "http://127.0.0.1:9", "--rate", "1", "--json", str(out)])
     assert json.loads(out.read_text())["runs"][0]["completed"] == 0  # the record says what failed
+
+
+def test_bench_serve_names_a_server_that_went_away_and_keeps_the_rate_it_finished(shipped, tmp_path, monkeypatch):
+    import contextlib
+
+    from llmstep.serve import loadgen
+
+    model, tokenizer = shipped
+    out = tmp_path / "serve.json"
+    stack = contextlib.ExitStack()
+    url, _ = stack.enter_context(running_server(model, tokenizer, n_slots=2))
+    real = loadgen.bench
+
+    def bench(*args, on_run=None, **kwargs):  # the real load; the server stopped once the first rate is recorded
+        def after(record):
+            on_run(record)
+            if len(record["runs"]) == 1:
+                stack.close()
+        return real(*args, on_run=after, **kwargs)
+
+    monkeypatch.setattr(loadgen, "bench", bench)
+    try:
+        with pytest.raises(CommandFailed, match=r"stopped answering during the run \(1 of 2 rate\(s\) recorded\)"):
+            main(["bench-serve", "--url", url, "--rate", "1000,1000", "--requests", "2", "--prompt-len", "2:2",
+                  "--new-tokens", "2:2", "--json", str(out)])
+    finally:
+        stack.close()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["completed"] for r in runs] == [2]
