@@ -18,12 +18,16 @@ def add_commands(sub) -> None:
 
 
 def run_export(args, argv) -> None:
-    from ..core.checkpoint import load, resolve_model_path
+    from ..core.checkpoint import load, read_quant_config, resolve_model_path
     from ..core.files import check_output_path
     from ..core.gguf import default_dtype, export_gguf
 
     path = resolve_model_path(args.model)
     check_output_path(args.gguf, "GGUF")  # before the model is read; makes nothing (the write makes directories)
+    qc = read_quant_config(path)  # from config.json: an int4 checkpoint is refused before its weights are read
+    if qc is not None and qc.mode == "int4":
+        raise ValueError(f"{path} is {qc}: llmstep's int4 (per group, with a float zero point) has no exact GGUF "
+                         "form; export the float checkpoint, or an int8 one (written as Q8_0)")
     model, tokenizer = load(path, device="cpu")
     dtype = args.dtype or default_dtype(model)
     out = export_gguf(model, tokenizer, args.gguf, dtype=dtype, name=path.stem if path.is_file() else path.name)
@@ -32,5 +36,6 @@ def run_export(args, argv) -> None:
         why = " (rounded from the checkpoint's float64: llmstep writes f32 at most)"
     elif args.dtype is None and dtype == "f32" and model.config.torch_dtype != "float32":
         why = f" (not the checkpoint's {model.config.torch_dtype}, which would round its weights)"
-    print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB, matrices {dtype}{why}) from {path}; run it with "
+    matrices = dtype if qc is None else f"Q8_0 (its {qc}), the embedding and any float matrix {dtype}"
+    print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB, matrices {matrices}{why}) from {path}; run it with "
           f"llama.cpp: llama-cli -m {out}", file=sys.stderr)

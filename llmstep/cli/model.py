@@ -103,11 +103,11 @@ def add_commands(sub) -> None:
                    "step sits at this position")
     f.add_argument("--new-tokens", type=decode_tokens, default=128)
     f.add_argument("--repeats", type=positive_int, default=5, help="timed decode runs (median reported)")
-    f.add_argument("--steps", type=positive_int, default=100, help="decode steps under the profiler")
+    f.add_argument("--steps", type=positive_int, default=None, help="decode steps under the profiler (default 100)")
     f.add_argument("--rate-only", action="store_true", help="the decode rate alone, no profile")
     f.add_argument("--kernel-profile", action="store_true", help="compiled: list each of inductor's C++ kernels "
                    "under its own name (inductor's cpp.enable_kernel_profile; its records cost a little time)")
-    f.add_argument("--top", type=positive_int, default=25, help="operators listed")
+    f.add_argument("--top", type=positive_int, default=None, help="operators listed (default 25)")
     f.set_defaults(run=run_profile)
 
 
@@ -290,6 +290,7 @@ def run_info(args, argv) -> None:
     print(f"{name}: {total / 1e9:.3f} B parameters")
     for part, n in counts.items():
         print(f"  {part:<10} {n:>16,}  {100 * n / total:5.1f}%")
+    check_window(args.context + 1, f"--context {args.context} and the step's token", config=config)
     cost = decode_step_cost(config, context=args.context, dtype=dtype, qc=qc)
     if qc is not None:
         print(f"stored quantized ({qc}): {checkpoint_bytes(config, dtype, qc) / 1e9:.3f} GB in memory with the rest "
@@ -329,6 +330,10 @@ def run_profile(args, argv) -> dict:
 
     if args.kernel_profile and not args.compile:
         raise ValueError("--kernel-profile names a compiled step's kernels: it cannot go with --no-compile")
+    profiled = [flag for flag, on in (("--steps", args.steps is not None), ("--top", args.top is not None),
+                                      ("--kernel-profile", args.kernel_profile)) if on]
+    if args.rate_only and profiled:
+        raise ValueError(f"{profiled[0]} sets the profile, which --rate-only skips: drop one of them")
     if args.compile_mode is not None and not args.compile:
         raise ValueError("--compile-mode sets how the step compiles: it cannot go with --no-compile")
     check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
@@ -353,7 +358,7 @@ def run_profile(args, argv) -> dict:
               f"compile {compile_seconds:.1f} s")
         record = {"decode_tokens_per_s_runs": rates, "compiled": decoder.compiled}
         if not args.rate_only:
-            ops = profile_ops(decoder, context=args.prompt_len, steps=args.steps)
-            print(ops.table(args.top))
+            ops = profile_ops(decoder, context=args.prompt_len, steps=args.steps or 100)
+            print(ops.table(args.top or 25))
             record["us_per_step_by_kind"] = ops.by_kind()
     return record

@@ -54,7 +54,8 @@ def add_commands(sub) -> None:
     e.add_argument("--update-cards", action="store_true", help="put the table into each MODEL/README.md")
     e.add_argument("--golden-prompt", default=None,
                    help="also write MODEL/golden.json: the greedy continuation of this prompt")
-    e.add_argument("--golden-tokens", type=positive_int, default=40)
+    e.add_argument("--golden-tokens", type=positive_int, default=None,
+                   help="the golden continuation's length (default 40; with --golden-prompt)")
     e.set_defaults(run=run_eval)
 
     doc = data.__doc__
@@ -112,12 +113,14 @@ def run_eval(args, argv) -> None:
         check_output_path(args.json, "--json")  # before any work: a late failure would lose the scores
     if not Path(args.corpus).is_dir():
         raise ValueError(f"--corpus {args.corpus} is not a directory: give the corpus (train/val/test.txt.gz)")
+    if args.golden_tokens is not None and args.golden_prompt is None:
+        raise ValueError("--golden-tokens sets the golden continuation's length: add --golden-prompt")
     models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
     evaluate.check_models(models, args.seq_len, args.golden_prompt, cards=args.update_cards)  # before any scoring
     scores, settings = evaluate.evaluate_models(
         models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
         baseline=not args.no_baseline, write_eval_json=args.write_eval_json, golden_prompt=args.golden_prompt,
-        golden_tokens=args.golden_tokens)
+        golden_tokens=40 if args.golden_tokens is None else args.golden_tokens)
     table = evaluate.format_table(scores)
     print(table)
     if args.json:

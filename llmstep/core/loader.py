@@ -48,8 +48,13 @@ class Slicer:
         return shape
 
     def need(self, ckpt: Checkpoint, dtype: torch.dtype) -> tuple[int, str]:
-        """(bytes this process will hold, what they are, for the memory check's message)."""
-        return checkpoint_bytes(ckpt.config, dtype, ckpt.quantization), f"{ckpt.path.name} in {dtype_name(dtype)}"
+        """(bytes this process will hold, what they are, for the memory check's message): a tied config whose files
+        also hold lm_head.weight reads it too (kept where it differs from the embedding: `build`)."""
+        c, qc = ckpt.config, ckpt.quantization
+        nbytes = checkpoint_bytes(c, dtype, qc)
+        if qc is None and c.tie_embeddings and "lm_head.weight" in ckpt.tensors[1]:
+            nbytes += c.vocab_size * c.dim * dtype.itemsize
+        return nbytes, f"{ckpt.path.name} in {dtype_name(dtype)}"
 
     def read(self, file, name: str, ours: str) -> torch.Tensor:
         """This process's part of tensor `name` from an open safetensors file."""

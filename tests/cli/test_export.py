@@ -71,3 +71,23 @@ def test_an_output_directory_where_no_file_can_be_made_is_refused_by_name_before
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("llmstep export: error: GGUF path /proc/x.gguf: cannot create a file "
                                                 "in /proc (") and ".tmp" not in err
+
+
+def test_an_int4_checkpoint_is_refused_from_its_config_before_its_weights_are_read(tmp_path, capsys, monkeypatch):
+    import llmstep
+    import llmstep.core.checkpoint as checkpoint
+    from llmstep.core.quantize import quantize
+
+    model, tok = llmstep.load()
+    saved = tmp_path / "int4"
+    checkpoint.save(quantize(model, "int4-g32"), saved, tok)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(checkpoint, "load", never)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--gguf", str(tmp_path / "m.gguf"), "--model", str(saved)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "is int4-g32" in err and "has no exact GGUF form" in err
+    assert not (tmp_path / "m.gguf").exists()

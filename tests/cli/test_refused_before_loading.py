@@ -107,6 +107,9 @@ def test_train_refuses_before_training_and_leaves_no_run_folder(tmp_path, monkey
     (["bench", "--peers", "llama.cpp", "--no-hf"], "--no-hf sets a row of the bench without --peers"),
     (["bench", "--peers", "llama.cpp", "--hf-dtype", "float32"], "--hf-dtype sets a row of the bench without"),
     (["bench", "--json", ""], "--json"),
+    (["profile", "--rate-only", "--steps", "5"], "--steps sets the profile, which --rate-only skips"),
+    (["profile", "--rate-only", "--kernel-profile"], "--kernel-profile sets the profile, which --rate-only skips"),
+    (["info", "--model", "target", "--context", "512"], "--context 512 and the step's token need 513 positions"),
     (["serve", "--block-size", "100000000"], "--block-size 100000000 is more than the model's context (512"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(nothing_loads, argv, words):

@@ -260,3 +260,21 @@ def test_rms_norm_in_half_precision_is_transformers_bit_for_bit(dtype):
     ours, theirs = ours.to(dtype), theirs.to(dtype)
     with torch.no_grad():
         assert torch.equal(ours(x), theirs(x))
+
+
+def test_the_memory_check_counts_a_tied_configs_own_lm_head_it_reads(tmp_path, tokenizer_file, monkeypatch):
+    """The head is read (and kept where it differs): the bytes judged against free memory include it."""
+    import llmstep.core.loader as loader
+    from llmstep.core.cost import checkpoint_bytes
+
+    make_checkpoint(tmp_path, tokenizer_file, tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    judged = []
+    monkeypatch.setattr(loader, "check_fits", lambda nbytes, device, what: judged.append(nbytes))
+    llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    save_file(tensors | {"lm_head.weight": torch.randn(300, 64)}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    model, _ = llmstep.load(tmp_path, device="cpu", dtype=torch.float32)
+    tied = model.config.replace(tie_embeddings=True)
+    assert judged == [checkpoint_bytes(tied, torch.float32, None), checkpoint_bytes(tied, torch.float32, None)
+                      + 300 * 64 * 4]
