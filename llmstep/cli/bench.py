@@ -203,6 +203,13 @@ def check_bench_flags(args) -> None:
         raise ValueError("--bandwidth-bytes sizes the bandwidth copy, which --no-bandwidth skips: drop one of them")
 
 
+def check_bench_window(args) -> None:
+    """The prompt and its new tokens inside the benched model's context, from its config alone (nothing built)."""
+    check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
+                 f"{args.new_tokens}", config=decode_bench.choose_model(args.model, args.preset, args.random_weights,
+                                                                        parse_sets(args.set))[0])
+
+
 def check_compiling_flags(args, device) -> None:
     """bench's flags for compiled rows, refused where no row compiles: compiling is off by default on a CPU
     (`engines.compile.compiles`), so there --compile-mode and --no-eager need --compile."""
@@ -242,9 +249,7 @@ def run_bench(args, argv) -> dict:
     if args.llama_cpp_extra_bufts != "auto":
         raise ValueError("--llama-cpp-extra-bufts sets the llama.cpp peer's buffers: add --peers llama.cpp")
     check_compiling_flags(args, resolve_device(args.device))
-    check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
-                 f"{args.new_tokens}", config=decode_bench.choose_model(args.model, args.preset, args.random_weights,
-                                                                        parse_sets(args.set))[0])
+    check_bench_window(args)
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              args.device, args.dtype, args.seed)
@@ -328,9 +333,7 @@ def run_peer_bench(args, argv) -> dict:
                                                                                        torch.bfloat16):
         raise ValueError(f"--peers compares float32 or bfloat16 weights (llama.cpp's F32 / BF16 files), not "
                          f"--dtype {args.dtype}")
-    check_window(args.prompt_len + args.new_tokens, f"--prompt-len {args.prompt_len} and --new-tokens "
-                 f"{args.new_tokens}", config=decode_bench.choose_model(args.model, args.preset, args.random_weights,
-                                                                        parse_sets(args.set))[0])
+    check_bench_window(args)
     _set_threads(args.threads)
     model, source = decode_bench.bench_model(args.model, args.preset, args.random_weights, parse_sets(args.set),
                                              "cpu", args.dtype, args.seed)
