@@ -282,6 +282,7 @@ def _run_bench_tp(args, argv) -> dict:
     from ..lab import bench_tp
 
     check_bench_flags(args)  # a row twice, a group size with no int4 row: said as in one process
+    check_bench_window(args)  # before every rank joins the group and reads its shard
     one_process = [flag for flag, on in (("--quantize int8/int4", args.quantize != ["none"]),
                                          ("--quantize-lm-head", args.quantize_lm_head),
                                          ("--group-size", args.group_size is not None),

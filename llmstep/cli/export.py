@@ -28,6 +28,8 @@ def run_export(args, argv) -> None:
     if qc is not None and qc.mode == "int4":
         raise ValueError(f"{path} is {qc}: llmstep's int4 (per group, with a float zero point) has no exact GGUF "
                          "form; export the float checkpoint, or an int8 one (written as Q8_0)")
+    if qc is not None:
+        _check_q8_0(path)
     model, tokenizer = load(path, device="cpu")
     dtype = args.dtype or default_dtype(model)
     out = export_gguf(model, tokenizer, args.gguf, dtype=dtype, name=path.stem if path.is_file() else path.name)
@@ -39,3 +41,31 @@ def run_export(args, argv) -> None:
     matrices = dtype if qc is None else f"Q8_0 (its {qc}), the embedding and any float matrix {dtype}"
     print(f"wrote {out} ({out.stat().st_size / 1e6:,.1f} MB, matrices {matrices}{why}) from {path}; run it with "
           f"llama.cpp: llama-cli -m {out}", file=sys.stderr)
+
+
+def _check_q8_0(path) -> None:
+    """An int8 checkpoint becomes Q8_0 only where each row's scale is a float16 number (Q8_0's d) and its inputs a
+    multiple of 32 (Q8_0's block): judged from the scales alone, before the weights are read. A model quantised in
+    float32 has float32 scales, which float16 would round; one quantised in bfloat16 or float16 has not."""
+    import torch
+    from safetensors import safe_open
+
+    from ..core.checkpoint import read_checkpoint
+    from ..core.gguf import Q8_BLOCK
+
+    found, expected = read_checkpoint(path).tensors
+    for name, (_, shape, _) in expected.items():
+        if name.endswith(".qweight") and shape[1] % Q8_BLOCK:
+            raise ValueError(f"{path}: {name} has {shape[1]} inputs per row, not a multiple of Q8_0's block of "
+                             f"{Q8_BLOCK}: it has no GGUF form")
+    scales = [name for name in expected if name.endswith(".scales")]
+    for file in sorted({found[name][0] for name in scales}):
+        with safe_open(path / file, framework="pt") as f:
+            for name in (n for n in scales if found[n][0] == file):
+                s = f.get_tensor(name).float()
+                rounded = s.to(torch.float16).float()
+                if not torch.equal(rounded, s):
+                    row = int((rounded != s).nonzero()[0])
+                    raise ValueError(f"{path}: {name} row {row}'s scale {s[row].item()!r} is not a float16 number, "
+                                     "so Q8_0 (float16 scales) would round it: quantize the model in bfloat16 or "
+                                     "float16 (llmstep.load(..., dtype='bfloat16'), then quantize and save) to export")

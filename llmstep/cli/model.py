@@ -28,7 +28,8 @@ from .args import (
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=nonneg_int, default=200)
     p.add_argument("--temperature", type=nonneg_float, default=None,
-                   help="0 = greedy (default: generation_config.json, 0 if it says do_sample: false; else 0.8)")
+                   help="0 = greedy (default: generation_config.json's, greedy where it gives sampling settings "
+                        "without do_sample: true, as in transformers; else 0.8)")
     p.add_argument("--top-k", type=nonneg_int, default=None, help="0 = off (default: generation_config.json, else 0)")
     p.add_argument("--top-p", type=probability, default=None,
                    help="1 = off (default: generation_config.json, else 0.95)")

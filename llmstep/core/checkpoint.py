@@ -41,7 +41,7 @@ from .checkpoint_layout import (
     tensor_table,
 )
 from .config import LlamaConfig, read_config_json, read_json_object
-from .device import resolve_device
+from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
 from .gguf_load import load_gguf, read_gguf
 from .loader import build, load_dtype, read_state
@@ -136,7 +136,8 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     over the files this save does not write, but not an earlier save's weights): at every instant `path`
     holds the complete old checkpoint or the complete new one.
     """
-    path = Path(path).resolve() if Path(path).is_symlink() else Path(path)  # the folder is made beside the target
+    # the folder is made beside the target: a link's target, and "." as the folder it names (its parent is not ".")
+    path = Path(path).resolve() if Path(path).is_symlink() else Path(os.path.abspath(path))
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
     above = next((p for p in path.parents if p.exists()), None)
@@ -144,7 +145,10 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
         raise NotADirectoryError(f"cannot write the checkpoint {path}: {above} is a file, not a directory")
     config = model.config
     qc = getattr(model, "quantization", None)
-    dtype = dtype or model.dtype
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point or isinstance(dtype, str)):
+        raise ValueError(f"dtype must be a float dtype (float32, bfloat16, float16 or float64), got {dtype!r}")
+    # a name ("bfloat16") as a torch dtype; int8 and the like refused (save does not quantise: quantize() does)
+    dtype = model.dtype if dtype is None else resolve_dtype(dtype, torch.device("cpu"))
     config_json = config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")}
     metadata = {"format": "pt"}
     if qc is not None:
@@ -153,6 +157,12 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
             "int4_layout": "w = (q - 8) * scale + zero; two q per byte, even index in the high nibble"}
         metadata[QUANT_KEY] = json.dumps(qc.to_dict(), sort_keys=True)
     state = model.state_dict()
+    for name, (ours, shape, _) in tensor_table(config, qc).items():  # before anything is converted or written
+        if ours not in state or tuple(state[ours].shape) != shape:
+            got = "no such tensor" if ours not in state else f"shape {list(state[ours].shape)}"
+            raise CheckpointError(f"cannot save {path}: {ours} ({name}) has {got}, its config makes {list(shape)}"
+                                  + (" (a tensor-parallel rank's shard: save the whole model, before sharding)"
+                                     if ours in state else ""))
     tensors = {name: state[ours].detach().to("cpu", dtype if kind == "float" else state[ours].dtype).contiguous()
                for name, (ours, _, kind) in tensor_table(config, qc).items()}
     bad = next((name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)

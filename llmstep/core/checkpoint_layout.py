@@ -15,6 +15,7 @@ A quantised checkpoint (`llmstep.save` of a model from llmstep.core.quantize) is
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -240,10 +241,12 @@ def _read_headers(path: Path, files: dict[str, list[str]]
                     raise CheckpointError(f"{fpath}: declares a {header_len:,}-byte header; safetensors allows at "
                                           f"most {max_header_bytes:,}: not a safetensors file, or a corrupt one")
                 header = parse_json(fh.read(header_len), f"{fpath}'s header", CheckpointError)
-            tensors = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][1])
-                       for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
-            if not all(is_int(end) and end >= 0 for _, _, end in tensors.values()):
-                raise TypeError("a tensor's data_offsets are not whole numbers of bytes")
+            spans = {k: (tuple(v["shape"]), v["dtype"], v["data_offsets"][0], v["data_offsets"][1])
+                     for k, v in header.items() if k != "__metadata__"}  # a non-object header fails here too
+            tensors = {k: (shape, dtype, end) for k, (shape, dtype, _, end) in spans.items()}
+            if not all(is_int(b) and is_int(e) and 0 <= b <= e for _, _, b, e in spans.values()):
+                raise TypeError("a tensor's data_offsets are not whole numbers of bytes, begin <= end")
+            _check_spans(fpath, spans)
             data_end = max((end for _, _, end in tensors.values()), default=0)
             meta = header.get("__metadata__")
             metadata[file] = meta if isinstance(meta, dict) else {}
@@ -261,6 +264,30 @@ def _read_headers(path: Path, files: dict[str, list[str]]
         if missing_listed:
             raise CheckpointError(f"{fpath}: the index says it holds {missing_listed[0]}, but it does not")
     return found, metadata
+
+
+# bytes per element of safetensors' dtypes (its Dtype enum)
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _check_spans(fpath: Path, spans: dict[str, tuple[tuple[int, ...], str, int, int]]) -> None:
+    """Each tensor's bytes [begin, end) as long as its shape and dtype make them, and the tensors laid end to end
+    from the data's start, as safetensors itself requires: a header whose spans overlap or leave gaps is refused
+    here, before any file's weights are read, rather than by safe_open once earlier files are loaded."""
+    at = 0
+    for name, (shape, dtype, begin, end) in sorted(spans.items(), key=lambda item: item[1][2:]):
+        if not all(is_int(d) and d >= 0 for d in shape):
+            raise CheckpointError(f"{fpath}: tensor {name} has shape {list(shape)}; a shape is whole numbers >= 0")
+        size = _DTYPE_BYTES.get(dtype)
+        if size is not None and end - begin != math.prod(shape) * size:
+            raise CheckpointError(f"{fpath}: tensor {name} ({dtype} {list(shape)}) spans {end - begin} bytes "
+                                  f"[{begin}, {end}), its shape and dtype make {math.prod(shape) * size}")
+        if begin != at:
+            what = "overlaps the tensor before it" if begin < at else f"leaves a gap of {begin - at} bytes before it"
+            raise CheckpointError(f"{fpath}: tensor {name} starts at data byte {begin}: it {what} (the tensors "
+                                  "must lie end to end); a corrupt safetensors file")
+        at = end
 
 
 def _validate(ckpt: Checkpoint) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], Table]:

@@ -331,10 +331,14 @@ def check_generation_config(gen: dict, where: str) -> dict:
 
 
 def sampling_defaults(gen: dict | None) -> dict:
-    """A generation_config as the sampling defaults it means: do_sample false is greedy (transformers' rule),
-    temperature 0 whatever temperature the file also gives."""
+    """A generation_config as the sampling defaults it means, by transformers' rule: it samples only where it says
+    do_sample: true (GenerationConfig's default is false), so a file that gives temperature, top_k or top_p without
+    do_sample: true is greedy, temperature 0 whatever temperature it gives. A file that names none of them (bos/eos
+    ids only) leaves the sampling to the caller's defaults."""
     gen = dict(gen or {})
-    return gen | {"temperature": 0.0} if gen.get("do_sample") is False else gen
+    names_sampling = any(gen.get(key) is not None for key in ("temperature", "top_k", "top_p"))
+    greedy = gen.get("do_sample") is False or (names_sampling and gen.get("do_sample") is not True)
+    return gen | {"temperature": 0.0} if greedy else gen
 
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -61,9 +61,22 @@ def write_target(path: str | os.PathLike, what: str = "output") -> Path:
 
 def default_mode(directory: bool = False) -> int:
     """The mode a new file (0o666) or directory (0o777) gets under this process's umask."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
+def _umask() -> int:
+    """This process's umask: read from /proc where Linux shows it, else set and put back (a moment in which another
+    thread's new file would get mode 0o666, so only where nothing else can tell it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     umask = os.umask(0)
     os.umask(umask)
-    return (0o777 if directory else 0o666) & ~umask
+    return umask
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -193,7 +193,7 @@ def default_dtype(model: Llama) -> str:
 
 def sampling_fields(generation_config: dict) -> dict[str, float | int]:
     """The general.sampling.* values (llama.cpp's sampling defaults) of a generation_config: temperature, top_k
-    and top_p as it gives them; do_sample false (greedy, transformers' rule: `sampling_defaults`) is temperature 0,
+    and top_p as it gives them; greedy by transformers' rule (`sampling_defaults`: no do_sample: true) is temperature 0,
     greedy in llama.cpp and in llmstep alike, so the file samples as the checkpoint did. top_k goes in as llama.cpp's
     int32 (GGUFError past it, before the file is opened)."""
     gen = sampling_defaults(generation_config)

@@ -308,6 +308,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
                             f"{config.vocab_size}")
     tokenizer.padded_vocab_size = config.vocab_size  # as checkpoint.check_files: padding ids decode to nothing
     generation = {ours: _shortest(fields[key]) for ours, key in SAMPLING_KEYS.items() if key in fields}
+    if generation:  # llama.cpp samples by the file's general.sampling.* (temp 0: greedy); in transformers' words:
+        generation["do_sample"] = generation.get("temperature") != 0
     try:
         generation = check_generation_config(generation, f"{where} (general.sampling.*)")
     except ConfigError as e:

@@ -39,20 +39,23 @@ def check_split(config: LlamaConfig, world_size: int) -> None:
     """Refuse a world size that cannot split the heads, the KV heads or the feed-forward: before any loading."""
     if not is_int(world_size) or world_size < 1:
         raise ParallelError(f"the world size must be a positive integer, got {world_size!r}")
-    N, c = world_size, config
+    problem = _split_problem(config, world_size)
+    if problem:
+        sizes = [n for n in range(2, config.n_heads + 1) if config.n_heads % n == 0 and not _split_problem(config, n)]
+        raise ParallelError(f"{problem} (world sizes that split this model: {', '.join(map(str, sizes)) or 'none'})")
+
+
+def _split_problem(c: LlamaConfig, N: int) -> str | None:
+    """Why N ranks cannot split config `c` (its query heads, KV heads or feed-forward), or None."""
     if c.n_heads % N:
-        raise ParallelError(f"cannot split {c.n_heads} query heads over {N} ranks: the world size must divide "
-                            f"n_heads (try {', '.join(str(d) for d in _divisors(c.n_heads) if d > 1)})")
+        return f"cannot split {c.n_heads} query heads over {N} ranks: the world size must divide n_heads"
     if c.n_kv_heads % N and N % c.n_kv_heads:
-        raise ParallelError(f"cannot split {c.n_kv_heads} KV heads over {N} ranks: the world size must divide "
-                            "n_kv_heads, or n_kv_heads divide the world size (then each KV head is replicated)")
+        return (f"cannot split {c.n_kv_heads} KV heads over {N} ranks: the world size must divide n_kv_heads, or "
+                "n_kv_heads divide the world size (then each KV head is replicated)")
     if c.hidden_dim % N:
-        raise ParallelError(f"cannot split the feed-forward's {c.hidden_dim} units over {N} ranks: "
-                            "the world size must divide hidden_dim")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+        return (f"cannot split the feed-forward's {c.hidden_dim} units over {N} ranks: the world size must divide "
+                "hidden_dim")
+    return None
 
 
 def split(config: LlamaConfig, rank: int, world_size: int) -> Split:
@@ -76,7 +79,8 @@ def rank_slices(config: LlamaConfig, s: Split) -> dict[str, tuple[int, int, int]
     q = (r * s.heads * hd, (r + 1) * s.heads * hd)
     kv = (s.kv_start * hd, (s.kv_start + s.kv_heads) * hd)
     h = (r * s.hidden, (r + 1) * s.hidden)
-    vocab = (0, r * s.vocab_rows, min((r + 1) * s.vocab_rows, config.vocab_size))
+    # the last ranks' rows run past the vocabulary when N is large beside it: empty slices, padded to vocab_rows
+    vocab = (0, min(r * s.vocab_rows, config.vocab_size), min((r + 1) * s.vocab_rows, config.vocab_size))
     out = {"tok_embeddings.weight": vocab}
     if not config.tie_embeddings:
         out["output.weight"] = vocab

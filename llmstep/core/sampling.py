@@ -56,7 +56,9 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # ties: the lower index first
     sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
+    # the probability of the tokens ranked above each one, summed (cumsum - p would round a mass that reaches p
+    # exactly to just under it, and keep one token too many)
+    mass_before = torch.cat([torch.zeros_like(sorted_probs[..., :1]), sorted_probs[..., :-1].cumsum(dim=-1)], dim=-1)
     drop_sorted = mass_before >= p  # already reached p without this token
     drop_sorted[..., 0] = False  # the top token is always kept (a p below float32's range compares as 0)
     drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
@@ -99,9 +101,10 @@ def probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = 0,
     top = logits.amax(-1, keepdim=True)
     # the same softmax; a tiny T then gives -inf, never inf - inf. A row holding +inf: every T gives its limit,
     # the mass shared by the +inf logits (as T = 0 does), where inf - inf would be NaN (no host sync to tell)
-    logits = torch.where(top == float("inf"), torch.where(logits == float("inf"), 0.0, float("-inf")), logits - top)
+    at_inf = torch.full_like(logits, float("-inf")).masked_fill(logits == float("inf"), 0.0)  # float32, as logits
+    logits = torch.where(top == float("inf"), at_inf, logits - top)
     if temperature < torch.finfo(torch.float32).tiny:
-        scaled = torch.where(logits == 0, 0.0, float("-inf"))  # T -> 0: the largest logits, alike
+        scaled = torch.zeros_like(logits).masked_fill(logits != 0, float("-inf"))  # T -> 0: the largest, alike
     else:
         scaled = apply_temperature(logits, temperature)
     return top_p_filter(top_k_filter(scaled, top_k), top_p).softmax(dim=-1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.checks import check_int, check_seed, is_int
+from ..core.parallel import is_sharded
 from ..core.sampling import check_params
 from ..core.tokens import Tokenizer
 from .decoding import check_prompt_ids, encode_prompt, stop_id_set
@@ -125,6 +126,9 @@ def check_request(request: Request, model: torch.nn.Module, limit: int | None = 
         check_params(r.temperature, r.top_k, r.top_p)
         check_int(r.max_new_tokens, "max_new_tokens")
         check_seed(r.seed)
+        if r.seed is None and r.temperature != 0 and is_sharded(model):
+            raise ValueError("a tensor-parallel model's ranks draw the same tokens only with one seed: give the "
+                             "request a seed (llmstep.core.parallel.agree_seed(None) draws one for every rank)")
         check_arrival(r.arrival)
         stops = stop_id_set(end_ids(model, tokenizer) if r.stop_ids is None else r.stop_ids, vocab)
         if tokenizer is not None:

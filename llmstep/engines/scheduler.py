@@ -122,7 +122,7 @@ class BatchRun:
                 if self.completions else math.nan} | {f"kv_{k}": v for k, v in self.kv_stats.items()}
 
 
-@dataclass
+@dataclass(eq=False)  # one job is one request: compared by identity, not by its (long) prompt, in every list test
 class Job:
     """One request as a scheduler sees it: its record, its budget and its stop tokens (no tensors)."""
 
@@ -148,7 +148,7 @@ class Job:
         return self.completion.prompt_ids + self.completion.tokens
 
 
-@dataclass
+@dataclass(eq=False)
 class Scheduled:
     """One sequence's share of an engine step: compute `n` of its known tokens (`tokens`) into its blocks."""
 
@@ -218,13 +218,18 @@ class Scheduler:
         the job itself."""
         while self.kv.allocate(job.id, job.computed + n) is None:
             victim = self.running[-1]
-            self._leave(victim)
-            victim.computed = 0
-            self.queue.appendleft(victim)
-            self.stats["preemptions"] += 1
+            self.preempt(victim)
             if victim is job:
                 return False
         return True
+
+    def preempt(self, job: Job) -> None:
+        """A running job gives back its slot and blocks and waits first in the queue; it recomputes what it knows
+        on return (its tokens the same: nothing of it is drawn again)."""
+        self._leave(job)
+        job.computed = 0
+        self.queue.appendleft(job)
+        self.stats["preemptions"] += 1
 
     def _admit(self, job: Job, room: float) -> int:
         """Take a waiting job into the lowest free slot if the manager fits it: its cached prefix, then blocks for up

@@ -91,8 +91,9 @@ class PagedSession:
         A request whose logits held a NaN or an Inf ends here with finish_reason "error" and no token (its draw is
         meaningless, so not shown), its blocks freed; the others go on (a model may overflow on one input alone).
         A NaN in one sequence's keys and values reaches the others of its forward (a masked-out key's weight is 0,
-        and 0 x NaN is NaN), so they may end so too, at once or at their next sampled token; and the prefix cache is
-        emptied, since this step registered blocks that may hold NaN: no later request finds them."""
+        and 0 x NaN is NaN): those that sampled then have NaN logits and end so too; those in the middle of their
+        prompt, with no logits to tell, start it again (preempted); and the prefix cache is emptied, since this step
+        registered blocks that may hold NaN: no later request finds them."""
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
         out = []
@@ -101,6 +102,11 @@ class PagedSession:
         self._broken = set()
         made = engine_step(self.scheduler, lambda work: self.runner.compute(work, self._draw), self.device)
         if self._broken:
+            # a request that computed part of its prompt in this forward drew nothing to check, and may hold NaN
+            # keys from a broken neighbour: it starts over (preempted), so nothing of it is cached or read again
+            for job in [j for j in self.scheduler.running if j.id not in self._broken and
+                        j.computed < len(j.known) - bool(j.completion.tokens)]:
+                self.scheduler.preempt(job)
             self.kv.pool.forget_cached()
         for job in made:
             if job.id in self._broken:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.checks import is_finite_number
+from ..core.checks import check_flag, is_finite_number
 from ..core.cost import step_bytes
 from ..core.device import synchronize
 from ..core.kv_cache import KVCache
@@ -61,7 +61,7 @@ def verify(p: torch.Tensor, q: torch.Tensor, proposed: torch.Tensor,
     B, k = proposed.shape
     p_x = p[:, :k].gather(-1, proposed[..., None])[..., 0]  # [B, k]: p(x) of each proposed token
     q_x = q.gather(-1, proposed[..., None])[..., 0]  # [B, k]: q(x) > 0, since x was drawn from q
-    u = torch.rand(B, k, generator=generator, device=p.device)
+    u = torch.rand(B, k, generator=generator, device=p.device, dtype=torch.float32)  # whatever the default dtype
     accepted = u * q_x < p_x  # u < p(x)/q(x): accepted with probability min(1, p(x)/q(x))
     n = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [B]: the run of accepts before the first rejection
     # The next token comes from max(0, p - q) at position n; past the last proposal q is 0, leaving p.
@@ -261,6 +261,7 @@ def speculative_stream(target: Llama, draft: Llama, tokenizer: Tokenizer, prompt
                          seed=seed, stop_ids=stop_ids)
     r = check_request(request, target, tokenizer=tokenizer)
     check_k(k)
+    check_flag(adaptive, "adaptive")
     check_pair(target, draft)
     check_costs(cost_ratio, verify_costs)
     result = SpeculativeGeneration(prompt_ids=r.ids, k=k)

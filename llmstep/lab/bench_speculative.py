@@ -162,10 +162,14 @@ def _check(prompts: Iterable[str], ks: Iterable[int], max_new_tokens: int, repea
     prompts, ks = list(prompts), list(ks)
     if not prompts or not ks:
         raise ValueError("give at least one prompt and one k")
-    check_int(max_new_tokens, "max_new_tokens", low=2)
+    # 3: the first token comes from the prefill, and a round must leave room for its own token after a proposal
+    check_int(max_new_tokens, "max_new_tokens", low=3)
     check_int(repeats, "repeats", low=1)
     for k in ks:
         check_k(k)
+    if len(set(ks)) < len(ks):
+        twice = next(k for k in ks if ks.count(k) > 1)
+        raise ValueError(f"k = {twice} is given twice; give each k once")
     if tokenizer is not None:
         longest = max(len(tokenizer.encode(p)) for p in prompts)
         if max_new_tokens > room(longest, context):

@@ -130,7 +130,9 @@ class Engine:
         s, config = self.session, self.session.model.config
         return {"status": "ok" if self.alive else "stopped", "running": s.running, "waiting": s.pending - s.running,
                 "kv_blocks_total": s.n_blocks, "kv_blocks_used": s.blocks.n_used, "kv_bytes": s.runner.cache.nbytes,
-                "block_size": s.block_size, "prefix_hit_tokens": s.stats["prefix_hit_tokens"], "slots": s.n_slots,
+                "block_size": s.block_size, "prefix_hit_tokens": s.stats["prefix_hit_tokens"],
+                # the tokens its forwards computed: prompts (a preempted request's again) and, one a step, the decodes
+                **{key: s.stats[key] for key in ("prefill_tokens", "decode_tokens", "preemptions")}, "slots": s.n_slots,
                 "capacity": self.capacity, "device": str(s.device), "dtype": str(s.model.dtype).removeprefix("torch."),
                 "vocab_size": config.vocab_size, "context": config.max_seq_len, "max_model_len": self.context} \
             | self.options | self.stats

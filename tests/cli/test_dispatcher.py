@@ -154,13 +154,15 @@ def test_the_console_script_exits_0_after_a_command_that_returns_a_record():
     assert done.stderr == ""
 
 
-def test_do_sample_false_in_generation_config_means_greedy(tmp_path, tiny_checkpoint, capsys):
+@pytest.mark.parametrize("gen", [{"do_sample": False, "temperature": 0.9, "top_p": 0.9},
+                                 {"temperature": 0.9, "top_p": 0.9}])  # GenerationConfig's do_sample defaults false
+def test_a_generation_config_without_do_sample_true_means_greedy(tmp_path, tiny_checkpoint, capsys, gen):
     import json
     import shutil
 
     model = tmp_path / "greedy-by-config"
     shutil.copytree(tiny_checkpoint, model)
-    (model / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.9, "top_p": 0.9}))
+    (model / "generation_config.json").write_text(json.dumps(gen))
     argv = ["generate", "--model", str(model), "--prompt", "ab", "--max-new-tokens", "12", "--seed", "1"]
     outputs = []
     for extra in ([], ["--temperature", "0"], ["--temperature", "0.9"]):

@@ -91,3 +91,31 @@ def test_an_int4_checkpoint_is_refused_from_its_config_before_its_weights_are_re
     err = capsys.readouterr().err
     assert e.value.code == 2 and "is int4-g32" in err and "has no exact GGUF form" in err
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_an_int8_checkpoint_quantised_in_float32_is_refused_from_its_scales_before_its_weights_are_read(
+        tmp_path, capsys, monkeypatch):
+    """Q8_0 holds float16 scales: float32 ones would round. One quantised in bfloat16 exports (exactly)."""
+    import torch
+
+    import llmstep
+    import llmstep.core.checkpoint as checkpoint
+    from llmstep.core.quantize import quantize
+
+    model, tok = llmstep.load()  # float32 on the CPU
+    checkpoint.save(quantize(model, "int8"), tmp_path / "f32", tok)
+    checkpoint.save(quantize(llmstep.load(dtype=torch.bfloat16)[0], "int8"), tmp_path / "bf16", tok)
+    real_load = checkpoint.load
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was read")
+
+    monkeypatch.setattr(checkpoint, "load", never)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--gguf", str(tmp_path / "m.gguf"), "--model", str(tmp_path / "f32")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "scale" in err and "is not a float16 number" in err and "bfloat16" in err
+    assert not (tmp_path / "m.gguf").exists()
+    monkeypatch.setattr(checkpoint, "load", real_load)
+    cli.main(["export", "--gguf", str(tmp_path / "m.gguf"), "--model", str(tmp_path / "bf16")])
+    assert "matrices Q8_0" in capsys.readouterr().err and (tmp_path / "m.gguf").is_file()

@@ -255,6 +255,21 @@ def test_malformed_safetensors_header(ckpt, header):
         llmstep.load(ckpt)
 
 
+@pytest.mark.parametrize("tensors, data, message", [
+    ({"a": [[1], [0, 4]], "b": [[1], [0, 4]]}, 4, "tensor b starts at data byte 0: it overlaps the tensor before it"),
+    ({"a": [[1], [0, 4]], "b": [[1], [8, 12]]}, 12, "tensor b starts at data byte 8: it leaves a gap of 4 bytes"),
+    ({"a": [[2], [0, 4]]}, 4, r"tensor a \(F32 \[2\]\) spans 4 bytes \[0, 4\), its shape and dtype make 8"),
+])
+def test_safetensors_spans_that_overlap_leave_gaps_or_miscount_are_refused_from_the_header(ckpt, tensors, data,
+                                                                                            message):
+    """safe_open would refuse them too, but only as it opens the file, after any earlier shard was read."""
+    header = {name: {"dtype": "F32", "shape": shape, "data_offsets": span} for name, (shape, span) in tensors.items()}
+    text = json.dumps(header).encode()
+    (ckpt / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + bytes(data))
+    with pytest.raises(CheckpointError, match=f"model.safetensors: {message}"):
+        llmstep.load(ckpt)
+
+
 @pytest.mark.parametrize("weight_map, message", [
     ([1, 2], "weight_map must map tensor names to shard files"),
     ({"model.norm.weight": 3}, "model.norm.weight is mapped to 3"),

@@ -148,6 +148,18 @@ def test_default_mode_is_what_the_os_gives_a_new_file_and_directory(tmp_path, um
     assert os.umask(old) == old  # the umask it read is put back
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux shows a process's umask in /proc")
+def test_default_mode_reads_the_umask_without_setting_it(monkeypatch):
+    """Setting the umask to read it opens a moment where another thread's new file gets mode 0o666."""
+    expected = files.default_mode()
+
+    def set_umask(mask):
+        raise AssertionError(f"the umask was set ({mask:o}) to read it")
+
+    monkeypatch.setattr(os, "umask", set_umask)
+    assert files.default_mode() == expected
+
+
 def test_json_is_written_strict_a_nan_or_an_infinity_as_null(tmp_path):
     """json.dumps writes NaN and Infinity, which strict readers (jq, browsers, json.loads(parse_constant=...))
     refuse: a record's figure without a value (a ratio of nothing) is null."""

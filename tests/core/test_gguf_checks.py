@@ -178,8 +178,10 @@ def test_a_file_cut_right_after_its_magic_is_called_truncated(tmp_path):
 # ---- export keeps what the loader reads ----------------------------------------------------------------------
 @pytest.mark.parametrize(("gen", "expected"), [
     ({"do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 40}, {"temperature": 0.8, "top_p": 0.95,
-                                                                          "top_k": 40}),
-    ({"do_sample": False, "temperature": 0.6, "top_p": 0.9}, {"temperature": 0.0, "top_p": 0.9}),
+                                                                          "top_k": 40, "do_sample": True}),
+    ({"do_sample": False, "temperature": 0.6, "top_p": 0.9}, {"temperature": 0.0, "top_p": 0.9, "do_sample": False}),
+    ({"temperature": 0.6, "top_p": 0.9}, {"temperature": 0.0, "top_p": 0.9, "do_sample": False}),  # greedy
+    ({"do_sample": True, "top_k": 40}, {"top_k": 40, "do_sample": True}),  # llama.cpp samples at its own temperature
     ({}, {}),
 ])
 def test_the_sampling_defaults_survive_an_export_and_a_load(tmp_path, tokenizer, gen, expected):

@@ -21,7 +21,7 @@ import torch
 from conftest import make_checkpoint
 
 from llmstep import cli
-from llmstep.core import loader, parallel
+from llmstep.core import loader, parallel, parallel_split
 from llmstep.core.checkpoint import load_model
 from llmstep.core.config import LlamaConfig
 
@@ -170,7 +170,7 @@ def test_a_world_size_that_cannot_split_the_heads_is_refused_before_loading(chec
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("llmstep generate: error:")]
     assert lines == ["llmstep generate: error: cannot split 8 query heads over 3 ranks: the world size must "
-                     "divide n_heads (try 2, 4, 8)"]  # once: rank 0 speaks for all
+                     "divide n_heads (world sizes that split this model: 2, 4, 8)"]  # once: rank 0 speaks for all
 
 
 def test_a_rank_that_fails_alone_stops_every_rank_with_its_message(checkpoints, tmp_path, monkeypatch):
@@ -245,6 +245,15 @@ def test_torchrun_refuses_what_does_not_run_tensor_parallel(monkeypatch, capsys,
     assert err.startswith(f"llmstep {argv[0]}: error:") and flag in err and "tensor-parallel" in err
 
 
+def test_torchrun_bench_refuses_a_window_past_the_context_before_joining_the_group(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(parallel, "init_from_environment", lambda *a: pytest.fail("joined the process group"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--prompt-len", "500", "--new-tokens", "100"])  # the shipped model's context: 512
+    assert e.value.code == 2 and "--prompt-len 500 and --new-tokens 100" in capsys.readouterr().err
+
+
 def test_ranks_other_than_0_print_nothing(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -254,15 +263,26 @@ def test_ranks_other_than_0_print_nothing(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("n_heads, n_kv, hidden, world, words", [
-    (8, 2, 112, 3, "cannot split 8 query heads over 3 ranks"),
-    (12, 3, 112, 2, "cannot split 3 KV heads over 2 ranks"),
-    (8, 2, 110, 4, "cannot split the feed-forward's 110 units over 4 ranks"),
+    (8, 2, 112, 3, r"cannot split 8 query heads over 3 ranks.*\(world sizes that split this model: 2, 4, 8\)$"),
+    (12, 3, 120, 2, r"cannot split 3 KV heads over 2 ranks.*\(world sizes that split this model: 3, 6, 12\)$"),
+    (8, 2, 110, 4, r"cannot split the feed-forward's 110 units over 4 ranks.*this model: 2\)$"),
+    (6, 2, 112, 4, r"\(world sizes that split this model: 2\)$"),  # 3 and 6 split the heads, not the KV heads
     (8, 2, 112, 0, "positive integer"),
 ])
 def test_check_split_names_what_cannot_be_split(n_heads, n_kv, hidden, world, words):
     config = LlamaConfig(vocab_size=300, dim=96, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=hidden)
     with pytest.raises(parallel.ParallelError, match=words):
         parallel.check_split(config, world)
+
+
+def test_a_vocabulary_small_beside_the_world_gives_the_last_ranks_empty_padded_slices():
+    config = LlamaConfig(vocab_size=41, dim=64, n_layers=1, n_heads=8, n_kv_heads=8, hidden_dim=64)
+    spans = [parallel_split.rank_slices(config, parallel.split(config, r, 8))["tok_embeddings.weight"]
+             for r in range(8)]  # 6 rows a rank: rank 6 holds 5, rank 7 none (its start was 42, past the end)
+    assert [stop - start for _, start, stop in spans] == [6] * 6 + [5, 0]
+    assert all(0 <= start <= stop <= 41 for _, start, stop in spans)
+    rows = torch.arange(41 * 2.0).reshape(41, 2)
+    assert parallel_split.pad_rows(rows[spans[7][1]:spans[7][2]], 6).shape == (6, 2)
 
 
 @pytest.mark.parametrize("n_kv, world", [(1, 2), (1, 4), (2, 4), (2, 2), (8, 4), (4, 8)])

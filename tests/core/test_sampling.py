@@ -49,6 +49,18 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p, expected_kept):
     assert set(torch.nonzero(kept[0]).flatten().tolist()) == set(ranked[:expected_kept])
 
 
+@pytest.mark.parametrize("n, p, kept", [(5, None, 2), (6, 1 / 3, 2), (3, 2 / 3, 2), (10, 0.6, 6)])
+def test_top_p_stops_where_the_kept_mass_reaches_p_exactly(n, p, kept):
+    """A set whose mass is p within float32 rounding reaches p: cumsum - p_i rounds the next token's mass before it
+    to just under p and kept one token more (transformers' TopPLogitsWarper keeps `kept`)."""
+    if p is None:  # 0.5 + 0.3 = 0.8 exactly
+        logits, p = logits_of([0.1, 0.5, 0.05, 0.3, 0.05]), 0.8
+    else:  # n equal tokens: p a whole number of them
+        logits = torch.zeros(1, n)
+    assert (top_p_filter(logits, p) > float("-inf")).sum().item() == kept
+    assert (probs(logits, 1.0, top_p=p) > 0).sum().item() == kept
+
+
 def test_top_p_applies_after_top_k_and_temperature():
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
     # top-k 3 renormalises to 4/9, 3/9, 2/9; top-p 0.7 then needs the first two (7/9 >= 0.7).
@@ -137,6 +149,20 @@ def test_tiny_temperature_tends_to_greedy_not_nan(temperature):
     torch.testing.assert_close(p, torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]))
     assert sample(logits, temperature, generator=torch.Generator().manual_seed(0))[0] == 1
     assert probs(logits, temperature, top_k=1).isfinite().all()
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("temperature", [0.7, 1e-46])
+def test_probs_are_float32_whatever_the_default_dtype(default, temperature):
+    logits = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    expected = probs(logits, temperature)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = probs(logits, temperature)
+    finally:
+        torch.set_default_dtype(old)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.5, top_k=2), dict(temperature=1e-46)])

@@ -155,3 +155,48 @@ def test_save_under_a_file_and_a_weights_directory_are_named(tmp_path):
     (tmp_path / "ok" / "model.safetensors").mkdir()
     with pytest.raises(llmstep.CheckpointError, match="model.safetensors is a directory"):
         llmstep.load_model(tmp_path / "ok")
+
+
+def _small_model():
+    from llmstep.core.config import LlamaConfig
+    from llmstep.lab.hardware import random_model
+
+    return random_model(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                    max_seq_len=16), "cpu", torch.float32)
+
+
+def test_save_refuses_a_tensor_its_config_does_not_make_before_writing_anything(tmp_path):
+    """A tensor-parallel rank's model holds slices of the config's tensors: written, it would load as nothing."""
+    model = _small_model()
+    wq = model.layers[0].attention.wq
+    wq.weight = torch.nn.Parameter(wq.weight[:16].clone())  # rank 0 of 2's query rows
+    with pytest.raises(llmstep.CheckpointError, match=r"layers.0.attention.wq.weight \(model.layers.0.self_attn."
+                                                      r"q_proj.weight\) has shape \[16, 32\], its config makes "
+                                                      r"\[32, 32\] \(a tensor-parallel rank's shard"):
+        llmstep.save(model, tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype, words", [(torch.int8, "dtype must be a float dtype"),
+                                          ("int8", "unknown dtype 'int8'"), (torch.float8_e4m3fn, "not supported")])
+def test_save_refuses_a_dtype_that_is_not_a_float_one_before_writing_anything(tmp_path, dtype, words):
+    with pytest.raises(ValueError, match=words):
+        llmstep.save(_small_model(), tmp_path / "ckpt", dtype=dtype)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_takes_a_dtype_by_name(tmp_path):
+    out = llmstep.save(_small_model(), tmp_path / "ckpt", dtype="bfloat16")
+    assert llmstep.load_model(out, dtype="bfloat16").layers[0].attention.wq.weight.dtype == torch.bfloat16
+    assert '"torch_dtype": "bfloat16"' in (out / "config.json").read_text()
+
+
+def test_save_into_the_current_folder(tmp_path, monkeypatch):
+    """"." names the folder itself: the temporary folder goes beside it, not inside it."""
+    model = _small_model()
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    llmstep.save(model, ".")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    x = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(llmstep.load_model(tmp_path / "here")(x), model(x), rtol=0, atol=0)

@@ -281,3 +281,18 @@ def test_a_prompt_array_of_no_sequence_or_of_strings_is_refused_by_name(small):
     model, tok = small
     with pytest.raises(ValueError, match="got shape \\[\\]"):
         llmstep.generate(model, tok, torch.tensor(5), max_new_tokens=2)
+
+
+def test_a_tensor_parallel_model_samples_only_with_a_seed(shipped):
+    """Each rank draws from its own generator: without one seed the ranks pick different tokens, and their next
+    all-reduce sums the activations of different sequences (or hangs on different lengths)."""
+    from llmstep.core import parallel
+
+    model, tok = shipped
+    tp = parallel.build_rank_model(model.config, parallel.split(model.config, 0, 1), model.state_dict())
+    with pytest.raises(ValueError, match="tensor-parallel model's ranks draw the same tokens only with one seed"):
+        check_request(Request([1, 2, 3], max_new_tokens=2, temperature=0.5), tp)
+    with pytest.raises(ValueError, match="only with one seed"):
+        run_batch(tp, [Request([1, 2, 3], max_new_tokens=2)], n_slots=1)
+    assert check_request(Request([1, 2, 3], max_new_tokens=2, temperature=0.5, seed=7), tp).seed == 7
+    assert check_request(Request([1, 2, 3], max_new_tokens=2, temperature=0), tp).greedy  # nothing drawn

@@ -166,3 +166,54 @@ def test_a_nan_in_one_sequences_keys_leaves_no_poisoned_block_for_a_later_reques
     while session.pending:
         tokens += [o.token for o in session.step() if o.id == again and o.token >= 0]
     assert tokens == solo(model, tok, good).tokens and session.blocks.n_used == 0
+
+
+def test_a_request_mid_prompt_beside_a_broken_one_starts_over_and_caches_no_nan(tiny64):
+    """A request whose prompt chunk shared the broken forward has no logits to tell it took NaN keys; had it gone
+    on, its later chunks would register NaN blocks after the cache was emptied (then cancelled, they stay cached for
+    the next request with its prompt). It starts over instead, and later requests with its prompt get solo tokens."""
+    import itertools
+
+    model, tok = tiny64
+    bad = Request([40, 41, 42], max_new_tokens=3, temperature=0, stop_ids=())
+    prompt = Request(list(range(10, 20)), max_new_tokens=3, temperature=0, stop_ids=())
+    session = PagedSession(model, n_slots=4, block_size=2, prefix_caching=True, prefill_chunk=2)
+    forward, rows, bad_id = session.runner.forward, [], []
+
+    def breaking(work):  # the bad request's rows of this forward's packed tokens, for the hook
+        starts = itertools.accumulate([s.chunk.n_tokens for s in work], initial=0)
+        rows[:] = [i for start, s in zip(starts, work, strict=False) if s.job.id in bad_id
+                   for i in range(start, start + s.chunk.n_tokens)]
+        try:
+            return forward(work)
+        finally:
+            rows.clear()
+
+    def hook(module, args, out):  # NaN in those rows after the first block: every later layer's keys and values
+        if not rows:
+            return out
+        out = out.clone()
+        out[:, rows] = float("nan")
+        return out
+
+    session.runner.forward = breaking
+    handle = model.layers[0].register_forward_hook(hook)
+    try:
+        bad_id.append(session.submit(bad))
+        session.step()  # the bad prompt's first chunk
+        mid = session.submit(prompt)
+        assert [(o.id, o.finish_reason) for o in session.step()] == [(bad_id[0], "error")]  # mid: one prompt token
+        assert session.stats["preemptions"] == 1  # the request mid-prompt starts over
+        session.step()
+        session.cancel(mid)  # a client gone: what it registered stays cached
+    finally:
+        handle.remove()
+        session.runner.forward = forward
+    expected = solo(model, tok, prompt).tokens
+    for _ in range(2):  # the first finds what `mid` left cached, the second what the first did
+        again = session.submit(prompt)
+        made = []
+        while session.pending:
+            made += [(o.token, o.finish_reason) for o in session.step() if o.id == again]
+        assert [t for t, _ in made] == expected and made[-1][1] == "length"
+    assert session.blocks.n_used == 0

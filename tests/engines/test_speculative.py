@@ -255,6 +255,9 @@ def test_bad_arguments_are_named(target, drafts, tok):
         speculative_generate(target, draft, tok, PROMPT, max_new_tokens=-1)
     with pytest.raises(ValueError, match="draft must be"):
         speculative_generate(target, "draft", tok, PROMPT)
+    for adaptive in ("no", 0, 1.0):  # "no" turned adaptive k on
+        with pytest.raises(ValueError, match="adaptive must be True, False or None"):
+            speculative_generate(target, draft, tok, PROMPT, adaptive=adaptive)
     with pytest.raises(ValueError, match="layers"):
         LayerSkipDraft(target, 0)
     with pytest.raises(ValueError, match="layers"):
@@ -317,6 +320,25 @@ def test_the_acceptance_rule_alone_emits_exactly_p():
     assert chi_square_p_value(torch.bincount(nxt[n == k], minlength=V), p[0, 2]) > P_VALUE_FLOOR
     # Rejections and acceptances both happen, often: every branch above was drawn thousands of times.
     assert 0.05 < (n == 0).double().mean() < 0.95 and (n == k).sum() > 1000
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float64])
+def test_the_acceptance_draw_is_the_same_whatever_the_default_dtype(default):
+    """u ~ U(0, 1) in float32: a bf16 u sits on a grid of 1/256 (acceptance then not min(1, p/q)), a float64 one
+    draws other numbers from the same seed."""
+    g = torch.Generator().manual_seed(0)
+    B, k, V = 2000, 3, 6
+    p = probs(torch.randn(B, k + 1, V, generator=g), 1.0)
+    q = probs(torch.randn(B, k, V, generator=g), 1.0)
+    proposed = draw(q.reshape(B * k, V), g).reshape(B, k)
+    expected = verify(p, q, proposed, torch.Generator().manual_seed(1))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = verify(p, q, proposed, torch.Generator().manual_seed(1))
+    finally:
+        torch.set_default_dtype(old)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def test_at_temperature_0_the_general_rule_is_the_greedy_rule():

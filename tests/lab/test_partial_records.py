@@ -49,8 +49,9 @@ def test_run_bench_refuses_a_variant_before_measuring_the_bandwidth(small, monke
 def test_the_speculative_benchmarks_refuse_settings_that_give_no_rate(small):
     from llmstep.lab.bench_speculative import bench
 
-    for kw, name in ((dict(max_new_tokens=1), "max_new_tokens"), (dict(repeats=0), "repeats"),
-                     (dict(ks=[0]), "k")):
+    for kw, name in ((dict(max_new_tokens=2), "max_new_tokens must be an integer >= 3"),  # no round proposes
+                     (dict(repeats=0), "repeats"), (dict(ks=[0]), "k"),
+                     (dict(ks=[2, 1, 2]), "k = 2 is given twice")):
         with pytest.raises(ValueError, match=name):
             bench(small, small, None, **kw)
 

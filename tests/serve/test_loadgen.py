@@ -38,10 +38,15 @@ def test_a_shared_system_prompt_is_what_the_prefix_cache_finds(shipped):
     load = dict(rate=math.inf, prompt_len=(4, 12), new_tokens=(2, 3), shared_prefix=32)
     with running_server(model, tokenizer, n_slots=4, block_size=16) as (url, engine):
         asyncio.run(run_load(url, requests=1, seed=1, **load))  # the warm-up fills the cache with the 2 blocks
-        before = engine.health()["prefix_hit_tokens"]
+        before = engine.health()
         timings, _ = asyncio.run(run_load(url, requests=4, seed=0, **load))
+        after = engine.health()
         assert all(t.ok for t in timings) and all(36 <= t.prompt_tokens <= 44 for t in timings)
-        assert engine.health()["prefix_hit_tokens"] - before == 4 * 32  # each found the prompt's 2 full blocks
+        assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 4 * 32  # each found the 2 full blocks
+        # and computed the rest of its prompt, then one token a step for each new token but the last
+        assert after["prefill_tokens"] - before["prefill_tokens"] == sum(t.prompt_tokens for t in timings) - 4 * 32
+        assert after["decode_tokens"] - before["decode_tokens"] == sum(t.max_tokens - 1 for t in timings)
+        assert after["preemptions"] == 0
     with running_server(model, tokenizer, n_slots=4, prefix_caching=False, prefill_chunk=None) as (url, engine):
         asyncio.run(run_load(url, requests=3, seed=0, **load))
         health = engine.health()
