@@ -200,15 +200,15 @@ class PagedKVCache(Cache):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
 
-    def slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
-        """The token slots of positions start..stop-1 of a sequence with this block table."""
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
-
     def plan(self, chunks: Sequence[SeqChunk]) -> torch.Tensor:
-        """Lay out one forward over `chunks` (in order) -> positions [1, N]; `mask` and `write` then serve it."""
-        device = self.k[0].device
-        positions, write_slots, read_slots, query_seq, key_seq, key_pos = [], [], [], [], [], []
+        """Lay out one forward over `chunks` (in order) -> positions [1, N]; `mask` and `write` then serve it.
+        Built with tensor operations, a few per chunk: a sequence's context is thousands of slots, and a Python
+        loop over them took tens of milliseconds a step at 32 sequences of 2,000 tokens."""
+        if not chunks:
+            raise ValueError("a forward needs at least one chunk to plan")
+        bs = self.block_size
+        within = torch.arange(bs)  # [bs]: a slot's place in its block
+        positions, write_slots, read_slots, lengths = [], [], [], []
         for s, c in enumerate(chunks):
             stop = c.start + c.n_tokens
             if c.start < 0:
@@ -217,23 +217,24 @@ class PagedKVCache(Cache):
                 bad = next(b for b in c.table if not 0 <= b < self.n_blocks)
                 raise ValueError(f"chunk {s}: its table names block {bad}; this pool's blocks are "
                                  f"0..{self.n_blocks - 1}")
-            if c.n_tokens < 1 or len(c.table) < blocks_for(stop, self.block_size):
+            if c.n_tokens < 1 or len(c.table) < blocks_for(stop, bs):
                 raise ValueError(f"chunk {s}: {c.n_tokens} tokens from position {c.start} need "
-                                 f"{blocks_for(stop, self.block_size)} blocks, its table has {len(c.table)}")
-            positions += range(c.start, stop)
-            write_slots += self.slots(c.table, c.start, stop)
-            read_slots += self.slots(c.table, 0, stop)  # its whole context, this chunk included
-            query_seq += [s] * c.n_tokens
-            key_seq += [s] * stop
-            key_pos += range(stop)
-
-        def tensor(values):
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        pos, qs, ks, kp = tensor(positions), tensor(query_seq), tensor(key_seq), tensor(key_pos)
+                                 f"{blocks_for(stop, bs)} blocks, its table has {len(c.table)}")
+            table = torch.tensor(c.table[:blocks_for(stop, bs)], dtype=torch.long)
+            slots = (table[:, None] * bs + within).flatten()[:stop]  # [stop]: position p's slot
+            positions.append(torch.arange(c.start, stop))
+            write_slots.append(slots[c.start:])
+            read_slots.append(slots)  # its whole context, this chunk included
+            lengths.append(stop)
+        device = self.k[0].device
+        pos = torch.cat(positions).to(device)  # [N]
+        seq = torch.arange(len(chunks))
+        qs = seq.repeat_interleave(torch.tensor([c.n_tokens for c in chunks])).to(device)  # [N]: its sequence
+        ks = seq.repeat_interleave(torch.tensor(lengths)).to(device)  # [S]: each key's sequence
+        kp = torch.cat([torch.arange(n) for n in lengths]).to(device)  # [S]: each key's position
         # [1, 1, N, S]: a query sees its own sequence's keys at positions <= its own
         mask = ((ks[None, :] == qs[:, None]) & (kp[None, :] <= pos[:, None]))[None, None]
-        self._plan = (tensor(write_slots), tensor(read_slots), mask)
+        self._plan = (torch.cat(write_slots).to(device), torch.cat(read_slots).to(device), mask)
         return pos[None]
 
     def positions(self, T: int) -> torch.Tensor:

@@ -152,3 +152,24 @@ def test_a_forward_must_follow_its_plan_and_a_plan_needs_its_blocks(model64):
     with pytest.raises(ValueError, match="planned layout"):
         model64(torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 2]]), cache)
     assert model64(torch.tensor([[1, 2]]), positions, cache).shape == (1, 2, CONFIG.vocab_size)
+
+
+def test_a_plan_lays_out_each_sequences_slots_and_mask_position_by_position():
+    """The plan's tensors against the layout written one position at a time: slot of position p = its block's
+    first slot + p mod block_size; each query sees its own sequence's keys up to its position."""
+    cache = PagedKVCache(CONFIG, 10, 4, dtype=torch.float64)
+    chunks = [SeqChunk([5, 3, 9], 7, 4), SeqChunk([1], 0, 3), SeqChunk([2, 4, 0], 8, 1), SeqChunk([8, 0, 6, 7], 9, 6)]
+    positions = cache.plan(chunks)
+    write, read, mask = cache._plan
+
+    def slot(table, p):
+        return table[p // 4] * 4 + p % 4
+
+    assert positions.tolist() == [[p for c in chunks for p in range(c.start, c.start + c.n_tokens)]]
+    assert write.tolist() == [slot(c.table, p) for c in chunks for p in range(c.start, c.start + c.n_tokens)]
+    assert read.tolist() == [slot(c.table, p) for c in chunks for p in range(c.start + c.n_tokens)]
+    keys = [(s, p) for s, c in enumerate(chunks) for p in range(c.start + c.n_tokens)]
+    queries = [(s, p) for s, c in enumerate(chunks) for p in range(c.start, c.start + c.n_tokens)]
+    assert mask.tolist() == [[[[ks == qs and kp <= qp for ks, kp in keys] for qs, qp in queries]]]
+    with pytest.raises(ValueError, match="at least one chunk"):
+        cache.plan([])
