@@ -141,7 +141,8 @@ def add_commands(sub) -> None:
     s.add_argument("--draft", default="draft",
                    help="draft checkpoint, self-N or self-int8 / self-int4 (default: the shipped draft)")
     s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
-    s.add_argument("--max-new-tokens", type=decode_tokens, default=200)
+    s.add_argument("--max-new-tokens", type=int_at_most(3), default=200,  # the prefill's token, then a round's
+                   help="at least 3: the prefill's token, then rounds that each propose one token or more")
     s.add_argument("--temperature", type=nonneg_float, default=0.0)
     s.add_argument("--repeats", type=positive_int, default=3)
     s.add_argument("--device", default="cpu")

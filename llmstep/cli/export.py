@@ -44,14 +44,15 @@ def run_export(args, argv) -> None:
 
 
 def _check_q8_0(path) -> None:
-    """An int8 checkpoint becomes Q8_0 only where each row's scale is a float16 number (Q8_0's d) and its inputs a
-    multiple of 32 (Q8_0's block): judged from the scales alone, before the weights are read. A model quantised in
-    float32 has float32 scales, which float16 would round; one quantised in bfloat16 or float16 has not."""
+    """An int8 checkpoint becomes Q8_0 only where each row's scale is a float16 number (Q8_0's d; a row of zero codes
+    is exact whatever its scale) and its inputs a multiple of 32 (Q8_0's block): judged from the scales, and the
+    codes of a matrix only where a scale is not float16's, before the model is loaded. A model quantised in float32
+    has float32 scales, which float16 would round."""
     import torch
     from safetensors import safe_open
 
     from ..core.checkpoint import read_checkpoint
-    from ..core.gguf import Q8_BLOCK
+    from ..core.gguf import Q8_BLOCK, q8_0_scales
 
     found, expected = read_checkpoint(path).tensors
     for name, (_, shape, _) in expected.items():
@@ -62,10 +63,9 @@ def _check_q8_0(path) -> None:
     for file in sorted({found[name][0] for name in scales}):
         with safe_open(path / file, framework="pt") as f:
             for name in (n for n in scales if found[n][0] == file):
-                s = f.get_tensor(name).float()
-                rounded = s.to(torch.float16).float()
-                if not torch.equal(rounded, s):
-                    row = int((rounded != s).nonzero()[0])
-                    raise ValueError(f"{path}: {name} row {row}'s scale {s[row].item()!r} is not a float16 number, "
-                                     "so Q8_0 (float16 scales) would round it: quantize the model in bfloat16 or "
-                                     "float16 (llmstep.load(..., dtype='bfloat16'), then quantize and save) to export")
+                s = f.get_tensor(name)
+                if torch.equal(s.to(torch.float16).to(s.dtype), s):
+                    continue
+                qweight = name.removesuffix(".scales") + ".qweight"  # the codes say whether a row is all zero
+                with safe_open(path / found[qweight][0], framework="pt") as g:
+                    q8_0_scales(g.get_tensor(qweight), s, f"{path}: {name}")

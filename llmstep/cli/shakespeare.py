@@ -9,11 +9,12 @@ from pathlib import Path
 from ..core.files import atomic_write_json, check_output_path
 from ..lab import runinfo
 from ..shakespeare import data, evaluate, train
-from .args import fraction, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from .args import fraction, int_at_most, nonneg_float, nonneg_int, positive_float, positive_int, seed
 
 # TrainConfig's numeric fields -> their flag's type (llmstep.cli.args); a field not named here is a count >= 1.
 TRAIN_TYPES = {"seed": seed, "warmup_steps": nonneg_int, "lr": positive_float, "min_lr_ratio": fraction,
-               "weight_decay": nonneg_float, "beta1": fraction, "beta2": fraction, "grad_clip": positive_float}
+               "weight_decay": nonneg_float, "beta1": fraction, "beta2": fraction, "grad_clip": positive_float,
+               "eval_tokens": int_at_most(2)}  # a context token and at least one to predict
 
 
 def add_commands(sub) -> None:
@@ -25,7 +26,7 @@ def add_commands(sub) -> None:
     t.add_argument("--out", required=True, help="run directory: ckpt.safetensors and train.log")
     t.add_argument("--export", default=None, help="at the end, write the Hugging Face layout model here")
     t.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.safetensors")
-    t.add_argument("--stop-after", type=nonneg_int, default=None, help="stop (with a checkpoint) after this step")
+    t.add_argument("--stop-after", type=positive_int, default=None, help="stop (with a checkpoint) after this step")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     for name in train.SHAPE_FIELDS:
         t.add_argument(f"--{name.replace('_', '-')}", type=positive_int, default=None,
@@ -44,7 +45,8 @@ def add_commands(sub) -> None:
                    help="model directories, or target/draft (default: both shipped models)")
     e.add_argument("--split", nargs="+", default=["val", "test"], choices=["val", "test", "train"])
     e.add_argument("--corpus", default=str(data.CORPUS_DIR))
-    e.add_argument("--max-tokens", type=positive_int, default=None, help="score only a split's first N tokens")
+    e.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="score only a split's first N tokens (N >= 2: refused before any model is loaded)")
     e.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: model's context)")
     e.add_argument("--batch-size", type=positive_int, default=8)
     e.add_argument("--no-baseline", action="store_true", help="skip the n-gram baseline")
@@ -86,6 +88,9 @@ def run_train(args, argv) -> None:
         raise FileNotFoundError(f"--corpus {args.corpus}: no such directory (train/val/test.txt.gz)")
     if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
         raise ValueError(f"--export {args.export} is a file: give a directory for the exported model")
+    if not args.resume and (out / train.CHECKPOINT).exists():  # its first save would overwrite that run's
+        raise ValueError(f"--out {out} already holds a training checkpoint ({train.CHECKPOINT}): give --resume to "
+                         "continue it, or another --out")
     check_output_path(out / train.CHECKPOINT, "--out")  # before the run, not after it: a folder that can be written
     if args.export:
         check_output_path(Path(args.export) / "config.json", "--export")
@@ -103,7 +108,8 @@ def run_train(args, argv) -> None:
         raise
 
 
-TRAIN_FLAGS = {"resume:": "--resume:", "init_from ": "--init-from ", "teacher ": "--teacher "}
+TRAIN_FLAGS = {"resume:": "--resume:", "init_from ": "--init-from ", "teacher ": "--teacher ",
+               "init_from:": "--init-from:", "teacher:": "--teacher:"}
 
 
 def run_eval(args, argv) -> None:
@@ -116,7 +122,8 @@ def run_eval(args, argv) -> None:
     if args.golden_tokens is not None and args.golden_prompt is None:
         raise ValueError("--golden-tokens sets the golden continuation's length: add --golden-prompt")
     models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
-    evaluate.check_models(models, args.seq_len, args.golden_prompt, cards=args.update_cards)  # before any scoring
+    evaluate.check_models(models, args.seq_len, args.golden_prompt, cards=args.update_cards,
+                          max_tokens=args.max_tokens)  # before any model is loaded
     scores, settings = evaluate.evaluate_models(
         models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
         baseline=not args.no_baseline, write_eval_json=args.write_eval_json, golden_prompt=args.golden_prompt,
@@ -125,10 +132,13 @@ def run_eval(args, argv) -> None:
     print(table)
     if args.json:
         atomic_write_json(args.json, {"settings": settings, "scores": [s.to_dict() for s in scores]})
-    if args.update_cards:
-        note = evaluate.card_note(settings["seq_len"], args.max_tokens)
+    if args.update_cards:  # each card's note gives its own model's window (and the other rows' where they differ)
+        windows = {m: evaluate.model_window(m, args.seq_len) for m in models}
+        rows = {Path(m).name: w for m, w in windows.items()}
+        if not args.no_baseline:
+            rows["kneser-ney-trigram"] = settings["seq_len"]  # the baseline's windows
         for model_dir in models:
-            evaluate.update_card(model_dir, table, note)
+            evaluate.update_card(model_dir, table, evaluate.card_note(windows[model_dir], args.max_tokens, rows))
 
 
 def run_data(args, argv) -> None:

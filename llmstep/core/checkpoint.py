@@ -138,6 +138,9 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     """
     # the folder is made beside the target: a link's target, and "." as the folder it names (its parent is not ".")
     path = Path(path).resolve() if Path(path).is_symlink() else Path(os.path.abspath(path))
+    if Path.cwd().resolve().is_relative_to(path.resolve()):  # the swap removes the old folder whole
+        raise ValueError(f"cannot save into {path}: it is the current folder or holds it, and a save replaces the "
+                         "folder whole (the process would be left in a deleted folder); give another folder")
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
     above = next((p for p in path.parents if p.exists()), None)
@@ -145,7 +148,8 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
         raise NotADirectoryError(f"cannot write the checkpoint {path}: {above} is a file, not a directory")
     config = model.config
     qc = getattr(model, "quantization", None)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point or isinstance(dtype, str)):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+                                  or dtype in ("float32", "bfloat16", "float16", "float64")):
         raise ValueError(f"dtype must be a float dtype (float32, bfloat16, float16 or float64), got {dtype!r}")
     # a name ("bfloat16") as a torch dtype; int8 and the like refused (save does not quantise: quantize() does)
     dtype = model.dtype if dtype is None else resolve_dtype(dtype, torch.device("cpu"))

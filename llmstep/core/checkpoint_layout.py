@@ -14,6 +14,7 @@ A quantised checkpoint (`llmstep.save` of a model from llmstep.core.quantize) is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -136,7 +137,19 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if gen_file.is_file():
         parsed["generation_config.json"] = read_json_object(gen_file, CheckpointError)
     generation = generation_config_of(parsed.get("generation_config.json", {}), gen_file)
-    return Checkpoint(path, config, qc, generation, parsed)
+    ckpt = Checkpoint(path, config, qc, generation, parsed)
+    if raw.get("torch_dtype") is None and raw.get("dtype") is None:  # unsaid: the weights' own, as transformers'
+        found, _ = ckpt.tensors  # "auto" reads it (the headers only); LlamaConfig's default would be bfloat16
+        kinds = [dtype for _, shape, dtype in found.values() if len(shape) == 2 and dtype in _STORED]
+        if kinds:
+            stored = _STORED[max(sorted(set(kinds)), key=kinds.count)]  # the commonest; a tie by name
+            tensors = ckpt.tensors
+            ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(config, torch_dtype=stored))
+            ckpt.__dict__["tensors"] = tensors  # read once: the dtype changes nothing of the table
+    return ckpt
+
+
+_STORED = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
 def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -93,6 +94,12 @@ class RopeScaling:
                               f"got {self.original_max_position_embeddings}")
 
 
+# LlamaConfig's field -> the config.json key it is read from (LlamaConfig.from_hf), for errors that name the file's
+_HF_NAMES = {"dim": "hidden_size", "hidden_dim": "intermediate_size", "n_layers": "num_hidden_layers",
+             "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+             "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int = 128256  # Llama 3: 128,000 BPE tokens + 256 special tokens
@@ -157,6 +164,8 @@ class LlamaConfig:
         if self.torch_dtype not in TORCH_DTYPES:  # else a GPU would load it in a dtype nobody chose
             raise ConfigError(f"torch_dtype must be one of {', '.join(TORCH_DTYPES)} (the float types llmstep loads "
                               f"weights in), got {self.torch_dtype!r}")
+        if None in self.eos_token_id:  # null alone means no end token; inside a list it is no token id
+            raise ConfigError(f"eos_token_id lists null: {self.eos_token_id!r}; list token ids only")
         for name, tok in [("bos_token_id", self.bos_token_id)] + [("eos_token_id", t) for t in self.eos_token_id]:
             if tok is not None and not is_int(tok):
                 raise ConfigError(f"{name} must be an integer token id, got {tok!r}")
@@ -221,7 +230,7 @@ class LlamaConfig:
             try:
                 rope_scaling = RopeScaling(**values, original_max_position_embeddings=original)
             except ConfigError as e:
-                raise ConfigError(f"{where}: {e}") from None
+                raise ConfigError(f"{where}: {str(e).replace('rope_scaling', field)}") from None
         elif rope_type == "default":
             rope_scaling = None
         else:
@@ -251,8 +260,9 @@ class LlamaConfig:
                 eos_token_id=hf.get("eos_token_id"),
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             )
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        except ConfigError as e:  # named as the file names them: intermediate_size, not hidden_dim
+            raise ConfigError(f"{where}: " + re.sub(r"\b(" + "|".join(_HF_NAMES) + r")\b",
+                                                    lambda m: _HF_NAMES[m.group(1)], str(e))) from None
 
     def to_hf(self) -> dict:
         """The config.json that transformers' LlamaForCausalLM reads (published Llama 3.x form)."""

@@ -123,17 +123,27 @@ def rope_freq_factors(config: LlamaConfig) -> torch.Tensor | None:
     return plain / inv_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
+def q8_0_scales(q: torch.Tensor, scales: torch.Tensor, where: str) -> torch.Tensor:
+    """An int8 linear's scales [N] as Q8_0's float16 d [N], or GGUFError naming a row float16 would round. A row
+    whose codes are all 0 is exact whatever its scale (quantisation gives a zero row a tiny one): d = 0 there."""
+    d = scales.to(torch.float16)
+    inexact = (d.to(scales.dtype) != scales) & q.ne(0).any(dim=1)  # [N]
+    if inexact.any():
+        bad = int(inexact.nonzero()[0])
+        advice = ("quantise the model in bfloat16 or float16 (its scales are float32)" if scales.dtype.itemsize > 2
+                  else "the scale is outside float16's range")
+        raise GGUFError(f"{where}: row {bad}'s scale {scales[bad].item()!r} is not a float16 number, so Q8_0 "
+                        f"(float16 scales) cannot hold it exactly: {advice}; or export the float model")
+    return d.masked_fill(q.eq(0).all(dim=1), 0.0)
+
+
 def _q8_0(q: torch.Tensor, scales: torch.Tensor, where: str) -> np.ndarray:
     """An int8 linear's q [N, K] and scales [N] as Q8_0 blocks [N, K/32 * 34] bytes: d (float16), then 32 q."""
     q, scales = q.detach().cpu().contiguous(), scales.detach().cpu().contiguous()
     n, k = q.shape
     if k % Q8_BLOCK:
         raise GGUFError(f"{where}: {k} inputs per row is not a multiple of Q8_0's block of {Q8_BLOCK}")
-    d = scales.to(torch.float16)
-    if not torch.equal(d.to(scales.dtype), scales):
-        bad = int((d.to(scales.dtype) != scales).nonzero()[0])
-        raise GGUFError(f"{where}: row {bad}'s scale {scales[bad].item()!r} is not a float16 number, so Q8_0 "
-                        "cannot hold it exactly; quantise the model in bfloat16 or float16, or export the float model")
+    d = q8_0_scales(q, scales, where)
     d_bytes = d.view(torch.uint8).reshape(n, 1, 2).expand(n, k // Q8_BLOCK, 2)  # [N, K/32, 2], the same d per row
     q_bytes = q.view(torch.uint8).reshape(n, k // Q8_BLOCK, Q8_BLOCK)  # [N, K/32, 32]
     return torch.cat([d_bytes, q_bytes], dim=2).reshape(n, -1).numpy()

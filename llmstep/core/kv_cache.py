@@ -1,7 +1,8 @@
 """The KV cache: every layer's keys and values, preallocated and written at explicit positions.
 
 Attention masks keys by position (a query at position p sees keys at positions <= p), so anything in
-the cache beyond a sequence's length is never read: rolling back after a rejected speculative token
+the cache beyond a sequence's length is never read (at the positions the cache gives, `positions`; a caller that
+gives its own answers for them): rolling back after a rejected speculative token
 is just moving `lengths` back, and a batch slot is reused by writing over it.
 
 The cache also says what a forward attends over (`mask`): the model's one forward asks its cache, so the
@@ -105,9 +106,15 @@ class KVCache(Cache):
         if static:  # one query a row sees slots 0..its position: `last` lets attention skip the rest (sdpa)
             visible = causal_mask(positions, torch.arange(self.max_len, device=positions.device))
             return Mask(visible, last=positions[:, 0] if T == 1 else None), None
-        kv_len = int(positions.max()) + 1
+        # one read back: the last slot, the first, and whether each row's positions run one by one (a negative
+        # position would wrap round to the last slot; a gap would leave slots unwritten between them)
+        gap = (positions[:, 1:] - positions[:, :-1] != 1).any()
+        top, low, gap = torch.stack([positions.max(), positions.min(), gap.long()]).tolist()
+        kv_len = top + 1
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is past the KV cache's {self.max_len} slots")
+        if low < 0 or gap:
+            raise ValueError(f"positions {positions.tolist()} must run one by one along each row, from 0 up")
         if B == 1 and T == 1:
             return UNMASKED, kv_len
         if B == 1 and kv_len == T and bool((positions[0] == torch.arange(T, device=positions.device)).all()):

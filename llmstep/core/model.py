@@ -101,6 +101,11 @@ class Llama(nn.Module):
             # The keys are these tokens: at 0..T-1 a causal mask needs no tensor (SDPA's is_causal).
             default_positions = positions is None
             positions = (torch.arange(T, device=tokens.device) if default_positions else positions).expand(B, T)
+            # the mask is by position, so positions must rise along each row: else a token would see later ones
+            # (left padding's repeated positions among them: give each row its own tokens instead)
+            if not default_positions and T > 1 and not bool((positions[:, 1:] > positions[:, :-1]).all()):
+                raise ValueError(f"positions {positions.tolist()} must rise along each row without a cache: the "
+                                 "causal mask is by position")
             mask, kv_len = CAUSAL if default_positions else Mask(causal_mask(positions, positions)), None  # [B,1,T,T]
         else:
             # The cache says what these positions attend over (kv_cache.KVCache.mask, paged_kv.PagedKVCache.mask)

@@ -120,14 +120,9 @@ def _inductor():
     return _module("torch._inductor")
 
 
-def _probe_modes() -> str | None:
+def _probe_inductor(name: str) -> str | None:
     inductor = _inductor()
-    return inductor if isinstance(inductor, str) else _attributes(inductor, "torch._inductor", "list_mode_options")
-
-
-def _probe_options() -> str | None:
-    inductor = _inductor()
-    return inductor if isinstance(inductor, str) else _attributes(inductor, "torch._inductor", "list_options")
+    return inductor if isinstance(inductor, str) else _attributes(inductor, "torch._inductor", name)
 
 
 def _probe_freezing() -> str | None:
@@ -179,10 +174,11 @@ FEATURES: dict[str, Feature] = {f.name: f for f in (
     Feature("int4_mm_cuda", "torch._convert_weight_to_int4pack, torch._weight_int4pack_mm", DEQUANT,
             lambda: _attributes(torch, "torch", "_convert_weight_to_int4pack", "_weight_int4pack_mm")),
     Feature("inductor_modes", "torch._inductor.list_mode_options",
-            "torch.compile's modes as torch 2.13 defines them (torch_compat.MODES)", _probe_modes),
+            "torch.compile's modes as torch 2.13 defines them (torch_compat.MODES)",
+            lambda: _probe_inductor("list_mode_options")),
     Feature("inductor_options", "torch._inductor.list_options",
             "every inductor option passed as llmstep names it (an unknown one is torch.compile's error)",
-            _probe_options),
+            lambda: _probe_inductor("list_options")),
     Feature("freezing", "torch._inductor.config.freezing",
             "a CPU step compiles without frozen weights (no packed layouts, no concatenated linears)",
             _probe_freezing),
@@ -243,10 +239,12 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_z
 
 
 def mode_options(mode: str) -> dict:
-    """The inductor options torch.compile's `mode` stands for (torch.compile takes a mode or options, not both)."""
-    if missing("inductor_modes"):
-        if mode not in MODES:
-            raise ValueError(f"unknown torch.compile mode {mode!r}: should be one of {', '.join(MODES)}")
+    """The inductor options torch.compile's `mode` stands for (torch.compile takes a mode or options, not both);
+    ValueError for a mode it does not name (inductor's table gives all its modes for "": not a mode, refused)."""
+    table = missing("inductor_modes")  # None: inductor's own table
+    if not isinstance(mode, str) or not mode or (table and mode not in MODES):
+        raise ValueError(f"unknown torch.compile mode {mode!r}: should be one of {', '.join(MODES)}")
+    if table:
         return dict(MODES[mode])
     import torch._inductor
 
@@ -324,17 +322,17 @@ def unguarded_code(fn: types.FunctionType, f_locals: dict) -> types.CodeType | N
 
 def cpu_vector_isa() -> str:
     """The vector instructions inductor compiles CPU kernels for: "amx", "avx512_bf16" (AVX-512 with BF16 dot
-    products, no AMX), or inductor's name for another ("avx2", "none")."""
-    found = _micro_gemm_modules()
-    if isinstance(found, str):
-        raise RuntimeError(f"no CPU vector ISA to read: {found}")
-    _, vec, _ = found
-    isa = vec.pick_vec_isa()
-    if isinstance(isa, vec.VecAMX):
-        return "amx"
-    if isinstance(isa, vec.VecAVX512VNNI) and isa.is_avx512_bf16_supported():
-        return "avx512_bf16"
-    return str(isa) or "none"
+    products, no AMX), or inductor's name for another ("avx2", "none"). RuntimeError where it is not read: the
+    feature off (FEATURES["micro_gemm"]: gated), or inductor's names failing as they are asked (whatever they raise)."""
+    if why := missing("micro_gemm"):
+        raise RuntimeError(f"no CPU vector ISA to read: {why}")
+    try:
+        _, vec, _ = _micro_gemm_modules()
+        isa = vec.pick_vec_isa()
+        bf16 = isinstance(isa, vec.VecAVX512VNNI) and isa.is_avx512_bf16_supported()
+        return "amx" if isinstance(isa, vec.VecAMX) else "avx512_bf16" if bf16 else str(isa) or "none"
+    except Exception as e:  # an inductor whose internals moved under the same names
+        raise RuntimeError(f"no CPU vector ISA to read: {type(e).__name__}: {e}") from e
 
 
 def compiling_constant_bytes() -> int | None:

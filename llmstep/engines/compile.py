@@ -16,7 +16,6 @@ import threading
 import time
 import types
 import uuid
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -138,7 +137,6 @@ def own_code(fn: Callable) -> types.FunctionType:
     return types.FunctionType(step.__code__.replace(), step.__globals__, "step", None, step.__closure__)
 
 
-_DIGESTS: dict[tuple, tuple[list, str]] = {}  # weights_digest's memo: the tensors' fingerprint -> (weakrefs, digest)
 _NAMING = threading.RLock()  # a frozen step's call, which holds process-wide settings (compile_step)
 
 
@@ -152,28 +150,21 @@ def weights_digest(*models: torch.nn.Module) -> str:
     one per user) or in the same one, ran the first model's weights, silently (tests/engines/test_compile_cache.py).
     With the digest in the key such a step compiles anew; the same weights still find their cached code.
 
-    ~1.6 GB/s on one core, so it is remembered while the very same tensors live unchanged (their addresses and
-    in-place versions; a model of several steps is read once). Weights that cannot be read as bytes here (meta,
-    sparse or quantized tensors, tensor subclasses) get a name of their own: their step is never found in the cache.
+    ~1.6 GB/s on one core, read anew at every call (`compile_step` calls it once a step, as the step compiles): no
+    digest is remembered, since no mark on a tensor says reliably that its values are unchanged (a write through
+    `.data` leaves its address and in-place version as they were), and a stale digest would serve a step the old
+    weights frozen into its cached code. Weights that cannot be read as bytes here (meta, sparse or quantized
+    tensors, tensor subclasses) get a name of their own: their step is never found in the cache.
     """
-    tensors = _tensors(models)
     try:
-        fingerprint = tuple((id(t), t.data_ptr(), t._version) for t in tensors)
-        refs, digest = _DIGESTS.get(fingerprint, ((), None))
-        if digest is not None and all(r() is t for r, t in zip(refs, tensors, strict=True)):  # those very tensors
-            return digest
         hashed = hashlib.sha256()
-        for t in tensors:
+        for t in _tensors(models):
             t = t.detach()
             if type(t) is not torch.Tensor or t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
                 raise TypeError(f"a {type(t).__name__} ({t.layout}, {t.device}) is not read as bytes here")
             hashed.update(f"{t.dtype}{tuple(t.shape)};".encode())
             hashed.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        digest = f"weights-{hashed.hexdigest()[:32]}"
-        while len(_DIGESTS) >= 8:  # the last few models' (a speculator's target, draft and both): a memo, not a store
-            del _DIGESTS[next(iter(_DIGESTS))]
-        _DIGESTS[fingerprint] = ([weakref.ref(t) for t in tensors], digest)
-        return digest
+        return f"weights-{hashed.hexdigest()[:32]}"
     except (RuntimeError, TypeError, ValueError):
         return f"weights-unread-{uuid.uuid4().hex}"
 

@@ -3,22 +3,27 @@
 A kernel module (cpu_attention, cpu_int4a8) hands over its source, with LLMSTEP_NS standing for the op namespace,
 and the compiler flags of its ISA; `load_library` builds it with torch.utils.cpp_extension (ninja and the C++
 compiler inductor needs anyway: seconds the first time) in $LLMSTEP_HOME/kernels/<namespace>_<op>_<digest>, a folder
-named by the source and flags, so an edited source is a new build and an unchanged one is loaded from there.
+named by the source and flags and by what else the library is built against (`build_name`), so an edited source is a
+new build and an unchanged one is loaded from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import torch
 
 from ..core import registry
 from ..core.files import atomic_write_text
 
-__all__ = ["load_library", "first_error"]
+__all__ = ["load_library", "build_name", "clear_stale_lock", "first_error"]
 
 _STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
 
@@ -34,18 +39,47 @@ def load_library(namespace: str, op: str, source: str, flags: list[str], filenam
 
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         text = source.replace("LLMSTEP_NS", namespace)
-        digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
-        name = f"{namespace}_{op}_{digest}"
+        name = build_name(namespace, op, text, flags)
         folder = registry.home() / "kernels" / name  # llmstep's cache ($LLMSTEP_HOME), the build torch's own
         path = folder / filename
         if not path.exists() or path.read_text() != text:
             atomic_write_text(path, text)  # a reader (another process building) never sees half of it
         lock = folder / "lock"  # torch's build lock: a build killed midway leaves it, and every later load waits
-        if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
+        clear_stale_lock(lock)
         cpp_extension.load(name, [str(path)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(folder), is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)
+
+
+def build_name(namespace: str, op: str, text: str, flags: list[str]) -> str:
+    """The build folder's name, <namespace>_<op>_<digest>: the digest of the source and flags, and of what else the
+    library is built against, torch (its version and commit: its headers and ABI), Python (sys.implementation's
+    cache tag) and the compiler ($CXX or torch's default, c++, with the file it resolves to). The cache is one per
+    user, shared by every environment: two that differed in any of these relinked one .so in place, and torch's
+    build lets go of its lock before it loads the library, so another process could relink it in between."""
+    cxx = os.environ.get("CXX", "c++")  # torch.utils.cpp_extension's choice on Linux and macOS
+    compiler = f"{cxx} -> {os.path.realpath(shutil.which(cxx) or cxx)}"  # c++ -> /usr/bin/x86_64-linux-gnu-g++-12
+    parts = (text, " ".join(flags), str(torch.__version__), str(torch.version.git_version),
+             str(sys.implementation.cache_tag), compiler)
+    return f"{namespace}_{op}_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}"
+
+
+def clear_stale_lock(lock: Path) -> None:
+    """Remove torch's build lock `lock` where it is older than a build takes (a killed build left it), without a race
+    with its holder or another process clearing it: it is looked at once (gone: nothing to do), renamed to a name of
+    this call's own (one process takes it), and looked at again there: a fresh lock, made between the look and the
+    rename by a build that has just begun, is put back (a hard link, never over a newer one); a stale one removed."""
+    try:
+        if time.time() - lock.stat().st_mtime <= _STALE_LOCK_SECONDS:
+            return
+        aside = lock.with_name(f"{lock.name}.stale-{os.getpid()}-{uuid.uuid4().hex}")
+        lock.rename(aside)
+    except FileNotFoundError:  # its holder finished (or another process cleared it) meanwhile
+        return
+    with contextlib.suppress(OSError):  # OSError: another build holds `lock` by now (or no hard links here)
+        if time.time() - aside.stat().st_mtime <= _STALE_LOCK_SECONDS:
+            os.link(aside, lock)  # back where its holder removes it when done
+    aside.unlink(missing_ok=True)
 
 
 def first_error(message: str) -> str:

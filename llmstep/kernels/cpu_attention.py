@@ -22,7 +22,7 @@ the same bits as the masked form given that mask. Written once
 over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
 own library; head_dim a multiple of 16. The same function as SDPA
 to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
-that sees none gives NaN, and a NaN score makes its row NaN, as SDPA's do): tests/kernels/test_cpu_attention.py
+that sees none gives 0, and a NaN score makes its row NaN, as SDPA's do): tests/kernels/test_cpu_attention.py
 holds it to a float64 computation, float32 and bf16, and shows the masked values unread.
 
 Before rows were taken together (sessions 26-30), one call on SmolLM2's decode shapes (9 query heads over 3 KV

@@ -164,8 +164,9 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
       store(sc + j, p);
       total = add(total, p);
     }
-    // none visible: inf, as NaN; a NaN score: the row NaN, as SDPA's softmax makes it
-    inverse[g] = nans ? splat(std::numeric_limits<float>::quiet_NaN()) : splat(1.0f / sum(total));
+    // a NaN score: the row NaN, as SDPA's softmax makes it; none visible (n = 0, no value summed): the row 0, as
+    // SDPA gives for a mask row that shows nothing (1 / a sum of 0 would make it NaN)
+    inverse[g] = nans ? splat(std::numeric_limits<float>::quiet_NaN()) : n == 0 ? zero() : splat(1.0f / sum(total));
   }
   for (int64_t d = 0; d < D; d += W) {  // the weighted sums of the visible values, W columns at a time
     vec even[G], odd[G];

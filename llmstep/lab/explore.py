@@ -144,6 +144,8 @@ def attention_weights(model: Llama, ids: list[int] | torch.Tensor, layer: int) -
         raise ValueError(f"the prompt must hold 1..{model.config.max_seq_len} tokens, got {tokens.shape[1]}")
     seen = {}
     attn = model.layers[layer].attention
+    if attn.wq is None:  # core.fuse.fused joined them into wqkv
+        raise ValueError("attention_weights reads wq and wk apart: give the model before fusing (core.fuse.fused)")
     handle = attn.register_forward_pre_hook(lambda m, args: seen.update(args=args))  # returns None: args unchanged
     try:
         model(tokens)

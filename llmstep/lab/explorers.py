@@ -355,8 +355,10 @@ def journey_explorer(config: LlamaConfig | None = None, context: int = 256, trac
     `trace` (llmstep.lab.trace.trace_step of a model of this config, at this context) each stage's time too."""
     import ipywidgets as widgets
 
-    if config is None:
-        name, config = name or "shakespeare-target", explore.model_configs()["shakespeare-target"]
+    if config is None:  # the shipped target; a copy of the package without data/ has only the presets
+        configs = explore.model_configs()
+        default = "shakespeare-target" if "shakespeare-target" in configs else "llama-3.2-1b"
+        name, config = name or default, configs[default]
     if trace is not None:
         dtype = trace.dtype
     n = len(pictures.step_stages(config, context, dtype))

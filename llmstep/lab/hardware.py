@@ -109,6 +109,8 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
         for name, value in zip(("m", "k", "n"), shape, strict=True):
             check_int(value, f"shape's {name}", low=1)
         rows, inner, cols = shape
+        size = dtype.itemsize * (rows * inner + cols * inner + rows * cols)
+        check_fits(size, dev, f"measure_matmul's shape {shape} in {dtype} (its input, weight and output)")
         x = torch.randn(rows, inner, device=dev, dtype=dtype, generator=g)  # [m, k]: the input rows
         w = torch.randn(cols, inner, device=dev, dtype=dtype, generator=g)  # [n, k]: a weight, as nn.Linear holds it
         out = torch.empty(rows, cols, device=dev, dtype=dtype)  # [m, n]
@@ -117,6 +119,7 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
     if n is None:
         n = matmul_size(dev, dtype)
     check_int(n, "n", low=1)
+    check_fits(3 * n * n * dtype.itemsize, dev, f"measure_matmul's n = {n:,} in {dtype} (three {n} x {n} matrices)")
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     c = torch.empty(n, n, device=dev, dtype=dtype)

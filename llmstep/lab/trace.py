@@ -65,14 +65,12 @@ def stage_costs(model: Llama, context: int) -> dict[str, tuple[float, float]]:
     costs |= {
         "embedding": (0.0 if tied else float(emb.shape[1] * emb.element_size()), 0.0),
         "attention norm": (_stored_bytes(*(b.attention_norm for b in blocks)), 0.0),
-        "qkv projection": (_stored_bytes(*(m for b in blocks for m in (b.attention.wq, b.attention.wk,
-                                                                          b.attention.wv))),
+        "qkv projection": (_stored_bytes(*(m for b in blocks for m in _projections(b.attention))),
                            2.0 * L * c.dim * (q_dim + 2 * kv_dim)),
         "attention": (cost.kv_bytes, 4.0 * L * c.n_heads * c.head_dim * (context + 1)),  # q.k and p.v
         "o projection": (_stored_bytes(*(b.attention.wo for b in blocks)), 2.0 * L * q_dim * c.dim),
         "mlp norm": (_stored_bytes(*(b.ffn_norm for b in blocks)), 0.0),
-        "mlp (SwiGLU)": (_stored_bytes(*(m for b in blocks for m in (b.feed_forward.w1, b.feed_forward.w3,
-                                                                        b.feed_forward.w2))),
+        "mlp (SwiGLU)": (_stored_bytes(*(m for b in blocks for m in _projections(b.feed_forward))),
                          2.0 * L * 3 * c.dim * c.hidden_dim),
         "final norm": (_stored_bytes(model.norm), 0.0),
         "lm head": (_stored_bytes(model.output), 2.0 * c.vocab_size * c.dim),
@@ -211,6 +209,13 @@ class _Functional:
         return getattr(F, name)
 
 
+def _projections(block: nn.Module) -> list[nn.Module]:
+    """An attention's q, k, v projections or an MLP's gate, up and down, as the model holds them: separate, or
+    joined by `core.fuse.fused` (wqkv; w13 beside w2)."""
+    names = ("wq", "wk", "wv", "wqkv") if hasattr(block, "wqkv") else ("w1", "w3", "w2", "w13")
+    return [m for m in (getattr(block, name, None) for name in names) if m is not None]
+
+
 @contextmanager
 def _instrument(model: Llama, cache, clock: _Clock):
     """Hooks and wrappers on, for the duration; everything restored afterwards."""
@@ -224,7 +229,7 @@ def _instrument(model: Llama, cache, clock: _Clock):
         hook(model.tok_embeddings, "embedding")
         for layer in model.layers:
             hook(layer.attention_norm, "attention norm")
-            for proj in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+            for proj in _projections(layer.attention):  # wq, wk, wv, or a fused model's wqkv
                 hook(proj, "qkv projection")
             hook(layer.attention.wo, "o projection")
             hook(layer.ffn_norm, "mlp norm")
@@ -247,7 +252,8 @@ def _instrument(model: Llama, cache, clock: _Clock):
 def expected_calls(model: Llama) -> dict[str, int]:
     """How many times each stage runs in one decode step of `model` (per block stages: once per layer)."""
     L = model.config.n_layers
-    return {"embedding": 1, "rope tables": 1, "attention norm": L, "qkv projection": 3 * L, "rope": 2 * L,
+    qkv = sum(len(_projections(b.attention)) for b in model.layers)  # 3 a layer, or 1 fused
+    return {"embedding": 1, "rope tables": 1, "attention norm": L, "qkv projection": qkv, "rope": 2 * L,
             "kv-cache write": L, "attention": L, "o projection": L, "mlp norm": L, "mlp (SwiGLU)": L,
             "final norm": 1, "lm head": 1, "sampling": 1}
 

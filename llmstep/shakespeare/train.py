@@ -8,7 +8,7 @@
 A plain, readable loop: random windows of the train split, AdamW, linear warm-up then cosine decay,
 gradient clipping, bf16 autocast on CUDA (fp32 on the CPU), a validation loss every `eval_every`
 steps, a checkpoint every `save_every` steps (safetensors, no pickle: llmstep.shakespeare.train_state) that
-`--resume` continues from exactly. At the end the
+`--resume` continues from exactly (a run without --resume refuses a folder that holds one). At the end the
 model is written in Hugging Face layout (bf16 safetensors, config.json, generation_config.json,
 tokenizer.json) with a model card and the training log.
 
@@ -20,18 +20,18 @@ on the CPU, ends with bit-identical weights.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.checkpoint import load_model, save
+from ..core.checkpoint import load_model, read_config, save
+from ..core.checks import is_int
 from ..core.config import LlamaConfig
 from ..core.cost import check_fits, training_bytes
 from ..core.device import resolve_device
@@ -41,7 +41,8 @@ from ..core.tokens import Tokenizer as LlamaTokenizer
 from ..lab import runinfo
 from . import data
 from .evaluate import evaluate_model, model_nll
-from .train_state import CHECKPOINT, first_nonfinite, load_train_state, save_train_state
+from .train_state import CHECKPOINT as CHECKPOINT  # the run folder's checkpoint: llmstep.cli names it
+from .train_state import LOG, check_run_folder, first_nonfinite, open_log, resume_state, save_train_state
 
 # --------------------------------------------------------------------------------------------------
 # Settings
@@ -133,7 +134,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def get_batch(ids: torch.Tensor, step: int, cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of the train stream for this step: inputs x and targets y, both [B, T]."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a function of (seed, step) only
+    # a function of (seed, step) only, in manual_seed's range for every seed up to 2**64 - 1; below 2**44 the
+    # modulo changes nothing, so the shipped models' batches (small seeds) are those they were trained on
+    gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + step) % 2**64)
     starts = torch.randint(0, len(ids) - cfg.seq_len - 1, (cfg.batch_size,), generator=gen)  # [B]
     chunk = torch.stack([ids[s : s + cfg.seq_len + 1] for s in starts.tolist()])  # [B, T+1]
     return chunk[:, :-1], chunk[:, 1:]
@@ -165,26 +168,6 @@ def hardware(device: torch.device) -> str:
     info = runinfo.machine(device)
     kind = "CUDA" if device.type == "cuda" else f"CPU, {info['torch_threads']} torch threads"
     return f"{info.get('device_name', info['cpu'])} ({kind}), torch {runinfo.versions()['torch']}"
-
-
-def make_logger(out: Path) -> logging.Logger:
-    """Log to out/train.log and, through tqdm.write, to the terminal without breaking the bar."""
-
-    class TqdmHandler(logging.Handler):
-        def emit(self, record):
-            tqdm.write(self.format(record), file=sys.stderr)
-
-    log = logging.getLogger(f"llmstep.shakespeare.train.{out.resolve()}")
-    log.setLevel(logging.INFO)
-    log.propagate = False
-    for h in list(log.handlers):
-        log.removeHandler(h)
-        h.close()
-    file = logging.FileHandler(out / "train.log")
-    file.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-    log.addHandler(file)
-    log.addHandler(TqdmHandler())
-    return log
 
 
 @torch.no_grad()
@@ -275,9 +258,37 @@ def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: 
 # --------------------------------------------------------------------------------------------------
 
 
+def check_sources(cfg: TrainConfig, config: LlamaConfig) -> None:
+    """init_from and teacher, from their configs (no weight read): the start must have the student's shape, the
+    teacher the student's vocabulary and a context of at least seq_len."""
+    for what, path in (("init_from", cfg.init_from), ("teacher", cfg.teacher)):
+        if not path:
+            continue
+        try:
+            other = read_config(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{what}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+        if what == "init_from" and any(getattr(other, f) != getattr(config, f) for f in SHAPE_FIELDS + ("vocab_size",)):
+            raise ValueError(f"init_from {path}: its shape differs from the preset's; pass the matching preset and "
+                             "shape")
+        if what == "teacher" and other.vocab_size != config.vocab_size:
+            raise ValueError(f"teacher {path}: its vocabulary ({other.vocab_size}) differs from the student's "
+                             f"({config.vocab_size})")
+        if what == "teacher" and other.max_seq_len < cfg.seq_len:
+            raise ValueError(f"teacher {path}: its context ({other.max_seq_len} tokens) is shorter than the "
+                             f"training windows (seq_len {cfg.seq_len})")
+
+
 def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_after: int | None = None,
           export_dir: Path | None = None, command: str = "", quiet: bool = False) -> Llama:
-    ckpt_path = out / CHECKPOINT
+    """Every setting, path and file is checked before the run folder is made or anything written in it."""
+    check_train_config(cfg)
+    if stop_after is not None and not (is_int(stop_after) and stop_after >= 1):
+        raise ValueError(f"stop_after must be a positive integer (the step whose checkpoint to stop at), "
+                         f"got {stop_after!r}")
+    ckpt_path = check_run_folder(out, resume)  # no fresh run over a checkpoint, no resume without one
     device = pick_device(cfg.device)
     tokenizer = LlamaTokenizer.from_file(cfg.tokenizer).tok  # a bad file is named (core.tokens checks it)
     train_ids = torch.tensor(data.encode_split(tokenizer, data.read_split("train", cfg.corpus)))  # [N]
@@ -291,49 +302,28 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         raise ValueError(f"seq_len {cfg.seq_len} is longer than the model's context {config.max_seq_len}")
     check_fits(training_bytes(config, cfg.batch_size, cfg.seq_len), device,
                f"training {cfg.preset} with batches of {cfg.batch_size} x {cfg.seq_len} tokens")
-    out.mkdir(parents=True, exist_ok=True)  # the run's folder once every setting is known to work
-    log = make_logger(out)
+    check_sources(cfg, config)
     torch.manual_seed(cfg.seed)
     model = Llama(config)
     init_weights(model, cfg.seed)
-    teacher = None
-    if cfg.init_from or cfg.teacher:
-        if cfg.init_from:
-            start = load_model(cfg.init_from, device="cpu", dtype=torch.float32)
-            if any(getattr(start.config, f) != getattr(config, f) for f in SHAPE_FIELDS + ("vocab_size",)):
-                raise ValueError(f"init_from {cfg.init_from}: its shape differs from the preset's; pass the "
-                                 "matching preset and shape")
-            model.load_state_dict(start.state_dict())
-        if cfg.teacher:  # read in its stored dtype: it only runs forward
-            teacher = load_model(cfg.teacher, device=device).eval().requires_grad_(False)
-            if teacher.config.vocab_size != config.vocab_size:
-                raise ValueError(f"teacher {cfg.teacher}: its vocabulary ({teacher.config.vocab_size}) differs "
-                                 f"from the student's ({config.vocab_size})")
+    if cfg.init_from:
+        model.load_state_dict(load_model(cfg.init_from, device="cpu", dtype=torch.float32).state_dict())
+    teacher = None  # read in its stored dtype: it only runs forward
+    if cfg.teacher:
+        teacher = load_model(cfg.teacher, device=device).eval().requires_grad_(False)
     model.to(device).train()
     optimizer = make_optimizer(model, cfg)
 
     step, elapsed, history = 0, 0.0, []
     commands = [command]
     if resume:
-
-        def same_settings(state: dict) -> None:  # checked before any tensor is put into the model
-            saved = TrainConfig(**state["train_config"])
-            changed = [f.name for f in fields(TrainConfig) if f.name != "device" and
-                       getattr(saved, f.name) != getattr(cfg, f.name)]
-            if changed or state["model_config"] != asdict(config):
-                what = ", ".join(f"{n}: {getattr(saved, n)!r} -> {getattr(cfg, n)!r}" for n in changed)
-                raise ValueError(f"{ckpt_path} was trained with different settings ({what or 'model shape'}); "
-                                 "resume with the original arguments")
-
-        try:
-            state = load_train_state(ckpt_path, model, optimizer, check=same_settings)  # never a pickle
-        except FileNotFoundError:
-            raise FileNotFoundError(f"resume: no checkpoint at {ckpt_path}") from None
-        except ValueError as e:
-            raise ValueError(f"resume: {e}") from None
+        state = resume_state(ckpt_path, model, optimizer, asdict(cfg), asdict(config))
         step, elapsed, history = state["step"], state["elapsed_seconds"], state["history"]
         commands = state["commands"] + ([command] if step < cfg.steps else [])  # a pure re-export adds none
-        log.info(f"resumed from {ckpt_path} at step {step}")
+    out.mkdir(parents=True, exist_ok=True)  # the run's folder once every setting and file is known to work
+    log = open_log(out, step if resume else None)  # a resumed run's log is cut after the checkpoint's step
+    if resume:
+        log.info(f"resumed from {ckpt_path} at step {step} (the lines above are the run up to that step)")
 
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -417,7 +407,7 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
             "hardware": hardware(device), "final_val_loss": final_val, "betas": (cfg.beta1, cfg.beta2),
             "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
         }
-        export(model, export_dir, cfg, info, out / "train.log")
+        export(model, export_dir, cfg, info, out / LOG)
         log.info(f"exported {export_dir} ({elapsed / 60:.1f} min of training)")
     return model
 
@@ -430,4 +420,13 @@ def train_config(preset: str = "target", **overrides) -> TrainConfig:
     unknown = set(overrides) - set(recipe)
     if unknown:
         raise ValueError(f"not TrainConfig fields: {sorted(unknown)}")
-    return TrainConfig(**recipe | {k: v for k, v in overrides.items() if v is not None})
+    cfg = TrainConfig(**recipe | {k: v for k, v in overrides.items() if v is not None})
+    check_train_config(cfg)
+    return cfg
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    """What the loop needs beyond each field's type: an evaluation slice with a token to predict."""
+    if not is_int(cfg.eval_tokens) or cfg.eval_tokens < 2:
+        raise ValueError(f"eval_tokens must be an integer >= 2 (a context token and one to predict), "
+                         f"got {cfg.eval_tokens!r}")

@@ -15,26 +15,36 @@ previous checkpoint is kept.
 
 No random-number state is stored: the weights come from the seed and the batch of step s from a generator
 seeded with (seed, s) (llmstep.shakespeare.train), so a resumed run draws what the whole run would have.
+
+The run's folder holds the checkpoint and train.log, one run's: `check_run_folder` refuses, before anything is
+written, a fresh run into a folder that holds a checkpoint (its first save would overwrite it) and a resumed one
+without a checkpoint; `open_log` starts a fresh run's log anew and cuts a resumed run's log after the checkpoint's
+step (what a stopped run logged past its last checkpoint is trained again) before appending to it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from ..core.checks import is_finite_number, is_int
-from ..core.files import atomic_write
+from ..core.files import atomic_write, atomic_write_bytes
 
-__all__ = ["CHECKPOINT", "LEGACY_CHECKPOINT", "TrainStateError", "save_train_state", "load_train_state",
-           "check_state", "first_nonfinite"]
+__all__ = ["CHECKPOINT", "LEGACY_CHECKPOINT", "LOG", "TrainStateError", "save_train_state", "load_train_state",
+           "check_state", "first_nonfinite", "check_run_folder", "open_log", "resume_state"]
 
 CHECKPOINT = "ckpt.safetensors"
+LOG = "train.log"
 LEGACY_CHECKPOINT = "ckpt.pt"  # an older llmstep's pickle checkpoint: refused, never read (a pickle runs code)
 _STATE_KEY = "llmstep_train_state"
 FORMAT_VERSION = 1
@@ -87,6 +97,81 @@ def _check_groups(path: Path, groups, optimizer: torch.optim.Optimizer) -> None:
             if stored != value:
                 raise TrainStateError(f"{path}: optimizer group {i} has {key} {stored!r}, but this run's settings "
                                       f"give {value!r}; resume with the original arguments")
+
+
+def _check_moments(state: dict[int, dict], groups: list[dict], optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter of the live optimizer, by the file's index for it, must have AdamW's state: a step (a number
+    >= 0) and exp_avg and exp_avg_sq of the parameter's own shape; no state for an index the model lacks.
+    `Optimizer.load_state_dict` checks no shape: a wrong one would fail only inside the first step."""
+    indices = [i for g in groups for i in g["params"]]
+    if not all(is_int(i) for i in indices) or len(set(indices)) != len(indices):
+        raise ValueError(f"its optimizer's parameter indices must be distinct integers, got {indices!r:.80}")
+    unknown = sorted(set(state) - set(indices))
+    if unknown:
+        raise ValueError(f"optimizer state for parameter {unknown[0]}, which this model does not have")
+    live = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, param in zip(indices, live, strict=True):
+        values = state.get(index, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = values.get(key)
+            if not isinstance(t, torch.Tensor) or t.shape != param.shape:
+                got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else "none" if t is None else repr(t)
+                raise ValueError(f"parameter {index}'s optimizer {key} must have the parameter's shape "
+                                 f"{list(param.shape)}, got {got}")
+        step = values.get("step")
+        if isinstance(step, torch.Tensor):
+            step = float(step) if step.numel() == 1 else step
+        if not _is_number(step):
+            raise ValueError(f"parameter {index}'s optimizer step must be a number >= 0, got {step!r:.80}")
+
+
+def check_run_folder(out: Path, resume: bool) -> Path:
+    """The run folder's checkpoint path, once the folder suits the run: a fresh run must not start where a
+    checkpoint is (its first save would overwrite it), a resumed one needs one (or the legacy pickle, which
+    load_train_state refuses by name). Reads nothing, writes nothing."""
+    path = Path(out) / CHECKPOINT
+    if not resume and path.exists():
+        raise ValueError(f"out {out} already holds a training checkpoint ({CHECKPOINT}): resume it (resume=True) "
+                         "or start the run in another folder")
+    if resume and not path.is_file() and not path.with_name(LEGACY_CHECKPOINT).is_file():
+        raise FileNotFoundError(f"resume: no checkpoint at {path}")
+    return path
+
+
+_STEP_LINE = re.compile(rb"^\S+ \S+ step +(\d+)/\d+ ")  # "2024-01-01 12:00:00 step    300/900 loss ..."
+
+
+def _cut_log(path: Path, step: int) -> None:
+    """Drop the lines from the first one logging a step past `step` on: the run is resumed from there."""
+    if not path.is_file():
+        return
+    lines = path.read_bytes().splitlines(keepends=True)
+    cut = next((i for i, line in enumerate(lines) if (m := _STEP_LINE.match(line)) and int(m[1]) > step), None)
+    if cut is not None:
+        atomic_write_bytes(path, b"".join(lines[:cut]))
+
+
+def open_log(out: Path, resumed_at: int | None = None) -> logging.Logger:
+    """A logger writing to out/train.log and, through tqdm.write, to the terminal without breaking the bar. A fresh
+    run (resumed_at None) starts the file anew; a resumed one keeps it up to the checkpoint's step and appends."""
+
+    class TqdmHandler(logging.Handler):
+        def emit(self, record):
+            tqdm.write(self.format(record), file=sys.stderr)
+
+    log = logging.getLogger(f"llmstep.shakespeare.train.{Path(out).resolve()}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    if resumed_at is not None:
+        _cut_log(Path(out) / LOG, resumed_at)
+    file = logging.FileHandler(Path(out) / LOG, mode="w" if resumed_at is None else "a", encoding="utf-8")
+    file.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(file)
+    log.addHandler(TqdmHandler())
+    return log
 
 
 def save_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -170,11 +255,34 @@ def load_train_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.
             opt_state.setdefault(int(index), {}).update(values)
         groups = [{k: tuple(v) if isinstance(v, list) and k != "params" else v for k, v in g.items()}
                   for g in header["optimizer"]["param_groups"]]  # JSON has no tuples; AdamW's betas are one
-        for index, values in opt_state.items():
-            if not _is_number(float(values.get("step", 0))):
-                raise ValueError(f"parameter {index}'s optimizer step is {values['step']!r}")
+        _check_moments(opt_state, groups, optimizer)
         model.load_state_dict(weights)
         optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
     except (KeyError, ValueError, TypeError, RuntimeError) as e:
         raise TrainStateError(f"{path}: does not fit this model and optimizer ({type(e).__name__}: {e})") from None
     return header["state"]
+
+
+def resume_state(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_config: dict,
+                 model_config: dict) -> dict:
+    """load_train_state for a resumed run whose settings are `train_config` and `model_config` (asdict of
+    llmstep.shakespeare.train's TrainConfig and the LlamaConfig): the file's must be the same, the device aside,
+    before any tensor is put into the model. Errors start with "resume:"."""
+
+    def same_settings(state: dict) -> None:
+        saved = state["train_config"]
+        if not isinstance(saved, dict) or set(saved) != set(train_config):
+            fields = sorted(saved) if isinstance(saved, dict) else saved
+            raise TypeError(f"its train_config has the fields {fields!r:.200}, this run's {sorted(train_config)}")
+        changed = [name for name, value in train_config.items() if name != "device" and saved[name] != value]
+        if changed or state["model_config"] != model_config:
+            what = ", ".join(f"{n}: {saved[n]!r} -> {train_config[n]!r}" for n in changed)
+            raise ValueError(f"{path} was trained with different settings ({what or 'model shape'}); "
+                             "resume with the original arguments")
+
+    try:
+        return load_train_state(path, model, optimizer, check=same_settings)  # never a pickle
+    except FileNotFoundError:
+        raise FileNotFoundError(f"resume: no checkpoint at {path}") from None
+    except ValueError as e:
+        raise ValueError(f"resume: {e}") from None

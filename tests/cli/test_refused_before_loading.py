@@ -116,3 +116,10 @@ def test_a_flag_that_would_do_nothing_is_refused(nothing_loads, argv, words):
     with pytest.raises(cli.CommandFailed) as failed:
         cli.main(argv)
     assert failed.value.code == 2 and words in str(failed.value), str(failed.value)
+
+
+def test_the_speculative_bench_refuses_fewer_than_3_new_tokens_by_its_flag(nothing_loads, capsys):
+    """With 2, no round has room to propose a token: nothing to measure."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["speculative", "--bench", "--max-new-tokens", "2"])
+    assert e.value.code == 2 and "--max-new-tokens" in capsys.readouterr().err

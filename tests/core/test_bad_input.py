@@ -114,12 +114,16 @@ def rewrite_config(ckpt, change: dict) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(hidden_size=60, head_dim=None), "not divisible by n_heads"),
-    (dict(num_key_value_heads=3), "multiple of n_kv_heads"),
-    (dict(num_hidden_layers=0), "n_layers must be a positive integer"),
+    (dict(hidden_size=60, head_dim=None), "hidden_size \\(60\\) is not divisible by num_attention_heads"),
+    (dict(num_key_value_heads=3), "num_attention_heads \\(8\\) must be a multiple of num_key_value_heads"),
+    (dict(num_hidden_layers=0), "num_hidden_layers must be a positive integer"),
     (dict(hidden_act="gelu"), "silu"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(model_type="mistral"), "model_type"),
+    (dict(eos_token_id=[None, 2]), r"eos_token_id lists null: \[None, 2\]"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 0.5, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
+     r"rope_parameters\.factor must be >= 1"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
 ])
 def test_config_values_that_cannot_fit(ckpt, change, message):
@@ -215,7 +219,7 @@ L3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor"
     (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling has rope type 'dynamic'"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(num_key_value_heads=0), "n_kv_heads must be a positive integer"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be a positive integer"),
     (dict(head_dim=8.0), "head_dim must be an integer"),
     (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),
     (dict(eos_token_id=[296, "x"]), "eos_token_id must be an integer"),
@@ -388,3 +392,20 @@ def test_a_header_longer_than_safetensors_allows_is_refused_before_it_is_read(ck
         llmstep.load(ckpt)
     assert max(reads, default=0) <= 8  # only the length itself was read
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_config_without_a_dtype_takes_the_weights_own(tmp_path, dtype):
+    """transformers' dtype="auto" reads the weights' dtype where config.json names none; bfloat16 assumed would load
+    float32 or float16 weights rounded, on a GPU."""
+    from llmstep.core.checkpoint_layout import read_checkpoint
+    from llmstep.lab.hardware import random_model
+
+    model = random_model(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                     max_seq_len=16), "cpu", getattr(torch, dtype))
+    path = llmstep.save(model, tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    del config["torch_dtype"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert read_checkpoint(path).config.torch_dtype == dtype
+    assert LlamaConfig.from_hf(config).torch_dtype == "bfloat16"  # the config alone says nothing

@@ -176,3 +176,23 @@ def test_json_is_written_strict_a_nan_or_an_infinity_as_null(tmp_path):
                                                        "nested": {"rate": None, "name": None}}
     files.atomic_write_json(target, {"when": object()}, default=str)  # dumps' own options still apply
     assert json.loads(target.read_text())["when"].startswith("<object")
+
+
+def test_default_mode_without_proc_sets_the_umask_back(monkeypatch):
+    """Where /proc shows no umask (macOS, a sandbox), it is read by setting it, and put back."""
+    import builtins
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise OSError("no /proc here")
+        return real_open(path, *args, **kwargs)
+
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(builtins, "open", no_proc)
+        assert files.default_mode() == 0o640 and files.default_mode(directory=True) == 0o750
+        assert os.umask(0o027) == 0o027  # put back
+    finally:
+        os.umask(old)

@@ -175,3 +175,20 @@ def test_both_caches_are_a_cache_and_the_forward_asks_nothing_else(model):
     torch.testing.assert_close(model(x, positions, paged), model(x), atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="cache must be a llmstep KV cache.*got dict"):
         model(x, cache={})
+
+
+@torch.no_grad()
+def test_positions_that_would_read_or_write_the_wrong_slots_are_refused(model):
+    """A cached forward's positions run one by one from 0 up (a negative one wrapped round to the last slot, over
+    another token's keys); without a cache they rise along each row (the mask is by position: left padding's
+    repeated positions let a token see later ones)."""
+    cache = model.new_cache(2, 16)
+    tokens = torch.tensor([[3, 14], [15, 92]])
+    for positions in ([[-1, 0], [0, 1]], [[0, 2], [0, 1]], [[1, 0], [0, 1]]):
+        with pytest.raises(ValueError, match="must run one by one along each row, from 0 up"):
+            model(tokens, torch.tensor(positions), cache)
+    assert not cache.k[0].any()  # refused before any layer wrote
+    with pytest.raises(ValueError, match="must rise along each row without a cache"):
+        model(torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[1, 1, 0, 1, 2]]))
+    rising = model(torch.tensor([[3, 14, 15]]), torch.tensor([[4, 7, 9]]))  # gaps are fine: the mask is causal
+    assert rising.shape == (1, 3, CONFIG.vocab_size)

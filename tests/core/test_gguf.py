@@ -271,6 +271,26 @@ def test_an_int8_model_with_float16_scales_is_written_as_q8_0_exactly(tmp_path, 
     assert found["token_embd.weight"][0] == "BF16" and found["output.weight"][0] == "BF16"
 
 
+def test_an_int8_row_of_zero_codes_is_exact_whatever_its_scale(tmp_path, tokenizer_file):
+    """Quantisation gives an all-zero row a scale of 1e-12, which float16 cannot hold: the row is exact anyway
+    (d = 0), where a nonzero row with that scale is refused."""
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    float_model = tiny_model(tokenizer.vocab_size).to(torch.bfloat16)
+    with torch.no_grad():
+        float_model.layers[0].feed_forward.w2.weight[3] = 0
+    model = quantize(float_model, "int8", kernel="dequant")
+    w2 = model.layers[0].feed_forward.w2
+    assert float(w2.scales[3]) < 1e-10 and not w2.weight[3].any()
+    found = tensors(gguf.GGUFReader(export_gguf(model, tokenizer, tmp_path / "q8.gguf", dtype="bf16")))
+    kind, got = found["blk.0.ffn_down.weight"]
+    assert kind == "Q8_0" and torch.equal(got, w2.weight.float() * w2.scales.float().masked_fill(
+        ~w2.weight.ne(0).any(1), 0)[:, None]) and not got[3].any()
+    with torch.no_grad():
+        w2.weight[3, 0] = 1  # a code beside the tiny scale: float16 would round it to 0
+    with pytest.raises(GGUFError, match=r"row 3's scale .* is not a float16 number.*outside float16's range"):
+        export_gguf(model, tokenizer, tmp_path / "bad.gguf", dtype="bf16")
+
+
 def test_interleaving_moves_each_heads_pairs_next_to_each_other():
     w = torch.arange(2 * 8).float()[:, None]  # 2 heads of head_dim 8: rows 0..15
     moved = to_interleaved(w, n_heads=2)[:, 0].tolist()

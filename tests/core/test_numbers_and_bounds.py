@@ -143,9 +143,9 @@ def test_a_quantized_checkpoint_with_a_broken_config_is_one_library_error(tiny_c
 
 @pytest.mark.parametrize("change, message", [
     ({"num_hidden_layers": 1_000_000}, "n_layers is 1,000,000, above llmstep's bound"),
-    ({"max_position_embeddings": 10**12}, "max_seq_len is 1,000,000,000,000, above"),
+    ({"max_position_embeddings": 10**12}, "max_position_embeddings is 1,000,000,000,000, above"),
     ({"vocab_size": 10**9}, "vocab_size is 1,000,000,000, above"),
-    ({"intermediate_size": 10**9}, "hidden_dim is 1,000,000,000, above"),
+    ({"intermediate_size": 10**9}, "intermediate_size is 1,000,000,000, above"),
 ])
 def test_absurd_sizes_are_refused_at_once(ckpt, change, message):
     rewrite_config(ckpt, change)

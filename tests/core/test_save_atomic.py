@@ -178,7 +178,8 @@ def test_save_refuses_a_tensor_its_config_does_not_make_before_writing_anything(
 
 
 @pytest.mark.parametrize("dtype, words", [(torch.int8, "dtype must be a float dtype"),
-                                          ("int8", "unknown dtype 'int8'"), (torch.float8_e4m3fn, "not supported")])
+                                          ("int8", "dtype must be a float dtype"), ("auto", "must be a float dtype"),
+                                          (torch.float8_e4m3fn, "not supported")])
 def test_save_refuses_a_dtype_that_is_not_a_float_one_before_writing_anything(tmp_path, dtype, words):
     with pytest.raises(ValueError, match=words):
         llmstep.save(_small_model(), tmp_path / "ckpt", dtype=dtype)
@@ -191,12 +192,20 @@ def test_save_takes_a_dtype_by_name(tmp_path):
     assert '"torch_dtype": "bfloat16"' in (out / "config.json").read_text()
 
 
-def test_save_into_the_current_folder(tmp_path, monkeypatch):
-    """"." names the folder itself: the temporary folder goes beside it, not inside it."""
+@pytest.mark.parametrize("target", [".", "..", "here"])
+def test_save_into_the_current_folder_or_one_holding_it_is_refused_before_writing(tmp_path, monkeypatch, target):
+    """The save replaces the folder whole: the process would be left in a deleted folder."""
     model = _small_model()
-    (tmp_path / "here").mkdir()
-    monkeypatch.chdir(tmp_path / "here")
-    llmstep.save(model, ".")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    (tmp_path / "here" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "here" / ("sub" if target != "." else ""))
+    with pytest.raises(ValueError, match="it is the current folder or holds it"):
+        llmstep.save(model, target if target != "here" else tmp_path / "here")
+    assert Path.cwd().exists() and sorted(p.name for p in tmp_path.rglob("*")) == ["here", "sub"]
+
+
+def test_save_relative_to_the_current_folder(tmp_path, monkeypatch):
+    model = _small_model()
+    monkeypatch.chdir(tmp_path)
+    llmstep.save(model, "ckpt")
     x = torch.tensor([[1, 2, 3]])
-    torch.testing.assert_close(llmstep.load_model(tmp_path / "here")(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(llmstep.load_model(tmp_path / "ckpt")(x), model(x), rtol=0, atol=0)

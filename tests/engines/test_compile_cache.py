@@ -77,10 +77,10 @@ def test_the_digest_names_values_dtypes_and_shapes_and_counts_a_tied_weight_once
     assert weights_digest(a, a) == weights_digest(a)
 
 
-def test_the_remembered_digest_follows_in_place_changes_and_unreadable_weights_get_names_of_their_own():
+def test_the_digest_follows_in_place_changes_and_unreadable_weights_get_names_of_their_own():
     a = linear(0)
     first = weights_digest(a)
-    assert weights_digest(a) == first  # remembered: the same tensors, unchanged
+    assert weights_digest(a) == first  # the same tensors, unchanged
     with torch.no_grad():
         a.weight.mul_(2)  # in place: the same tensor at the same address, a new version
     assert weights_digest(a) != first

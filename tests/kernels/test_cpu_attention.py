@@ -81,7 +81,7 @@ def test_the_weights_hold_over_the_whole_range_of_e_to_the_x(each_kernel, spread
     """With V the identity the output is the weights themselves; q scaled up puts scores far below the row's top, so
     e^x is taken from 0 down past -87 (where float32's e^x leaves its normal range, and the kernel gives 0): each
     weight within float32's rounding of the float64 softmax of the same float32 scores, those below e^-87 exactly 0,
-    and a row that sees no key NaN."""
+    and a row that sees no key 0, as SDPA gives it (it was NaN)."""
     g = torch.Generator().manual_seed(int(spread))
     S = D = 64
     q = torch.randn(1, 2, 3, D, generator=g) * spread
@@ -101,7 +101,9 @@ def test_the_weights_hold_over_the_whole_range_of_e_to_the_x(each_kernel, spread
     slack = 1e-5 * (q.double().abs() @ k.double().abs().transpose(-2, -1) * D ** -0.5)[:, :, :2] + 1e-5
     assert ((got[:, :, :2] - want).abs() <= slack * want + 1e-7 * want.amax(-1, keepdim=True))[normal].all()
     assert (got[:, :, :2][x < -87.5] == 0).all() and (x < -87.5).any()
-    assert got[:, :, 2].isnan().all()
+    assert (got[:, :, 2] == 0).all()
+    sdpa_row = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)[:, :, 2]
+    assert (sdpa_row == 0).all()  # SDPA's own result for that row, which the kernel stands in for
 
 
 def test_the_masked_slots_are_never_read(each_kernel):
@@ -145,7 +147,7 @@ def test_rows_that_see_the_same_slots_are_taken_together_and_each_gives_its_bits
 def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_isa, R, dtype):
     """A decode step's form (`attention_prefix`): every row of batch row b sees slots 0..last[b], no mask tensor;
     the same bits as the masked kernel given that mask, last past the cache or before it included (a row that sees
-    nothing: NaN, as with a mask that shows nothing)."""
+    nothing: 0, as with a mask that shows nothing, and as SDPA gives it)."""
     attention, prefix = each_isa
     g = torch.Generator().manual_seed(R)
     S, D = 70, 64
@@ -157,8 +159,9 @@ def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_is
         visible = (torch.arange(S) <= ends[:, None]).view(B, 1, 1, S).expand(B, 1, R, S).contiguous()
         got = prefix(q, k, v, ends, D ** -0.5)
         want = attention(q, k, v, visible, D ** -0.5)
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-        assert got[ends < 0].isnan().all() and not got[ends >= 0].isnan().any()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        sdpa_rows = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)[ends < 0]
+        assert (got[ends < 0] == 0).all() and (sdpa_rows == 0).all() and not got[ends >= 0].isnan().any()
 
 
 def test_it_equals_sdpa_on_a_decode_steps_shapes(kernel):

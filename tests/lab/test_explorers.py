@@ -342,3 +342,20 @@ def test_the_chosen_step_is_the_one_square_however_many_points_are_measured(n_me
     markers = {line.get_label(): line.get_marker() for line in fig.axes[0].get_lines() if line.get_marker() != "None"}
     assert markers.pop("llama-3.1-8b, batch 1") == "s"
     assert len(markers) == n_measured and "s" not in markers.values()
+
+
+def test_the_journey_explorer_starts_on_a_preset_without_the_shipped_models(monkeypatch):
+    """A copy of the package without data/ has only the presets on offer."""
+    from llmstep.lab import explorers
+
+    monkeypatch.setattr(explore, "model_configs", lambda: {name: llmstep.LlamaConfig.preset(name)
+                                                           for name in llmstep.core.config.PRESETS})
+    assert explorers.journey_explorer(fallback=False) is not None
+
+
+def test_the_attention_pattern_needs_the_separate_projections(shipped):
+    from llmstep.core.fuse import fused
+
+    model, tok = shipped
+    with pytest.raises(ValueError, match="give the model before fusing"):
+        explore.attention_weights(fused(model), tok.encode("ROMEO:"), 0)

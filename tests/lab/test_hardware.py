@@ -94,6 +94,11 @@ def test_a_bandwidth_buffer_the_free_memory_cannot_hold_is_refused_before_it_is_
         measure_bandwidth("cpu", nbytes=2**31)  # a copy holds two: 4 GiB
     with pytest.raises(cost.MemoryBudgetError, match=r"nbytes 4,294,967,296 \(the bandwidth read's 1 buffer "):
         measure_bandwidth("cpu", nbytes=2**32, kind="read")
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: pytest.fail("a matrix was allocated"))
+    with pytest.raises(cost.MemoryBudgetError, match=r"measure_matmul's n = 20,000 in torch.float32 \(three"):
+        measure_matmul("cpu", n=20_000)  # 4.8 GB
+    with pytest.raises(cost.MemoryBudgetError, match=r"measure_matmul's shape \(1, 2000000, 1000\)"):
+        measure_matmul("cpu", shape=(1, 2_000_000, 1000))  # 8 GB of weight
 
 
 def test_probes_return_positive_rates_on_the_cpu():

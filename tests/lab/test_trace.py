@@ -112,3 +112,14 @@ def test_a_traced_step_runs_the_forward_once_per_repeat_like_an_ordinary_step(mo
     finally:
         handle.remove()
     assert tokens == [8] + [1] * (1 + 3) + [1] * 3  # the prefill, warm-up + 3 ordinary steps, 3 traced steps
+
+
+def test_a_fused_model_traces_with_its_joined_projections(model):
+    """fused() sets wq, wk, wv (and w1, w3) to None: the trace hooks wqkv (and w13) instead, at the same bytes."""
+    from llmstep.core.fuse import fused
+
+    t = trace_step(fused(model), context=10, repeats=1)
+    plain = stage_costs(model, 10)
+    assert t.row("qkv projection").calls == CFG.n_layers  # one matmul a layer
+    for stage in ("qkv projection", "mlp (SwiGLU)"):
+        assert t.row(stage).bytes == pytest.approx(plain[stage][0])

@@ -169,10 +169,11 @@ def test_distillation_starts_from_the_given_weights_and_moves_towards_the_teache
     run(tmp_path / "start-run", small_corpus, "--seed", "2", "--export", str(tmp_path / "start"))
     start = load_model(tmp_path / "start", device="cpu", dtype=torch.float32)
     teacher = load_model(tmp_path / "teacher", device="cpu", dtype=torch.float32)
-    # --init-from: before any step the student is the starting checkpoint, not a fresh init
-    cfg = train.TrainConfig(**train.RECIPES["tiny"] | dict(preset="tiny", corpus=str(small_corpus),
+    # --init-from: before any step the student is the starting checkpoint, not a fresh init (one step at lr 0,
+    # weight decay included, moves no weight: stop_after is at least 1, the step whose checkpoint is written)
+    cfg = train.TrainConfig(**train.RECIPES["tiny"] | dict(preset="tiny", corpus=str(small_corpus), lr=0.0,
                                                            init_from=str(tmp_path / "start")))
-    untrained = train.train(cfg, tmp_path / "zero", {}, stop_after=0, quiet=True)
+    untrained = train.train(cfg, tmp_path / "zero", {}, stop_after=1, quiet=True)
     assert all(torch.equal(w, start.state_dict()[k]) for k, w in untrained.state_dict().items())
     # 30 steps against the teacher's distribution bring the student closer to it
     llmstep_main(["train", "--preset", "tiny", "--steps", "30", "--eval-every", "30", "--eval-tokens", "256",
