@@ -39,6 +39,7 @@ from .checkpoint_layout import (
     quant_config_of,
     read_checkpoint,
     tensor_table,
+    with_stored_dtype,
 )
 from .config import LlamaConfig, read_config_json, read_json_object
 from .device import resolve_device, resolve_dtype
@@ -102,7 +103,10 @@ def load(path: str | os.PathLike | None = None, device=None, dtype=None,
 def read_config(path: str | os.PathLike | None) -> LlamaConfig:
     """The shape of the model at `path` (a directory's config.json, a GGUF file's metadata), no weight read."""
     path = resolve_model_path(path)
-    return read_gguf(path).config if path.is_file() else LlamaConfig.from_hf(path)
+    if path.is_file():
+        return read_gguf(path).config
+    raw, file = read_config_json(path)
+    return with_stored_dtype(LlamaConfig.from_hf(raw, where=str(file)), raw, path)  # as `load` reads it
 
 
 def check_files(path: str | os.PathLike | None) -> tuple[Path, LlamaConfig, Tokenizer]:
@@ -125,6 +129,17 @@ def read_generation_config(path: Path) -> dict:
     return generation_config_of(read_json_object(file, CheckpointError) if file.is_file() else {}, file)
 
 
+def check_save_folder(path: str | os.PathLike) -> Path:
+    """The folder `save` writes, absolute (a link's target; "." the folder it names, whose parent is not "."), or a
+    ValueError where it is the current folder or holds it: a save replaces the folder whole, which would leave the
+    process in a deleted folder. For commands that save at their end (training's --export), to ask first."""
+    path = Path(path).resolve() if Path(path).is_symlink() else Path(os.path.abspath(path))
+    if Path.cwd().resolve().is_relative_to(path.resolve()):
+        raise ValueError(f"cannot save into {path}: it is the current folder or holds it, and a save replaces the "
+                         "folder whole (the process would be left in a deleted folder); give another folder")
+    return path
+
+
 def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = None,
          generation_config: dict | None = None, dtype: torch.dtype | None = None,
          max_shard_bytes: int | None = None) -> Path:
@@ -136,11 +151,7 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     over the files this save does not write, but not an earlier save's weights): at every instant `path`
     holds the complete old checkpoint or the complete new one.
     """
-    # the folder is made beside the target: a link's target, and "." as the folder it names (its parent is not ".")
-    path = Path(path).resolve() if Path(path).is_symlink() else Path(os.path.abspath(path))
-    if Path.cwd().resolve().is_relative_to(path.resolve()):  # the swap removes the old folder whole
-        raise ValueError(f"cannot save into {path}: it is the current folder or holds it, and a save replaces the "
-                         "folder whole (the process would be left in a deleted folder); give another folder")
+    path = check_save_folder(path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
     above = next((p for p in path.parents if p.exists()), None)

@@ -128,7 +128,8 @@ class Checkpoint:
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
-    """Parse and check a checkpoint directory's config.json and generation_config.json (each read once)."""
+    """Parse and check a checkpoint directory's config.json and generation_config.json (each read once; the
+    safetensors headers too where config.json names no dtype: `with_stored_dtype`)."""
     raw, file = read_config_json(path)
     parsed = {"config.json": raw}
     config = LlamaConfig.from_hf(raw, where=str(file))
@@ -137,19 +138,22 @@ def read_checkpoint(path: Path) -> Checkpoint:
     if gen_file.is_file():
         parsed["generation_config.json"] = read_json_object(gen_file, CheckpointError)
     generation = generation_config_of(parsed.get("generation_config.json", {}), gen_file)
-    ckpt = Checkpoint(path, config, qc, generation, parsed)
-    if raw.get("torch_dtype") is None and raw.get("dtype") is None:  # unsaid: the weights' own, as transformers'
-        found, _ = ckpt.tensors  # "auto" reads it (the headers only); LlamaConfig's default would be bfloat16
-        kinds = [dtype for _, shape, dtype in found.values() if len(shape) == 2 and dtype in _STORED]
-        if kinds:
-            stored = _STORED[max(sorted(set(kinds)), key=kinds.count)]  # the commonest; a tie by name
-            tensors = ckpt.tensors
-            ckpt = dataclasses.replace(ckpt, config=dataclasses.replace(config, torch_dtype=stored))
-            ckpt.__dict__["tensors"] = tensors  # read once: the dtype changes nothing of the table
-    return ckpt
+    return Checkpoint(path, with_stored_dtype(config, raw, path), qc, generation, parsed)
 
 
 _STORED = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def with_stored_dtype(config: LlamaConfig, raw: dict, path: Path) -> LlamaConfig:
+    """`config` (read from the config.json `raw` of checkpoint directory `path`) with, where the file names no dtype,
+    the weights' own: the commonest among its matrices in the safetensors headers (a tie by name), as transformers'
+    dtype="auto" reads it; LlamaConfig's default would be bfloat16, a rounding on a GPU. Headers only."""
+    if raw.get("torch_dtype") is not None or raw.get("dtype") is not None:
+        return config
+    found, _ = _read_headers(path, _weight_files(path))
+    kinds = [dtype for _, shape, dtype in found.values() if len(shape) == 2 and dtype in _STORED]
+    return dataclasses.replace(config, torch_dtype=_STORED[max(sorted(set(kinds)), key=kinds.count)]) if kinds \
+        else config
 
 
 def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:

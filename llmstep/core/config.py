@@ -100,6 +100,11 @@ _HF_NAMES = {"dim": "hidden_size", "hidden_dim": "intermediate_size", "n_layers"
              "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 
 
+def _hf_name(match: re.Match) -> str:
+    """A field's name as config.json spells it; a quoted value (a string the file gave) as it is."""
+    return _HF_NAMES[match.group(1)] if match.group(1) else match.group(0)
+
+
 @dataclass
 class LlamaConfig:
     vocab_size: int = 128256  # Llama 3: 128,000 BPE tokens + 256 special tokens
@@ -261,8 +266,8 @@ class LlamaConfig:
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"),
             )
         except ConfigError as e:  # named as the file names them: intermediate_size, not hidden_dim
-            raise ConfigError(f"{where}: " + re.sub(r"\b(" + "|".join(_HF_NAMES) + r")\b",
-                                                    lambda m: _HF_NAMES[m.group(1)], str(e))) from None
+            raise ConfigError(f"{where}: " + re.sub(r"'[^']*'|\"[^\"]*\"|\b(" + "|".join(_HF_NAMES) + r")\b",
+                                                    _hf_name, str(e))) from None
 
     def to_hf(self) -> dict:
         """The config.json that transformers' LlamaForCausalLM reads (published Llama 3.x form)."""

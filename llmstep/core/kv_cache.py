@@ -114,7 +114,11 @@ class KVCache(Cache):
         if kv_len > self.max_len:
             raise ValueError(f"position {kv_len - 1} is past the KV cache's {self.max_len} slots")
         if low < 0 or gap:
-            raise ValueError(f"positions {positions.tolist()} must run one by one along each row, from 0 up")
+            row, i = (positions < 0).nonzero()[0].tolist() if low < 0 else \
+                (positions[:, 1:] - positions[:, :-1] != 1).nonzero()[0].tolist()
+            after = f" after {int(positions[row, i])}" if low >= 0 else ""
+            raise ValueError(f"row {row}'s position {int(positions[row, i + (low >= 0)])}{after}: a cached forward's "
+                             "positions must run one by one along each row, from 0 up")
         if B == 1 and T == 1:
             return UNMASKED, kv_len
         if B == 1 and kv_len == T and bool((positions[0] == torch.arange(T, device=positions.device)).all()):

@@ -104,8 +104,9 @@ class Llama(nn.Module):
             # the mask is by position, so positions must rise along each row: else a token would see later ones
             # (left padding's repeated positions among them: give each row its own tokens instead)
             if not default_positions and T > 1 and not bool((positions[:, 1:] > positions[:, :-1]).all()):
-                raise ValueError(f"positions {positions.tolist()} must rise along each row without a cache: the "
-                                 "causal mask is by position")
+                row, i = (positions[:, 1:] <= positions[:, :-1]).nonzero()[0].tolist()
+                raise ValueError(f"row {row}'s position {int(positions[row, i + 1])} after {int(positions[row, i])}: "
+                                 "positions must rise along each row without a cache (the causal mask is by position)")
             mask, kv_len = CAUSAL if default_positions else Mask(causal_mask(positions, positions)), None  # [B,1,T,T]
         else:
             # The cache says what these positions attend over (kv_cache.KVCache.mask, paged_kv.PagedKVCache.mask)

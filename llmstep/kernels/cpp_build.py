@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -58,7 +59,9 @@ def build_name(namespace: str, op: str, text: str, flags: list[str]) -> str:
     user, shared by every environment: two that differed in any of these relinked one .so in place, and torch's
     build lets go of its lock before it loads the library, so another process could relink it in between."""
     cxx = os.environ.get("CXX", "c++")  # torch.utils.cpp_extension's choice on Linux and macOS
-    compiler = f"{cxx} -> {os.path.realpath(shutil.which(cxx) or cxx)}"  # c++ -> /usr/bin/x86_64-linux-gnu-g++-12
+    words = shlex.split(cxx) or [cxx]  # "ccache g++": the program is the first word
+    found = shutil.which(words[0])  # not found: the name as it is (a path of the current folder would vary with it)
+    compiler = f"{cxx} -> {os.path.realpath(found) if found else words[0]}"  # c++ -> /usr/bin/x86_64-linux-gnu-g++-12
     parts = (text, " ".join(flags), str(torch.__version__), str(torch.version.git_version),
              str(sys.implementation.cache_tag), compiler)
     return f"{namespace}_{op}_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}"

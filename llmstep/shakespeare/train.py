@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.checkpoint import load_model, read_config, save
+from ..core.checkpoint import check_save_folder, load_model, read_config, save
 from ..core.checks import is_int
 from ..core.config import LlamaConfig
 from ..core.cost import check_fits, training_bytes
@@ -289,6 +289,8 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         raise ValueError(f"stop_after must be a positive integer (the step whose checkpoint to stop at), "
                          f"got {stop_after!r}")
     ckpt_path = check_run_folder(out, resume)  # no fresh run over a checkpoint, no resume without one
+    if export_dir is not None:
+        check_save_folder(export_dir)  # refused now, not after the run
     device = pick_device(cfg.device)
     tokenizer = LlamaTokenizer.from_file(cfg.tokenizer).tok  # a bad file is named (core.tokens checks it)
     train_ids = torch.tensor(data.encode_split(tokenizer, data.read_split("train", cfg.corpus)))  # [N]

@@ -408,4 +408,5 @@ def test_a_config_without_a_dtype_takes_the_weights_own(tmp_path, dtype):
     del config["torch_dtype"]
     (path / "config.json").write_text(json.dumps(config))
     assert read_checkpoint(path).config.torch_dtype == dtype
+    assert llmstep.core.checkpoint.read_config(path).torch_dtype == dtype  # the benches read the config alone
     assert LlamaConfig.from_hf(config).torch_dtype == "bfloat16"  # the config alone says nothing

@@ -184,11 +184,12 @@ def test_positions_that_would_read_or_write_the_wrong_slots_are_refused(model):
     repeated positions let a token see later ones)."""
     cache = model.new_cache(2, 16)
     tokens = torch.tensor([[3, 14], [15, 92]])
-    for positions in ([[-1, 0], [0, 1]], [[0, 2], [0, 1]], [[1, 0], [0, 1]]):
-        with pytest.raises(ValueError, match="must run one by one along each row, from 0 up"):
+    for positions, words in (([[0, 1], [-1, 0]], "row 1's position -1:"), ([[0, 2], [0, 1]], "row 0's position 2 "
+                             "after 0:"), ([[0, 1], [1, 0]], "row 1's position 0 after 1:")):
+        with pytest.raises(ValueError, match=f"{words} a cached forward's positions must run one by one"):
             model(tokens, torch.tensor(positions), cache)
     assert not cache.k[0].any()  # refused before any layer wrote
-    with pytest.raises(ValueError, match="must rise along each row without a cache"):
+    with pytest.raises(ValueError, match="row 0's position 1 after 1: positions must rise along each row without"):
         model(torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[1, 1, 0, 1, 2]]))
     rising = model(torch.tensor([[3, 14, 15]]), torch.tensor([[4, 7, 9]]))  # gaps are fine: the mask is causal
     assert rising.shape == (1, 3, CONFIG.vocab_size)

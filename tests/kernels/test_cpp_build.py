@@ -60,6 +60,18 @@ def test_the_build_folder_is_named_by_torch_python_and_the_compiler_too(loads, m
     assert folder(loads) == first  # and back
 
 
+def test_the_compiler_s_name_is_the_same_from_any_folder(monkeypatch, tmp_path):
+    """A $CXX that is not one program's path ("ccache g++", a name not on PATH) is named as written, not resolved
+    against the current folder: one build folder whichever folder the process runs in."""
+    for cxx in ("ccache g++", "no-such-compiler-here"):
+        monkeypatch.setenv("CXX", cxx)
+        names = []
+        for where in (tmp_path, tmp_path.parent):
+            monkeypatch.chdir(where)
+            names.append(cpp_build.build_name("ns", "op", "text", []))
+        assert names[0] == names[1], cxx
+
+
 def stale(path: pathlib.Path) -> None:
     old = time.time() - 2 * cpp_build._STALE_LOCK_SECONDS
     os.utime(path, (old, old))

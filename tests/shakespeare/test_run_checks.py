@@ -109,10 +109,13 @@ def test_a_resumed_run_cuts_its_log_at_the_checkpoint_and_marks_the_resumption(t
     (["--resume"], r"--resume: no checkpoint at .*ckpt.safetensors"),
     (["--stop-after", "0"], r"argument --stop-after: must be an integer in 1 \.\."),
     (["--eval-tokens", "1"], r"argument --eval-tokens: must be an integer in 2 \.\."),
+    (["--export", "{here}"], r"cannot save into .*: it is the current folder or holds it"),
 ], ids=["short-teacher", "init-shape", "missing-teacher", "missing-init", "no-checkpoint", "stop-after-0",
-        "eval-tokens-1"])
-def test_bad_input_is_refused_before_the_run_folder_is_made(tmp_path, small_corpus, tiny_models, extra, match):
-    names = {"short": str(tiny_models[16]), "missing": str(tmp_path / "missing")}
+        "eval-tokens-1", "export-here"])
+def test_bad_input_is_refused_before_the_run_folder_is_made(tmp_path, small_corpus, tiny_models, extra, match,
+                                                           monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --export there would replace the folder the process runs in, after training
+    names = {"short": str(tiny_models[16]), "missing": str(tmp_path / "missing"), "here": "."}
     extra = [a.format(**names) if a.startswith("{") else a for a in extra]
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"llmstep train: error: .*" + match):
