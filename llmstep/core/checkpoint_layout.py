@@ -150,7 +150,11 @@ def with_stored_dtype(config: LlamaConfig, raw: dict, path: Path) -> LlamaConfig
     dtype="auto" reads it; LlamaConfig's default would be bfloat16, a rounding on a GPU. Headers only."""
     if raw.get("torch_dtype") is not None or raw.get("dtype") is not None:
         return config
-    found, _ = _read_headers(path, _weight_files(path))
+    try:
+        files = _weight_files(path)
+    except CheckpointError:  # a config.json alone (`llmstep info` on a model's shape): nothing to read it from
+        return config
+    found, _ = _read_headers(path, files)
     kinds = [dtype for _, shape, dtype in found.values() if len(shape) == 2 and dtype in _STORED]
     return dataclasses.replace(config, torch_dtype=_STORED[max(sorted(set(kinds)), key=kinds.count)]) if kinds \
         else config

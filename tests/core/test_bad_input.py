@@ -410,3 +410,7 @@ def test_a_config_without_a_dtype_takes_the_weights_own(tmp_path, dtype):
     assert read_checkpoint(path).config.torch_dtype == dtype
     assert llmstep.core.checkpoint.read_config(path).torch_dtype == dtype  # the benches read the config alone
     assert LlamaConfig.from_hf(config).torch_dtype == "bfloat16"  # the config alone says nothing
+    alone = tmp_path / "config-only"  # a model's shape without its weights (llmstep info): read as it says
+    alone.mkdir()
+    (alone / "config.json").write_text(json.dumps(config))
+    assert llmstep.core.checkpoint.read_config(alone).torch_dtype == "bfloat16"
