@@ -131,12 +131,21 @@ def read_generation_config(path: Path) -> dict:
 
 def check_save_folder(path: str | os.PathLike) -> Path:
     """The folder `save` writes, absolute (a link's target; "." the folder it names, whose parent is not "."), or a
-    ValueError where it is the current folder or holds it: a save replaces the folder whole, which would leave the
-    process in a deleted folder. For commands that save at their end (training's --export), to ask first."""
+    ValueError where it is the current folder or holds it (a save replaces the folder whole, which would leave the
+    process in a deleted folder), an OSError where it is a file, lies under one, or its nearest existing folder
+    above it is not writable. For commands that save at their end (training's --export), to ask first."""
     path = Path(path).resolve() if Path(path).is_symlink() else Path(os.path.abspath(path))
     if Path.cwd().resolve().is_relative_to(path.resolve()):
         raise ValueError(f"cannot save into {path}: it is the current folder or holds it, and a save replaces the "
                          "folder whole (the process would be left in a deleted folder); give another folder")
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise NotADirectoryError(f"cannot write the checkpoint {path}: {above} is a file, not a directory")
+    if above is not None and not os.access(above, os.W_OK | os.X_OK):  # the new folder is made beside the target
+        raise PermissionError(f"cannot write the checkpoint {path}: {above} is not writable (the checkpoint is "
+                              "written in a folder beside it, then swapped in)")
     return path
 
 
@@ -152,11 +161,6 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     holds the complete old checkpoint or the complete new one.
     """
     path = check_save_folder(path)
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"{path} is a file; give a directory to write the checkpoint into")
-    above = next((p for p in path.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        raise NotADirectoryError(f"cannot write the checkpoint {path}: {above} is a file, not a directory")
     config = model.config
     qc = getattr(model, "quantization", None)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point

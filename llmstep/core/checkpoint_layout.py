@@ -151,10 +151,9 @@ def with_stored_dtype(config: LlamaConfig, raw: dict, path: Path) -> LlamaConfig
     if raw.get("torch_dtype") is not None or raw.get("dtype") is not None:
         return config
     try:
-        files = _weight_files(path)
-    except CheckpointError:  # a config.json alone (`llmstep info` on a model's shape): nothing to read it from
-        return config
-    found, _ = _read_headers(path, files)
+        found, _ = _read_headers(path, _weight_files(path))
+    except (CheckpointError, OSError):  # a config.json alone (`llmstep info` on a shape), or weights `load` will
+        return config  # name as broken: the config as it says, whatever the weights
     kinds = [dtype for _, shape, dtype in found.values() if len(shape) == 2 and dtype in _STORED]
     return dataclasses.replace(config, torch_dtype=_STORED[max(sorted(set(kinds)), key=kinds.count)]) if kinds \
         else config

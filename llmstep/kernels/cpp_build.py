@@ -59,9 +59,14 @@ def build_name(namespace: str, op: str, text: str, flags: list[str]) -> str:
     user, shared by every environment: two that differed in any of these relinked one .so in place, and torch's
     build lets go of its lock before it loads the library, so another process could relink it in between."""
     cxx = os.environ.get("CXX", "c++")  # torch.utils.cpp_extension's choice on Linux and macOS
-    words = shlex.split(cxx) or [cxx]  # "ccache g++": the program is the first word
-    found = shutil.which(words[0])  # not found: the name as it is (a path of the current folder would vary with it)
-    compiler = f"{cxx} -> {os.path.realpath(found) if found else words[0]}"  # c++ -> /usr/bin/x86_64-linux-gnu-g++-12
+    try:
+        words = shlex.split(cxx) or [cxx]
+    except ValueError as e:
+        raise ValueError(f"$CXX {cxx!r} is not a valid shell command line: {e}") from None
+    # each word that names a program, resolved ("ccache g++": both); another word as it is (a path of the current
+    # folder would vary with it): c++ -> /usr/bin/x86_64-linux-gnu-g++-12
+    resolved = [os.path.realpath(found) if (found := shutil.which(w)) else w for w in words]
+    compiler = f"{cxx} -> {' '.join(resolved)}"
     parts = (text, " ".join(flags), str(torch.__version__), str(torch.version.git_version),
              str(sys.implementation.cache_tag), compiler)
     return f"{namespace}_{op}_{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}"

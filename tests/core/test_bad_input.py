@@ -414,3 +414,7 @@ def test_a_config_without_a_dtype_takes_the_weights_own(tmp_path, dtype):
     alone.mkdir()
     (alone / "config.json").write_text(json.dumps(config))
     assert llmstep.core.checkpoint.read_config(alone).torch_dtype == "bfloat16"
+    (alone / "model.safetensors").write_bytes(b"\x10")  # broken weights: the config as it says; load names them
+    assert llmstep.core.checkpoint.read_config(alone).torch_dtype == "bfloat16"
+    with pytest.raises(CheckpointError, match="truncated or not a safetensors file"):
+        llmstep.load_model(alone)

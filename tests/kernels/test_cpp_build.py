@@ -131,3 +131,19 @@ def test_a_fresh_lock_that_replaced_a_stale_one_after_the_look_is_put_back(tmp_p
     assert looks and lock.exists() and lock.stat().st_ino == inode  # the new build's own lock, where it removes it
     assert sorted(os.listdir(tmp_path)) == ["lock", "old"]
     cpp_build.clear_stale_lock(tmp_path / "none")  # no lock at all: nothing to do
+
+
+def test_a_cxx_that_is_no_command_line_is_named(monkeypatch):
+    monkeypatch.setenv("CXX", 'g++ -DX="a')
+    with pytest.raises(ValueError, match=r"\$CXX 'g\+\+ -DX=\"a' is not a valid shell command line"):
+        cpp_build.build_name("ns", "op", "text", [])
+
+
+def test_each_program_of_the_compiler_line_is_resolved(monkeypatch):
+    """"ccache g++": the compiler behind the launcher is part of the name too."""
+    monkeypatch.setenv("CXX", "ccache g++")
+    names = set()
+    for gxx in ("/opt/a/g++", "/opt/b/g++"):
+        monkeypatch.setattr(cpp_build.shutil, "which", lambda w, _g=gxx: {"ccache": "/usr/bin/ccache", "g++": _g}[w])
+        names.add(cpp_build.build_name("ns", "op", "text", []))
+    assert len(names) == 2

@@ -251,3 +251,12 @@ def test_eval_refuses_a_one_token_slice_before_loading_a_model(monkeypatch):
         llmstep_main(["eval", "draft", "--max-tokens", "1", "--no-baseline"])
     with pytest.raises(ValueError, match=r"max_tokens must be at least 2"):
         evaluate.evaluate_models(["draft"], splits=("val",), max_tokens=1, baseline=False)
+
+
+def test_the_library_refuses_an_export_folder_save_cannot_write_before_the_run(tmp_path, small_corpus):
+    cfg = train.train_config("tiny", corpus=str(small_corpus))
+    (tmp_path / "a-file").write_text("x")
+    for export in (tmp_path / "a-file", tmp_path / "a-file" / "model"):
+        with pytest.raises(NotADirectoryError, match="a-file"):
+            train.train(cfg, tmp_path / "run", {}, export_dir=export, quiet=True)
+        assert not (tmp_path / "run").exists()
