@@ -4,11 +4,45 @@ cancelled one frees its blocks at once and the others go on; bad requests are re
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import pytest
 from llmstep.batching import Request
 from test_paged_batching import check_blocks, solo, workload
 
 from llmstep.engines.session import PagedSession
+
+
+@contextlib.contextmanager
+def nan_rows(session, bad_ids: set[int]):
+    """While it holds, the rows of `bad_ids`' requests in each of the session's forwards turn NaN after the first
+    block: every later layer's keys and values, and their logits."""
+    model, forward, rows = session.model, session.runner.forward, []
+
+    def breaking(work):  # the bad requests' rows of this forward's packed tokens, for the hook
+        starts = itertools.accumulate([s.chunk.n_tokens for s in work], initial=0)
+        rows[:] = [i for start, s in zip(starts, work, strict=False) if s.job.id in bad_ids
+                   for i in range(start, start + s.chunk.n_tokens)]
+        try:
+            return forward(work)
+        finally:
+            rows.clear()
+
+    def hook(module, args, out):
+        if not rows:
+            return out
+        out = out.clone()
+        out[:, rows] = float("nan")
+        return out
+
+    session.runner.forward = breaking
+    handle = model.layers[0].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+        session.runner.forward = forward
 
 
 @pytest.mark.parametrize("options", [dict(block_size=4), dict(block_size=4, prefill_chunk=5),
@@ -126,40 +160,15 @@ def test_a_nan_in_one_sequences_keys_leaves_no_poisoned_block_for_a_later_reques
     """NaN hidden states (so keys and values) in one request's rows: it ends with "error", and the blocks that step
     registered in the prefix cache (the other request's prompt, reached by the NaN through the shared forward) are
     forgotten: a later request with that prompt gets its solo tokens, not a cached NaN."""
-    import itertools
-
     model, tok = tiny64
     good = Request(list(range(20, 28)) + [5], max_new_tokens=3, temperature=0, stop_ids=())  # two full blocks
     bad = Request([40, 41, 42], max_new_tokens=3, temperature=0, stop_ids=())
     session = PagedSession(model, n_slots=4, block_size=4, prefix_caching=True)
     ids = [session.submit(good), session.submit(bad)]
-    forward, rows = session.runner.forward, []
-
-    def breaking(work):  # the bad request's rows of this forward's packed tokens, for the hook
-        starts = itertools.accumulate([s.chunk.n_tokens for s in work], initial=0)
-        rows[:] = [i for start, s in zip(starts, work, strict=False) if s.job.id == ids[1]
-                   for i in range(start, start + s.chunk.n_tokens)]
-        try:
-            return forward(work)
-        finally:
-            rows.clear()
-
-    def hook(module, args, out):  # NaN in those rows after the first block: every later layer's keys and values
-        if not rows:
-            return out
-        out = out.clone()
-        out[:, rows] = float("nan")
-        return out
-
-    session.runner.forward = breaking
-    handle = model.layers[0].register_forward_hook(hook)
     reasons = {}
-    try:
+    with nan_rows(session, {ids[1]}):
         while session.pending:
             reasons |= {o.id: o.finish_reason for o in session.step() if o.finish_reason}
-    finally:
-        handle.remove()
-        session.runner.forward = forward
     assert reasons[ids[1]] == "error"
     again = session.submit(good)
     tokens = []
@@ -172,43 +181,19 @@ def test_a_request_mid_prompt_beside_a_broken_one_starts_over_and_caches_no_nan(
     """A request whose prompt chunk shared the broken forward has no logits to tell it took NaN keys; had it gone
     on, its later chunks would register NaN blocks after the cache was emptied (then cancelled, they stay cached for
     the next request with its prompt). It starts over instead, and later requests with its prompt get solo tokens."""
-    import itertools
-
     model, tok = tiny64
     bad = Request([40, 41, 42], max_new_tokens=3, temperature=0, stop_ids=())
     prompt = Request(list(range(10, 20)), max_new_tokens=3, temperature=0, stop_ids=())
     session = PagedSession(model, n_slots=4, block_size=2, prefix_caching=True, prefill_chunk=2)
-    forward, rows, bad_id = session.runner.forward, [], []
-
-    def breaking(work):  # the bad request's rows of this forward's packed tokens, for the hook
-        starts = itertools.accumulate([s.chunk.n_tokens for s in work], initial=0)
-        rows[:] = [i for start, s in zip(starts, work, strict=False) if s.job.id in bad_id
-                   for i in range(start, start + s.chunk.n_tokens)]
-        try:
-            return forward(work)
-        finally:
-            rows.clear()
-
-    def hook(module, args, out):  # NaN in those rows after the first block: every later layer's keys and values
-        if not rows:
-            return out
-        out = out.clone()
-        out[:, rows] = float("nan")
-        return out
-
-    session.runner.forward = breaking
-    handle = model.layers[0].register_forward_hook(hook)
-    try:
-        bad_id.append(session.submit(bad))
+    bad_ids = set()
+    with nan_rows(session, bad_ids):
+        bad_ids.add(session.submit(bad))
         session.step()  # the bad prompt's first chunk
         mid = session.submit(prompt)
-        assert [(o.id, o.finish_reason) for o in session.step()] == [(bad_id[0], "error")]  # mid: one prompt token
+        assert [(o.id, o.finish_reason) for o in session.step()] == [(min(bad_ids), "error")]  # mid: one token
         assert session.stats["preemptions"] == 1  # the request mid-prompt starts over
         session.step()
         session.cancel(mid)  # a client gone: what it registered stays cached
-    finally:
-        handle.remove()
-        session.runner.forward = forward
     expected = solo(model, tok, prompt).tokens
     for _ in range(2):  # the first finds what `mid` left cached, the second what the first did
         again = session.submit(prompt)
