@@ -41,7 +41,7 @@ from .checkpoint_layout import (
     tensor_table,
     with_stored_dtype,
 )
-from .config import LlamaConfig, read_config_json, read_json_object
+from .config import TORCH_DTYPES, LlamaConfig, read_config_json, read_json_object
 from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
 from .gguf_load import load_gguf, read_gguf
@@ -163,8 +163,7 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     path = check_save_folder(path)
     config = model.config
     qc = getattr(model, "quantization", None)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point
-                                  or dtype in ("float32", "bfloat16", "float16", "float64")):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point or dtype in TORCH_DTYPES):
         raise ValueError(f"dtype must be a float dtype (float32, bfloat16, float16 or float64), got {dtype!r}")
     # a name ("bfloat16") as a torch dtype; int8 and the like refused (save does not quantise: quantize() does)
     dtype = model.dtype if dtype is None else resolve_dtype(dtype, torch.device("cpu"))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .checks import is_int
+from .checks import commonest, is_int
 from .config import ConfigError, LlamaConfig, check_generation_config, parse_json, read_config_json, read_json_object
 from .model import Llama
 from .quantize import QuantConfig, QuantizationError, linear_names
@@ -146,7 +146,7 @@ _STORED = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float
 
 def with_stored_dtype(config: LlamaConfig, raw: dict, path: Path) -> LlamaConfig:
     """`config` (read from the config.json `raw` of checkpoint directory `path`) with, where the file names no dtype,
-    the weights' own: the commonest among its matrices in the safetensors headers (a tie by name), as transformers'
+    the weights' own: the commonest among its matrices in the safetensors headers (`checks.commonest`), as transformers'
     dtype="auto" reads it; LlamaConfig's default would be bfloat16, a rounding on a GPU. Headers only."""
     if raw.get("torch_dtype") is not None or raw.get("dtype") is not None:
         return config
@@ -155,8 +155,7 @@ def with_stored_dtype(config: LlamaConfig, raw: dict, path: Path) -> LlamaConfig
     except (CheckpointError, OSError):  # a config.json alone (`llmstep info` on a shape), or weights `load` will
         return config  # name as broken: the config as it says, whatever the weights
     kinds = [dtype for _, shape, dtype in found.values() if len(shape) == 2 and dtype in _STORED]
-    return dataclasses.replace(config, torch_dtype=_STORED[max(sorted(set(kinds)), key=kinds.count)]) if kinds \
-        else config
+    return dataclasses.replace(config, torch_dtype=_STORED[commonest(kinds)]) if kinds else config
 
 
 def quant_config_of(config_json: dict, file: Path) -> QuantConfig | None:

@@ -7,7 +7,7 @@ import math
 from numbers import Integral, Real
 
 __all__ = ["is_int", "is_number", "is_finite_number", "check_int", "check_flag", "SEED_LIMIT", "check_seed",
-           "check_max_len"]
+           "check_max_len", "commonest"]
 
 
 def is_int(value) -> bool:
@@ -23,6 +23,12 @@ def is_number(value) -> bool:
 def is_finite_number(value) -> bool:
     """A real number that is neither infinite nor NaN (not a bool)."""
     return is_number(value) and math.isfinite(value)
+
+
+def commonest(values: list[str]) -> str | None:
+    """The value met most often (None for none); a tie goes to the first in sorted order, so that every process
+    picks the same (set order would follow PYTHONHASHSEED). A checkpoint's stored dtype, from its matrices' types."""
+    return max(sorted(set(values)), key=values.count) if values else None
 
 
 def check_int(value, name: str, low: int = 0) -> None:

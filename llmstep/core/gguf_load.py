@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checks import is_finite_number, is_int
+from .checks import commonest, is_finite_number, is_int
 from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_config
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device
@@ -250,9 +250,7 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     fields_ids = {"bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
                   "eos_token_id": fields.get("tokenizer.ggml.eos_token_id")}
     kinds = [t.tensor_type.name for name, t in tensors.items() if len(t.shape) == 2]
-    # the matrices' commonest type (a tie: the first in name order, so every process picks the same)
-    stored = {"F32": "float32", "F16": "float16"}.get(max(sorted(set(kinds)), key=kinds.count) if kinds else "",
-                                                      "bfloat16")
+    stored = {"F32": "float32", "F16": "float16"}.get(commonest(kinds), "bfloat16")  # the matrices' commonest
     try:
         return LlamaConfig(
             vocab_size=_int(fields, "llama.vocab_size", where, vocab), dim=dim,
