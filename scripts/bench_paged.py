@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from llmstep.cli.args import int_at_most, positive_int
+from llmstep.cli.args import int_between, positive_int
 from llmstep.core.checkpoint import load_model
 from llmstep.core.files import atomic_write_json, check_output_path
 from llmstep.engines.decoding import CACHE_ROUNDING
@@ -52,7 +52,7 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=positive_int, default=None)
-    p.add_argument("--requests", type=int_at_most(1, MAX_REQUESTS), default=16,
+    p.add_argument("--requests", type=int_between(1, MAX_REQUESTS), default=16,
                    help="requests of the prefix and capacity workloads")
     p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of the chunked-prefill timing")
     p.add_argument("--parts", type=parts_of, default=list(PARTS), help="which measurements, comma-separated, of "

@@ -15,7 +15,7 @@ from ..core.quant_formats import QuantConfig, QuantizationError
 from ..engines.decoding import check_seed
 
 __all__ = ["COUNT_LIMIT", "positive_int", "nonneg_int", "seed", "nonneg_float", "positive_float", "probability",
-           "fraction", "parse_ints", "parse_range", "int_at_most", "add_attention_arg", "quantization", "check_window"]
+           "fraction", "parse_ints", "parse_range", "int_between", "add_attention_arg", "quantization", "check_window"]
 
 # The largest count a flag takes (tokens, repeats, requests, threads, ...): far beyond any context or machine
 # here, and small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
@@ -29,7 +29,7 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def int_at_most(low: int, high: int = COUNT_LIMIT):
+def int_between(low: int, high: int = COUNT_LIMIT):
     """A type: an integer in low .. high."""
     def parse(text: str) -> int:
         value = _int(text)
@@ -41,9 +41,9 @@ def int_at_most(low: int, high: int = COUNT_LIMIT):
     return parse
 
 
-positive_int = int_at_most(1)
-nonneg_int = int_at_most(0)
-decode_tokens = int_at_most(2)  # a decode rate's --new-tokens: the prefill's token, then at least one decode step
+positive_int = int_between(1)
+nonneg_int = int_between(0)
+decode_tokens = int_between(2)  # a decode rate's --new-tokens: the prefill's token, then at least one decode step
 
 
 def seed(text: str) -> int:

@@ -18,7 +18,7 @@ from .args import (
     check_draft,
     check_window,
     decode_tokens,
-    int_at_most,
+    int_between,
     nonneg_float,
     nonneg_int,
     parse_ints,
@@ -76,7 +76,7 @@ def parse_sets(items: list[str]) -> dict:
     return out
 
 
-bandwidth_bytes = int_at_most(2**20, 2**40)  # the bandwidth copy's buffer: 1 MiB .. 1 TiB
+bandwidth_bytes = int_between(2**20, 2**40)  # the bandwidth copy's buffer: 1 MiB .. 1 TiB
 
 
 def _head_mode(value: str) -> str:
@@ -141,7 +141,7 @@ def add_commands(sub) -> None:
     s.add_argument("--draft", default="draft",
                    help="draft checkpoint, self-N or self-int8 / self-int4 (default: the shipped draft)")
     s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
-    s.add_argument("--max-new-tokens", type=int_at_most(3), default=200,  # the prefill's token, then a round's
+    s.add_argument("--max-new-tokens", type=int_between(3), default=200,  # the prefill's token, then a round's
                    help="at least 3: the prefill's token, then rounds that each propose one token or more")
     s.add_argument("--temperature", type=nonneg_float, default=0.0)
     s.add_argument("--repeats", type=positive_int, default=3)
@@ -164,7 +164,7 @@ def add_commands(sub) -> None:
     b.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
     b.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     b.add_argument("--slots", type=parse_ints, default=[1, 4, 8], help="batch slots to try, e.g. 1,4,8")
-    b.add_argument("--requests", type=int_at_most(1, bench_batching.MAX_REQUESTS), default=32)
+    b.add_argument("--requests", type=int_between(1, bench_batching.MAX_REQUESTS), default=32)
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(8, 128), help="LOW:HIGH tokens")
     b.add_argument("--rate", type=positive_float, default=None, help="arrivals per engine step (default: all at once)")

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from ..lab.bench_batching import MAX_REQUESTS
-from .args import add_attention_arg, int_at_most, nonneg_int, parse_range, positive_int, seed
+from .args import add_attention_arg, int_between, nonneg_int, parse_range, positive_int, seed
 
 SERVE_HELP = """\
 Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
@@ -110,7 +110,7 @@ def add_commands(sub) -> None:
                         "http://127.0.0.1:8000)")
     b.add_argument("--rate", type=rates, default=[1.0, 2.0, 4.0], help="requests per second, e.g. 1,2,4 (inf: all "
                    "at once)")
-    b.add_argument("--requests", type=int_at_most(1, MAX_REQUESTS), default=32, help="requests per rate")
+    b.add_argument("--requests", type=int_between(1, MAX_REQUESTS), default=32, help="requests per rate")
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--shared-prefix", type=nonneg_int, default=0,

@@ -9,12 +9,12 @@ from pathlib import Path
 from ..core.files import atomic_write_json, check_output_path
 from ..lab import runinfo
 from ..shakespeare import data, evaluate, train
-from .args import fraction, int_at_most, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from .args import fraction, int_between, nonneg_float, nonneg_int, positive_float, positive_int, seed
 
 # TrainConfig's numeric fields -> their flag's type (llmstep.cli.args); a field not named here is a count >= 1.
 TRAIN_TYPES = {"seed": seed, "warmup_steps": nonneg_int, "lr": positive_float, "min_lr_ratio": fraction,
                "weight_decay": nonneg_float, "beta1": fraction, "beta2": fraction, "grad_clip": positive_float,
-               "eval_tokens": int_at_most(2)}  # a context token and at least one to predict
+               "eval_tokens": int_between(2)}  # a context token and at least one to predict
 
 
 def add_commands(sub) -> None:

@@ -41,6 +41,7 @@ from .checkpoint_layout import (
     tensor_table,
     with_stored_dtype,
 )
+from .checks import is_int
 from .config import TORCH_DTYPES, LlamaConfig, read_config_json, read_json_object
 from .device import resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
@@ -161,6 +162,9 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     holds the complete old checkpoint or the complete new one.
     """
     path = check_save_folder(path)
+    if max_shard_bytes is not None and not (is_int(max_shard_bytes) and max_shard_bytes >= 1):
+        raise ValueError(f"max_shard_bytes must be a whole number of bytes >= 1, or None for one file; got "
+                         f"{max_shard_bytes!r}")
     config = model.config
     qc = getattr(model, "quantization", None)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point or dtype in TORCH_DTYPES):
@@ -213,11 +217,25 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     return path
 
 
+def _save_file(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, then its header's JSON written again with sorted keys, padded to its length: the
+    library writes `__metadata__` in a hash map's order (safetensors issue 584), so two saves of one model made
+    different files. The tensors' offsets, the header's length and its content are unchanged."""
+    save_file(tensors, file, metadata=metadata)
+    with open(file, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        if len(text) <= n:  # the same keys and values: never longer unless a name is not ASCII; then left as written
+            f.seek(8)
+            f.write(text.ljust(n, b" "))  # the format pads a header with spaces
+
+
 def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int | None,
                    metadata: dict[str, str]) -> None:
     total = sum(t.nbytes for t in tensors.values())  # the files' size, for the index (not a cost: see cost.py)
     if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, folder / "model.safetensors", metadata=metadata)
+        _save_file(tensors, folder / "model.safetensors", metadata)
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -230,7 +248,7 @@ def _write_weights(folder: Path, tensors: dict[str, torch.Tensor], max_shard_byt
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file, metadata=metadata)
+        _save_file(shard, folder / file, metadata)
         weight_map.update(dict.fromkeys(shard, file))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -180,7 +180,10 @@ def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
     file whose parent is a file, or a directory where no file can be made (read-only, /proc). Nothing is left
     behind: missing directories are not made here (the write makes them), and the probe file made in the nearest
     existing directory is removed at once. Returns the path (a symlink is written through, so its target's
-    directory is the one checked)."""
+    directory is the one checked). A path spelled with a trailing separator names a directory: refused too (Path
+    would drop the separator and write a file of the directory's name)."""
+    if os.fspath(path).endswith(("/", os.sep)):
+        raise ValueError(f"{what} path {os.fspath(path)} ends in a separator, so names a directory: give a file name")
     path = Path(path)
     parent = write_target(path, what).parent
     existing = next(p for p in (parent, *parent.parents, Path(".")) if p.exists())

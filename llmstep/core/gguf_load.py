@@ -92,6 +92,12 @@ class GGUFModel:
         """The GGML type of the LM head: output.weight's, or the token embedding's where the head is tied."""
         return self.types.get("output.weight", self.types["tok_embeddings.weight"])
 
+    @property
+    def dequantize_bytes(self) -> int:
+        """What loading holds in the host's memory beside the model while one tensor is read: its values dequantized
+        to float32 and their contiguous copy, 8 bytes an element of the largest tensor."""
+        return 8 * max((int(np.prod(t.shape)) for t in self.tensors.values()), default=0)
+
     def quant_config(self, keep_quantized: bool) -> QuantConfig | None:
         """int4-g32 when keep_quantized and every matmul of the blocks is Q4_0/Q4_1; None to dequantize."""
         if not keep_quantized:
@@ -376,7 +382,8 @@ def load_gguf(path: str | os.PathLike, device=None, dtype=None, keep_quantized: 
     qc = g.quant_config(keep_quantized)
     device = resolve_device(device)
     dtype = load_dtype(g.config, device, dtype)  # the one rule every loader follows (llmstep.core.loader)
-    check_fits(checkpoint_bytes(g.config, dtype, qc), device, f"{g.path.name} in {dtype_name(dtype)}")
+    check_fits(checkpoint_bytes(g.config, dtype, qc) + (g.dequantize_bytes if device.type == "cpu" else 0), device,
+               f"{g.path.name} in {dtype_name(dtype)}")
     kept = set()
     if qc is not None:
         with torch.device("meta"):

@@ -63,6 +63,8 @@ def test_output_paths_are_refused_before_any_work(tmp_path):
         files.check_output_path(tmp_path / "afile" / "out.json", "--json")
     with pytest.raises(IsADirectoryError):
         files.atomic_write_text(tmp_path, "x")
+    with pytest.raises(ValueError, match="out/ ends in a separator, so names a directory: give a file name"):
+        files.check_output_path(f"{tmp_path}/out/", "--gguf")  # Path("out/") is "out": a file named like the folder
     assert files.check_output_path(tmp_path / "new" / "out.json") == tmp_path / "new" / "out.json"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # checking made nothing, not even new/
 

@@ -311,6 +311,25 @@ def test_a_truncated_file_is_a_clear_error(tmp_path, tokenizer):
             llmstep.load(tmp_path / "cut.gguf")
 
 
+def test_the_memory_check_counts_a_tensor_dequantized_beside_the_model(tmp_path, tokenizer, monkeypatch,
+                                                                        no_weight_read):
+    from llmstep.core import cost
+
+    model = random_llama()
+    path = export_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    g = read_gguf(path)
+    largest = max(p.numel() for p in model.state_dict().values())
+    assert g.dequantize_bytes == 8 * largest  # the embedding: its float32 values and their copy
+    model_bytes = cost.checkpoint_bytes(g.config, torch.float32, None)
+    monkeypatch.setattr(cost, "free_memory_bytes", lambda device: model_bytes + g.dequantize_bytes - 1)
+    with pytest.raises(cost.MemoryBudgetError, match="m.gguf in float32 needs about"):
+        load_gguf(path, device="cpu", dtype=torch.float32)  # the model alone would fit: no weight read
+    monkeypatch.undo()  # the refusal came before any weight was read; now load for real, with just enough
+    monkeypatch.setattr(cost, "free_memory_bytes", lambda device: model_bytes + g.dequantize_bytes)
+    loaded, _ = load_gguf(path, device="cpu", dtype=torch.float32)
+    assert all(torch.equal(loaded.state_dict()[n], v) for n, v in model.state_dict().items())
+
+
 def test_another_architecture_is_refused_by_name(tmp_path, tokenizer, no_weight_read):
     path = write_gguf(tmp_path / "q.gguf", random_llama(), tokenizer, "F16", arch="qwen2")
     with pytest.raises(GGUFLoadError, match="general.architecture is 'qwen2'"):

@@ -209,3 +209,38 @@ def test_save_relative_to_the_current_folder(tmp_path, monkeypatch):
     llmstep.save(model, "ckpt")
     x = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(llmstep.load_model(tmp_path / "ckpt")(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True, "3MB"])
+def test_save_refuses_a_shard_size_that_is_no_number_of_bytes_before_writing_anything(tmp_path, value):
+    with pytest.raises(ValueError, match=rf"max_shard_bytes must be a whole number of bytes >= 1.*got {value!r}"):
+        llmstep.save(_small_model(), tmp_path / "ckpt", max_shard_bytes=value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_two_saves_of_one_quantized_model_are_the_same_bytes(tmp_path):
+    """safetensors writes its header's metadata in a hash map's order; save writes the header again, sorted."""
+    model = quantize(_small_model(), "int8")
+    for i in range(6):  # two metadata keys: without sorting, six saves all in one order by chance 1 time in 32
+        llmstep.save(model, tmp_path / f"ckpt{i}", max_shard_bytes=None if i % 2 else 4_000)
+    for i in (2, 4):
+        assert sorted((p.name, p.read_bytes()) for p in (tmp_path / f"ckpt{i}").iterdir()) == \
+               sorted((p.name, p.read_bytes()) for p in (tmp_path / "ckpt0").iterdir())
+    for i in (3, 5):
+        assert (tmp_path / f"ckpt{i}/model.safetensors").read_bytes() == \
+               (tmp_path / "ckpt1/model.safetensors").read_bytes()
+    header = (tmp_path / "ckpt1/model.safetensors").read_bytes()[8:]
+    assert header.index(b'"format"') < header.index(b'"llmstep_quantization"')
+    assert same(state(llmstep.load_model(tmp_path / "ckpt1")), state(model))
+
+
+def test_the_rewritten_header_sorts_many_metadata_keys_and_keeps_every_offset(tmp_path):
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(5, dtype=torch.bfloat16)}
+    metadata = {str(k): "v" * k for k in range(16)}  # sixteen keys: a hash order is never the sorted one by chance
+    checkpoint._save_file(tensors, tmp_path / "x.safetensors", metadata)
+    data = (tmp_path / "x.safetensors").read_bytes()
+    positions = [data.index(f'"{k}":'.encode()) for k in sorted(metadata)]
+    assert positions == sorted(positions)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "x.safetensors", "pt") as f:
+        assert f.metadata() == metadata and all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
