@@ -13,7 +13,9 @@ from .args import add_attention_arg, int_between, nonneg_int, parse_range, posit
 SERVE_HELP = """\
 Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
 lets anyone who can reach this machine's port use the model: there is no authentication, no TLS and no rate
-limit per client, so do that only on a network you trust, or behind a proxy that adds them.
+limit per client, so do that only on a network you trust, or behind a proxy that adds them. On a loopback
+address a request naming another host (DNS rebinding) or sent by a web page of another origin is refused (403):
+a proxy on this machine must pass Host: localhost.
 
 Talk to it with any OpenAI client, e.g.
   from openai import OpenAI

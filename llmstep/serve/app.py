@@ -18,15 +18,22 @@ still does, that is a 400 (an error event, then [DONE], once a stream has begun;
 stream sends a server_error event, then [DONE]). A request on which the model's logits break (NaN or Inf) is a
 500 "model_error" (or that event), and the engine serves the others. Every chunk of a response carries the one
 `created` time. A client that goes away, mid-stream, or while its request waits for a slot or runs for a whole
-answer, has its request dropped at once. Text is tokenised off the event loop, and a text too long to fit is
-refused unread.
+answer, has its request dropped at once, and one gone before its body is all sent is no error of the server's.
+Text is tokenised off the event loop, and a text too long to fit is refused unread.
+
+Bound to a loopback address (the default), the server answers only requests for localhost, 127.0.0.1 or [::1] (any
+port), and none from a web page elsewhere: a Host naming another host (DNS rebinding) or an Origin of another is a
+403 (`foreign`), so no page the user opens can drive it. Bound to 0.0.0.0 or a LAN address, it is reachable by
+choice: neither is checked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+import re
 import signal
 import socket
 import threading
@@ -36,6 +43,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..core.tokens import Tokenizer
 from ..engines.batching import Request as EngineRequest
@@ -55,9 +63,56 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
-    """The app over a started engine. model_name: what /v1/models lists and requests may name."""
+def is_loopback(name: str) -> bool:
+    """`name`, an address to bind or the host a Host or Origin header names (no brackets, no port), is this
+    machine alone: localhost, 127.0.0.0/8 or ::1."""
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _host(value: str) -> str:
+    """The host of a Host header's host[:port] ("[::1]:8000": "::1"); "" where it is no such thing."""
+    m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\](?::\d*)?|([^:\[\]]*)(?::\d*)?", value)
+    return "" if m is None else m.group(1) or m.group(2)
+
+
+def foreign(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """Why a server on a loopback address refuses a request with these headers, or None: a Host that names no
+    loopback address (a page whose name was rebound to 127.0.0.1), or an Origin whose host is none (a web page
+    elsewhere: a browser sends its "simple" cross-origin POST, text/plain, with no preflight; "null" too)."""
+    for key, raw in headers:
+        value = raw.decode("latin-1")
+        if key == b"host" and not is_loopback(_host(value)):
+            return (f"the Host header {protocol.shorten(value)} names no loopback address: this server, bound to "
+                    "one, answers requests for localhost, 127.0.0.1 or [::1] only")
+        if key == b"origin" and not is_loopback(_host(value.partition("://")[2])):
+            return (f"a request from the web page of Origin {protocol.shorten(value)} is refused: this server, "
+                    "bound to a loopback address, answers pages of localhost, 127.0.0.1 or [::1] only")
+    return None
+
+
+class LoopbackOnly:
+    """ASGI middleware: a request `foreign` refuses is answered 403 unread, before any route."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        why = foreign(scope["headers"]) if scope["type"] == "http" else None
+        app = self.app if why is None else ErrorResponse(protocol.error_body(why, code="forbidden"), status_code=403)
+        await app(scope, receive, send)
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, host: str = "127.0.0.1") -> FastAPI:
+    """The app over a started engine. model_name: what /v1/models lists and requests may name. host: the address
+    the server is bound to; a loopback one (the default) refuses what `foreign` names (0.0.0.0: nothing)."""
     app = FastAPI(title="llmstep serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if is_loopback(host):
+        app.add_middleware(LoopbackOnly)
     # a name from argv may hold undecodable bytes (lone surrogates): escaped once, so every response can be sent
     model_name = protocol.sendable(model_name)
     context = engine.context  # the most tokens, prompt and new, one request may have
@@ -67,6 +122,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
         headers = {"Retry-After": "1"} if e.status == 429 else None  # a full queue drains in about a second
         return ErrorResponse(protocol.error_body(e.message, e.type, e.param, e.code), status_code=e.status,
                             headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def gone(_, e: ClientDisconnect):  # it left before its body was all sent: an answer nobody reads
+        return Response(status_code=499)  # as `answer` gives a client gone, and not logged as a server's error
 
     @app.exception_handler(HTTPException)
     async def no_route(_, e: HTTPException):  # 404, 405: in OpenAI's shape too, not FastAPI's {"detail": ...}
@@ -96,11 +155,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str) -> FastAPI
 
     async def read_body(request: Request) -> dict:
         raw = bytearray()
-        async for chunk in request.stream():  # read up to the limit, not whatever was sent
-            raw += chunk
-            if len(raw) > limit:
-                raise RequestError(f"the request body is over {limit:,} bytes: more than a request of {context} "
-                                   "tokens can hold", None, "request_too_large", status=413)
+        try:
+            async for chunk in request.stream():  # read up to the limit, not whatever was sent
+                raw += chunk
+                if len(raw) > limit:
+                    raise RequestError(f"the request body is over {limit:,} bytes: more than a request of {context} "
+                                       "tokens can hold", None, "request_too_large", status=413)
+        except asyncio.CancelledError:  # uvicorn cancels what is open when a stopping server's grace is over: a
+            # body still coming is answered, not logged as the server's error
+            raise RequestError("the server is shutting down", None, "engine_stopped", status=503,
+                               type="server_error") from None
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -329,7 +393,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port, health) is
     called once the socket listens (port 0 picks a free one), with what /health says. The socket is bound before
     the engine (its KV pool) exists, so a port in use is refused at once; sock: one bound already (`bind`: the CLI
-    binds it before it loads the weights), served and closed here."""
+    binds it before it loads the weights), served and closed here; host: the address it is bound to still (a
+    loopback one refuses `foreign` requests)."""
     sock = bind(host, port) if sock is None else sock
     try:
         engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
@@ -337,7 +402,7 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
         sock.close()
         raise
     try:
-        server = make_server(create_app(engine, tokenizer, model_name), engine)
+        server = make_server(create_app(engine, tokenizer, model_name, host), engine)
         try:
             sock.listen(128)  # ready: a client told the address now waits in the backlog for the first accept
             if ready is not None:
@@ -361,7 +426,7 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
     engine = server = thread = None
     try:
         engine = Engine(model, **options).start()
-        server = make_server(create_app(engine, tokenizer, model_name), engine, graceful_seconds=1.0)
+        server = make_server(create_app(engine, tokenizer, model_name, host), engine, graceful_seconds=1.0)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
         thread.start()
         deadline = time.monotonic() + start_seconds

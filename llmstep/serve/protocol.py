@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from ..core.checks import check_seed, is_int, is_number
 
 __all__ = ["RequestError", "Sampling", "parse_completion", "parse_chat", "check_length", "check_chat_size",
            "max_body_bytes", "error_body", "StopText", "completion_body", "completion_chunk", "chat_body",
-           "chat_chunk", "usage", "quote", "sendable", "shorten", "MAX_STOP_STRINGS", "MAX_STOP_CHARS",
+           "chat_chunk", "usage", "quote", "sendable", "shorten", "cut", "MAX_STOP_STRINGS", "MAX_STOP_CHARS",
            "ONLY_DEFAULT", "IGNORED", "FIELDS"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit on `stop`
@@ -124,12 +125,14 @@ def _is_default(value, default) -> bool:
 
 
 def _seed(body: dict) -> int | None:
-    """The engine's own rule (0 .. 2**64 - 1), so the two cannot drift apart."""
+    """null, or an integer in the engine's own range (check_seed's, so the two cannot drift apart)."""
+    seed = body.get("seed")
     try:
-        check_seed(body.get("seed"))
-    except ValueError as e:
-        raise RequestError(str(e), "seed", "invalid_value") from None
-    return body.get("seed")
+        check_seed(seed)  # a bool, a float, a string or out of range
+    except ValueError:  # its message quotes as Python writes, whole: worded here as every field's
+        raise RequestError(f"seed must be an integer in 0 .. 2**64 - 1, got {shorten(seed)}", "seed",
+                           "invalid_value") from None
+    return seed
 
 
 def _stops(body: dict) -> list[str]:
@@ -153,8 +156,8 @@ def _check_fields(body: dict, endpoint: str) -> None:
         near = difflib.get_close_matches(str(name), sorted(FIELDS[endpoint]), n=1)
         hint = f" (did you mean {near[0]}?)" if near else ""
         where = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-        raise RequestError(f"unrecognized request argument supplied to {where}: {shorten(name)}{hint}", str(name),
-                           "unrecognized_argument")
+        raise RequestError(f"unrecognized request argument supplied to {where}: {shorten(name)}{hint}",
+                           cut(str(name)), "unrecognized_argument")
 
 
 def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Sampling:
@@ -177,7 +180,7 @@ def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Samp
         if unknown:
             raise RequestError(f"stream_options.{shorten(unknown[0])} is not supported by llmstep serve (only "
                                "include_usage)",
-                               f"stream_options.{unknown[0]}", "unrecognized_argument")
+                               f"stream_options.{cut(unknown[0])}", "unrecognized_argument")
     include_usage = bool(options and options.get("include_usage"))
     if include_usage and not stream:  # a stream's usage chunk, with no stream asked for (asking nothing passes)
         raise RequestError("stream_options is only allowed with \"stream\": true", "stream_options",
@@ -226,8 +229,8 @@ def parse_completion(body: dict, encode, vocab_size: int) -> tuple[list[int], Sa
     if isinstance(prompt, list) and prompt and all(is_int(i) for i in prompt):
         bad = [i for i in prompt if not 0 <= i < vocab_size]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt",
-                               "invalid_value")
+            raise RequestError(f"prompt token id {shorten(bad[0])} is outside the vocabulary (0..{vocab_size - 1})",
+                               "prompt", "invalid_value")
         return [int(i) for i in prompt], sampling
     raise RequestError("prompt must be a non-empty string or a non-empty list of token ids (one prompt per request), "
                        f"got {shorten(prompt)}", "prompt", "invalid_value")
@@ -256,7 +259,7 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
         unread = [name for name in m if name not in ("role", "content") and m[name] is not None]
         if unread:  # a name, a tool call: the chat template reads role and content only
             raise RequestError(f"{where}.{shorten(unread[0])} is not supported by llmstep serve (a message's role and "
-                               "content are read)", f"{where}.{unread[0]}", "unsupported_value")
+                               "content are read)", f"{where}.{cut(unread[0])}", "unsupported_value")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -317,8 +320,8 @@ def check_length(prompt_len: int, sampling: Sampling, context: int, prompt_param
     if prompt_len + sampling.max_tokens > context:
         name = sampling.max_tokens_param
         raise RequestError(f"this server holds {context} tokens a request; the prompt ({prompt_len}) and {name} "
-                           f"({sampling.max_tokens}) need {prompt_len + sampling.max_tokens}", name,
-                           "context_length_exceeded")
+                           f"({shorten(sampling.max_tokens)}) need {shorten(prompt_len + sampling.max_tokens)}",
+                           name, "context_length_exceeded")
     return sampling.max_tokens
 
 
@@ -333,6 +336,8 @@ def quote(value) -> str:
             text = repr(value)
         except RecursionError:
             text = f"a {type(value).__name__} nested too deep to quote"
+        except ValueError:  # an integer of more digits than Python writes
+            text = f"an integer of over {sys.get_int_max_str_digits():,} digits"
     return sendable(text)
 
 
@@ -344,8 +349,12 @@ def sendable(text: str) -> str:
 
 def shorten(value) -> str:
     """`quote(value)` cut to 60 characters."""
-    text = quote(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return cut(quote(value))
+
+
+def cut(text: str, most: int = 60) -> str:
+    """`text` cut to `most` characters, the last three "..." (a field name the client sent, as an error's param)."""
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 class StopText:

@@ -202,7 +202,10 @@ def test_the_held_back_end_is_the_longest_end_that_begins_a_stop_string():
 
 @pytest.mark.parametrize("field, value, quoted", [("temperature", True, "got true"), ("top_p", "0.5", 'got "0.5"'),
                                                   ("max_tokens", 2.5, "got 2.5"), ("top_k", [1], "got [1]"),
-                                                  ("stream", "yes", 'got "yes"'), ("max_tokens", False, "got false")])
+                                                  ("stream", "yes", 'got "yes"'), ("max_tokens", False, "got false"),
+                                                  ("seed", True, "got true"), ("seed", "1", 'got "1"'),
+                                                  ("seed", float("nan"), "got NaN"),
+                                                  ("seed", {"a": None}, 'got {"a": null}')])
 def test_a_refused_value_is_quoted_as_json_writes_it(field, value, quoted):
     """The client wrote JSON: true, null and "text" in the error, not Python's True, None and 'text'."""
     error = refused(**{field: value})
@@ -215,3 +218,25 @@ def test_quote_writes_json_and_never_a_lone_surrogate():
     assert shorten("\ud800x") == '"\\ud800x"' and shorten("\ud800x").encode("utf-8")
     assert shorten("x" * 100).endswith("...") and len(shorten("x" * 100)) == 60
     assert shorten(b"ab") == "b'ab'"  # no JSON value: as Python writes it
+
+
+HUGE = int("9" * 4300)  # the most digits JSON's parser reads
+
+
+@pytest.mark.parametrize("fields", [{"seed": "x" * 100_000}, {"seed": HUGE}, {"prompt": [1, HUGE]},
+                                    {"x" * 100_000: 1}, {"stream": True, "stream_options": {"x" * 100_000: True}}],
+                         ids=["seed string", "seed out of range", "token id", "field name", "stream_options name"])
+def test_what_the_client_sent_is_quoted_short_in_the_message_and_the_param(fields):
+    """A value, or a field's name, is cut to 60 characters where a refusal quotes it, never echoed whole."""
+    error = refused(**fields)
+    assert len(error.message) < 200 and len(error.param) <= 80 and "..." in error.message
+
+
+def test_a_message_field_and_a_max_tokens_past_the_context_are_quoted_short():
+    with pytest.raises(RequestError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": "hi", "\ud800" * 10_000: 1}]})
+    assert len(caught.value.message) < 200 and caught.value.param == "messages[0]." + "\ud800" * 57 + "..."
+    for max_tokens in (10**4298, HUGE):  # the sum with the prompt's length: more digits than Python writes
+        with pytest.raises(RequestError) as caught:
+            check_length(5, completion(max_tokens=max_tokens), context=64)
+        assert len(caught.value.message) < 250 and caught.value.param == "max_tokens"

@@ -1,7 +1,8 @@
 """What `llmstep serve` refuses, and how: before anything is queued, as a 400 in OpenAI's shape naming the field
 (a seed out of the engine's range, a request longer than the KV pool holds, text that is not Unicode or too long
 to read); a refusal the engine makes anyway is a 400 too, or an error event then [DONE] once a stream has begun;
-a client that leaves while its request waits frees its place; unknown routes answer in the same shape."""
+a client that leaves while its request waits frees its place; unknown routes answer in the same shape; a web page
+elsewhere is refused."""
 
 from __future__ import annotations
 
@@ -133,7 +134,9 @@ def test_a_prompt_that_is_not_unicode_is_a_400_naming_prompt(server, raw):
 
 @pytest.mark.parametrize("raw, status, param", [(b'{"prompt": [1], "model": "\\ud800"}', 404, "model"),
                                                 (b'{"prompt": [1], "stream": "\\udfff"}', 400, "stream"),
-                                                (b'{"prompt": [1], "\\ud800x": 1}', 400, "\ud800x")])
+                                                (b'{"prompt": [1], "\\ud800x": 1}', 400, "\ud800x"),
+                                                (b'{"prompt": [1], "stream": true, "stream_options": {"\\udfff": 1}}',
+                                                 400, "stream_options.\udfff")])
 def test_a_lone_surrogate_in_a_refused_field_or_name_is_still_a_clean_refusal(server, raw, status, param):
     """JSON's "\\ud800" parses to a lone surrogate, no Unicode text: quoted in the error (or naming its field), it
     must not turn the refusal into a 500 when the error is encoded to send."""
@@ -249,6 +252,20 @@ def test_a_field_the_endpoint_does_not_take_is_refused_by_name(server):
     fine = {"prompt": "hi", "max_tokens": 1, "user": "u1", "metadata": {"a": "b"}, "store": False,
             "service_tier": "auto"}
     assert post(url, fine).status_code == 200
+
+
+def test_a_web_page_elsewhere_cannot_drive_a_server_on_loopback(server):
+    """A page the user opens may POST text/plain cross-origin (no preflight), or rebind its own name to 127.0.0.1:
+    either is a 403 before anything is queued; curl's form content type, from no page, is served."""
+    url, engine = server
+    port, body, requests = url.rsplit(":", 1)[1], b'{"prompt": "ROMEO:", "max_tokens": 1}', engine.stats["requests"]
+    for headers in ({"Content-Type": "text/plain;charset=UTF-8", "Origin": "http://evil.example"},
+                    {"Content-Type": "application/json", "Host": f"rebind.evil.example:{port}"}):
+        r = httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=TIMEOUT)
+        assert error_of(r, 403)["code"] == "forbidden"
+    assert engine.stats["requests"] == requests
+    curl = {"Content-Type": "application/x-www-form-urlencoded", "Host": f"localhost:{port}"}
+    assert httpx.post(f"{url}/v1/completions", content=body, headers=curl, timeout=TIMEOUT).status_code == 200
 
 
 def test_head_asks_what_get_answers(server):
