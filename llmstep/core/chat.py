@@ -30,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .config import read_json_object
 
-__all__ = ["render", "check_messages", "check_template", "read_tokenizer_config", "TOKEN_NAMES"]
+__all__ = ["render", "check_messages", "check_template", "template_literals", "read_tokenizer_config", "TOKEN_NAMES"]
 
 
 def render(template: str, messages, add_generation_prompt: bool = True,
@@ -59,6 +59,15 @@ def check_template(template: str) -> None:
     """Compile `template` now (ValueError if it is not valid Jinja), so that a file whose template is broken is
     refused when it is read rather than at its first chat; the compiled template is cached for render."""
     _compile(template)
+
+
+@lru_cache(maxsize=32)
+def template_literals(template: str) -> str:
+    """The text `template` writes as it is (its text outside tags, its string constants), joined by NULs so that no
+    search matches across two: where transformers looks for the added tokens that are a chat's control tokens."""
+    tree = _compile(template).environment.parse(template)
+    texts = {n.data for n in tree.find_all(jinja2.nodes.TemplateData)}
+    return "\0".join(texts | {n.value for n in tree.find_all(jinja2.nodes.Const) if isinstance(n.value, str)})
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' order: the first given wins
@@ -205,8 +214,8 @@ TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", 
 
 
 def read_tokenizer_config(folder: Path) -> dict:
-    """`Tokenizer`'s add_bos, chat_template and named_tokens from a checkpoint folder's tokenizer_config.json and
-    chat_template.jinja, the ones present."""
+    """`Tokenizer`'s add_bos, chat_template, named_tokens and chat_control_tokens from a checkpoint folder's
+    tokenizer_config.json and chat_template.jinja, the ones present."""
     options: dict = {}
     f = folder / "tokenizer_config.json"
     if f.is_file():
@@ -228,6 +237,11 @@ def read_tokenizer_config(folder: Path) -> dict:
             raise ValueError(f"{f}: chat_template must be Jinja source text or a list of {{'name', 'template'}}, "
                              f"got {type(template).__name__}")
         options["chat_template"], source = template, f"{f}: chat_template"
+        controls = data.get("chat_control_tokens")  # the tokens only the template may write (transformers' own key)
+        if not (controls is None or isinstance(controls, list) and all(isinstance(t, str) for t in controls)):
+            raise ValueError(f"{f}: chat_control_tokens must be a list of token texts, got {controls!r:.200}")
+        if controls is not None:
+            options["chat_control_tokens"] = controls
         options["named_tokens"] = _token_names(data, f)
     names = folder / "special_tokens_map.json"
     if names.is_file():  # older saves name the tokens here (too); where both name one, this file's (transformers')

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from .checkpoint_layout import (
@@ -203,7 +204,11 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save_dir(tmp)  # tokenizer.json, tokenizer_config.json (its chat template)
-        _write_weights(tmp, tensors, max_shard_bytes, metadata)
+        try:
+            _write_weights(tmp, tensors, max_shard_bytes, metadata)
+        except SafetensorError as e:  # safetensors reports its write errors (ENOSPC, EFBIG) as its own type
+            raise OSError(f"cannot save {path}: the weights could not be written ({e}); {path} is as it was") \
+                from None
         for f in tmp.iterdir():
             f.chmod(default_mode())  # files made in a private temporary folder start out private (0600)
             with open(f, "rb") as fh:

@@ -16,7 +16,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """None or "auto": the best device here. Otherwise check that the named one exists."""
+    """None or "auto": the best device here. Otherwise check that the named one is a CPU, a CUDA GPU or MPS, and
+    exists."""
     if device is None or device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -25,8 +26,10 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
         return torch.device("cpu")
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError) as e:
         raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N, mps or auto ({e})") from None
+    if dev.type not in ("cpu", "cuda", "mps"):  # torch names more (xpu, hpu, meta, ...): llmstep runs on none
+        raise ValueError(f"device {device!r}: llmstep runs on cpu, cuda, cuda:N or mps (or auto), not {dev.type}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but this PyTorch sees no CUDA GPU")
     if dev.type == "mps" and not torch.backends.mps.is_available():

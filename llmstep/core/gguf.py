@@ -17,7 +17,7 @@ own converter (convert_hf_to_gguf.py, class LlamaModel) writes a Hugging Face Ll
   float16) with the same q and d = scale, which is exact when every scale is a float16 number; int4 (per
   group, with a float zero point) has no exact GGUF form and is refused.
 - the tokenizer: model "gpt2" (byte-level BPE), pre "llama-bpe" (Llama 3's split regex), "smollm" or "gpt-2",
-  every token's text and type (normal, control for special tokens, unused for ids the tokenizer leaves empty),
+  every token's text and type (normal, control for special tokens, unused for ids with no text),
   the merges, the bos and eos ids, whether text starts with bos, and the tokenizer's own chat template (the
   Llama 3 one where it has none but has Llama 3's tokens). llmstep.core.gguf_load reads all of it back.
 
@@ -284,7 +284,7 @@ def gguf_vocab(tokenizer: Tokenizer, vocab_size: int) -> dict:
     _check_added_tokens(spec)
     tokens: list[str | None] = [None] * vocab_size
     types = [UNUSED] * vocab_size
-    entries = [(i, t, NORMAL) for t, i in spec["model"]["vocab"].items()]
+    entries = [(i, t, UNUSED if i in tokenizer.unused_ids else NORMAL) for t, i in spec["model"]["vocab"].items()]
     entries += [(a["id"], a["content"], CONTROL if a.get("special") else USER_DEFINED)
                 for a in spec.get("added_tokens", [])]
     for i, text, kind in entries:
@@ -364,8 +364,12 @@ def export_gguf(model: Llama, tokenizer: Tokenizer, path: str | os.PathLike, dty
             (w.add_int32 if key.endswith("top_k") else w.add_float32)(key, value)
         for tensor_name, (array, kind) in tensors.items():
             w.add_tensor(tensor_name, array, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        try:
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+            w.close()
+        except OSError as e:  # numpy's tofile says only "N requested and M written" when the disk is full
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror or e} (is its disk full?); nothing was "
+                          "written there") from None
     return path

@@ -12,6 +12,11 @@ rule that splits text into words before BPE runs (`tokenizer.ggml.pre`). llama.c
 
 Any other model or pre-tokenizer is refused by name: a tokenizer that splits text differently from llama.cpp
 would give other ids for the same prompt, and the model would read text it was never trained on.
+
+An unused token decodes to nothing, as in llama.cpp. The ones that pad the vocabulary past the tokenizer's (the
+`[PAD<id>]` tokens at its end, which llama.cpp's converter and export_gguf write) are left out, so their ids are the
+model's padding, as before export; any other stays in the vocabulary (llama.cpp's BPE still makes it where its merges
+lead) among the tokenizer's `unused_ids`.
 """
 
 from __future__ import annotations
@@ -94,6 +99,10 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
     if unknown:
         raise GGUFVocabError(f"{where}: token type {unknown[0]} (tokenizer.ggml.token_type) is not one a byte-level "
                              "BPE uses (normal 1, control 3, user-defined 4, unused 5)")
+    n = len(tokens)
+    while n and types[n - 1] == UNUSED and tokens[n - 1] == f"[PAD{n - 1}]":  # padding: no text, no merge makes it
+        n -= 1
+    tokens, types = tokens[:n], types[:n]
 
     vocab: dict[str, int] = {}
     for i, text in enumerate(tokens):
@@ -154,4 +163,4 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         except ValueError as e:
             raise GGUFVocabError(f"{where}: tokenizer.chat_template: {e}") from None
     return Tokenizer(tok, bos_id=bos, eos_ids=[i for i in ends if i is not None], add_bos=add_bos,
-                     chat_template=template)
+                     chat_template=template, unused_ids=[i for i, kind in enumerate(types) if kind == UNUSED])

@@ -17,7 +17,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
-from .chat import check_messages, read_tokenizer_config, render
+from .chat import check_messages, read_tokenizer_config, render, template_literals
 from .checks import is_int
 from .config import read_json_object
 from .files import atomic_write, atomic_write_text
@@ -27,22 +27,24 @@ __all__ = ["Tokenizer", "StreamDecoder"]
 BOS = "<|begin_of_text|>"
 EOS_CANDIDATES = ("<|end_of_text|>", "<|eot_id|>", "<|eom_id|>")
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-# The special-token strings a chat template sees by name (transformers' SPECIAL_TOKENS_ATTRIBUTES).
-# encode_chat stands one character of Supplementary Private Use Area-B in for each special token a message spells.
+# encode_chat stands one character of Supplementary Private Use Area-B in for each character a message holds.
 HIDDEN_FIRST, HIDDEN_LAST = 0x100000, 0x10FFFD
 HIDDEN = re.compile("[\U00100000-\U0010fffd]")
-MARKS = ("\U000f0000", "\U000f0001")  # around a special token a message spells, where HIDDEN cannot serve
+MARKS = ("\U000f0000", "\U000f0001")  # around a control token a message spells, where HIDDEN cannot serve
 
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` with what generation needs beside it: the bos id and whether text starts with it
     (`add_bos`: Llama 3 yes, SmolLM2 no), the ids that end a reply, and the checkpoint's chat template (Jinja
     source, or None for the built-in Llama 3 format) with the special-token strings it sees by name
-    (`named_tokens`, {"bos_token": "<|begin_of_text|>", ...}; by default the bos and first eos tokens)."""
+    (`named_tokens`, {"bos_token": "<|begin_of_text|>", ...}; by default the bos and first eos tokens), the added
+    tokens only it may write where tokenizer_config.json names them (`chat_control_tokens`, see control_tokens), and
+    the ids that decode to nothing (`unused_ids`: a GGUF file's unused tokens, as llama.cpp decodes them)."""
 
     def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
                  add_bos: bool | None = None, chat_template: str | None = None,
-                 named_tokens: Mapping[str, str] | None = None):
+                 named_tokens: Mapping[str, str] | None = None, chat_control_tokens: Iterable[str] | None = None,
+                 unused_ids: Iterable[int] = ()):
         self.tok = tok
         self.bos_id = tok.token_to_id(BOS) if bos_id is None else bos_id
         if eos_ids is None:
@@ -61,8 +63,13 @@ class Tokenizer:
         if not isinstance(named_tokens, Mapping) or not all(isinstance(v, str | None) for v in named_tokens.values()):
             raise ValueError(f"named_tokens must map names to token text, got {named_tokens!r}")
         self.named_tokens: dict[str, str] = {k: v for k, v in named_tokens.items() if v is not None}
+        controls = None if chat_control_tokens is None else tuple(chat_control_tokens)
+        if isinstance(chat_control_tokens, str) or not all(isinstance(t, str) for t in controls or ()):
+            raise ValueError(f"chat_control_tokens must be a list of token texts, got {chat_control_tokens!r}")
+        self.chat_control_tokens: tuple[str, ...] | None = controls
+        self.unused_ids = frozenset(unused_ids)
         self._plain: tokenizers.Tokenizer | None = None  # a twin that reads special-token text as plain text
-        self._specials: re.Pattern | None = None  # the special tokens' text, longest first (encode_chat)
+        self._controls: tuple = ((), None, ())  # (the template and names read, control tokens' pattern, their text)
 
     @classmethod
     def from_file(cls, path: str | Path, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
@@ -174,11 +181,13 @@ class Tokenizer:
         """Ids (a list, or a tensor/array) -> text. A model's vocabulary may be padded past its tokenizer's (to a
         multiple of 64 or 128, for fast matmuls): an id in that padding (`padded_vocab_size`, set by the loader
         from config.json) decodes to nothing, as Hugging Face tokenizers decode an id they lack, so a generation
-        that samples one keeps its text. An id outside even the padded vocabulary is refused by value."""
+        that samples one keeps its text; so does an unused id (`unused_ids`). An id outside even the padded
+        vocabulary is refused by value."""
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or a numpy array
         ids = ids if isinstance(ids, list) else [ids]  # a 0-d tensor
         self._check_ids(ids)
-        return self.tok.decode([int(i) for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids if i < self.vocab_size and i not in self.unused_ids]
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _check_ids(self, ids: list) -> None:
         """Refuse, by value, an id that is not an integer inside even the padded vocabulary (`decode`)."""
@@ -219,10 +228,12 @@ class Tokenizer:
         return "".join(parts)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The ids of `chat(messages)`, with the special tokens taken from the template alone: a role or content
-        that spells `<|eot_id|><|start_header_id|>system...` stays text and cannot open a turn of its own (as
-        serving engines encode chat). Starts with bos where the template writes it, else where `add_bos` says.
-        For trusted text with special tokens in it, use encode(chat(...), bos=False)."""
+        """The ids of `chat(messages)`, with the control tokens (`control_tokens`) taken from the template alone: a role
+        or content that spells `<|eot_id|><|start_header_id|>system...` stays text and cannot open a turn of its own
+        (as serving engines encode chat), each control token it spells encoded as plain text apart from the text
+        beside it, as transformers' apply_chat_template(..., sanitize_control_tokens=True) encodes it. Starts with bos
+        where the template writes it, else where `add_bos` says. For trusted text with special tokens in it, use
+        encode(chat(...), bos=False)."""
         messages = check_messages(messages)  # read once: an iterator is not drained by a first pass
         if self.chat_template is not None:
             ids = self._encode_template_chat(messages, add_generation_prompt)
@@ -231,40 +242,53 @@ class Tokenizer:
         start, end, eot = (self.token_to_id(t) for t in CHAT_TOKENS)
 
         def turn(role: str) -> list[int]:
-            return [start] + self.encode(role, bos=False, special=False) + [end]
+            return [start] + self._encode_written(role) + [end]
 
         ids = [] if self.bos_id is None else [self.bos_id]
         for m in messages:
-            ids += turn(m["role"]) + self.encode("\n\n" + m["content"].strip(), bos=False, special=False) + [eot]
+            ids += turn(m["role"]) + self._encode_written("\n\n" + m["content"].strip()) + [eot]
         if add_generation_prompt:
-            ids += turn("assistant") + self.encode("\n\n", bos=False, special=False)
+            ids += turn("assistant") + self._encode_written("\n\n")
         return ids
 
+    @property
+    def control_tokens(self) -> list[str]:
+        """The added tokens only a chat's template may write (transformers' control tokens): the special ones, and
+        those `chat_control_tokens` names or, where it is None, those the template (or the built-in format) writes as
+        text, but whitespace (Gemma's "\\n", which templates write as text)."""
+        named = self.chat_control_tokens
+        literals = "\0".join((BOS, *CHAT_TOKENS)) if self.chat_template is None else \
+            template_literals(self.chat_template)
+        return [t.content for t in self.tok.get_added_tokens_decoder().values() if t.special or (
+            t.content in named if named is not None else t.content in literals and not t.content.isspace())]
+
     def _encode_template_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """A template's render -> ids, the special tokens written by the template only.
+        """A template's render -> ids, the control tokens written by the template only.
 
         The conversation is rendered a second time with every character of the messages' text (each value but the
         roles, which templates compare: `message['role'] == 'system'`) other than whitespace replaced by its own
         private-use character (HIDDEN), so `| trim` still works and nothing a message holds can spell, join into
-        or be turned into a special token (a template's `lower`, `replace('[', '<')` or its own text right after a
-        message's `<|im`); in roles and keys only the characters a special token can start with are replaced.
-        Putting the characters back must give the real render; the special tokens of that render are then the
-        template's own, and the text between them is encoded plain. Where it does not (the template reads or
-        rewrites the text: a reasoning model's `content.split('</think>')`), `_encode_marked_chat` encodes it."""
+        or be turned into a control token (a template's `lower`, `replace('[', '<')` or its own text right after a
+        message's `<|im`); in roles and keys only the characters where a control token begins (or may, the template's
+        text completing it) are replaced. Putting the characters back must give the real render; the control tokens
+        of that render are then the template's own, and the text between them is encoded as a message's
+        (`_encode_written`). Where it does not (the template reads or rewrites the text: a reasoning model's
+        `content.split('</think>')`), `_encode_marked_chat` encodes it."""
         text = self.chat(messages, add_generation_prompt)
-        specials = self._special_pattern()
+        controls = self._control_pattern()
         if HIDDEN.search(json.dumps(messages, ensure_ascii=False)):
             raise ValueError("a message holds a character of Supplementary Private Use Area-B (U+100000..), which "
                              "encode_chat uses to keep the messages' text plain: remove it")
         hidden: dict[str, str] = {}  # original character -> its stand-in
-        starters = {t[0] for t in self.special_tokens if t}  # what a role or key must not begin a special token with
+        tokens = self._controls[2]  # as read by _control_pattern
 
         def stand_in(c: str) -> str:
             return hidden.setdefault(c, chr(HIDDEN_FIRST + len(hidden)))
 
         def hide(value, key=None):
-            if isinstance(value, str) and key == "role":  # compared by templates: only what could start a token
-                return "".join(stand_in(c) if c in starters else c for c in value)
+            if isinstance(value, str) and key == "role":  # compared by templates: only where a token could begin
+                return "".join(stand_in(c) if any(value[i:].startswith(t) or t.startswith(value[i:]) for t in tokens)
+                               else c for i, c in enumerate(value))
             if isinstance(value, str):
                 return "".join(c if c.isspace() else stand_in(c) for c in value)
             if isinstance(value, list | tuple):  # a tuple too (check_messages keeps them): its text hidden as well
@@ -283,35 +307,50 @@ class Tokenizer:
             return HIDDEN.sub(lambda m: shown.get(m.group(), m.group()), s)
 
         if put_back(marked) != text:
-            own = [m.group() for m in specials.finditer(marked)]  # the template's own: no message can spell one
+            own = [m.group() for m in controls.finditer(marked)]  # the template's own: no message can spell one
             return self._encode_marked_chat(messages, add_generation_prompt, own)
         return self._encode_between_specials(marked, put_back)
 
     def _encode_between_specials(self, text: str, plain=lambda s: s) -> list[int]:
-        """The special tokens of `text` as their ids, the text between them (through `plain`) as plain text."""
-        ids: list[int] = []
-        at = 0
-        for m in self._special_pattern().finditer(text):
-            ids += self.encode(plain(text[at:m.start()]), bos=False, special=False) + [self.token_to_id(m.group())]
+        """The control tokens of `text` as their ids, the text between them (through `plain`) as a message's."""
+        ids, at = [], 0
+        for m in self._control_pattern().finditer(text):
+            ids += self._encode_written(plain(text[at:m.start()])) + [self.token_to_id(m.group())]
             at = m.end()
-        return ids + self.encode(plain(text[at:]), bos=False, special=False)
+        return ids + self._encode_written(plain(text[at:]))
+
+    def _encode_written(self, text: str) -> list[int]:
+        """Text a message wrote, as transformers' sanitizer encodes it: each control token it spells as plain text, no
+        added token matched in it (refused where even that makes the token), apart from the text on either side,
+        which is encoded with special=False (an added token that is no control token read as itself)."""
+        ids, at, tok = [], 0, self.tok
+        for m in self._control_pattern().finditer(text):  # as transformers' _encode_without_added_tokens
+            token = tok.normalizer.normalize_str(m.group()) if tok.normalizer else m.group()
+            words = tok.pre_tokenizer.pre_tokenize_str(token) if tok.pre_tokenizer else [(token, None)]
+            bare = [t.id for w, _ in words for t in tok.model.tokenize(w)]
+            if self.token_to_id(m.group()) in bare:
+                raise ValueError(f"{m.group()!r} in a message cannot be kept as text: the tokenizer makes that token "
+                                 "of its plain text")
+            ids += self.encode(text[at:m.start()], bos=False, special=False) + bare
+            at = m.end()
+        return ids + self.encode(text[at:], bos=False, special=False)
 
     def _encode_marked_chat(self, messages: list[dict], add_generation_prompt: bool, own: list[str]) -> list[int]:
         """For a template that reads or rewrites the messages' text, as transformers' apply_chat_template(...,
-        sanitize_control_tokens=True) encodes it: each special token a message's value spells is wrapped in two
+        sanitize_control_tokens=True) encodes it: each control token a message's value spells is wrapped in two
         private-use markers (MARKS; any already there dropped), the conversation rendered, and a marked token
         encoded as plain text; a lone marker (a template's split cut through a marked token) is dropped but still
-        parts the text on either side. The special tokens left must be `own`, in order, those of the render where no
+        parts the text on either side. The control tokens left must be `own`, in order, those of the render where no
         message could spell one: else refused, as a template that makes one out of a message's text (its `lower`,
         its `replace`) adds one. (A template that both branches on the text and rewrites it could swap one of its
         own for one made so, in its place: a contrived template; tuples stay tuples, as the render shows them.)"""
         start, end = MARKS
-        specials = self._special_pattern()
+        controls = self._control_pattern()
 
         def mark(value):
             if isinstance(value, str):
                 value = value.replace(start, "").replace(end, "")
-                return specials.sub(lambda m: start + m.group() + end, value)
+                return controls.sub(lambda m: start + m.group() + end, value)
             if isinstance(value, list | tuple):
                 return type(value)(mark(v) for v in value)
             if isinstance(value, dict):
@@ -319,38 +358,48 @@ class Tokenizer:
             return value
 
         rendered = render(self.chat_template, mark(messages), add_generation_prompt, self.named_tokens)
-        pieces = re.split(f"{start}({specials.pattern}){end}|[{start}{end}]", rendered)  # text, token, text, ...
-        if [m.group() for text in pieces[::2] for m in specials.finditer(text)] != own:
+        pieces = re.split(f"{start}({controls.pattern}){end}|[{start}{end}]", rendered)  # text, token, text, ...
+        if [m.group() for text in pieces[::2] for m in controls.finditer(text)] != own:
             raise ValueError("the chat template changes the messages' text (beyond trimming it) or writes special "
                              "tokens by what it says, so special tokens in it could not be kept as text; use "
                              "encode(chat(...), bos=False) for trusted text")
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if piece:  # None: a lone marker's place
-                ids += self.encode(piece, bos=False, special=False) if i % 2 else self._encode_between_specials(piece)
+                ids += self._encode_written(piece) if i % 2 else self._encode_between_specials(piece)
         return ids
 
-    def _special_pattern(self) -> re.Pattern:
-        if self._specials is None:  # longest first, so a token wins over a shorter one inside it
-            texts = sorted((t for t in self.special_tokens if t and not t.isspace()), key=len, reverse=True)
-            self._specials = re.compile("|".join(map(re.escape, texts)) or "(?!)")  # (?!) never matches
-        return self._specials
+    def _control_pattern(self) -> re.Pattern:
+        """control_tokens' text, longest first (a token wins over a shorter one inside it), but whitespace alone."""
+        key = (self.chat_template, self.chat_control_tokens)
+        if self._controls[0] != key:  # read again where the template (an attribute) has changed
+            texts = sorted((t for t in self.control_tokens if t and not t.isspace()), key=len, reverse=True)
+            self._controls = (key, re.compile("|".join(map(re.escape, texts)) or "(?!)"), texts)  # (?!): no match
+        return self._controls[1]
 
     def stream(self, skip_special_tokens: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens)
 
     def save(self, path: str | Path) -> None:
         """tokenizer.json, written whole or not at all."""
-        with atomic_write(path) as tmp:
-            self.tok.save(str(tmp))
+        try:
+            with atomic_write(path) as tmp:
+                self.tok.save(str(tmp))
+        except Exception as e:
+            if type(e) is not Exception:  # tokenizers reports a failed write (ENOSPC) as a bare Exception
+                raise
+            raise OSError(f"cannot write {path}: {e}") from None
 
     def save_dir(self, folder: str | Path) -> None:
-        """tokenizer.json and tokenizer_config.json (the chat template, add_bos_token and the special-token names)
-        into `folder` (made if missing), as from_dir reads them back; each file written whole or not at all."""
+        """tokenizer.json and tokenizer_config.json (the chat template, add_bos_token, the special-token names,
+        chat_control_tokens) into `folder` (made if missing), as from_dir reads them back; each file written whole or
+        not at all."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.save(folder / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, **self.named_tokens}
+        if self.chat_control_tokens is not None:
+            config["chat_control_tokens"] = list(self.chat_control_tokens)
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -389,7 +438,7 @@ class StreamDecoder:
         token_id = token_id.tolist() if hasattr(token_id, "tolist") else token_id  # a 0-d tensor or numpy int
         self.tokenizer._check_ids([token_id])
         self._ids.append(int(token_id))
-        if token_id >= self.tokenizer.vocab_size:  # padding past the tokenizer's ids: nothing, as decode gives
+        if token_id >= self.tokenizer.vocab_size or token_id in self.tokenizer.unused_ids:  # as decode: nothing
             return ""
         text = self._stream.step(self.tokenizer.tok, int(token_id)) or ""
         self._emitted += len(text)

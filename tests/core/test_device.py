@@ -67,3 +67,16 @@ def test_the_last_level_cache_is_the_largest_data_or_unified_cache_linux_lists(t
     assert dev.last_level_cache(tmp_path) == 2**30
     assert dev.last_level_cache(tmp_path / "missing") is None
     assert dev.last_level_cache(tmp_path / "index0" / "size") is None  # a file, not a folder of caches
+
+
+@pytest.mark.parametrize("name", ["xpu", "hpu", "meta", "mtia", "privateuseone", "ipu:0"])
+def test_a_device_type_llmstep_does_not_run_on_is_refused_by_name(name):
+    """torch parses these; loading onto one failed late, as an assertion or as the checkpoint's fault."""
+    with pytest.raises(ValueError, match=rf"device '{name}': llmstep runs on cpu, cuda, cuda:N or mps"):
+        dev.resolve_device(name)
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", 3.5])
+def test_an_unknown_device_name_is_refused(name):
+    with pytest.raises(ValueError, match="unknown device"):
+        dev.resolve_device(name)

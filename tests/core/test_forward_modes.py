@@ -193,3 +193,13 @@ def test_positions_that_would_read_or_write_the_wrong_slots_are_refused(model):
         model(torch.tensor([[3, 14, 15, 92, 65]]), torch.tensor([[1, 1, 0, 1, 2]]))
     rising = model(torch.tensor([[3, 14, 15]]), torch.tensor([[4, 7, 9]]))  # gaps are fine: the mask is causal
     assert rising.shape == (1, 3, CONFIG.vocab_size)
+
+
+@pytest.mark.parametrize("tokens, words", [
+    (torch.tensor([3, 14, 15]), r"got a 1-d int64 tensor \[3\]: one sequence is tokens\[None\]"),
+    (torch.tensor([[[3]]]), r"got a 3-d int64 tensor \[1, 1, 1\]$"),
+    (torch.ones(1, 3), r"got a 2-d float32 tensor \[1, 3\]"),
+    ([[3, 14, 15]], r"got list")])
+def test_the_forward_names_tokens_that_are_no_batch_of_ids(model, tokens, words):
+    with pytest.raises(TypeError, match=r"tokens must be token ids \[batch, seq\] \(an integer tensor\), " + words):
+        model(tokens)

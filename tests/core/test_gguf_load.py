@@ -582,3 +582,37 @@ def test_a_file_whose_vocabulary_is_padded_past_its_tokens_decodes_the_padding_t
     assert g.tokenizer.decode([5, 310]) == g.tokenizer.decode([5])
     with pytest.raises(ValueError, match="cannot decode token id 320"):
         g.tokenizer.decode([320])
+
+
+def test_the_padding_export_writes_is_padding_again_when_read_back(tmp_path, tokenizer):
+    """export_gguf names the ids past the tokenizer's `[PAD<id>]`, typed unused as llama.cpp's converter types them:
+    read back, they are the model's padding again (decoded to nothing, as llama.cpp and the tokenizer exported
+    decode them, by decode and by a stream alike), and an export writes them out the same."""
+    path = export_gguf(random_llama(vocab_size=320), tokenizer, tmp_path / "padded.gguf")
+    assert gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()[310] == "[PAD310]"
+    back = read_gguf(path).tokenizer
+    assert back.vocab_size == tokenizer.vocab_size == 300
+    ids = [5, 310, 6]
+    stream = back.stream()
+    assert back.decode(ids) == "".join(map(stream.step, ids)) + stream.flush() == tokenizer.decode([5, 6])
+    assert back.encode("[PAD310]") == tokenizer.encode("[PAD310]")
+    assert gguf_vocab(back, 320) == gguf_vocab(tokenizer, 320)
+
+
+def test_an_unused_token_inside_the_vocabulary_decodes_to_nothing_where_its_merges_still_make_it(tokenizer):
+    """llama.cpp's BPE knows every token, an unused one too, so text its merges lead to is still that token (tried
+    on llama.cpp: its tokenize gives it, its detokenize nothing); exported again, it is unused again."""
+    from llmstep.core.gguf_vocab import UNUSED, build_tokenizer
+
+    vocab = gguf_vocab(tokenizer, 300)
+    merged = vocab["merges"][0].replace(" ", "")  # the first merge's token: BPE makes it
+    i, types = vocab["tokens"].index(merged), list(vocab["types"])
+    types[i] = UNUSED
+    back = build_tokenizer({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": vocab["pre"],
+                            "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": types,
+                            "tokenizer.ggml.merges": vocab["merges"]}, "x")
+    text = tokenizer.decode([i])
+    assert back.encode(text, bos=False) == tokenizer.encode(text, bos=False) == [i]
+    stream = back.stream()
+    assert back.decode([5, i, 6]) == "".join(map(stream.step, [5, i, 6])) + stream.flush() == tokenizer.decode([5, 6])
+    assert gguf_vocab(back, 300)["types"] == types

@@ -244,3 +244,41 @@ def test_the_rewritten_header_sorts_many_metadata_keys_and_keeps_every_offset(tm
     from safetensors import safe_open
     with safe_open(tmp_path / "x.safetensors", "pt") as f:
         assert f.metadata() == metadata and all(torch.equal(f.get_tensor(k), v) for k, v in tensors.items())
+
+
+def test_a_full_disk_is_an_os_error_naming_the_checkpoint_and_leaves_it_as_it_was(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    model = _small_model()
+    target = llmstep.save(model, tmp_path / "ckpt")
+    before = sorted((p.name, p.read_bytes()) for p in target.iterdir())
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    with pytest.raises(OSError, match=rf"cannot save {tmp_path / 'ckpt'}: the weights could not be written "
+                                      r"\(.*No space left on device.*\); .* is as it was"):
+        llmstep.save(quantize(_small_model(), "int8"), target)
+    assert sorted((p.name, p.read_bytes()) for p in target.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary folder left
+
+
+def test_a_tokenizer_that_cannot_be_written_is_an_os_error_naming_the_file(tiny_checkpoint, tmp_path, monkeypatch):
+    model, tok = llmstep.load(tiny_checkpoint)
+
+    class Full:  # tokenizers' Tokenizer.save raises a bare Exception when its write fails
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def save(self, path):
+            raise Exception("No space left on device (os error 28)")
+
+    real = tok.tok
+    monkeypatch.setattr(tok, "tok", Full())
+    with pytest.raises(OSError, match=r"cannot write .*tokenizer.json: No space left on device"):
+        llmstep.save(model, tmp_path / "ckpt", tokenizer=tok)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(Full, "save", lambda self, path: [][1])  # any other error is not dressed as a write error
+    with pytest.raises(IndexError):
+        llmstep.save(model, tmp_path / "ckpt", tokenizer=tok)
