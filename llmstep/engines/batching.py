@@ -124,7 +124,7 @@ class ContinuousBatcher(BatchRunner):
     the requests of each run, grown only when a run needs more).
     """
 
-    room = fixed_room = "a batch slot's length"
+    fixed_room = "a batch slot's length"  # sized per request, its slots hold the model's context (Engine.room)
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order) and the timeline."""

@@ -263,9 +263,10 @@ class DecodeResult:
 
     def summary(self) -> str:
         """One line: the prefill, the decode rate and bandwidth, why it stopped; a part with nothing timed is left out
-        (max_new_tokens=0 runs no forward; one new token runs no decode step), never printed as nan."""
+        (max_new_tokens=0 runs no forward; one new token runs no decode step; a paged batch's prompt chunks, shared
+        with other requests' work, are not timed per request), never printed as nan."""
         parts = [f"prompt {len(self.prompt_ids)} tokens"]
-        if self.tokens:
+        if self.tokens and self.prefill_seconds:
             parts[0] += (f", prefill {self.prefill_seconds * 1e3:.1f} ms "
                          f"({self.prefill_tokens_per_second:,.0f} tok/s)")
         if self.decode_steps:

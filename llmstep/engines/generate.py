@@ -90,7 +90,7 @@ def _run(model, tokenizer, r: Checked, result: Generation) -> Iterator[TokenEven
     for index in range(plan.tokens):
         synchronize(device)
         start = time.perf_counter()
-        logits = model(x, cache=cache, keep=LAST)[:, -1]  # [1, vocab]
+        logits = model(x, cache=cache, keep=LAST)[:, -1].float()  # [1, vocab], float32 as every engine picks from
         check_finite(logits, index)  # NaN logits would sample token 0 forever, in silence
         token = sample(logits, *r.sampling, generator)  # [1]
         token_id = int(token)  # waits for the device

@@ -293,7 +293,7 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
 
     pick = picker(sampling, generator)
     x = torch.tensor([seq], device=device)  # [1, T]
-    logits = target(x, cache=target_cache, keep=LAST)[:, -1]  # [1, V]
+    logits = target(x, cache=target_cache, keep=LAST)[:, -1].float()  # [1, V]
     decoding.check_finite(logits, 0)
     token, _ = pick(logits)  # [1]
     if len(seq) <= n_ctx_draft:
@@ -322,7 +322,7 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
         proposed, q = [], []
         x = torch.tensor([seq[draft_len:L]], device=device) if k else None
         for i in range(k):
-            draft_logits = draft(x, cache=draft_cache, keep=LAST)[:, -1]  # [1, V]
+            draft_logits = draft(x, cache=draft_cache, keep=LAST)[:, -1].float()  # [1, V], as every engine's
             decoding.check_finite(draft_logits, len(result.tokens) + i, "the draft")
             token, q_i = pick(draft_logits)  # [1], [1, V]
             x = token[:, None]  # [1, 1]
@@ -335,7 +335,7 @@ def _run(target, draft, tokenizer, r: Checked, k_max, result, policy) -> Iterato
 
         # 2. The target scores the pending token and all k proposals in one forward: k+1 distributions.
         x = torch.cat([torch.tensor([seq[target_len:L]], device=device), *proposed], dim=1)  # [1, L-target_len+k]
-        logits = target(x, cache=target_cache)[:, -(k + 1):]  # [1, k+1, V]
+        logits = target(x, cache=target_cache)[:, -(k + 1):].float()  # [1, k+1, V] float32, as every engine's
         decoding.check_finite(logits, len(result.tokens), "the target")  # the step of the round's first token
         if not k:
             n, new, overlap = 0, [int(pick(logits[:, 0])[0])], []

@@ -255,7 +255,7 @@ def test_kv_cache_slot_is_a_view_of_one_row(tiny64):
 
 
 @pytest.mark.parametrize(("request_", "message"), [
-    (Request([1] * 49, 4, **GREEDY), "request 1: the prompt is 49 tokens, but a batch slot's length is 48"),
+    (Request([1] * 49, 4, **GREEDY), "request 1: the prompt is 49 tokens, but the model's context is 48"),
     (Request([], 4, **GREEDY), "request 1: the prompt is empty"),
     (Request([1, 999], 4, **GREEDY), "request 1: prompt token id 999 is outside the vocabulary"),
     (Request([1], 4, temperature=-1, stop_ids=()), "request 1: temperature must be"),
@@ -274,6 +274,11 @@ def test_bad_requests_are_named_before_any_work(tiny64, request_, message, monke
     with pytest.raises(ValueError, match=message):
         batcher.run([Request([1, 2], 3, **GREEDY), request_])
     assert calls == []
+
+
+def test_a_fixed_slot_length_is_named_as_such(tiny64):
+    with pytest.raises(ValueError, match="request 0: the prompt is 17 tokens, but a batch slot's length is 16"):
+        ContinuousBatcher(tiny64[0], n_slots=2, max_len=16).run([Request([1] * 17, 4, **GREEDY)])
 
 
 def test_bad_batcher_arguments(tiny64):

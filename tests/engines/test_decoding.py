@@ -253,3 +253,15 @@ def test_a_negative_stop_id_is_named_with_or_without_a_vocabulary():
     with pytest.raises(ValueError, match=r"stop id -3 is outside the vocabulary \(0..9\)"):
         stop_id_set([1, -3], vocab_size=10)
     assert stop_id_set([0, 9], vocab_size=10) == {0, 9}
+
+
+def test_a_paged_batchs_completion_leaves_its_untimed_prefill_out_of_the_summary(loaded):
+    from llmstep.engines.batching import PagedBatcher, Request
+
+    model, tok = loaded
+    request = Request(tok.encode("ROMEO:"), 4, temperature=0, stop_ids=())
+    done = PagedBatcher(model, n_slots=2, block_size=4).run([request])
+    c = done.completions[0]
+    assert c.prefill_seconds == 0 and len(c.tokens) == 4  # its prompt chunks shared steps with others' work
+    assert "nan" not in c.summary().lower() and "prefill" not in c.summary(), c.summary()
+    assert c.summary().startswith(f"prompt {len(c.prompt_ids)} tokens | decode 3 tokens at ")

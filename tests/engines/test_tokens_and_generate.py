@@ -1,5 +1,6 @@
 """Tokenizer, streaming detokenisation, the generation loop and the CLI."""
 
+import copy
 import json
 
 import pytest
@@ -306,3 +307,39 @@ def test_a_stream_not_yet_read_says_it_is_unfinished():
     s = llmstep.stream(model, tok, "ROMEO:", max_new_tokens=3, temperature=0)
     assert s.result.stop_reason == "interrupted" and s.result.tokens == []
     assert len(list(s)) == 3 and s.result.stop_reason == "length"
+
+
+def test_generate_names_a_model_and_tokenizer_given_in_the_wrong_places(loaded):
+    model, tok = loaded
+    with pytest.raises(TypeError, match=r"model must be a llmstep model \(llmstep.load returns \(model, tokenizer\)"
+                                        r"\), got Tokenizer"):
+        llmstep.generate(tok, model, "ROMEO:")
+    with pytest.raises(TypeError, match="tokenizer must be a llmstep Tokenizer .*, got str"):
+        llmstep.generate(model, "tok", "ROMEO:")
+
+
+def test_every_engine_picks_from_float32_logits_so_a_float64_near_tie_goes_one_way(tiny64):
+    """generate and the teaching speculative loop took the argmax of float64 logits, the other engines of their
+    float32 cast: two logits apart in float64 but one value in float32 gave different tokens."""
+    from llmstep.core.model import LAST
+    from llmstep.engines.batching import Request, run_batch
+    from llmstep.engines.fast import FastDecoder
+    from llmstep.engines.speculative import speculative_generate
+
+    model, tok = tiny64
+    model = copy.deepcopy(model)
+    ids = tok.encode("ROMEO:", bos=True)
+    with torch.no_grad():
+        first = int(model(torch.tensor([ids]), keep=LAST)[0, -1].argmax())
+        lo, hi = sorted([first, 5 if first != 5 else 6])
+        logit = model(torch.tensor([ids]), keep=LAST)[0, -1, first]
+        w = model.output.weight[first].clone()
+        model.output.weight[lo] = w
+        model.output.weight[hi] = w * (1 + (1e-12 if logit > 0 else -1e-12))  # float64 apart, float32 equal
+    assert (model(torch.tensor([ids]), keep=LAST)[0, -1].argmax()) == hi  # the float64 argmax
+    tokens = {"generate": llmstep.generate(model, tok, ids, 1, temperature=0).tokens,
+              "fast": FastDecoder(model, compile=False).generate(ids, 1, temperature=0).tokens,
+              "batch": run_batch(model, [Request(ids, 1, temperature=0)]).completions[0].tokens,
+              "speculative": speculative_generate(model, model, tok, ids, k=2, max_new_tokens=1,
+                                                  temperature=0).tokens}
+    assert tokens == dict.fromkeys(tokens, [lo])  # float32's argmax: the first of the tied pair
