@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -162,6 +163,13 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     over the files this save does not write, but not an earlier save's weights): at every instant `path`
     holds the complete old checkpoint or the complete new one.
     """
+    if not isinstance(getattr(model, "config", None), LlamaConfig):
+        raise TypeError(f"save(model, path, tokenizer): model must be a llmstep model, got {type(model).__name__}")
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"save(model, path, tokenizer): path must be a folder's path, got {type(path).__name__}")
+    for name, value, kind in (("tokenizer", tokenizer, Tokenizer), ("generation_config", generation_config, Mapping)):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"save: {name} must be a {kind.__name__} or None, got {type(value).__name__}")
     path = check_save_folder(path)
     if max_shard_bytes is not None and not (is_int(max_shard_bytes) and max_shard_bytes >= 1):
         raise ValueError(f"max_shard_bytes must be a whole number of bytes >= 1, or None for one file; got "

@@ -282,3 +282,16 @@ def test_a_tokenizer_that_cannot_be_written_is_an_os_error_naming_the_file(tiny_
     monkeypatch.setattr(Full, "save", lambda self, path: [][1])  # any other error is not dressed as a write error
     with pytest.raises(IndexError):
         llmstep.save(model, tmp_path / "ckpt", tokenizer=tok)
+
+
+@pytest.mark.parametrize("args, kwargs, words", [
+    (("model", "ckpt"), {}, "save\\(model, path, tokenizer\\): model must be a llmstep model, got str"),
+    ((None, 7), {}, "path must be a folder's path, got int"),
+    ((None, "ckpt", "tok"), {}, "save: tokenizer must be a Tokenizer or None, got str"),
+    ((None, "ckpt"), {"generation_config": 5}, "save: generation_config must be a Mapping or None, got int")])
+def test_save_names_an_argument_of_the_wrong_kind_before_writing_anything(tmp_path, monkeypatch, args, kwargs, words):
+    monkeypatch.chdir(tmp_path)
+    args = tuple(_small_model() if a is None else a for a in args)
+    with pytest.raises(TypeError, match=words):
+        llmstep.save(*args, **kwargs)
+    assert list(tmp_path.iterdir()) == []
