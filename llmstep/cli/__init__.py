@@ -16,16 +16,17 @@
     llmstep train|eval|data ...                         how the shipped Shakespeare models were made
 
 The command line is argparse and printing only: one module per group of commands (model.py: generate,
-info, trace, profile; bench.py: bench, speculative, batch; export.py: export; hub.py: pull, models; serve.py: serve,
-bench-serve; shakespeare.py: train, eval, data), each registering its parsers and a `run(args, argv)`; the
-flags' value types are in args.py.
+info, trace, profile; bench.py: bench, speculative; batch.py: batch; export.py: export; hub.py: pull, models;
+serve.py: serve, bench-serve; shakespeare.py: train, eval, data), each registering its parsers and a
+`run(args, argv)`; the flags' value types are in args.py.
 The library raises its own errors; `main` is the one place that turns them into one line on stderr and an exit
 status:
 
 - bad input (a bad flag value, a library ValueError, a missing or unwritable file, an --attention kernel PyTorch
   lacks here): `llmstep <command>: error: ...`, exit status 2. Flag values are checked while parsing, paths to
   write before any work starts;
-- Ctrl-C: `llmstep <command>: interrupted`, exit status 130; a reader that closes the pipe (`| head`): nothing
+- Ctrl-C: `llmstep <command>: interrupted`, exit status 130 (also while llmstep is still importing torch: the
+  program's entry, llmstep_console, catches it there); a reader that closes the pipe (`| head`): nothing
   printed, exit status 141 (as a program killed by SIGPIPE);
 - anything else is a bug: one line naming the exception and where to report it, exit status 1; set
   LLMSTEP_DEBUG=1 to get the whole traceback instead.
@@ -43,11 +44,11 @@ import sys
 import threading
 
 from ..core.process_group import ParallelError, launched_by_torchrun, launched_rank, launched_world_size
-from . import bench, export, hub, model, serve, shakespeare
+from . import batch, bench, export, hub, model, serve, shakespeare
 
 __all__ = ["main", "console", "build_parser", "CommandFailed", "BAD_INPUT", "DEBUG_ENV", "REPORT_TO"]
 
-GROUPS = (model, bench, export, hub, serve, shakespeare)
+GROUPS = (model, bench, batch, export, hub, serve, shakespeare)
 
 # What the library raises for bad input: a wrong value (ConfigError, CheckpointError, NonFiniteLogitsError and
 # the like are ValueErrors), a file that is missing, is a directory or cannot be written (OSError), an unknown name.
@@ -194,7 +195,8 @@ def _sigterm_raises():
 
 
 def console() -> None:
-    """The `llmstep` program and `python -m llmstep`: `main` run for its effect, exit status 0 when it returns.
+    """The `llmstep` program and `python -m llmstep` (through llmstep_console): `main` run for its effect, exit status
+    0 when it returns.
     (A console script hands what its function returns to sys.exit, which would print a benchmark's record on
     stderr and exit 1.)"""
     main()

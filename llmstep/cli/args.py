@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from ..core.quant_formats import QuantConfig, QuantizationError
 from ..engines.decoding import check_seed
 
-__all__ = ["COUNT_LIMIT", "positive_int", "nonneg_int", "seed", "nonneg_float", "positive_float", "probability",
-           "fraction", "parse_ints", "parse_range", "int_between", "add_attention_arg", "quantization", "check_window"]
+__all__ = ["COUNT_LIMIT", "THREADS_LIMIT", "positive_int", "nonneg_int", "threads", "seed", "nonneg_float",
+           "positive_float", "probability", "fraction", "parse_ints", "parse_range", "int_between", "add_attention_arg",
+           "probe_attention", "quantization", "check_block_size", "check_window"]
 
-# The largest count a flag takes (tokens, repeats, requests, threads, ...): far beyond any context or machine
-# here, and small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
+# The largest count a flag takes (tokens, repeats, requests, ...): far beyond any context or machine here, and
+# small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
 COUNT_LIMIT = 2**31 - 1
+# The most CPU threads --threads takes: far past any CPU here (a fixed number, the same on every machine).
+# OpenMP allocates per thread at once: 2**31 - 1 killed the process inside libgomp, with no line of llmstep's.
+THREADS_LIMIT = 1024
 
 
 def _int(text: str) -> int:
@@ -44,6 +49,15 @@ def int_between(low: int, high: int = COUNT_LIMIT):
 positive_int = int_between(1)
 nonneg_int = int_between(0)
 decode_tokens = int_between(2)  # a decode rate's --new-tokens: the prefill's token, then at least one decode step
+
+
+def threads(text: str) -> int:
+    """Every command's --threads (torch.set_num_threads): an integer in 1 .. THREADS_LIMIT."""
+    value = _int(text)
+    if not 1 <= value <= THREADS_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1 .. {THREADS_LIMIT} (CPU threads; this machine has "
+                                         f"{os.cpu_count()} CPUs), got {text}")
+    return value
 
 
 def seed(text: str) -> int:
@@ -145,6 +159,17 @@ def add_attention_arg(p: argparse.ArgumentParser) -> None:
                         "on any device")
 
 
+def probe_attention(model, name: str) -> None:
+    """--attention's kernel tried once, a 2-token forward of `model`, before any text or any server is ready: a
+    kernel the device lacks fails at its first call, which `llmstep.cli` says in one line naming the flag."""
+    if name in ("auto", "flex"):  # PyTorch's choice, or FlexAttention: no SDPA kernel forced
+        return
+    import torch
+
+    with torch.inference_mode():
+        model(torch.zeros(1, 2, dtype=torch.long, device=model.device))
+
+
 def check_draft(draft: str, target: str | None) -> None:
     """--draft, refused before anything loads: a malformed self-N / self-intN word, a self-N past the target's
     layers (read from its config.json), a draft checkpoint that is not there, is not a checkpoint (its config
@@ -168,6 +193,14 @@ def check_draft(draft: str, target: str | None) -> None:
                          "self-draft starts from a float target")
     else:
         quantize.check_config(config, value, lm_head=True)  # as resolve_draft quantizes it
+
+
+def check_block_size(block_size: int, context: int) -> None:
+    """--block-size (serve, batch --kv paged), from the model's config alone: a block holds one request's positions,
+    so at most the model's context."""
+    if block_size > context:
+        raise ValueError(f"--block-size {block_size} is more than the model's context ({context} tokens): a block "
+                         "holds one request's positions")
 
 
 def check_window(tokens: int, asked: str, model: str | None = None, preset: str | None = None, config=None) -> None:

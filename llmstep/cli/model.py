@@ -20,8 +20,10 @@ from .args import (
     nonneg_int,
     positive_int,
     probability,
+    probe_attention,
     quantization,
     seed,
+    threads,
 )
 
 
@@ -99,7 +101,7 @@ def add_commands(sub) -> None:
     f.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="the compiled step, FastDecoder's default settings (default: on)")
     f.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune")
-    f.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: PyTorch's)")
+    f.add_argument("--threads", type=threads, default=None, help="torch CPU threads (default: PyTorch's)")
     f.add_argument("--prompt-len", type=positive_int, default=128, help="random prompt tokens; the profiled "
                    "step sits at this position")
     f.add_argument("--new-tokens", type=decode_tokens, default=128)
@@ -258,9 +260,7 @@ def _generate(args, load_one, stream) -> None:
                                  **sampling)
     else:
         run = stream(model, tokenizer, prompt, **sampling)
-    if args.attention not in ("auto", "flex"):  # a kernel this device lacks fails at its first call: make it now
-        with torch.inference_mode():
-            model(torch.zeros(1, 2, dtype=torch.long, device=model.device))
+    probe_attention(model, args.attention)  # a kernel this device lacks fails at its first call: make it now
     if not args.chat:  # every argument was checked above: an error never lands after the echoed prompt
         print(args.prompt, end="", flush=True)
     try:
@@ -285,13 +285,13 @@ def run_info(args, argv) -> None:
 
         path = resolve_model_path(args.model)
         config, name, qc = read_config(path), str(path), read_quant_config(path)
+    check_window(args.context + 1, f"--context {args.context} and the step's token", config=config)  # before any line
     dtype = getattr(torch, args.dtype)
     counts = param_counts(config)
     total = sum(counts.values())
     print(f"{name}: {total / 1e9:.3f} B parameters")
     for part, n in counts.items():
         print(f"  {part:<10} {n:>16,}  {100 * n / total:5.1f}%")
-    check_window(args.context + 1, f"--context {args.context} and the step's token", config=config)
     cost = decode_step_cost(config, context=args.context, dtype=dtype, qc=qc)
     if qc is not None:
         print(f"stored quantized ({qc}): {checkpoint_bytes(config, dtype, qc) / 1e9:.3f} GB in memory with the rest "

@@ -8,7 +8,17 @@ import socket
 import sys
 
 from ..lab.bench_batching import MAX_REQUESTS
-from .args import add_attention_arg, int_between, nonneg_int, parse_range, positive_int, seed
+from .args import (
+    add_attention_arg,
+    check_block_size,
+    int_between,
+    nonneg_int,
+    parse_range,
+    positive_int,
+    probe_attention,
+    seed,
+    threads,
+)
 
 SERVE_HELP = """\
 Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
@@ -101,7 +111,7 @@ def add_commands(sub) -> None:
                    help="compute each prompt whole in the step that admits it (the running requests wait for it)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
-    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=threads, default=None, help="CPU threads (default: torch's)")
     add_attention_arg(p)
     p.set_defaults(run=run_serve)
 
@@ -148,12 +158,11 @@ def run_serve(args, argv) -> dict:
         torch.set_num_threads(args.threads)
     name = args.model or resolve_model_path(None).name
     context = read_config(resolve_model_path(args.model)).max_seq_len  # before the weights load
-    if args.block_size > context:
-        raise ValueError(f"--block-size {args.block_size} is more than the model's context ({context} tokens): a "
-                         "block holds one request's positions")
+    check_block_size(args.block_size, context)
     sock = app.bind(args.host, args.port)  # a port in use is refused before the weights load
     try:
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+        probe_attention(model, args.attention)  # a kernel the device lacks: refused now, not at the first request
     except BaseException:
         sock.close()
         raise

@@ -78,6 +78,9 @@ def add_commands(sub) -> None:
 
 
 def run_train(args, argv) -> None:
+    for flag, folder in (("--out", args.out), ("--export", args.export)):
+        if folder == "":  # Path("") is the current folder: the run (or the export) would land there unasked
+            raise ValueError(f"{flag} is empty: give a directory (. for the current one)")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file: give the run's directory (it holds "
@@ -86,20 +89,23 @@ def run_train(args, argv) -> None:
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no such file (a tokenizer.json)")
     if args.corpus and not Path(args.corpus).is_dir():
         raise FileNotFoundError(f"--corpus {args.corpus}: no such directory (train/val/test.txt.gz)")
-    if args.export and Path(args.export).exists() and not Path(args.export).is_dir():
+    if args.export is not None and Path(args.export).exists() and not Path(args.export).is_dir():
         raise ValueError(f"--export {args.export} is a file: give a directory for the exported model")
     if not args.resume and (out / train.CHECKPOINT).exists():  # its first save would overwrite that run's
         raise ValueError(f"--out {out} already holds a training checkpoint ({train.CHECKPOINT}): give --resume to "
                          "continue it, or another --out")
     check_output_path(out / train.CHECKPOINT, "--out")  # before the run, not after it: a folder that can be written
-    if args.export:
+    if args.export is not None:
         check_output_path(Path(args.export) / "config.json", "--export")
     cfg = train.train_config(args.preset, **{f.name: getattr(args, f.name) for f in fields(train.TrainConfig)
                                              if f.name != "preset"})
+    if args.stop_after is not None and args.stop_after > cfg.steps:  # the run would end at cfg.steps anyway
+        raise ValueError(f"--stop-after {args.stop_after} is past the run's last step ({cfg.steps}, --steps): it "
+                         "would stop nothing; give a step in 1 .. --steps, or raise --steps")
     shape = {k: getattr(args, k) for k in train.SHAPE_FIELDS}
     try:
         train.train(cfg, Path(args.out), shape, resume=args.resume, stop_after=args.stop_after,
-                    export_dir=Path(args.export) if args.export else None, command=runinfo.command_line(argv),
+                    export_dir=None if args.export is None else Path(args.export), command=runinfo.command_line(argv),
                     quiet=args.quiet)
     except (ValueError, FileNotFoundError) as e:  # the library names its arguments; here they are flags
         for name, flag in TRAIN_FLAGS.items():
@@ -123,7 +129,7 @@ def run_eval(args, argv) -> None:
         raise ValueError("--golden-tokens sets the golden continuation's length: add --golden-prompt")
     models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
     evaluate.check_models(models, args.seq_len, args.golden_prompt, cards=args.update_cards,
-                          max_tokens=args.max_tokens)  # before any model is loaded
+                          max_tokens=args.max_tokens, write_eval_json=args.write_eval_json)  # before any model loads
     scores, settings = evaluate.evaluate_models(
         models, args.split, args.corpus, args.max_tokens, args.seq_len, args.batch_size,
         baseline=not args.no_baseline, write_eval_json=args.write_eval_json, golden_prompt=args.golden_prompt,
@@ -155,5 +161,6 @@ def run_data(args, argv) -> None:
     else:
         if not Path(args.root).is_dir():
             raise ValueError(f"{args.root} is not a directory: give the directory whose files to list")
-        out = check_output_path(args.out or str(Path(args.root) / "checksums.txt"), "--out")
+        default = str(Path(args.root) / "checksums.txt")  # only when --out is not given: "" is refused as "."
+        out = check_output_path(default if args.out is None else args.out, "--out")
         print(f"wrote {data.write_checksums(args.root, out)}")

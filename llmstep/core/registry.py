@@ -16,6 +16,7 @@ FileNotFoundError saying which command fetches it; a second pull of a file that 
 from __future__ import annotations
 
 import collections
+import difflib
 import hashlib
 import os
 import shutil
@@ -209,8 +210,19 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     if not p.exists() and str(path) in MODELS:  # a model `llmstep pull` fetches: its file, or how to get it
         return require(str(path))
     if not p.exists():
-        raise FileNotFoundError(f"no model directory or GGUF file at {p}")
+        raise FileNotFoundError(f"no model directory or GGUF file at {p}{_known_names_hint(str(path))}")
     if not p.is_dir() and not is_gguf(p):
         raise NotADirectoryError(f"{p} is a file but not a GGUF file; give a checkpoint's directory (config.json, "
                                  "*.safetensors) or a .gguf file")
     return p
+
+
+def _known_names_hint(name: str) -> str:
+    """For a missing path that reads as a model's name (no folder in it): the known name it most likely means, by
+    difflib (case aside) or as its start, and where the names are listed; "" for a path."""
+    if os.sep in name or "/" in name:
+        return ""
+    known = {k.lower(): k for k in (*SHIPPED, *MODELS)}
+    close = difflib.get_close_matches(name.lower(), known, n=1) or [k for k in known if k.startswith(name.lower())]
+    guess = f": did you mean {known[close[0]]}?" if close else ""
+    return f"{guess} (`llmstep models` lists the models llmstep knows by name)"

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..core.checkpoint import SHIPPED, load, load_model, resolve_model_path
 from ..core.config import LlamaConfig
-from ..core.files import atomic_write_json, atomic_write_text
+from ..core.files import atomic_write_json, atomic_write_text, check_output_path
 from ..core.tokens import Tokenizer
 from ..engines.generate import generate
 from . import data
@@ -282,10 +282,11 @@ def model_window(model_dir, seq_len: int | None = None) -> int:
 
 
 def check_models(models: list[Path], seq_len: int | None = None, golden_prompt: str | None = None,
-                 cards: bool = False, max_tokens: int | None = None) -> None:
+                 cards: bool = False, max_tokens: int | None = None, write_eval_json: bool = False) -> None:
     """What evaluate_models (and, with `cards`, update_card) would refuse, before any scoring or writing: a model
     that is not a checkpoint directory (a GGUF file, a registry name), windows longer than a model's context, an
-    empty golden prompt, a slice of fewer than 2 tokens, a model with no card to update."""
+    empty golden prompt, a slice of fewer than 2 tokens, a model with no card to update, a file it would write
+    (eval.json, golden.json, README.md) that cannot be written (a read-only model folder)."""
     if max_tokens is not None and max_tokens < 2:
         raise ValueError(f"max_tokens must be at least 2 (context and a prediction), got {max_tokens}")
     if golden_prompt == "":
@@ -299,6 +300,9 @@ def check_models(models: list[Path], seq_len: int | None = None, golden_prompt: 
             raise ValueError(f"seq_len {seq_len} is longer than {model_dir}'s context ({context} tokens)")
         if cards and not (Path(model_dir) / "README.md").is_file():
             raise ValueError(f"{Path(model_dir) / 'README.md'}: no model card to update")
+        written = {"eval.json": write_eval_json, "golden.json": golden_prompt is not None, "README.md": cards}
+        for name in (name for name, on in written.items() if on):
+            check_output_path(Path(model_dir) / name, f"the model's {name}")
 
 
 def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.CORPUS_DIR,
@@ -312,7 +316,7 @@ def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.C
     settings = {"max_tokens": max_tokens, "corpus": Path(corpus).name, "dtype": "float32"}
     window = seq_len
     models = [resolve_model_path(m) for m in models]  # a missing model is refused before any scoring
-    check_models(models, seq_len, golden_prompt, max_tokens=max_tokens)
+    check_models(models, seq_len, golden_prompt, max_tokens=max_tokens, write_eval_json=write_eval_json)
     for model_dir in models:
         own = [evaluate_model(model_dir, split, max_tokens, seq_len, corpus, "cpu", batch_size) for split in splits]
         scores += own

@@ -42,3 +42,18 @@ def test_every_command_that_runs_the_model_takes_the_flag(command):
     prompt = ["--prompt", "x"] if command == "generate" else []
     args = cli.build_parser().parse_args([command, "--attention", "cudnn", *prompt])
     assert args.attention == "cudnn"
+
+
+def test_serve_refuses_a_kernel_the_cpu_lacks_before_it_is_ready(monkeypatch):
+    """As generate does: a probe forward after the weights load, not a 500 at the first request (the server gone)."""
+    from llmstep.serve import app
+
+    bound = []
+    bind = app.bind
+    monkeypatch.setattr(app, "bind", lambda *a, **k: bound.append(bind(*a, **k)) or bound[-1])
+    monkeypatch.setattr(app, "serve", lambda *a, **k: pytest.fail("the server started"))
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(["serve", "--port", "0", "--device", "cpu", "--attention", "efficient"])
+    assert failed.value.code == 2
+    assert str(failed.value).startswith("llmstep serve: error: --attention efficient: PyTorch has no efficient")
+    assert len(bound) == 1 and bound[0].fileno() == -1  # its port let go

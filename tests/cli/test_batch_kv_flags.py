@@ -25,6 +25,27 @@ def test_a_flag_of_the_other_layout_is_one_line_and_status_2(argv, message, caps
     assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-sizes", "1,2000000000"], "its largest KV cache (--batch-sizes 2000000000 x 65 positions, float32) "
+                                         "needs about"),
+    (["--slots", "1,2000000000"], "its largest KV cache (--slots 2000000000 x "),
+    (["--kv", "paged", "--slots", "2000000000"], "its largest KV cache (a paged pool of "),
+    (["--kv", "paged", "--kv-blocks", "2000000000"], "(a paged pool of 2,000,000,000 blocks x 16 positions, float32)"),
+    (["--kv", "paged", "--block-size", "100000"], "--block-size 100000 is more than the model's context (512 tokens)"),
+    (["--kv", "paged", "--kv-blocks", "1"], "--kv-blocks 1: request 0: its prompt ("),
+])
+def test_what_no_run_could_hold_is_refused_from_the_config_before_the_model_loads(argv, message, capsys, monkeypatch):
+    """The largest cache of any run (the most slots, the pool, the largest batch size of the step timing, which
+    comes after the whole workload) and each request against a --kv-blocks pool: checked before the weights."""
+    from llmstep.core import checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        main(["batch", "--requests", "4", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
 def test_paged_batch_runs_and_records_its_cache(tmp_path, capsys):
     out = tmp_path / "b.json"
     main(["batch", "--kv", "paged", "--block-size", "4", "--kv-blocks", "40", "--prefix-caching", "--prefill-chunk",

