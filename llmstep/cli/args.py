@@ -160,14 +160,17 @@ def add_attention_arg(p: argparse.ArgumentParser) -> None:
 
 
 def probe_attention(model, name: str) -> None:
-    """--attention's kernel tried once, a 2-token forward of `model`, before any text or any server is ready: a
-    kernel the device lacks fails at its first call, which `llmstep.cli` says in one line naming the flag."""
+    """--attention's kernel tried, a 2-token forward of `model` as SDPA's is_causal and with a mask tensor (a paged
+    cache's, a decode step's: CUDA's flash kernel takes no mask), before any text or any server is ready: a kernel
+    the device lacks fails at its first call, which `llmstep.cli` says in one line naming the flag."""
     if name in ("auto", "flex"):  # PyTorch's choice, or FlexAttention: no SDPA kernel forced
         return
     import torch
 
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     with torch.inference_mode():
-        model(torch.zeros(1, 2, dtype=torch.long, device=model.device))
+        model(ids)  # no mask tensor: is_causal
+        model(ids, positions=torch.arange(2, device=model.device))  # positions given: a mask tensor
 
 
 def check_draft(draft: str, target: str | None) -> None:

@@ -238,8 +238,8 @@ def _save_file(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str,
     with open(file, "r+b") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-        text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        if len(text) <= n:  # the same keys and values: never longer unless a name is not ASCII; then left as written
+        text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:  # the same keys and values as serde wrote them: never longer (else left as written)
             f.seek(8)
             f.write(text.ljust(n, b" "))  # the format pads a header with spaces
 

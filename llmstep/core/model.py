@@ -93,10 +93,10 @@ class Llama(nn.Module):
         if cache is not None and not isinstance(cache, Cache):
             raise TypeError(f"cache must be a llmstep KV cache (kv_cache.Cache: model.new_cache(), a PagedKVCache), "
                             f"got {type(cache).__name__}")
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             got = (f"a {tokens.dim()}-d {str(tokens.dtype).removeprefix('torch.')} tensor {list(tokens.shape)}"
                    if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
-            raise TypeError(f"tokens must be token ids [batch, seq] (an integer tensor), got {got}"
+            raise TypeError(f"tokens must be token ids [batch, seq] (an int64 or int32 tensor), got {got}"
                             + (": one sequence is tokens[None]" if isinstance(tokens, torch.Tensor) and
                                tokens.dim() == 1 else ""))
         B, T = tokens.shape

@@ -21,10 +21,10 @@ stream sends a server_error event, then [DONE]). A request on which the model's 
 answer, has its request dropped at once, and one gone before its body is all sent is no error of the server's.
 Text is tokenised off the event loop, and a text too long to fit is refused unread.
 
-Bound to a loopback address (the default), the server answers only requests for localhost, 127.0.0.1 or [::1] (any
-port), and none from a web page elsewhere: a Host naming another host (DNS rebinding) or an Origin of another is a
-403 (`foreign`), so no page the user opens can drive it. Bound to 0.0.0.0 or a LAN address, it is reachable by
-choice: neither is checked.
+Bound to a loopback address (the default), the server answers only requests for localhost or a loopback address
+(127.x.x.x, [::1]; any port), and none from a web page elsewhere: a Host naming another host (DNS rebinding) or an
+Origin of another is a 403 (`foreign`), so no page the user opens can drive it. Bound to 0.0.0.0 or a LAN
+address, it is reachable by choice: neither is checked.
 """
 
 from __future__ import annotations
@@ -65,13 +65,14 @@ class ErrorResponse(JSONResponse):
 
 def is_loopback(name: str) -> bool:
     """`name`, an address to bind or the host a Host or Origin header names (no brackets, no port), is this
-    machine alone: localhost, 127.0.0.0/8 or ::1."""
-    if name.lower() == "localhost":
+    machine alone: localhost, 127.0.0.0/8 or ::1 (and ::ffff:127.x.x.x)."""
+    if name.lower().removesuffix(".") == "localhost":  # "localhost." is the same name, fully qualified
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        ip = ipaddress.ip_address(name)
     except ValueError:
         return False
+    return ip.is_loopback or getattr(ip, "ipv4_mapped", None) is not None and ip.ipv4_mapped.is_loopback
 
 
 def _host(value: str) -> str:
@@ -88,10 +89,10 @@ def foreign(headers: list[tuple[bytes, bytes]]) -> str | None:
         value = raw.decode("latin-1")
         if key == b"host" and not is_loopback(_host(value)):
             return (f"the Host header {protocol.shorten(value)} names no loopback address: this server, bound to "
-                    "one, answers requests for localhost, 127.0.0.1 or [::1] only")
+                    "one, answers requests for localhost or a loopback address only")
         if key == b"origin" and not is_loopback(_host(value.partition("://")[2])):
             return (f"a request from the web page of Origin {protocol.shorten(value)} is refused: this server, "
-                    "bound to a loopback address, answers pages of localhost, 127.0.0.1 or [::1] only")
+                    "bound to a loopback address, answers pages of localhost or a loopback address only")
     return None
 
 
@@ -393,8 +394,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
     """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port, health) is
     called once the socket listens (port 0 picks a free one), with what /health says. The socket is bound before
     the engine (its KV pool) exists, so a port in use is refused at once; sock: one bound already (`bind`: the CLI
-    binds it before it loads the weights), served and closed here; host: the address it is bound to still (a
-    loopback one refuses `foreign` requests)."""
+    binds it before it loads the weights), served and closed here; host: the address to bind (the address
+    bound decides: a loopback one refuses `foreign` requests)."""
     sock = bind(host, port) if sock is None else sock
     try:
         engine = Engine(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk, max_queue).start()
@@ -402,7 +403,8 @@ def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int 
         sock.close()
         raise
     try:
-        server = make_server(create_app(engine, tokenizer, model_name, host), engine)
+        # the address bound, not the name asked for: a host name that resolves to 127.0.1.1 is loopback too
+        server = make_server(create_app(engine, tokenizer, model_name, sock.getsockname()[0]), engine)
         try:
             sock.listen(128)  # ready: a client told the address now waits in the backlog for the first accept
             if ready is not None:
@@ -426,7 +428,8 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
     engine = server = thread = None
     try:
         engine = Engine(model, **options).start()
-        server = make_server(create_app(engine, tokenizer, model_name, host), engine, graceful_seconds=1.0)
+        app = create_app(engine, tokenizer, model_name, sock.getsockname()[0])  # the address bound: a name's too
+        server = make_server(app, engine, graceful_seconds=1.0)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="llmstep-serve", daemon=True)
         thread.start()
         deadline = time.monotonic() + start_seconds

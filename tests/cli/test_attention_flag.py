@@ -57,3 +57,27 @@ def test_serve_refuses_a_kernel_the_cpu_lacks_before_it_is_ready(monkeypatch):
     assert failed.value.code == 2
     assert str(failed.value).startswith("llmstep serve: error: --attention efficient: PyTorch has no efficient")
     assert len(bound) == 1 and bound[0].fileno() == -1  # its port let go
+
+
+
+def test_the_probe_tries_the_kernel_with_and_without_a_mask_tensor(monkeypatch):
+    """A paged cache's step hands SDPA a mask tensor, a plain prompt is_causal: CUDA's flash kernel takes the one and
+    refuses the other, so the probe runs both before anything is served."""
+    import torch
+
+    from llmstep.cli.args import probe_attention
+    from llmstep.core import attention
+    from llmstep.core.config import LlamaConfig
+    from llmstep.lab.hardware import random_model
+
+    model = random_model(LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                     max_seq_len=16), "cpu", torch.float32)
+    sdpa, tensors = attention.sdpa, []
+
+    def spy(q, k, v, mask, *args, **kwargs):
+        tensors.append(mask.visible is not None)
+        return sdpa(q, k, v, mask, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa", spy)
+    probe_attention(model, "math")
+    assert tensors == [False, True]

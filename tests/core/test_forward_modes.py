@@ -199,7 +199,10 @@ def test_positions_that_would_read_or_write_the_wrong_slots_are_refused(model):
     (torch.tensor([3, 14, 15]), r"got a 1-d int64 tensor \[3\]: one sequence is tokens\[None\]"),
     (torch.tensor([[[3]]]), r"got a 3-d int64 tensor \[1, 1, 1\]$"),
     (torch.ones(1, 3), r"got a 2-d float32 tensor \[1, 3\]"),
+    (torch.ones(1, 3, dtype=torch.int16), r"got a 2-d int16 tensor \[1, 3\]"),
+    (torch.ones(1, 3, dtype=torch.bool), r"got a 2-d bool tensor \[1, 3\]"),
     ([[3, 14, 15]], r"got list")])
 def test_the_forward_names_tokens_that_are_no_batch_of_ids(model, tokens, words):
-    with pytest.raises(TypeError, match=r"tokens must be token ids \[batch, seq\] \(an integer tensor\), " + words):
+    with pytest.raises(TypeError, match=r"tokens must be token ids \[batch, seq\] \(an int64 or int32 tensor\), "
+                       + words):
         model(tokens)

@@ -234,9 +234,10 @@ def test_two_saves_of_one_quantized_model_are_the_same_bytes(tmp_path):
     assert same(state(llmstep.load_model(tmp_path / "ckpt1")), state(model))
 
 
-def test_the_rewritten_header_sorts_many_metadata_keys_and_keeps_every_offset(tmp_path):
-    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(5, dtype=torch.bfloat16)}
-    metadata = {str(k): "v" * k for k in range(16)}  # sixteen keys: a hash order is never the sorted one by chance
+@pytest.mark.parametrize("text", ["v", "é€"], ids=["ascii", "not-ascii"])
+def test_the_rewritten_header_sorts_many_metadata_keys_and_keeps_every_offset(tmp_path, text):
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), f"a{text}": torch.ones(5, dtype=torch.bfloat16)}
+    metadata = {str(k): text * k for k in range(16)}  # sixteen keys: a hash order is never the sorted one by chance
     checkpoint._save_file(tensors, tmp_path / "x.safetensors", metadata)
     data = (tmp_path / "x.safetensors").read_bytes()
     positions = [data.index(f'"{k}":'.encode()) for k in sorted(metadata)]

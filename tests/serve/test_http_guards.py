@@ -78,7 +78,9 @@ def test_a_body_still_coming_when_the_server_stops_is_a_503_not_a_cancelled_task
 
 
 @pytest.mark.parametrize("name, loopback", [("127.0.0.1", True), ("localhost", True), ("LocalHost", True),
-                                            ("::1", True), ("127.0.0.2", True), ("0.0.0.0", False), ("::", False),
+                                            ("::1", True), ("127.0.0.2", True), ("localhost.", True),
+                                            ("LOCALHOST.", True), ("::ffff:127.0.0.1", True), ("localhost..", False),
+                                            ("::ffff:10.0.0.1", False), ("0.0.0.0", False), ("::", False),
                                             ("192.168.1.5", False), ("localhost.evil.example", False), ("", False)])
 def test_loopback_names(name, loopback):
     assert is_loopback(name) is loopback
@@ -106,7 +108,9 @@ def test_a_loopback_server_refuses_another_hosts_name_and_a_page_elsewhere_unrea
 @pytest.mark.parametrize("headers", [{"Host": "127.0.0.1:8000"}, {"Host": "localhost"}, {"Host": "[::1]:8000"},
                                      {"Host": "LOCALHOST:1", "Origin": "http://localhost:3000"},
                                      {"Host": "127.0.0.1:8000", "Origin": "http://[::1]:8000"},
-                                     {"Host": "localhost:8000", "Origin": "https://127.0.0.1"}, {}],
+                                     {"Host": "localhost:8000", "Origin": "https://127.0.0.1"},
+                                     {"Host": "localhost.:8000", "Origin": "http://localhost.:3000"},
+                                     {"Host": "[::ffff:127.0.0.1]:80"}, {}],
                          ids=lambda h: " ".join(f"{k}={v}" for k, v in h.items()) or "no Host")
 def test_a_loopback_server_answers_its_own_names_and_pages(headers):
     assert call(app_bound_to(), "GET", "/v1/models", headers, [])[0] == 200
