@@ -17,7 +17,7 @@ from ..engines.decoding import check_seed
 
 __all__ = ["COUNT_LIMIT", "THREADS_LIMIT", "positive_int", "nonneg_int", "threads", "seed", "nonneg_float",
            "positive_float", "probability", "fraction", "parse_ints", "parse_range", "int_between", "add_attention_arg",
-           "probe_attention", "quantization", "check_block_size", "check_window"]
+           "probe_attention", "quantization", "check_window"]
 
 # The largest count a flag takes (tokens, repeats, requests, ...): far beyond any context or machine here, and
 # small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
@@ -34,12 +34,12 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def int_between(low: int, high: int = COUNT_LIMIT):
-    """A type: an integer in low .. high."""
+def int_between(low: int, high: int = COUNT_LIMIT, what: str = ""):
+    """A type: an integer in low .. high; `what` (the unit, said in the error) after the range."""
     def parse(text: str) -> int:
         value = _int(text)
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be an integer in {low} .. {high}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be an integer in {low} .. {high}{what}, got {text}")
         return value
 
     parse.__name__ = f"int_{low}_{high}"  # argparse names the type in some messages
@@ -49,15 +49,8 @@ def int_between(low: int, high: int = COUNT_LIMIT):
 positive_int = int_between(1)
 nonneg_int = int_between(0)
 decode_tokens = int_between(2)  # a decode rate's --new-tokens: the prefill's token, then at least one decode step
-
-
-def threads(text: str) -> int:
-    """Every command's --threads (torch.set_num_threads): an integer in 1 .. THREADS_LIMIT."""
-    value = _int(text)
-    if not 1 <= value <= THREADS_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be an integer in 1 .. {THREADS_LIMIT} (CPU threads; this machine has "
-                                         f"{os.cpu_count()} CPUs), got {text}")
-    return value
+# every command's --threads (torch.set_num_threads)
+threads = int_between(1, THREADS_LIMIT, f" (CPU threads; this machine has {os.cpu_count()} CPUs)")
 
 
 def seed(text: str) -> int:
@@ -196,14 +189,6 @@ def check_draft(draft: str, target: str | None) -> None:
                          "self-draft starts from a float target")
     else:
         quantize.check_config(config, value, lm_head=True)  # as resolve_draft quantizes it
-
-
-def check_block_size(block_size: int, context: int) -> None:
-    """--block-size (serve, batch --kv paged), from the model's config alone: a block holds one request's positions,
-    so at most the model's context."""
-    if block_size > context:
-        raise ValueError(f"--block-size {block_size} is more than the model's context ({context} tokens): a block "
-                         "holds one request's positions")
 
 
 def check_window(tokens: int, asked: str, model: str | None = None, preset: str | None = None, config=None) -> None:

@@ -11,7 +11,6 @@ from ..core.files import atomic_write_json, check_output_path
 from ..lab import bench_batching, runinfo
 from .args import (
     add_attention_arg,
-    check_block_size,
     check_window,
     int_between,
     nonneg_float,
@@ -73,8 +72,9 @@ def check_batch(args, workload: dict) -> None:
     from ..core.cost import check_fits, checkpoint_bytes, kv_cache_bytes
     from ..core.device import resolve_device
     from ..core.loader import load_dtype
-    from ..core.paged_kv import BOOKKEEPING_BYTES_PER_BLOCK, blocks_for
-    from ..engines.decoding import CACHE_ROUNDING, budget, cache_len
+    from ..core.paged_kv import BOOKKEEPING_BYTES_PER_BLOCK, check_block_size
+    from ..engines.batching import pool_blocks
+    from ..engines.decoding import budget
     from ..engines.kv_manager import check_fits as check_pool_fits
 
     path = resolve_model_path(args.model)
@@ -87,26 +87,25 @@ def check_batch(args, workload: dict) -> None:
     dtype = load_dtype(config, device, args.dtype)
     requests = bench_batching.random_workload(vocab_size=config.vocab_size, **workload)  # the runs' own (seeded)
     slots = max(args.slots)
+    # measure_batch_scaling's runner: the largest batch, each row its context and the step's token
     caches = [(kv_cache_bytes(config, max(args.batch_sizes), args.context + 1, dtype),
                f"--batch-sizes {max(args.batch_sizes)} x {args.context + 1} positions")]
+    lengths = [(len(r.prompt_ids), r.max_new_tokens) for r in requests]
     if args.kv == "paged":
         block_size = args.block_size or 16
-        check_block_size(block_size, context)
+        check_block_size(block_size, context, "--block-size")
         if args.kv_blocks is not None:
-            for i, r in enumerate(requests):
+            for i, (prompt, new) in enumerate(lengths):
                 try:
-                    check_pool_fits(len(r.prompt_ids), budget(len(r.prompt_ids), r.max_new_tokens, context).tokens,
-                                    args.kv_blocks, block_size, index=i)
+                    check_pool_fits(prompt, budget(prompt, new, context).tokens, args.kv_blocks, block_size, index=i)
                 except ValueError as e:
                     raise ValueError(f"--kv-blocks {args.kv_blocks}: {e} (--prompt-len, --new-tokens and --seed "
                                      "draw the requests)") from None
-        longest = max(cache_len(len(r.prompt_ids), r.max_new_tokens, context, rounding=CACHE_ROUNDING)
-                      for r in requests)  # PagedBatcher.pool_blocks: --slots sequences of the longest request
-        blocks = args.kv_blocks or slots * blocks_for(longest, block_size)
+        blocks = pool_blocks(lengths, slots, block_size, context, args.kv_blocks)  # the largest pool (most slots)
         caches.append((kv_cache_bytes(config, blocks, block_size, dtype) + blocks * BOOKKEEPING_BYTES_PER_BLOCK,
                        f"a paged pool of {blocks:,} blocks x {block_size} positions"))
-    else:  # serve_both_ways: every slot holds the longest request, up to the context
-        longest = min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests), context)
+    else:
+        longest = bench_batching.slot_len(lengths, context)
         caches.append((kv_cache_bytes(config, slots, longest, dtype), f"--slots {slots} x {longest} positions"))
     weights = checkpoint_bytes(config, dtype, read_quant_config(path))
     cache, what = max(caches)

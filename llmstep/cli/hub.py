@@ -35,24 +35,20 @@ def run_pull(args, argv) -> None:
 
 def check_home(name: str) -> None:
     """Where a pull writes (registry.home(): its temporary download folder, then models/NAME/), refused before any
-    download when it cannot be written there: a file on the way, or a folder this user cannot write."""
-    import tempfile
-
+    download when it cannot be written there (files.check_folder_writable): a file on the way, or a folder this
+    user cannot write."""
     from ..core import registry
+    from ..core.files import check_folder_writable
 
     home = registry.home()
     where = (f"{registry.HOME_ENV}={os.environ[registry.HOME_ENV]}" if os.environ.get(registry.HOME_ENV)
              else f"llmstep's home {home} (set {registry.HOME_ENV} for another)")
     for folder in (home, registry.local_path(name).parent):
-        existing = next(p for p in (folder, *folder.parents) if p.exists())  # the write makes the folders below it
-        if not existing.is_dir():
-            raise ValueError(f"{where}: {existing} is a file, not a folder; pulled models are kept in a folder")
-        try:  # a probe file, removed at once: os.access does not see every refusal (a read-only mount as root)
-            with tempfile.TemporaryFile(dir=existing):
-                pass
-        except OSError as e:
-            raise ValueError(f"{where}: cannot write in {existing} ({e.strerror}); pulled models are kept there: set "
-                             f"{registry.HOME_ENV} to a folder you can write") from None
+        try:
+            check_folder_writable(folder, where)
+        except ValueError as e:
+            raise ValueError(f"{e}; pulled models are kept there: set {registry.HOME_ENV} to a folder you can "
+                             "write") from None
 
 
 def model_rows() -> list[dict]:

@@ -10,7 +10,6 @@ import sys
 from ..lab.bench_batching import MAX_REQUESTS
 from .args import (
     add_attention_arg,
-    check_block_size,
     int_between,
     nonneg_int,
     parse_range,
@@ -151,6 +150,7 @@ def run_serve(args, argv) -> dict:
     import torch
 
     from ..core.checkpoint import load, read_config
+    from ..core.paged_kv import check_block_size
     from ..core.registry import resolve_model_path
 
     app = _serve_module()
@@ -158,7 +158,7 @@ def run_serve(args, argv) -> dict:
         torch.set_num_threads(args.threads)
     name = args.model or resolve_model_path(None).name
     context = read_config(resolve_model_path(args.model)).max_seq_len  # before the weights load
-    check_block_size(args.block_size, context)
+    check_block_size(args.block_size, context, "--block-size")
     sock = app.bind(args.host, args.port)  # a port in use is refused before the weights load
     try:
         model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)

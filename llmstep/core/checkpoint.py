@@ -44,12 +44,12 @@ from .checkpoint_layout import (
     with_stored_dtype,
 )
 from .checks import is_int
-from .config import TORCH_DTYPES, LlamaConfig, read_config_json, read_json_object
-from .device import resolve_device, resolve_dtype
+from .config import LlamaConfig, read_config_json, read_json_object
+from .device import DTYPE_NAMES, resolve_device, resolve_dtype
 from .files import default_mode, fsync_dir, replace_dir
 from .gguf_load import load_gguf, read_gguf
 from .loader import build, load_dtype, read_state
-from .model import Llama
+from .model import Llama, check_model
 from .quantize import QuantConfig
 from .registry import DATA_DIR, SHIPPED, resolve_model_path
 from .tokens import Tokenizer
@@ -163,8 +163,7 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
     over the files this save does not write, but not an earlier save's weights): at every instant `path`
     holds the complete old checkpoint or the complete new one.
     """
-    if not isinstance(getattr(model, "config", None), LlamaConfig):
-        raise TypeError(f"save(model, path, tokenizer): model must be a llmstep model, got {type(model).__name__}")
+    check_model(model, "save(model, path, tokenizer)")
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"save(model, path, tokenizer): path must be a folder's path, got {type(path).__name__}")
     for name, value, kind in (("tokenizer", tokenizer, Tokenizer), ("generation_config", generation_config, Mapping)):
@@ -176,9 +175,10 @@ def save(model: Llama, path: str | os.PathLike, tokenizer: Tokenizer | None = No
                          f"{max_shard_bytes!r}")
     config = model.config
     qc = getattr(model, "quantization", None)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point or dtype in TORCH_DTYPES):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+                                  or isinstance(dtype, str) and dtype != "auto" and dtype in DTYPE_NAMES):
         raise ValueError(f"dtype must be a float dtype (float32, bfloat16, float16 or float64), got {dtype!r}")
-    # a name ("bfloat16") as a torch dtype; int8 and the like refused (save does not quantise: quantize() does)
+    # a name ("bfloat16", "bf16": load's names) as a torch dtype; int8 and the like refused (quantize() quantises)
     dtype = model.dtype if dtype is None else resolve_dtype(dtype, torch.device("cpu"))
     config_json = config.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")}
     metadata = {"format": "pt"}

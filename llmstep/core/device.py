@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype", "last_level_cache",
-           "cpuinfo_fields"]
+__all__ = ["DTYPE_NAMES", "resolve_device", "resolve_dtype", "synchronize", "native_bf16", "half_dtype",
+           "last_level_cache", "cpuinfo_fields"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
            "float64": torch.float64, "fp64": torch.float64, "double": torch.float64}  # float64: exact parity checks
+DTYPE_NAMES = frozenset(_DTYPES)  # every name of a float dtype llmstep accepts, "bf16" and the like included
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

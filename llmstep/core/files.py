@@ -185,19 +185,27 @@ def check_output_path(path: str | os.PathLike, what: str = "output") -> Path:
     if os.fspath(path).endswith(("/", os.sep)):
         raise ValueError(f"{what} path {os.fspath(path)} ends in a separator, so names a directory: give a file name")
     path = Path(path)
-    parent = write_target(path, what).parent
-    existing = next(p for p in (parent, *parent.parents, Path(".")) if p.exists())
+    check_folder_writable(write_target(path, what).parent, f"{what} path {path}")
+    return path
+
+
+def check_folder_writable(folder: str | os.PathLike, what: str) -> None:
+    """Refuse, before any work, a folder where no file can be made: the nearest existing folder at or above it a
+    file, not writable, or refusing a probe file (a read-only mount as root, /proc). Nothing is left behind: missing
+    folders are not made here (the write makes them), and the probe file is removed at once. `what` starts each
+    message (the flag or setting that names the folder)."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents, Path(".")) if p.exists())
     if not existing.is_dir():
-        raise ValueError(f"{what} path {path}: {existing} is a file, not a directory")
+        raise ValueError(f"{what}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{what} path {path}: {existing} is not writable")
+        raise ValueError(f"{what}: {existing} is not writable")
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=existing)
+        fd, probe = tempfile.mkstemp(prefix=".llmstep.", suffix=".probe", dir=existing)
     except OSError as e:
-        raise ValueError(f"{what} path {path}: cannot create a file in {existing} ({e.strerror})") from None
+        raise ValueError(f"{what}: cannot create a file in {existing} ({e.strerror})") from None
     os.close(fd)
     os.unlink(probe)
-    return path
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -23,7 +23,7 @@ from .mlp import FeedForward
 from .norm import RMSNorm
 from .rope import config_inv_frequencies, rope_cos_sin
 
-__all__ = ["Block", "Llama", "LAST", "all_finite", "materialize"]
+__all__ = ["Block", "Llama", "LAST", "all_finite", "check_model", "materialize"]
 
 LAST = slice(-1, None)  # Llama.forward's keep: the last token's logits only, [B, 1, vocab]
 
@@ -128,6 +128,14 @@ class Llama(nn.Module):
         if keep is not None:
             x = x[:, keep]  # [B, K, dim]: only the tokens whose next token is wanted
         return self.output(self.norm(x))  # [B, T or K, vocab]
+
+
+def check_model(model, call: str | None = None) -> None:
+    """`model` is a llmstep model (its config a LlamaConfig: a Llama, quantized or sharded), else a TypeError naming
+    the call and what it got: generate(tokenizer, model) and save(model, tokenizer, path) are easy to write."""
+    if not isinstance(getattr(model, "config", None), LlamaConfig):
+        raise TypeError(f"{call + ': ' if call else ''}model must be a llmstep model (llmstep.load returns (model, "
+                        f"tokenizer)), got {type(model).__name__}")
 
 
 def all_finite(t: torch.Tensor) -> bool:

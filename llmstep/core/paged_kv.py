@@ -44,8 +44,8 @@ from .config import LlamaConfig
 from .cost import check_fits, kv_cache_bytes
 from .kv_cache import Cache
 
-__all__ = ["BlockPool", "BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "check_pool",
-           "gather_blocks", "attend_by_hand"]
+__all__ = ["BlockPool", "BlockManager", "PagedKVCache", "SeqChunk", "blocks_for", "block_key", "check_block_size",
+           "check_pool", "gather_blocks", "attend_by_hand"]
 
 # What BlockPool keeps per block, in Python objects: a `ref` list slot (8 bytes), a `free` deque slot (8) and
 # one int object (28), rounded up. Counted with the tensors so that the bookkeeping is never built unchecked.
@@ -71,14 +71,19 @@ def _check_sizes(n_blocks, block_size) -> None:
             raise ValueError(f"a paged KV cache needs a positive integer {name}, got {value!r}")
 
 
+def check_block_size(block_size: int, context: int, name: str = "block_size") -> None:
+    """The one rule on a block's length: at most the model's context (a block holds one sequence's positions, so
+    no sequence could fill a longer one). name: what the caller calls it (the CLI's --block-size)."""
+    if block_size > context:
+        raise ValueError(f"{name} {block_size} is longer than the model's context ({context} positions): no "
+                         f"sequence could fill one block; choose at most {context}")
+
+
 def check_pool(config: LlamaConfig, n_blocks: int, block_size: int, device, dtype: torch.dtype) -> None:
     """Refuse a pool before anything of it is built (its bookkeeping included): sizes that are not positive
-    integers, a block longer than the model's context (no sequence could fill it), or a pool that the device's
-    free memory cannot hold."""
+    integers, a block longer than the model's context, or a pool that the device's free memory cannot hold."""
     _check_sizes(n_blocks, block_size)
-    if block_size > config.max_seq_len:
-        raise ValueError(f"block_size {block_size} is longer than the model's context ({config.max_seq_len} "
-                         f"positions): no sequence could fill one block; choose at most {config.max_seq_len}")
+    check_block_size(block_size, config.max_seq_len)
     check_fits(kv_cache_bytes(config, n_blocks, block_size, dtype) + n_blocks * BOOKKEEPING_BYTES_PER_BLOCK,
                device, f"a paged KV cache of {n_blocks:,} blocks x {block_size} positions ({dtype})")
 

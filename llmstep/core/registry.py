@@ -199,6 +199,9 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     models` lists them) -> its file; else the directory or GGUF file given."""
     if path is None:
         path = "target"
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"the model must be a name ('target', a name `llmstep models` lists) or a path to a "
+                        f"checkpoint directory or GGUF file, got {type(path).__name__}")
     if str(path) == "":
         raise FileNotFoundError("the model path is empty: give a checkpoint directory or a GGUF file "
                                 "(or 'target' / 'draft')")

@@ -3,8 +3,7 @@
 Llama 3 uses a byte-level BPE of 128,000 merges plus 256 special tokens; the default Shakespeare model
 uses the same scheme with 8,192 tokens. Special tokens (`<|begin_of_text|>`, `<|eot_id|>`, ...) come
 from the file. A chat is formatted by the checkpoint's own template (llmstep.core.chat) or, where it has none,
-in Llama 3's format when the tokenizer has its tokens.
-"""
+in Llama 3's format when the tokenizer has its tokens."""
 
 from __future__ import annotations
 
@@ -45,10 +44,11 @@ class Tokenizer:
                  add_bos: bool | None = None, chat_template: str | None = None,
                  named_tokens: Mapping[str, str] | None = None, chat_control_tokens: Iterable[str] | None = None,
                  unused_ids: Iterable[int] = ()):
+        if not isinstance(tok, tokenizers.Tokenizer):  # Tokenizer("tokenizer.json") is the easy mistake
+            raise TypeError(f"tok must be a tokenizers.Tokenizer (for a path: from_file), got {type(tok).__name__}")
         self.tok = tok
         self.bos_id = tok.token_to_id(BOS) if bos_id is None else bos_id
-        if eos_ids is None:
-            eos_ids = [i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None]
+        eos_ids = [i for t in EOS_CANDIDATES if (i := tok.token_to_id(t)) is not None] if eos_ids is None else eos_ids
         self.eos_ids: list[int] = list(dict.fromkeys(eos_ids))
         self.add_bos = self.bos_id is not None if add_bos is None else bool(add_bos)
         if self.add_bos and self.bos_id is None:

@@ -40,15 +40,15 @@ from ..core.config import LlamaConfig
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
-from .decoding import check_int
+from .decoding import CACHE_ROUNDING, cache_len, check_int
 from .engine import Engine, Rows
 from .kv_manager import KVCacheManager, check_fits
 from .request import MAX_ARRIVAL_STEP, Checked, Request, check_request
 from .scheduler import POLICIES, BatchRun, Completion, Job, Scheduled, Scheduler, check_policy
 
 __all__ = ["Request", "Completion", "BatchRun", "BatchRunner", "ContinuousBatcher", "PagedRunner", "PagedBatcher",
-           "engine_step", "run_steps", "make_batcher", "run_batch", "POLICIES", "KV_LAYOUTS", "MAX_ARRIVAL_STEP",
-           "cache_config"]
+           "engine_step", "run_steps", "make_batcher", "pool_blocks", "run_batch", "POLICIES", "KV_LAYOUTS",
+           "MAX_ARRIVAL_STEP", "cache_config"]
 
 
 def cache_config(model: Llama) -> LlamaConfig:
@@ -244,10 +244,9 @@ class PagedBatcher(Engine):
         self.runner: PagedRunner | None = None
 
     def pool_blocks(self, checked: Sequence[Checked]) -> int:
-        """kv_blocks, or the blocks of n_slots slots each sized for the longest request."""
-        if self.kv_blocks is not None:
-            return self.kv_blocks
-        return self.n_slots * blocks_for(self.slots_needed(checked), self.block_size)
+        """kv_blocks, or the blocks of n_slots slots each sized for the longest request (`pool_blocks`)."""
+        return pool_blocks([(len(c.ids), c.max_new_tokens) for c in checked], self.n_slots, self.block_size,
+                           self.limit, self.kv_blocks)
 
     def run(self, requests: Sequence[Request], policy: str = "continuous") -> BatchRun:
         """Serve every request; returns their completions (in submission order), the timeline, kv_stats."""
@@ -274,6 +273,17 @@ class PagedBatcher(Engine):
 
 
 KV_LAYOUTS = ("contiguous", "paged")
+
+
+def pool_blocks(lengths: Iterable[tuple[int, int]], n_slots: int, block_size: int, context: int,
+                kv_blocks: int | None = None) -> int:
+    """The blocks of a PagedBatcher's pool, the one rule (its run uses it, and `llmstep batch` to check the memory
+    before the model loads): kv_blocks, or n_slots sequences each of the slots the longest of these (prompt length,
+    max_new_tokens) requests needs (`cache_len`, rounded up to CACHE_ROUNDING, at most the context), in blocks."""
+    if kv_blocks is not None:
+        return kv_blocks
+    longest = max((cache_len(p, n, context, rounding=CACHE_ROUNDING) for p, n in lengths), default=1)
+    return n_slots * blocks_for(longest, block_size)
 
 
 def make_batcher(model: Llama, n_slots: int = 8, max_len: int | None = None, compile: bool | None = None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.checks import check_int, check_seed, is_int
-from ..core.config import LlamaConfig
+from ..core.model import check_model
 from ..core.parallel import is_sharded
 from ..core.sampling import check_params
 from ..core.tokens import Tokenizer
@@ -119,9 +119,7 @@ def check_request(request: Request, model: torch.nn.Module, limit: int | None = 
     """Every field of `request` checked for `model` before any work: a ValueError naming the field (given an index,
     starting "request {index}: "). limit: the positions a sequence may fill (default the model's context; `room`
     names them). tokenizer: text and chat messages are encoded with it (else the prompt must be token ids)."""
-    if not isinstance(getattr(model, "config", None), LlamaConfig):
-        raise TypeError(f"model must be a llmstep model (llmstep.load returns (model, tokenizer)), got "
-                        f"{type(model).__name__}")
+    check_model(model)
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be a llmstep Tokenizer (llmstep.load returns (model, tokenizer)), got "
                         f"{type(tokenizer).__name__}")

@@ -60,6 +60,13 @@ def random_workload(n_requests: int, vocab_size: int, prompt_len: tuple[int, int
     return requests
 
 
+def slot_len(lengths: Iterable[tuple[int, int]], context: int) -> int:
+    """The slots of each contiguous row `serve_both_ways` gives its batchers, the one rule (`llmstep batch` checks the
+    memory with it before the model loads): room for every (prompt length, max_new_tokens) request, up to the
+    model's context (a longer request stops there, as generate does)."""
+    return min(max(p + n for p, n in lengths), context)
+
+
 def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] = (1, 4, 8),
                     compile: bool | None = None, kv: dict | None = None) -> Iterator[dict]:
     """Serve `requests` with each number of slots under every policy (one slot: continuous only, the policies
@@ -68,9 +75,8 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
     options (kv="paged", block_size, ...)."""
     kv = dict(kv or {})
     paged = kv.get("kv", "contiguous") == "paged"
-    # Room for every request, up to the model's context (a longer request stops there, as generate does).
-    max_len = None if paged else min(max(len(r.prompt_ids) + r.max_new_tokens for r in requests),
-                                     model.config.max_seq_len)
+    max_len = None if paged else slot_len([(len(r.prompt_ids), r.max_new_tokens) for r in requests],
+                                          model.config.max_seq_len)
     reference = None
     for n_slots in slots:
         batcher = make_batcher(model, n_slots, max_len, compile, **kv)

@@ -31,7 +31,7 @@ def test_a_flag_of_the_other_layout_is_one_line_and_status_2(argv, message, caps
     (["--slots", "1,2000000000"], "its largest KV cache (--slots 2000000000 x "),
     (["--kv", "paged", "--slots", "2000000000"], "its largest KV cache (a paged pool of "),
     (["--kv", "paged", "--kv-blocks", "2000000000"], "(a paged pool of 2,000,000,000 blocks x 16 positions, float32)"),
-    (["--kv", "paged", "--block-size", "100000"], "--block-size 100000 is more than the model's context (512 tokens)"),
+    (["--kv", "paged", "--block-size", "100000"], "--block-size 100000 is longer than the model's context (512"),
     (["--kv", "paged", "--kv-blocks", "1"], "--kv-blocks 1: request 0: its prompt ("),
 ])
 def test_what_no_run_could_hold_is_refused_from_the_config_before_the_model_loads(argv, message, capsys, monkeypatch):

@@ -5,6 +5,7 @@ Offline: pip reads a fake wheel from a folder (tests/fake_wheel.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -97,9 +98,10 @@ def test_a_command_given_a_name_not_pulled_says_how_to_pull_it(fake, capsys):
 
 
 @pytest.mark.parametrize("home, words", [
-    ("/etc/passwd", "LLMSTEP_HOME=/etc/passwd: /etc/passwd is a file, not a folder"),
-    ("/etc/passwd/models", "LLMSTEP_HOME=/etc/passwd/models: /etc/passwd is a file, not a folder"),
-    ("/proc/llmstep-home", "LLMSTEP_HOME=/proc/llmstep-home: cannot write in /proc ("),
+    ("/etc/passwd", "LLMSTEP_HOME=/etc/passwd: /etc/passwd is a file, not a directory"),
+    ("/etc/passwd/models", "LLMSTEP_HOME=/etc/passwd/models: /etc/passwd is a file, not a directory"),
+    ("/proc/llmstep-home", "LLMSTEP_HOME=/proc/llmstep-home: " + ("cannot create a file in /proc (" if os.geteuid() == 0
+                                                                  else "/proc is not writable")),
 ])
 def test_a_home_that_cannot_hold_models_is_named_before_pip_runs(fake, capsys, monkeypatch, home, words):
     def refuse(*args, **kwargs):

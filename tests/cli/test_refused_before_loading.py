@@ -141,7 +141,7 @@ def test_train_refuses_before_training_and_leaves_no_run_folder(tmp_path, monkey
     (["profile", "--rate-only", "--steps", "5"], "--steps sets the profile, which --rate-only skips"),
     (["profile", "--rate-only", "--kernel-profile"], "--kernel-profile sets the profile, which --rate-only skips"),
     (["info", "--model", "target", "--context", "512"], "--context 512 and the step's token need 513 positions"),
-    (["serve", "--block-size", "100000000"], "--block-size 100000000 is more than the model's context (512"),
+    (["serve", "--block-size", "100000000"], "--block-size 100000000 is longer than the model's context (512"),
     (["bench", "--preset", "llama-3.2-1b", "--set", "dim=64", "dim=128"],
      "--set dim is given twice (dim=64 and dim=128): give each field once"),
     (["bench", "--preset", "llama-3.2-1b", "--random-weights"], "has random weights already: drop --random-weights"),

@@ -1,6 +1,7 @@
 """`llmstep.save` over an existing checkpoint, interrupted at any file operation, leaves the directory loading as
 exactly the old model or exactly the new one: never a directory without weights, never a mix."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -286,7 +287,7 @@ def test_a_tokenizer_that_cannot_be_written_is_an_os_error_naming_the_file(tiny_
 
 
 @pytest.mark.parametrize("args, kwargs, words", [
-    (("model", "ckpt"), {}, "save\\(model, path, tokenizer\\): model must be a llmstep model, got str"),
+    (("model", "ckpt"), {}, "save\\(model, path, tokenizer\\): model must be a llmstep model .*, got str"),
     ((None, 7), {}, "path must be a folder's path, got int"),
     ((None, "ckpt", "tok"), {}, "save: tokenizer must be a Tokenizer or None, got str"),
     ((None, "ckpt"), {"generation_config": 5}, "save: generation_config must be a Mapping or None, got int")])
@@ -296,3 +297,17 @@ def test_save_names_an_argument_of_the_wrong_kind_before_writing_anything(tmp_pa
     with pytest.raises(TypeError, match=words):
         llmstep.save(*args, **kwargs)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("double", torch.float64)])
+def test_save_takes_the_dtype_names_load_takes(tmp_path, name, dtype):
+    model = _small_model()
+    llmstep.save(model, tmp_path / "ckpt", dtype=name)
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["torch_dtype"] == str(dtype)[6:]
+    assert checkpoint.load_model(tmp_path / "ckpt", dtype=name).dtype == dtype
+
+
+@pytest.mark.parametrize("model", [123, 1.5, ["target"], b"target"])
+def test_load_names_a_model_that_is_neither_a_name_nor_a_path(model):
+    with pytest.raises(TypeError, match=f"a path to a checkpoint directory or GGUF file, got {type(model).__name__}"):
+        llmstep.load(model)

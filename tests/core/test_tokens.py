@@ -1,5 +1,7 @@
 """The chat template's special tokens come from the template alone, never from what a user wrote."""
 
+from pathlib import Path
+
 import pytest
 
 from llmstep.core.checkpoint import DATA_DIR
@@ -137,3 +139,9 @@ def test_special_tokens_map_names_the_tokens_tokenizer_config_leaves_out_as_tran
     assert ours == "<|end_of_text|>hi<|eot_id|>"  # the map's eos, and its bos over tokenizer_config.json's
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert ours == theirs.apply_chat_template(messages, tokenize=False)
+
+
+@pytest.mark.parametrize("tok", ["data/tokenizer.json", Path("tokenizer.json"), None])
+def test_the_constructor_names_a_path_or_nothing_given_for_the_tokenizers_tokenizer(tok):
+    with pytest.raises(TypeError, match=f"tok must be a tokenizers.Tokenizer .*from_file.*, got {type(tok).__name__}"):
+        Tokenizer(tok)

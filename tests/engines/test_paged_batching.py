@@ -240,6 +240,22 @@ def test_contiguous_runs_report_their_slots_as_blocks(tiny64):
     assert run.summary()["kv_blocks_total"] == 3
 
 
+def test_the_pool_a_run_builds_is_the_one_rule_the_cli_checks_with(tiny64):
+    """`llmstep batch` checks the memory of the pool with `pool_blocks` before the model loads: the run's own."""
+    from llmstep.engines.batching import pool_blocks
+
+    model, _ = tiny64
+    requests = [Request([1] * 30, 300, **GREEDY), Request([2] * 5, 3, **GREEDY)]
+    batcher = PagedBatcher(model, n_slots=3, block_size=8)
+    batcher.run(requests)
+    context = model.config.max_seq_len
+    # the longest request's 330 slots round up to CACHE_ROUNDING (256) steps, at most the context, in blocks of 8
+    want = 3 * blocks_for(min(512, context), 8)
+    assert batcher.runner.cache.n_blocks == pool_blocks([(30, 300), (5, 3)], 3, 8, context) == want
+    assert pool_blocks([(30, 300)], 3, 8, context, kv_blocks=7) == 7
+    assert pool_blocks([], 2, 8, context) == 2  # no request: one slot each
+
+
 class BuiltUnchecked(Exception):
     """Raised by the spy below: the pool's bookkeeping was about to be built before its size was judged."""
 
