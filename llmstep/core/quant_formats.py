@@ -135,9 +135,16 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> 
     The scale is rounded to scale_dtype first and q computed from the rounded scale, so the bound
     |w - q * scale| <= scale / 2 holds for the scale that is stored.
     """
+    if w.dim() != 2:
+        raise QuantizationError(f"int8 quantizes a matrix [out, in], got a tensor of shape {list(w.shape)}")
     w32 = w.detach().float()
-    scales = (w32.abs().amax(dim=1) / 127).clamp_min(1e-12).to(scale_dtype)  # [N]; an all-zero row keeps 1e-12
-    q = torch.round(w32 / scales.float()[:, None]).clamp_(-128, 127).to(torch.int8)
+    amax = w32.abs().amax(dim=1)  # [N]
+    scales = (amax / 127).clamp_min(1e-12).to(scale_dtype)  # [N]; an all-zero row keeps 1e-12 (float16: 0)
+    # A subnormal scale (float16 below 6.1e-5) rounds by far more than its half step: taken one step up where the
+    # row's largest weight would need a code past 127.5, as the bound needs (a normal scale never is).
+    low = scales.float() * 127.5 < amax
+    scales = torch.where(low, torch.nextafter(scales, torch.full_like(scales, torch.inf)), scales)
+    q = torch.round(w32 / scales.float().where(scales > 0, 1.0)[:, None]).clamp_(-128, 127).to(torch.int8)
     return q, scales
 
 
@@ -166,6 +173,9 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, scale_d
     within scale / 2 of its dequantised value. Where the rounded zero has moved so far (a group far from 0, a
     bf16 zero) that an end of the group lies beyond q = 0 or 15 by more than that, the scale is widened to reach it.
     """
+    if w.dim() != 2:
+        raise QuantizationError(f"int4 quantizes a matrix [out, in], got a tensor of shape {list(w.shape)}")
+    QuantConfig("int4", group_size)  # an even integer >= 2, else refused by name
     N, K = w.shape
     if K % group_size:
         raise QuantizationError(f"group_size {group_size} does not divide the input dimension {K}")

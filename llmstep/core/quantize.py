@@ -134,6 +134,10 @@ class Int8Linear(nn.Module):
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
+        if x.dtype == torch.float16 and widens_rows(x):  # x @ q^T unscaled (codes to 127: ~127 / max|w| times y)
+            return widened(x, lambda r: self.weight[r].float() * self.scales[r, None].float(), self.out_features)
+        if x.dtype == torch.float16:  # would pass float16's 65504: the weights scaled first, q * scale within max|w|
+            return linear(x, self.weight.to(x.dtype) * self.scales[:, None])
         if widens_rows(x):  # a prompt on a CPU without a half-precision GEMM: int8 is exact in float32 (core.linear)
             return widened(x, lambda rows: self.weight[rows].float(), self.out_features) * self.scales
         return linear(x, self.weight.to(x.dtype)) * self.scales  # compiled: the int8 -> dtype cast fuses into it
@@ -161,6 +165,9 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.activations = activations  # 8: 8-bit activations (llmstep.core.int4a8), None: as they come
+        QuantConfig("int4", group_size)  # an even integer >= 2, else refused by name
+        if in_features % group_size:
+            raise QuantizationError(f"group_size {group_size} does not divide in_features {in_features}")
         groups = in_features // group_size
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
@@ -311,6 +318,8 @@ def _check(model: Llama, qc: QuantConfig, weights: bool = True, names: list[str]
             problems.append(f"{name} has a bias; LLaMA's linear layers have none")
         if weights and (not m.weight.dtype.is_floating_point or m.weight.device.type == "meta"):
             problems.append(f"{name}: needs float weights in memory, has {m.weight.dtype} on {m.weight.device}")
+        elif weights and not torch.isfinite(m.weight).all():  # a NaN would take its row's (group's) scale with it
+            problems.append(f"{name}: its weights hold NaN or Inf")
         K, layer = m.in_features, qc.layer(name)
         if layer.mode == "int4":
             if K % 2:

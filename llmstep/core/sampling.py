@@ -26,7 +26,7 @@ def check_params(temperature: float = 1.0, top_k: int | None = 0, top_p: float =
             raise ValueError(f"{name} must be a number, got {value!r}")
     if not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
-    if temperature > FLOAT32_MAX:  # finite here, infinite in float32, where the logits are divided by it
+    if float(temperature) > FLOAT32_MAX:  # finite here, infinite in float32, where the logits are divided by it
         raise ValueError(f"temperature must be at most {FLOAT32_MAX:.4g} (float32's largest), got {temperature}")
     if top_k is not None and (not is_int(top_k) or top_k < 0):
         raise ValueError(f"top_k must be an integer >= 0 (0 means off), got {top_k!r}")

@@ -1,7 +1,9 @@
 """Weight-only int8/int4 quantisation: bounded rounding, kernels that agree, checkpoints that round-trip,
 and errors that name the layer."""
 
+import copy
 import json
+import re
 
 import pytest
 import torch
@@ -431,3 +433,56 @@ def test_reduce_is_refused_for_int8():
         Int8Linear(64, 32, kernel="reduce")
     with pytest.raises(QuantizationError, match="unknown kernel"):
         Int4Linear(64, 32, 32, kernel="fast")
+
+
+@pytest.mark.parametrize("rows", [1, 20])  # a decode row, and a prompt (widened to float32 on a CPU)
+def test_int8_in_float16_scales_the_weights_before_the_sum_so_nothing_overflows(rows):
+    """x @ q^T with codes up to 127 is ~127 / max|w| times the output: past float16's 65504 for an output near 50
+    (SmolLM2 in float16 went to inf at its first forward, int8-quantized)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 64, bias=False).half()
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.02)
+    x = (torch.randn(rows, 1536) * 30).half()
+    want = x.float() @ lin.weight.float().T  # [rows, 64], |y| up to ~60 or more
+    assert want.abs().max() > 40
+    got = Int8Linear.from_linear(lin, kernel="dequant")(x)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("row_max", [1e-3, 1e-4, 1e-5, 1e-6, 0.0])
+def test_int8_keeps_its_bound_where_a_float16_scale_is_subnormal(row_max):
+    w = torch.linspace(-row_max, row_max, 64).repeat(3, 1).half()  # [3, 64]
+    q, scales = quantize_int8(w, torch.float16)
+    err = (dequantize_int8(q, scales) - w.float()).abs().amax(dim=1)
+    assert torch.isfinite(err).all() and (err <= scales.float() / 2).all(), (err, scales)
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.parametrize("shape", [(64,), (2, 3, 64)])
+def test_int8_names_a_weight_that_is_not_a_matrix(shape):
+    with pytest.raises(QuantizationError, match=re.escape(f"a matrix [out, in], got a tensor of shape {list(shape)}")):
+        quantize_int8(torch.randn(shape))
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: Int4Linear(100, 8, 64), "group_size 64 does not divide in_features 100"),
+    (lambda: Int4Linear(64, 8, 3), "int4 group_size must be an even integer >= 2, got 3"),
+    (lambda: Int4Linear(64, 8, 0), "int4 group_size must be an even integer >= 2, got 0"),
+    (lambda: quantize_int4(torch.randn(8, 64), 0), "int4 group_size must be an even integer >= 2, got 0"),
+    (lambda: quantize_int4(torch.randn(8, 64), -32), "int4 group_size must be an even integer >= 2, got -32"),
+    (lambda: quantize_int4(torch.randn(64), 32), re.escape("a matrix [out, in], got a tensor of shape [64]"))])
+def test_the_int4_building_blocks_refuse_a_group_they_cannot_hold(make, words):
+    with pytest.raises(QuantizationError, match=words):
+        make()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_quantize_names_a_layer_whose_weights_are_not_finite(tiny, bad):
+    model = copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        model.layers[1].feed_forward.w2.weight[3, 5] = bad  # a NaN would take its whole row's scale
+    for spec in ("int8", f"int4-g{G}"):
+        with pytest.raises(QuantizationError, match=r"layers\.1\.feed_forward\.w2: its weights hold NaN or Inf"):
+            quantize(model, spec, inplace=False)

@@ -207,6 +207,7 @@ def test_a_row_with_positive_infinite_logits_puts_its_mass_on_them_at_any_temper
 def test_top_k_may_be_any_integer_type():
     import numpy as np
 
+
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(6))
     assert torch.equal(probs(logits, 1.0, top_k=np.int64(3)), probs(logits, 1.0, top_k=3))
     assert torch.equal(probs(logits, 1.0, top_k=100), probs(logits, 1.0))  # more than the vocabulary: off
@@ -245,3 +246,15 @@ def test_a_temperature_past_float32s_largest_is_refused():
     with pytest.raises(ValueError, match="temperature must be at most"):
         sample(torch.tensor([[float("-inf"), 0.0, 1.0]]), 1e39)
     assert sample(torch.tensor([[float("-inf"), 0.0, 1.0]]), 3e38).item() in (1, 2)
+
+
+def test_a_numpy_half_temperature_is_checked_without_a_warning():
+    import warnings
+
+    import numpy as np
+
+    from llmstep.core import sampling
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy cast float32's largest to float16 (inf) in the comparison
+        sampling.check_params(np.float16(0.7), 0, 1.0)
