@@ -134,9 +134,9 @@ class Int8Linear(nn.Module):
         if packed and x.numel() <= PACKED_MAX_ROWS * self.in_features:
             y = torch_compat.int8_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
             return y.view(*x.shape[:-1], self.out_features)
-        if x.dtype == torch.float16 and widens_rows(x):  # x @ q^T unscaled (codes to 127: ~127 / max|w| times y)
+        if x.dtype is torch.float16 and widens_rows(x):  # x @ q^T unscaled (codes to 127: ~127 / max|w| times y)
             return widened(x, lambda r: self.weight[r].float() * self.scales[r, None].float(), self.out_features)
-        if x.dtype == torch.float16:  # would pass float16's 65504: the weights scaled first, q * scale within max|w|
+        if x.dtype is torch.float16:  # would pass float16's 65504: the weights scaled first (`is`: fx-traceable)
             return linear(x, self.weight.to(x.dtype) * self.scales[:, None])
         if widens_rows(x):  # a prompt on a CPU without a half-precision GEMM: int8 is exact in float32 (core.linear)
             return widened(x, lambda rows: self.weight[rows].float(), self.out_features) * self.scales
