@@ -80,9 +80,10 @@ def check_batch(args, workload: dict) -> None:
     path = resolve_model_path(args.model)
     config = read_config(path)
     context = config.max_seq_len
-    # a prompt may fill the context (its one new token ends it); the step timing needs its context and one token
-    check_window(max(args.prompt_len[1], args.context + 1), f"--prompt-len {args.prompt_len[1]} and --context "
-                 f"{args.context} (and the step's token)", config=config)
+    # each flag on its own, so the message names the one at fault: a prompt may fill the context (its one new token
+    # ends it); the step timing needs its context and one token
+    check_window(args.prompt_len[1], f"prompts of --prompt-len {args.prompt_len[1]}", config=config)
+    check_window(args.context + 1, f"--context {args.context} and the step's token", config=config)
     device = resolve_device(args.device)
     dtype = load_dtype(config, device, args.dtype)
     requests = bench_batching.random_workload(vocab_size=config.vocab_size, **workload)  # the runs' own (seeded)

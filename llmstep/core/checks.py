@@ -7,7 +7,7 @@ import math
 from numbers import Integral, Real
 
 __all__ = ["is_int", "is_number", "is_finite_number", "check_int", "check_flag", "SEED_LIMIT", "check_seed",
-           "check_max_len", "commonest"]
+           "check_max_len", "check_step_context", "commonest"]
 
 
 def is_int(value) -> bool:
@@ -65,3 +65,11 @@ def check_max_len(max_len, limit: int, low: int = 2) -> int:
         beyond = f": {max_len} exceeds the model's context" if isinstance(max_len, int) and max_len > limit else ""
         raise ValueError(f"max_len must be an integer in {low}..{limit} (the model's context), got {max_len!r}{beyond}")
     return int(max_len)
+
+
+def check_step_context(context, window: int, low: int = 0) -> None:
+    """A decode step after `context` cached tokens: its own token needs one position more, within the model's
+    `window` (max_seq_len). low: the fewest cached tokens the caller's step takes."""
+    if not is_int(context) or not low <= context < window:
+        raise ValueError(f"context must be an integer in {low}..{window - 1} (the model's {window}-token window less "
+                         f"the step's own token), got {context!r}")

@@ -15,19 +15,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checks import check_int
 from .config import LlamaConfig
+from .device import DTYPE_NAMES, resolve_dtype
 from .norm import RMSNorm
 
-__all__ = ["param_counts", "n_params", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
-           "weight_bytes", "model_step_cost", "step_bytes", "step_bytes_by_context", "training_bytes", "model_bytes",
-           "checkpoint_bytes", "kv_cache_bytes", "free_memory_bytes", "check_fits", "MemoryBudgetError"]
+__all__ = ["param_counts", "n_params", "as_dtype", "dtype_bytes", "StepCost", "decode_step_cost", "kv_bytes_per_token",
+           "weight_bytes", "model_step_cost", "mean_step_cost", "step_bytes", "step_bytes_by_context", "training_bytes",
+           "model_bytes", "checkpoint_bytes", "kv_cache_bytes", "free_memory_bytes", "check_fits", "MemoryBudgetError"]
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype, or a float dtype's name as load takes it ("bfloat16", "bf16", "half", ...: core.device's
+    names); any other name, or another type, is refused with the choices."""
+    if isinstance(dtype, str) and dtype in DTYPE_NAMES:
+        return resolve_dtype(dtype, torch.device("cpu"))  # a name, never "auto": no device's policy applies
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch dtype or one of {', '.join(sorted(DTYPE_NAMES))}, got {dtype!r}")
+    return dtype
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> float:
-    """Bytes per element of a torch dtype (or its name)."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return torch.empty((), dtype=dtype).element_size()
+    """Bytes per element of a torch dtype (or a float dtype's name: `as_dtype`)."""
+    return torch.empty((), dtype=as_dtype(dtype)).element_size()
 
 
 def param_counts(config: LlamaConfig) -> dict[str, int]:
@@ -181,8 +191,8 @@ def decode_step_cost(config: LlamaConfig, context: int = 0, dtype: torch.dtype |
     cache stays in `dtype`. A batch reads the weights once and its own KV cache per sequence, and does every
     sequence's arithmetic: its intensity grows ~batch-fold.
     """
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
+    check_int(batch, "batch", low=1)
+    check_int(context, "context")  # tokens in the cache: a whole number (mean_step_cost averages two steps' costs)
     if qc is not None and weight_bytes_per_param is not None:
         raise ValueError("give qc (a quantized checkpoint's layout) or weight_bytes_per_param, not both")
     counts = param_counts(config)
@@ -227,6 +237,16 @@ def model_step_cost(model: nn.Module, context: int = 0, batch: int = 1) -> StepC
     """`decode_step_cost` of a model in memory: its weights as stored (float or quantized), its KV cache's dtype."""
     base = decode_step_cost(model.config, context, dtype=model.dtype, batch=batch)
     return StepCost(weight_bytes=weight_bytes(model), kv_bytes=base.kv_bytes, flops=base.flops)
+
+
+def mean_step_cost(model: nn.Module, prompt_len: int, new_tokens: int) -> StepCost:
+    """`model_step_cost` of the mean decode step of a greedy run of new_tokens after a prompt_len-token prompt (as
+    llmstep.lab.bench times it): step i (1 <= i < new_tokens) runs with prompt_len + i - 1 tokens cached. A step's
+    KV bytes and FLOPs grow linearly with its context, so the mean step's are the mean of the first step's and the
+    last's: those of the mean context, prompt_len + (steps - 1) / 2."""
+    steps = max(new_tokens - 1, 1)
+    first, last = (model_step_cost(model, context=prompt_len + i) for i in (0, steps - 1))
+    return StepCost(first.weight_bytes, (first.kv_bytes + last.kv_bytes) / 2, (first.flops + last.flops) / 2)
 
 
 def step_bytes(model: nn.Module, context: int = 0) -> float:

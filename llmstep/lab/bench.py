@@ -29,15 +29,7 @@ from ..core import int8a8
 from ..core.checkpoint import hf_names, load_model, read_config, resolve_model_path
 from ..core.checks import is_int
 from ..core.config import LlamaConfig
-from ..core.cost import (
-    MemoryBudgetError,
-    StepCost,
-    check_fits,
-    decode_step_cost,
-    kv_cache_bytes,
-    model_bytes,
-    model_step_cost,
-)
+from ..core.cost import MemoryBudgetError, check_fits, decode_step_cost, kv_cache_bytes, mean_step_cost, model_bytes
 from ..core.device import resolve_device, resolve_dtype
 from ..core.model import Llama
 from ..core.quantize import QuantConfig, check_config, quantize
@@ -196,13 +188,6 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def mean_step_cost(model: Llama, prompt_len: int, new_tokens: int) -> StepCost:
-    """llmstep.core.cost.model_step_cost of the mean decode step of this run: step i (1 <= i < new_tokens) runs
-    with prompt_len + i - 1 tokens cached, so the KV-cache bytes are those of the mean context."""
-    steps = max(new_tokens - 1, 1)
-    return model_step_cost(model, context=prompt_len + (steps - 1) / 2)
-
-
 def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_tokens: int = 128,
               compile: bool | None = None, compile_mode: str | None = None, repeats: int = 3,
               group_size: int | None = None, lm_head: bool | str = False, eager: bool = True, hf: bool = True,
@@ -248,6 +233,7 @@ def run_bench(model: Llama, variants: list[str], prompt_len: int = 128, new_toke
         record["hardware"] = describe(device)
         log("measuring memory bandwidth ...")
         record["bandwidth_gb_per_s"] = measure_bandwidth(device, nbytes=bandwidth_bytes)
+        record["bandwidth_buffer_bytes"] = bandwidth_bytes  # the copy's buffer; None: its default, 1 GiB (DRAM)
         # Reading (not copying) a buffer the size of the float weights, as a decode step does: where the LLC holds the
         # model, its ceiling (reads outrun copies there). At most 1 GiB, beyond every cache, or bandwidth_bytes.
         nbytes = int(decode_step_cost(config, dtype=model.dtype).weight_bytes)
@@ -362,8 +348,11 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
             load_before: float | None, argv: list[str] | None) -> dict:
     """The record of the repeats run so far: a row per variant (its best repeat), transformers' rows, the machine."""
     prompt_len, new_tokens = record["settings"]["prompt_len"], record["settings"]["new_tokens"]
-
-    reference = next((r["tokens"] for r in runs if r["quant"] == "none" and not r["compiled"]), runs[0]["tokens"])
+    # Every row's tokens against llmstep's eager float row, else (--quantize without none, --no-eager, a quantised
+    # model) against the first row, named, the *_eager_float fields None
+    ref = next((r for r in runs if r["quant"] == "none" and not r["compiled"]), runs[0])
+    is_float = ref["quant"] == "none" and not ref["compiled"] and getattr(model, "quantization", None) is None
+    record["token_reference"], reference = ref["name"], ref["tokens"]
     rows = []
     for r in runs:
         decode = max(r["decode"])
@@ -375,9 +364,7 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
                      "decode_tokens_per_s_all": list(r["decode"]), "weight_bytes_per_step": r["weight_bytes"],
                      "kv_bytes_per_step": r["kv_bytes"], "bytes_per_step": step_bytes,
                      "achieved_gb_per_s": gbs, "share_of_bandwidth": gbs / bw if bw else None,
-                     "same_tokens_as_eager_float": r["tokens"] == reference,
-                     "matching_prefix_with_eager_float": matching_prefix(r["tokens"], reference),
-                     "tokens": list(r["tokens"])})
+                     **_same_tokens(r["tokens"], reference, is_float), "tokens": list(r["tokens"])})
         if (a8 := int8a8.describe(r["decoder"].net)) is not None:  # what the steps ran (fused or not)
             rows[-1]["a8_matmul"] = a8  # the kernels' ops, or torch's ops (llmstep.core.int4a8, int8a8)
     peer_rows = {}
@@ -402,8 +389,7 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
             "prefill_tokens_per_s": max(p for p, _, _ in runs_), "decode_tokens_per_s": decode,
             "decode_tokens_per_s_all": [d for _, d, _ in runs_], "weight_bytes_per_step": wbytes,
             "kv_bytes_per_step": kvbytes, "bytes_per_step": wbytes + kvbytes, "achieved_gb_per_s": gbs,
-            "share_of_bandwidth": gbs / bw if bw else None, "same_tokens_as_eager_float": toks == reference,
-            "matching_prefix_with_eager_float": matching_prefix(toks, reference), "tokens": toks}
+            "share_of_bandwidth": gbs / bw if bw else None, **_same_tokens(toks, reference, is_float), "tokens": toks}
     rows += peer_rows.values()
     if "static_compiled" in peer_rows and "eager" in peer_rows:
         eager_toks = peer_rows["eager"]["tokens"]
@@ -419,20 +405,30 @@ def _finish(record: dict, runs: list[dict], peers: list[dict], hf_model, model: 
                           transformers=record.get("transformers")) | record
 
 
+def _same_tokens(tokens: list[int], reference: list[int], is_float: bool) -> dict:
+    """A row's tokens against record["token_reference"]'s; the *_eager_float fields only where that is a float row."""
+    same, prefix = tokens == reference, matching_prefix(tokens, reference)
+    return {"same_tokens_as_reference": same, "matching_prefix_with_reference": prefix,
+            "same_tokens_as_eager_float": same if is_float else None,
+            "matching_prefix_with_eager_float": prefix if is_float else None}
+
+
 def format_table(record: dict) -> str:
     bw = record.get("ceiling_gb_per_s")
     speedups = {"decode_speedup_vs_transformers": "vs HF"}  # and vs its compiled row, when that ran
     if any("decode_speedup_vs_transformers_compiled" in r for r in record["rows"]):
         speedups["decode_speedup_vs_transformers_compiled"] = "vs HF compiled"
+    as_float = record["rows"][0]["matching_prefix_with_eager_float"] is not None  # None: no float row ran (_finish)
+    same = "matching_prefix_with_eager_float" if as_float else "matching_prefix_with_reference"
     head = ["variant", "prefill tok/s", "decode tok/s", "MB/step", "GB/s", "% of bw", *speedups.values(),
-            "= eager float"]
+            "= eager float" if as_float else "= reference"]
     lines = [head]
     for r in record["rows"]:
         share = f"{100 * r['share_of_bandwidth']:.0f}%" if r.get("share_of_bandwidth") is not None else "-"
         vs = [f"{r[k]:.2f}x" if r.get(k) is not None else "-" for k in speedups]
         lines.append([r["name"], f"{r['prefill_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.1f}",
                       f"{r['bytes_per_step'] / 1e6:,.2f}", f"{r['achieved_gb_per_s']:,.1f}", share, *vs,
-                      f"{r['matching_prefix_with_eager_float']}/{len(r['tokens'])}"])
+                      f"{r[same]}/{len(r['tokens'])}"])
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
            for row in lines]
@@ -440,8 +436,12 @@ def format_table(record: dict) -> str:
     s, m = record["settings"], record["machine"]
     notes = [f"{m['device']} {m['dtype']}, {m['torch_threads']} threads, prompt {s['prompt_len']}, "
              f"{s['new_tokens']} new tokens, best of {s['repeats']}"]
+    if not as_float:
+        notes.append(f"= reference: tokens in common with {record['token_reference']}'s (no eager float row ran)")
     if bw:
-        notes.append(f"measured bandwidth: copy {record['bandwidth_gb_per_s']:,.1f} GB/s (DRAM-sized buffer); at the "
+        size = record.get("bandwidth_buffer_bytes")
+        buffer = "DRAM-sized buffer" if size is None else f"{size:,}-byte buffer"
+        notes.append(f"measured bandwidth: copy {record['bandwidth_gb_per_s']:,.1f} GB/s ({buffer}); at the "
                      f"weights' size copy {record['bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s, read "
                      f"{record['read_bandwidth_at_weight_size_gb_per_s']:,.1f} GB/s; % of bw is of {bw:,.1f} GB/s")
     for key, peer in record.get("transformers_peers", {}).items():

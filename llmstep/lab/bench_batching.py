@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from ..core import attention_backend
-from ..core.checks import check_int, is_int
+from ..core.checks import check_int, check_step_context, is_int
 from ..core.cost import model_step_cost
 from ..core.model import Llama
 from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, run_batch
@@ -90,20 +90,13 @@ def serve_both_ways(model: Llama, requests: list[Request], slots: Iterable[int] 
 
 
 @torch.inference_mode()
-def check_context(context: int, config) -> None:
-    """The decode-step timing's context: room for it and the step's own token in the model's context."""
-    if not is_int(context) or not 0 <= context < config.max_seq_len:
-        raise ValueError(f"context must be an integer in 0..{config.max_seq_len - 1} (the model's context less "
-                         f"the step's own token), got {context!r}")
-
-
 def measure_batch_scaling(model: Llama, batch_sizes: Iterable[int] = (1, 2, 4, 8, 16), context: int = 64,
                           repeats: int = 10, compile: bool | None = False) -> list[dict]:
     """Time one decode step at each batch size, every row `context` tokens in: the weights are read once
     per step whatever the batch, so tokens/s grows with the batch until the step stops being memory-bound.
     Bytes are the model's as it holds them (float or quantized, llmstep.core.cost.model_step_cost); the step
     time is the median of `repeats` after one untimed step."""
-    check_context(context, model.config)
+    check_step_context(context, model.config.max_seq_len)
     rows = []
     for batch in batch_sizes:
         runner = BatchRunner(model, batch, max_len=context + 1, compile=compile)
@@ -129,7 +122,7 @@ def run_batch_bench(model: Llama, model_name: str, workload: dict, slots: Iterab
     run-metadata header (llmstep.lab.runinfo.header). on_run(record, run) and on_row(record, row), if given,
     are called as each run and each row is added (to print it, to write the record so far). kv: the cache's
     options (serve_both_ways)."""
-    check_context(context, model.config)  # before the workload runs, not after it
+    check_step_context(context, model.config.max_seq_len)  # before the workload runs, not after it
     requests = random_workload(vocab_size=model.config.vocab_size, **workload)
     load_before = runinfo.load_average()
     record = runinfo.header(model.device, model.dtype, argv, load_before) | {

@@ -16,6 +16,7 @@ import torch
 
 from ..core import quantize
 from ..core.checkpoint import DATA_DIR, SHIPPED
+from ..core.checks import check_step_context, is_finite_number, is_int
 from ..core.config import PRESETS, LlamaConfig
 from ..core.cost import decode_step_cost, kv_bytes_per_token, kv_cache_bytes, model_bytes
 from ..core.model import Llama
@@ -23,7 +24,7 @@ from ..core.rope import apply_rope, config_inv_frequencies, rope_cos_sin
 from ..engines.decoding import budget, check_int, check_prompt_ids
 from ..engines.kv_manager import KVCacheManager
 from ..engines.scheduler import POLICIES, BatchRun, Completion, Job, Scheduler
-from ..engines.speculative import best_k, check_k, expected_speedup, expected_tokens_per_forward
+from ..engines.speculative import best_k, check_costs, check_k, expected_speedup, expected_tokens_per_forward
 from .bench_batching import random_workload
 from .hardware import Chip, as_chip
 from .roofline import attainable_tflops
@@ -65,7 +66,7 @@ def roofline_point(config: LlamaConfig, chip: Chip | str, dtype: torch.dtype | s
     """Where a decode step of `batch` sequences after `context` tokens sits on `chip`'s roofline
     (llmstep.core.cost.decode_step_cost's bytes and FLOPs, llmstep.lab.roofline's roof)."""
     check_int(batch, "batch", low=1)
-    check_int(context, "context")
+    check_step_context(context, config.max_seq_len)
     chip = as_chip(chip)
     cost = decode_step_cost(config, context, dtype, batch=batch)
     memory_s = cost.bytes / (chip.memory_gb_per_s * 1e9)
@@ -121,8 +122,11 @@ class KVMemory:
 
 
 def kv_memory(config: LlamaConfig, context: int, batch: int = 1, dtype: torch.dtype | str = "bfloat16") -> KVMemory:
-    """The weights and a KV cache of `batch` sequences x `context` positions (llmstep.core.cost)."""
-    check_int(context, "context", low=1)
+    """The weights and a KV cache of `batch` sequences x `context` positions (llmstep.core.cost), `context` at most
+    the model's window."""
+    if not is_int(context) or not 1 <= context <= config.max_seq_len:
+        raise ValueError(f"context must be an integer in 1..{config.max_seq_len} (the model's context), "
+                         f"got {context!r}")
     check_int(batch, "batch", low=1)
     return KVMemory(model_bytes(config, dtype), kv_cache_bytes(config, batch, context, dtype),
                     kv_bytes_per_token(config, dtype))
@@ -177,11 +181,14 @@ class QuantPoint:
 def quant_error(w: torch.Tensor, mode: str, group_size: int | None = None,
                 scale_dtype: torch.dtype = torch.bfloat16) -> QuantPoint:
     """Quantize w [N, K] with llmstep.core.quantize (int8 per row, or int4 per group of `group_size`), widen it
-    back and measure the error; scales (and zeros) stored in scale_dtype, as in a model of that dtype."""
+    back and measure the error; scales (and zeros) stored in scale_dtype, as in a model of that dtype. An all-zero
+    w is stored exactly: relative error 0."""
     qc = quantize.QuantConfig(mode, group_size)
-    if w.dim() != 2:
-        raise ValueError(f"w must be a matrix [N, K], got shape {tuple(w.shape)}")
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or 0 in w.shape:
+        raise ValueError(f"w must be a non-empty matrix [N, K], got {tuple(w.shape) if hasattr(w, 'shape') else w!r}")
     w = w.detach().float().cpu()
+    if not torch.isfinite(w).all():
+        raise ValueError("w holds NaN or infinite weights: a quantization error is measured on finite ones")
     if qc.mode == "int8":
         codes, scales = quantize.quantize_int8(w, scale_dtype)
         stored, back = codes.nbytes + scales.nbytes, quantize.dequantize_int8(codes, scales)
@@ -189,8 +196,9 @@ def quant_error(w: torch.Tensor, mode: str, group_size: int | None = None,
         packed, scales, zeros = quantize.quantize_int4(w, qc.group_size, scale_dtype)
         stored, back = packed.nbytes + scales.nbytes + zeros.nbytes, quantize.dequantize_int4(packed, scales, zeros)
     err = w - back  # [N, K]
-    return QuantPoint(qc.mode, qc.group_size, 8 * stored / w.numel(), float(err.norm() / w.norm()),
-                      float(err.abs().max()), err)
+    norm, err_norm = float(w.norm()), float(err.norm())
+    relative = err_norm / norm if norm else 0.0  # w all zeros: stored exactly (err_norm 0 too)
+    return QuantPoint(qc.mode, qc.group_size, 8 * stored / w.numel(), relative, float(err.abs().max()), err)
 
 
 def quant_options(in_features: int) -> list[tuple[str, int | None]]:
@@ -221,12 +229,13 @@ def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16,
     """Expected speedup over target-only decoding for k = 1..k_max (Leviathan et al.; llmstep.engines.speculative),
     when a draft forward costs `cost_ratio` target forwards and verifying k+1 tokens costs `verify_cost` one-token
     forwards, for every k (1: a memory-bound verification; notebook 08 measures it)."""
-    if not (isinstance(acceptance, int | float) and 0 <= acceptance <= 1):
+    if not (is_finite_number(acceptance) and 0 <= acceptance <= 1):
         raise ValueError(f"acceptance must be a number in [0, 1], got {acceptance!r}")
-    if not (isinstance(cost_ratio, int | float) and cost_ratio >= 0):
-        raise ValueError(f"cost_ratio must be a number >= 0, got {cost_ratio!r}")
-    if not (isinstance(verify_cost, int | float) and math.isfinite(verify_cost) and verify_cost > 0):
-        raise ValueError(f"verify_cost must be a number > 0 (one-token forwards), got {verify_cost!r}")
+    if not (is_finite_number(verify_cost) and verify_cost > 0):
+        raise ValueError(f"verify_cost must be a finite number > 0 (one-token forwards), got {verify_cost!r}")
+    if cost_ratio is None:  # check_costs lets None by (a draft not measured yet); a curve needs its cost
+        raise ValueError("cost_ratio must be a finite number >= 0 (a draft forward in target forwards), got None")
+    check_costs(cost_ratio, None)
     check_k(k_max)
     ks = range(1, k_max + 1)
     return SpeculativeCurve(acceptance, cost_ratio,
@@ -247,8 +256,8 @@ def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, p
     workload (tests/lab/test_explorers.py checks it), in no time and without a model."""
     check_int(n_slots, "n_slots", low=1)
     check_int(n_requests, "n_requests", low=1)
-    if not (isinstance(arrival_rate, int | float) and math.isfinite(arrival_rate)):
-        raise ValueError(f"arrival_rate must be a positive number (requests per engine step), got {arrival_rate!r}")
+    if not (is_finite_number(arrival_rate) and arrival_rate > 0):  # random_workload's None (all at once) too
+        raise ValueError(f"arrival_rate must be a finite number > 0 (requests per engine step), got {arrival_rate!r}")
     if policy not in POLICIES:
         raise ValueError(f"unknown batching policy {policy!r}: choose one of {', '.join(POLICIES)}")
     requests = random_workload(n_requests, 2, prompt_len, new_tokens, arrival_rate, seed)  # refuses a bad range

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from ..core.checks import is_int
 from ..core.config import LlamaConfig, RopeScaling
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
@@ -37,10 +38,39 @@ from .trace import Trace
 __all__ = ["explorer", "figure_png", "draw_roofline", "roofline_explorer", "draw_rope", "rope_explorer",
            "draw_kv_memory", "kv_memory_explorer", "draw_attention", "attention_explorer", "draw_quant",
            "quant_explorer", "draw_speculative", "speculative_explorer", "draw_batching", "batching_explorer",
-           "draw_journey", "journey_explorer", "EXPLORERS"]
+           "draw_journey", "journey_explorer", "context_stops", "EXPLORERS"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 POWERS = [2**i for i in range(18)]  # 1 .. 131072: batches and contexts on a log scale
+
+
+def context_stops(config: LlamaConfig, step: bool) -> list[int]:
+    """A context slider's stops for `config`: 0 (step only), then powers of two from 128 within the model's window:
+    a decode step's context up to max_seq_len - 1 (its own token takes the last position), a cache's up to
+    max_seq_len (at least one stop: the window itself where it is below 128)."""
+    top = config.max_seq_len - 1 if step else config.max_seq_len
+    powers = [c for c in POWERS[7:] if c <= top]
+    return [0, *powers] if step else powers or [top]
+
+
+def _nearest_below(stops: list[int], value: int) -> int:
+    return max((c for c in stops if c <= value), default=stops[0])
+
+
+def _follow_window(controls: dict, configs: dict[str, LlamaConfig], step: bool) -> None:
+    """Keep the context slider's stops within the window of the model the model dropdown selects (context_stops): a
+    context the new model cannot take moves down to its largest stop, before the figure is redrawn (this observer
+    comes before `explorer`'s)."""
+    context = controls["context"]
+
+    def follow(change):
+        stops = context_stops(configs[change.new], step)
+        value = _nearest_below(stops, context.value)
+        if tuple(stops) != tuple(context.options):
+            context.options = stops  # ipywidgets then selects the first stop (one redraw, of a context it takes)
+        context.value = value
+
+    controls["model"].observe(follow, names="value")
 
 
 def figure_png(fig) -> bytes:
@@ -113,11 +143,13 @@ def roofline_explorer(points: Iterable[tuple[float, float, str]] = (), chips: It
     from (llmstep.lab.hardware.measured_chip() is this machine) besides the datasheets."""
     points = list(points)
     choices = {c.name: c for c in [*chips, *DATASHEETS.values()]}
-    controls = {"model": _dropdown("model", list(explore.model_configs()), model),
+    configs = explore.model_configs()
+    controls = {"model": _dropdown("model", list(configs), model),
                 "chip": _dropdown("chip", [(n, c) for n, c in choices.items()], next(iter(choices.values()))),
                 "dtype": _dropdown("dtype", DTYPES, "bfloat16"),
                 "batch": _slider("batch", POWERS[:11], 1),
-                "context": _slider("context", [0] + POWERS[7:], 0)}
+                "context": _slider("context", context_stops(configs[model], step=True), 0)}
+    _follow_window(controls, configs, step=True)
     return explorer(lambda **v: draw_roofline(**v, points=points), controls, fallback)
 
 
@@ -181,10 +213,13 @@ def draw_kv_memory(model: str, context: int, batch: int, dtype: str):
 
 
 def kv_memory_explorer(model: str = "llama-3.1-8b", fallback: bool = True):
-    controls = {"model": _dropdown("model", list(explore.model_configs()), model),
-                "context": _slider("context", POWERS[7:], 8192),
+    configs = explore.model_configs()
+    stops = context_stops(configs[model], step=False)
+    controls = {"model": _dropdown("model", list(configs), model),
+                "context": _slider("context", stops, _nearest_below(stops, 8192)),
                 "batch": _slider("batch", POWERS[:9], 1),
                 "dtype": _dropdown("dtype", DTYPES, "bfloat16")}
+    _follow_window(controls, configs, step=False)
     return explorer(draw_kv_memory, controls, fallback)
 
 
@@ -229,6 +264,8 @@ def attention_explorer(model: Llama, tokenizer: Tokenizer, prompt: str, fallback
 def draw_quant(w: torch.Tensor, bits: int, group_size: int, scale_dtype: torch.dtype = torch.bfloat16):
     import matplotlib.pyplot as plt
 
+    if not is_int(bits) or bits not in (4, 8):
+        raise ValueError(f"bits must be 8 (int8, a scale per row) or 4 (int4, groups of group_size), got {bits!r}")
     mode = "int8" if bits == 8 else "int4"
     every = [explore.quant_error(w, m, g, scale_dtype) for m, g in explore.quant_options(w.shape[1])]
     p = explore.quant_error(w, mode, group_size if mode == "int4" else None, scale_dtype)
@@ -269,7 +306,9 @@ def quant_explorer(w: torch.Tensor | None = None, fallback: bool = True):
 def draw_speculative(acceptance: float, k: int, cost_ratio: float, k_max: int = 16, verify_cost: float = 1.0):
     import matplotlib.pyplot as plt
 
-    curve = explore.speculative_curve(acceptance, cost_ratio, k_max, verify_cost)
+    curve = explore.speculative_curve(acceptance, cost_ratio, k_max, verify_cost)  # checks k_max and the costs
+    if not is_int(k) or not 1 <= k <= k_max:
+        raise ValueError(f"k must be an integer in 1..k_max = {k_max} (draft tokens per round), got {k!r}")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
     ks = range(1, k_max + 1)
     left.plot(ks, curve.speedups, ".-")
@@ -340,6 +379,9 @@ def batching_explorer(fallback: bool = True):
 def draw_journey(config: LlamaConfig, context: int, stage: int, name: str = "", trace: Trace | None = None,
                  dtype: str = "bfloat16"):
     rows = pictures.step_stages(config, context, dtype, trace)
+    if not is_int(stage) or not 0 <= stage < len(rows):
+        raise ValueError(f"stage must be an integer in 0..{len(rows) - 1} (the step's {len(rows)} stages), "
+                         f"got {stage!r}")
     r = rows[stage]
     so_far = sum(x.bytes for x in rows[:stage + 1]) / sum(x.bytes for x in rows)
     text = (f"{stage + 1}/{len(rows)} {r.stage} (x{r.calls}): {r.inputs} -> {r.outputs}; reads "

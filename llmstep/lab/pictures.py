@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.checks import check_int
+from ..core.checks import check_int, check_step_context
 from ..core.config import LlamaConfig
-from ..core.cost import kv_bytes_per_token, model_bytes, n_params
+from ..core.cost import as_dtype, kv_bytes_per_token, model_bytes, n_params
 from ..core.model import Llama
 from ..engines.decoding import cache_len
 from ..engines.scheduler import BatchRun
@@ -33,7 +33,7 @@ __all__ = ["StageInfo", "shape_model", "step_stages", "plot_decode_step", "plot_
 
 def shape_model(config: LlamaConfig, dtype: torch.dtype | str = torch.bfloat16) -> Llama:
     """A model of `config`'s shapes on the meta device: names, shapes and bytes, no memory (an 8B model too)."""
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = as_dtype(dtype)  # a torch dtype or a float dtype's name ("bf16" too); another name is refused
     with torch.device("meta"):
         return Llama(config).to(dtype)
 
@@ -76,8 +76,9 @@ def step_stages(config: LlamaConfig, context: int = 0, dtype: torch.dtype | str 
                 trace: Trace | None = None) -> list[StageInfo]:
     """The stages of one decode step after `context` tokens, in the order a token meets them ("other", the
     time between stages, is left out). Bytes and FLOPs from llmstep.lab.trace.stage_costs on a meta-device
-    model; with a `trace` of a model of this config, each stage's measured time too."""
-    check_int(context, "context")
+    model; with a `trace` of a model of this config, each stage's measured time too. `context`: 0 .. the model's
+    window less the step's own token."""
+    check_step_context(context, config.max_seq_len)
     if trace is not None and trace.context != context:
         raise ValueError(f"the trace was taken after {trace.context} tokens, not {context}")
     model = shape_model(config, dtype)

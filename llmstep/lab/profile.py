@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..core.checks import check_step_context
 from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
 from ..core.model import Llama
@@ -140,11 +141,9 @@ def profile_step(model: Llama, context: int = 64, compile: bool = False, mode: s
                  repeats: int = 10) -> StepProfile:
     """Profile one decode step of `model` (batch 1) after `context` tokens, through `FastDecoder`'s step, eager
     or compiled (`mode` as FastDecoder takes it). Also times `repeats` unprofiled steps."""
-    check_int(context, "context", low=1)  # FastDecoder's cache: at least 2 slots, so a step after 1 token or more
+    # FastDecoder's cache: at least 2 slots, so a step after 1 token or more
+    check_step_context(context, model.config.max_seq_len, low=1)
     check_int(repeats, "repeats", low=1)
-    if context + 1 > model.config.max_seq_len:
-        raise ValueError(f"context {context} leaves no room for a new token in the model's "
-                         f"{model.config.max_seq_len}-token window")
     decoder = FastDecoder(model, max_len=context + 1, compile=compile, mode=mode)
     compile_seconds = decoder.warmup()
     device = decoder.device

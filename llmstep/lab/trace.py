@@ -29,7 +29,7 @@ from torch import nn
 from ..core import attention as attention_module
 from ..core import attention_backend
 from ..core import model as model_module
-from ..core.checks import check_int
+from ..core.checks import check_int, check_step_context
 from ..core.cost import StepCost, model_step_cost
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
@@ -266,10 +266,7 @@ def trace_step(model: Llama, context: int = 256, repeats: int = 5, temperature: 
     token again; the median time of each stage is reported, and the median of as many untraced steps (after one
     untraced warm-up step).
     """
-    check_int(context, "context")
-    if context + 1 > model.config.max_seq_len:
-        raise ValueError(f"context {context} leaves no room for a new token in the model's "
-                         f"{model.config.max_seq_len}-token window")
+    check_step_context(context, model.config.max_seq_len)
     check_int(repeats, "repeats", low=1)
     check_params(temperature, top_k, top_p)
     device, config = model.device, model.config

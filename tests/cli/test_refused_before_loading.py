@@ -29,7 +29,7 @@ def nothing_loads(monkeypatch):
     (["bench", "--peers", "llama.cpp", "--dtype", "float16"], "--peers compares float32 or bfloat16 weights"),
     (["bench", "--preset", "llama-3.2-1b", "--set", "max_seq_len=64", "--prompt-len", "60", "--new-tokens", "8"],
      "need 68 positions; the model's context holds 64"),
-    (["batch", "--prompt-len", "600:600"], "--prompt-len 600 and --context 64 (and the step's token) need 600"),
+    (["batch", "--prompt-len", "600:600"], "prompts of --prompt-len 600 need 600 positions"),
     (["batch", "--context", "512"], "need 513 positions"),
     (["generate", "--prompt", "ab\udcffcd"], "--prompt is not UTF-8 text: the byte at character 2"),
     (["generate", "--prompt", "x", "--chat", "--system", "\udcc3"], "--system is not UTF-8 text"),

@@ -99,3 +99,24 @@ def test_a_quantized_steps_bytes_from_the_config_are_the_models_own(spec, tied):
     assert decode_step_cost(cfg, dtype=torch.bfloat16, qc=qc).weight_bytes == weight_bytes(model)
     with pytest.raises(ValueError, match="not both"):
         decode_step_cost(cfg, qc=qc or "x", weight_bytes_per_param=1)
+
+
+def test_a_dtype_is_named_as_load_names_it_and_nothing_else_is_taken():
+    """dtype_bytes resolves names through core.device (bf16, fp16, half, as load takes them); an integer or bool
+    type's name, "auto" and non-names are refused with the choices (getattr(torch, name) took "int8")."""
+    from llmstep.core.cost import dtype_bytes, model_bytes
+
+    assert [dtype_bytes(n) for n in ("bf16", "fp16", "half", "fp32", "float64")] == [2, 2, 2, 4, 8]
+    assert dtype_bytes(torch.float16) == 2
+    cfg = LlamaConfig.preset("llama-3.2-1b")
+    assert model_bytes(cfg, "bf16") == model_bytes(cfg, torch.bfloat16)
+    assert decode_step_cost(cfg, dtype="fp16") == decode_step_cost(cfg, dtype=torch.float16)
+    for bad in ("int8", "bool", "auto", "bfloat", None, 2):
+        with pytest.raises(ValueError, match=r"dtype must be a torch dtype or one of bf16, bfloat16, .*half"):
+            dtype_bytes(bad)
+
+
+@pytest.mark.parametrize("context", [-5, 2.5, True, "8"])
+def test_a_decode_step_refuses_a_context_that_is_not_a_whole_number_of_tokens(context):
+    with pytest.raises(ValueError, match=f"context must be an integer >= 0, got {context!r}"):
+        decode_step_cost(LlamaConfig.preset("llama-3.2-1b"), context)

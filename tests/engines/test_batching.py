@@ -336,8 +336,8 @@ def test_command_writes_both_policies(tmp_path, capsys):
 @pytest.mark.parametrize(("args", "message"), [
     (["--requests", "0"], "argument --requests: must be an integer in 1 .."),
     (["--threads", "-1"], "argument --threads: must be an integer in 1 .."),
-    (["--prompt-len", "600:700"], "--prompt-len 700 and --context 64 .and the step's token. need 700 positions; "
-                                  "the model's context holds 512"),  # from the config: before the weights load
+    (["--prompt-len", "600:700"], "prompts of --prompt-len 700 need 700 positions; the model's context holds 512"),
+    # from the config: before the weights load
 ])
 def test_command_refuses_bad_arguments_without_a_traceback(args, message):
     with pytest.raises(SystemExit, match=f"llmstep batch: error: {message}"):

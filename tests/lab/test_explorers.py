@@ -211,8 +211,8 @@ def test_the_batching_simulation_is_the_schedulers_and_repeatable():
     assert static.steps > run.steps and static.slot_utilisation < run.slot_utilisation
     busier = explore.simulate_batching(3, 5.0, n_requests=12, seed=1)
     assert busier.summary()["mean_latency_steps"] > run.summary()["mean_latency_steps"]  # a longer queue
-    with pytest.raises(ValueError, match="rate must be > 0"):
-        explore.simulate_batching(3, 0.0)
+    with pytest.raises(ValueError, match="arrival_rate must be a finite number > 0"):  # its own name, not
+        explore.simulate_batching(3, 0.0)  # random_workload's `rate` (which offers None, refused here)
     with pytest.raises(ValueError, match="policy"):
         explore.simulate_batching(3, 1.0, policy="fifo")
 

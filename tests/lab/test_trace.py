@@ -79,7 +79,7 @@ def test_trace_at_context_zero_and_from_a_prompt(model):
 def test_bad_arguments_are_rejected(model):
     with pytest.raises(ValueError, match="context"):
         trace_step(model, context=-1)
-    with pytest.raises(ValueError, match="no room"):
+    with pytest.raises(ValueError, match=r"in 0..63 \(the model.s 64-token window less the step.s own token\), got 64"):
         trace_step(model, context=CFG.max_seq_len)
     with pytest.raises(ValueError, match="repeats"):
         trace_step(model, context=2, repeats=0)
