@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import check_step_context
 from ..core.config import LlamaConfig
 from ..core.cost import check_fits, decode_step_cost, model_bytes, n_params
 from ..core.device import resolve_device, resolve_dtype
@@ -278,8 +279,7 @@ def decode_ceiling(config: LlamaConfig, chip: Chip | str, dtype: torch.dtype | s
     """The same arithmetic with the exact figures of `config` (llmstep.core.cost): the weights actually
     streamed (the input embedding is gathered, one row, not streamed), the KV cache read at `context`,
     and the FLOPs of the matmuls and of attention."""
-    # context: a whole number >= 0 (decode_step_cost checks it), not held to the model's window: solutions/00 asks
-    # it past Llama 3 8B's 8,192 (where the KV cache reaches the weights' bytes, 114,516 tokens in)
+    check_step_context(context, config.max_seq_len)
     chip = as_chip(chip)
     cost = decode_step_cost(config, context=context, dtype=dtype)
     basis = name or f"{n_params(config) / 1e9:.2f}B params"

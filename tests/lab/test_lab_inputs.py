@@ -76,7 +76,8 @@ def test_a_decode_step_is_drawn_and_placed_only_within_the_models_window():
     step = f"context must be an integer in 0..{WINDOW - 1} .the model's {WINDOW}-token window less the step's own"
     for call in (lambda c: explore.roofline_point(SMALL, "H100 SXM", context=c),
                  lambda c: pictures.step_stages(SMALL, c),
-                 lambda c: explorers.draw_journey(SMALL, c, 0)):
+                 lambda c: explorers.draw_journey(SMALL, c, 0),
+                 lambda c: decode_ceiling(SMALL, "H100 SXM", context=c)):
         call(WINDOW - 1)  # the last position is the step's own token
         for bad in (WINDOW, 10**6, -1, True):
             with pytest.raises(ValueError, match=step):
@@ -84,8 +85,6 @@ def test_a_decode_step_is_drawn_and_placed_only_within_the_models_window():
     explore.kv_memory(SMALL, WINDOW)  # a cache may fill the window
     with pytest.raises(ValueError, match=f"context must be an integer in 1..{WINDOW} .the model's context., got 33"):
         explore.kv_memory(SMALL, WINDOW + 1)
-    with pytest.raises(ValueError, match="context must be an integer >= 0, got True"):
-        decode_ceiling(SMALL, "H100 SXM", context=True)
 
 
 def test_shape_model_takes_loads_dtype_names_and_refuses_the_rest():
@@ -177,3 +176,11 @@ def test_llmstep_batch_blames_the_flag_that_does_not_fit(argv, words, innocent):
     with pytest.raises(cli.CommandFailed) as failed:
         cli.main(["batch", *argv])
     assert words in str(failed.value) and innocent not in str(failed.value), str(failed.value)
+
+
+def test_the_decode_ceiling_is_asked_only_within_the_models_window():
+    cfg = LlamaConfig.preset("llama-3-8b")
+    assert decode_ceiling(cfg, "H100 SXM", context=8191).tokens_per_second > 0
+    for context in (8192, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"context must be an integer in 0..8191 \(the model's 8192-token window"):
+            decode_ceiling(cfg, "H100 SXM", context=context)
