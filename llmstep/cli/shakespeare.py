@@ -9,12 +9,30 @@ from pathlib import Path
 from ..core.files import atomic_write_json, check_output_path
 from ..lab import runinfo
 from ..shakespeare import data, evaluate, train
-from .args import fraction, int_between, nonneg_float, nonneg_int, positive_float, positive_int, seed
+from .args import fraction, int_between, nonneg_int, positive_float, positive_int, seed
+
+
+def adamw_setting(name: str):
+    """A type: a number in train.BOUNDS[name], the library's own bounds for AdamW's settings (--lr 1e39 would
+    overflow inside torch, --beta1 1 be refused there, naming no flag)."""
+    span, inside = train.BOUNDS[name]
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not inside(value):  # NaN is inside no range
+            raise argparse.ArgumentTypeError(f"must be a number in {span}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
 
 # TrainConfig's numeric fields -> their flag's type (llmstep.cli.args); a field not named here is a count >= 1.
-TRAIN_TYPES = {"seed": seed, "warmup_steps": nonneg_int, "lr": positive_float, "min_lr_ratio": fraction,
-               "weight_decay": nonneg_float, "beta1": fraction, "beta2": fraction, "grad_clip": positive_float,
-               "eval_tokens": int_between(2)}  # a context token and at least one to predict
+TRAIN_TYPES = {"seed": seed, "warmup_steps": nonneg_int, "min_lr_ratio": fraction, "grad_clip": positive_float,
+               "eval_tokens": int_between(2)} | {name: adamw_setting(name) for name in train.BOUNDS}
 
 
 def add_commands(sub) -> None:
@@ -115,7 +133,7 @@ def run_train(args, argv) -> None:
 
 
 TRAIN_FLAGS = {"resume:": "--resume:", "init_from ": "--init-from ", "teacher ": "--teacher ",
-               "init_from:": "--init-from:", "teacher:": "--teacher:"}
+               "init_from:": "--init-from:", "teacher:": "--teacher:", "stop_after ": "--stop-after "}
 
 
 def run_eval(args, argv) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import os
 import random
+import re
 from collections.abc import Iterator
 
 import torch
@@ -32,7 +33,8 @@ from .device import resolve_device
 
 __all__ = ["ParallelError", "RankFailed", "TIMEOUT_SECONDS", "TIMEOUT_ENV", "timeout_seconds", "agree", "agreeing",
            "peer_failure", "launched_by_torchrun", "launched_world_size", "launched_rank", "local_rank",
-           "collective_device", "rank_device", "init_from_environment", "finish", "leaving", "agree_seed"]
+           "collective_device", "rank_device", "init_from_environment", "check_rendezvous_environment",
+           "join_failure", "finish", "leaving", "agree_seed"]
 
 TIMEOUT_SECONDS = 300  # see the module docstring
 TIMEOUT_ENV = "LLMSTEP_TP_TIMEOUT"
@@ -166,14 +168,64 @@ def rank_device(device=None) -> torch.device:
 
 def init_from_environment(device=None):
     """Join torchrun's process group (gloo on a CPU, NCCL on CUDA) once, every collective bounded by
-    timeout_seconds(); return the world group."""
+    timeout_seconds(); return the world group. The join itself waits as long: ranks that do not all arrive in
+    time (one never started, a wrong MASTER_ADDR) end it with a ParallelError saying so (join_failure)."""
     dev = resolve_device(device)
     timeout = datetime.timedelta(seconds=timeout_seconds())
     if not dist.is_initialized():
+        check_rendezvous_environment()
         if dev.type == "cuda":
             torch.cuda.set_device(local_rank())
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
+        try:
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout)
+        except dist.DistError as e:
+            failure = join_failure(e)
+            if failure is None:
+                raise
+            raise failure from None
     return dist.group.WORLD
+
+
+def check_rendezvous_environment() -> None:
+    """What torchrun sets for every rank before it joins: RANK and WORLD_SIZE (launched_by_torchrun), and where
+    rank 0 waits for the others, MASTER_ADDR and MASTER_PORT. RANK and WORLD_SIZE left in a shell without the
+    other two are not torchrun: said before torch's env:// rendezvous asks for them."""
+    if not launched_by_torchrun():
+        raise ParallelError("tensor parallelism runs under torchrun (torchrun --nproc-per-node N -m llmstep ...): "
+                            "RANK and WORLD_SIZE are not set")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ParallelError(f"RANK ({os.environ['RANK']}) and WORLD_SIZE ({os.environ['WORLD_SIZE']}) are set, but "
+                            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: this process was "
+                            "not started by torchrun (it sets all four); unset RANK and WORLD_SIZE to run in one "
+                            "process, or start the command with torchrun")
+
+
+def join_failure(error: BaseException) -> ParallelError | None:
+    """torch's error from joining the process group, as a ParallelError of one line where it is the other ranks
+    that did not come (the join timed out) or MASTER_PORT that is taken; None for any other error."""
+    text = " ".join(str(error).split())
+    rank, world = launched_rank(), launched_world_size()
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "EADDRINUSE" in text:  # rank 0's store could not listen
+        return ParallelError(f"MASTER_PORT {os.environ.get('MASTER_PORT')} is in use on this machine (another run?): "
+                             "give torchrun another --master-port")
+    if not any(s in text for s in ("Timed out", "timed out", "timeout")):
+        return None
+    how_long = f"within {timeout_seconds():g} s ({TIMEOUT_ENV} sets this timeout, in seconds)"
+    if "trying to connect" in text:  # a rank > 0 that found no rank 0 at MASTER_ADDR:MASTER_PORT
+        return ParallelError(f"rank {rank} of {world} could not reach rank 0 at {where} {how_long}: start rank 0 "
+                             "too, or check MASTER_ADDR and MASTER_PORT")
+    joined = re.search(r"(\d+)/\d+ clients joined", text)  # rank 0 counts the ranks that came, itself included
+    missing = world - int(joined.group(1)) if joined else None
+    if missing is None:  # a rank > 0, waiting with rank 0 for the rest
+        others = f"the other {world - 1} ranks did not all join"
+    elif missing == world - 1:
+        others = f"the other {world - 1} rank{'s' if world > 2 else ''} did not join"
+    else:
+        others = f"{missing} of the other {world - 1} ranks did not join"
+    return ParallelError(f"rank {rank} of {world}: {others} {how_long}: start all {world} ranks with the same "
+                         f"MASTER_ADDR and MASTER_PORT ({where}), as torchrun --nproc-per-node {world} does")
 
 
 def finish(error: BaseException | None = None) -> None:

@@ -188,11 +188,16 @@ def prepare(sdist: str | Path, out: str | Path = CORPUS_DIR) -> dict:
     return manifest
 
 
-def read_split(split: str, corpus: str | Path = CORPUS_DIR) -> str:
-    """The cleaned text of one split (works separated by DOC_SEPARATOR)."""
+def split_path(split: str, corpus: str | Path = CORPUS_DIR) -> Path:
+    """The file that holds one split: CORPUS/SPLIT.txt.gz."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    path = Path(corpus) / f"{split}.txt.gz"
+    return Path(corpus) / f"{split}.txt.gz"
+
+
+def read_split(split: str, corpus: str | Path = CORPUS_DIR) -> str:
+    """The cleaned text of one split (works separated by DOC_SEPARATOR)."""
+    path = split_path(split, corpus)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; run `llmstep data prepare --sdist ...` first")
     return gzip.decompress(path.read_bytes()).decode("utf-8")

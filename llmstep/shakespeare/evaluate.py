@@ -20,6 +20,7 @@ split and scored on the same windows (so it, too, sees no context across a windo
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter, defaultdict
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tokenizers import decoders
 
 from ..core.checkpoint import SHIPPED, load, load_model, resolve_model_path
 from ..core.config import LlamaConfig
@@ -73,8 +75,12 @@ class Score:
 
 
 def split_ids(tokenizer, split: str, corpus=data.CORPUS_DIR, max_tokens: int | None = None) -> list[int]:
-    """The split as one token stream, optionally cut to its first max_tokens tokens (a quick slice)."""
+    """The split as one token stream, optionally cut to its first max_tokens tokens (a quick slice). A split of
+    fewer than 2 tokens (an empty file) is refused, naming its file: it has nothing to predict."""
     ids = data.encode_split(tokenizer, data.read_split(split, corpus))
+    if len(ids) < 2:
+        raise ValueError(f"{data.split_path(split, corpus)}: the {split} split holds {len(ids)} tokens (an empty "
+                         "file?), and needs at least 2: a context token and one to predict")
     if max_tokens is not None:
         if max_tokens < 2:
             raise ValueError(f"max_tokens must be at least 2 (context and a prediction), got {max_tokens}")
@@ -94,16 +100,30 @@ def windows(ids: list[int], seq_len: int) -> list[list[int]]:
 
 
 def token_bytes(tokenizer) -> list[int]:
-    """UTF-8 bytes each token id stands for: one per character of a byte-level BPE token, 0 for specials."""
+    """UTF-8 bytes each token id stands for in a byte-level BPE: one per character (each character of its tokens
+    is one byte, GPT-2's byte-to-character map), 0 for specials."""
     specials = set(tokenizer.get_added_tokens_decoder())
     n = tokenizer.get_vocab_size()
     return [0 if i in specials else len(tokenizer.id_to_token(i)) for i in range(n)]
 
 
 def count_bytes(tokenizer, ids: list[int]) -> int:
-    """Bytes of text spelled by the predicted tokens ids[1:]."""
-    table = token_bytes(tokenizer)
-    return sum(table[i] for i in ids[1:])
+    """UTF-8 bytes of the text the predicted tokens ids[1:] stand for; special tokens stand for none.
+
+    A byte-level BPE (its decoder is ByteLevel, as the shipped tokenizer's) spells bytes: token_bytes counts them. In
+    any other tokenizer a token's string is not its bytes (a Metaspace/byte-fallback one, as Llama 2's, spells "\\n"
+    as "<0x0A>", "é" as one character, a space as "▁" that its decoder drops at a document's start), so each run of
+    ordinary tokens between specials (a document) is decoded and its text counted; with no decoder at all a token is
+    its own text."""
+    if isinstance(tokenizer.decoder, decoders.ByteLevel):
+        table = token_bytes(tokenizer)
+        return sum(table[i] for i in ids[1:])
+    added = tokenizer.get_added_tokens_decoder()
+    specials = {i for i, token in added.items() if token.special}
+    if tokenizer.decoder is None:  # decode() would join the tokens with spaces
+        return sum(len(tokenizer.id_to_token(i).encode()) for i in ids[1:] if i not in specials)
+    runs = itertools.groupby(ids[1:], key=specials.__contains__)
+    return sum(len(tokenizer.decode(list(run)).encode()) for special, run in runs if not special)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -224,10 +244,10 @@ def evaluate_model(model_dir, split: str = "val", max_tokens: int | None = None,
     """Load a model directory (or "target"/"draft", the shipped models) in float32 and score it on a split
     (or its first max_tokens tokens)."""
     model_dir = resolve_model_path(model_dir)
-    model = load_model(model_dir, device=device, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
+    ids = split_ids(tokenizer, split, corpus, max_tokens)  # an empty split is refused before the model loads
+    model = load_model(model_dir, device=device, dtype=torch.float32)
     seq_len = seq_len or model.config.max_seq_len
-    ids = split_ids(tokenizer, split, corpus, max_tokens)
     nll, n = model_nll(model, ids, seq_len, batch_size)
     return Score(Path(model_dir).name, split, n, count_bytes(tokenizer, ids), nll)
 
@@ -317,6 +337,9 @@ def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.C
     window = seq_len
     models = [resolve_model_path(m) for m in models]  # a missing model is refused before any scoring
     check_models(models, seq_len, golden_prompt, max_tokens=max_tokens, write_eval_json=write_eval_json)
+    if baseline:  # fitted first: an unusable train split is refused before any model is scored or file written
+        tokenizer = load_tokenizer(models[0])
+        kn = KneserNeyTrigram(tokenizer.get_vocab_size()).fit(split_ids(tokenizer, "train", corpus))
     for model_dir in models:
         own = [evaluate_model(model_dir, split, max_tokens, seq_len, corpus, "cpu", batch_size) for split in splits]
         scores += own
@@ -330,8 +353,6 @@ def evaluate_models(models=tuple(SHIPPED), splits=("val", "test"), corpus=data.C
             record = golden(model_dir, golden_prompt, golden_tokens)
             atomic_write_json(Path(model_dir) / "golden.json", record)
     if baseline:
-        tokenizer = load_tokenizer(models[0])
-        kn = KneserNeyTrigram(tokenizer.get_vocab_size()).fit(split_ids(tokenizer, "train", corpus))
         scores += [evaluate_ngram(tokenizer, split, window or 512, max_tokens, corpus, kn) for split in splits]
     return scores, settings | {"seq_len": window}
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..core.checkpoint import check_save_folder, load_model, read_config, save
-from ..core.checks import is_int
+from ..core.checks import is_finite_number, is_int
 from ..core.config import LlamaConfig
 from ..core.cost import check_fits, training_bytes
 from ..core.device import resolve_device
@@ -40,7 +40,7 @@ from ..core.model import Llama
 from ..core.tokens import Tokenizer as LlamaTokenizer
 from ..lab import runinfo
 from . import data
-from .evaluate import evaluate_model, model_nll
+from .evaluate import evaluate_model, model_nll, split_ids
 from .train_state import CHECKPOINT as CHECKPOINT  # the run folder's checkpoint: llmstep.cli names it
 from .train_state import LOG, check_run_folder, first_nonfinite, open_log, resume_state, save_train_state
 
@@ -92,6 +92,14 @@ class TrainConfig:
     device: str = "auto"
 
 
+# AdamW's settings as check_train_config and `llmstep train`'s flags bound them: name -> (range, test). The maxima are
+# far past any that trains (lr 1e-4 .. 1e-2, decay 0.1) and far below float32's max, where AdamW's step overflows.
+LR_MAX = WEIGHT_DECAY_MAX = 10.0
+BETA = ("[0, 1)", lambda v: 0 <= v < 1)  # a beta of 1 never forgets (torch refuses it, naming no flag)
+BOUNDS = {"lr": (f"[0, {LR_MAX:g}]", lambda v: 0 <= v <= LR_MAX), "beta1": BETA, "beta2": BETA,
+          "weight_decay": (f"[0, {WEIGHT_DECAY_MAX:g}]", lambda v: 0 <= v <= WEIGHT_DECAY_MAX)}
+
+
 # --------------------------------------------------------------------------------------------------
 # Pieces of the loop
 # --------------------------------------------------------------------------------------------------
@@ -99,6 +107,9 @@ class TrainConfig:
 
 def model_config(preset: str, tokenizer, **overrides) -> LlamaConfig:
     shape = SHAPES[preset] | {k: v for k, v in overrides.items() if v is not None}
+    if is_int(dim := shape["dim"]) and is_int(heads := shape["n_heads"]) and heads > 0 and dim % (2 * heads):
+        raise ValueError(f"dim {dim} is not a multiple of 2 x n_heads ({heads}): each head is dim / n_heads wide, an "
+                         "even width (RoPE rotates pairs); give another --dim or --n-heads")
     return LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
         rope_theta=500000.0,  # Llama 3's RoPE base
@@ -242,8 +253,7 @@ These weights are distributed with llmstep under the same terms.
 
 def export(model: Llama, out_dir: Path, cfg: TrainConfig, info: dict, log_path: Path) -> Path:
     """Write the Hugging Face layout (bf16), tokenizer.json, model card and training log to out_dir."""
-    gen_config = {"do_sample": True, "temperature": 0.8, "top_p": 0.95,
-                  "max_length": model.config.max_seq_len}
+    gen_config = {"do_sample": True, "temperature": 0.8, "top_p": 0.95, "max_length": model.config.max_seq_len}
     save(model, out_dir, tokenizer=None, generation_config=gen_config, dtype=torch.bfloat16)
     atomic_write_bytes(out_dir / "tokenizer.json", Path(cfg.tokenizer).read_bytes())  # byte-identical to data/'s
     score = evaluate_model(out_dir, "val", corpus=cfg.corpus, seq_len=model.config.max_seq_len)
@@ -293,13 +303,13 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         check_save_folder(export_dir)  # refused now, not after the run
     device = pick_device(cfg.device)
     tokenizer = LlamaTokenizer.from_file(cfg.tokenizer).tok  # a bad file is named (core.tokens checks it)
+    config = model_config(cfg.preset, tokenizer, **shape)  # its shape refused before the corpus is read
     train_ids = torch.tensor(data.encode_split(tokenizer, data.read_split("train", cfg.corpus)))  # [N]
-    val_ids = data.encode_split(tokenizer, data.read_split("val", cfg.corpus))
     if len(train_ids) <= cfg.seq_len + 1:
-        raise ValueError(f"the train split has {len(train_ids)} tokens, "
+        raise ValueError(f"{data.split_path('train', cfg.corpus)}: the train split has {len(train_ids)} tokens, "
                          f"fewer than one window of {cfg.seq_len}")
+    val_ids = split_ids(tokenizer, "val", cfg.corpus)  # refused if it has nothing to predict (an empty file)
 
-    config = model_config(cfg.preset, tokenizer, **shape)
     if cfg.seq_len > config.max_seq_len:
         raise ValueError(f"seq_len {cfg.seq_len} is longer than the model's context {config.max_seq_len}")
     check_fits(training_bytes(config, cfg.batch_size, cfg.seq_len), device,
@@ -321,6 +331,9 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
     if resume:
         state = resume_state(ckpt_path, model, optimizer, asdict(cfg), asdict(config))
         step, elapsed, history = state["step"], state["elapsed_seconds"], state["history"]
+        if stop_after is not None and stop_after <= step:  # it would train nothing, and say it stopped there
+            raise ValueError(f"stop_after {stop_after} is not past the checkpoint's step ({step}): give a later step, "
+                             f"up to --steps ({cfg.steps}), or none")
         commands = state["commands"] + ([command] if step < cfg.steps else [])  # a pure re-export adds none
     out.mkdir(parents=True, exist_ok=True)  # the run's folder once every setting and file is known to work
     log = open_log(out, step if resume else None)  # a resumed run's log is cut after the checkpoint's step
@@ -403,8 +416,7 @@ def train(cfg: TrainConfig, out: Path, shape: dict, resume: bool = False, stop_a
         final_val = next(r["val_loss"] for r in reversed(history) if "val_loss" in r)
         info = asdict(cfg) | {
             "name": export_dir.name, "role": "the target" if cfg.preset == "target" else f"the {cfg.preset}",
-            "config": asdict(config), "n_params": n_params, "n_rep": config.n_rep,
-            "train_tokens": len(train_ids),
+            "config": asdict(config), "n_params": n_params, "n_rep": config.n_rep, "train_tokens": len(train_ids),
             "command": " && ".join(commands), "tokens_seen": step * tokens_per_step, "wall_seconds": elapsed,
             "hardware": hardware(device), "final_val_loss": final_val, "betas": (cfg.beta1, cfg.beta2),
             "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
@@ -428,7 +440,10 @@ def train_config(preset: str = "target", **overrides) -> TrainConfig:
 
 
 def check_train_config(cfg: TrainConfig) -> None:
-    """What the loop needs beyond each field's type: an evaluation slice with a token to predict."""
+    """What the loop needs beyond each field's type: an eval slice to predict, AdamW's settings in BOUNDS."""
+    for name, (span, inside) in BOUNDS.items():
+        if not (is_finite_number(getattr(cfg, name)) and inside(getattr(cfg, name))):
+            raise ValueError(f"{name} must be a number in {span}, got {getattr(cfg, name)!r}")
     if not is_int(cfg.eval_tokens) or cfg.eval_tokens < 2:
         raise ValueError(f"eval_tokens must be an integer >= 2 (a context token and one to predict), "
                          f"got {cfg.eval_tokens!r}")

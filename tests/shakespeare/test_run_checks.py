@@ -1,11 +1,13 @@
 """`llmstep train` and `llmstep eval` refuse bad input before they write anything: a fresh run over a checkpoint,
-sources that do not fit, a stop or a slice that leaves nothing to do, optimizer moments of the wrong shape. A run's
+sources that do not fit, a stop or a slice that leaves nothing to do, an empty split, AdamW settings out of bounds, a
+shape train cannot make, optimizer moments of the wrong shape. A run's
 log is one run's; every seed the command line takes trains (the shipped seeds' batches unchanged); a model card's
 note gives its own model's window."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -110,8 +112,15 @@ def test_a_resumed_run_cuts_its_log_at_the_checkpoint_and_marks_the_resumption(t
     (["--stop-after", "0"], r"argument --stop-after: must be an integer in 1 \.\."),
     (["--eval-tokens", "1"], r"argument --eval-tokens: must be an integer in 2 \.\."),
     (["--export", "{here}"], r"cannot save into .*: it is the current folder or holds it"),
+    (["--lr", "1e39"], r"argument --lr: must be a number in \[0, 10\], got 1e39"),  # past float32: AdamW overflowed
+    (["--weight-decay", "1e300"], r"argument --weight-decay: must be a number in \[0, 10\], got 1e300"),
+    (["--beta1", "1"], r"argument --beta1: must be a number in \[0, 1\), got 1"),  # torch named no flag
+    (["--beta2", "1"], r"argument --beta2: must be a number in \[0, 1\), got 1"),
+    (["--dim", "30"], r"dim 30 is not a multiple of 2 x n_heads \(4\): each head is dim / n_heads wide, an even "
+                      r"width \(RoPE rotates pairs\); give another --dim or --n-heads$"),  # train takes no --head-dim
+    (["--dim", "20"], r"dim 20 is not a multiple of 2 x n_heads \(4\)"),  # heads of 5: odd
 ], ids=["short-teacher", "init-shape", "missing-teacher", "missing-init", "no-checkpoint", "stop-after-0",
-        "eval-tokens-1", "export-here"])
+        "eval-tokens-1", "export-here", "lr-past-float32", "weight-decay", "beta1-1", "beta2-1", "dim-30", "dim-20"])
 def test_bad_input_is_refused_before_the_run_folder_is_made(tmp_path, small_corpus, tiny_models, extra, match,
                                                            monkeypatch):
     monkeypatch.chdir(tmp_path)  # --export there would replace the folder the process runs in, after training
@@ -133,6 +142,64 @@ def test_the_library_refuses_a_stop_with_no_checkpoint_and_a_slice_with_no_predi
         train.train(train.TrainConfig(**train.RECIPES["tiny"] | dict(preset="tiny", eval_tokens=1)),
                     tmp_path / "run", {}, quiet=True)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_library_bounds_adamws_settings_before_the_run(tmp_path, small_corpus):
+    for name, value, span in [("lr", 1e39, r"\[0, 10\]"), ("lr", float("nan"), r"\[0, 10\]"),
+                              ("lr", -1e-3, r"\[0, 10\]"), ("weight_decay", -0.1, r"\[0, 10\]"),
+                              ("beta1", 1.0, r"\[0, 1\)"), ("beta2", 1.5, r"\[0, 1\)")]:
+        with pytest.raises(ValueError, match=rf"^{name} must be a number in {span}, got {re.escape(repr(value))}$"):
+            train.train_config("tiny", **{name: value})
+        made = train.TrainConfig(**train.RECIPES["tiny"] | {"preset": "tiny", "corpus": str(small_corpus), name: value})
+        with pytest.raises(ValueError, match=rf"^{name} must be a number"):  # a TrainConfig made directly
+            train.train(made, tmp_path / "run", {}, quiet=True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_run_refuses_a_stop_at_or_before_its_checkpoint(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    run(out, small_corpus, "--stop-after", "4")
+    ckpt, log = (out / "ckpt.safetensors").read_bytes(), (out / "train.log").read_bytes()
+    for stop in ("2", "4"):  # it would train nothing, and log "stopped after step 4"
+        with pytest.raises(SystemExit, match=rf"llmstep train: error: --stop-after {stop} is not past the checkpoint's "
+                                             r"step \(4\): give a later step, up to --steps \(6\), or none"):
+            run(out, small_corpus, "--resume", "--stop-after", stop)
+    assert (out / "ckpt.safetensors").read_bytes() == ckpt and (out / "train.log").read_bytes() == log
+    run(out, small_corpus, "--resume", "--stop-after", "5")
+    assert step_of(out) == 5
+
+
+@pytest.fixture
+def emptied(tmp_path, small_corpus):
+    """A copy of the small corpus with one split emptied: emptied("val") is its folder."""
+    def make(split: str) -> Path:
+        corpus = shutil.copytree(small_corpus, tmp_path / f"no-{split}")
+        data.write_gzip(corpus / f"{split}.txt.gz", b"")
+        return corpus
+
+    return make
+
+
+def test_an_empty_val_split_is_refused_naming_its_file_before_the_run_folder(tmp_path, emptied):
+    corpus = emptied("val")
+    with pytest.raises(SystemExit, match=r"llmstep train: error: .*no-val/val.txt.gz: the val split holds 0 tokens "
+                                         r"\(an empty file\?\), and needs at least 2: a context token and one to "
+                                         r"predict$"):
+        run(tmp_path / "run", corpus)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("split, flags", [("val", ["--no-baseline"]), ("train", [])])
+def test_eval_refuses_an_empty_split_naming_its_file_before_loading_a_model(tiny_models, emptied, monkeypatch, split,
+                                                                            flags):
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate, "load_model", loaded)
+    corpus = emptied(split)  # the baseline is fitted on the train split
+    with pytest.raises(SystemExit, match=rf"llmstep eval: error: .*no-{split}/{split}.txt.gz: the {split} split "
+                                         r"holds 0 tokens"):
+        llmstep_main(["eval", str(tiny_models[64]), "--split", "val", "--corpus", str(corpus), *flags])
 
 
 # --------------------------------------------------------------------------------------------------
