@@ -137,7 +137,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     gen_file = path / "generation_config.json"
     if gen_file.is_file():
         parsed["generation_config.json"] = read_json_object(gen_file, CheckpointError)
-    generation = generation_config_of(parsed.get("generation_config.json", {}), gen_file)
+    generation = generation_config_of(parsed.get("generation_config.json", {}), gen_file, config.vocab_size)
     return Checkpoint(path, with_stored_dtype(config, raw, path), qc, generation, parsed)
 
 
@@ -190,10 +190,10 @@ def format_version(qc: QuantConfig) -> int:
     return 3 if qc.activations or qc.head and qc.head.activations else 2 if isinstance(qc.lm_head, str) else 1
 
 
-def generation_config_of(gen: dict, file: Path) -> dict:
+def generation_config_of(gen: dict, file: Path, vocab_size: int | None = None) -> dict:
     """A generation_config.json's object, checked (llmstep.core.config.check_generation_config)."""
     try:
-        return check_generation_config(gen, str(file))
+        return check_generation_config(gen, str(file), vocab_size)
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
 
@@ -205,13 +205,23 @@ def checkpoint_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     if tokenizer.vocab_size > ckpt.config.vocab_size:
         raise CheckpointError(f"{ckpt.path}: tokenizer.json has {tokenizer.vocab_size} tokens, "
                               f"but the model's vocabulary is {ckpt.config.vocab_size}")
+    top = max(tokenizer.tok.get_vocab(with_added_tokens=True).values(), default=-1)  # ids may leave gaps
+    if top >= ckpt.config.vocab_size:
+        raise CheckpointError(f"{ckpt.path}: tokenizer.json has a token of id {top} ({tokenizer.id_to_token(top)!r}), "
+                              f"past the model's vocabulary of {ckpt.config.vocab_size} ids")
     tokenizer.padded_vocab_size = ckpt.config.vocab_size
     return tokenizer
 
 
 def _weight_files(path: Path) -> dict[str, list[str]]:
-    """Shard file -> the tensor names it should hold (from the index), or {file: []} for a single file."""
+    """Shard file -> the tensor names it should hold (from the index), or {file: []} for a single file. A single
+    model.safetensors is read before an index beside it, as transformers reads them (the same model from a folder
+    holding both, a stale index's shards gone or not)."""
     index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_dir():
+        raise CheckpointError(f"{path / 'model.safetensors'} is a directory, not a safetensors file")
+    if (path / "model.safetensors").is_file():
+        return {"model.safetensors": []}
     if index.is_file():
         try:
             weight_map = parse_json(index.read_text(), str(index), CheckpointError)["weight_map"]
@@ -228,10 +238,6 @@ def _weight_files(path: Path) -> dict[str, list[str]]:
             if not (path / file).is_file():
                 raise CheckpointError(f"{index} lists shard {file}, which is missing from {path}")
         return files
-    if (path / "model.safetensors").is_dir():
-        raise CheckpointError(f"{path / 'model.safetensors'} is a directory, not a safetensors file")
-    if (path / "model.safetensors").is_file():
-        return {"model.safetensors": []}
     found = sorted(p.name for p in path.iterdir())
     raise CheckpointError(
         f"no model.safetensors or model.safetensors.index.json in {path} (found: {', '.join(found) or 'nothing'}); "

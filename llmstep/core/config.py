@@ -332,8 +332,15 @@ _GENERATION_FIELDS = {
 }
 
 
-def check_generation_config(gen: dict, where: str) -> dict:
-    """Refuse a generation_config.json field of the wrong kind ("temperature": "hot"), naming the file and field."""
+def check_generation_config(gen: dict, where: str, vocab_size: int | None = None) -> dict:
+    """Refuse a generation_config.json field of the wrong kind ("temperature": "hot"), naming the file and field;
+    given the model's vocab_size, a bos or eos id outside it too (it could never be made, or never stop a run)."""
+    for name in ("bos_token_id", "eos_token_id") if vocab_size is not None else ():
+        ids = gen.get(name)
+        for i in ids if isinstance(ids, list) else [] if ids is None else [ids]:
+            if not is_int(i) or not 0 <= i < vocab_size:
+                raise ConfigError(f"{where}: {name} {i!r} is not a token id of the model's vocabulary "
+                                  f"(0..{vocab_size - 1})")
     for name, (ok, what) in _GENERATION_FIELDS.items():
         value = gen.get(name)
         if value is None:

@@ -14,12 +14,12 @@ from functools import cached_property
 from pathlib import Path
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
 
 from .chat import check_messages, read_tokenizer_config, render, template_literals
 from .checks import is_int
 from .config import read_json_object
 from .files import atomic_write, atomic_write_text
+from .stream_decode import StreamDecoder
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -76,8 +76,10 @@ class Tokenizer:
                   **options) -> Tokenizer:
         """A tokenizer.json (or the folder holding one); `options` as the constructor takes them."""
         path = Path(path)
-        if path.is_dir():
+        if path.is_dir() and path.name != "tokenizer.json":  # the folder holding one
             path = path / "tokenizer.json"
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory, not a tokenizer.json file")
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
         try:
@@ -189,12 +191,16 @@ class Tokenizer:
         ids = [int(i) for i in ids if i < self.vocab_size and i not in self.unused_ids]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def decodable_size(self) -> int:
+        """Ids decode takes: the vocabulary, or the padded one the loader sets from config.json (`decode`)."""
+        return max(getattr(self, "padded_vocab_size", 0), self.vocab_size)
+
     def _check_ids(self, ids: list) -> None:
         """Refuse, by value, an id that is not an integer inside even the padded vocabulary (`decode`)."""
-        padded = max(getattr(self, "padded_vocab_size", 0), self.vocab_size)
-        bad = next((i for i in ids if not (_is_id(i) and i < padded)), None)
+        bad = next((i for i in ids if not (_is_id(i) and i < self.decodable_size)), None)
         if bad is not None:
-            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{padded - 1}")
+            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{self.decodable_size - 1}")
 
     def pieces(self, text: str) -> list[str]:
         """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""
@@ -419,32 +425,3 @@ def _check_encodable(text: str) -> None:
 
 def _is_id(i) -> bool:
     return is_int(i) and i >= 0
-
-
-class StreamDecoder:
-    """Ids in one at a time, text out as soon as it is whole: a character split over several byte-level
-    tokens is held back until its last byte arrives, so the stream never shows broken UTF-8."""
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._emitted = 0  # characters returned so far
-
-    def step(self, token_id: int) -> str:
-        """The new text this id completes ('' while a character is still incomplete). An id that is not one of the
-        vocabulary's is refused before it is kept, so the stream stays usable (flush() included)."""
-        token_id = token_id.tolist() if hasattr(token_id, "tolist") else token_id  # a 0-d tensor or numpy int
-        self.tokenizer._check_ids([token_id])
-        self._ids.append(int(token_id))
-        if token_id >= self.tokenizer.vocab_size or token_id in self.tokenizer.unused_ids:  # as decode: nothing
-            return ""
-        text = self._stream.step(self.tokenizer.tok, int(token_id)) or ""
-        self._emitted += len(text)
-        return text
-
-    def flush(self) -> str:
-        """At the end: the text still held back (bytes that never made a whole character, as decode shows them,
-        U+FFFD), so that everything step() and flush() returned adds up to decode(ids)."""
-        return self.tokenizer.decode(self._ids, self.skip_special_tokens)[self._emitted:]

@@ -96,8 +96,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
         if not prompt:
             raise ValueError("the prompt is empty: give at least one character")
         ids = tokenizer.encode(prompt, max_tokens=max_seq_len)  # a text far too long is refused before it is read
-    elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = tokenizer.encode_chat(list(prompt))
+    elif isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):  # chat: check_messages
+        ids = tokenizer.encode_chat(list(prompt))  # names a message that is not one
         if not ids:  # not the caller's empty prompt: the template's
             raise ValueError("the chat template rendered these messages to no tokens: the checkpoint's template "
                              "(its chat_template) formats nothing for them")

@@ -67,6 +67,8 @@ def stream(model: Llama, tokenizer: Tokenizer, prompt: str | list | torch.Tensor
            top_p: float | None = None, seed: int | None = None, stop_ids=None) -> Stream:
     """Start generating; see `generate` for the arguments. Errors in the arguments are raised here; a forward
     that produces NaN or Inf logits raises `decoding.NonFiniteLogitsError` naming its step."""
+    if tokenizer is None:  # check_request lets the engines that take ids alone have none; the text needs one
+        raise TypeError("tokenizer must be a llmstep Tokenizer (llmstep.load returns (model, tokenizer)), got None")
     request = as_request(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=seed, stop_ids=stop_ids)
     r = check_request(request, model, tokenizer=tokenizer)

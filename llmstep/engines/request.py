@@ -123,6 +123,11 @@ def check_request(request: Request, model: torch.nn.Module, limit: int | None = 
     if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be a llmstep Tokenizer (llmstep.load returns (model, tokenizer)), got "
                         f"{type(tokenizer).__name__}")
+    if tokenizer is not None and model.config.vocab_size > (known := tokenizer.decodable_size):
+        raise ValueError(f"the model's vocabulary ({model.config.vocab_size:,} ids) is larger than its tokenizer's "
+                         f"({known:,}): an id it samples past {known - 1:,} has no text; give the model's own "
+                         "tokenizer (llmstep.load returns both), or set tokenizer.padded_vocab_size where the ids "
+                         "past the tokenizer's are padding")
     r, vocab = request, model.config.vocab_size
     limit = model.config.max_seq_len if limit is None else limit
     try:

@@ -74,3 +74,53 @@ def test_the_cpu_dtype_rule_is_the_same_for_a_directory_and_a_gguf_file(tmp_path
     assert llmstep.load(directory, device="cpu")[0].dtype == llmstep.load(file, device="cpu")[0].dtype == torch.float32
     monkeypatch.setattr(loader, "BIG_CPU_PARAMS", 0)
     assert llmstep.load(directory, device="cpu")[0].dtype == llmstep.load(file, device="cpu")[0].dtype == torch.float16
+
+
+def test_a_single_file_is_read_before_an_index_beside_it_as_transformers_reads_them(tmp_path, tokenizer_file):
+    import shutil
+
+    from conftest import make_checkpoint
+
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    make_checkpoint(sharded, tokenizer_file, seed=1, max_shard_size="100KB")
+    want = make_checkpoint(single, tokenizer_file, seed=2)
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    both = tmp_path / "both"
+    shutil.copytree(sharded, both)
+    shutil.copy(single / "model.safetensors", both)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.allclose(load_model(both)(ids), want(ids).logits, atol=1e-5)  # model.safetensors, not the shards
+    for shard in both.glob("model-*.safetensors"):
+        shard.unlink()  # a stale index, its shards gone: still the single file
+    assert torch.allclose(load_model(both)(ids), want(ids).logits, atol=1e-5)
+
+
+def test_a_checkpoints_files_are_checked_against_its_vocabulary_at_load(tmp_path, tokenizer_file):
+    import json
+
+    from conftest import make_checkpoint
+
+    from llmstep.core.checkpoint_layout import CheckpointError
+
+    path = tmp_path / "ckpt"
+    make_checkpoint(path, tokenizer_file)
+    vocab = llmstep.load(path)[0].config.vocab_size
+    file = path / "generation_config.json"
+    gen = json.loads(file.read_text()) if file.exists() else {}
+    (path / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [vocab - 1, vocab + 5]}))
+    for read in (llmstep.load, load_model):  # the model alone too: a stop id it could never make
+        with pytest.raises(CheckpointError, match=rf"generation_config.json: eos_token_id {vocab + 5} is not a "
+                                                  rf"token id of the model's vocabulary \(0..{vocab - 1}\)"):
+            read(path)
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    spec = json.loads((path / "tokenizer.json").read_text())
+    word = next(iter(spec["model"]["vocab"]))
+    spec["model"]["vocab"][word] = vocab + 100  # as many tokens as before, one id past the vocabulary: a gap
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(CheckpointError, match=rf"tokenizer.json has a token of id {vocab + 100} .*, past the "
+                                              rf"model's vocabulary of {vocab} ids"):
+        llmstep.load(path)
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer.json").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"tokenizer.json is a directory, not a tokenizer.json file"):
+        llmstep.load(path)

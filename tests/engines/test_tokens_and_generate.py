@@ -343,3 +343,27 @@ def test_every_engine_picks_from_float32_logits_so_a_float64_near_tie_goes_one_w
               "speculative": speculative_generate(model, model, tok, ids, k=2, max_new_tokens=1,
                                                   temperature=0).tokens}
     assert tokens == dict.fromkeys(tokens, [lo])  # float32's argmax: the first of the tied pair
+
+
+def test_a_model_whose_ids_its_tokenizer_cannot_decode_is_refused_before_the_run(loaded):
+    """A random model of a preset's vocabulary with the shipped tokenizer ran 7 steps, then failed to decode."""
+    model, tok = loaded
+    wide = llmstep.Llama(model.config.__class__(**{**model.config.__dict__, "vocab_size": 2 * tok.vocab_size}))
+    with pytest.raises(ValueError, match=r"the model's vocabulary \(600 ids\) is larger than its tokenizer's "
+                                         r"\(300\): an id it samples past 299 has no text"):
+        llmstep.stream(wide, tok, "ROMEO:", max_new_tokens=4)
+    padded = copy.copy(tok)
+    padded.padded_vocab_size = 2 * tok.vocab_size  # ids past the tokenizer's are padding: decode to nothing
+    assert llmstep.generate(wide, padded, "ROMEO:", max_new_tokens=2, temperature=0).tokens
+
+
+def test_chat_messages_with_one_that_is_not_a_message_name_it(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match="message 1 must be a dict with 'role' and 'content', got 'and hello'"):
+        llmstep.generate(model, tok, [{"role": "user", "content": "Hi"}, "and hello"], max_new_tokens=2)
+
+
+def test_stream_without_a_tokenizer_is_refused_at_the_call(loaded):
+    model, _ = loaded
+    with pytest.raises(TypeError, match="tokenizer must be a llmstep Tokenizer .*, got None"):
+        llmstep.stream(model, None, [1, 2, 3], max_new_tokens=2)
