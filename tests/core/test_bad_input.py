@@ -280,6 +280,7 @@ def test_safetensors_spans_that_overlap_leave_gaps_or_miscount_are_refused_from_
     ({"model.norm.weight": "../model.safetensors"}, "not a shard file name"),
 ])
 def test_malformed_index(ckpt, weight_map, message):
+    (ckpt / "model.safetensors").rename(ckpt / "model-00001-of-00001.safetensors")  # read before an index beside it
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=f"model.safetensors.index.json: .*{message}"):
         llmstep.load(ckpt)

@@ -215,11 +215,16 @@ def test_one_shot_prompt_and_stop_iterators_and_a_request_listed_twice_give_ever
 
 def test_prompt_ids_are_checked_against_the_models_vocabulary_with_a_tokenizer_or_without(small):
     """The embedding reads the ids: an engine with a tokenizer takes the ids an engine without one takes."""
+    import copy
     import dataclasses as dc
 
     model, tok = small
     padded = dc.replace(model.config, vocab_size=tok.vocab_size + 8)
     wide = llmstep.Llama(padded).eval().requires_grad_(False)  # 8 rows the tokenizer does not name
+    with pytest.raises(ValueError, match="larger than its tokenizer's"):  # unless they are padding, as load says
+        llmstep.generate(wide, tok, [1, 2], max_new_tokens=3)
+    tok = copy.copy(tok)
+    tok.padded_vocab_size = padded.vocab_size  # what llmstep.load sets from config.json
     pad_id = tok.vocab_size + 3
     with_tok = llmstep.generate(wide, tok, [1, pad_id], max_new_tokens=3, temperature=0, stop_ids=())
     assert with_tok.tokens == FastDecoder(wide).generate([1, pad_id], 3, temperature=0, stop_ids=()).tokens
