@@ -114,9 +114,25 @@ def _cgroup_free_bytes() -> int | None:
     return int(limit) - int(used) if limit.isdigit() and used.isdigit() else None
 
 
+def _address_space_free_bytes() -> int | None:
+    """What `ulimit -v` (RLIMIT_AS) still allows this process to map, or None where it sets no limit."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            return None
+        mapped = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                      if line.startswith("VmSize:"))  # kB
+    except (ImportError, OSError, ValueError, StopIteration):
+        return None
+    return max(0, limit - mapped)
+
+
 def free_memory_bytes(device: torch.device | str) -> int | None:
     """Memory a new allocation can take on `device`: CUDA's free memory (torch.cuda.mem_get_info), the CPU's
-    available RAM (MemAvailable, and a container's limit), MPS's recommended budget; None where unknown."""
+    available RAM (MemAvailable, and a container's limit, and what `ulimit -v` leaves), MPS's recommended budget;
+    None where unknown."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev)[0]
@@ -139,8 +155,8 @@ def free_memory_bytes(device: torch.device | str) -> int | None:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             free = None
-    limit = _cgroup_free_bytes()
-    return limit if free is None else free if limit is None else min(free, limit)
+    limits = [n for n in (free, _cgroup_free_bytes(), _address_space_free_bytes()) if n is not None]
+    return min(limits) if limits else None
 
 
 def check_fits(nbytes: float, device: torch.device | str, what: str) -> None:

@@ -195,6 +195,7 @@ class PagedKVCache(Cache):
         device = torch.get_default_device() if device is None else device
         check_pool(config, n_blocks, block_size, device, dtype)
         self.block_size, self.n_blocks = block_size, n_blocks
+        self.n_heads, self.n_rep = config.n_heads, config.n_heads // config.n_kv_heads
         shape = (n_blocks * block_size, config.n_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
@@ -224,6 +225,7 @@ class PagedKVCache(Cache):
             if c.n_tokens < 1 or len(c.table) < blocks_for(stop, bs):
                 raise ValueError(f"chunk {s}: {c.n_tokens} tokens from position {c.start} need "
                                  f"{blocks_for(stop, bs)} blocks, its table has {len(c.table)}")
+        self._check_scratch(sum(c.n_tokens for c in chunks), sum(c.start + c.n_tokens for c in chunks))
         # every chunk at once: a few tensor operations a step, whatever the number of sequences or their lengths
         n = torch.tensor([c.n_tokens for c in chunks])  # [C]: tokens each computes
         length = torch.tensor([c.start + c.n_tokens for c in chunks])  # [C]: keys each attends
@@ -242,6 +244,16 @@ class PagedKVCache(Cache):
         mask = ((ks[None, :] == qs[:, None]) & (kp[None, :] <= pos[:, None]))[None, None]
         self._plan = (write.to(device), read.to(device), mask)
         return pos[None]
+
+    def _check_scratch(self, N: int, S: int) -> None:
+        """A forward of N tokens over S gathered keys scores every query against every key: its mask [N, S], the
+        mask's rows for each query head of a KV head, and the scores (float32) each head's softmax reads, before
+        anything of it is allocated. A long prompt in one piece grows them as its square (30,000 tokens: 7 GB in
+        one layer's mask rows): prefill_chunk computes it in parts. Asked only of steps that large."""
+        if N * S >= 2**24:
+            check_fits(N * S * (1 + self.n_rep + 4 * self.n_heads), self.k[0].device,
+                       f"the attention of a paged forward of {N:,} tokens over {S:,} keys (its mask and scores; "
+                       "prefill_chunk computes a long prompt in parts)")
 
     def positions(self, T: int) -> torch.Tensor:
         raise ValueError("a paged KV cache serves the layout `plan` made: pass the positions plan returned")

@@ -188,7 +188,8 @@ class Tokenizer:
         ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # a tensor or a numpy array
         ids = ids if isinstance(ids, list) else [ids]  # a 0-d tensor
         self._check_ids(ids)
-        ids = [int(i) for i in ids if i < self.vocab_size and i not in self.unused_ids]
+        size, unused = self.vocab_size, self.unused_ids  # read once: each read asks the tokenizer (~1-4 us)
+        ids = [int(i) for i in ids if i < size and i not in unused]
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
@@ -198,9 +199,12 @@ class Tokenizer:
 
     def _check_ids(self, ids: list) -> None:
         """Refuse, by value, an id that is not an integer inside even the padded vocabulary (`decode`)."""
-        bad = next((i for i in ids if not (_is_id(i) and i < self.decodable_size)), None)
+        size = self.decodable_size
+        if all(type(i) is int and 0 <= i < size for i in ids):  # the common case, at a fraction of _is_id's cost
+            return
+        bad = next((i for i in ids if not (_is_id(i) and i < size)), None)
         if bad is not None:
-            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{self.decodable_size - 1}")
+            raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{size - 1}")
 
     def pieces(self, text: str) -> list[str]:
         """The BPE pieces of text, readable (byte-level 'Ġ' shown as a space)."""

@@ -120,3 +120,19 @@ def test_a_dtype_is_named_as_load_names_it_and_nothing_else_is_taken():
 def test_a_decode_step_refuses_a_context_that_is_not_a_whole_number_of_tokens(context):
     with pytest.raises(ValueError, match=f"context must be an integer >= 0, got {context!r}"):
         decode_step_cost(LlamaConfig.preset("llama-3.2-1b"), context)
+
+
+def test_the_cpus_free_memory_counts_what_ulimit_v_leaves():
+    """A process under `ulimit -v` was told the machine's free RAM, then died in the allocator, not refused."""
+    import resource
+    import subprocess
+    import sys
+
+    limit = 6 * 2**30
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+
+    code = "from llmstep.core import cost; print(cost.free_memory_bytes('cpu'))"
+    out = subprocess.run([sys.executable, "-c", code], preexec_fn=cap, capture_output=True, text=True, check=True)
+    assert 0 <= int(out.stdout) < limit
