@@ -73,9 +73,10 @@ def check_batch(args, workload: dict) -> None:
     from ..core.device import resolve_device
     from ..core.loader import load_dtype
     from ..core.paged_kv import BOOKKEEPING_BYTES_PER_BLOCK, check_block_size
-    from ..engines.batching import pool_blocks
+    from ..engines.batching import check_slots, pool_blocks
     from ..engines.decoding import budget
     from ..engines.kv_manager import check_fits as check_pool_fits
+    from ..engines.request import check_arrival
 
     path = resolve_model_path(args.model)
     config = read_config(path)
@@ -87,6 +88,12 @@ def check_batch(args, workload: dict) -> None:
     device = resolve_device(args.device)
     dtype = load_dtype(config, device, args.dtype)
     requests = bench_batching.random_workload(vocab_size=config.vocab_size, **workload)  # the runs' own (seeded)
+    for i, r in enumerate(requests):  # a rate so low the arrivals spread past what a run records
+        try:
+            check_arrival(r.arrival)
+        except ValueError as e:
+            raise ValueError(f"--rate {args.rate:g}: request {i}: {e}; raise --rate (arrivals per engine step) or "
+                             "lower --requests") from None
     slots = max(args.slots)
     # measure_batch_scaling's runner: the largest batch, each row its context and the step's token
     caches = [(kv_cache_bytes(config, max(args.batch_sizes), args.context + 1, dtype),
@@ -102,6 +109,7 @@ def check_batch(args, workload: dict) -> None:
                 except ValueError as e:
                     raise ValueError(f"--kv-blocks {args.kv_blocks}: {e} (--prompt-len, --new-tokens and --seed "
                                      "draw the requests)") from None
+        check_slots(slots, args.kv_blocks, "--slots")
         blocks = pool_blocks(lengths, slots, block_size, context, args.kv_blocks)  # the largest pool (most slots)
         caches.append((kv_cache_bytes(config, blocks, block_size, dtype) + blocks * BOOKKEEPING_BYTES_PER_BLOCK,
                        f"a paged pool of {blocks:,} blocks x {block_size} positions"))

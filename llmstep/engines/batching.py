@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..core.config import LlamaConfig
+from ..core.cost import check_fits as check_memory
+from ..core.cost import dtype_bytes, kv_cache_bytes
 from ..core.device import synchronize
 from ..core.model import LAST, Llama
 from ..core.paged_kv import PagedKVCache, blocks_for, check_pool
@@ -57,6 +59,13 @@ def cache_config(model: Llama) -> LlamaConfig:
     return getattr(model, "rank_config", model.config)
 
 
+def step_buffer_bytes(model: Llama, rows: int) -> float:
+    """About what one decode step over `rows` rows allocates besides the cache, roughly: its logits in the model's
+    dtype and their float32 copy, and a layer's activations (the residual, q/k/v/o, and the MLP's three widths)."""
+    c, size = model.config, dtype_bytes(model.dtype)
+    return rows * (c.vocab_size * (size + 4) + (6 * c.dim + 3 * c.hidden_dim) * size)
+
+
 class BatchRunner(Engine):
     """The model runner: n_slots rows of KV cache, max_len positions each, and the forwards over them.
 
@@ -68,7 +77,12 @@ class BatchRunner(Engine):
                  mode: str | None = None):
         check_int(n_slots, "n_slots", low=1)
         self.n_slots, self.cache = n_slots, None
-        self._allocate(self._own(model, max_len, low=1, compile=compile, mode=mode))  # 1: a step at position 0
+        first = self._own(model, max_len, low=1, compile=compile, mode=mode)  # 1: a step at position 0
+        cache = kv_cache_bytes(cache_config(model), n_slots, first, model.dtype)
+        check_memory(cache + step_buffer_bytes(model, n_slots), model.device,
+                     f"n_slots {n_slots:,}: a KV cache of {n_slots:,} x {first:,} positions and one decode step's "
+                     f"logits ({n_slots:,} x {model.config.vocab_size:,}, float32) and activations")
+        self._allocate(first)
 
     def _allocate(self, max_len: int) -> None:
         """A cache of max_len positions per row holding what the old one held, and its step."""
@@ -214,6 +228,22 @@ def run_steps(scheduler: Scheduler, compute: Callable[[list[Scheduled]], list[in
     return scheduler.run
 
 
+# The most slots a paged engine takes beyond its pool's blocks: each running sequence holds a block of its own (the
+# block of its last token), so slots past the blocks never run, yet each costs the scheduler a list entry and every
+# step's timeline row an int (10**7 slots: ~80 MB a step). A few idle ones are harmless (a pool of 4 blocks with 8
+# slots runs, 4 at a time): refused only past both.
+SLOTS_PAST_POOL = 1024
+
+
+def check_slots(n_slots: int, n_blocks: int | None, name: str = "n_slots") -> None:
+    """Refuse, by `name`, more slots than both a fixed pool's n_blocks (None: a pool sized per slot) and
+    SLOTS_PAST_POOL: slots that could never run, each still a row of the scheduler's bookkeeping."""
+    if n_blocks is not None and n_slots > max(n_blocks, SLOTS_PAST_POOL):
+        raise ValueError(f"{name} {n_slots:,}: a pool of {n_blocks:,} blocks runs at most {n_blocks:,} sequences at "
+                         f"once (each holds a block of its own), and every slot costs bookkeeping each step: give "
+                         f"at most {max(n_blocks, SLOTS_PAST_POOL):,} slots")
+
+
 def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **pool) -> None:
     """A paged engine's options, each refused by its name; pool: the pool's size by its name (None: sized later)."""
     check_int(n_slots, "n_slots", low=1)
@@ -221,6 +251,8 @@ def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **po
     for name, value in (*pool.items(), ("prefill_chunk", prefill_chunk)):
         if value is not None:
             check_int(value, name, low=1)
+    for value in pool.values():
+        check_slots(n_slots, value)
     if not isinstance(prefix_caching, bool):
         raise ValueError(f"prefix_caching must be True or False, got {prefix_caching!r}")
 

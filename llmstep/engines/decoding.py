@@ -12,8 +12,9 @@ run report (`DecodeResult`, which every loop's result extends).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass, field
 
 import torch
@@ -42,16 +43,21 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
                              f"{getattr(ids, 'dtype', type(ids).__name__)}") from None
         if ids.dim() == 0 or ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
             raise ValueError(f"a prompt tensor must hold one sequence, [T] or [1, T]; got shape {list(ids.shape)}")
+        check_prompt_len(ids.numel(), max_len, room)  # before the ids are read
         ids = ids.flatten().tolist()
     # Text and chat messages reach here only from an engine without a tokenizer (`encode_prompt` encodes them).
-    messages = isinstance(ids, list | tuple) and any(isinstance(m, dict) for m in ids)
+    read = max_len + 1 if is_int(max_len) else None  # the most ids worth reading: one more is refused (inf: all)
+    messages = isinstance(ids, list | tuple) and any(isinstance(m, dict) for m in ids[:read])
     if isinstance(ids, str) or messages:
         what, how = ("chat messages", "tokenizer.encode_chat(messages)") if messages else ("text", "tokenizer.encode")
         raise ValueError(f"this takes token ids (an engine without a tokenizer, a lab helper), not {what}: encode "
                          f"the prompt with the model's tokenizer first ({how})")
     if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Iterable):
         raise ValueError(f"a prompt must be text, token ids or chat messages, got {type(ids).__name__}")
-    ids = list(ids)
+    if isinstance(ids, Sized):
+        check_prompt_len(len(ids), max_len, room)  # before the ids are read (a one-shot iterator: once read)
+    ids = list(itertools.islice(ids, read))  # an iterator far too long is not read past the context
+    check_prompt_len(len(ids), max_len, room)
     odd = [i for i in ids if not is_int(i)]
     if odd:
         raise ValueError(f"prompt token ids must be integers, got {odd[0]!r}")
@@ -61,19 +67,30 @@ def check_prompt_ids(ids, vocab_size: int, max_len: int, room: str = "the model'
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    if len(ids) > max_len:  # a prompt that fills it still gets its one new token (never written)
-        raise ValueError(f"the prompt is {len(ids)} tokens, but {room} is {max_len}: "
-                         "no room for a new token; shorten the prompt")
     return ids
+
+
+def check_prompt_len(n_ids: int, max_len: int, room: str) -> None:
+    """A prompt of n_ids tokens must leave room for one new token in max_len positions (`room` names them)."""
+    if n_ids > max_len:  # a prompt that fills it still gets its one new token (never written)
+        raise ValueError(f"the prompt is {n_ids} tokens, but {room} is {max_len}: "
+                         "no room for a new token; shorten the prompt")
 
 
 def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
     """Stop token ids (a list, a set, a tensor, ...) as a set of ints; anything else is refused by name, and so is
     an id outside the vocabulary (0..vocab_size-1, when given): a stop token the model can never make."""
     if torch.is_tensor(stop_ids):
+        if vocab_size is not None:
+            check_stop_count(stop_ids.numel(), vocab_size)  # before the ids are read
         stop_ids = stop_ids.flatten().tolist()
     if isinstance(stop_ids, str | bytes) or not isinstance(stop_ids, Iterable):
         raise ValueError(f"stop_ids must be a collection of token ids, got {stop_ids!r}")
+    if vocab_size is not None:  # more ids than the vocabulary has: refused before they are read (range(10**8))
+        if isinstance(stop_ids, Sized):
+            check_stop_count(len(stop_ids), vocab_size)
+        stop_ids = list(itertools.islice(stop_ids, vocab_size + 1))
+        check_stop_count(len(stop_ids), vocab_size)
     ids = [i.item() if torch.is_tensor(i) and i.numel() == 1 else i for i in stop_ids]
     odd = [i for i in ids if not is_int(i)]
     if odd:
@@ -83,6 +100,12 @@ def stop_id_set(stop_ids, vocab_size: int | None = None) -> set[int]:
         span = "ids are >= 0" if vocab_size is None else f"0..{vocab_size - 1}"
         raise ValueError(f"stop id {outside[0]} is outside the vocabulary ({span}): it could never stop")
     return {int(i) for i in ids}
+
+
+def check_stop_count(n_ids: int, vocab_size: int) -> None:
+    if n_ids > vocab_size:
+        raise ValueError(f"stop_ids holds {n_ids:,} ids, more than the vocabulary's {vocab_size:,} tokens: give each "
+                         "stop token once")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor | list[dict],
@@ -96,7 +119,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
         if not prompt:
             raise ValueError("the prompt is empty: give at least one character")
         ids = tokenizer.encode(prompt, max_tokens=max_seq_len)  # a text far too long is refused before it is read
-    elif isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt):  # chat: check_messages
+    elif isinstance(prompt, list | tuple) and any(isinstance(m, dict) for m in prompt[:max_seq_len + 1]):  # chat
+        check_chat_size(tokenizer, prompt, max_seq_len)  # messages far too long are refused before they are rendered
         ids = tokenizer.encode_chat(list(prompt))  # names a message that is not one
         if not ids:  # not the caller's empty prompt: the template's
             raise ValueError("the chat template rendered these messages to no tokens: the checkpoint's template "
@@ -104,6 +128,17 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
     else:  # token ids, a list or a tensor
         ids = prompt
     return check_prompt_ids(ids, tokenizer.vocab_size if vocab_size is None else vocab_size, max_seq_len)
+
+
+def check_chat_size(tokenizer: Tokenizer, messages: list | tuple, max_tokens: int) -> None:
+    """Refuse chat messages whose contents alone must make more than max_tokens tokens, before the template renders
+    them: `Tokenizer.encode`'s rule for text (more bytes than max_tokens of its longest token hold), applied to the
+    contents as a template writes them (stripped); what the template adds only makes more."""
+    contents = [m.get("content") for m in messages if isinstance(m, dict)]
+    n_bytes = sum(len(c.strip().encode("utf-8", "surrogatepass")) for c in contents if isinstance(c, str))
+    if n_bytes > max_tokens and n_bytes > max_tokens * tokenizer.longest:  # `longest`: read once, when needed
+        raise ValueError(f"the chat messages' contents are {n_bytes:,} bytes, at least "
+                         f"{n_bytes // tokenizer.longest:,} tokens: more than the {max_tokens:,} there is room for")
 
 
 # ---- Non-finite numbers, and one run at a time -------------------------------------------------------------

@@ -88,12 +88,17 @@ class RopeRotation:
     wavelengths: torch.Tensor  # [head_dim / 2]: every pair's wavelength, for context
 
 
+MAX_TRAIL = 10_000  # the longest trail rope_rotation draws: trail x head_dim float64 numbers, three times (cos, sin, x)
+
+
 def rope_rotation(config: LlamaConfig, position: int, pair: int, trail: int = 64) -> RopeRotation:
     """Pair `pair` of a head vector, (1, 0) at position 0, rotated by llmstep.core.rope to positions
-    max(0, position - trail) .. position: the path the widget draws on the unit circle."""
+    max(0, position - trail) .. position: the path the widget draws on the unit circle (trail at most MAX_TRAIL)."""
     check_int(position, "position")
     check_int(pair, "pair")
     check_int(trail, "trail")
+    if trail > MAX_TRAIL:
+        raise ValueError(f"trail must be at most {MAX_TRAIL:,} positions (a path the widget can draw), got {trail:,}")
     if pair >= config.head_dim // 2:
         raise ValueError(f"pair must be below head_dim / 2 = {config.head_dim // 2}, got {pair}")
     inv_freq = config_inv_frequencies(config)  # [hd/2]
@@ -224,6 +229,9 @@ class SpeculativeCurve:
         return self.speedups[self.best_k - 1]
 
 
+MAX_K = 1024  # the longest speculative_curve: lists of k_max speedups (k_max = 10**9 ran for ever)
+
+
 def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16,
                       verify_cost: float = 1.0) -> SpeculativeCurve:
     """Expected speedup over target-only decoding for k = 1..k_max (Leviathan et al.; llmstep.engines.speculative),
@@ -237,6 +245,9 @@ def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16,
         raise ValueError("cost_ratio must be a finite number >= 0 (a draft forward in target forwards), got None")
     check_costs(cost_ratio, None)
     check_k(k_max)
+    if k_max > MAX_K:
+        raise ValueError(f"k_max must be at most {MAX_K:,} draft tokens per round (a curve to draw), "
+                         f"got {k_max:,}")
     ks = range(1, k_max + 1)
     return SpeculativeCurve(acceptance, cost_ratio,
                             [expected_speedup(acceptance, k, cost_ratio, verify_cost) for k in ks],
@@ -245,6 +256,9 @@ def speculative_curve(acceptance: float, cost_ratio: float, k_max: int = 16,
 
 
 # ---- batching (09) -----------------------------------------------------------------------------------
+
+MAX_SIM_SLOTS = 1024  # simulate_batching's most slots: past its requests they sit idle, yet each is in every row
+
 
 def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, policy: str = "continuous",
                       seed: int = 0, new_tokens: tuple[int, int] = (4, 96),
@@ -255,6 +269,9 @@ def simulate_batching(n_slots: int, arrival_rate: float, n_requests: int = 24, p
     for every request, so each makes all its new tokens: the timeline is the one `run_batch` gives for the same
     workload (tests/lab/test_explorers.py checks it), in no time and without a model."""
     check_int(n_slots, "n_slots", low=1)
+    if n_slots > MAX_SIM_SLOTS:  # every engine step is a row of n_slots in the timeline
+        raise ValueError(f"n_slots must be at most {MAX_SIM_SLOTS:,} (every engine step records a row of them), "
+                         f"got {n_slots:,}")
     check_int(n_requests, "n_requests", low=1)
     if not (is_finite_number(arrival_rate) and arrival_rate > 0):  # random_workload's None (all at once) too
         raise ValueError(f"arrival_rate must be a finite number > 0 (requests per engine step), got {arrival_rate!r}")

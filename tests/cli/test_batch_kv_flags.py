@@ -33,6 +33,11 @@ def test_a_flag_of_the_other_layout_is_one_line_and_status_2(argv, message, caps
     (["--kv", "paged", "--kv-blocks", "2000000000"], "(a paged pool of 2,000,000,000 blocks x 16 positions, float32)"),
     (["--kv", "paged", "--block-size", "100000"], "--block-size 100000 is longer than the model's context (512"),
     (["--kv", "paged", "--kv-blocks", "1"], "--kv-blocks 1: request 0: its prompt ("),
+    # slots a 64-block pool could never run: the scheduler's bookkeeping of 10**9 slots was a MemoryError
+    (["--kv", "paged", "--kv-blocks", "64", "--slots", "1000000000"], "--slots 1,000,000,000: a pool of 64 blocks "
+                                                                      "runs at most 64 sequences at once"),
+    # arrivals spread past what a run records: refused by the flag, not by a request after the table's header
+    (["--rate", "1e-10"], "--rate 1e-10: request 1: arrival step"),
 ])
 def test_what_no_run_could_hold_is_refused_from_the_config_before_the_model_loads(argv, message, capsys, monkeypatch):
     """The largest cache of any run (the most slots, the pool, the largest batch size of the step timing, which

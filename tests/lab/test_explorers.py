@@ -359,3 +359,16 @@ def test_the_attention_pattern_needs_the_separate_projections(shipped):
     model, tok = shipped
     with pytest.raises(ValueError, match="give the model before fusing"):
         explore.attention_weights(fused(model), tok.encode("ROMEO:"), 0)
+
+
+def test_the_explorers_refuse_sizes_no_widget_draws_by_name():
+    """k_max = 10**9 ran for ever, 10**9 simulated slots and a trail of 10**9 positions ran out of memory."""
+    with pytest.raises(ValueError, match=f"k_max must be at most {explore.MAX_K:,}"):
+        explore.speculative_curve(0.8, 0.1, explore.MAX_K + 1)
+    assert len(explore.speculative_curve(0.8, 0.1, explore.MAX_K).speedups) == explore.MAX_K
+    with pytest.raises(ValueError, match=f"n_slots must be at most {explore.MAX_SIM_SLOTS:,}"):
+        explore.simulate_batching(explore.MAX_SIM_SLOTS + 1, 0.5, n_requests=2)
+    assert explore.simulate_batching(explore.MAX_SIM_SLOTS, 0.5, n_requests=2).n_slots == explore.MAX_SIM_SLOTS
+    with pytest.raises(ValueError, match=f"trail must be at most {explore.MAX_TRAIL:,} positions"):
+        explore.rope_rotation(LLAMA8B, 10**12, 0, trail=explore.MAX_TRAIL + 1)
+    assert len(explore.rope_rotation(LLAMA8B, 10**12, 0, trail=explore.MAX_TRAIL).trail) == explore.MAX_TRAIL + 1
