@@ -5,6 +5,7 @@ The package is laid out in layers; each imports only the layers above it in this
 core/         the model, one module per stage of the token's journey (notebooks 01-07)
     config.py      shapes: one dataclass, Hugging Face config.json, presets
     tokens.py      text <-> ids (tokenizers, Llama 3 special tokens and chat format)
+    stream_decode.py  ids in one at a time, text out once it is final (a character split over tokens held back)
     chat.py        a checkpoint's own chat template, rendered as transformers renders it (Jinja2 sandbox)
     rope.py        rotary position embedding with Llama 3.1 scaling
     norm.py        RMSNorm

@@ -134,8 +134,8 @@ def free_memory_bytes(device: torch.device | str) -> int | None:
     available RAM (MemAvailable, and a container's limit, and what `ulimit -v` leaves), MPS's recommended budget;
     None where unknown."""
     dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
+    if dev.type == "cuda":  # and what torch's caching allocator holds unused: free to it, not to the driver
+        return torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     if dev.type == "mps":
         try:
             return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()

@@ -17,10 +17,6 @@ rest.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .tokens import Tokenizer
 
 __all__ = ["StreamDecoder"]
 
@@ -29,9 +25,10 @@ BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")  # a byte-fallback token's text
 
 class StreamDecoder:
     """Ids in one at a time (step), text out as soon as it is final; flush() at the end gives what is still held
-    back, so that everything returned adds up to tokenizer.decode(ids)."""
+    back, so that everything returned adds up to tokenizer.decode(ids). `tokenizer`: a llmstep Tokenizer (not
+    imported here: tokens.py imports this module, for Tokenizer.stream)."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         decoder = tokenizer.tok.decoder

@@ -26,8 +26,9 @@ __all__ = ["TokenEvent", "Generation", "Stream", "stream", "generate"]
 @dataclass(frozen=True)
 class TokenEvent:
     id: int
-    text: str  # the text this token completes; '' while a character is unfinished, or for a stop token. The
-    # last event also carries the bytes still held back (as U+FFFD), so the texts add up to decode(tokens).
+    text: str  # the text this token completes; '' while a character (or a run of byte-fallback tokens) is
+    # unfinished, or for a stop token. The last event also carries the bytes still held back (as U+FFFD), so the
+    # texts add up to decode(tokens).
     index: int  # 0 for the first new token
     seconds: float  # the prefill for index 0, one decode step after that
     stop: bool = False  # an end-of-sequence / stop token (its id is kept, its text is not)

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..core.checkpoint import check_save_folder, load_model, read_config, save
 from ..core.checks import is_finite_number, is_int
-from ..core.config import LlamaConfig
+from ..core.config import ConfigError, LlamaConfig
 from ..core.cost import check_fits, training_bytes
 from ..core.device import resolve_device
 from ..core.files import atomic_write_bytes, atomic_write_text
@@ -107,17 +107,16 @@ BOUNDS = {"lr": (f"[0, {LR_MAX:g}]", lambda v: 0 <= v <= LR_MAX), "beta1": BETA,
 
 def model_config(preset: str, tokenizer, **overrides) -> LlamaConfig:
     shape = SHAPES[preset] | {k: v for k, v in overrides.items() if v is not None}
-    if is_int(dim := shape["dim"]) and is_int(heads := shape["n_heads"]) and heads > 0 and dim % (2 * heads):
-        raise ValueError(f"dim {dim} is not a multiple of 2 x n_heads ({heads}): each head is dim / n_heads wide, an "
-                         "even width (RoPE rotates pairs); give another --dim or --n-heads")
-    return LlamaConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        rope_theta=500000.0,  # Llama 3's RoPE base
-        tie_embeddings=True,
-        bos_token_id=tokenizer.token_to_id(data.BOS),
-        eos_token_id=[tokenizer.token_to_id(data.EOS)],  # works end with <|end_of_text|> in training
-        **shape,
-    )
+    try:
+        return LlamaConfig(vocab_size=tokenizer.get_vocab_size(), rope_theta=500000.0,  # Llama 3's RoPE base
+                           tie_embeddings=True, bos_token_id=tokenizer.token_to_id(data.BOS),
+                           eos_token_id=[tokenizer.token_to_id(data.EOS)],  # works end with <|end_of_text|>
+                           **shape)
+    except ConfigError as e:  # LlamaConfig's rule on the heads' width, in the flags training has (no --head-dim)
+        if "head_dim" not in str(e):
+            raise
+        raise ConfigError(f"{str(e).replace('; give head_dim explicitly or fix the sizes', '')}: each head is dim / "
+                          "n_heads wide, an even width (RoPE rotates pairs); give another --dim or --n-heads") from None
 
 
 def init_weights(model: Llama, seed: int) -> None:

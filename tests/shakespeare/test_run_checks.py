@@ -116,9 +116,9 @@ def test_a_resumed_run_cuts_its_log_at_the_checkpoint_and_marks_the_resumption(t
     (["--weight-decay", "1e300"], r"argument --weight-decay: must be a number in \[0, 10\], got 1e300"),
     (["--beta1", "1"], r"argument --beta1: must be a number in \[0, 1\), got 1"),  # torch named no flag
     (["--beta2", "1"], r"argument --beta2: must be a number in \[0, 1\), got 1"),
-    (["--dim", "30"], r"dim 30 is not a multiple of 2 x n_heads \(4\): each head is dim / n_heads wide, an even "
+    (["--dim", "30"], r"dim \(30\) is not divisible by n_heads \(4\): each head is dim / n_heads wide, an even "
                       r"width \(RoPE rotates pairs\); give another --dim or --n-heads$"),  # train takes no --head-dim
-    (["--dim", "20"], r"dim 20 is not a multiple of 2 x n_heads \(4\)"),  # heads of 5: odd
+    (["--dim", "20"], r"head_dim must be a positive even number .* got 5: each head is dim / n_heads wide"),
 ], ids=["short-teacher", "init-shape", "missing-teacher", "missing-init", "no-checkpoint", "stop-after-0",
         "eval-tokens-1", "export-here", "lr-past-float32", "weight-decay", "beta1-1", "beta2-1", "dim-30", "dim-20"])
 def test_bad_input_is_refused_before_the_run_folder_is_made(tmp_path, small_corpus, tiny_models, extra, match,
