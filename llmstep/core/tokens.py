@@ -151,10 +151,8 @@ class Tokenizer:
         _check_encodable(text)
         if max_tokens is not None and not (is_int(max_tokens) and max_tokens >= 1):  # 0 leaves room for no text
             raise ValueError(f"max_tokens must be a whole number of at least 1, got {max_tokens!r}")
-        if max_tokens is not None and len(text) > max_tokens and len(text.encode()) > max_tokens * self.longest:
-            raise ValueError(f"the text is {len(text.encode()):,} bytes, at least "
-                             f"{len(text.encode()) // self.longest:,} tokens: more than the {max_tokens:,} there is "
-                             "room for")
+        if max_tokens is not None and len(text) > max_tokens:  # fewer characters never make more tokens
+            self.check_room(len(text.encode()), max_tokens, "the text is")
         try:
             ids = (self.tok if special else self._plain_tokenizer()).encode(text, add_special_tokens=False).ids
         except BaseException as e:  # the tokenizers library panics (a BaseException) where its regex gives up
@@ -164,6 +162,13 @@ class Tokenizer:
                              "backtracks too much on it; tokenizer.json's pre_tokenizer is at fault)") from None
         bos = self.add_bos if bos is None else bos
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
+
+    def check_room(self, n_bytes: int, max_tokens: int, what: str) -> None:
+        """Refuse, unread, text of n_bytes UTF-8 bytes that must make more than max_tokens tokens: more bytes than
+        max_tokens of the longest token hold. `what` ("the text is") begins the message."""
+        if n_bytes > max_tokens and n_bytes > max_tokens * self.longest:  # `longest` read only when it may matter
+            raise ValueError(f"{what} {n_bytes:,} bytes, at least {n_bytes // self.longest:,} tokens: more than the "
+                             f"{max_tokens:,} there is room for")
 
     @cached_property
     def longest(self) -> int:

@@ -132,13 +132,11 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | list[int] | torch.Tensor |
 
 def check_chat_size(tokenizer: Tokenizer, messages: list | tuple, max_tokens: int) -> None:
     """Refuse chat messages whose contents alone must make more than max_tokens tokens, before the template renders
-    them: `Tokenizer.encode`'s rule for text (more bytes than max_tokens of its longest token hold), applied to the
-    contents as a template writes them (stripped); what the template adds only makes more."""
+    them: the rule `Tokenizer.encode` applies to text (`Tokenizer.check_room`), applied to the contents as a template
+    writes them (stripped); what the template adds only makes more."""
     contents = [m.get("content") for m in messages if isinstance(m, dict)]
     n_bytes = sum(len(c.strip().encode("utf-8", "surrogatepass")) for c in contents if isinstance(c, str))
-    if n_bytes > max_tokens and n_bytes > max_tokens * tokenizer.longest:  # `longest`: read once, when needed
-        raise ValueError(f"the chat messages' contents are {n_bytes:,} bytes, at least "
-                         f"{n_bytes // tokenizer.longest:,} tokens: more than the {max_tokens:,} there is room for")
+    tokenizer.check_room(n_bytes, max_tokens, "the chat messages' contents are")
 
 
 # ---- Non-finite numbers, and one run at a time -------------------------------------------------------------
