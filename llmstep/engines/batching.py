@@ -235,13 +235,18 @@ def run_steps(scheduler: Scheduler, compute: Callable[[list[Scheduled]], list[in
 SLOTS_PAST_POOL = 1024
 
 
+def max_slots(n_blocks: int) -> int:
+    """The most slots a paged engine over a fixed pool of n_blocks takes: its blocks, or SLOTS_PAST_POOL."""
+    return max(n_blocks, SLOTS_PAST_POOL)
+
+
 def check_slots(n_slots: int, n_blocks: int | None, name: str = "n_slots") -> None:
-    """Refuse, by `name`, more slots than both a fixed pool's n_blocks (None: a pool sized per slot) and
-    SLOTS_PAST_POOL: slots that could never run, each still a row of the scheduler's bookkeeping."""
-    if n_blocks is not None and n_slots > max(n_blocks, SLOTS_PAST_POOL):
+    """Refuse, by `name`, more slots than `max_slots` of a fixed pool's n_blocks (None: a pool sized per slot):
+    slots that could never run, each still a row of the scheduler's bookkeeping."""
+    if n_blocks is not None and n_slots > max_slots(n_blocks):
         raise ValueError(f"{name} {n_slots:,}: a pool of {n_blocks:,} blocks runs at most {n_blocks:,} sequences at "
                          f"once (each holds a block of its own), and every slot costs bookkeeping each step: give "
-                         f"at most {max(n_blocks, SLOTS_PAST_POOL):,} slots")
+                         f"at most {max_slots(n_blocks):,} slots")
 
 
 def check_paged_options(n_slots, block_size, prefix_caching, prefill_chunk, **pool) -> None:

@@ -18,7 +18,7 @@ from ..core import attention_backend
 from ..core.checks import check_int, check_step_context, is_int
 from ..core.cost import model_step_cost
 from ..core.model import Llama
-from ..engines.batching import POLICIES, SLOTS_PAST_POOL, BatchRunner, Request, make_batcher, run_batch
+from ..engines.batching import POLICIES, BatchRunner, Request, make_batcher, max_slots, run_batch
 from ..engines.decoding import budget, cache_len
 from ..engines.kv_manager import KVCacheManager
 from ..engines.scheduler import BatchRun, Completion, Job, Scheduler
@@ -202,7 +202,7 @@ def measure_capacity(model: Llama, requests: list[Request], contiguous_slots: in
     slot_len = max(cache_len(len(r.prompt_ids), r.max_new_tokens, model.config.max_seq_len) for r in requests)
     kv_blocks = contiguous_slots * slot_len // block_size
     contiguous = run_batch(model, requests, contiguous_slots, max_len=slot_len, compile=False)
-    slots = min(len(requests), max(kv_blocks, SLOTS_PAST_POOL))  # no cap on sequences: as many as may ever run
+    slots = min(len(requests), max_slots(kv_blocks))  # no cap on sequences: as many as may ever run
     paged = run_batch(model, requests, slots, kv="paged", block_size=block_size, kv_blocks=kv_blocks)
     row = {"requests": len(requests), "slot_len": slot_len, "positions": contiguous_slots * slot_len,
            "block_size": block_size, "kv_blocks": kv_blocks, "same_tokens": _same_tokens(contiguous, paged)}
