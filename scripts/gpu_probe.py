@@ -1,5 +1,6 @@
 """The one-shot GPU probe (issues 12 and 25): one command, under 10 minutes on one H200, everything in one folder.
 
+    python scripts/gpu_probe.py --out $OUT/probe      # on the lent GPU machine: only what is under $OUT comes back
     python scripts/gpu_probe.py                       # CUDA: results/gpu/probe-<UTC>/ (probe.jsonl, table.txt, logs)
     python scripts/gpu_probe.py --dry --out /tmp/p     # any CPU: tiny shapes, the same phases, children and JSON
     python scripts/gpu_probe.py --phases 8b_int4_other,hf_static_compile,hf_eager,notebooks \

@@ -157,10 +157,15 @@ def local_rank() -> int:
 
 
 def rank_device(device=None) -> torch.device:
-    """The device this rank runs on: a CUDA rank takes GPU LOCAL_RANK (one GPU per process); else `device`."""
+    """The device this rank runs on: a CUDA rank takes GPU LOCAL_RANK (one GPU per process); else `device`. Another
+    GPU's index is refused: the rank's collectives run on its own GPU, and its model must be there too."""
     dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is None and dist.is_initialized():
-        dev = torch.device("cuda", local_rank())
+    if dev.type == "cuda" and dist.is_initialized():
+        own = local_rank()
+        if dev.index is not None and dev.index != own:
+            raise ParallelError(f"rank {dist.get_rank()} was given device {dev}, but its GPU is cuda:{own} (LOCAL_RANK "
+                                "under torchrun: one GPU per process): give the device as plain 'cuda'")
+        dev = torch.device("cuda", own)
     if dev.type == "mps":
         raise ParallelError("tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not on MPS")
     return dev

@@ -17,7 +17,7 @@ import torch
 from ..core.checks import check_step_context
 from ..core.config import LlamaConfig
 from ..core.cost import check_fits, decode_step_cost, model_bytes, n_params
-from ..core.device import resolve_device, resolve_dtype
+from ..core.device import half_dtype, resolve_device, resolve_dtype
 from ..core.model import Llama, materialize
 from ..engines.decoding import check_int
 from .runinfo import cpu_flags, describe, time_repeats
@@ -95,7 +95,7 @@ def measure_matmul(device: str | torch.device | None = None, dtype: torch.dtype 
     dev = resolve_device(device)
     if dtype is None:
         if dev.type == "cuda":
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            dtype = half_dtype(dev)  # float16 where the GPU only emulates bfloat16 (T4, V100), as the model runs
         else:
             dtype = torch.float16 if dev.type == "mps" else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

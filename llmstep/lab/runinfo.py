@@ -35,7 +35,7 @@ import torch
 from .._version import __version__
 from ..core import attention_backend
 from ..core.checks import check_int
-from ..core.device import cpuinfo_fields, resolve_device, synchronize
+from ..core.device import cpuinfo_fields, native_bf16, resolve_device, synchronize
 
 __all__ = ["CPU_FLAGS", "cpu_flags", "describe", "machine", "header", "time_repeats", "versions", "load_average",
            "command_line", "finite_values", "median", "spread", "timing"]
@@ -50,7 +50,7 @@ def describe(device: str | torch.device | None = None) -> dict[str, str | int | 
         info |= {"name": props.name, "memory_gb": props.total_memory / 1e9,
                  "multiprocessors": props.multi_processor_count,
                  "compute_capability": f"{props.major}.{props.minor}",
-                 "bf16": torch.cuda.is_bf16_supported()}
+                 "bf16": native_bf16(dev)}  # in hardware: T4 and V100 only emulate it
     elif dev.type == "mps":
         info |= {"name": f"Apple GPU ({platform.machine()})", "memory_gb": None}
     else:

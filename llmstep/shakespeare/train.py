@@ -34,7 +34,7 @@ from ..core.checkpoint import check_save_folder, load_model, read_config, save
 from ..core.checks import is_finite_number, is_int
 from ..core.config import ConfigError, LlamaConfig
 from ..core.cost import check_fits, training_bytes
-from ..core.device import resolve_device
+from ..core.device import native_bf16, resolve_device
 from ..core.files import atomic_write_bytes, atomic_write_text
 from ..core.model import Llama
 from ..core.tokens import Tokenizer as LlamaTokenizer
@@ -167,8 +167,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def autocast(device: torch.device):
-    """bf16 autocast where the hardware has fast bf16 matmuls (CUDA); plain fp32 elsewhere."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    """bf16 autocast where the GPU does bf16 in hardware (compute capability 8.0 on); plain fp32 elsewhere (a T4 or
+    V100 only emulates bf16, slower than fp32)."""
+    if native_bf16(device):
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

@@ -80,3 +80,30 @@ def test_a_device_type_llmstep_does_not_run_on_is_refused_by_name(name):
 def test_an_unknown_device_name_is_refused(name):
     with pytest.raises(ValueError, match="unknown device"):
         dev.resolve_device(name)
+
+
+@pytest.mark.parametrize("major", [9, 8, 7])
+def test_training_and_the_run_record_call_bfloat16_native_only_where_the_gpu_has_it(monkeypatch, major):
+    """A T4 or V100 (7.x) emulates bf16: training runs it in float32, not in slow emulated bf16 autocast, and the
+    record's bf16 field says no; the roofline's default matmul dtype is the one the model runs in (half_dtype)."""
+    from llmstep.lab import hardware, runinfo
+    from llmstep.shakespeare import train
+
+    gpu(monkeypatch, major)
+    props = type("P", (), {"major": major, "minor": 0, "name": f"GPU {major}.0", "total_memory": 16e9,
+                           "multi_processor_count": 40})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    cuda = torch.device("cuda")
+    assert isinstance(train.autocast(cuda), torch.autocast) == (major >= 8)
+    assert runinfo.describe(cuda)["bf16"] == (major >= 8)
+    asked = []
+
+    def no_gpu_here(size, device, what):  # the memory check before the matmul's tensors: record what, stop there
+        asked.append(what)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(hardware.torch, "Generator", lambda device: type("G", (), {"manual_seed": lambda g, s: g})())
+    monkeypatch.setattr(hardware, "check_fits", no_gpu_here)
+    with pytest.raises(RuntimeError, match="stop"):
+        hardware.measure_matmul(cuda, n=64)
+    assert asked[0].endswith("in " + str(torch.bfloat16 if major >= 8 else torch.float16) + " (three 64 x 64 matrices)")

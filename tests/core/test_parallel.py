@@ -425,3 +425,19 @@ def test_a_shard_is_not_quantised_and_its_layer_skip_draft_caches_its_heads(chec
     assert len(cache.k) == 1
     with pytest.raises(QuantizationError, match="shard"):
         quantize(draft, "int8")
+
+
+def test_a_cuda_rank_takes_its_own_gpu_and_refuses_another(monkeypatch):
+    """Under torchrun each rank's collectives run on cuda:LOCAL_RANK: its model must be there too, so "cuda" becomes
+    that GPU and another GPU's index is refused by name (was: rank 1 loaded onto cuda:0, NCCL failing later)."""
+    from llmstep.core import process_group
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 1)
+    assert process_group.rank_device("cuda") == process_group.rank_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(parallel.ParallelError, match=r"rank 1 was given device cuda:0, but its GPU is cuda:1"):
+        process_group.rank_device("cuda:0")
+    assert process_group.rank_device("cpu") == torch.device("cpu")
