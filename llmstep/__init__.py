@@ -23,6 +23,8 @@ core/         the model, one module per stage of the token's journey (notebooks 
     quant_formats.py  the int8/int4 formats: QuantConfig, quantize, dequantize, pack (pure functions)
     quantize.py    int8/int4: the quantized linears and their kernels, swapped into a model
     quant_kernels.py  which matmul a quantized layer runs when not told: per mode and device, int4's per GPU
+    quant_layouts.py  int4's kernel layouts: built per device, the codes read back in a few rows of memory, rebuilt
+                   when nn.Module's .to() moves a quantized layer
     int4a8.py      int4 with 8-bit activations (llama.cpp's arithmetic): the reference, the kernel's layout
     int8a8.py      int8 with 8-bit activations (llama.cpp's Q8_0 arithmetic): the reference, its kernel's call
     fuse.py        q|k|v and gate|up stacked as one matmul each, for the fast loops on CUDA (no second copy)

@@ -142,7 +142,7 @@ def prepare(layer, codes: torch.Tensor):
     and the kernel is registered (the installer tried first), the kernel's layout alone (kernel "a8": the plain codes
     dropped, recovered from it by `Int4Linear.codes` when asked for); else the codes ("dequant": torch's ops, as
     also when kernel="dequant" is asked for). Returns the layer."""
-    fits = (layer.kernel != "dequant" and codes.device.type == "cpu"
+    fits = (layer.asked != "dequant" and codes.device.type == "cpu"
             and supports(layer.out_features, layer.in_features, layer.group_size))
     if fits and _kernel is None:
         install()  # once a process: it remembers a failed build
@@ -186,7 +186,7 @@ def with_activations(model: torch.nn.Module) -> torch.nn.Module:
         for m in layers:
             m.codes()  # the plain codes recoverable from any layout, before this layer changes
             m.__dict__.pop("_fused_into", None)  # a fused twin of the weight-only layer is not this layer's
-            m.activations, m.kernel = 8, "auto"
+            m.activations, m.kernel, m.asked = 8, "auto", "auto"
             m.prepare()
     except BaseException:
         for m, attrs, buffers in saved:  # every layer back as it was

@@ -28,7 +28,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from . import int4a8, int8a8, torch_compat
+from . import int4a8, int8a8, quant_layouts, torch_compat
 from .config import LlamaConfig
 from .linear import linear, widened, widens_rows
 from .model import Llama, materialize
@@ -41,7 +41,6 @@ from .quant_formats import (
     agrees,
     dequantize_int4,
     dequantize_int8,
-    nibbles,
     pack_int4,
     quantize_int4,
     quantize_int8,
@@ -119,11 +118,14 @@ class Int8Linear(nn.Module):
     def _packed_agrees(self) -> bool:
         """Whether torch's packed int8 op runs here and matches dequantise + matmul (on CHECK_ROWS rows)."""
         x, r = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype), CHECK_ROWS
-        try:
+        try:  # (on the meta device `agrees` has no values to compare and raises: no packed kernel there)
             got = None if torch_compat.missing("int8_mm") else torch_compat.int8_mm(x, self.weight, self.scales)
+            return got is not None and agrees(got[:, :r], linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
         except (RuntimeError, NotImplementedError):  # not for this device, dtype or shape
             return False
-        return got is not None and agrees(got[:, :r], linear(x, self.weight[:r].to(x.dtype)) * self.scales[:r])
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(), ...: prepare()d again where it moves
+        return quant_layouts.moved(self, fn, partial(super()._apply, fn, recurse))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
@@ -173,7 +175,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=dtype, device=device))  # [N, K/g]
         _check_kernel(kernel, "int4", activations)
-        self.kernel = kernel
+        self.kernel = self.asked = kernel  # asked: what prepare() settles from, each time it runs
         # The packed kernels want their own layouts: built by prepare(), never saved.
         self.register_buffer("kernel_weight", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)  # [K/g, N, 2] (int4-a8: int4a8.layout's)
@@ -188,14 +190,14 @@ class Int4Linear(nn.Module):
         return m
 
     def prepare(self) -> Int4Linear:
-        """The packed kernel's layout for the weights' device, checked once, else a fallback. Where it serves every row
-        count (tinygemm, int4-a8's) the codes are dropped (`codes` recovers them); the CPU kernel keeps them."""
+        """The packed kernel's layout for the weights' device, checked once, else a fallback; the kernel settled from
+        the one asked for, each time (a move runs it again: quant_layouts.moved). Where it serves every row count
+        (tinygemm, int4-a8's) the codes are dropped (`codes` recovers them); the CPU kernel keeps them."""
         codes = self.codes()
         device = codes.device
         if self.activations:  # int4-a8: the integer kernel's layout on a CPU, where its shapes fit; else torch's ops
             return int4a8.prepare(self, codes)
-        if self.kernel == "auto":
-            self.kernel = auto_kernel("int4", device)
+        self.kernel = auto_kernel("int4", device) if self.asked == "auto" else self.asked
         self.kernel_weight = self.scales_and_zeros = None
         if self.kernel == "packed" and torch_compat.missing("int4_mm_cuda" if device.type == "cuda" else "int4_mm_cpu"):
             self.kernel = "dequant"  # this torch has no int4 kernel for the device
@@ -203,8 +205,10 @@ class Int4Linear(nn.Module):
             self.weight = codes
             return self
         try:
-            sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-            self.kernel_weight, self.scales_and_zeros = self._convert(unpack_int4(codes)), sz
+            kind = "tinygemm" if device.type == "cuda" else "cpu"
+            self.kernel_weight = quant_layouts.int4_pack(unpack_int4(codes), kind, self.in_features)
+            sz = torch.stack([self.scales, self.zeros], dim=-1)  # [N, K/g, 2]
+            self.scales_and_zeros = sz.transpose(0, 1).contiguous()  # [K/g, N, 2]
             x = torch.randn(2, self.in_features, device=device, dtype=self.scales.dtype)
             r = min(CHECK_ROWS, self.out_features)
             want = linear(x, dequantize_int4(codes[:r], self.scales[:r], self.zeros[:r], x.dtype))
@@ -219,40 +223,22 @@ class Int4Linear(nn.Module):
         self.weight = codes if device.type == "cpu" else None
         return self
 
-    def _convert(self, q: torch.Tensor) -> torch.Tensor:
-        """Codes [N, K] (0..15) -> the packed kernel's layout on their device (int4-a8's: llmstep.core.int4a8)."""
-        if self.kernel == "a8":
-            return int4a8.layout(q, self.scales, self.zeros)[0]
-        if q.device.type == "cuda":
-            # tinygemm: bf16 activations, K a multiple of inner_k_tiles * 16, N of 8 (PyTorch's checks).
-            inner_k_tiles = 8 if self.in_features % 128 == 0 else 4 if self.in_features % 64 == 0 else 2
-            return torch_compat.int4_pack_cuda(pack_int4(q).contiguous(), inner_k_tiles)
-        return torch_compat.int4_pack_cpu(q.to(torch.int32))
-
     def codes(self) -> torch.Tensor:
-        """The plain codes [N, K/2] (pack_int4's layout): held, or recovered from the kernel's layout.
+        """The plain codes [N, K/2] (pack_int4's layout): held, or read back from the kernel's layout
+        (quant_layouts.int4_codes: a few blocks of rows at a time, each checked by packing it again)."""
+        return self.weight if self.weight is not None else quant_layouts.int4_codes(self)
 
-        The kernel's packing only moves 4-bit codes about, so packing codes that spell each position's
-        index, 4 bits at a time, shows where every code went; the result is checked by packing it again."""
-        if self.weight is not None:
-            return self.weight
-        N, K, packed = self.out_features, self.in_features, self.kernel_weight
-        index = torch.arange(N * K, device=packed.device)
-        where = torch.zeros(N * K, dtype=torch.long, device=packed.device)  # nibble j holds code where[j]
-        for shift in range(0, max(1, (N * K - 1).bit_length()), 4):
-            where |= nibbles(self._convert(((index >> shift) & 15).view(N, K))).long() << shift
-        flat = torch.empty(N * K, dtype=torch.uint8, device=packed.device)
-        flat[where] = nibbles(packed)
-        codes = pack_int4(flat.view(N, K))
-        if not torch.equal(self._convert(unpack_int4(codes)), packed):
-            raise QuantizationError(f"Int4Linear [{N}, {K}]: the kernel's layout does not unpack to plain codes")
-        return codes
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(), ...: its layouts built again where it moves
+        return quant_layouts.moved(self, fn, partial(super()._apply, fn, recurse))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.codes()  # a checkpoint holds the plain codes, whatever is held
 
     def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        if (self.kernel_weight.dim() == 4) != (x2d.device.type == "cuda"):  # moved but not by .to() (unpickled)
+            raise QuantizationError(f"Int4Linear [{self.out_features}, {self.in_features}] holds a layout built for "
+                                    f"another device than {x2d.device}: move a quantised model with .to()")
         sz = self.scales_and_zeros
         if sz is None:  # a layer whose scales are views of a fused layer's table (llmstep.core.fuse): its own, now
             sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
@@ -391,7 +377,8 @@ def quantize(model: Llama, spec: QuantConfig | str | dict = "int8", group_size: 
 
     inplace=False quantises a twin that shares the float model's other tensors, leaving `model` as it
     was (to compare float and quantised side by side without a second copy of the embeddings).
-    Quantise on the device the model will run on: the packed kernels' layouts are device-specific.
+    The packed kernels' layouts are device-specific: quantise on the device the model will run on, or move it with
+    .to(), which builds them again there (llmstep.core.quant_layouts.moved).
     """
     qc = QuantConfig.of(spec, group_size, lm_head)
     _check_kernel(kernel, qc.mode, qc.activations)
