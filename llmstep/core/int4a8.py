@@ -32,11 +32,12 @@ import torch.nn.functional as F
 
 from .quant_formats import unpack_int4
 
-__all__ = ["BLOCK", "TILE", "quantize_activations", "fake_quantize", "layout", "supports", "prepare", "matmul",
-           "use_kernel", "use_installer", "install", "kernel_op", "with_activations", "streaming", "streams"]
+__all__ = ["BLOCK", "TILE", "DTYPES", "quantize_activations", "fake_quantize", "layout", "supports", "prepare",
+           "matmul", "use_kernel", "use_installer", "install", "kernel_op", "with_activations", "streaming", "streams"]
 
 BLOCK = 32  # activations per 8-bit step (llama.cpp's QK8_0)
 TILE = 4  # vectors of 8 columns the kernel takes together, their weights one stream
+DTYPES = (torch.float32, torch.bfloat16)  # the activations the integer kernels take (and a layer's scales: its model's)
 _kernel: tuple[Callable, str] | None = None  # (op, its name): the CPU kernel, once installed
 _installer: Callable[[], bool] | None = None  # builds and registers it, int8-a8's too (kernels.cpu_int4a8.install)
 # `streaming` holds it, in this thread (or asyncio task) alone: the one-row calls prefetch their weights past the
@@ -142,8 +143,8 @@ def prepare(layer, codes: torch.Tensor):
     and the kernel is registered (the installer tried first), the kernel's layout alone (kernel "a8": the plain codes
     dropped, recovered from it by `Int4Linear.codes` when asked for); else the codes ("dequant": torch's ops, as
     also when kernel="dequant" is asked for). Returns the layer."""
-    fits = (layer.asked != "dequant" and codes.device.type == "cpu"
-            and supports(layer.out_features, layer.in_features, layer.group_size))
+    fits = (layer.asked != "dequant" and codes.device.type == "cpu" and layer.scales.dtype in DTYPES
+            and supports(layer.out_features, layer.in_features, layer.group_size))  # a float16 model: torch's ops
     if fits and _kernel is None:
         install()  # once a process: it remembers a failed build
     if fits and _kernel is not None:
@@ -159,7 +160,7 @@ def matmul(layer, x2d: torch.Tensor) -> torch.Tensor:
     """An int4-a8 Int4Linear's x [M, K] -> float32 [M, N]: the kernel where it is registered, the layout built and x
     on a CPU in float32 or bf16; else x^ times the dequantised weights in float32."""
     if (_kernel is not None and layer.kernel_weight is not None and x2d.device.type == "cpu"
-            and x2d.dtype in (torch.float32, torch.bfloat16)):
+            and x2d.dtype in DTYPES):
         return _kernel[0](x2d, layer.kernel_weight, layer.scales_and_zeros, layer.group_size, streams())
     return F.linear(fake_quantize(x2d), layer.dequantized(torch.float32))
 

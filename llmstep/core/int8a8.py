@@ -63,7 +63,7 @@ def prepare(layer):
     first); else "dequant" (torch's ops, as also when kernel="dequant" is asked for). The weights stay as they are.
     Returns the layer."""
     fits = (layer.asked != "dequant" and layer.weight.device.type == "cpu"
-            and layer.scales.dtype in (torch.float32, torch.bfloat16))
+            and layer.scales.dtype in int4a8.DTYPES)
     if fits and _kernel is None:
         int4a8.install()  # once a process: it remembers a failed build
     layer.kernel = "a8" if fits and _kernel is not None else "dequant"
@@ -75,7 +75,7 @@ def matmul(layer, x2d: torch.Tensor) -> torch.Tensor:
     """An int8-a8 Int8Linear's x [M, K] -> float32 [M, N]: the kernel where the layer chose it and x is on a CPU in
     float32 or bf16; else x^ times the codes in float32, times the scales."""
     if (layer.kernel == "a8" and _kernel is not None and x2d.device.type == "cpu"
-            and x2d.dtype in (torch.float32, torch.bfloat16)):
+            and x2d.dtype in int4a8.DTYPES):
         return _kernel[0](x2d, layer.weight, layer.scales, int4a8.streams())
     return F.linear(int4a8.fake_quantize(x2d), layer.weight.float()) * layer.scales.float()
 

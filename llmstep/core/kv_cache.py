@@ -125,6 +125,16 @@ class KVCache(Cache):
             return CAUSAL, kv_len
         return Mask(causal_mask(positions, torch.arange(kv_len, device=positions.device))), kv_len
 
+    def check_static(self, positions: torch.Tensor) -> None:
+        """A static step's positions [B, T], which `mask` does not read back: each must name a slot, 0..max_len-1 (a
+        negative one would wrap round to the last slot; one past the end, write out of bounds). Checked where they
+        can be read for free, on a CPU; on a GPU the step's caller answers for them, as the engines' loops do."""
+        if positions.device.type == "cpu" and positions.numel():
+            low, top = torch.aminmax(positions)
+            if low < 0 or top >= self.max_len:
+                raise ValueError(f"position {int(low if low < 0 else top)} names no slot of the KV cache's "
+                                 f"{self.max_len} (0..{self.max_len - 1})")
+
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int | None = None):
         """Store k, v [B, n_kv, T, hd] at positions [B, T]; return this layer's cache up to kv_len [B, n_kv, S, hd]."""
         k_cache, v_cache = self.k[layer], self.v[layer]  # [B, n_kv, max_len, hd]

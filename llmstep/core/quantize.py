@@ -117,6 +117,8 @@ class Int8Linear(nn.Module):
 
     def _packed_agrees(self) -> bool:
         """Whether torch's packed int8 op runs here and matches dequantise + matmul (on CHECK_ROWS rows)."""
+        if not torch_compat.int8_mm_fits(self.in_features, self.scales.dtype):
+            return False  # it would crash the process
         x, r = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype), CHECK_ROWS
         try:  # (on the meta device `agrees` has no values to compare and raises: no packed kernel there)
             got = None if torch_compat.missing("int8_mm") else torch_compat.int8_mm(x, self.weight, self.scales)
@@ -142,6 +144,8 @@ class Int8Linear(nn.Module):
             return linear(x, self.weight.to(x.dtype) * self.scales[:, None])
         if widens_rows(x):  # a prompt on a CPU without a half-precision GEMM: int8 is exact in float32 (core.linear)
             return widened(x, lambda rows: self.weight[rows].float(), self.out_features) * self.scales
+        if not torch_compat.int8_mm_fits(self.in_features, x.dtype):  # scaled first: inductor's pattern for the
+            return linear(x, self.weight.to(x.dtype) * self.scales[:, None])  # line below is torch's packed kernel
         return linear(x, self.weight.to(x.dtype)) * self.scales  # compiled: the int8 -> dtype cast fuses into it
 
     @property

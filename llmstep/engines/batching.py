@@ -103,6 +103,7 @@ class BatchRunner(Engine):
         """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call), under inference
         mode on inference tensors, as the runs and the warm-up call it: Dynamo guards the mode and the inputs'
         dispatch keys, so a caller outside the mode (its tensors copied: S ints each) runs the same compiled step."""
+        self.cache.check_static(positions)
         tokens, positions = (t if t.is_inference() else t.clone() for t in (tokens, positions))
         return self._step(tokens, positions)
 

@@ -95,6 +95,7 @@ class FastDecoder(Engine):
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """`_decode_step`, maybe compiled (with CUDA graphs, use or clone the logits before the next call)."""
+        self.cache.check_static(position)
         if self._step is None:
             self._step = self._step_of(self._decode_step, self.cache.buffers, self.net)
         return self._step(token, position)
@@ -130,8 +131,14 @@ class FastDecoder(Engine):
         sampling = sampling_key(temperature, top_k, top_p)  # the key `generate` asks for: one greedy step
         if self.is_warm(sampling):
             return 0.0
-        self._reset()  # from position 0: a run before may have left the position near the cache's end
-        seconds = self.warm_once(sampling, self._advance_step(sampling), steps=steps)
+        advance = self._advance_step(sampling)
+
+        def at_zero():  # every warm-up step from position 0: a cache of 2 slots holds 3 steps' keys too
+            self._position.zero_()
+            advance()
+
+        self._reset()
+        seconds = self.warm_once(sampling, at_zero, steps=steps)
         self._reset()
         return seconds
 

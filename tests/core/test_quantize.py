@@ -137,6 +137,23 @@ def test_auto_int8_runs_the_packed_op_eagerly_on_a_cpu_and_the_dequant_pattern_w
 
 
 @torch.no_grad()
+def test_bf16_int8_of_a_width_torchs_packed_kernel_cannot_take_never_reaches_it():
+    """torch 2.13's CPU _weight_int8pack_mm in bf16 crashes the process at in_features % 8 != 0 and 2 rows: the probe
+    in prepare() ran it (quantize itself died), and inductor rewrote the compiled dequant pattern into it (a compiled
+    batcher of 2 rows died). Such a layer scales its weights first, inductor's pattern not matched: x @ dequantized."""
+    from llmstep.core.quant_formats import dequantize_int8
+
+    lin = torch.nn.Linear(100, 32, bias=False).to(torch.bfloat16)
+    layer = Int8Linear.from_linear(lin)  # the process survives
+    assert layer.kernel == "dequant" and not layer.eager_packed
+    x = torch.randn(2, 100, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x, dequantize_int8(layer.weight, layer.scales, torch.bfloat16))
+    assert torch.equal(layer(x), want)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, fullgraph=True)(x), want)  # compiled: the pattern, not the kernel
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("spec,tolerance", [("int8", 0.01), (QuantConfig("int4", G), 0.10),
                                             (QuantConfig("int4", G, lm_head=True), 0.12)])
 def test_quantised_logits_stay_within_stated_tolerance_of_float(tiny, spec, tolerance):

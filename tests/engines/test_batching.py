@@ -468,3 +468,16 @@ def test_a_sparse_workload_costs_its_requests_not_its_idle_steps(tiny64):
     assert run.summary()["slot_utilisation"] == run.tokens / (2 * run.steps)  # a busy slot makes a token a step
     with pytest.raises(ValueError, match=r"request 1: arrival step 1,000,001 is past the 1,000,000 steps a run"):
         run_batch(model, [Request([1], 1), Request([2], 1, arrival=MAX_ARRIVAL_STEP + 1)], n_slots=2, max_len=16)
+
+
+def test_the_runners_public_step_refuses_a_position_that_names_no_slot(tiny64):
+    """BatchRunner.step is static when compiled (its mask reads nothing back): position -1 was written into every
+    row's last slot silently. The public step checks its positions on a CPU first."""
+    model, _ = tiny64
+    runner = BatchRunner(model, n_slots=2, max_len=8)
+    runner.static = True
+    tokens = torch.tensor([[5], [6]])
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match=f"position {bad} names no slot of the KV cache's 8 \\(0..7\\)"):
+            runner.step(tokens, torch.tensor([[0], [bad]]))
+    assert runner.step(tokens, torch.tensor([[0], [7]])).shape == (2, model.config.vocab_size)

@@ -499,3 +499,28 @@ def test_a_fused_speculator_gives_the_unfused_tokens_and_shares_a_layer_skip_dra
             == fused_spec.target.layers[0].attention.wqkv.weight.data_ptr())
     for kw in (dict(temperature=0), dict(temperature=0.9, seed=4)):
         assert fused_spec.generate(PROMPT, 20, **kw).tokens == plain.generate(PROMPT, 20, **kw).tokens
+
+
+def test_a_two_slot_decoder_warms_up_its_three_steps_at_position_0(tiny):
+    """A compiled decoder warms its step up three times; from position 0 on, the third wrote slot 2 of a 2-slot cache
+    (an inductor index error at max_len 2). Each warm-up step now starts at position 0. Run eagerly here, with the
+    compiled engine's three warm-up steps and static forward (whose mask reads no position back)."""
+    model, tok = tiny
+    decoder = FastDecoder(model, max_len=2)
+    decoder.compiled = decoder.static = True
+    assert decoder.warmup() >= 0
+    eager = llmstep.generate(model, tok, [5], max_new_tokens=2, temperature=0, stop_ids=[])
+    assert decoder.generate([5], 2, **GREEDY).tokens == eager.tokens
+
+
+def test_the_public_step_refuses_a_position_that_names_no_slot(tiny):
+    """A static step reads no position back: a compiled one wrote position -1 into the last slot silently and gave
+    an inductor error at the cache's end. The public step checks them on a CPU first."""
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=16)
+    decoder.static = True
+    token = torch.tensor([[5]])
+    for bad in (-1, 16):
+        with pytest.raises(ValueError, match=f"position {bad} names no slot of the KV cache's 16 \\(0..15\\)"):
+            decoder.step(token, torch.tensor([[bad]]))
+    assert decoder.step(token, torch.tensor([[15]])).shape == (1, model.config.vocab_size)

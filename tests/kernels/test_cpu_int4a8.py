@@ -192,6 +192,18 @@ def test_the_kernels_layout_replaces_the_codes_which_come_back_exactly(a8_ops):
     assert torch.allclose(asked(x), layer(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_float16_layer_keeps_its_codes_for_torchs_ops_and_compiles(a8_ops):
+    """The kernel takes float32 or bf16 activations: a float16 layer keeps its plain codes (kernel "dequant"), where
+    it held the kernel's layout alone and read its codes back from it at every matmul, a step dynamo cannot trace."""
+    lin = torch.nn.Linear(256, 72, bias=False).half()
+    codes, _, _ = quantize_int4(lin.weight, 32, scale_dtype=torch.float16)
+    layer = Int4Linear.from_linear(lin, 32, activations=8)
+    assert layer.kernel == "dequant" and layer.kernel_weight is None and torch.equal(layer.weight, codes)
+    x = torch.randn(2, 256, dtype=torch.float16)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, backend="eager", fullgraph=True)(x), layer(x))
+
+
 def test_the_config_names_parses_and_refuses_it():
     qc = QuantConfig.of("int4-g32-a8+lm_head-int8")
     assert (qc.mode, qc.group_size, qc.activations, qc.lm_head) == ("int4", 32, 8, "int8")
