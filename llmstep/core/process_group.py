@@ -163,8 +163,9 @@ def rank_device(device=None) -> torch.device:
     if dev.type == "cuda" and dist.is_initialized():
         own = local_rank()
         if dev.index is not None and dev.index != own:
-            raise ParallelError(f"rank {dist.get_rank()} was given device {dev}, but its GPU is cuda:{own} (LOCAL_RANK "
-                                "under torchrun: one GPU per process): give the device as plain 'cuda'")
+            how = ("LOCAL_RANK under torchrun: one GPU per process): give the device as plain 'cuda'"
+                   if "LOCAL_RANK" in os.environ else "the current device): torch.cuda.set_device(...) first")
+            raise ParallelError(f"rank {dist.get_rank()} was given device {dev}, but its GPU is cuda:{own} ({how}")
         dev = torch.device("cuda", own)
     if dev.type == "mps":
         raise ParallelError("tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not on MPS")

@@ -121,9 +121,11 @@ def moved(layer, fn: Callable, apply: Callable):
     nn.Module's own. Where `fn` takes the layer's floats to another device or dtype, the layout prepare() built for
     the old ones does not fit: an int4 layer's plain codes are read back on the old device and its layouts dropped,
     then the codes, scales and zeros move and prepare() settles the kernel again for the new device and dtype (from
-    the one asked for: "auto" chosen anew) and builds its layout. Moved as they are: tensors that stay where they
-    are (share_memory(), a .to() to their own device), and a layer on the meta device, which holds no values to build
-    from (materialize and the loaders prepare() a layer once it holds its codes)."""
+    the one asked for: "auto" chosen anew) and builds its layout (from CUDA to the CPU after the copies have landed:
+    non_blocking=True returns before). Moved as they are: tensors that stay where they are (share_memory(), a .to()
+    to their own device; a layer whose move failed part-way, its layout dropped, is prepared again there), and a layer
+    on the meta device, which holds no values to build from (materialize and the loaders prepare() a layer once it
+    holds its codes). `.to_empty()` leaves values to be loaded: prepare() the layer after loading them."""
     before, codes = layer.scales, torch.int8 if layer.mode == "int8" else torch.uint8
     if before.device.type == "meta":
         return apply()
@@ -133,9 +135,13 @@ def moved(layer, fn: Callable, apply: Callable):
                                 f"conversion would turn its {codes} codes into {got}; convert a quantised model's "
                                 "floats with .to(dtype) (or .half(), .bfloat16(), .float())")
     if (after.device, after.dtype) == (before.device, before.dtype):
-        return apply()
+        apply()
+        dropped = layer.mode == "int4" and layer.kernel in ("packed", "a8") and layer.kernel_weight is None
+        return layer.prepare() if dropped else layer
     if layer.mode == "int4":
         layer.weight = layer.codes()  # [N, K/2], read back where its layout was built
         layer.kernel_weight = layer.scales_and_zeros = None
     apply()
+    if before.device.type == "cuda" and after.device.type != "cuda":
+        torch.cuda.synchronize(before.device)  # a non_blocking copy to the host has landed before prepare() reads it
     return layer.prepare()

@@ -240,9 +240,10 @@ class Int4Linear(nn.Module):
         destination[prefix + "weight"] = self.codes()  # a checkpoint holds the plain codes, whatever is held
 
     def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
-        if (self.kernel_weight.dim() == 4) != (x2d.device.type == "cuda"):  # moved but not by .to() (unpickled)
-            raise QuantizationError(f"Int4Linear [{self.out_features}, {self.in_features}] holds a layout built for "
-                                    f"another device than {x2d.device}: move a quantised model with .to()")
+        if self.kernel_weight is None or (self.kernel_weight.dim() == 4) != (x2d.device.type == "cuda"):
+            raise QuantizationError(f"Int4Linear [{self.out_features}, {self.in_features}] holds no layout for "
+                                    f"{x2d.device} (a move that failed part-way, or not made by .to()): move a "
+                                    "quantised model with .to(), which builds it")
         sz = self.scales_and_zeros
         if sz is None:  # a layer whose scales are views of a fused layer's table (llmstep.core.fuse): its own, now
             sz = torch.stack([self.scales, self.zeros], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]

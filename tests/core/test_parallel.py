@@ -441,3 +441,18 @@ def test_a_cuda_rank_takes_its_own_gpu_and_refuses_another(monkeypatch):
     with pytest.raises(parallel.ParallelError, match=r"rank 1 was given device cuda:0, but its GPU is cuda:1"):
         process_group.rank_device("cuda:0")
     assert process_group.rank_device("cpu") == torch.device("cpu")
+
+
+def test_a_cuda_rank_outside_torchrun_is_told_to_set_its_device(monkeypatch):
+    """Without LOCAL_RANK a rank's GPU is the current device: "give plain 'cuda'" would land it on that device
+    beside another rank, so the refusal names torch.cuda.set_device instead."""
+    from llmstep.core import process_group
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 1)
+    with pytest.raises(parallel.ParallelError, match=r"cuda:0 \(the current device\): torch.cuda.set_device"):
+        process_group.rank_device("cuda:1")

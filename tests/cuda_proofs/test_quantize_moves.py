@@ -161,3 +161,28 @@ def test_a_conversion_of_the_codes_is_refused_by_name():
     with pytest.raises(QuantizationError, match=r"Int4Linear \[128, 256\].*torch.uint8 codes into torch.float32"):
         m.type(torch.float32)
     assert m.weight.dtype == torch.uint8
+
+
+def test_a_move_that_fails_part_way_is_named_at_the_next_forward_and_mended_by_the_next_move():
+    """A move can fail after the layout was dropped (CUDA out of memory halfway through a model): the forward then
+    says so by name, and a .to() back, which changes nothing of the scales, prepares the layer again."""
+    m = int4(dtype=torch.bfloat16)
+    if m.kernel != "packed":
+        pytest.skip("no packed int4 kernel in this PyTorch build on the CPU")
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    want = m(x)
+    moves = []
+
+    def fails_second(t):  # a float32 move that dies at the layer's second real tensor
+        moves.append(t.numel())
+        if sum(n > 0 for n in moves) == 2:
+            raise RuntimeError("out of memory")
+        return t.float() if t.is_floating_point() else t
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        m._apply(fails_second)
+    with pytest.raises(QuantizationError, match=r"Int4Linear \[128, 256\] holds no layout for cpu \(a move that "):
+        m(x)
+    m.to(torch.bfloat16)
+    assert m.kernel == "packed" and m.kernel_weight is not None
+    assert torch.equal(m(x), want)
