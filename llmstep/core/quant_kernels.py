@@ -3,7 +3,8 @@
 int4 on CUDA has two: PyTorch's tinygemm ("packed") and llmstep's single reduction ("reduce"); scripts/gpu_probe.py
 times both at one row on a GPU and records the pick for that GPU model here (`prefer_int4_kernel`). A GPU not
 measured keeps tinygemm, a CPU its packed kernel; int8 dequantises (the layers in llmstep.core.quantize). Layers
-with 8-bit activations have their own kernel ("a8": llmstep.core.int8a8, int4a8).
+with 8-bit activations have their own kernel ("a8": llmstep.core.int8a8, int4a8). And which layers torch's packed
+int8 kernel must never be given (`int8_mm_fits`: it crashes the process on some widths).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from .quant_formats import QuantizationError
 
-__all__ = ["choose_int4_kernel", "prefer_int4_kernel", "auto_kernel", "REDUCE_MARGIN"]
+__all__ = ["choose_int4_kernel", "prefer_int4_kernel", "auto_kernel", "int8_mm_fits", "REDUCE_MARGIN"]
 
 # int4's kernel per GPU model, as measured: scripts/gpu_probe.py times tinygemm ("packed") and "reduce" at one row and
 # records `choose_int4_kernel`'s pick (`prefer_int4_kernel`); a GPU not measured keeps tinygemm, a CPU its packed one.
@@ -57,3 +58,11 @@ def auto_kernel(mode: str, device: torch.device | None = None) -> str:
     if device is not None and device.type == "cuda" and _INT4_KERNEL_BY_GPU:
         return _INT4_KERNEL_BY_GPU.get(torch.cuda.get_device_name(device), "packed")
     return "packed"
+
+
+def int8_mm_fits(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether torch_compat.int8_mm (torch's _weight_int8pack_mm) may be given a layer of this width and dtype: torch
+    2.13's CPU kernel in bf16 with in_features not a multiple of 8 crashes the process (a segfault at 2 or >= 4 rows,
+    measured; float32 and float16 run). Such a layer never runs it, nor the dequantise + matmul pattern inductor
+    rewrites into it (Int8Linear.forward)."""
+    return dtype is not torch.bfloat16 or in_features % 8 == 0

@@ -47,7 +47,7 @@ from .quant_formats import (
     reduce_matmul,
     unpack_int4,
 )
-from .quant_kernels import auto_kernel, choose_int4_kernel, prefer_int4_kernel
+from .quant_kernels import auto_kernel, choose_int4_kernel, int8_mm_fits, prefer_int4_kernel
 
 __all__ = ["QuantConfig", "QuantizationError", "MODES", "quantize_int8", "dequantize_int8", "quantize_int4",
            "dequantize_int4", "pack_int4", "unpack_int4", "Int8Linear", "Int4Linear", "quantize", "check_config",
@@ -117,7 +117,7 @@ class Int8Linear(nn.Module):
 
     def _packed_agrees(self) -> bool:
         """Whether torch's packed int8 op runs here and matches dequantise + matmul (on CHECK_ROWS rows)."""
-        if not torch_compat.int8_mm_fits(self.in_features, self.scales.dtype):
+        if not int8_mm_fits(self.in_features, self.scales.dtype):
             return False  # it would crash the process
         x, r = torch.randn(2, self.in_features, device=self.weight.device, dtype=self.scales.dtype), CHECK_ROWS
         try:  # (on the meta device `agrees` has no values to compare and raises: no packed kernel there)
@@ -144,7 +144,7 @@ class Int8Linear(nn.Module):
             return linear(x, self.weight.to(x.dtype) * self.scales[:, None])
         if widens_rows(x):  # a prompt on a CPU without a half-precision GEMM: int8 is exact in float32 (core.linear)
             return widened(x, lambda rows: self.weight[rows].float(), self.out_features) * self.scales
-        if not torch_compat.int8_mm_fits(self.in_features, x.dtype):  # scaled first: inductor's pattern for the
+        if not int8_mm_fits(self.in_features, x.dtype):  # scaled first: inductor's pattern for the
             return linear(x, self.weight.to(x.dtype) * self.scales[:, None])  # line below is torch's packed kernel
         return linear(x, self.weight.to(x.dtype)) * self.scales  # compiled: the int8 -> dtype cast fuses into it
 

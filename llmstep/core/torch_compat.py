@@ -216,13 +216,6 @@ def int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torc
     return torch._weight_int8pack_mm(x, weight, scales)
 
 
-def int8_mm_fits(in_features: int, dtype: torch.dtype) -> bool:
-    """Whether `int8_mm` may be given a layer of this width and dtype: torch 2.13's CPU kernel in bf16 with in_features
-    not a multiple of 8 crashes the process (a segfault at 2 or >= 4 rows, measured; float32 and float16 run). Such
-    a layer never runs it, nor the dequantise + matmul pattern inductor rewrites into it (Int8Linear.forward)."""
-    return dtype is not torch.bfloat16 or in_features % 8 == 0
-
-
 def int4_pack_cpu(codes: torch.Tensor) -> torch.Tensor:
     """Codes [N, K] int32 (0..15) -> the CPU int4 kernel's packed layout."""
     return torch._convert_weight_to_int4pack_for_cpu(codes, 1)
