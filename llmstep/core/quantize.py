@@ -241,8 +241,9 @@ class Int4Linear(nn.Module):
 
     def _packed_mm(self, x2d: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is None or (self.kernel_weight.dim() == 4) != (x2d.device.type == "cuda"):
-            raise QuantizationError(f"Int4Linear [{self.out_features}, {self.in_features}] holds no layout for "
-                                    f"{x2d.device} (a move that failed part-way, or not made by .to()): move a "
+            held = ("no layout (a move failed part-way)" if self.kernel_weight is None else
+                    f"a layout built for another device than {x2d.device} (moved, but not by .to())")
+            raise QuantizationError(f"Int4Linear [{self.out_features}, {self.in_features}] holds {held}: move a "
                                     "quantised model with .to(), which builds it")
         sz = self.scales_and_zeros
         if sz is None:  # a layer whose scales are views of a fused layer's table (llmstep.core.fuse): its own, now
