@@ -123,6 +123,9 @@ def _open(path: Path):
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, ZeroDivisionError) as e:
         if "alignment" in str(e) or isinstance(e, ZeroDivisionError):  # the reader's own check of the key
             raise GGUFLoadError(f"{path}: metadata general.alignment must be a uint32 power of two ({e})") from None
+        if "row size" in str(e):  # the reader's check that a quantized tensor's rows are whole blocks
+            raise GGUFLoadError(f"{path}: a quantized tensor's rows are not whole blocks of its type, so its weights "
+                                f"cannot be read (the gguf reader, which names no tensor: {e})") from None
         raise GGUFLoadError(f"{path}: truncated or corrupt GGUF file, or one of a version or tensor type the gguf "
                             f"package does not know (its reader: {type(e).__name__}: {e})") from None
     if reader.byte_order == "S":  # the reader reads the header either way; the weights' bytes it would not swap

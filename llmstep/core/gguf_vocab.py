@@ -13,10 +13,11 @@ rule that splits text into words before BPE runs (`tokenizer.ggml.pre`). llama.c
 Any other model or pre-tokenizer is refused by name: a tokenizer that splits text differently from llama.cpp
 would give other ids for the same prompt, and the model would read text it was never trained on.
 
-An unused token decodes to nothing, as in llama.cpp. The ones that pad the vocabulary past the tokenizer's (the
-`[PAD<id>]` tokens at its end, which llama.cpp's converter and export_gguf write) are left out, so their ids are the
-model's padding, as before export; any other stays in the vocabulary (llama.cpp's BPE still makes it where its merges
-lead) among the tokenizer's `unused_ids`.
+A user-defined token decodes to its own text, as in llama.cpp (the tokenizer's `literal_ids`), and an unused one to
+nothing. The unused ones that pad the vocabulary past the tokenizer's (the `[PAD<id>]` tokens at its end, which
+llama.cpp's converter and export_gguf write) are left out, so their ids are the model's padding, as before export;
+any other stays in the vocabulary (llama.cpp's BPE still makes it where its merges lead) among the tokenizer's
+`unused_ids`.
 """
 
 from __future__ import annotations
@@ -47,10 +48,25 @@ PRE_TOKENIZERS = {"llama-bpe": (_LLAMA3, True), "llama3": (_LLAMA3, True), "llam
 ADDS_BOS = {"llama-bpe", "llama3", "llama-v3"}  # llama.cpp starts their text with bos unless add_bos_token says no
 # gguf.TokenType values
 NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
-# Tokens that end a turn, by text: llama.cpp (llama-vocab.cpp's list) makes each one it finds a control token, whatever
-# the file typed it, and an end of generation.
-EOG_TEXTS = ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
-             "<end_of_turn>", "<|return|>", "<|call|>", "<EOT>", "_<EOT>", "<end_of_utterance>")
+# How llama.cpp's vocabulary loader (src/llama-vocab.cpp, as llama-cpp-python 0.3.36 builds it) finds the ids that end
+# generation, by the tokens' text: a token spelled as one of EOG_TEXTS is a control token, whatever the file typed it
+# (user-defined, normal: every token of a file without token types, or unused), and an end.
+EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+             "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+             "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>")
+# So is each fill-in-the-middle token: for a kind whose tokenizer.ggml.fim_<kind>_token_id the file does not give,
+# a token spelled as one of its texts (the first llama.cpp's hash map lists; here the lowest id) becomes a control
+# token, and the pad, repository and file-separator ones end generation too (SmolLM2's `<reponame>`, id 4, does).
+FIM_TEXTS = {"pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                     "<|code_prefix|>", "<|prefix|>"),
+             "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                     "<|code_suffix|>", "<|suffix|>"),
+             "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                     "<|code_middle|>", "<|middle|>"),
+             "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+             "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+             "sep": ("<|file_sep|>",)}
+FIM_ENDS = ("pad", "rep", "sep")
 
 
 class GGUFVocabError(ValueError):
@@ -90,16 +106,23 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         types = [NORMAL] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens):
         raise GGUFVocabError(f"{where}: tokenizer.ggml.token_type must give one type per token ({len(tokens)})")
+    if merges is None:
+        raise GGUFVocabError(f"{where}: tokenizer.ggml.merges is missing; a byte-level BPE needs its merges")
     if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
         raise GGUFVocabError(f"{where}: tokenizer.ggml.merges must be a list of strings")
-    # llama.cpp reads a token spelled like an end-of-turn token as a control token (and an end), whatever its type:
-    # user-defined, normal (every token of a file without token types) or unused
-    types = [CONTROL if text in EOG_TEXTS else kind for text, kind in zip(tokens, types, strict=True)]
+    # a token spelled as an end (EOG_TEXTS) or as a fill-in-the-middle token of a kind the file names no id for
+    # (FIM_TEXTS) is a control token, as llama.cpp reads it
+    fim = {}  # kind -> the id found by its text
+    for kind, texts in FIM_TEXTS.items():
+        if fields.get(f"tokenizer.ggml.fim_{kind}_token_id") is None:
+            fim[kind] = next((i for i, text in enumerate(tokens) if text in texts), None)
+    types = [CONTROL if text in EOG_TEXTS or i in fim.values() else kind
+             for i, (text, kind) in enumerate(zip(tokens, types, strict=True))]
     unknown = sorted({t for t in types if t not in (NORMAL, CONTROL, USER_DEFINED, UNUSED)})
     if unknown:
         raise GGUFVocabError(f"{where}: token type {unknown[0]} (tokenizer.ggml.token_type) is not one a byte-level "
                              "BPE uses (normal 1, control 3, user-defined 4, unused 5)")
-    n = len(tokens)
+    n = n_file = len(tokens)
     while n and types[n - 1] == UNUSED and tokens[n - 1] == f"[PAD{n - 1}]":  # padding: no text, no merge makes it
         n -= 1
     tokens, types = tokens[:n], types[:n]
@@ -130,6 +153,9 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         value = fields.get(f"tokenizer.ggml.{key}")
         if value is None:
             return None
+        if isinstance(value, int) and len(tokens) <= value < n_file:
+            raise GGUFVocabError(f"{where}: tokenizer.ggml.{key} = {value} names [PAD{value}], one of the tokens that "
+                                 f"pad the vocabulary past the tokenizer's {len(tokens)}")
         if not isinstance(value, int) or not 0 <= value < len(tokens):
             raise GGUFVocabError(f"{where}: tokenizer.ggml.{key} = {value!r} is not a token id (0..{len(tokens) - 1})")
         return value
@@ -154,6 +180,13 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
                              "absent)")
     ends = [token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     ends += [i for i, kind in enumerate(types) if kind == CONTROL and tokens[i] in EOG_TEXTS]
+    ends += [fim[kind] if kind in fim else token_id(f"fim_{kind}_token_id") for kind in FIM_ENDS]
+    ends = [i for i in ends if i is not None]
+    texts = {tokens[i] for i in ends}  # and llama.cpp's exceptions, for vocabularies where these end a message only:
+    if "<|end|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts) and texts & {"<|return|>", "<|flush|>"}:
+        ends = [i for i in ends if tokens[i] != "<|end|>"]  # gpt-oss's and Solar Open's
+    if "<|tool_response>" in texts:
+        ends = [i for i in ends if tokens[i] != "</s>"]  # Gemma 4's
     template = fields.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise GGUFVocabError(f"{where}: tokenizer.chat_template must be a string")
@@ -162,5 +195,6 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
             check_template(template)
         except ValueError as e:
             raise GGUFVocabError(f"{where}: tokenizer.chat_template: {e}") from None
-    return Tokenizer(tok, bos_id=bos, eos_ids=[i for i in ends if i is not None], add_bos=add_bos,
-                     chat_template=template, unused_ids=[i for i, kind in enumerate(types) if kind == UNUSED])
+    return Tokenizer(tok, bos_id=bos, eos_ids=ends, add_bos=add_bos,
+                     chat_template=template, unused_ids=[i for i, kind in enumerate(types) if kind == UNUSED],
+                     literal_ids=[i for i, kind in enumerate(types) if kind == USER_DEFINED])

@@ -7,6 +7,7 @@ in Llama 3's format when the tokenizer has its tokens."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -37,13 +38,15 @@ class Tokenizer:
     (`add_bos`: Llama 3 yes, SmolLM2 no), the ids that end a reply, and the checkpoint's chat template (Jinja
     source, or None for the built-in Llama 3 format) with the special-token strings it sees by name
     (`named_tokens`, {"bos_token": "<|begin_of_text|>", ...}; by default the bos and first eos tokens), the added
-    tokens only it may write where tokenizer_config.json names them (`chat_control_tokens`, see control_tokens), and
-    the ids that decode to nothing (`unused_ids`: a GGUF file's unused tokens, as llama.cpp decodes them)."""
+    tokens only it may write where tokenizer_config.json names them (`chat_control_tokens`, see control_tokens), the
+    ids that decode to nothing (`unused_ids`: a GGUF file's unused tokens, as llama.cpp decodes them), and those that
+    decode to their own text (`literal_ids`: a GGUF file's user-defined tokens, which llama.cpp writes out as they
+    are; a byte-level decoder would read é in "café" as one of its byte symbols; not kept by save)."""
 
     def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
                  add_bos: bool | None = None, chat_template: str | None = None,
                  named_tokens: Mapping[str, str] | None = None, chat_control_tokens: Iterable[str] | None = None,
-                 unused_ids: Iterable[int] = ()):
+                 unused_ids: Iterable[int] = (), literal_ids: Iterable[int] = ()):
         if not isinstance(tok, tokenizers.Tokenizer):  # Tokenizer("tokenizer.json") is the easy mistake
             raise TypeError(f"tok must be a tokenizers.Tokenizer (for a path: from_file), got {type(tok).__name__}")
         self.tok = tok
@@ -67,7 +70,7 @@ class Tokenizer:
         if isinstance(chat_control_tokens, str) or not all(isinstance(t, str) for t in controls or ()):
             raise ValueError(f"chat_control_tokens must be a list of token texts, got {chat_control_tokens!r}")
         self.chat_control_tokens: tuple[str, ...] | None = controls
-        self.unused_ids = frozenset(unused_ids)
+        self.unused_ids, self.literal_ids = frozenset(unused_ids), frozenset(literal_ids)
         self._plain: tokenizers.Tokenizer | None = None  # a twin that reads special-token text as plain text
         self._controls: tuple = ((), None, ())  # (the template and names read, control tokens' pattern, their text)
 
@@ -195,7 +198,11 @@ class Tokenizer:
         self._check_ids(ids)
         size, unused = self.vocab_size, self.unused_ids  # read once: each read asks the tokenizer (~1-4 us)
         ids = [int(i) for i in ids if i < size and i not in unused]
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if not self.literal_ids or self.literal_ids.isdisjoint(ids):
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        cuts = [-1, *(n for n, i in enumerate(ids) if i in self.literal_ids), len(ids)]  # each literal id alone
+        return "".join(self.tok.decode(ids[a + 1:b], skip_special_tokens=skip_special_tokens) +
+                       (self.tok.id_to_token(ids[b]) if b < len(ids) else "") for a, b in itertools.pairwise(cuts))
 
     @property
     def decodable_size(self) -> int:
