@@ -188,7 +188,13 @@ class SeqChunk:
 
 class PagedKVCache(Cache):
     """Keys and values in blocks: k[i], v[i] [n_blocks * block_size, n_kv_heads, head_dim] - layer i's token
-    slots, slot b * block_size + j being slot j of block b. One flattened row [1, N] per forward (`plan`)."""
+    slots, slot b * block_size + j being slot j of block b. One flattened row [1, N] per forward (`plan`).
+
+    Every sequence of a forward attends over the same gathered keys, the others' masked, and a masked key weighs
+    exactly 0, but 0 * inf is NaN: a sequence whose keys or values overflowed would make every other one's output
+    NaN. So a key or value that is not finite is stored as 0 and its slot flagged (`nonfinite`, any layer's), and
+    `nonfinite_rows` names the forward's tokens that see a flagged slot: a runner reports those as non-finite, as
+    their own computation would have been, and the others' are what they are alone."""
 
     def __init__(self, config: LlamaConfig, n_blocks: int, block_size: int = 16, device=None, dtype=torch.float32):
         dtype = torch.get_default_dtype() if dtype is None else dtype
@@ -199,6 +205,7 @@ class PagedKVCache(Cache):
         shape = (n_blocks * block_size, config.n_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
+        self.nonfinite = torch.zeros(shape[0], dtype=torch.bool, device=device)  # [slots]: a layer's k or v was
         self.batch_size = 1  # the forward's one flattened row
         self._plan = None
 
@@ -270,14 +277,25 @@ class PagedKVCache(Cache):
         """Store k, v [1, n_kv, N, hd] in the planned slots; return every planned sequence's context, gathered
         through its block table [1, n_kv, S, hd]."""
         write_slots, read_slots, _ = self._plan
-        self.k[layer].index_copy_(0, write_slots, k[0].transpose(0, 1))  # [N, n_kv, hd] into their slots
-        self.v[layer].index_copy_(0, write_slots, v[0].transpose(0, 1))
+        k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, n_kv, hd]
+        bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))  # [N]
+        if layer:  # a slot is flagged where any layer's k or v was not finite; the first layer's write resets it
+            bad = bad | self.nonfinite.index_select(0, write_slots)
+        self.nonfinite.index_copy_(0, write_slots, bad)
+        self.k[layer].index_copy_(0, write_slots, torch.where(bad[:, None, None], 0, k))  # into their slots
+        self.v[layer].index_copy_(0, write_slots, torch.where(bad[:, None, None], 0, v))
         k_all = self.k[layer].index_select(0, read_slots)  # [S, n_kv, hd]
         v_all = self.v[layer].index_select(0, read_slots)
         return k_all.transpose(0, 1)[None], v_all.transpose(0, 1)[None]  # [1, n_kv, S, hd]
 
     def advance(self, positions: torch.Tensor) -> None:
         """Nothing to move: the block manager knows what each sequence holds."""
+
+    def nonfinite_rows(self) -> torch.Tensor:
+        """After the planned forward: [N] True for each token that saw a slot whose key or value was not finite
+        (stored as 0, so that the other sequences' masked sums stay finite): its output is not to be trusted."""
+        _, read_slots, mask = self._plan
+        return (mask[0, 0] & self.nonfinite.index_select(0, read_slots)).any(-1)  # [N, S] & [S] -> [N]
 
 
 # ---- by hand: one sequence at a time, the textbook way -----------------------------------------------

@@ -192,7 +192,8 @@ class PagedRunner:
         ends = itertools.accumulate(s.chunk.n_tokens for s in work)
         keep = torch.tensor([e - 1 for e, s in zip(ends, work, strict=True) if s.samples],
                             dtype=torch.long, device=self.device)  # [K]
-        return self.model(tokens, positions, self.cache, keep=keep)[0].float()
+        logits = self.model(tokens, positions, self.cache, keep=keep)[0].float()  # [K, vocab]
+        return logits.masked_fill(self.cache.nonfinite_rows()[keep, None], float("nan"))  # a sequence's own overflow
 
     def compute(self, work: Sequence[Scheduled], draw: Callable[[torch.Tensor, list[int]], list[int]]) -> list[int]:
         """The step's one forward -> a token for each chunk that samples (`draw(logits [K, vocab], their request
@@ -338,10 +339,11 @@ def make_batcher(model: Llama, n_slots: int = 8, max_len: int | None = None, com
             raise ValueError(f"{', '.join(k for k, v in paged_only.items() if v)} set the paged KV cache: pass "
                              "kv='paged' (a contiguous cache has none)")
         return ContinuousBatcher(model, n_slots, max_len, compile)
-    for name, value in (("max_len", max_len), ("compile", compile)):
+    for name, value, why in (("max_len", max_len, "sets the contiguous cache's slots: the paged cache has blocks "
+                              "(kv_blocks)"), ("compile", compile, "is the contiguous cache's option: the paged "
+                                              "cache's forward changes shape every step, and runs eager")):
         if value not in (None, False):
-            raise ValueError(f"{name} sets the contiguous cache's slots: the paged cache has blocks (kv_blocks) "
-                             "and runs eager")
+            raise ValueError(f"{name} {why}")
     return PagedBatcher(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)
 
 

@@ -4,6 +4,7 @@ need at every step and is whole again at the end, and bad requests are refused b
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -13,8 +14,8 @@ from llmstep.batching import PagedBatcher, Request, run_batch
 
 import llmstep
 from llmstep.core.cost import MemoryBudgetError
-from llmstep.core.paged_kv import BlockPool, PagedKVCache, blocks_for
-from llmstep.engines.decoding import budget
+from llmstep.core.paged_kv import BlockPool, PagedKVCache, SeqChunk, blocks_for
+from llmstep.engines.decoding import NonFiniteLogitsError, budget
 from llmstep.engines.kv_manager import KVCacheManager
 from llmstep.engines.scheduler import Completion, Job, Scheduler
 from llmstep.lab.bench_batching import random_workload
@@ -222,7 +223,7 @@ def test_the_options_belong_to_their_layout(tiny64):
         run_batch(model, r, kv="pages")
     with pytest.raises(ValueError, match="block_size, prefix_caching set the paged KV cache"):
         run_batch(model, r, block_size=8, prefix_caching=True)
-    with pytest.raises(ValueError, match="compile sets the contiguous"):
+    with pytest.raises(ValueError, match="compile is the contiguous cache.s option: the paged cache.s forward"):
         run_batch(model, r, kv="paged", compile=True)
     with pytest.raises(ValueError, match="unknown batching policy 'fifo'"):
         run_batch(model, r, kv="paged", policy="fifo")
@@ -327,3 +328,46 @@ def test_paged_batching_on_a_tensor_parallel_model_gives_one_process_tokens(tmp_
         assert record["kv_heads"] == 1
         assert record["paged"] == alone
         assert record["session"] == alone[0]
+
+
+def overflowing(model, token: int):
+    """A copy of the model whose embedding of `token` is infinite (what a float16 overflow on one input gives)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        model.tok_embeddings.weight[token] = float("inf")
+    return model
+
+
+def test_a_sequence_whose_keys_overflow_leaves_the_others_in_its_forward_as_they_are_alone(tiny64):
+    """One paged forward attends over every sequence's keys, the others' masked; a masked key weighs exactly 0, but
+    0 * inf is NaN. The cache stores a key or value that is not finite as 0 and flags its slot: the other sequence's
+    logits are its logits alone, and the tokens that saw the flagged slot (from the overflowing one on) are named."""
+    from llmstep.engines.batching import cache_config
+
+    model, _ = tiny64
+    assert not model.config.tie_embeddings  # else the head's row of the token would be infinite too
+    good, bad = [1, 2, 3, 4, 5], [6, 7, 8, 9]
+    model = overflowing(model, 8)
+
+    def forward(*prompts):
+        cache = PagedKVCache(cache_config(model), n_blocks=8, block_size=4, dtype=model.dtype)
+        chunks = [SeqChunk([2 * i, 2 * i + 1], 0, len(p)) for i, p in enumerate(prompts)]
+        logits = model(torch.tensor([sum(prompts, [])]), cache.plan(chunks), cache)[0]  # [N, vocab]
+        return logits, cache.nonfinite_rows()
+
+    both, flagged = forward(good, bad)
+    alone, _ = forward(good)
+    assert torch.isfinite(both[:5]).all() and torch.allclose(both[:5], alone, rtol=0, atol=1e-12)
+    assert flagged.tolist() == [False] * 5 + [False, False, True, True]  # bad's tokens 6, 7 see no infinite key
+    assert torch.isfinite(both[5:7]).all() and not torch.isfinite(both[7]).any()  # 9's key of 8 is stored as 0:
+    # its logits come out finite and wrong, which the flag says (the runner reports them as NaN)
+
+
+def test_a_paged_run_names_only_the_request_that_overflowed(tiny64):
+    """Its prompt's last token (7) sees the overflowing one's key, stored as 0: its logits come out finite, and
+    the runner reports them as the NaN they would be."""
+    model, _ = tiny64
+    model = overflowing(model, 8)
+    for kv in ("paged", "contiguous"):  # the contiguous cache keeps each sequence in its own row: the same
+        with pytest.raises(NonFiniteLogitsError, match=r"request\(s\) 1: their tokens"):
+            run_batch(model, [Request([1, 2, 3], 4, **GREEDY), Request([6, 8, 7], 4, **GREEDY)], kv=kv)
