@@ -164,20 +164,27 @@ class KVCache(Cache):
         return view
 
     def rollback(self, lengths: torch.Tensor | int):
-        """Forget everything from position `lengths` on (per sequence, or one int for all), each in 0 .. max_len;
-        refused, with nothing changed, otherwise."""
-        if is_int(lengths):  # one length for all, checked on the host (no device sync)
+        """Forget everything from position `lengths` on (per sequence, or one int for all), each in 0 .. max_len
+        and none past what its sequence holds (slots never written would count as keys); refused, with nothing
+        changed, otherwise. One read back of the lengths (a sync on a GPU)."""
+        if is_int(lengths):  # one length for all
             low = high = int(lengths)
-            new = None
+            new, past = None, low > int(self.lengths.min())
         else:
             new = torch.as_tensor(lengths, device=self.lengths.device)
             if new.is_floating_point() or new.is_complex() or new.dtype == torch.bool:
                 raise ValueError(f"rollback takes whole-number lengths, got {new.dtype}")
             new = new.expand_as(self.lengths)  # a RuntimeError naming the shapes where they do not fit
-            low, high = int(new.min()), int(new.max())
+            low, high, past = torch.stack([new.min(), new.max(), (new > self.lengths).any().long()]).tolist()
         if low < 0 or high > self.max_len:
             raise ValueError(f"rollback lengths must be in 0 .. {self.max_len} (the cache's slots), got "
                              f"{low if low < 0 else high}")
+        if past:
+            held = self.lengths.tolist()
+            i, asked = next((i, n) for i, n in enumerate([low] * len(held) if new is None else new.tolist())
+                            if n > held[i])
+            raise ValueError(f"rollback moves a cache back, never on: sequence {i} holds {held[i]} positions, "
+                             f"asked for {asked} (slots never written would count as keys)")
         if new is None:
             self.lengths.fill_(low)
         else:

@@ -149,7 +149,7 @@ def profile_step(model: Llama, context: int = 64, compile: bool = False, mode: s
     device = decoder.device
     token = torch.zeros(1, 1, dtype=torch.long, device=device)  # [1, 1]
     position = torch.full((1, 1), context, dtype=torch.long, device=device)  # [1, 1]: after `context` tokens
-    decoder.cache.rollback(context)  # the positions before it hold zeros: the cost is the same
+    decoder.cache.lengths.fill_(context)  # the step at `context`: the slots before it hold zeros, which cost the same
 
     def step():
         return decoder.step(token, position)

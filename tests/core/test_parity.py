@@ -86,17 +86,21 @@ def test_rollback_then_rewrite_gives_the_same_logits(tiny_checkpoint):
 
 
 def test_a_rollback_to_a_length_the_cache_cannot_hold_is_refused_with_nothing_changed(tiny_checkpoint):
-    """A negative length or one past the cache's slots would fail at the next forward, far from the call."""
+    """A negative length or one past the cache's slots would fail at the next forward, far from the call; one past
+    what a sequence holds would make slots never written count as its keys."""
     model, _ = llmstep.load(tiny_checkpoint, device="cpu", dtype=torch.float32)
     cache = model.new_cache(batch_size=2, max_len=8)
+    model(torch.randint(0, 300, (2, 8)), cache=cache)
     cache.rollback(torch.tensor([3, 5]))
     for bad, match in ((-1, "got -1"), (9, "got 9"), (torch.tensor([2, 9]), "got 9"), (torch.tensor([-2, 1]), "got -2"),
-                       (3.0, "whole-number"), (torch.tensor([1.0, 2.0]), "whole-number")):
+                       (3.0, "whole-number"), (torch.tensor([1.0, 2.0]), "whole-number"),
+                       (4, "never on: sequence 0 holds 3 positions, asked for 4"),
+                       (torch.tensor([3, 6]), "never on: sequence 1 holds 5 positions, asked for 6")):
         with pytest.raises(ValueError, match=match):
             cache.rollback(bad)
         assert cache.lengths.tolist() == [3, 5]
-    cache.rollback(8)
-    assert cache.lengths.tolist() == [8, 8]
+    cache.rollback(3)
+    assert cache.lengths.tolist() == [3, 3]
     cache.rollback(0)
     assert cache.lengths.tolist() == [0, 0]
 
