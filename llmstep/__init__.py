@@ -98,8 +98,9 @@ serve/        `llmstep serve`: an OpenAI-compatible HTTP server over continuous 
 cli/          `llmstep ...` and `python -m llmstep`: argparse and printing only; nothing imports it
     __init__.py    the dispatcher: library errors -> one line, exit 2; Ctrl-C -> 130
     args.py        the flags' value types
-    model.py       generate, info, trace
-    bench.py       bench, speculative, batch
+    model.py       generate, info, trace, profile
+    bench.py       bench, speculative
+    batch.py       batch
     export.py      export --gguf
     hub.py         pull, models
     serve.py       serve, bench-serve

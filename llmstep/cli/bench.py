@@ -145,7 +145,7 @@ def add_commands(sub) -> None:
                    help="at least 3: the prefill's token, then rounds that each propose one token or more")
     s.add_argument("--temperature", type=nonneg_float, default=0.0)
     s.add_argument("--repeats", type=positive_int, default=3)
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     s.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32 on a CPU)")
     s.add_argument("--compile", action="store_true",
                    help="the fast loops (static caches, compiled steps), greedy, fixed k; no adaptive k")

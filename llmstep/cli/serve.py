@@ -8,6 +8,7 @@ import socket
 import sys
 
 from ..lab.bench_batching import MAX_REQUESTS
+from ..serve.engine import PREFILL_CHUNK
 from .args import (
     add_attention_arg,
     int_between,
@@ -23,8 +24,9 @@ SERVE_HELP = """\
 Binding: the default, 127.0.0.1, takes connections from this machine only. --host 0.0.0.0 (or a LAN address)
 lets anyone who can reach this machine's port use the model: there is no authentication, no TLS and no rate
 limit per client, so do that only on a network you trust, or behind a proxy that adds them. On a loopback
-address a request naming another host (DNS rebinding) or sent by a web page of another origin is refused (403):
-a proxy on this machine must pass Host: localhost.
+address a request naming another host (DNS rebinding) or sent by a web page not served from localhost or a
+loopback address is refused (403; a page this machine serves, on any port, is not): a proxy on this machine must
+pass Host: localhost.
 
 Talk to it with any OpenAI client, e.g.
   from openai import OpenAI
@@ -103,10 +105,10 @@ def add_commands(sub) -> None:
                    help="blocks in the pool (default: --slots sequences as long as the model's context)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share and keep full blocks of a common prefix")
-    p.add_argument("--prefill-chunk", type=positive_int, default=256,
-                   help="most prompt tokens per engine step (chunked prefill), so a long prompt does not stall "
-                        "the others' tokens")
-    p.add_argument("--no-chunked-prefill", dest="prefill_chunk", action="store_const", const=None,
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help=f"most prompt tokens per engine step (chunked prefill), so a long prompt does not stall "
+                        f"the others' tokens (default: {PREFILL_CHUNK})")
+    p.add_argument("--no-chunked-prefill", action="store_true",
                    help="compute each prompt whole in the step that admits it (the running requests wait for it)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: by device)")
@@ -153,6 +155,10 @@ def run_serve(args, argv) -> dict:
     from ..core.paged_kv import check_block_size
     from ..core.registry import resolve_model_path
 
+    if args.no_chunked_prefill and args.prefill_chunk is not None:
+        raise ValueError("--prefill-chunk sets how much of a prompt a step computes: it cannot go with "
+                         "--no-chunked-prefill")
+    chunk = None if args.no_chunked_prefill else args.prefill_chunk or PREFILL_CHUNK
     app = _serve_module()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -172,11 +178,11 @@ def run_serve(args, argv) -> dict:
         print(f"llmstep serve: {name} on {model.device} at http://{where}:{port}/v1 ({args.slots} slots, paged KV "
               f"{health['kv_blocks_total']} blocks x {health['block_size']} = {health['kv_bytes'] / 1e6:,.0f} MB, "
               f"prefix caching {'on' if args.prefix_caching else 'off'}, chunked prefill "
-              f"{'off' if args.prefill_chunk is None else f'{args.prefill_chunk} tokens a step'}); Ctrl-C stops it",
+              f"{'off' if chunk is None else f'{chunk} tokens a step'}); Ctrl-C stops it",
               file=sys.stderr, flush=True)
 
     stats = app.serve(model, tokenizer, name, args.host, args.port, args.slots, args.block_size, args.kv_blocks,
-                      args.prefix_caching, args.prefill_chunk, args.max_queue, ready=ready, sock=sock)
+                      args.prefix_caching, chunk, args.max_queue, ready=ready, sock=sock)
     print(f"llmstep serve: stopped after {stats['requests']} requests, {stats['tokens']} tokens", file=sys.stderr)
     return stats
 

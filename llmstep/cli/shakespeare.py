@@ -145,6 +145,8 @@ def run_eval(args, argv) -> None:
         raise ValueError(f"--corpus {args.corpus} is not a directory: give the corpus (train/val/test.txt.gz)")
     if args.golden_tokens is not None and args.golden_prompt is None:
         raise ValueError("--golden-tokens sets the golden continuation's length: add --golden-prompt")
+    if len(set(args.split)) < len(args.split):  # each split is one column of the table: twice would score it twice
+        raise ValueError(f"--split {' '.join(args.split)}: each split once")
     models = [str(resolve_model_path(m)) for m in args.models]  # "draft" and "target" are the shipped ones
     evaluate.check_models(models, args.seq_len, args.golden_prompt, cards=args.update_cards,
                           max_tokens=args.max_tokens, write_eval_json=args.write_eval_json)  # before any model loads

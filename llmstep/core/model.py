@@ -45,6 +45,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    """The LLaMA 3 decoder: token embedding, `config.n_layers` blocks (RMSNorm, grouped-query attention with RoPE,
+    RMSNorm, SwiGLU, each with its residual), a final RMSNorm and the LM head; the same function as transformers'
+    LlamaForCausalLM. `forward(tokens [B, T]) -> logits [B, T, vocab]`, with or without a KV cache (`new_cache`);
+    `llmstep.load` builds one from a checkpoint, `Llama(config)` one of random weights."""
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
@@ -100,6 +105,12 @@ class Llama(nn.Module):
                             + (": one sequence is tokens[None]" if isinstance(tokens, torch.Tensor) and
                                tokens.dim() == 1 else ""))
         B, T = tokens.shape
+        if tokens.device.type == "cpu" and not static and not torch.compiler.is_compiling() and tokens.numel():
+            low, high = tokens.aminmax()  # on the CPU, no device to wait for: an id outside the table is named
+            if low < 0 or high >= self.config.vocab_size:  # (the engines check ids on every device, first)
+                row, i = ((tokens < 0) | (tokens >= self.config.vocab_size)).nonzero()[0].tolist()
+                raise ValueError(f"token id {int(tokens[row, i])} at [{row}, {i}] is outside the vocabulary "
+                                 f"(0..{self.config.vocab_size - 1})")
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"the KV cache holds {cache.batch_size} sequences but the tokens hold {B}: "
                              "give each sequence its row (cache.slot(i) is row i alone)")

@@ -215,6 +215,8 @@ class Tokenizer:
         if all(type(i) is int and 0 <= i < size for i in ids):  # the common case, at a fraction of _is_id's cost
             return
         bad = next((i for i in ids if not (_is_id(i) and i < size)), None)
+        if isinstance(bad, list | tuple):  # a batch [B, T] of ids: tolist() made rows
+            raise ValueError(f"decode takes one sequence of ids, got sequences of them ({bad!r} first): decode each")
         if bad is not None:
             raise ValueError(f"cannot decode token id {bad!r}: ids are integers in 0..{size - 1}")
 

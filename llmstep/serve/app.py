@@ -49,7 +49,7 @@ from ..core.tokens import Tokenizer
 from ..engines.batching import Request as EngineRequest
 from ..engines.decoding import NonFiniteLogitsError
 from . import protocol
-from .engine import Busy, Engine, EngineStopped
+from .engine import PREFILL_CHUNK, Busy, Engine, EngineStopped
 from .protocol import RequestError, Sampling
 
 __all__ = ["create_app", "make_server", "bind", "serve", "background"]
@@ -390,7 +390,8 @@ def make_server(app: FastAPI, engine: Engine | None = None, graceful_seconds: fl
 
 def serve(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8000, n_slots: int = 8,
           block_size: int = 16, kv_blocks: int | None = None, prefix_caching: bool = True,
-          prefill_chunk: int | None = 256, max_queue: int = 64, ready=None, sock: socket.socket | None = None) -> dict:
+          prefill_chunk: int | None = PREFILL_CHUNK, max_queue: int = 64, ready=None,
+          sock: socket.socket | None = None) -> dict:
     """Serve (model, tokenizer) until SIGINT/SIGTERM; returns the engine's counters. ready(host, port, health) is
     called once the socket listens (port 0 picks a free one), with what /health says. The socket is bound before
     the engine (its KV pool) exists, so a port in use is refused at once; sock: one bound already (`bind`: the CLI

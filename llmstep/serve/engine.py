@@ -57,12 +57,15 @@ class Ticket:
             pass
 
 
+PREFILL_CHUNK = 256  # the server's prompt tokens per engine step, by default (`llmstep serve --prefill-chunk`)
+
+
 class Engine:
     """A PagedSession served from a thread. Options as PagedSession's; max_queue: requests that may wait for
     a slot."""
 
     def __init__(self, model: Llama, n_slots: int = 8, block_size: int = 16, kv_blocks: int | None = None,
-                 prefix_caching: bool = True, prefill_chunk: int | None = 256, max_queue: int = 64):
+                 prefix_caching: bool = True, prefill_chunk: int | None = PREFILL_CHUNK, max_queue: int = 64):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
         self.session = PagedSession(model, n_slots, block_size, kv_blocks, prefix_caching, prefill_chunk)

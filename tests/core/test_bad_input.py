@@ -171,6 +171,17 @@ def test_prompt_id_outside_vocabulary(loaded):
         llmstep.generate(model, tok, [1, 5000])
 
 
+def test_a_forward_of_an_id_outside_the_vocabulary_names_it_on_the_cpu(loaded):
+    """The README's `model(ids)`: torch's embedding would say "index out of range in self"; the model names the id
+    and where it is (on the CPU, where reading the ids back waits for nothing)."""
+    model, _ = loaded
+    V = model.config.vocab_size
+    for ids, where in (([[1, V]], f"token id {V} at \\[0, 1\\]"), ([[1, 2], [-1, 3]], r"token id -1 at \[1, 0\]")):
+        with pytest.raises(ValueError, match=f"{where} is outside the vocabulary \\(0..{V - 1}\\)"):
+            model(torch.tensor(ids))
+    assert model(torch.tensor([[0, V - 1]])).shape == (1, 2, V)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"),
     (dict(top_k=-3), "top_k"), (dict(max_new_tokens=-1), "max_new_tokens"),

@@ -59,6 +59,9 @@ def test_decode_takes_lists_tensors_and_arrays_alike(tok):
     import torch
 
     assert tok.decode(torch.tensor([300, 301])) == tok.decode(np.array([300, 301])) == tok.decode([300, 301])
+    for batch in (torch.tensor([[300, 301]]), [[300], [301]]):  # a batch's rows: said so, not "token id [300, 301]"
+        with pytest.raises(ValueError, match=r"decode takes one sequence of ids, got sequences of them \(\[300"):
+            tok.decode(batch)
 
 
 def test_a_stop_or_start_id_outside_the_tokenizer_is_named_with_its_file(tmp_path):

@@ -34,6 +34,15 @@ def test_serve_passes_prefill_chunk_and_prefix_caching_to_the_engine(flags, chun
     assert ("chunked prefill off" if chunk is None else f"chunked prefill {chunk} tokens a step") in said, said
 
 
+@pytest.mark.parametrize("order", [["--prefill-chunk", "64", "--no-chunked-prefill"],
+                                   ["--no-chunked-prefill", "--prefill-chunk", "64"]])
+def test_serve_refuses_a_prefill_chunk_with_chunked_prefill_off_in_either_order(order, capsys):
+    with pytest.raises(CommandFailed):
+        main(["serve", "--port", "0", *order])
+    assert "--prefill-chunk sets how much of a prompt a step computes: it cannot go with --no-chunked-prefill" in \
+        capsys.readouterr().err
+
+
 def test_bench_serve_shared_prefix_starts_every_request_with_one_system_prompt(shipped, tmp_path):
     model, tokenizer = shipped
     out = tmp_path / "serve.json"

@@ -320,6 +320,15 @@ def test_eval_refuses_a_one_token_slice_before_loading_a_model(monkeypatch):
         evaluate.evaluate_models(["draft"], splits=("val",), max_tokens=1, baseline=False)
 
 
+def test_eval_refuses_a_split_named_twice_before_loading_a_model(monkeypatch):
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate, "evaluate_model", loaded)
+    with pytest.raises(SystemExit, match=r"llmstep eval: error: --split val test val: each split once"):
+        llmstep_main(["eval", "draft", "--split", "val", "test", "val", "--no-baseline"])
+
+
 def test_the_library_refuses_an_export_folder_save_cannot_write_before_the_run(tmp_path, small_corpus):
     cfg = train.train_config("tiny", corpus=str(small_corpus))
     (tmp_path / "a-file").write_text("x")
