@@ -13,11 +13,12 @@ import math
 import os
 
 from ..core.quant_formats import QuantConfig, QuantizationError
+from ..core.sampling import check_params
 from ..engines.decoding import check_seed
 
 __all__ = ["COUNT_LIMIT", "THREADS_LIMIT", "positive_int", "nonneg_int", "threads", "seed", "nonneg_float",
-           "positive_float", "probability", "fraction", "parse_ints", "parse_range", "int_between", "add_attention_arg",
-           "probe_attention", "quantization", "check_window"]
+           "temperature", "positive_float", "probability", "fraction", "parse_ints", "parse_range", "int_between",
+           "add_attention_arg", "probe_attention", "quantization", "check_window"]
 
 # The largest count a flag takes (tokens, repeats, requests, ...): far beyond any context or machine here, and
 # small enough that nothing is sized from a mistyped number (10**30 would be a list or a loop).
@@ -77,6 +78,16 @@ def nonneg_float(text: str) -> float:
     value = _float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def temperature(text: str) -> float:
+    """A sampling temperature, by `sampling.check_params`' rule (finite, >= 0, a float32), checked as it is parsed."""
+    value = nonneg_float(text)
+    try:
+        check_params(temperature=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("temperature ")) from None
     return value
 
 

@@ -13,13 +13,13 @@ from .args import (
     add_attention_arg,
     check_window,
     int_between,
-    nonneg_float,
     nonneg_int,
     parse_ints,
     parse_range,
     positive_float,
     positive_int,
     seed,
+    temperature,
     threads,
 )
 
@@ -37,7 +37,7 @@ def add_commands(sub) -> None:
     b.add_argument("--prompt-len", type=parse_range, default=(16, 64), help="LOW:HIGH tokens")
     b.add_argument("--new-tokens", type=parse_range, default=(8, 128), help="LOW:HIGH tokens")
     b.add_argument("--rate", type=positive_float, default=None, help="arrivals per engine step (default: all at once)")
-    b.add_argument("--temperature", type=nonneg_float, default=0.0)
+    b.add_argument("--temperature", type=temperature, default=0.0)
     b.add_argument("--batch-sizes", type=parse_ints, default=[1, 2, 4, 8, 16, 32],
                    help="batch sizes for the decode-step timing")
     b.add_argument("--context", type=nonneg_int, default=64, help="context of the decode-step timing")

@@ -18,10 +18,10 @@ from .args import (
     check_window,
     decode_tokens,
     int_between,
-    nonneg_float,
     parse_ints,
     positive_int,
     seed,
+    temperature,
     threads,
 )
 
@@ -143,7 +143,7 @@ def add_commands(sub) -> None:
     s.add_argument("--ks", type=parse_ints, default=[1, 2, 3, 4, 6, 8], help="comma-separated draft lengths")
     s.add_argument("--max-new-tokens", type=int_between(3), default=200,  # the prefill's token, then a round's
                    help="at least 3: the prefill's token, then rounds that each propose one token or more")
-    s.add_argument("--temperature", type=nonneg_float, default=0.0)
+    s.add_argument("--temperature", type=temperature, default=0.0)
     s.add_argument("--repeats", type=positive_int, default=3)
     s.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best available)")
     s.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: float32 on a CPU)")

@@ -16,20 +16,20 @@ from .args import (
     check_draft,
     check_window,
     decode_tokens,
-    nonneg_float,
     nonneg_int,
     positive_int,
     probability,
     probe_attention,
     quantization,
     seed,
+    temperature,
     threads,
 )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=nonneg_int, default=200)
-    p.add_argument("--temperature", type=nonneg_float, default=None,
+    p.add_argument("--temperature", type=temperature, default=None,
                    help="0 = greedy (default: generation_config.json's, greedy where it gives sampling settings "
                         "without do_sample: true, as in transformers; else 0.8)")
     p.add_argument("--top-k", type=nonneg_int, default=None, help="0 = off (default: generation_config.json, else 0)")

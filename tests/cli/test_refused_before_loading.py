@@ -33,6 +33,9 @@ def nothing_loads(monkeypatch):
     (["batch", "--context", "512"], "need 513 positions"),
     (["generate", "--prompt", "ab\udcffcd"], "--prompt is not UTF-8 text: the byte at character 2"),
     (["generate", "--prompt", "x", "--chat", "--system", "\udcc3"], "--system is not UTF-8 text"),
+    *((cmd, "argument --temperature: must be at most 3.403e+38 (float32's largest), got 1e+39")  # sampling's rule
+      for cmd in (["generate", "--prompt", "x", "--temperature", "1e39"], ["batch", "--temperature", "1e39"],
+                  ["speculative", "--temperature", "1e39"])),
 ])
 def test_refused_by_its_flags_before_any_weight(nothing_loads, argv, words):
     with pytest.raises(cli.CommandFailed) as failed:
