@@ -47,6 +47,11 @@ class Cache(ABC):
     def advance(self, positions: torch.Tensor) -> None:
         """After every layer has written: these positions [B, T] now hold tokens."""
 
+    def mark_lost(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output x [B, T, dim] -> x, NaN in the rows that read a key or value this cache could not
+        hold (a paged cache stores a non-finite one as 0, so that its other sequences stay finite); here none."""
+        return x
+
 
 class KVCache(Cache):
     """Preallocated keys and values, one buffer per layer.

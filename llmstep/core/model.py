@@ -136,6 +136,7 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, positions, mask, cache, i, kv_len, static)
         if cache is not None:
             cache.advance(positions)
+            x = cache.mark_lost(x)  # [B, T, dim]
         if keep is not None:
             x = x[:, keep]  # [B, K, dim]: only the tokens whose next token is wanted
         return self.output(self.norm(x))  # [B, T or K, vocab]

@@ -193,8 +193,8 @@ class PagedKVCache(Cache):
     Every sequence of a forward attends over the same gathered keys, the others' masked, and a masked key weighs
     exactly 0, but 0 * inf is NaN: a sequence whose keys or values overflowed would make every other one's output
     NaN. So a key or value that is not finite is stored as 0 and its slot flagged (`nonfinite`, any layer's), and
-    `nonfinite_rows` names the forward's tokens that see a flagged slot: a runner reports those as non-finite, as
-    their own computation would have been, and the others' are what they are alone."""
+    the forward's tokens that saw a flagged slot (`nonfinite_rows`) come out NaN (`mark_lost`), as their own
+    computation would have; the others' are what they are alone."""
 
     def __init__(self, config: LlamaConfig, n_blocks: int, block_size: int = 16, device=None, dtype=torch.float32):
         dtype = torch.get_default_dtype() if dtype is None else dtype
@@ -296,6 +296,11 @@ class PagedKVCache(Cache):
         (stored as 0, so that the other sequences' masked sums stay finite): its output is not to be trusted."""
         _, read_slots, mask = self._plan
         return (mask[0, 0] & self.nonfinite.index_select(0, read_slots)).any(-1)  # [N, S] & [S] -> [N]
+
+    def mark_lost(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, N, dim] -> NaN in the rows `nonfinite_rows` names. With tensor parallelism a rank flags what its
+        own heads lost: the LM head's all-gather then gives every rank those rows' NaN."""
+        return x.masked_fill(self.nonfinite_rows()[None, :, None], float("nan"))
 
 
 # ---- by hand: one sequence at a time, the textbook way -----------------------------------------------

@@ -192,8 +192,7 @@ class PagedRunner:
         ends = itertools.accumulate(s.chunk.n_tokens for s in work)
         keep = torch.tensor([e - 1 for e, s in zip(ends, work, strict=True) if s.samples],
                             dtype=torch.long, device=self.device)  # [K]
-        logits = self.model(tokens, positions, self.cache, keep=keep)[0].float()  # [K, vocab]
-        return logits.masked_fill(self.cache.nonfinite_rows()[keep, None], float("nan"))  # a sequence's own overflow
+        return self.model(tokens, positions, self.cache, keep=keep)[0].float()
 
     def compute(self, work: Sequence[Scheduled], draw: Callable[[torch.Tensor, list[int]], list[int]]) -> list[int]:
         """The step's one forward -> a token for each chunk that samples (`draw(logits [K, vocab], their request
