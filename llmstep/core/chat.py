@@ -214,8 +214,8 @@ TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", 
 
 
 def read_tokenizer_config(folder: Path) -> dict:
-    """`Tokenizer`'s add_bos, chat_template, named_tokens and chat_control_tokens from a checkpoint folder's
-    tokenizer_config.json and chat_template.jinja, the ones present."""
+    """`Tokenizer`'s add_bos, chat_template, named_tokens, chat_control_tokens, unused_ids and literal_ids from a
+    checkpoint folder's tokenizer_config.json and chat_template.jinja, the ones present."""
     options: dict = {}
     f = folder / "tokenizer_config.json"
     if f.is_file():
@@ -242,6 +242,12 @@ def read_tokenizer_config(folder: Path) -> dict:
             raise ValueError(f"{f}: chat_control_tokens must be a list of token texts, got {controls!r:.200}")
         if controls is not None:
             options["chat_control_tokens"] = controls
+        for key in ("unused_ids", "literal_ids"):  # llmstep's own keys: a GGUF file's token types, kept by save_dir
+            ids = data.get(f"llmstep_{key}")
+            if not (ids is None or isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)):
+                raise ValueError(f"{f}: llmstep_{key} must be a list of token ids, got {ids!r:.200}")
+            if ids is not None:
+                options[key] = ids
         options["named_tokens"] = _token_names(data, f)
     names = folder / "special_tokens_map.json"
     if names.is_file():  # older saves name the tokens here (too); where both name one, this file's (transformers')

@@ -54,19 +54,22 @@ NORMAL, CONTROL, USER_DEFINED, UNUSED = 1, 3, 4, 5
 EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
              "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
              "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>")
-# So is each fill-in-the-middle token: for a kind whose tokenizer.ggml.fim_<kind>_token_id the file does not give,
-# a token spelled as one of its texts (the first llama.cpp's hash map lists; here the lowest id) becomes a control
-# token, and the pad, repository and file-separator ones end generation too (SmolLM2's `<reponame>`, id 4, does).
-FIM_TEXTS = {"pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                     "<|code_prefix|>", "<|prefix|>"),
-             "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                     "<|code_suffix|>", "<|suffix|>"),
-             "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                     "<|code_middle|>", "<|middle|>"),
-             "pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-             "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-             "sep": ("<|file_sep|>",)}
-FIM_ENDS = ("pad", "rep", "sep")
+# So is each token found by its text for a kind the file names no id for (tokenizer.ggml.<kind>_token_id): a token
+# spelled as one of the kind's texts (the first llama.cpp's hash map lists; here the lowest id) becomes a control
+# token, and the end-of-turn one and the fill-in-the-middle pad, repository and file-separator ones end generation
+# too (SmolLM2's `<reponame>`, id 4, does). The end-of-turn spellings are ends anyway, but for DeepSeek's.
+BY_TEXT = {"eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+                   "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>"),
+           "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                       "<|code_prefix|>", "<|prefix|>"),
+           "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                       "<|code_suffix|>", "<|suffix|>"),
+           "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                       "<|code_middle|>", "<|middle|>"),
+           "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+           "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+           "fim_sep": ("<|file_sep|>",)}
+ENDS_BY_TEXT = ("eot", "fim_pad", "fim_rep", "fim_sep")
 
 
 class GGUFVocabError(ValueError):
@@ -110,13 +113,13 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
         raise GGUFVocabError(f"{where}: tokenizer.ggml.merges is missing; a byte-level BPE needs its merges")
     if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
         raise GGUFVocabError(f"{where}: tokenizer.ggml.merges must be a list of strings")
-    # a token spelled as an end (EOG_TEXTS) or as a fill-in-the-middle token of a kind the file names no id for
-    # (FIM_TEXTS) is a control token, as llama.cpp reads it
-    fim = {}  # kind -> the id found by its text
-    for kind, texts in FIM_TEXTS.items():
-        if fields.get(f"tokenizer.ggml.fim_{kind}_token_id") is None:
-            fim[kind] = next((i for i, text in enumerate(tokens) if text in texts), None)
-    types = [CONTROL if text in EOG_TEXTS or i in fim.values() else kind
+    # a token spelled as an end (EOG_TEXTS), or as a token of a kind the file names no id for (BY_TEXT), is a
+    # control token, as llama.cpp reads it
+    found = {}  # kind -> the id found by its text
+    for kind, texts in BY_TEXT.items():
+        if fields.get(f"tokenizer.ggml.{kind}_token_id") is None:
+            found[kind] = next((i for i, text in enumerate(tokens) if text in texts), None)
+    types = [CONTROL if text in EOG_TEXTS or i in found.values() else kind
              for i, (text, kind) in enumerate(zip(tokens, types, strict=True))]
     unknown = sorted({t for t in types if t not in (NORMAL, CONTROL, USER_DEFINED, UNUSED)})
     if unknown:
@@ -180,7 +183,7 @@ def build_tokenizer(fields: dict, where: str) -> Tokenizer:
                              "absent)")
     ends = [token_id(k) for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
     ends += [i for i, kind in enumerate(types) if kind == CONTROL and tokens[i] in EOG_TEXTS]
-    ends += [fim[kind] if kind in fim else token_id(f"fim_{kind}_token_id") for kind in FIM_ENDS]
+    ends += [found[kind] if kind in found else token_id(f"{kind}_token_id") for kind in ENDS_BY_TEXT]
     ends = [i for i in ends if i is not None]
     texts = {tokens[i] for i in ends}  # and llama.cpp's exceptions, for vocabularies where these end a message only:
     if "<|end|>" in texts and ("<|call|>" in texts or "<|calls|>" in texts) and texts & {"<|return|>", "<|flush|>"}:

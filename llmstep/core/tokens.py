@@ -41,7 +41,7 @@ class Tokenizer:
     tokens only it may write where tokenizer_config.json names them (`chat_control_tokens`, see control_tokens), the
     ids that decode to nothing (`unused_ids`: a GGUF file's unused tokens, as llama.cpp decodes them), and those that
     decode to their own text (`literal_ids`: a GGUF file's user-defined tokens, which llama.cpp writes out as they
-    are; a byte-level decoder would read é in "café" as one of its byte symbols; not kept by save)."""
+    are; a byte-level decoder would read é in "café" as one of its byte symbols); save_dir keeps both."""
 
     def __init__(self, tok: tokenizers.Tokenizer, bos_id: int | None = None, eos_ids: Iterable[int] | None = None,
                  add_bos: bool | None = None, chat_template: str | None = None,
@@ -416,14 +416,16 @@ class Tokenizer:
 
     def save_dir(self, folder: str | Path) -> None:
         """tokenizer.json and tokenizer_config.json (the chat template, add_bos_token, the special-token names,
-        chat_control_tokens) into `folder` (made if missing), as from_dir reads them back; each file written whole or
-        not at all."""
+        chat_control_tokens, unused_ids and literal_ids) into `folder` (made if missing), as from_dir reads them
+        back; each file written whole or not at all."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         self.save(folder / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, **self.named_tokens}
         if self.chat_control_tokens is not None:
             config["chat_control_tokens"] = list(self.chat_control_tokens)
+        config |= {f"llmstep_{k}": sorted(ids) for k, ids in (("unused_ids", self.unused_ids),
+                                                              ("literal_ids", self.literal_ids)) if ids}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -69,6 +69,17 @@ def test_a_fill_in_the_middle_id_the_file_names_ends_generation_instead_of_the_o
         with_tokens(vocab, {}, **{"tokenizer.ggml.fim_rep_token_id": 400})
 
 
+def test_deepseeks_end_of_sentence_ends_a_turn_where_the_file_names_no_end_of_turn_id(vocab):
+    """llama.cpp guesses the end-of-turn token by its text when tokenizer.ggml.eot_token_id is absent; of its
+    spellings only DeepSeek's is not an end by itself."""
+    text = "<｜end▁of▁sentence｜>"
+    own = {"<|eot_id|>": "<|x_eot|>", "<|end_of_text|>": "<|x_end|>"}  # the shipped ends, spelled as no end
+    vocab = vocab | {"tokens": [own.get(t, t) for t in vocab["tokens"]]}
+    assert ends(with_tokens(vocab, {})) == set() and ends(with_tokens(vocab, {text: NORMAL})) == {text}
+    named = with_tokens(vocab, {text: NORMAL}, **{"tokenizer.ggml.eot_token_id": 200})
+    assert text not in ends(named) and named.eos_ids == [200]
+
+
 @pytest.mark.parametrize("texts, gone", [
     (("<|end|>", "<|return|>", "<|call|>"), "<|end|>"),  # gpt-oss: <|end|> ends a message, not the reply
     (("<|end|>", "<|calls|>", "<|flush|>"), "<|end|>"),  # Solar Open
@@ -92,6 +103,21 @@ def test_a_user_defined_token_decodes_to_its_own_text_as_llama_cpp_writes_it(voc
         assert tok.decode(ids, skip_special_tokens=True) == f"un {text} x"  # user-defined: not special
     cafe, tokyo = tok.token_to_id("café"), tok.token_to_id("東京")
     assert tok.decode([cafe, cafe, tokyo]) == "cafécafé東京"
+
+
+def test_a_saved_gguf_tokenizer_decodes_as_it_did(vocab, tmp_path):
+    """save_dir writes which ids decode to their own text and which to nothing (tokenizer_config.json's
+    llmstep_literal_ids / llmstep_unused_ids), so the folder's tokenizer decodes as the file's did; transformers
+    reads the folder too."""
+    import transformers
+
+    tok = with_tokens(vocab, {"café": USER_DEFINED, "[unused]": UNUSED})
+    ids = tok.encode("un café", bos=False) + [tok.token_to_id("[unused]")]
+    tok.save_dir(tmp_path)
+    back = Tokenizer.from_dir(tmp_path)
+    assert (back.literal_ids, back.unused_ids) == (tok.literal_ids, tok.unused_ids) != (frozenset(), frozenset())
+    assert back.decode(ids) == tok.decode(ids) == "un café"
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).encode("un café", add_special_tokens=False) == ids[:-1]
 
 
 def test_an_end_id_on_the_vocabularys_padding_is_refused_by_name(vocab):

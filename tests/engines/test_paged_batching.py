@@ -305,7 +305,8 @@ def test_one_scheduler_serves_both_caches_alike(tiny64, policy):
 
 def test_paged_batching_on_a_tensor_parallel_model_gives_one_process_tokens(tmp_path, tokenizer_file, monkeypatch):
     """Each of 2 ranks holds 1 of the 2 KV heads: its paged cache holds its own heads (as its `new_cache` does),
-    and run_batch(kv="paged") and PagedSession give the tokens one process gives."""
+    and run_batch(kv="paged") and PagedSession give the tokens one process gives. A key that overflows on one rank's
+    heads alone is named by both ranks, for its own request only (each cache flags what its heads lost)."""
     from conftest import make_checkpoint
 
     from llmstep.core.checkpoint import load
@@ -316,7 +317,7 @@ def test_paged_batching_on_a_tensor_parallel_model_gives_one_process_tokens(tmp_
     from test_parallel import torchrun  # the 2-process gloo launcher of the tensor-parallel tests
 
     make_checkpoint(tmp_path / "gqa", tokenizer_file, num_key_value_heads=2)
-    from tp_paged_worker import requests
+    from tp_paged_worker import OVERFLOWING, requests
 
     done = torchrun(2, str(here / "tp_paged_worker.py"), str(tmp_path), str(tmp_path / "gqa"))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -328,6 +329,7 @@ def test_paged_batching_on_a_tensor_parallel_model_gives_one_process_tokens(tmp_
         assert record["kv_heads"] == 1
         assert record["paged"] == alone
         assert record["session"] == alone[0]
+        assert OVERFLOWING not in alone[0] and "non-finite logits (NaN or Inf) for request(s) 1:" in record["overflow"]
 
 
 def overflowing(model, token: int):
