@@ -107,10 +107,15 @@ class BatchRunner(Engine):
         tokens, positions = (t if t.is_inference() else t.clone() for t in (tokens, positions))
         return self._step(tokens, positions)
 
-    @torch.inference_mode()
     def warmup(self, steps: int = 3) -> float:
         """`Engine.warm_once` for the batched step, under inference mode as the runs (Dynamo guards the mode: a step
-        compiled under no_grad would compile again in the run); the cache reset afterwards."""
+        compiled under no_grad would compile again in the run); the cache reset afterwards, so refused while the
+        engine runs in another thread."""
+        with self.running():
+            return self._warmup(steps)
+
+    @torch.inference_mode()
+    def _warmup(self, steps: int) -> float:
         # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
         tokens, positions = (torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device) for _ in range(2))
         seconds = self.warm_once("step", lambda: self.step(tokens, positions), steps=steps)
@@ -153,7 +158,7 @@ class ContinuousBatcher(BatchRunner):
 
     @torch.inference_mode()
     def _run(self, requests: Sequence[Checked], scheduler: Scheduler) -> BatchRun:
-        self.warmup()
+        self._warmup(3)
         self.cache.reset()
         rows = Rows(requests, self.device)
         return run_steps(scheduler, lambda work: self.compute(work, rows), rows)

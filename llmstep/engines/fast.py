@@ -94,11 +94,13 @@ class FastDecoder(Engine):
         return self.net(token, position, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
     def step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """`_decode_step`, maybe compiled (with CUDA graphs, use or clone the logits before the next call)."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use or clone the logits before the next call); refused
+        while the engine runs in another thread (it writes the cache)."""
         self.cache.check_static(position)
-        if self._step is None:
-            self._step = self._step_of(self._decode_step, self.cache.buffers, self.net)
-        return self._step(token, position)
+        with self.running():
+            if self._step is None:
+                self._step = self._step_of(self._decode_step, self.cache.buffers, self.net)
+            return self._step(token, position)
 
     def _advance(self, temperature: float, top_k: int, top_p: float) -> None:
         """One whole decode step on the run's state, in place: the pending token history[position] through the
@@ -123,10 +125,15 @@ class FastDecoder(Engine):
         self._position.zero_()
         self._finite.fill_(True)
 
-    @torch.inference_mode()
     def warmup(self, steps: int = 3, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> float:
         """`Engine.warm_once` for this sampling setting's decode step, from position 0 and with a clean cache, under
-        inference mode as the runs (Dynamo guards the mode: a step compiled under another would compile again)."""
+        inference mode as the runs (Dynamo guards the mode: a step compiled under another would compile again).
+        Refused while the engine runs in another thread: it resets the cache and the run's state."""
+        with self.running():
+            return self._warmup(steps, temperature, top_k, top_p)
+
+    @torch.inference_mode()
+    def _warmup(self, steps: int, temperature: float, top_k: int, top_p: float) -> float:
         check_params(temperature, top_k, top_p)
         sampling = sampling_key(temperature, top_k, top_p)  # the key `generate` asks for: one greedy step
         if self.is_warm(sampling):
@@ -163,7 +170,7 @@ class FastDecoder(Engine):
         if n == 0:
             return result
         if n > 1:  # a decode step will run: compiled (and warm) before anything is timed; one token needs none
-            self.warmup(3, *sampling)
+            self._warmup(3, *sampling)
         device, first = self.device, len(ids)
         generator = r.generator(device)  # the generator llmstep.generate uses: the same draws
         stop_tensor = torch.tensor(sorted(stops), device=device, dtype=torch.long)
@@ -290,10 +297,15 @@ class FastSpeculator(Engine):
         n, token = speculative.verify_greedy(logits, drafted)
         return drafted, n, token, finite & torch.isfinite(logits).all()
 
-    @torch.inference_mode()  # as the runs: see FastDecoder.warmup
     def warmup(self, greedy: bool = True, steps: int = 3, alone: bool = False, rounds: bool = True) -> float:
         """`Engine.warm_once` for a greedy or a sampling round's steps (rounds False: none, for a run where the draft
-        never proposes; its slots past the caches' would not fit) and, alone: the target's step alone."""
+        never proposes; its slots past the caches' would not fit) and, alone: the target's step alone. Refused
+        while the engine runs in another thread: its steps write both caches."""
+        with self.running():
+            return self._warmup(greedy, steps, alone, rounds)
+
+    @torch.inference_mode()  # as the runs: see FastDecoder.warmup
+    def _warmup(self, greedy: bool, steps: int, alone: bool, rounds: bool) -> float:
         def ids(n: int) -> torch.Tensor:  # [1, n] of zeros: the shapes and layouts `generate` passes
             return torch.zeros(1, n, dtype=torch.long, device=self.device)
 
@@ -329,8 +341,8 @@ class FastSpeculator(Engine):
         # L-2 .. L+k-2; a draft whose context cannot hold the prompt never proposes.
         draft_slots = self.draft_cache.max_len if len(ids) <= self.draft_cache.max_len else 0
         last_round = min(self.max_len, draft_slots + 1) - k  # the last L a round fits at
-        self.warmup(greedy, alone=plan.tokens > 1 and len(ids) + plan.tokens - 1 > last_round,
-                    rounds=plan.tokens > 1 and len(ids) + 1 <= last_round)  # the first round's L: len(ids) + 1
+        self._warmup(greedy, 3, alone=plan.tokens > 1 and len(ids) + plan.tokens - 1 > last_round,
+                     rounds=plan.tokens > 1 and len(ids) + 1 <= last_round)  # the first round's L: len(ids) + 1
         result = FastSpeculativeResult(prompt_ids=ids, k=k, stop_reason=plan.stop_reason)
         if plan.tokens == 0:
             return result

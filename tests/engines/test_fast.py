@@ -450,9 +450,10 @@ def test_each_token_is_one_step_call_with_no_host_sync_and_nothing_else_but_its_
     short = run_counted(FastDecoder(model, max_len=64, compile=False), monkeypatch, 5, **kw)
     long = run_counted(FastDecoder(model, max_len=64, compile=False), monkeypatch, 25, **kw)
     assert (short["steps"], long["steps"]) == (4, 24)
-    # the prompt's and the final copy, and the two reads of the eager prefill's cache mask (its filled length, and
-    # whether it starts at 0): as many for 25 tokens as for 5
-    assert short["syncs"] == long["syncs"] <= 4, (short["syncs"], long["syncs"])
+    # the prompt's and the final copy, the two reads of the eager prefill's cache mask (its filled length, and
+    # whether it starts at 0), and on a CPU the forward's check of the prompt's ids (its least and greatest: no
+    # device to wait for, and not made on a GPU): as many for 25 tokens as for 5
+    assert short["syncs"] == long["syncs"] <= 6, (short["syncs"], long["syncs"])
     extra = Counter(long["ops"]) - Counter(short["ops"])  # what 20 more tokens cost outside the step
     assert sum((Counter(short["ops"]) - Counter(long["ops"])).values()) == 0
     if kw["temperature"] == 0:

@@ -294,6 +294,28 @@ def test_a_shared_speculator_and_batcher_refuse_a_second_thread(tiny):
     assert isinstance(second, ConcurrentUseError) and [c.tokens for c in first.completions] == alone
 
 
+def test_a_warmup_or_step_from_a_second_thread_is_refused_not_run_over_the_first_ones_tokens(tiny):
+    """warmup resets the cache and the run's state, and FastDecoder.step writes the cache: from another thread
+    while an engine runs they are refused as a second run is, and the run's tokens are its tokens alone."""
+    model, _ = tiny
+    decoder = FastDecoder(model, max_len=64, compile=False)
+    alone = decoder.generate(PROMPT, 12, **GREEDY).tokens
+    zero = torch.zeros(1, 1, dtype=torch.long)
+    for second in (lambda: decoder.warmup(temperature=0.5), lambda: decoder.step(zero, zero)):
+        first, refused = run_two_threads(model, lambda: decoder.generate(PROMPT, 12, **GREEDY), second)
+        assert isinstance(refused, ConcurrentUseError) and first.tokens == alone
+    spec = FastSpeculator(model, LayerSkipDraft(model, 1), k=2, max_len=32, compile=False)
+    alone = spec.generate(PROMPT, 10, **GREEDY).tokens
+    first, refused = run_two_threads(model, lambda: spec.generate(PROMPT, 10, **GREEDY), lambda: spec.warmup(False))
+    assert isinstance(refused, ConcurrentUseError) and first.tokens == alone
+    batcher = ContinuousBatcher(model, n_slots=2, max_len=32, compile=False)
+    requests = [Request(PROMPT, 6, **GREEDY), Request(PROMPT[:4], 6, **GREEDY)]
+    alone = [c.tokens for c in batcher.run(requests).completions]
+    first, refused = run_two_threads(model, lambda: batcher.run(requests), batcher.warmup)
+    assert isinstance(refused, ConcurrentUseError) and [c.tokens for c in first.completions] == alone
+    assert decoder.warmup() == 0.0 and decoder.step(zero, zero).shape == (1, model.config.vocab_size)  # alone: fine
+
+
 def test_generate_on_one_model_from_two_threads_is_fine(tiny):
     model, tok = tiny
     alone = llmstep.generate(model, tok, PROMPT, max_new_tokens=8, temperature=0).tokens
