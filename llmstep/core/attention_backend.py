@@ -30,6 +30,7 @@ llmstep.kernels.cpu_attention), unless another choice is asked for. Every other 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -61,15 +62,31 @@ def current() -> str:
     return _chosen
 
 
+_open: list[tuple[int, str]] = []  # (thread, name) of each block open now, in the order they were entered
+_opening = threading.Lock()
+
+
 @contextlib.contextmanager
 def attention_backend(name: str) -> Iterator[str]:
-    """Inside, every SDPA call of llmstep's model runs with kernel `name` ("auto": PyTorch's choice)."""
+    """Inside, every SDPA call of llmstep's model runs with kernel `name` ("auto": PyTorch's choice). The choice is
+    the process's (Dynamo guards on it): blocks nest within a thread, and another thread's block may overlap with
+    the same choice only (a RuntimeError otherwise); once the last block is left, the choice is "auto" again."""
     global _chosen
-    before, _chosen = _chosen, check_backend(name)
+    check_backend(name)
+    block = (threading.get_ident(), name)
+    with _opening:
+        other = next((n for thread, n in _open if thread != block[0] and n != name), None)
+        if other is not None:
+            raise RuntimeError(f"attention_backend({name!r}) while another thread's block runs with {other!r}: the "
+                               "choice is the process's, so threads running at once share one")
+        _open.append(block)
+        _chosen = name
     try:
         yield name
     finally:
-        _chosen = before
+        with _opening:
+            _open.remove(block)
+            _chosen = _open[-1][1] if _open else "auto"
 
 
 def kernels() -> contextlib.AbstractContextManager:

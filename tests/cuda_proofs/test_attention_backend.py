@@ -141,3 +141,39 @@ def test_an_engine_warms_its_step_again_under_another_backend_before_timing_it(m
         with attention_backend(backend):
             decoder.generate([1, 2, 3], 3, temperature=0, stop_ids=())
     assert warmed == ["auto", "math"]
+
+
+def test_blocks_in_two_threads_share_one_choice_and_leave_auto_behind():
+    """The choice is the process's: a thread's block overlapping another's with another kernel is refused (before,
+    the second block to close put back the first one's choice, and every later call ran with it); the same choice
+    overlaps, blocks nest within a thread, and once the last one closes the choice is "auto" again."""
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def hold(name):
+        with attention_backend(name):
+            inside.set()
+            done.wait(timeout=30)
+
+    first = threading.Thread(target=hold, args=("math",))
+    first.start()
+    assert inside.wait(timeout=30)
+    try:
+        with pytest.raises(RuntimeError, match=r"attention_backend\('efficient'\) while another thread's block runs "
+                                               r"with 'math'"):
+            with attention_backend("efficient"):
+                pass
+        assert ab.current() == "math"
+        with attention_backend("math"), attention_backend("math"):  # the same choice: shared
+            seen["overlap"] = ab.current()
+    finally:
+        done.set()
+        first.join(timeout=30)
+    assert seen["overlap"] == "math" and ab.current() == "auto"
+    with attention_backend("math"):
+        with attention_backend("efficient"):  # one thread's own blocks nest
+            assert ab.current() == "efficient"
+        assert ab.current() == "math"
+    assert ab.current() == "auto"
