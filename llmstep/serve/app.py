@@ -443,6 +443,8 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
     finally:
         if thread is not None:
             server.should_exit = True
+            if engine is not None:  # as a signal does: the open streams end with an error event, not cut off
+                threading.Thread(target=engine.stop, name="llmstep-engine-stop", daemon=True).start()
             thread.join(start_seconds)
         sock.close()
         if engine is not None:

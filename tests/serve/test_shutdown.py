@@ -69,3 +69,32 @@ def test_a_signal_stops_the_server_within_seconds_with_a_stream_open(sig):
             proc.kill()
         proc.wait(TIMEOUT)
         proc.stderr.close()
+
+
+def test_leaving_a_background_server_ends_its_open_stream_with_an_event_not_a_cut():
+    """`background`'s exit stops the engine as a signal does: the client reads the shutdown's error event and
+    [DONE] (before, the engine ran on until uvicorn's grace expired and cut the stream mid-chunk)."""
+    from serving import load_shipped
+
+    from llmstep.serve.app import background
+
+    model, tokenizer = load_shipped()
+    seen, ended = [], {}
+    with background(model, tokenizer, n_slots=2) as (url, engine):
+        def stream():
+            try:
+                body = {"prompt": "ROMEO:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+                    for line in r.iter_lines():
+                        seen.append(line)
+                ended["how"] = "whole"
+            except httpx.HTTPError as e:
+                ended["how"] = f"cut: {e}"
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        wait_for(lambda: any(line.startswith("data: {") for line in seen), "the first streamed token")
+    reader.join(STOP_SECONDS)
+    events = [line for line in seen if line.startswith("data: ")]
+    assert ended.get("how") == "whole", ended
+    assert '"code": "engine_stopped"' in events[-2] and events[-1] == "data: [DONE]", events[-2:]
