@@ -3,12 +3,15 @@
 `PagedBatcher.run` serves a workload known in advance. A server does not know what comes next: `PagedSession` is
 the same engine step (`batching.engine_step`) driven from outside, one step per call, with requests submitted and
 cancelled between steps. A request gets the tokens `PagedBatcher.run` and `llmstep.generate` give it, whenever it
-arrives. One thread drives a session: `llmstep serve`'s engine thread (llmstep.serve.engine).
+arrives. One thread drives a session: `llmstep serve`'s engine thread (llmstep.serve.engine); another thread's
+submit, step or cancel meanwhile is refused (ConcurrentUseError).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +20,7 @@ from ..core.model import Llama
 from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
 from .batching import PagedRunner, check_paged_options, engine_step
+from .decoding import ConcurrentUseError
 from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
 from .scheduler import Job, Scheduler
@@ -56,6 +60,18 @@ class PagedSession:
         self._jobs: dict[int, tuple[Job, Checked, torch.Generator]] = {}  # unfinished: id -> job, request, generator
         self._ids = itertools.count()
         self._broken: set[int] = set()  # this step's requests whose logits held a NaN or an Inf
+        self._driver = threading.Lock()  # held by the one thread inside submit, cancel or step
+
+    @contextlib.contextmanager
+    def _driving(self):
+        """One thread drives a session: a call while another thread is inside one is refused, not interleaved."""
+        if not self._driver.acquire(blocking=False):
+            raise ConcurrentUseError("this PagedSession is being driven by another thread: one thread submits, steps "
+                                     "and cancels (llmstep serve's engine thread does)")
+        try:
+            yield
+        finally:
+            self._driver.release()
 
     @property
     def pending(self) -> int:
@@ -69,6 +85,10 @@ class PagedSession:
     def submit(self, request: Request) -> int:
         """Check a request (a ValueError names what is wrong) and queue it; returns its id. A closed session takes
         none (RuntimeError, as `step` raises)."""
+        with self._driving():
+            return self._submit(request)
+
+    def _submit(self, request: Request) -> int:
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
         checked = check_request(request, self.model)
@@ -81,19 +101,24 @@ class PagedSession:
 
     def cancel(self, request_id: int) -> None:
         """Drop a request (waiting or running): its blocks go back now. Unknown or finished ids are ignored."""
-        entry = self._jobs.pop(request_id, None)
-        if entry is not None:
-            self.scheduler.cancel(entry[0])
+        with self._driving():
+            entry = self._jobs.pop(request_id, None)
+            if entry is not None:
+                self.scheduler.cancel(entry[0])
 
-    @torch.inference_mode()
     def step(self) -> list[TokenOut]:
         """One engine step (nothing when no request is pending): the tokens it made, one per request that got one.
         A request whose logits held a NaN or an Inf ends here with finish_reason "error" and no token (its draw is
         meaningless, so not shown), its blocks freed; the others go on (a model may overflow on one input alone).
-        A NaN in one sequence's keys and values reaches the others of its forward (a masked-out key's weight is 0,
-        and 0 x NaN is NaN): those that sampled then have NaN logits and end so too; those in the middle of their
-        prompt, with no logits to tell, start it again (preempted); and the prefix cache is emptied, since this step
-        registered blocks that may hold NaN: no later request finds them."""
+        The paged cache keeps one sequence's non-finite keys and values from the others of its forward (it stores
+        them as 0 and marks the rows that read them NaN: `PagedKVCache`); as a second guard, after a step that broke
+        a request, those in the middle of their prompt start it again (preempted) and the prefix cache is emptied,
+        so no later request finds a block that step registered."""
+        with self._driving():
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[TokenOut]:
         if self.closed:
             raise RuntimeError("this PagedSession is closed")
         out = []

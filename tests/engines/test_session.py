@@ -157,9 +157,9 @@ def test_a_request_whose_logits_break_ends_with_an_error_and_the_others_go_on(ti
 
 
 def test_a_nan_in_one_sequences_keys_leaves_no_poisoned_block_for_a_later_request(tiny64):
-    """NaN hidden states (so keys and values) in one request's rows: it ends with "error", and the blocks that step
-    registered in the prefix cache (the other request's prompt, reached by the NaN through the shared forward) are
-    forgotten: a later request with that prompt gets its solo tokens, not a cached NaN."""
+    """NaN hidden states (so keys and values) in one request's rows: it ends with "error"; the paged cache keeps
+    its NaN from the other request's prompt in the shared forward, and the blocks that step registered in the prefix
+    cache are forgotten besides: a later request with that prompt gets its solo tokens, not a cached NaN."""
     model, tok = tiny64
     good = Request(list(range(20, 28)) + [5], max_new_tokens=3, temperature=0, stop_ids=())  # two full blocks
     bad = Request([40, 41, 42], max_new_tokens=3, temperature=0, stop_ids=())
@@ -178,9 +178,9 @@ def test_a_nan_in_one_sequences_keys_leaves_no_poisoned_block_for_a_later_reques
 
 
 def test_a_request_mid_prompt_beside_a_broken_one_starts_over_and_caches_no_nan(tiny64):
-    """A request whose prompt chunk shared the broken forward has no logits to tell it took NaN keys; had it gone
-    on, its later chunks would register NaN blocks after the cache was emptied (then cancelled, they stay cached for
-    the next request with its prompt). It starts over instead, and later requests with its prompt get solo tokens."""
+    """A request whose prompt chunk shared the broken forward has no logits to tell whether it took NaN keys (the
+    paged cache keeps them from it; this is the second guard): it starts over, and later requests with its prompt
+    get solo tokens."""
     model, tok = tiny64
     bad = Request([40, 41, 42], max_new_tokens=3, temperature=0, stop_ids=())
     prompt = Request(list(range(10, 20)), max_new_tokens=3, temperature=0, stop_ids=())
@@ -202,3 +202,47 @@ def test_a_request_mid_prompt_beside_a_broken_one_starts_over_and_caches_no_nan(
             made += [(o.token, o.finish_reason) for o in session.step() if o.id == again]
         assert [t for t, _ in made] == expected and made[-1][1] == "length"
     assert session.blocks.n_used == 0
+
+
+def test_a_second_thread_driving_a_session_is_refused_and_the_first_ones_tokens_stand(tiny64):
+    """One thread drives a session (submit, step, cancel): another thread's call while a step runs is refused
+    (before, two threads stepping at once got a raw shape error and wrong tokens)."""
+    import threading
+
+    from llmstep.engines.decoding import ConcurrentUseError
+
+    model, tok = tiny64
+    request = Request([5, 6, 7], max_new_tokens=4, temperature=0, stop_ids=())
+    session = PagedSession(model, n_slots=2, block_size=4)
+    first = session.submit(request)
+    inside, tried, refused = threading.Event(), threading.Event(), []
+
+    def hold(module, args):
+        if threading.current_thread().name == "driver" and not inside.is_set():
+            inside.set()
+            tried.wait(timeout=30)
+
+    def other():
+        inside.wait(timeout=30)
+        for call in (session.step, lambda: session.submit(request), lambda: session.cancel(first)):
+            try:
+                call()
+            except ConcurrentUseError as e:
+                refused.append(str(e))
+        tried.set()
+
+    handle = model.register_forward_pre_hook(hold)
+    made = []
+    try:
+        threads = [threading.Thread(target=lambda: made.extend(session.step()), name="driver"),
+                   threading.Thread(target=other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        handle.remove()
+    assert len(refused) == 3 and "being driven by another thread" in refused[0]
+    while session.pending:
+        made += session.step()
+    assert [o.token for o in made if o.id == first] == solo(model, tok, request).tokens
