@@ -441,10 +441,9 @@ def background(model, tokenizer, model_name: str = "llmstep", host: str = "127.0
         where = f"[{host}]" if ":" in host else host
         yield f"http://{where}:{sock.getsockname()[1]}", engine
     finally:
-        if thread is not None:
+        if thread is not None:  # as a signal does: the engine stops now, its open streams end with an error event
             server.should_exit = True
-            if engine is not None:  # as a signal does: the open streams end with an error event, not cut off
-                threading.Thread(target=engine.stop, name="llmstep-engine-stop", daemon=True).start()
+            threading.Thread(target=engine.stop, name="llmstep-engine-stop", daemon=True).start()
             thread.join(start_seconds)
         sock.close()
         if engine is not None:
