@@ -193,9 +193,10 @@ def test_the_compiled_decode_path_asks_no_host_sync_per_token(probe, monkeypatch
         with counter.counting():
             decoder.generate([1, 2, 3], n)
         counts.append(counter.count)
-    # the prompt's and the final copy of the tokens, and the two reads of the eager prefill's cache mask (its filled
-    # length, and whether it starts at 0): as many for 20 tokens as for 4
-    assert counts[0] == counts[1] <= 4, counts
+    # the prompt's and the final copy of the tokens, the two reads of the eager prefill's cache mask (its filled
+    # length, and whether it starts at 0), and on a CPU the forward's check of the prompt's ids (its least and
+    # greatest: no device to wait for, and not made on a GPU): as many for 20 tokens as for 4
+    assert counts[0] == counts[1] <= 6, counts
 
 
 @pytest.mark.parametrize("where", ["built", "run"])
