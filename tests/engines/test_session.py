@@ -207,7 +207,7 @@ def test_a_request_mid_prompt_beside_a_broken_one_starts_over_and_caches_no_nan(
 def test_a_second_thread_driving_a_session_is_refused_and_the_first_ones_tokens_stand(tiny64):
     """One thread drives a session (submit, step, cancel): another thread's call while a step runs is refused
     (before, two threads stepping at once got a raw shape error and wrong tokens)."""
-    import threading
+    from two_threads import run_two_threads
 
     from llmstep.engines.decoding import ConcurrentUseError
 
@@ -215,33 +215,17 @@ def test_a_second_thread_driving_a_session_is_refused_and_the_first_ones_tokens_
     request = Request([5, 6, 7], max_new_tokens=4, temperature=0, stop_ids=())
     session = PagedSession(model, n_slots=2, block_size=4)
     first = session.submit(request)
-    inside, tried, refused = threading.Event(), threading.Event(), []
 
-    def hold(module, args):
-        if threading.current_thread().name == "driver" and not inside.is_set():
-            inside.set()
-            tried.wait(timeout=30)
-
-    def other():
-        inside.wait(timeout=30)
+    def other() -> list[str]:
+        refused = []
         for call in (session.step, lambda: session.submit(request), lambda: session.cancel(first)):
             try:
                 call()
             except ConcurrentUseError as e:
                 refused.append(str(e))
-        tried.set()
+        return refused
 
-    handle = model.register_forward_pre_hook(hold)
-    made = []
-    try:
-        threads = [threading.Thread(target=lambda: made.extend(session.step()), name="driver"),
-                   threading.Thread(target=other)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        handle.remove()
+    made, refused = run_two_threads(model, session.step, other)
     assert len(refused) == 3 and "being driven by another thread" in refused[0]
     while session.pending:
         made += session.step()
