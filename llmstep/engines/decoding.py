@@ -12,9 +12,11 @@ run report (`DecodeResult`, which every loop's result extends).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sized
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 
 import torch
@@ -185,6 +187,17 @@ class NonFiniteLogits:
 
 class ConcurrentUseError(RuntimeError):
     """An engine that owns one cache was called while it was already running (`Engine.running`)."""
+
+
+@contextlib.contextmanager
+def held(lock: threading.Lock, why: str) -> Iterator[None]:
+    """`lock` held inside; taken by another thread already, ConcurrentUseError(why) at once: one caller at a time."""
+    if not lock.acquire(blocking=False):
+        raise ConcurrentUseError(why)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # ---- The budget: how many new tokens fit, and why a run ends -----------------------------------------------

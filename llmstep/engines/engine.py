@@ -17,7 +17,7 @@ from ..core.checks import check_max_len
 from ..core.cost import MemoryBudgetError
 from ..core.sampling import sample
 from .compile import Step, compile_options, compiles, gemm_backends, uses_cuda_graphs, warm_up
-from .decoding import CACHE_ROUNDING, ConcurrentUseError, NonFiniteLogits, cache_bucket, cache_len
+from .decoding import CACHE_ROUNDING, NonFiniteLogits, cache_bucket, cache_len, held
 from .request import Checked, Request, check_request
 
 __all__ = ["Engine", "Rows"]
@@ -73,16 +73,11 @@ class Engine:
     @contextlib.contextmanager
     def running(self, *checked: Checked) -> Iterator[None]:
         """One run at a time (a second caller is refused at once), the cache grown first for these requests."""
-        if not self._lock.acquire(blocking=False):
-            raise ConcurrentUseError(f"this {type(self).__name__} is already running (in another thread): it owns one "
-                                     "KV cache, so give each thread its own, or call llmstep.generate, which may be "
-                                     "shared")
-        try:
+        with held(self._lock, f"this {type(self).__name__} is already running (in another thread): it owns one KV "
+                  "cache, so give each thread its own, or call llmstep.generate, which may be shared"):
             if self.sized_per_request and checked:
                 self.grow(self.slots_needed(checked))
             yield
-        finally:
-            self._lock.release()
 
     def is_warm(self, key) -> bool:
         """Whether step kind `key` has run under the attention backend asked for now (a compiled step bakes it in)."""

@@ -9,7 +9,6 @@ submit, step or cancel meanwhile is refused (ConcurrentUseError).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from ..core.model import Llama
 from ..core.paged_kv import blocks_for
 from ..core.sampling import sample
 from .batching import PagedRunner, check_paged_options, engine_step
-from .decoding import ConcurrentUseError
+from .decoding import held
 from .kv_manager import KVCacheManager, check_fits
 from .request import Checked, Request, check_request
 from .scheduler import Job, Scheduler
@@ -62,16 +61,10 @@ class PagedSession:
         self._broken: set[int] = set()  # this step's requests whose logits held a NaN or an Inf
         self._driver = threading.Lock()  # held by the one thread inside submit, cancel or step
 
-    @contextlib.contextmanager
     def _driving(self):
         """One thread drives a session: a call while another thread is inside one is refused, not interleaved."""
-        if not self._driver.acquire(blocking=False):
-            raise ConcurrentUseError("this PagedSession is being driven by another thread: one thread submits, steps "
-                                     "and cancels (llmstep serve's engine thread does)")
-        try:
-            yield
-        finally:
-            self._driver.release()
+        return held(self._driver, "this PagedSession is being driven by another thread: one thread submits, steps "
+                                  "and cancels (llmstep serve's engine thread does)")
 
     @property
     def pending(self) -> int:
