@@ -51,7 +51,8 @@ kernels/      hand-written kernels the compiled step may run, each the same func
     cpu_int8.py    the int8 micro-kernel's C++ for one-row matmuls on AVX-512
     cpu_attention.py  attention of a compiled CPU step of one sequence over the visible cache slots (AVX-512, AVX2)
     cpu_attention_cpp.py  that attention op's C++ (the masked form, a decode step's prefix form)
-    cpu_int4a8.py  int4 and int8 times 8-bit activations in integer dot products (AVX2), any row count, C++ ops
+    cpu_int4a8.py  int4 and int8 times 8-bit activations in integer dot products (AVX-512 VNNI, AVX2), any row count
+    cpu_int4a8_cpp.py  those ops' C++ (`mm`, `mm8`, `quantize`), one source for both ISAs
     cpp_build.py   building a C++ op once per machine into llmstep's cache, and loading it
 engines/      loops around the one forward (notebooks 03, 06, 08, 09)
     request.py     one request (prompt, budget, sampling, seed, stop ids): one set of defaults, checked once

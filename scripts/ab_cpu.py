@@ -12,9 +12,10 @@
     python scripts/ab_cpu.py --group-size 32 int4-a8^int8 int4-a8^int8-a8   # int4-a8's head weight-only / a8
     python scripts/ab_cpu.py int4^int8 int4^int8%sdpa int4^int8%plain   # a one-sequence step's attention
     python scripts/ab_cpu.py --model smollm2-135m-instruct bfloat16 "bfloat16&nostream"  # weights through the caches
+    python scripts/ab_cpu.py --group-size 32 int4-a8^int8-a8 int4-a8^int8-a8=avx2   # the a8 kernels' AVX2 build
 
 Each argument is a variant:
-DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot|~KERNEL_NAME][%ATTENTION][&STREAM][|KEY=VALUE;KEY=VALUE],
+DTYPE[+KERNEL][^HEAD][!fuse|!nofuse][~nodot|~KERNEL_NAME][%ATTENTION][&STREAM][=ISA][|KEY=VALUE;KEY=VALUE],
 DTYPE one of float32, bfloat16, int8, int4, int8-a8, int4-a8 (with 8-bit activations: llmstep.core.int8a8, int4a8)
 (int8 / int4 quantised from bfloat16, or from float32 with DTYPE@float32, e.g. int8@float32), KERNEL
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, int8-a8, or the blocks'
@@ -22,7 +23,8 @@ mode; default float), ATTENTION what a one-sequence step attends with (`ATTENTIO
 cpu_attention.py, the default where it builds, its decode steps in its prefix form; masked, that kernel given the
 mask; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
 STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
-`streaming`: stream, nostream; default its rule), ~nodot without kernels/cpu_gemm's micro-kernels (~KERNEL_NAME:
+`streaming`: stream, nostream; default its rule), ISA the build of the 8-bit activation kernels (kernels/
+cpu_int4a8.py's ISAS; default the best this CPU runs), ~nodot without kernels/cpu_gemm's micro-kernels (~KERNEL_NAME:
 without that one, e.g. ~llmstep_int8_avx512), KEY=VALUE inductor options over engines/compile.py's CPU options. All
 variants are built and compiled in one process (--model, default the shipped target model; 2 threads, a 128-token
 random prompt), then decode --tokens tokens each, one after another, --rounds times: every round times all of
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import statistics
 import sys
 import types
@@ -49,7 +52,7 @@ from llmstep.core.files import atomic_write_json, check_output_path
 from llmstep.core.quant_formats import HEADS, QuantizationError
 from llmstep.core.quantize import KERNELS, check_config, quantize
 from llmstep.engines.fast import FastDecoder
-from llmstep.kernels import cpu_attention, cpu_gemm
+from llmstep.kernels import cpu_attention, cpu_gemm, cpu_int4a8
 from llmstep.lab import runinfo
 
 _original = compile_mod.compile_options
@@ -86,7 +89,7 @@ STREAM = {"": None, "stream": True, "nostream": False}
 def withheld_kernels(spec: str) -> tuple | None:
     """The kernel a variant's `~KERNEL_NAME` withholds, which must be installed here (else the A/B would compare a
     step with itself); None for `~nodot` (every kernel of cpu_gemm) or no `~` (`build` tells those apart)."""
-    nodot = spec.partition("|")[0].partition("&")[0].partition("%")[0].partition("~")[2]
+    nodot = spec.partition("|")[0].partition("=")[0].partition("&")[0].partition("%")[0].partition("~")[2]
     if nodot in ("", "nodot"):
         return None
     by_name = {k.name: k for k in cpu_gemm.kernels()}
@@ -109,6 +112,7 @@ def parse_variant(spec: str) -> dict:
     the dtype and its base, Int8Linear / Int4Linear's kernel and the head (quantised dtypes only), fuse, the
     attention, streaming and each inductor option's KEY=VALUE (VALUE a Python literal)."""
     head, _, opts = spec.partition("|")
+    head, _, isa = head.partition("=")
     head, _, stream = head.partition("&")
     head, _, attention = head.partition("%")
     head, _, nodot = head.partition("~")
@@ -135,6 +139,9 @@ def parse_variant(spec: str) -> dict:
         raise ValueError(f"unknown !{fuse}: !fuse or !nofuse")
     if (attention or "kernel") not in ATTENTION:
         raise ValueError(f"unknown attention {attention!r}: one of {', '.join(ATTENTION)}")
+    if isa and (isa not in cpu_int4a8.ISAS or not dtype.endswith("-a8") and lm_head not in ("int8-a8", "int4-a8")):
+        raise ValueError(f"={isa}: the 8-bit activation kernels' build, one of {', '.join(cpu_int4a8.ISAS)}, for a "
+                         f"variant with 8-bit activations")
     if stream not in STREAM:
         raise ValueError(f"unknown streaming {stream!r}: stream or nostream")
     overrides = {}
@@ -150,7 +157,7 @@ def parse_variant(spec: str) -> dict:
     return {"dtype": dtype, "base": base or ("bfloat16" if quantised else dtype), "kernel": kernel or "auto",
             "lm_head": True if lm_head == dtype and dtype.endswith("-a8") else lm_head or False,  # QuantConfig's word
             "fuse": FUSE[fuse], "nodot": bool(nodot),
-            "stream": STREAM[stream],
+            "stream": STREAM[stream], "isa": isa or None,
             "overrides": overrides}
 
 
@@ -166,11 +173,20 @@ def check_variants(variants: list[str], config, group_size: int | None, tokens: 
                 check_config(config, v["dtype"], group_size if v["dtype"].startswith("int4") else None, v["lm_head"])
         except (ValueError, QuantizationError) as e:
             raise SystemExit(f"ab_cpu.py: variant {spec!r}: {e}") from None
+        if v["isa"] and v["isa"] not in cpu_int4a8.runs_here():
+            raise SystemExit(f"ab_cpu.py: variant {spec!r}: this CPU does not run the {v['isa']} build (it runs: "
+                             f"{', '.join(cpu_int4a8.runs_here()) or 'none'})")
         parsed.append(v)
     if PROMPT + max(tokens, 32) > config.max_seq_len:
         raise SystemExit(f"ab_cpu.py: --tokens {tokens} after a {PROMPT}-token prompt is more than the model's "
                          f"context of {config.max_seq_len}")
     return parsed
+
+
+def a8_build(v: dict):
+    """Where a variant names the 8-bit activation kernels' build (`=ISA`), that build registered while held: Dynamo
+    guards the registered kernel, so a step compiled under it runs (and is not compiled again) only under it."""
+    return cpu_int4a8.using(v["isa"]) if v["isa"] else contextlib.nullcontext()
 
 
 def build(v: dict, name: str, group_size: int | None = None, only: tuple | None = None) -> FastDecoder:
@@ -182,7 +198,7 @@ def build(v: dict, name: str, group_size: int | None = None, only: tuple | None 
     compile_mod.compile_options = lambda device, mode=None, backends="ATEN,CPP": (
         _original(device, mode, backends) | v["overrides"])
     decoder = FastDecoder(model, compile=True, fuse=v["fuse"])
-    with cpu_gemm.streaming(v["stream"]), cpu_gemm.withheld(v["nodot"], only):
+    with cpu_gemm.streaming(v["stream"]), cpu_gemm.withheld(v["nodot"], only), a8_build(v):
         decoder.warmup()  # compiles now, with these options (each variant's step is its own code: no recompile later)
     compile_mod.compile_options = _original
     return decoder
@@ -219,14 +235,16 @@ def main(argv: list[str] | None = None) -> None:
     vocab = decoders[0].model.config.vocab_size
     ids = torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     first = []
-    for d, attend in zip(decoders, attentions, strict=True):
+    for v, d, attend in zip(parsed, decoders, attentions, strict=True):
         attention_backend.use_cpu_step_kernel(attend[0], prefix=attend[1])
-        first.append(d.generate(ids, 32, temperature=0, stop_ids=()).tokens)
+        with a8_build(v):
+            first.append(d.generate(ids, 32, temperature=0, stop_ids=()).tokens)
     rates: list[list[float]] = [[] for _ in decoders]
     for _ in range(a.rounds):
         for i, d in enumerate(decoders):
             attention_backend.use_cpu_step_kernel(attentions[i][0], prefix=attentions[i][1])
-            r = d.generate(ids, a.tokens, temperature=0, stop_ids=())
+            with a8_build(parsed[i]):
+                r = d.generate(ids, a.tokens, temperature=0, stop_ids=())
             rates[i].append(r.decode_steps / r.decode_seconds)
     rows = []
     for i, v in enumerate(a.variants):

@@ -160,14 +160,19 @@ def tiny64(tmp_path_factory, tokenizer_file):
 
 # ---- 8-bit activations (tests/kernels/test_cpu_int4a8.py, test_cpu_int8a8.py) --------------------------------
 
-@pytest.fixture(scope="module")
-def a8_ops():
-    """torch.ops of the 8-bit activation kernels (llmstep.kernels.cpu_int4a8: int4-a8's mm, int8-a8's mm8)."""
+@pytest.fixture(scope="module", params=["avx512_vnni", "avx2"])
+def a8_ops(request):
+    """torch.ops of the 8-bit activation kernels (llmstep.kernels.cpu_int4a8: int4-a8's mm, int8-a8's mm8), each
+    ISA's build where this CPU runs it (an AVX-512 VNNI CPU runs the AVX2 build too, so CI on either CPU kind holds
+    both to the same tests), registered for the layers while the module's tests run."""
     from llmstep.kernels import cpu_int4a8
 
     if not cpu_int4a8.install():
         pytest.skip(f"the 8-bit activation kernels do not build here: {cpu_int4a8.why()}")
-    return torch.ops.llmstep_int4a8_avx2
+    if request.param not in cpu_int4a8.runs_here():
+        pytest.skip(f"this CPU does not run {request.param} ({torch.backends.cpu.get_cpu_capability()})")
+    with cpu_int4a8.using(request.param):
+        yield cpu_int4a8.build(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_an_int4_a8_row_reads_the_int4_rows_bytes_and_names_its_activations():
     from llmstep.kernels import cpu_int4a8  # the record names what the matmuls ran: the kernel, or torch's ops
 
     assert "a8_matmul" not in rows[0] and rows[1]["a8_matmul"] == (
-        "llmstep_int4a8_avx2::mm" if cpu_int4a8.installed() else "torch ops")
+        f"{cpu_int4a8.ops().name}::mm" if cpu_int4a8.installed() else "torch ops")
     assert len(rows[1]["tokens"]) == 6
     assert main(QUIET + ["--no-hf", "--quantize", "int4-a8", "--group-size", "64"])["rows"][0][
         "name"] == "llmstep eager int4-g64-a8"
@@ -155,7 +155,7 @@ def test_an_int8_a8_row_reads_the_int8_rows_bytes_and_names_its_kernel():
     from llmstep.kernels import cpu_int4a8
 
     assert "a8_matmul" not in rows[0] and rows[1]["a8_matmul"] == (
-        "llmstep_int4a8_avx2::mm8" if cpu_int4a8.installed() else "torch ops")
+        f"{cpu_int4a8.ops().name}::mm8" if cpu_int4a8.installed() else "torch ops")
     with pytest.raises(SystemExit, match="--group-size sets int4's groups"):
         main(TINY + ["--no-hf", "--quantize", "int8-a8", "--group-size", "32"])
 

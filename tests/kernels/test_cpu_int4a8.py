@@ -1,4 +1,4 @@
-"""int4 weights times 8-bit activations (llmstep.core.int4a8) and its AVX2 kernel (llmstep.kernels.cpu_int4a8): the
+"""int4 weights times 8-bit activations (llmstep.core.int4a8) and its kernels (llmstep.kernels.cpu_int4a8): the
 kernel's codes and steps bit for bit the reference's, its matmul the reference's function to float32 rounding at
 every shape its layout holds, a row's output independent of the rows beside it, and the mode through quantize(),
 fusion and a checkpoint (a compiled step: tests/kernels/test_cpu_int8a8.py, for both modes)."""
@@ -12,10 +12,11 @@ import torch
 from conftest import a8_kernel_agrees, a8_rows
 
 import llmstep
-from llmstep.core import int4a8
+from llmstep.core import int4a8, int8a8
 from llmstep.core.fuse import fused
 from llmstep.core.quant_formats import QuantConfig, QuantizationError, dequantize_int4, quantize_int4, unpack_int4
 from llmstep.core.quantize import Int4Linear, quantize
+from llmstep.kernels import cpu_int4a8
 
 
 @pytest.fixture
@@ -88,7 +89,7 @@ def test_a_step_traced_while_streaming_holds_its_kernels_stream_and_keeps_it(a8_
 
     def capture(gm, inputs):
         graphs.append([tuple(n.args[4:] if "mm8" not in str(n.target) else n.args[3:]) for n in gm.graph.nodes
-                       if n.op == "call_function" and "llmstep_int4a8_avx2" in str(n.target)])
+                       if n.op == "call_function" and str(n.target).startswith(a8_ops.name)])
         return gm.forward
 
     x = torch.tensor([[1, 2, 3]])
@@ -298,3 +299,71 @@ def test_with_activations_after_a_fuse_fuses_the_converted_layers_and_a_failure_
     twin = fused(w4)  # not the weight-only twin of before
     assert twin.layers[0].attention.wqkv.activations == 8 and twin.layers[0].attention.wqkv.kernel == "a8"
     assert torch.equal(twin(tokens), w4(tokens)) and before.layers[0].attention.wqkv.activations is None
+
+
+# ---- the builds for each ISA (kernels/cpu_int4a8.ISAS) ---------------------------------------------------------
+
+def test_each_isas_build_gives_the_same_bits_as_avx2s(a8_ops):
+    """The integers are exact on every build (VNNI's `vpdpbusd` sums a lane's 4 products where AVX2 sums pairs in
+    16 bits), and the float arithmetic after them is one order: every output bit equal, at extreme codes too (every
+    weight code 15 or int8 -128 against activations of +-127, the largest sums either form makes)."""
+    avx2 = cpu_int4a8.build("avx2")
+    g = torch.Generator().manual_seed(0)
+    for N, K, group, M in [(576, 576, 32, 1), (1536, 576, 64, 1), (72, 1536, 128, 3), (40, 256, 32, 17)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = a8_rows(M, K, dtype, N)
+            codes, scales, zeros = _layer(N, K, group, dtype, K)
+            extreme = torch.full_like(unpack_int4(codes), 15)
+            for c in (unpack_int4(codes), extreme):
+                w, sz = int4a8.layout(c, scales, zeros)
+                for stream in (False, True):
+                    assert torch.equal(a8_ops.mm(x, w, sz, group, stream), avx2.mm(x, w, sz, group, stream))
+            q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+            for qq in (q, torch.full_like(q, -128)):
+                s = torch.rand(N, generator=g).to(dtype)
+                assert torch.equal(a8_ops.mm8(x, qq, s), avx2.mm8(x, qq, s))
+            assert all(torch.equal(a, b) for a, b in zip(a8_ops.quantize(x), avx2.quantize(x), strict=True))
+    big = torch.full((2, 256), 3.0)  # every block's codes +-127
+    big[1] = -3.0
+    w, sz = int4a8.layout(torch.full((16, 256), 15, dtype=torch.uint8), torch.ones(16, 8), torch.zeros(16, 8))
+    assert torch.equal(a8_ops.mm(big, w, sz, 32), avx2.mm(big, w, sz, 32))
+
+
+def _cpu(monkeypatch, capability: str, flags: str | None):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_int4a8, "cpuinfo_fields", lambda: {} if flags is None else {"flags": flags})
+
+
+def test_the_best_isa_the_cpu_runs_by_torch_and_by_its_flags(monkeypatch):
+    vnni = "fpu avx2 fma avx512f avx512bw avx512vl avx512_vnni"
+    _cpu(monkeypatch, "AVX512", vnni)
+    assert cpu_int4a8.runs_here() == ("avx512_vnni", "avx2")
+    _cpu(monkeypatch, "AVX2", vnni)  # ATEN_CPU_CAPABILITY=avx2 lowers it
+    assert cpu_int4a8.runs_here() == ("avx2",)
+    _cpu(monkeypatch, "AVX512", "fpu avx2 fma avx512f avx512bw avx512vl")  # AVX-512 without VNNI (Skylake-X)
+    assert cpu_int4a8.runs_here() == ("avx2",)
+    _cpu(monkeypatch, "AVX512", None)  # no flags to read: torch's word
+    assert cpu_int4a8.runs_here() == ("avx512_vnni", "avx2")
+    _cpu(monkeypatch, "DEFAULT", vnni)
+    assert cpu_int4a8.runs_here() == ()
+
+
+def test_an_isa_the_cpu_does_not_run_or_that_has_no_build_is_refused_before_anything_is_built(monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built a kernel this CPU cannot run"))
+    _cpu(monkeypatch, "AVX512", "fpu avx2 fma avx512f")
+    with pytest.raises(RuntimeError, match="does not run the avx512_vnni build .* as AVX512"):
+        cpu_int4a8.build("avx512_vnni")
+    with pytest.raises(ValueError, match="no 8-bit activation kernels for the ISA 'sse2': one of avx512_vnni, avx2"):
+        cpu_int4a8.build("sse2")
+
+
+def test_using_an_isa_registers_its_build_and_gives_back_the_installed_one(a8_ops):
+    installed = (int4a8.kernel_op(), int8a8.kernel_op())
+    with cpu_int4a8.using("avx2"):
+        assert (int4a8.kernel_op(), int8a8.kernel_op()) == ("llmstep_int4a8_avx2::mm", "llmstep_int4a8_avx2::mm8")
+    assert (int4a8.kernel_op(), int8a8.kernel_op()) == installed
+    with pytest.raises(ValueError, match="'sse2'"), cpu_int4a8.using("sse2"):
+        pass
+    assert (int4a8.kernel_op(), int8a8.kernel_op()) == installed

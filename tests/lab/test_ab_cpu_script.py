@@ -23,7 +23,7 @@ def no_work(script, monkeypatch):
 def test_the_documented_variants_parse(script):
     assert script.parse_variant("bfloat16") == {
         "dtype": "bfloat16", "base": "bfloat16", "kernel": "auto", "lm_head": False, "fuse": None, "nodot": False,
-        "stream": None, "overrides": {}}
+        "stream": None, "isa": None, "overrides": {}}
     v = script.parse_variant("int4@float32+reduce^int8!nofuse~nodot%sdpa&nostream|max_autotune=True;x='A,B'")
     assert (v["dtype"], v["base"], v["kernel"], v["lm_head"], v["fuse"], v["nodot"], v["stream"]) == (
         "int4", "float32", "reduce", "int8", False, True, False)
@@ -39,6 +39,9 @@ def test_the_documented_variants_parse(script):
     assert script.parse_variant("int4-a8^int8-a8")["lm_head"] == "int8-a8"  # an int8-a8 head under int4-a8 blocks
     with pytest.raises(ValueError, match=r"unknown kernel 'dequant' for int8-a8: it has its own \(llmstep.core.int8a8"):
         script.parse_variant("int8-a8+dequant")
+    v = script.parse_variant("int4-a8^int8-a8&nostream=avx2|x=1")  # the 8-bit activation kernels' AVX2 build
+    assert (v["lm_head"], v["stream"], v["isa"], v["overrides"]) == ("int8-a8", False, "avx2", {"x": 1})
+    assert script.parse_variant("int4^int8-a8=avx512_vnni")["isa"] == "avx512_vnni"  # an int8-a8 head is enough
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -46,7 +49,9 @@ def test_the_documented_variants_parse(script):
     ("bfloat16+packed", r"\+packed takes a quantised dtype"), ("float32^int8", r"\^int8 takes a quantised dtype"),
     ("int8^int4", "unknown head 'int4'"), ("int8!maybe", "unknown !maybe"), ("int8%bogus", "unknown attention"),
     ("int8&fast", "unknown streaming"), ("float32@bfloat16", "@bfloat16 is what int8 / int4 quantise from"),
-    ("bfloat16|max_autotune", "KEY=VALUE"), ("bfloat16|backends=ATEN,CPP", "not a Python literal")])
+    ("bfloat16|max_autotune", "KEY=VALUE"), ("int8=avx2", "=avx2: .* for a variant with 8-bit activations"),
+    ("int4-a8=sse2", "=sse2: the 8-bit activation kernels' build, one of avx512_vnni, avx2"),
+    ("bfloat16|backends=ATEN,CPP", "not a Python literal")])
 def test_a_bad_variant_is_named_by_its_part(script, spec, match):
     with pytest.raises(ValueError, match=match):
         script.parse_variant(spec)
@@ -73,3 +78,9 @@ def test_more_tokens_than_the_context_and_an_unwritable_json_are_refused_first(s
     with pytest.raises(SystemExit):
         script.main(["bfloat16", "--json", str(tmp_path)])
     assert "--json path" in capsys.readouterr().err
+
+
+def test_a_build_this_cpu_does_not_run_stops_the_command_before_the_first_model(script, no_work, monkeypatch):
+    monkeypatch.setattr(script.cpu_int4a8, "runs_here", lambda: ("avx2",))
+    with pytest.raises(SystemExit, match="'int4-a8=avx512_vnni': this CPU does not run the avx512_vnni build .*avx2"):
+        script.main(["int4-a8", "int4-a8=avx512_vnni"])
