@@ -74,7 +74,7 @@ ATTENTION = {"kernel": (cpu_attention.attend, cpu_attention.attend_prefix), "mas
 def attention_of(spec: str):
     """The kernel a variant's one-sequence step attends with (`ATTENTION`), registered while it compiles and runs
     (Dynamo guards on it: a step run under another would compile again)."""
-    name = spec.partition("|")[0].partition("&")[0].partition("%")[2] or "kernel"
+    name = spec.partition("|")[0].partition("=")[0].partition("&")[0].partition("%")[2] or "kernel"
     if name not in ATTENTION:
         raise SystemExit(f"unknown attention {name!r} in {spec!r}: one of {', '.join(ATTENTION)}")
     if name in ("kernel", "masked") and not cpu_attention.install():

@@ -21,11 +21,11 @@ columns, at::parallel_for) is one stream, prefetched 4 KiB ahead.
 
 int8-a8 (`mm8`) reads the layer's plain int8 weights, [N, K] a column's K codes after the other's: each block of 32
 codes meets the row's 32 activation codes in one `vpmaddubsw` (the weights' signs moved onto the activations, their
-magnitudes unsigned: a pair of products at most 2 * 128 * 127), `vpmaddwd` sums pairs into 8 lanes, and the block's
-step scales them in float32; the row's scale multiplies the column's sum once. Each thread's share (runs of columns)
-is one stream, prefetched 4 KiB ahead; measured against tiles of 8 columns (int4-a8's layout) on the Zen 1 it
-streams as fast (14.7 vs 14.1 GB/s over SmolLM2's matmuls at one row, 2 threads), and the plain layout is the one
-every other path of the layer reads.
+magnitudes unsigned: a pair of products at most 2 * 128 * 127), `vpmaddwd` sums pairs into 8 lanes (with VNNI one
+`vpdpbusd` does both), and the block's step scales them in float32; the row's scale multiplies the column's sum
+once. Each thread's share (runs of columns) is one stream, prefetched 4 KiB ahead; measured against tiles of 8
+columns (int4-a8's layout) on the Zen 1 it streams as fast (14.7 vs 14.1 GB/s over SmolLM2's matmuls at one row, 2
+threads), and the plain layout is the one every other path of the layer reads.
 
 A one-row call (a decode step's) given `stream` prefetches its weights with the non-temporal hint instead
 (`_MM_HINT_NTA`: past the outer caches where the CPU honours it), as kernels/cpu_gemm.py's templates do where a
@@ -63,9 +63,13 @@ ISAS = {"avx512_vnni": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx5
 # what each needs: torch's reading of the CPU (ATEN_CPU_CAPABILITY lowers it) and the flags /proc/cpuinfo lists
 _NEEDS = {"avx512_vnni": ({"AVX512"}, {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
           "avx2": ({"AVX2", "AVX512"}, {"avx2", "fma"})}
+# torch's own reading of the CPU's features (cpuinfo, every OS) by /proc/cpuinfo's names, where there is no such file
+_TORCH_NAMES = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
+                "avx512_vnni": "avx512_vnni"}
 # "ops" and "isa": the build installed, or "why": what stopped it (once a process); "registered": (ops, isa) in use
 _state: dict[str, object] = {}
 _installing = threading.Lock()
+_using = threading.RLock()  # `using`'s holder: one thread at a time, nested holds in it
 
 
 def namespace(isa: str) -> str:
@@ -75,13 +79,17 @@ def namespace(isa: str) -> str:
 
 
 def runs_here() -> tuple[str, ...]:
-    """The ISAs of ISAS this CPU runs, best first: by torch's reading of it and, on Linux, by the flags /proc/cpuinfo
-    lists (a guest may lack what its host's model has)."""
+    """The ISAs of ISAS this CPU runs, best first: by torch's reading of its vector width (ATEN_CPU_CAPABILITY lowers
+    it) and by the features the CPU lists, /proc/cpuinfo's flags on Linux (a guest may lack what its host's model
+    has), else torch's reading of them (AVX-512 does not imply VNNI: a Skylake-X has the one without the other)."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = cpuinfo_fields().get("flags")
-    have = None if flags is None else set(flags.split())
-    return tuple(isa for isa, (capabilities, needed) in _NEEDS.items()
-                 if capability in capabilities and (have is None or needed <= have))
+    if flags is not None:
+        have = set(flags.split())
+    else:
+        features = torch.cpu.get_capabilities()
+        have = {name for name, torch_name in _TORCH_NAMES.items() if features.get(torch_name)}
+    return tuple(isa for isa, (capabilities, needed) in _NEEDS.items() if capability in capabilities and needed <= have)
 
 
 def build(isa: str = "avx2"):
@@ -127,17 +135,24 @@ int4a8.use_installer(install)  # the first int4-a8 or int8-a8 layer prepared on 
 
 @contextlib.contextmanager
 def using(isa: str) -> Iterator[None]:
-    """While held, int4-a8's and int8-a8's matmuls traced or run (in any thread) take `isa`'s build; the build
-    registered before after. For an A/B of the builds (scripts/ab_cpu.py's `=avx2`): a step compiled inside keeps
-    the op it traced."""
+    """While held, int4-a8's and int8-a8's matmuls traced or run (in every thread) take `isa`'s build; the build
+    registered before after. For an A/B of the builds (scripts/ab_cpu.py's `=avx2`; Dynamo guards the registered
+    kernel, so a step compiled inside runs as compiled only inside). One thread holds it at a time (it may nest
+    there): a second is refused, since overlapping holds would give back each other's builds."""
     if not install():
         raise RuntimeError(f"the 8-bit activation kernels are not installed: {why()}")
-    before = _state["registered"]
-    _register(build(isa), isa)
+    kernel = build(isa)  # an unknown ISA, or one this CPU does not run: refused before anything changes
+    if not _using.acquire(blocking=False):
+        raise RuntimeError("cpu_int4a8.using is held in another thread: the registered build is process-wide")
     try:
-        yield
+        before = _state["registered"]
+        _register(kernel, isa)
+        try:
+            yield
+        finally:
+            _register(*before)
     finally:
-        _register(*before)
+        _using.release()
 
 
 def installed() -> bool:

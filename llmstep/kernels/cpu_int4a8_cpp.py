@@ -229,9 +229,10 @@ inline float to_float(c10::BFloat16 s) { return static_cast<float>(s); }
 // int8-a8: one column's K int8 weights (a row of the plain [N, K] matrix) times R rows' codes p (row stride K) and
 // steps d (row stride K / 32): s * sum_b d_b * sum(p q), the block sums exact in integers. `vpmaddubsw` takes unsigned
 // times signed bytes, so each weight's sign moves onto its activation (|q| * sign(q) p; |-128| reads as 128 unsigned):
-// a pair of products is at most 2 * 128 * 127 = 32,512, inside int16; `vpmaddwd` adds pairs into 32-bit lanes. Eight
-// lanes of 4 products, scaled by the block's step, accumulate in float32 and are summed once at the end. The R rows
-// (a prompt's) share each load of the weights and their magnitudes; every row's arithmetic is the one-row order.
+// a pair of products is at most 2 * 128 * 127 = 32,512, inside int16; `vpmaddwd` adds pairs into 32-bit lanes (with
+// VNNI, `vpdpbusd` adds each lane's 4 products into 32 bits at once: the same integers). Eight lanes of 4 products,
+// scaled by the block's step, accumulate in float32 and are summed once at the end. The R rows (a prompt's) share
+// each load of the weights and their magnitudes; every row's arithmetic is the one-row order.
 template <int R, bool NT, typename S>
 inline void column8(const int8_t* p, const float* d, const int8_t* w, S s, int64_t K, float* y, int64_t N) {
   const int64_t blocks = K / 32;

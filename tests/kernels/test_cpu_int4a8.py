@@ -327,11 +327,16 @@ def test_each_isas_build_gives_the_same_bits_as_avx2s(a8_ops):
     big[1] = -3.0
     w, sz = int4a8.layout(torch.full((16, 256), 15, dtype=torch.uint8), torch.ones(16, 8), torch.zeros(16, 8))
     assert torch.equal(a8_ops.mm(big, w, sz, 32), avx2.mm(big, w, sz, 32))
+    q = torch.full((16, 256), -128, dtype=torch.int8)
+    assert torch.equal(a8_ops.mm8(big, q, torch.ones(16)), avx2.mm8(big, q, torch.ones(16)))
 
 
-def _cpu(monkeypatch, capability: str, flags: str | None):
+def _cpu(monkeypatch, capability: str, flags: str | None, features: tuple[str, ...] = ()):
+    """A CPU as torch reads its vector width, its /proc/cpuinfo flags (None: no such file) and torch's own reading
+    of its features (by torch's names)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_int4a8, "cpuinfo_fields", lambda: {} if flags is None else {"flags": flags})
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict.fromkeys(features, True) | {"avx512_4fmaps": False})
 
 
 def test_the_best_isa_the_cpu_runs_by_torch_and_by_its_flags(monkeypatch):
@@ -342,8 +347,11 @@ def test_the_best_isa_the_cpu_runs_by_torch_and_by_its_flags(monkeypatch):
     assert cpu_int4a8.runs_here() == ("avx2",)
     _cpu(monkeypatch, "AVX512", "fpu avx2 fma avx512f avx512bw avx512vl")  # AVX-512 without VNNI (Skylake-X)
     assert cpu_int4a8.runs_here() == ("avx2",)
-    _cpu(monkeypatch, "AVX512", None)  # no flags to read: torch's word
+    torch_avx512 = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl")
+    _cpu(monkeypatch, "AVX512", None, (*torch_avx512, "avx512_vnni"))  # no flags to read: torch's reading of them
     assert cpu_int4a8.runs_here() == ("avx512_vnni", "avx2")
+    _cpu(monkeypatch, "AVX512", None, torch_avx512)  # AVX-512 without VNNI, where no /proc/cpuinfo says so
+    assert cpu_int4a8.runs_here() == ("avx2",)
     _cpu(monkeypatch, "DEFAULT", vnni)
     assert cpu_int4a8.runs_here() == ()
 
@@ -367,3 +375,27 @@ def test_using_an_isa_registers_its_build_and_gives_back_the_installed_one(a8_op
     with pytest.raises(ValueError, match="'sse2'"), cpu_int4a8.using("sse2"):
         pass
     assert (int4a8.kernel_op(), int8a8.kernel_op()) == installed
+
+
+def test_using_is_refused_in_a_second_thread_while_one_holds_it(a8_ops):
+    """The registered build is process-wide: two overlapping holds would each give back the build the other had
+    registered, and the last to leave would leave the wrong one. Nested holds in one thread are fine."""
+    import threading
+
+    installed, errors = int4a8.kernel_op(), []
+
+    def second():
+        try:
+            with cpu_int4a8.using("avx2"):
+                errors.append("entered")
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with cpu_int4a8.using("avx2"), cpu_int4a8.using("avx2"):  # nested in this thread
+        assert int4a8.kernel_op() == "llmstep_int4a8_avx2::mm"
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(30)
+        assert int4a8.kernel_op() == "llmstep_int4a8_avx2::mm"
+    assert len(errors) == 1 and "held in another thread" in errors[0]
+    assert int4a8.kernel_op() == installed

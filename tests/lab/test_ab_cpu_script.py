@@ -84,3 +84,36 @@ def test_a_build_this_cpu_does_not_run_stops_the_command_before_the_first_model(
     monkeypatch.setattr(script.cpu_int4a8, "runs_here", lambda: ("avx2",))
     with pytest.raises(SystemExit, match="'int4-a8=avx512_vnni': this CPU does not run the avx512_vnni build .*avx2"):
         script.main(["int4-a8", "int4-a8=avx512_vnni"])
+
+
+def test_each_variants_runs_hold_the_build_it_names(script, monkeypatch):
+    """Dynamo guards the registered a8 kernel: a variant compiled under `=avx2` but run without it would compile again
+    and time the default build. Every generate of a variant runs under its build (fake decoders record which)."""
+    import types
+
+    import llmstep.engines.compile as compile_mod
+    from llmstep.core import attention_backend, int4a8
+    from llmstep.kernels import cpu_int4a8
+
+    if not cpu_int4a8.install():
+        pytest.skip(f"the 8-bit activation kernels do not build here: {cpu_int4a8.why()}")
+    seen: dict[str, set] = {}
+
+    class Decoder:
+        def __init__(self, spec):
+            self.spec, self.model = spec, types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=300))
+
+        def generate(self, ids, n, **kw):
+            seen.setdefault(self.spec, set()).add(int4a8.kernel_op())
+            return types.SimpleNamespace(tokens=[1] * n, decode_steps=n, decode_seconds=0.01)
+
+    monkeypatch.setattr(compile_mod, "cpu_attention", compile_mod.cpu_attention)  # main replaces it: given back
+    monkeypatch.setattr(attention_backend, "use_cpu_step_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(script, "attention_of", lambda spec: (None, None))
+    monkeypatch.setattr(script, "build", lambda v, *a, **k: Decoder("=avx2" if v["isa"] else "default"))
+    script.main(["int4-a8", "int4-a8=avx2", "--rounds", "2", "--tokens", "4"])
+    assert seen == {"default": {f"{cpu_int4a8.ops().name}::mm"}, "=avx2": {"llmstep_int4a8_avx2::mm"}}
+
+
+def test_an_isa_after_the_attention_is_not_read_as_part_of_it(script):
+    assert script.attention_of("int4-a8%sdpa=avx2") == script.ATTENTION["sdpa"]
