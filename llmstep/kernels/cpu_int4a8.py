@@ -56,7 +56,7 @@ from ..core.device import cpuinfo_fields
 from .cpp_build import first_error, load_library
 from .cpu_int4a8_cpp import SOURCE
 
-__all__ = ["SOURCE", "ISAS", "namespace", "runs_here", "build", "install", "installed", "isa", "ops", "using", "why"]
+__all__ = ["SOURCE", "ISAS", "namespace", "runs_here", "build", "install", "installed", "ops", "using", "why"]
 
 _AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 ISAS = {"avx512_vnni": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], "avx2": _AVX2}  # best first
@@ -157,11 +157,6 @@ def using(isa: str) -> Iterator[None]:
 
 def installed() -> bool:
     return "ops" in _state
-
-
-def isa() -> str | None:
-    """The ISA of the installed build, or None."""
-    return _state.get("isa")  # type: ignore[return-value]
 
 
 def ops():
