@@ -71,33 +71,33 @@ ATTENTION = {"kernel": (cpu_attention.attend, cpu_attention.attend_prefix), "mas
              "sdpa": (None, None), "plain": (plain_attention, None)}
 
 
-def attention_of(spec: str):
-    """The kernel a variant's one-sequence step attends with (`ATTENTION`), registered while it compiles and runs
-    (Dynamo guards on it: a step run under another would compile again)."""
-    name = spec.partition("|")[0].partition("=")[0].partition("&")[0].partition("%")[2] or "kernel"
-    if name not in ATTENTION:
-        raise SystemExit(f"unknown attention {name!r} in {spec!r}: one of {', '.join(ATTENTION)}")
-    if name in ("kernel", "masked") and not cpu_attention.install():
-        raise SystemExit(f"llmstep's attention kernel did not build here ({cpu_attention.why()}): {spec!r} "
+def attention_of(v: dict):
+    """The kernel a variant's one-sequence step attends with (`ATTENTION`; v: `parse_variant`'s parts), registered
+    while it compiles and runs (Dynamo guards on it: a step run under another would compile again)."""
+    if v["attention"] in ("kernel", "masked") and not cpu_attention.install():
+        raise SystemExit(f"llmstep's attention kernel did not build here ({cpu_attention.why()}): {v['spec']!r} "
                          f"would run SDPA's")
-    return ATTENTION[name]
+    return ATTENTION[v["attention"]]
 
 
 STREAM = {"": None, "stream": True, "nostream": False}
 
 
-def withheld_kernels(spec: str) -> tuple | None:
-    """The kernel a variant's `~KERNEL_NAME` withholds, which must be installed here (else the A/B would compare a
-    step with itself); None for `~nodot` (every kernel of cpu_gemm) or no `~` (`build` tells those apart)."""
-    nodot = spec.partition("|")[0].partition("=")[0].partition("&")[0].partition("%")[0].partition("~")[2]
-    if nodot in ("", "nodot"):
+def withheld_kernels(v: dict) -> tuple | None:
+    """The kernel a variant's `~KERNEL_NAME` withholds (v: `parse_variant`'s parts), which must be installed here
+    (else the A/B would compare a step with itself); None for `~nodot` (every kernel of cpu_gemm) or no `~` (`build`
+    tells those apart)."""
+    name = v["withhold"]
+    if name in (None, "nodot"):
         return None
     by_name = {k.name: k for k in cpu_gemm.kernels()}
-    if nodot not in by_name:
-        raise SystemExit(f"unknown kernel {nodot!r} in {spec!r}: nodot (all of them) or one of {sorted(by_name)}")
-    if not by_name[nodot].install():
-        raise SystemExit(f"{nodot} is not used on this machine ({by_name[nodot].why}): {spec!r} would withhold nothing")
-    return (by_name[nodot],)
+    if name not in by_name:
+        raise SystemExit(f"unknown kernel {name!r} in {v['spec']!r}: nodot (all of them) or one of "
+                         f"{sorted(by_name)}")
+    if not by_name[name].install():
+        raise SystemExit(f"{name} is not used on this machine ({by_name[name].why}): {v['spec']!r} would withhold "
+                         f"nothing")
+    return (by_name[name],)
 
 
 DTYPES = ("float32", "bfloat16", "int8", "int4", "int8-a8", "int4-a8")
@@ -108,9 +108,11 @@ PROG = "python scripts/ab_cpu.py"  # as its records name the command (runinfo.co
 
 
 def parse_variant(spec: str) -> dict:
-    """A variant's parts (the grammar above), each checked by its own ValueError naming it, before any model loads:
-    the dtype and its base, Int8Linear / Int4Linear's kernel and the head (quantised dtypes only), fuse, the
-    attention, streaming and each inductor option's KEY=VALUE (VALUE a Python literal)."""
+    """A variant's parts (the grammar above; the one place it is read), each checked by its own ValueError naming it,
+    before any model loads: the dtype and its base, Int8Linear / Int4Linear's kernel and the head (quantised dtypes
+    only), fuse, the kernels withheld (`nodot`: any; `withhold`: "nodot" or a kernel's name, `withheld_kernels`),
+    the attention, streaming, the 8-bit activation kernels' ISA and each inductor option's KEY=VALUE (VALUE a Python
+    literal); `spec` is the variant as written."""
     head, _, opts = spec.partition("|")
     head, _, isa = head.partition("=")
     head, _, stream = head.partition("&")
@@ -154,9 +156,10 @@ def parse_variant(spec: str) -> dict:
         except (ValueError, SyntaxError):
             raise ValueError(f"{key}'s value {value!r} is not a Python literal (quote a string: {key}='...')"
                              ) from None
-    return {"dtype": dtype, "base": base or ("bfloat16" if quantised else dtype), "kernel": kernel or "auto",
+    return {"spec": spec, "dtype": dtype, "base": base or ("bfloat16" if quantised else dtype),
+            "kernel": kernel or "auto",
             "lm_head": True if lm_head == dtype and dtype.endswith("-a8") else lm_head or False,  # QuantConfig's word
-            "fuse": FUSE[fuse], "nodot": bool(nodot),
+            "fuse": FUSE[fuse], "nodot": bool(nodot), "withhold": nodot or None, "attention": attention or "kernel",
             "stream": STREAM[stream], "isa": isa or None,
             "overrides": overrides}
 
@@ -190,7 +193,7 @@ def a8_build(v: dict):
 
 
 def build(v: dict, name: str, group_size: int | None = None, only: tuple | None = None) -> FastDecoder:
-    """A variant's decoder (`parse_variant`'s parts), compiled; only: `withheld_kernels(spec)`."""
+    """A variant's decoder (`parse_variant`'s parts), compiled; only: `withheld_kernels(v)`."""
     model, _ = llmstep.load(name, device="cpu", dtype=v["base"])
     if v["dtype"] in QUANTISED:
         quantize(model, v["dtype"], group_size=group_size if v["dtype"].startswith("int4") else None,
@@ -225,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parsed = check_variants(a.variants, config, a.group_size, a.tokens)
     torch.set_num_threads(a.threads)
     load_before = runinfo.load_average()
-    withheld = [withheld_kernels(v) for v in a.variants]  # checked before any model is loaded
-    attentions = [attention_of(v) for v in a.variants]
+    withheld = [withheld_kernels(v) for v in parsed]  # checked before any model is loaded
+    attentions = [attention_of(v) for v in parsed]
     compile_mod.cpu_attention = types.SimpleNamespace(install=lambda: None)  # each variant registers its own
     decoders = []
     for v, attend, only in zip(parsed, attentions, withheld, strict=True):

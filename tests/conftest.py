@@ -160,6 +160,22 @@ def tiny64(tmp_path_factory, tokenizer_file):
 
 # ---- 8-bit activations (tests/kernels/test_cpu_int4a8.py, test_cpu_int8a8.py) --------------------------------
 
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """fake_cpu(capability, flags, features=()): a CPU as torch reads its vector width, its /proc/cpuinfo flags (a
+    string; None: no such file) and torch's own reading of its features (by torch's names), for
+    kernels/cpp_build.isas_here, whatever CPU runs the test."""
+    from llmstep.kernels import cpp_build
+
+    def cpu(capability: str, flags: str | None, features: tuple[str, ...] = ()):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        monkeypatch.setattr(cpp_build, "cpuinfo_fields", lambda: {} if flags is None else {"flags": flags})
+        monkeypatch.setattr(torch.cpu, "get_capabilities",
+                            lambda: dict.fromkeys(features, True) | {"avx512_4fmaps": False})
+
+    return cpu
+
+
 @pytest.fixture(scope="module", params=["avx512_vnni", "avx2"])
 def a8_ops(request):
     """torch.ops of the 8-bit activation kernels (llmstep.kernels.cpu_int4a8: int4-a8's mm, int8-a8's mm8), each

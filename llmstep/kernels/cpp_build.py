@@ -4,7 +4,8 @@ A kernel module (cpu_attention, cpu_int4a8) hands over its source, with LLMSTEP_
 and the compiler flags of its ISA; `load_library` builds it with torch.utils.cpp_extension (ninja and the C++
 compiler inductor needs anyway: seconds the first time) in $LLMSTEP_HOME/kernels/<namespace>_<op>_<digest>, a folder
 named by the source and flags and by what else the library is built against (`build_name`), so an edited source is a
-new build and an unchanged one is loaded from there.
+new build and an unchanged one is loaded from there. `isas_here` is the one rule for which of a module's builds this
+CPU runs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ from pathlib import Path
 import torch
 
 from ..core import registry
+from ..core.device import cpuinfo_fields
 from ..core.files import atomic_write_text
 
-__all__ = ["load_library", "build_name", "clear_stale_lock", "first_error"]
+__all__ = ["load_library", "build_name", "clear_stale_lock", "first_error", "cpu_features", "isas_here"]
+
+# torch's own reading of the CPU's features (cpuinfo, every OS), by /proc/cpuinfo's names, for CPUs with no such file
+_TORCH_NAMES = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
+                "avx512_vnni": "avx512_vnni"}
 
 _STALE_LOCK_SECONDS = 300  # a build takes ~10 s; a lock this old is a killed build's
 
@@ -50,6 +56,28 @@ def load_library(namespace: str, op: str, source: str, flags: list[str], filenam
         cpp_extension.load(name, [str(path)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(folder), is_python_module=False, verbose=False)
     return getattr(torch.ops, namespace)
+
+
+def cpu_features() -> set[str]:
+    """The CPU's features by /proc/cpuinfo's names: the flags that file lists on Linux (a guest may lack what its
+    host's model has), else those of _TORCH_NAMES that torch reads the CPU to have (torch.cpu.get_capabilities)."""
+    flags = cpuinfo_fields().get("flags")
+    if flags is not None:
+        return set(flags.split())
+    features = torch.cpu.get_capabilities()
+    return {name for name, torch_name in _TORCH_NAMES.items() if features.get(torch_name)}
+
+
+def isas_here(needs: dict[str, tuple[set[str], set[str]]]) -> tuple[str, ...]:
+    """The ISAs of `needs` (ISA -> (torch's CPU capabilities it runs under, the CPU features it needs)) this CPU runs,
+    in `needs`' order: torch's reading of its vector width (torch.backends.cpu.get_cpu_capability; the environment's
+    ATEN_CPU_CAPABILITY lowers it, and can raise it past the CPU: hence the features too) among the first, and every
+    feature of the second (`cpu_features`: AVX-512 does not imply VNNI, a Skylake-X has the one without the other).
+    A build of an ISA the CPU does not run would die of an illegal instruction as it loads."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    have = cpu_features()
+    return tuple(isa for isa, (capabilities, features) in needs.items()
+                 if capability in capabilities and features <= have)
 
 
 def build_name(namespace: str, op: str, text: str, flags: list[str]) -> str:

@@ -48,8 +48,7 @@ import threading
 import torch
 
 from ..core import attention_backend
-from ..core.device import cpuinfo_fields
-from .cpp_build import first_error, load_library
+from .cpp_build import first_error, isas_here, load_library
 from .cpu_attention_cpp import SOURCE
 
 __all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_prefix", "build", "isa_here",
@@ -61,11 +60,9 @@ __all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_pr
 # machines runs on any with that ISA (`install` picks the CPU's own). OpenMP for at::parallel_for, whose loop is
 # inlined from torch's headers.
 ISAS = {"avx512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"], "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"]}
-# torch.backends.cpu.get_cpu_capability() -> the ISAs of ISAS it runs, its own first (an AVX-512 CPU runs AVX2's)
-_RUNS = {"AVX512": ("avx512", "avx2"), "AVX2": ("avx2",)}
-# and the CPU flags each needs: ATEN_CPU_CAPABILITY can name a capability the CPU lacks (the build would then die of
-# an illegal instruction as it loads), so where the CPU lists its flags they must be there too
-_FLAGS = {"avx512": {"avx512f", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+# what each needs (cpp_build.isas_here): torch's reading of the CPU's vector width (an AVX-512 CPU runs AVX2's build
+# too), and the CPU's features (ATEN_CPU_CAPABILITY can name a capability the CPU lacks)
+_NEEDS = {"avx512": ({"AVX512"}, {"avx512f", "avx2", "fma"}), "avx2": ({"AVX2", "AVX512"}, {"avx2", "fma"})}
 _state: dict[str, object] = {}  # "op", "isa": the installed op and its ISA, or "why": what stopped it (once a process)
 _installing = threading.Lock()
 
@@ -79,17 +76,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def runs_here() -> tuple[str, ...]:
-    """The ISAs of ISAS this CPU runs, by torch's reading of it (ATEN_CPU_CAPABILITY lowers it) and, on Linux, by
-    the flags /proc/cpuinfo lists, its own first."""
-    flags = _cpu_flags()
-    return tuple(isa for isa in _RUNS.get(torch.backends.cpu.get_cpu_capability(), ())
-                 if flags is None or _FLAGS[isa] <= flags)
-
-
-def _cpu_flags() -> set[str] | None:
-    """The flags /proc/cpuinfo lists for the first CPU; None where there is no such list (torch's reading alone)."""
-    flags = cpuinfo_fields().get("flags")
-    return None if flags is None else set(flags.split())
+    """The ISAs of ISAS this CPU runs, its own first (cpp_build.isas_here: by torch's reading of its vector width and
+    by the features it lists)."""
+    return isas_here(_NEEDS)
 
 
 def isa_here() -> str | None:

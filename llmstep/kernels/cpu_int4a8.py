@@ -52,20 +52,16 @@ from collections.abc import Iterator
 import torch
 
 from ..core import int4a8, int8a8
-from ..core.device import cpuinfo_fields
-from .cpp_build import first_error, load_library
+from .cpp_build import first_error, isas_here, load_library
 from .cpu_int4a8_cpp import SOURCE
 
 __all__ = ["SOURCE", "ISAS", "namespace", "runs_here", "build", "install", "installed", "ops", "using", "why"]
 
 _AVX2 = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 ISAS = {"avx512_vnni": [*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], "avx2": _AVX2}  # best first
-# what each needs: torch's reading of the CPU (ATEN_CPU_CAPABILITY lowers it) and the flags /proc/cpuinfo lists
+# what each needs (cpp_build.isas_here): torch's reading of the CPU's vector width, and the CPU's features
 _NEEDS = {"avx512_vnni": ({"AVX512"}, {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
           "avx2": ({"AVX2", "AVX512"}, {"avx2", "fma"})}
-# torch's own reading of the CPU's features (cpuinfo, every OS) by /proc/cpuinfo's names, where there is no such file
-_TORCH_NAMES = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
-                "avx512_vnni": "avx512_vnni"}
 # "ops" and "isa": the build installed, or "why": what stopped it (once a process); "registered": (ops, isa) in use
 _state: dict[str, object] = {}
 _installing = threading.Lock()
@@ -79,17 +75,9 @@ def namespace(isa: str) -> str:
 
 
 def runs_here() -> tuple[str, ...]:
-    """The ISAs of ISAS this CPU runs, best first: by torch's reading of its vector width (ATEN_CPU_CAPABILITY lowers
-    it) and by the features the CPU lists, /proc/cpuinfo's flags on Linux (a guest may lack what its host's model
-    has), else torch's reading of them (AVX-512 does not imply VNNI: a Skylake-X has the one without the other)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = cpuinfo_fields().get("flags")
-    if flags is not None:
-        have = set(flags.split())
-    else:
-        features = torch.cpu.get_capabilities()
-        have = {name for name, torch_name in _TORCH_NAMES.items() if features.get(torch_name)}
-    return tuple(isa for isa, (capabilities, needed) in _NEEDS.items() if capability in capabilities and needed <= have)
+    """The ISAs of ISAS this CPU runs, best first (cpp_build.isas_here: by torch's reading of its vector width and by
+    the features it lists; AVX-512 without VNNI runs the AVX2 build)."""
+    return isas_here(_NEEDS)
 
 
 def build(isa: str = "avx2"):

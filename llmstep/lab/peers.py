@@ -22,8 +22,11 @@ precision, is skipped with the reason in the record (`skipped`).
 
 Each row holds decode tokens/s (the steps after the first token), prefill tokens/s, how many leading tokens equal
 those of the llmstep row it is compared with, and its roofline: the share of this machine's copy bandwidth
-(`hardware.measure_bandwidth`, before and after the timings, the faster counts) that the bytes of one of its decode
-steps make at the row's rate. Those bytes are llmstep's (`bench.mean_step_cost`) for llmstep, transformers and
+(`hardware.measure_bandwidth`, before the work and after each timed run, the fastest counts) that the bytes of one of
+its decode steps make at the row's rate, and, where others share the machine and its bandwidth comes and goes (a
+virtual machine's neighbours: 26 to 40 GB/s within a minute on one), the share paired run by run: each timed run's
+rate against the mean of the copy bandwidths measured just before and just after it, the median of those
+(`copy_bandwidth_share_paired`). Those bytes are llmstep's (`bench.mean_step_cost`) for llmstep, transformers and
 CTranslate2 (the same tensors), and for llama.cpp the tensors of the GGUF file it runs
 (`peer_engines.gguf_step_weight_bytes`) plus its float16 KV cache at the same mean context.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -175,22 +179,28 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
                     except PeerFailed as failure:
                         _fail(record, e, str(failure), log)
         runs: dict[int, list[tuple[float, float, list[int]]]] = {i: [] for i in range(len(entries))}
+        beside: dict[int, list[float]] = {i: [] for i in range(len(entries))}  # each run's copy bandwidth, GB/s
         for e in entries:  # warm-up: compile, first-call costs, page-in
             _attempt(record, e, ids, 8, "warming up", log)
+        if bandwidth:
+            bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))  # just before the first timed run
         for r in range(repeats):
             for i, e in enumerate(entries):
                 result = _attempt(record, e, ids, new_tokens, f"repeat {r + 1}", log)
                 if result is not None:
                     runs[i].append(result)
+                    if bandwidth:  # just after this run, just before the next: the mean of the two is this run's
+                        bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))
+                        beside[i].append((bw[-2] + bw[-1]) / 2)
             log(f"repeat {r + 1}/{repeats} done")
     finally:
         for e in entries:
             if isinstance(e.engine, PeerProcess):
                 e.engine.close()
-    if bandwidth:
-        bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))
     record["copy_bandwidth_gb_s"] = max(bw) if bw else None
-    record["rows"] = _rows(entries, runs, ids, new_tokens, record["copy_bandwidth_gb_s"])
+    if bw:  # every measurement: before the work, then before the first timed run and after each
+        record["copy_bandwidth_measured_gb_s"] = runinfo.timing(bw)
+    record["rows"] = _rows(entries, runs, beside, ids, new_tokens, record["copy_bandwidth_gb_s"])
     record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
     record["attention"] = attention_backend.describe(model.device)  # now: compiling a CPU step installs its kernel
     workdir.cleanup()
@@ -227,7 +237,8 @@ def _step_bytes(e: _Entry, prompt_len: int, new_tokens: int) -> tuple[float, str
     return gguf_step_weight_bytes(path) + kv, "the GGUF file's tensors and a float16 KV cache"
 
 
-def _rows(entries: list[_Entry], runs, ids, new_tokens, bw) -> list[dict]:
+def _rows(entries: list[_Entry], runs, beside, ids, new_tokens, bw) -> list[dict]:
+    """Each entry's row (failed ones left out); beside[i]: the copy bandwidth (GB/s) beside each of entry i's runs."""
     rows, ours = [], {}
     for i, e in enumerate(entries):
         if e.failed is not None:
@@ -247,6 +258,8 @@ def _rows(entries: list[_Entry], runs, ids, new_tokens, bw) -> list[dict]:
             row["a8_matmul"] = a8  # the kernels' ops, or torch's ops (llmstep.core.int4a8, int8a8)
         rate = row["decode_tokens_per_s"]["median"]
         row["copy_bandwidth_share"] = rate * step_bytes / (bw * 1e9) if bw else None
+        paired = [r * step_bytes / (b * 1e9) for r, b in zip(decode, beside[i], strict=True)] if beside[i] else []
+        row["copy_bandwidth_share_paired"] = median(paired) if paired else None  # run by run (the module)
         if e.peer is None:
             ours[i] = row
         else:
@@ -263,19 +276,25 @@ def format_peers(record: dict) -> str:
     what was skipped, and why."""
     bw = record.get("copy_bandwidth_gb_s")
     lines = [f"{'precision':<9} {'engine':<30} {'weights':<33} {'decode tok/s':>12} {'spread':>7} "
-             f"{'bw share':>8} {'llmstep/x':>9} {'same tok':>8}  source"]
+             f"{'bw share':>8} {'paired':>6} {'llmstep/x':>9} {'same tok':>8}  source"]
     for row in record["rows"]:
         d = row["decode_tokens_per_s"]
-        share = f"{row['copy_bandwidth_share']:.0%}" if row["copy_bandwidth_share"] is not None else "-"
+        share, paired = (f"{row[k]:.0%}" if row.get(k) is not None else "-"
+                         for k in ("copy_bandwidth_share", "copy_bandwidth_share_paired"))
         ratio = f"{row['llmstep_vs_this']:.2f}x" if "llmstep_vs_this" in row else ""
         same = f"{row['same_tokens_as_llmstep']}/{len(row['tokens'])}" if "same_tokens_as_llmstep" in row else ""
         lines.append(f"{row['precision']:<9} {row['engine'][:30]:<30} {row['weights'][:33]:<33} "
-                     f"{d['median']:>12,.1f} {d['spread']:>7.0%} {share:>8} {ratio:>9} {same:>8}  "
+                     f"{d['median']:>12,.1f} {d['spread']:>7.0%} {share:>8} {paired:>6} {ratio:>9} {same:>8}  "
                      f"{row.get('source', '')}" + ("  [lossy: requantized]" if row.get("requantized") else ""))
     lines.append(f"median of {record['repeats']} interleaved repeats, {record['threads']} threads, "
                  f"{record['prompt_len']}-token prompt, {record['new_tokens']} new tokens"
-                 + (f"; copy bandwidth {bw:.1f} GB/s measured in this run (bw share: of it, each row's own bytes "
-                    f"per step)" if bw else ""))
+                 + (f"; copy bandwidth {bw:.1f} GB/s, the fastest measured in this run (bw share: of it, each row's "
+                    f"own bytes per step; paired: of the bandwidth measured beside each run, their median)"
+                    if bw else ""))
+    if (measured := record.get("copy_bandwidth_measured_gb_s")) is not None:
+        every = measured["all_runs"]
+        lines.append(f"copy bandwidth measured {len(every)} times: median {measured['median']:.1f} GB/s, "
+                     f"{min(every):.1f} to {max(every):.1f}")
     if "llama_cpp_extra_buffer_types" in record:
         lines.append(f"llama.cpp's extra buffer types: {record['llama_cpp_extra_buffer_types']}")
     lines += [f"{f['peer']} FAILED at {f['precision']} ({f['weights']}): {f['why']}" for f in record.get("failed", [])]

@@ -254,12 +254,11 @@ def test_a_cpu_without_avx2_is_not_asked_to_build_it(monkeypatch):
 
 
 @pytest.mark.parametrize("capability,isa", [("AVX512", "avx512"), ("AVX2", "avx2")])
-def test_install_builds_the_isa_the_cpu_runs(monkeypatch, capability, isa):
+def test_install_builds_the_isa_the_cpu_runs(monkeypatch, fake_cpu, capability, isa):
     monkeypatch.setattr(cpu_attention, "_state", {})
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
     monkeypatch.setattr(attention_backend, "_cpu_step_op", None)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: None)  # torch's word alone, whatever CPU runs this
+    fake_cpu(capability, "avx2 fma avx512f")  # by the flags it runs both builds: torch's word decides
     built = []
     monkeypatch.setattr(cpu_attention, "build", lambda isa: built.append(isa) or "op")
     assert cpu_attention.install() and cpu_attention.installed() and built == [isa]
@@ -269,27 +268,29 @@ def test_install_builds_the_isa_the_cpu_runs(monkeypatch, capability, isa):
                                                  "decode_step_op": f"llmstep_cpu_{isa}::attention"}
 
 
-def test_an_isa_the_cpu_does_not_run_is_refused_before_anything_is_built(monkeypatch):
+def test_an_isa_the_cpu_does_not_run_is_refused_before_anything_is_built(monkeypatch, fake_cpu):
     from torch.utils import cpp_extension
 
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: None)
+    fake_cpu("AVX2", None, ("avx2", "fma3", "avx512_f"))  # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built a kernel this CPU cannot run"))
     with pytest.raises(RuntimeError, match="this CPU does not run the avx512 kernel .* as AVX2"):
         cpu_attention.build("avx512")
     assert cpu_attention.runs_here() == ("avx2",) and cpu_attention.isa_here() == "avx2"
 
 
-def test_a_capability_raised_above_the_cpus_flags_builds_nothing_it_cannot_run(monkeypatch):
+def test_a_capability_raised_above_the_cpus_flags_builds_nothing_it_cannot_run(fake_cpu):
     """ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512: torch reports AVX512; the kernel goes by the CPU's flags
     (loading an AVX-512 build there dies of an illegal instruction)."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: {"sse2", "avx2", "fma"})
+    fake_cpu("AVX512", "sse2 avx2 fma")
     assert cpu_attention.runs_here() == ("avx2",) and cpu_attention.isa_here() == "avx2"
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: {"avx512f", "avx2", "fma"})
+    fake_cpu("AVX512", "avx512f avx2 fma")
     assert cpu_attention.runs_here() == ("avx512", "avx2")
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: None)  # no flags to read: torch's word
+    fake_cpu("AVX512", None, ("avx2", "fma3", "avx512_f"))  # no flags to read: torch's reading of them
     assert cpu_attention.runs_here() == ("avx512", "avx2")
+    fake_cpu("AVX512", None, ("avx2", "fma3"))  # torch's reading of the features outranks its raised capability
+    assert cpu_attention.runs_here() == ("avx2",)
+    fake_cpu("AVX2", "avx512f avx2")  # no FMA: neither build
+    assert cpu_attention.runs_here() == ()
 
 
 @pytest.mark.parametrize("S", [5, 8, 20, 64, 100])

@@ -331,36 +331,28 @@ def test_each_isas_build_gives_the_same_bits_as_avx2s(a8_ops):
     assert torch.equal(a8_ops.mm8(big, q, torch.ones(16)), avx2.mm8(big, q, torch.ones(16)))
 
 
-def _cpu(monkeypatch, capability: str, flags: str | None, features: tuple[str, ...] = ()):
-    """A CPU as torch reads its vector width, its /proc/cpuinfo flags (None: no such file) and torch's own reading
-    of its features (by torch's names)."""
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setattr(cpu_int4a8, "cpuinfo_fields", lambda: {} if flags is None else {"flags": flags})
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict.fromkeys(features, True) | {"avx512_4fmaps": False})
-
-
-def test_the_best_isa_the_cpu_runs_by_torch_and_by_its_flags(monkeypatch):
+def test_the_best_isa_the_cpu_runs_by_torch_and_by_its_flags(fake_cpu):
     vnni = "fpu avx2 fma avx512f avx512bw avx512vl avx512_vnni"
-    _cpu(monkeypatch, "AVX512", vnni)
+    fake_cpu("AVX512", vnni)
     assert cpu_int4a8.runs_here() == ("avx512_vnni", "avx2")
-    _cpu(monkeypatch, "AVX2", vnni)  # ATEN_CPU_CAPABILITY=avx2 lowers it
+    fake_cpu("AVX2", vnni)  # ATEN_CPU_CAPABILITY=avx2 lowers it
     assert cpu_int4a8.runs_here() == ("avx2",)
-    _cpu(monkeypatch, "AVX512", "fpu avx2 fma avx512f avx512bw avx512vl")  # AVX-512 without VNNI (Skylake-X)
+    fake_cpu("AVX512", "fpu avx2 fma avx512f avx512bw avx512vl")  # AVX-512 without VNNI (Skylake-X)
     assert cpu_int4a8.runs_here() == ("avx2",)
     torch_avx512 = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_vl")
-    _cpu(monkeypatch, "AVX512", None, (*torch_avx512, "avx512_vnni"))  # no flags to read: torch's reading of them
+    fake_cpu("AVX512", None, (*torch_avx512, "avx512_vnni"))  # no flags to read: torch's reading of them
     assert cpu_int4a8.runs_here() == ("avx512_vnni", "avx2")
-    _cpu(monkeypatch, "AVX512", None, torch_avx512)  # AVX-512 without VNNI, where no /proc/cpuinfo says so
+    fake_cpu("AVX512", None, torch_avx512)  # AVX-512 without VNNI, where no /proc/cpuinfo says so
     assert cpu_int4a8.runs_here() == ("avx2",)
-    _cpu(monkeypatch, "DEFAULT", vnni)
+    fake_cpu("DEFAULT", vnni)
     assert cpu_int4a8.runs_here() == ()
 
 
-def test_an_isa_the_cpu_does_not_run_or_that_has_no_build_is_refused_before_anything_is_built(monkeypatch):
+def test_an_isa_the_cpu_does_not_run_or_that_has_no_build_is_refused_before_anything_is_built(monkeypatch, fake_cpu):
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("built a kernel this CPU cannot run"))
-    _cpu(monkeypatch, "AVX512", "fpu avx2 fma avx512f")
+    fake_cpu("AVX512", "fpu avx2 fma avx512f")
     with pytest.raises(RuntimeError, match="does not run the avx512_vnni build .* as AVX512"):
         cpu_int4a8.build("avx512_vnni")
     with pytest.raises(ValueError, match="no 8-bit activation kernels for the ISA 'sse2': one of avx512_vnni, avx2"):

@@ -22,11 +22,11 @@ def no_work(script, monkeypatch):
 
 def test_the_documented_variants_parse(script):
     assert script.parse_variant("bfloat16") == {
-        "dtype": "bfloat16", "base": "bfloat16", "kernel": "auto", "lm_head": False, "fuse": None, "nodot": False,
-        "stream": None, "isa": None, "overrides": {}}
+        "spec": "bfloat16", "dtype": "bfloat16", "base": "bfloat16", "kernel": "auto", "lm_head": False, "fuse": None,
+        "nodot": False, "withhold": None, "attention": "kernel", "stream": None, "isa": None, "overrides": {}}
     v = script.parse_variant("int4@float32+reduce^int8!nofuse~nodot%sdpa&nostream|max_autotune=True;x='A,B'")
-    assert (v["dtype"], v["base"], v["kernel"], v["lm_head"], v["fuse"], v["nodot"], v["stream"]) == (
-        "int4", "float32", "reduce", "int8", False, True, False)
+    assert (v["dtype"], v["base"], v["kernel"], v["lm_head"], v["fuse"], v["nodot"], v["withhold"], v["attention"],
+            v["stream"]) == ("int4", "float32", "reduce", "int8", False, True, "nodot", "sdpa", False)
     assert v["overrides"] == {"max_autotune": True, "x": "A,B"}
     assert script.parse_variant("int8")["base"] == "bfloat16" and script.parse_variant("int8^int8")["lm_head"] == "int8"
     a8 = script.parse_variant("int4-a8^int4-a8")  # int4 with 8-bit activations, its head in the blocks' mode
@@ -109,11 +109,16 @@ def test_each_variants_runs_hold_the_build_it_names(script, monkeypatch):
 
     monkeypatch.setattr(compile_mod, "cpu_attention", compile_mod.cpu_attention)  # main replaces it: given back
     monkeypatch.setattr(attention_backend, "use_cpu_step_kernel", lambda *a, **k: None)
-    monkeypatch.setattr(script, "attention_of", lambda spec: (None, None))
+    monkeypatch.setattr(script, "attention_of", lambda v: (None, None))
     monkeypatch.setattr(script, "build", lambda v, *a, **k: Decoder("=avx2" if v["isa"] else "default"))
     script.main(["int4-a8", "int4-a8=avx2", "--rounds", "2", "--tokens", "4"])
     assert seen == {"default": {f"{cpu_int4a8.ops().name}::mm"}, "=avx2": {"llmstep_int4a8_avx2::mm"}}
 
 
-def test_an_isa_after_the_attention_is_not_read_as_part_of_it(script):
-    assert script.attention_of("int4-a8%sdpa=avx2") == script.ATTENTION["sdpa"]
+def test_every_mark_after_the_attention_or_the_withheld_kernel_is_not_read_as_part_of_it(script):
+    assert script.attention_of(script.parse_variant("int4-a8%sdpa=avx2")) == script.ATTENTION["sdpa"]
+    v = script.parse_variant("int4~llmstep_int4_avx2%plain&nostream|x=1")
+    assert (v["withhold"], v["attention"], v["stream"]) == ("llmstep_int4_avx2", "plain", False)
+    assert script.withheld_kernels(script.parse_variant("int8~nodot&stream")) is None  # every kernel: build's word
+    with pytest.raises(SystemExit, match="unknown kernel 'bogus' in 'int8~bogus%sdpa': nodot"):
+        script.withheld_kernels(script.parse_variant("int8~bogus%sdpa"))

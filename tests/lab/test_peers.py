@@ -160,6 +160,26 @@ def test_roofline_points_put_each_row_at_its_own_bytes_and_rate():
     assert label8 == "int8, llama.cpp: 500 tok/s, 25% of copy bw" and label32 == "float32, llama.cpp: 500 tok/s"
 
 
+def test_each_run_is_paired_with_the_copy_bandwidth_measured_just_before_and_just_after_it(monkeypatch):
+    """A machine whose bandwidth comes and goes: each timed run's rate against the mean of the measurements on
+    either side of it, the median of those; the fastest measurement stays the row's plain share."""
+    measured = iter([100.0, 10.0, 20.0, 30.0, 40.0])  # before the work; then before the first run and after each
+    monkeypatch.setattr(peers, "measure_bandwidth", lambda *a, **k: next(measured))
+    record = peers.run_peers(tiny(), [], ["float32"], prompt_len=8, new_tokens=6, repeats=3, compile=False,
+                             log=lambda m: None)
+    assert next(measured, None) is None  # one measurement after each of the 3 runs, one before the first
+    assert record["copy_bandwidth_gb_s"] == 100.0
+    assert record["copy_bandwidth_measured_gb_s"]["all_runs"] == [100.0, 10.0, 20.0, 30.0, 40.0]
+    (row,) = record["rows"]
+    rates, step = row["decode_tokens_per_s"]["all_runs"], row["bytes_per_step"]
+    paired = sorted(r * step / (b * 1e9) for r, b in zip(rates, [15.0, 25.0, 35.0], strict=True))
+    assert row["copy_bandwidth_share_paired"] == pytest.approx(paired[1])
+    assert row["copy_bandwidth_share"] == pytest.approx(row["decode_tokens_per_s"]["median"] * step / 100e9)
+    lines = peers.format_peers(record).splitlines()
+    assert f"{paired[1]:.0%}" in lines[1].split()
+    assert "copy bandwidth measured 5 times: median 30.0 GB/s, 10.0 to 100.0" in lines
+
+
 def test_the_table_gives_each_rows_bandwidth_share_source_and_what_failed():
     def row(engine, weights, rate, share, **extra):
         return {"precision": "int4", "engine": engine, "weights": weights, "source": f"{weights} source",
