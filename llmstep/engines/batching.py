@@ -98,11 +98,17 @@ class BatchRunner(Engine):
         """tokens [S, 1], positions [S, 1] -> logits [S, vocab] (float32): what `step` runs, maybe compiled."""
         return self.model(tokens, positions, self.cache, keep=LAST, static=self.static)[:, -1].float()
 
-    @torch.inference_mode()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call), under inference
-        mode on inference tensors, as the runs and the warm-up call it: Dynamo guards the mode and the inputs'
-        dispatch keys, so a caller outside the mode (its tensors copied: S ints each) runs the same compiled step."""
+        """`_decode_step`, maybe compiled (with CUDA graphs, use the logits before the next call); refused while the
+        runner runs in another thread (it writes the cache)."""
+        with self.running():
+            return self._step_call(tokens, positions)
+
+    @torch.inference_mode()
+    def _step_call(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`step` under inference mode on inference tensors, as the runs and the warm-up call it: Dynamo guards the
+        mode and the inputs' dispatch keys, so a caller outside the mode (its tensors copied: S ints each) runs the
+        same compiled step."""
         self.cache.check_static(positions)
         tokens, positions = (t if t.is_inference() else t.clone() for t in (tokens, positions))
         return self._step(tokens, positions)
@@ -118,25 +124,35 @@ class BatchRunner(Engine):
     def _warmup(self, steps: int) -> float:
         # tokens and positions [S, 1], two tensors as `decode` passes them (one tensor twice would compile a variant)
         tokens, positions = (torch.zeros(self.n_slots, 1, dtype=torch.long, device=self.device) for _ in range(2))
-        seconds = self.warm_once("step", lambda: self.step(tokens, positions), steps=steps)
+        seconds = self.warm_once("step", lambda: self._step_call(tokens, positions), steps=steps)
         self.cache.reset()
         return seconds
 
     def prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
-        """One prompt alone through the model into row `slot`, at positions 0..T-1 -> its last logits [1, vocab]."""
+        """One prompt alone through the model into row `slot`, at positions 0..T-1 -> its last logits [1, vocab];
+        refused while the runner runs in another thread."""
+        with self.running():
+            return self._prefill(slot, prompt_ids)
+
+    def decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
+        """rows[s]: (token, position) of slot s, or None for a free slot (token 0 at position 0) -> logits [S, V];
+        refused while the runner runs in another thread."""
+        with self.running():
+            return self._decode(rows)
+
+    def _prefill(self, slot: int, prompt_ids: list[int]) -> torch.Tensor:
         if self.sized_per_request:
             self.grow(len(prompt_ids))
         prompt = torch.tensor([prompt_ids], device=self.device)  # [1, T]
         positions = torch.arange(prompt.shape[1], device=self.device)
         return self.model(prompt, positions, self.cache.slot(slot), keep=LAST)[:, -1].float()
 
-    def decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
-        """rows[s]: (token, position) of slot s, or None for a free slot (token 0 at position 0) -> logits [S, V]."""
+    def _decode(self, rows: list[tuple[int, int] | None]) -> torch.Tensor:
         if self.sized_per_request:
             self.grow(1 + max((r[1] for r in rows if r is not None), default=0))
         tokens = torch.tensor([[0 if r is None else r[0]] for r in rows], device=self.device)  # [S, 1]
         positions = torch.tensor([[0 if r is None else r[1]] for r in rows], device=self.device)  # [S, 1]
-        return self.step(tokens, positions)
+        return self._step_call(tokens, positions)
 
 
 class ContinuousBatcher(BatchRunner):
@@ -169,14 +185,14 @@ class ContinuousBatcher(BatchRunner):
         decode = {s.job.completion.slot: s for s in work if s.chunk.start}  # one token after what its slot holds
         drawn = {}
         if decode:
-            logits = self.decode([(s.tokens[0], s.chunk.start) if (s := decode.get(i)) else None
+            logits = self._decode([(s.tokens[0], s.chunk.start) if (s := decode.get(i)) else None
                                   for i in range(self.n_slots)])  # [S, vocab]
             ids, slots = [s.job.id for s in decode.values()], torch.tensor(list(decode), device=self.device)
             drawn = dict(zip(ids, rows.draw(logits[slots], ids), strict=True))
         for s in work:
             if not s.chunk.start:  # a newcomer's prompt, into its slot (over the decode's dummy): its first token
                 prefill_start = time.perf_counter()
-                logits = self.prefill(s.job.completion.slot, s.tokens)  # [1, vocab]
+                logits = self._prefill(s.job.completion.slot, s.tokens)  # [1, vocab]
                 drawn[s.job.id] = rows.draw(logits, [s.job.id])[0]  # waits for the device
                 s.job.completion.prefill_seconds = time.perf_counter() - prefill_start
         return [drawn[s.job.id] for s in work]

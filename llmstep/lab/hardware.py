@@ -22,7 +22,7 @@ from ..core.model import Llama, materialize
 from ..engines.decoding import check_int
 from .runinfo import cpu_flags, describe, time_repeats
 
-__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "check_bandwidth_bytes", "measure_bandwidth",
+__all__ = ["Chip", "DATASHEETS", "DecodeCeiling", "describe", "check_bandwidth_bytes", "measure_bandwidth", "Bandwidth",
            "matmul_size", "measure_matmul",
            "measured_chip", "as_chip", "decode_ceiling", "article_ceiling", "ceiling_table", "ARTICLE_PARAMS",
            "random_model"]
@@ -52,20 +52,41 @@ def measure_bandwidth(device: str | torch.device | None = None, nbytes: int | No
     (runinfo.time_repeats; STREAM's convention: the best run is the one least disturbed by everything else
     the machine is doing).
     """
-    dev = resolve_device(device)
-    if nbytes is None:
-        nbytes = 2**30
     check_int(repeats, "repeats", low=1)
-    if kind not in ("copy", "read"):
-        raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
-    check_bandwidth_bytes(nbytes, dev, kind)
-    n = max(nbytes // 4, 1)  # float32 elements
-    src = torch.ones(n, dtype=torch.float32, device=dev)  # written once, so its pages really exist
-    if kind == "read":
-        return n * 4 / min(time_repeats(src.sum, dev, repeats)) / 1e9
-    dst = torch.zeros_like(src)
-    seconds = min(time_repeats(lambda: dst.copy_(src), dev, repeats))
-    return 2 * n * 4 / seconds / 1e9
+    probe = Bandwidth(device, nbytes, kind)
+    try:
+        return probe(repeats)
+    finally:
+        probe.close()
+
+
+class Bandwidth:
+    """`measure_bandwidth` measured again and again on one pair of buffers (one for "read"), allocated here once,
+    after the check that free memory holds them: the bandwidth beside each of many timed runs (llmstep.lab.peers),
+    without allocating and faulting in 2 x nbytes each time, or finding the memory gone midway. `close()` frees them.
+    """
+
+    def __init__(self, device: str | torch.device | None = None, nbytes: int | None = None, kind: str = "copy"):
+        if kind not in ("copy", "read"):
+            raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
+        self.device, self.kind = resolve_device(device), kind
+        nbytes = 2**30 if nbytes is None else nbytes
+        check_bandwidth_bytes(nbytes, self.device, kind)
+        n = max(nbytes // 4, 1)  # float32 elements
+        self.src = torch.ones(n, dtype=torch.float32, device=self.device)  # written once: its pages really exist
+        self.dst = torch.zeros_like(self.src) if kind == "copy" else None
+
+    def __call__(self, repeats: int = 3) -> float:
+        """GB/s (1e9 bytes/s): the fastest of `repeats` runs after one warm-up (measure_bandwidth)."""
+        if self.src is None:
+            raise RuntimeError("this bandwidth probe is closed: its buffers are freed")
+        if self.dst is None:
+            return self.src.numel() * 4 / min(time_repeats(self.src.sum, self.device, repeats)) / 1e9
+        seconds = min(time_repeats(lambda: self.dst.copy_(self.src), self.device, repeats))
+        return 2 * self.src.numel() * 4 / seconds / 1e9
+
+    def close(self) -> None:
+        self.src = self.dst = None
 
 
 def matmul_size(device: torch.device, dtype: torch.dtype) -> int:

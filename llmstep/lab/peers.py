@@ -22,13 +22,15 @@ precision, is skipped with the reason in the record (`skipped`).
 
 Each row holds decode tokens/s (the steps after the first token), prefill tokens/s, how many leading tokens equal
 those of the llmstep row it is compared with, and its roofline: the share of this machine's copy bandwidth
-(`hardware.measure_bandwidth`, before the work and after each timed run, the fastest counts) that the bytes of one of
-its decode steps make at the row's rate, and, where others share the machine and its bandwidth comes and goes (a
-virtual machine's neighbours: 26 to 40 GB/s within a minute on one), the share paired run by run: each timed run's
-rate against the mean of the copy bandwidths measured just before and just after it, the median of those
-(`copy_bandwidth_share_paired`). Those bytes are llmstep's (`bench.mean_step_cost`) for llmstep, transformers and
-CTranslate2 (the same tensors), and for llama.cpp the tensors of the GGUF file it runs
-(`peer_engines.gguf_step_weight_bytes`) plus its float16 KV cache at the same mean context.
+(`hardware.measure_bandwidth`, before the work and after it, the faster counts) that the bytes of one of its decode
+steps make at the row's rate, and, where others share the machine and its bandwidth comes and goes (a virtual
+machine's neighbours: 26 to 40 GB/s within a minute on one), the share paired run by run
+(`copy_bandwidth_share_paired`): the copy bandwidth is measured again just before the first timed run and just after
+each (`hardware.Bandwidth`: its buffers allocated once the engines are warm), and each run's rate is taken against
+the mean of the two measurements either side of it (a failed run's too), the median of those. Those bytes are
+llmstep's (`bench.mean_step_cost`) for llmstep, transformers and CTranslate2 (the same tensors), and for llama.cpp the
+tensors of the GGUF file it runs (`peer_engines.gguf_step_weight_bytes`) plus its float16 KV cache at the same mean
+context.
 """
 
 from __future__ import annotations
@@ -36,19 +38,18 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
 
 import torch
 
 from ..core import attention_backend, int8a8
-from ..core.cost import kv_bytes_per_token
+from ..core.cost import MemoryBudgetError, kv_bytes_per_token
 from ..core.model import Llama
 from ..core.tokens import Tokenizer
 from ..engines.decoding import check_int
 from ..engines.fast import FastDecoder
 from . import runinfo
 from .bench import matching_prefix, mean_step_cost
-from .hardware import measure_bandwidth
+from .hardware import Bandwidth, measure_bandwidth
 from .peer_engines import MAKERS, PeerSpec, cpu_has_amx, gguf_step_weight_bytes
 from .peer_inputs import GGUF_TYPE, PEERS, Variant, plan_inputs, why_not
 from .peer_process import PeerFailed, PeerProcess
@@ -182,29 +183,49 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
         beside: dict[int, list[float]] = {i: [] for i in range(len(entries))}  # each run's copy bandwidth, GB/s
         for e in entries:  # warm-up: compile, first-call costs, page-in
             _attempt(record, e, ids, 8, "warming up", log)
-        if bandwidth:
-            bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))  # just before the first timed run
+        probe = _probe(record, bandwidth, bandwidth_bytes, log)
+        between = [probe()] if probe else []  # GB/s: just before the first timed run, then just after each
         for r in range(repeats):
             for i, e in enumerate(entries):
+                attempted = e.failed is None
                 result = _attempt(record, e, ids, new_tokens, f"repeat {r + 1}", log)
+                if probe and attempted:  # after this run (or its failure), before the next
+                    between.append(probe())
                 if result is not None:
                     runs[i].append(result)
-                    if bandwidth:  # just after this run, just before the next: the mean of the two is this run's
-                        bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))
-                        beside[i].append((bw[-2] + bw[-1]) / 2)
+                    if probe:  # the mean of the measurements on either side is this run's
+                        beside[i].append((between[-2] + between[-1]) / 2)
             log(f"repeat {r + 1}/{repeats} done")
     finally:
+        if probe:
+            probe.close()
         for e in entries:
             if isinstance(e.engine, PeerProcess):
                 e.engine.close()
-    record["copy_bandwidth_gb_s"] = max(bw) if bw else None
-    if bw:  # every measurement: before the work, then before the first timed run and after each
-        record["copy_bandwidth_measured_gb_s"] = runinfo.timing(bw)
+    if bandwidth:
+        bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))
+    record["copy_bandwidth_gb_s"] = max(bw) if bw else None  # before the work and after it: the faster
+    if between:
+        record["copy_bandwidth_beside_runs_gb_s"] = runinfo.timing(between)
     record["rows"] = _rows(entries, runs, beside, ids, new_tokens, record["copy_bandwidth_gb_s"])
     record["load_average_1min_before_after"] = [load_before, runinfo.load_average()]
     record["attention"] = attention_backend.describe(model.device)  # now: compiling a CPU step installs its kernel
     workdir.cleanup()
     return record
+
+
+def _probe(record: dict, bandwidth: bool, nbytes: int | None, log) -> Bandwidth | None:
+    """The copy bandwidth's buffers for the measurements beside each timed run (`bandwidth`), allocated once the
+    engines are warm; where free memory no longer holds them, none (the record says why): no pairing, the run goes
+    on."""
+    if not bandwidth:
+        return None
+    try:
+        return Bandwidth("cpu", nbytes, kind="copy")
+    except MemoryBudgetError as e:
+        record["copy_bandwidth_paired"] = f"not measured: {e}"
+        log(f"the copy bandwidth is not measured beside each run: {e}")
+        return None
 
 
 def _fail(record: dict, e: _Entry, why: str, log) -> None:
@@ -259,7 +280,7 @@ def _rows(entries: list[_Entry], runs, beside, ids, new_tokens, bw) -> list[dict
         rate = row["decode_tokens_per_s"]["median"]
         row["copy_bandwidth_share"] = rate * step_bytes / (bw * 1e9) if bw else None
         paired = [r * step_bytes / (b * 1e9) for r, b in zip(decode, beside[i], strict=True)] if beside[i] else []
-        row["copy_bandwidth_share_paired"] = median(paired) if paired else None  # run by run (the module)
+        row["copy_bandwidth_share_paired"] = runinfo.median(paired) if paired else None  # run by run (the module)
         if e.peer is None:
             ours[i] = row
         else:
@@ -288,13 +309,15 @@ def format_peers(record: dict) -> str:
                      f"{row.get('source', '')}" + ("  [lossy: requantized]" if row.get("requantized") else ""))
     lines.append(f"median of {record['repeats']} interleaved repeats, {record['threads']} threads, "
                  f"{record['prompt_len']}-token prompt, {record['new_tokens']} new tokens"
-                 + (f"; copy bandwidth {bw:.1f} GB/s, the fastest measured in this run (bw share: of it, each row's "
-                    f"own bytes per step; paired: of the bandwidth measured beside each run, their median)"
-                    if bw else ""))
-    if (measured := record.get("copy_bandwidth_measured_gb_s")) is not None:
+                 + (f"; copy bandwidth {bw:.1f} GB/s, the faster measured before and after the work (bw share: of "
+                    f"it, each row's own bytes per step; paired: of the bandwidth measured beside each run, the "
+                    f"median)" if bw else ""))
+    if (measured := record.get("copy_bandwidth_beside_runs_gb_s")) is not None:
         every = measured["all_runs"]
-        lines.append(f"copy bandwidth measured {len(every)} times: median {measured['median']:.1f} GB/s, "
-                     f"{min(every):.1f} to {max(every):.1f}")
+        lines.append(f"copy bandwidth beside the runs, measured {len(every)} times: median {measured['median']:.1f} "
+                     f"GB/s, {min(every):.1f} to {max(every):.1f}")
+    if "copy_bandwidth_paired" in record:
+        lines.append(f"copy bandwidth beside the runs {record['copy_bandwidth_paired']}")
     if "llama_cpp_extra_buffer_types" in record:
         lines.append(f"llama.cpp's extra buffer types: {record['llama_cpp_extra_buffer_types']}")
     lines += [f"{f['peer']} FAILED at {f['precision']} ({f['weights']}): {f['why']}" for f in record.get("failed", [])]

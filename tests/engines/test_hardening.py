@@ -278,6 +278,12 @@ def test_a_warmup_or_step_from_a_second_thread_is_refused_not_run_over_the_first
     alone = [c.tokens for c in batcher.run(requests).completions]
     first, refused = run_two_threads(model, lambda: batcher.run(requests), batcher.warmup)
     assert isinstance(refused, ConcurrentUseError) and [c.tokens for c in first.completions] == alone
+    two = torch.zeros(2, 1, dtype=torch.long)  # the runner's own forwards write its cache too
+    for second in (lambda: batcher.step(two, two), lambda: batcher.prefill(1, PROMPT[:3]),
+                   lambda: batcher.decode([(5, 3), None])):
+        first, refused = run_two_threads(model, lambda: batcher.run(requests), second)
+        assert isinstance(refused, ConcurrentUseError) and [c.tokens for c in first.completions] == alone
+    assert batcher.decode([(5, 3), None]).shape == (2, model.config.vocab_size)  # alone: fine
     assert decoder.warmup() == 0.0 and decoder.step(zero, zero).shape == (1, model.config.vocab_size)  # alone: fine
 
 

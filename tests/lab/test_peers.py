@@ -88,7 +88,8 @@ def test_transformers_decodes_llmsteps_greedy_tokens_and_a_missing_peer_is_skipp
     assert len(hf["decode_tokens_per_s"]["all_runs"]) == 2 and hf["decode_tokens_per_s"]["median"] > 0
     assert hf["llmstep_vs_this"] == pytest.approx(
         rows["float32", "llmstep FastDecoder"]["decode_tokens_per_s"]["median"] / hf["decode_tokens_per_s"]["median"])
-    assert hf["copy_bandwidth_share"] is None  # no bandwidth measured
+    assert hf["copy_bandwidth_share"] is None and hf["copy_bandwidth_share_paired"] is None  # none measured
+    assert "copy_bandwidth_beside_runs_gb_s" not in record and "copy_bandwidth_paired" not in record
     skipped = {(s["peer"], s["precision"]): s["why"] for s in record["skipped"]}
     assert skipped == {("llama.cpp", "float32"): "not installed (pip install llama-cpp-python)",
                        ("llama.cpp", "int8"): "not installed (pip install llama-cpp-python)",
@@ -160,24 +161,77 @@ def test_roofline_points_put_each_row_at_its_own_bytes_and_rate():
     assert label8 == "int8, llama.cpp: 500 tok/s, 25% of copy bw" and label32 == "float32, llama.cpp: 500 tok/s"
 
 
+class FakeBandwidth:
+    """hardware.Bandwidth measuring `values` in turn; `made` counts the probes, `closed` the closed ones."""
+
+    def __init__(self, values):
+        self.values, self.made, self.closed = iter(values), 0, 0
+
+    def __call__(self, *args, **kwargs):  # Bandwidth(device, nbytes, kind)
+        self.made += 1
+        fake = self
+
+        class Probe:
+            def __call__(self, repeats=3):
+                return next(fake.values)
+
+            def close(self):
+                fake.closed += 1
+
+        return Probe()
+
+
 def test_each_run_is_paired_with_the_copy_bandwidth_measured_just_before_and_just_after_it(monkeypatch):
     """A machine whose bandwidth comes and goes: each timed run's rate against the mean of the measurements on
-    either side of it, the median of those; the fastest measurement stays the row's plain share."""
-    measured = iter([100.0, 10.0, 20.0, 30.0, 40.0])  # before the work; then before the first run and after each
-    monkeypatch.setattr(peers, "measure_bandwidth", lambda *a, **k: next(measured))
-    record = peers.run_peers(tiny(), [], ["float32"], prompt_len=8, new_tokens=6, repeats=3, compile=False,
+    either side of it, the median of those; a failed run is followed by a measurement too, so the next run's are
+    its neighbours; the plain share stays of the faster of the measurements before and after the work."""
+    plain = iter([100.0, 90.0])  # before the work, after it
+    monkeypatch.setattr(peers, "measure_bandwidth", lambda *a, **k: next(plain))
+    probe = FakeBandwidth([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])  # before the first run; then after each attempt
+    monkeypatch.setattr(peers, "Bandwidth", probe)
+    attempt, seen = peers._attempt, []
+
+    def int8_dies_in_repeat_2(record, e, ids, n, doing, log):
+        seen.append((e.precision, doing))
+        if (e.precision, doing) == ("int8", "repeat 2"):
+            e.failed = "died"  # as _fail marks a peer that died
+            return None
+        return attempt(record, e, ids, n, doing, log)
+
+    monkeypatch.setattr(peers, "_attempt", int8_dies_in_repeat_2)
+    record = peers.run_peers(tiny(), [], ["float32", "int8"], prompt_len=8, new_tokens=6, repeats=3, compile=False,
                              log=lambda m: None)
-    assert next(measured, None) is None  # one measurement after each of the 3 runs, one before the first
-    assert record["copy_bandwidth_gb_s"] == 100.0
-    assert record["copy_bandwidth_measured_gb_s"]["all_runs"] == [100.0, 10.0, 20.0, 30.0, 40.0]
-    (row,) = record["rows"]
+    assert next(probe.values, None) is None and (probe.made, probe.closed) == (1, 1)  # r1: 2 runs, r2: 2, r3: 1
+    assert next(plain, None) is None and record["copy_bandwidth_gb_s"] == 100.0
+    assert record["copy_bandwidth_beside_runs_gb_s"]["all_runs"] == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    (row,) = record["rows"]  # int8's failed: its row is left out
+    assert row["precision"] == "float32"
     rates, step = row["decode_tokens_per_s"]["all_runs"], row["bytes_per_step"]
-    paired = sorted(r * step / (b * 1e9) for r, b in zip(rates, [15.0, 25.0, 35.0], strict=True))
+    paired = sorted(r * step / (b * 1e9) for r, b in zip(rates, [15.0, 35.0, 55.0], strict=True))
     assert row["copy_bandwidth_share_paired"] == pytest.approx(paired[1])
     assert row["copy_bandwidth_share"] == pytest.approx(row["decode_tokens_per_s"]["median"] * step / 100e9)
-    lines = peers.format_peers(record).splitlines()
-    assert f"{paired[1]:.0%}" in lines[1].split()
-    assert "copy bandwidth measured 5 times: median 30.0 GB/s, 10.0 to 100.0" in lines
+    header, first = peers.format_peers(record).splitlines()[:2]
+    column = header.index("paired")  # right-aligned under its 6-character heading
+    assert first[column:column + 6].strip() == f"{paired[1]:.0%}"
+    assert "copy bandwidth beside the runs, measured 6 times: median 40.0 GB/s, 10.0 to 60.0" in \
+        peers.format_peers(record)
+
+
+def test_without_memory_for_the_probe_after_the_warm_up_the_run_goes_on_unpaired(monkeypatch):
+    from llmstep.core.cost import MemoryBudgetError
+
+    monkeypatch.setattr(peers, "measure_bandwidth", lambda *a, **k: 50.0)
+
+    def no_room(*args, **kwargs):
+        raise MemoryBudgetError("nbytes 1,073,741,824 needs 2.1 GB; 1.0 GB free")
+
+    monkeypatch.setattr(peers, "Bandwidth", no_room)
+    record = peers.run_peers(tiny(), [], ["float32"], prompt_len=8, new_tokens=4, repeats=2, compile=False,
+                             log=lambda m: None)
+    assert record["copy_bandwidth_paired"] == "not measured: nbytes 1,073,741,824 needs 2.1 GB; 1.0 GB free"
+    (row,) = record["rows"]
+    assert row["copy_bandwidth_share_paired"] is None and row["copy_bandwidth_share"] is not None
+    assert "copy bandwidth beside the runs not measured: nbytes" in peers.format_peers(record)
 
 
 def test_the_table_gives_each_rows_bandwidth_share_source_and_what_failed():
