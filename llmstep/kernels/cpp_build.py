@@ -26,7 +26,7 @@ from ..core import registry
 from ..core.device import cpuinfo_fields
 from ..core.files import atomic_write_text
 
-__all__ = ["load_library", "build_name", "clear_stale_lock", "first_error", "cpu_features", "isas_here"]
+__all__ = ["load_library", "build_name", "clear_stale_lock", "first_error", "cpu_features", "isas_here", "why_not"]
 
 # torch's own reading of the CPU's features (cpuinfo, every OS), by /proc/cpuinfo's names, for CPUs with no such file
 _TORCH_NAMES = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
@@ -78,6 +78,18 @@ def isas_here(needs: dict[str, tuple[set[str], set[str]]]) -> tuple[str, ...]:
     have = cpu_features()
     return tuple(isa for isa, (capabilities, features) in needs.items()
                  if capability in capabilities and features <= have)
+
+
+def why_not(isa: str, needs: dict[str, tuple[set[str], set[str]]]) -> str:
+    """What keeps this CPU from running `isa`'s build (`isas_here`' rule, `needs[isa]`), for an error: torch's
+    reading of its vector width where the build needs another, and the features the CPU lacks."""
+    capabilities, features = needs[isa]
+    capability = torch.backends.cpu.get_cpu_capability()
+    parts = [f"torch reads its vector instructions as {capability}"
+             + ("" if capability in capabilities else f", not {' or '.join(sorted(capabilities))}")]
+    if missing := sorted(features - cpu_features()):
+        parts.append(f"the CPU lacks {', '.join(missing)}")
+    return "; ".join(parts)
 
 
 def build_name(namespace: str, op: str, text: str, flags: list[str]) -> str:

@@ -48,7 +48,7 @@ import threading
 import torch
 
 from ..core import attention_backend
-from .cpp_build import first_error, isas_here, load_library
+from .cpp_build import first_error, isas_here, load_library, why_not
 from .cpu_attention_cpp import SOURCE
 
 __all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_prefix", "build", "isa_here",
@@ -108,8 +108,7 @@ def build(isa: str):
     if isa not in ISAS:
         raise ValueError(f"no attention kernel for the ISA {isa!r}: one of {', '.join(ISAS)}")
     if isa not in runs_here():
-        raise RuntimeError(f"this CPU does not run the {isa} kernel (torch reads its vector instructions as "
-                           f"{torch.backends.cpu.get_cpu_capability()})")
+        raise RuntimeError(f"this CPU does not run the {isa} kernel ({why_not(isa, _NEEDS)})")
     namespace = op_name(isa).partition("::")[0]
     return load_library(namespace, "attention", SOURCE, ISAS[isa], "cpu_attention.cpp").attention
 
@@ -120,11 +119,10 @@ def install() -> bool:
     it."""
     with _installing:  # one build, whichever thread asks first
         if not _state:
-            capability = torch.backends.cpu.get_cpu_capability()
             try:
                 if (isa := isa_here()) is None:
-                    raise RuntimeError(f"it is written for AVX-512 or AVX2; this CPU's vector instructions: "
-                                       f"{capability}")
+                    raise RuntimeError(f"it is written for AVX-512 or AVX2, and this CPU runs neither "
+                                       f"({why_not('avx2', _NEEDS)})")
                 _state["op"], _state["isa"] = build(isa), isa
             except Exception as e:  # no compiler, no ninja, a build error: SDPA's kernel stays
                 _state["why"] = f"{type(e).__name__}: {first_error(str(e))}"

@@ -49,10 +49,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-import torch
-
 from ..core import int4a8, int8a8
-from .cpp_build import first_error, isas_here, load_library
+from .cpp_build import first_error, isas_here, load_library, why_not
 from .cpu_int4a8_cpp import SOURCE
 
 __all__ = ["SOURCE", "ISAS", "namespace", "runs_here", "build", "install", "installed", "ops", "using", "why"]
@@ -88,8 +86,7 @@ def build(isa: str = "avx2"):
     if isa not in ISAS:
         raise ValueError(f"no 8-bit activation kernels for the ISA {isa!r}: one of {', '.join(ISAS)}")
     if isa not in runs_here():
-        raise RuntimeError(f"this CPU does not run the {isa} build (torch reads its vector instructions as "
-                           f"{torch.backends.cpu.get_cpu_capability()})")
+        raise RuntimeError(f"this CPU does not run the {isa} build ({why_not(isa, _NEEDS)})")
     return load_library(namespace(isa), "mm", SOURCE, ISAS[isa], "cpu_int4a8.cpp")
 
 
@@ -107,8 +104,8 @@ def install() -> bool:
         if not _state:
             try:
                 if not (here := runs_here()):
-                    raise RuntimeError(f"they are written for AVX2 or AVX-512 VNNI; this CPU's vector instructions: "
-                                       f"{torch.backends.cpu.get_cpu_capability()}")
+                    raise RuntimeError(f"they are written for AVX2 or AVX-512 VNNI, and this CPU runs neither "
+                                       f"({why_not('avx2', _NEEDS)})")
                 _state["ops"], _state["isa"] = build(here[0]), here[0]
             except Exception as e:  # no compiler, no ninja, a build error: int4a8's torch ops compute it
                 _state["why"] = f"{type(e).__name__}: {first_error(str(e))}"

@@ -243,14 +243,18 @@ def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch):
     assert attention_backend.cpu_step_kernel(torch.zeros(1, 1, 1, 16)) is None
 
 
-def test_a_cpu_without_avx2_is_not_asked_to_build_it(monkeypatch):
+def test_a_cpu_without_avx2_is_not_asked_to_build_it(monkeypatch, fake_cpu):
     monkeypatch.setattr(cpu_attention, "_state", {})
     monkeypatch.setattr(attention_backend, "_cpu_step", None)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    fake_cpu("DEFAULT", "sse2 fma")
     monkeypatch.setattr(cpu_attention, "build", lambda isa: pytest.fail("built on a CPU without AVX2"))
     assert not cpu_attention.install()
-    assert cpu_attention.why() == ("RuntimeError: it is written for AVX-512 or AVX2; this CPU's vector "
-                                   "instructions: DEFAULT")
+    assert cpu_attention.why() == ("RuntimeError: it is written for AVX-512 or AVX2, and this CPU runs neither (torch "
+                                   "reads its vector instructions as DEFAULT, not AVX2 or AVX512; the CPU lacks avx2)")
+    monkeypatch.setattr(cpu_attention, "_state", {})
+    fake_cpu("AVX2", "avx avx2")  # a capability torch names, a feature the CPU lacks: named too
+    assert not cpu_attention.install()
+    assert cpu_attention.why().endswith("(torch reads its vector instructions as AVX2; the CPU lacks fma)")
 
 
 @pytest.mark.parametrize("capability,isa", [("AVX512", "avx512"), ("AVX2", "avx2")])
