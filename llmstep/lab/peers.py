@@ -155,6 +155,7 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
     bw = [measure_bandwidth("cpu", bandwidth_bytes, kind="copy")] if bandwidth else []
     workdir = tempfile.TemporaryDirectory(prefix="llmstep-peers-")
     entries: list[_Entry] = []
+    probe = None  # the copy bandwidth beside each timed run (`_probe`)
     try:
         plan = plan_inputs(model, peers, precision_list, tokenizer, checkpoint, Path(workdir.name), threads, n_ctx,
                            group_size, extra, log)
@@ -203,7 +204,11 @@ def run_peers(model: Llama, peers: list[str], precision_list: list[str], tokeniz
             if isinstance(e.engine, PeerProcess):
                 e.engine.close()
     if bandwidth:
-        bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))
+        try:
+            bw.append(measure_bandwidth("cpu", bandwidth_bytes, kind="copy"))
+        except MemoryBudgetError as e:  # the engines still hold their models: the one before the work counts
+            record["copy_bandwidth_after"] = f"not measured: {e}"
+            log(f"the copy bandwidth is not measured after the work: {e}")
     record["copy_bandwidth_gb_s"] = max(bw) if bw else None  # before the work and after it: the faster
     if between:
         record["copy_bandwidth_beside_runs_gb_s"] = runinfo.timing(between)
@@ -316,8 +321,9 @@ def format_peers(record: dict) -> str:
         every = measured["all_runs"]
         lines.append(f"copy bandwidth beside the runs, measured {len(every)} times: median {measured['median']:.1f} "
                      f"GB/s, {min(every):.1f} to {max(every):.1f}")
-    if "copy_bandwidth_paired" in record:
-        lines.append(f"copy bandwidth beside the runs {record['copy_bandwidth_paired']}")
+    for key, when in (("copy_bandwidth_paired", "beside the runs"), ("copy_bandwidth_after", "after the work")):
+        if key in record:
+            lines.append(f"copy bandwidth {when} {record[key]}")
     if "llama_cpp_extra_buffer_types" in record:
         lines.append(f"llama.cpp's extra buffer types: {record['llama_cpp_extra_buffer_types']}")
     lines += [f"{f['peer']} FAILED at {f['precision']} ({f['weights']}): {f['why']}" for f in record.get("failed", [])]

@@ -217,21 +217,40 @@ def test_each_run_is_paired_with_the_copy_bandwidth_measured_just_before_and_jus
         peers.format_peers(record)
 
 
-def test_without_memory_for_the_probe_after_the_warm_up_the_run_goes_on_unpaired(monkeypatch):
+def test_without_memory_for_the_bandwidth_once_the_engines_are_loaded_the_run_goes_on_unpaired(monkeypatch):
+    """Free memory holds the copy's buffers before the work, not once the engines hold their models: no pairing,
+    no measurement after the work, the record says so, and the rows still come."""
     from llmstep.core.cost import MemoryBudgetError
+    from llmstep.lab import hardware
 
-    monkeypatch.setattr(peers, "measure_bandwidth", lambda *a, **k: 50.0)
+    refusal = "nbytes 1,073,741,824 needs 2.1 GB; 1.0 GB free"
+    checked = []
 
-    def no_room(*args, **kwargs):
-        raise MemoryBudgetError("nbytes 1,073,741,824 needs 2.1 GB; 1.0 GB free")
+    def room_only_before_the_work(nbytes, device, kind="copy", name="nbytes"):
+        checked.append(nbytes)
+        if len(checked) > 1:
+            raise MemoryBudgetError(refusal)
 
-    monkeypatch.setattr(peers, "Bandwidth", no_room)
+    monkeypatch.setattr(hardware, "check_bandwidth_bytes", room_only_before_the_work)
     record = peers.run_peers(tiny(), [], ["float32"], prompt_len=8, new_tokens=4, repeats=2, compile=False,
-                             log=lambda m: None)
-    assert record["copy_bandwidth_paired"] == "not measured: nbytes 1,073,741,824 needs 2.1 GB; 1.0 GB free"
+                             bandwidth_bytes=2**20, log=lambda m: None)
+    assert len(checked) == 3  # before the work; the probe once the engines are warm; after the work
+    assert record["copy_bandwidth_paired"] == record["copy_bandwidth_after"] == f"not measured: {refusal}"
     (row,) = record["rows"]
     assert row["copy_bandwidth_share_paired"] is None and row["copy_bandwidth_share"] is not None
-    assert "copy bandwidth beside the runs not measured: nbytes" in peers.format_peers(record)
+    table = peers.format_peers(record)
+    assert f"copy bandwidth beside the runs not measured: {refusal}" in table
+    assert f"copy bandwidth after the work not measured: {refusal}" in table
+
+
+def test_an_error_before_the_timed_runs_is_the_one_raised(monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full while exporting the GGUF")
+
+    monkeypatch.setattr(peers, "plan_inputs", disk_full)
+    with pytest.raises(OSError, match="disk full while exporting"):
+        peers.run_peers(tiny(), [], ["float32"], prompt_len=8, new_tokens=4, repeats=1, compile=False,
+                        log=lambda m: None)
 
 
 def test_the_table_gives_each_rows_bandwidth_share_source_and_what_failed():
