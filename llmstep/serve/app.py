@@ -8,17 +8,17 @@ request bodies is ours (llmstep.serve.protocol), not FastAPI's pydantic models, 
 400 with OpenAI's error body naming the field (FastAPI's own would be a 422 in its own shape).
 
 Routes: GET (and HEAD) /health, GET (and HEAD) /v1/models and /v1/models/{id}, POST /v1/completions, POST
-/v1/chat/completions (the checkpoint's chat template, `Tokenizer.encode_chat`), each streamed (`"stream": true`:
-`data: {json}` events, then `data: [DONE]`) or not. Text is decoded incrementally (`Tokenizer.stream`, special
-tokens skipped), as `llmstep.generate` does, and cut before a `stop` string (the engine then drops the request).
-The model's end-of-sequence tokens end a request with finish_reason "stop"; its max_tokens, or the end of the
-context, with "length". A request is checked whole before it is queued, its length against what the server holds
-(`Engine.context`: the model's context or the KV pool, whichever is less), so the engine never refuses one; if it
-still does, that is a 400 (an error event, then [DONE], once a stream has begun; a server stopping under an open
-stream sends a server_error event, then [DONE]). A request on which the model's logits break (NaN or Inf) is a
-500 "model_error" (or that event), and the engine serves the others. Every chunk of a response carries the one
-`created` time. A client that goes away, mid-stream, or while its request waits for a slot or runs for a whole
-answer, has its request dropped at once, and one gone before its body is all sent is no error of the server's.
+/v1/chat/completions (the checkpoint's chat template, `Tokenizer.encode_chat`), each streamed (`"stream": true`: `data:
+{json}` events, then `data: [DONE]`) or not. Text is decoded incrementally (`Tokenizer.stream`, special tokens
+skipped), as `llmstep.generate` does, and cut before a `stop` string (the engine then drops the request). The model's
+end-of-sequence tokens (else its tokenizer's, as `llmstep.generate`) end a request with finish_reason "stop"; its
+max_tokens, or the end of the context, with "length". A request is checked whole before it is queued, its length
+against what the server holds (`Engine.context`: the model's context or the KV pool, whichever is less), so the engine
+never refuses one; if it still does, that is a 400 (an error event, then [DONE], once a stream has begun; a server
+stopping under an open stream sends a server_error event, then [DONE]). A request on which the model's logits break
+(NaN or Inf) is a 500 "model_error" (or that event), and the engine serves the others. Every chunk of a response
+carries the one `created` time. A client that goes away, mid-stream, or while its request waits for a slot or runs for
+a whole answer, has its request dropped at once, and one gone before its body is all sent is no error of the server's.
 Text is tokenised off the event loop, and a text too long to fit is refused unread.
 
 Bound to a loopback address (the default), the server answers only requests for localhost or a loopback address
@@ -116,7 +116,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, host: str 
         app.add_middleware(LoopbackOnly)
     # a name from argv may hold undecodable bytes (lone surrogates): escaped once, so every response can be sent
     model_name = protocol.sendable(model_name)
-    context = engine.context  # the most tokens, prompt and new, one request may have
+    # the most tokens, prompt and new, one request may have; the end tokens it stops at (as llmstep.generate's)
+    context, ends = engine.context, engine.end_ids(tokenizer)
 
     @app.exception_handler(RequestError)
     async def bad_request(_, e: RequestError):
@@ -169,8 +170,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, host: str 
         try:
             body = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise RequestError(f"the request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}",
-                               None, "invalid_json") from None
+            raise RequestError(f"the request body is not valid JSON: {e.msg.removesuffix(' at')} at line {e.lineno} "
+                               f"column {e.colno}", None, "invalid_json") from None
         except UnicodeDecodeError as e:
             raise RequestError(f"the request body is not UTF-8 text: byte {e.start} cannot be read", None,
                                "invalid_json") from None
@@ -191,8 +192,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, host: str 
     def generate(ids: list[int], sampling: Sampling, prompt_param: str) -> tuple[asyncio.Queue, object]:
         max_new = protocol.check_length(len(ids), sampling, context, prompt_param)
         request = EngineRequest(ids, max_new_tokens=max_new, temperature=sampling.temperature, top_k=sampling.top_k,
-                                top_p=sampling.top_p, seed=sampling.seed,
-                                stop_ids=() if sampling.ignore_eos else None)  # None: the model's end tokens
+                                top_p=sampling.top_p, seed=sampling.seed, stop_ids=() if sampling.ignore_eos else ends)
         try:
             return engine.submit(request, asyncio.get_running_loop())
         except Busy as e:

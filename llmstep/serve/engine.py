@@ -23,9 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core.model import Llama
+from ..core.tokens import Tokenizer
 from ..engines.batching import Request
 from ..engines.decoding import NonFiniteLogitsError
 from ..engines.kv_manager import pool_tokens
+from ..engines.request import end_ids
 from ..engines.session import PagedSession
 
 __all__ = ["Engine", "Ticket", "Busy", "EngineStopped"]
@@ -94,6 +96,11 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def end_ids(self, tokenizer: Tokenizer | None) -> list[int]:
+        """What a request naming no stop tokens stops at: the model's end tokens, else its tokenizer's
+        (engines.request.end_ids: what llmstep.generate stops at; the session has no tokenizer to fall back on)."""
+        return end_ids(self.session.model, tokenizer)
 
     @property
     def context(self) -> int:

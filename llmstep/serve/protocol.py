@@ -46,15 +46,17 @@ ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": (None, False), 
                 "skip_special_tokens": True, "prompt_logprobs": None, "truncate_prompt_tokens": None,
                 "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
                 "add_generation_prompt": True, "continue_final_message": False, "chat_template": None}
-# Fields that change no answer (who asks, what to keep, which tier or cache bucket): taken and not read.
-IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-           "prompt_cache_retention", "safety_identifier",
-           "priority", "request_id", "cache_salt"}  # vLLM's: a queue's order, a log's id, a cache's partition
+# Fields that change no answer (who asks, what to keep, which tier or cache bucket): taken and not read, their type
+# checked (as OpenAI and vLLM do: a client's mistake is named, not passed over)
+IGNORED = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
+           "prompt_cache_key": str, "prompt_cache_retention": str, "safety_identifier": str,
+           "priority": int, "request_id": str, "cache_salt": str}  # vLLM's: a queue's order, a log's id, a cache's
+_TYPE_NAMES = {str: "a string", dict: "an object", bool: "a boolean", int: "an integer"}
 _READ = {"model", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k", "seed",
          "ignore_eos"}
 # Every field an endpoint takes; any other is refused by name (OpenAI's "Unrecognized request argument").
-FIELDS = {"completions": _READ | IGNORED | set(ONLY_DEFAULT) | {"prompt"},
-          "chat": _READ | IGNORED | set(ONLY_DEFAULT) | {"messages", "max_completion_tokens"}}
+FIELDS = {"completions": _READ | set(IGNORED) | set(ONLY_DEFAULT) | {"prompt"},
+          "chat": _READ | set(IGNORED) | set(ONLY_DEFAULT) | {"messages", "max_completion_tokens"}}
 
 
 class RequestError(ValueError):
@@ -145,6 +147,10 @@ def _stops(body: dict) -> list[str]:
     if long:
         raise RequestError(f"stop string {long[0]} is {len(stop[long[0]]):,} characters; llmstep serve takes at most "
                            f"{MAX_STOP_CHARS:,}", "stop", "invalid_value")
+    unreadable = [i for i, s in enumerate(stop) if any("\ud800" <= c <= "\udfff" for c in s)]
+    if unreadable:  # a lone surrogate (JSON's "\ud800"): no text the model writes holds one
+        raise RequestError(f"stop string {unreadable[0]} is not Unicode text (it holds a lone surrogate): it could "
+                           f"never match", "stop", "invalid_value")
     return stop
 
 
@@ -158,6 +164,10 @@ def _check_fields(body: dict, endpoint: str) -> None:
         where = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
         raise RequestError(f"unrecognized request argument supplied to {where}: {shorten(name)}{hint}",
                            cut(str(name)), "unrecognized_argument")
+    for name, kind in IGNORED.items():  # taken unread, but of the type they are
+        value = body.get(name)
+        if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+            raise RequestError(f"{name} must be {_TYPE_NAMES[kind]}, got {shorten(value)}", name, "invalid_type")
 
 
 def _sampling(body: dict, default_max_tokens: int | None, endpoint: str) -> Sampling:
@@ -266,6 +276,11 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
                        for p in content):
                 raise RequestError(f"{where}.content: llmstep serve reads text parts only", f"{where}.content",
                                    "unsupported_value")
+            extra = [(j, name) for j, p in enumerate(content) for name in p if name not in ("type", "text")]
+            if extra:  # as a message's own unknown fields: named, not passed over
+                part = f"{where}.content[{extra[0][0]}]"
+                raise RequestError(f"{part}.{shorten(extra[0][1])} is not supported by llmstep serve (a text part's "
+                                   "type and text are read)", f"{part}.{cut(extra[0][1])}", "unsupported_value")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string, got {shorten(content)}", f"{where}.content",

@@ -189,6 +189,28 @@ def test_a_stop_string_longer_than_the_limit_is_refused_by_name():
     assert error.param == "stop" and f"{MAX_STOP_CHARS:,}" in error.message and "stop string 1" in error.message
 
 
+def test_a_stop_string_that_is_not_unicode_is_refused_as_a_prompt_so_is():
+    """JSON's "\\ud800" parses to a lone surrogate, which no text the model writes holds: it could never match."""
+    error = refused(stop=["ok", "a\ud800"])
+    assert error.param == "stop" and "stop string 1 is not Unicode text" in error.message
+    assert completion(stop="\U0001f600").stop == ["\U0001f600"]  # a character beyond the BMP is one
+
+
+def test_the_fields_taken_unread_are_of_their_types():
+    assert completion(user="u1", store=False, metadata={"k": "v"}, priority=0, service_tier=None)
+    for name, value in [("user", 5), ("store", "yes"), ("metadata", [1]), ("priority", True), ("priority", 1.5),
+                        ("parallel_tool_calls", 1), ("request_id", {})]:
+        error = refused(**{name: value})
+        assert (error.param, error.code) == (name, "invalid_type") and f"{name} must be" in error.message
+
+
+def test_a_text_parts_fields_other_than_type_and_text_are_refused_by_name():
+    with pytest.raises(RequestError) as caught:
+        parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b", "bogus": 1}]}]})
+    assert caught.value.param == "messages[0].content[1].bogus" and caught.value.code == "unsupported_value"
+
+
 def test_the_held_back_end_is_the_longest_end_that_begins_a_stop_string():
     rng = random.Random(0)
     for _ in range(2000):

@@ -182,6 +182,26 @@ def test_an_end_of_sequence_token_ends_the_answer_with_stop_as_in_generate(shipp
             assert (text, reason, used) == (g.text, "stop", len(g.tokens))
 
 
+def test_a_model_that_declares_no_end_token_stops_at_its_tokenizers_as_in_generate(shipped, expected):
+    """A checkpoint whose config.json and generation_config.json name no end token (some Hugging Face ones):
+    generate stops at the tokenizer's end tokens, and so does the server (it ran past them)."""
+    import copy
+    import dataclasses
+
+    model, tokenizer = shipped
+    eos = expected["ROMEO:"].tokens[3]
+    silent = copy.copy(model)
+    silent.config = dataclasses.replace(model.config, eos_token_id=[])
+    silent.generation_config = {k: v for k, v in model.generation_config.items() if k != "eos_token_id"}
+    ending = copy.copy(tokenizer)
+    ending.eos_ids = [eos]
+    g = llmstep.generate(silent, ending, "ROMEO:", max_new_tokens=NEW, temperature=0)
+    assert g.stop_reason == "stop" and len(g.tokens) == 4
+    with running_server(silent, ending, n_slots=2) as (url, _):
+        r = client(url).completions.create(model="shipped", prompt="ROMEO:", max_tokens=NEW, temperature=0)
+        assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (g.text, "stop", 4)
+
+
 BAD = [  # (body fields, the field named)
     ({"temperature": 5}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -230,6 +250,9 @@ def test_an_unknown_model_is_a_404_and_a_body_that_is_not_json_a_400(server):
     r = httpx.post(f"{url}/v1/completions", content=b"{not json", timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert "line 1 column 2" in r.json()["error"]["message"]  # where the parser stopped
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a\nb"}', timeout=TIMEOUT)  # a raw newline
+    assert r.json()["error"]["message"] == ("the request body is not valid JSON: Invalid control character at line 1 "
+                                            "column 14")  # Python's message ends in "at": not said twice
     r = httpx.post(f"{url}/v1/completions", content=b"[" * 5000 + b"]" * 5000, timeout=TIMEOUT)  # valid, too deep
     assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi", "seed": ' + b"1" * 5000 + b"}",
