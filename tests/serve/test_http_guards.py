@@ -20,7 +20,8 @@ BODY = b'{"prompt": "ROMEO:", "max_tokens": 3}'
 
 def app_bound_to(host: str = "127.0.0.1"):
     """The app as serve() makes it for a server bound to `host`, over an engine and tokenizer it never reaches."""
-    return create_app(SimpleNamespace(context=64), SimpleNamespace(longest=16, vocab_size=10), "m", host)
+    engine = SimpleNamespace(context=64, end_ids=lambda tokenizer: [2])
+    return create_app(engine, SimpleNamespace(longest=16, vocab_size=10), "m", host)
 
 
 def scope(method: str, path: str, headers: dict[str, str]) -> dict:
