@@ -38,6 +38,7 @@ core/         the model, one module per stage of the token's journey (notebooks 
                    a bounded timeout, each collective's device, one rank's error agreed by all
     gguf.py        export to GGUF for llama.cpp (names, q/k row order, rope factors, tokenizer; int8 as Q8_0)
     gguf_load.py   read a GGUF file (llama.cpp's reader): shape, weights dequantized or Q4 kept as int4, tokenizer
+    gguf_header.py a GGUF file's header walked first: every count and length held to the bytes the file has
     gguf_vocab.py  a GGUF file's tokenizer rebuilt for `tokenizers`, with llama.cpp's split rules and ids
     gguf_rope.py   Llama 3.1's RoPE scaling read back from a GGUF file's per-pair rope_freqs factors
     device.py      the device, the dtype policy, synchronisation

@@ -274,7 +274,10 @@ def _read_headers(path: Path, files: dict[str, list[str]]
             _check_spans(fpath, spans)
             data_end = max((end for _, _, end in tensors.values()), default=0)
             meta = header.get("__metadata__")
-            metadata[file] = meta if isinstance(meta, dict) else {}
+            if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+                raise CheckpointError(f"{fpath}: its header's __metadata__ must map names to strings (safetensors "
+                                      f"refuses it when it reads the file), got {str(meta)[:80]}")
+            metadata[file] = meta or {}
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{fpath}: corrupt safetensors header ({type(e).__name__}: {e})") from None
         if size != 8 + header_len + data_end:

@@ -37,6 +37,7 @@ from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_conf
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device
 from .gguf import GGUF_NAMES, SAMPLING_KEYS, from_interleaved, qk_rows
+from .gguf_header import check_header
 from .gguf_rope import llama31_scaling_of
 from .gguf_vocab import GGUFVocabError, build_tokenizer
 from .loader import check_finite, dtype_name, load_dtype, quantized
@@ -118,6 +119,7 @@ def _open(path: Path):
         raise GGUFLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     if size < 24:  # magic, version, tensor count, metadata count
         raise GGUFLoadError(f"{path}: truncated GGUF file ({size} bytes: the header alone takes 24)")
+    check_header(path, GGUFLoadError)  # every count and length against the bytes left, before the reader trusts them
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, ZeroDivisionError) as e:
@@ -228,11 +230,15 @@ def _config(fields: dict, tensors: dict, where: str) -> LlamaConfig:
     if rope_kind != "none":  # Llama 3.1's scaling travels as the rope_freqs tensor instead
         raise GGUFLoadError(f"{where}: llama.rope.scaling.type is {rope_kind!r}; llmstep implements plain RoPE and "
                             "Llama 3.1's scaling (a rope_freqs tensor) only")
-    for key in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):  # llama.cpp: a linear factor, any type
+    for key in ("llama.rope.scaling.factor", "llama.rope.scale_linear"):  # llama.cpp: a linear factor
         linear = _float(fields, key, where, 0.0)
         if linear not in (0.0, 1.0):
             raise GGUFLoadError(f"{where}: {key} is {_shortest(linear)}: positions scaled linearly, which llmstep "
                                 "does not implement (plain RoPE and Llama 3.1's scaling, a rope_freqs tensor, only)")
+    attn_factor = _float(fields, "llama.rope.scaling.attn_factor", where, 1.0)  # llama.cpp scales the rotation by it
+    if attn_factor != 1.0:
+        raise GGUFLoadError(f"{where}: llama.rope.scaling.attn_factor is {_shortest(attn_factor)}: llama.cpp scales "
+                            "the rotated q and k by it, which llmstep does not implement (1, or no such key, only)")
     n_heads = _int(fields, "llama.attention.head_count", where)
     dim = _int(fields, "llama.embedding_length", where)
     if "llama.attention.key_length" not in fields and dim % n_heads:

@@ -270,6 +270,20 @@ def test_malformed_safetensors_header(ckpt, header):
         llmstep.load(ckpt)
 
 
+@pytest.mark.parametrize("meta", [b'{"format": 5}', b'["pt"]', b'"pt"'])
+def test_a_safetensors_metadata_that_is_not_names_to_strings_is_refused_from_the_header(ckpt, meta):
+    """safe_open refuses it too, but only as it reads the file, after any earlier shard was loaded."""
+    file = ckpt / "model.safetensors"
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header, data = json.loads(f.read(n)), f.read()
+    header["__metadata__"] = json.loads(meta)
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    with pytest.raises(CheckpointError, match="model.safetensors: its header's __metadata__ must map names to strings"):
+        llmstep.load(ckpt)
+
+
 @pytest.mark.parametrize("tensors, data, message", [
     ({"a": [[1], [0, 4]], "b": [[1], [0, 4]]}, 4, "tensor b starts at data byte 0: it overlaps the tensor before it"),
     ({"a": [[1], [0, 4]], "b": [[1], [8, 12]]}, 12, "tensor b starts at data byte 8: it leaves a gap of 4 bytes"),

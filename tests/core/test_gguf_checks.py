@@ -1,7 +1,8 @@
-"""What read_gguf refuses before a weight is read (a tensor table that does not tile the data section, a bad
-general.alignment, a rope_freqs tensor of the wrong shape, a chat template that is not Jinja, a file cut after its
-magic) and what export keeps (the sampling defaults; a dequantized model's weights, unrounded by default). Files are
-written by export_gguf, then rewritten or patched byte by byte with the gguf package's reader and writer."""
+"""What read_gguf refuses before a weight is read (a header count or length the file cannot hold, a tensor table that
+does not tile the data section, a bad general.alignment, a rope scaling llmstep does not implement, a rope_freqs
+tensor of the wrong shape, a chat template that is not Jinja, a file cut after its magic) and what export keeps (the
+sampling defaults; a dequantized model's weights, unrounded by default). Files are written by export_gguf, then
+rewritten or patched byte by byte with the gguf package's reader and writer."""
 
 from __future__ import annotations
 
@@ -226,3 +227,59 @@ def test_the_export_command_says_which_type_it_wrote_a_quantized_file_in(tmp_pat
     cli.main(["export", "--gguf", str(out), "--model", str(q4_1_file(tmp_path, tokenizer))])
     assert {t.tensor_type.name for t in gguf.GGUFReader(out).tensors} == {"F32"}
     assert "matrices f32 (not the checkpoint's bfloat16, which would round its weights)" in capsys.readouterr().err
+
+
+def _field_offset(path, key: str) -> int:
+    """Where metadata `key`'s entry begins: its key's u64 length."""
+    return gguf.GGUFReader(path).fields[key].offset
+
+
+@pytest.mark.parametrize(("key", "patch", "match"), [
+    # the u64 count of an array: 2**40 int32 token types (the reader walked the file item by item, for minutes)
+    ("tokenizer.ggml.token_type", lambda at, key: (at + 8 + len(key) + 8, "<Q", 2**40),
+     r"metadata tokenizer.ggml.token_type claims 1,099,511,627,776 int32 items, which take at least "
+     r"4,398,046,511,104 bytes; [\d,]+ are left"),
+    # an array of strings whose item type says array: an array of arrays (the reader took gigabytes)
+    ("tokenizer.ggml.tokens", lambda at, key: (at + 8 + len(key) + 4, "<I", 9),
+     "metadata tokenizer.ggml.tokens is an array of arrays, which llama.cpp does not read"),
+    # a string's u64 length past the end
+    ("general.architecture", lambda at, key: (at + 8 + len(key) + 4, "<Q", 2**50),
+     r"metadata general.architecture is 1,125,899,906,842,624 bytes long, more than the [\d,]+ left"),
+    ("general.architecture", lambda at, key: (at + 8 + len(key), "<I", 77),
+     "metadata general.architecture has value type 77, which GGUF does not have"),
+])
+def test_a_header_count_or_length_the_file_cannot_hold_is_refused_at_once_by_its_key(tmp_path, tokenizer, key, patch,
+                                                                                       match, no_weight_read,
+                                                                                       monkeypatch):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    where, fmt, value = patch(_field_offset(path, key), key)
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, where, value)
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: pytest.fail("the reader was handed a lying header"))
+    with pytest.raises(GGUFLoadError, match=match):
+        read_gguf(path)
+
+
+def test_the_header_counts_of_tensors_and_metadata_are_held_to_the_bytes_left(tmp_path, tokenizer):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    data = bytearray(path.read_bytes())
+    for at, what in ((8, "tensors"), (16, "metadata entries")):  # after the magic and the version: two u64 counts
+        bad = bytearray(data)
+        struct.pack_into("<Q", bad, at, 2**60)
+        (tmp_path / "bad.gguf").write_bytes(bytes(bad))
+        with pytest.raises(GGUFLoadError, match=f"the header claims 1,152,921,504,606,846,976 {what}"):
+            read_gguf(tmp_path / "bad.gguf")
+
+
+def test_a_rope_attn_factor_other_than_one_is_refused_as_llama_cpp_would_scale_q_and_k_by_it(tmp_path, tokenizer):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    for value, loads in ((1.0, True), (2.0, False)):
+        out = rewrite(path, tmp_path / f"attn{value}.gguf",
+                      {"llama.rope.scaling.attn_factor": (value, gguf.GGUFValueType.FLOAT32)})
+        if loads:
+            assert read_gguf(out).config.dim == random_llama().config.dim
+        else:
+            with pytest.raises(GGUFLoadError, match="llama.rope.scaling.attn_factor is 2.0: llama.cpp scales the "
+                                                    "rotated q and k by it"):
+                read_gguf(out)

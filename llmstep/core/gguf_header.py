@@ -1,0 +1,120 @@
+"""A GGUF file's header walked before the `gguf` package's reader reads it: every count and length checked against
+the bytes the file has left, and named by its key or tensor.
+
+The reader trusts them: it reads an array one item at a time in Python and keeps an object per item, and past the
+end of the file an item reads as empty rather than failing, so one lying count (a vocabulary of 2**40 token types,
+an array of arrays) had it run for minutes and take gigabytes from a file of a few megabytes. Here nothing is read
+but the header, through a memory map (the weights' pages are never touched), and a count is refused unless its
+items could fit in what is left: an array's items take at least 1, 2, 4 or 8 bytes each, a string's 8 (its
+length). The layout is GGUF v2/v3's (llama.cpp's ggml/src/gguf.cpp): magic, version, tensor count and metadata
+count; each metadata entry a key (u64 length, bytes), a value type (u32) and its value (an array: item type, u64
+count, items); each tensor a name, n_dims (u32, at most 4), its dims (u64), a type (u32) and an offset (u64).
+Arrays of arrays are refused as llama.cpp refuses them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+__all__ = ["check_header"]
+
+# GGUF's value types (gguf.GGUFValueType): their names and the bytes of one fixed-size value
+_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+          8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Walk:
+    """A cursor over the file's bytes; every read checked against the end, the error naming `what`."""
+
+    def __init__(self, data, path: Path, error: type[Exception]):
+        self.data, self.at, self.path, self.error = data, 0, path, error
+
+    def left(self) -> int:
+        return len(self.data) - self.at
+
+    def fail(self, message: str):
+        raise self.error(f"{self.path}: {message} (the file ends {len(self.data):,} bytes in): a truncated or corrupt "
+                         f"GGUF file")
+
+    def refuse(self, message: str):
+        raise self.error(f"{self.path}: {message}")
+
+    def number(self, fmt: str, what: str) -> int:
+        size = struct.calcsize(fmt)
+        if self.left() < size:
+            self.fail(f"{what} runs past the end of the file")
+        (value,) = struct.unpack_from(fmt, self.data, self.at)
+        self.at += size
+        return value
+
+    def string(self, what: str) -> str:
+        n = self.number("<Q", f"{what}'s length")
+        if n > self.left():
+            self.fail(f"{what} is {n:,} bytes long, more than the {self.left():,} left")
+        text = self.data[self.at:self.at + n].decode("utf-8", "replace")
+        self.at += n
+        return text
+
+    def items(self, kind: int, count: int, what: str) -> None:
+        """Skip `count` values of type `kind`, refusing a count whose items cannot fit before reading any."""
+        least = 8 if kind == _STRING else _SIZES[kind]
+        if count * least > self.left():
+            self.fail(f"{what} claims {count:,} {_NAMES[kind]} items, which take at least {count * least:,} bytes; "
+                      f"{self.left():,} are left")
+        if kind != _STRING:
+            self.at += count * least
+            return
+        for i in range(count):
+            n = self.number("<Q", f"{what}[{i}]'s length")
+            if n > self.left():
+                self.fail(f"{what}[{i}] is {n:,} bytes long, more than the {self.left():,} left")
+            self.at += n
+
+
+def check_header(path: Path, error: type[Exception]) -> None:
+    """Walk the header of the GGUF file at `path` (its magic already checked), raising `error` for the first count
+    or length the file's bytes cannot hold, named by its key or tensor; nothing is kept."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        _walk(_Walk(data, path, error))
+
+
+def _walk(walk: _Walk) -> None:
+    walk.number("<I", "the magic")
+    version = walk.number("<I", "the version")
+    if version not in (2, 3):
+        return  # the reader names the version it does not read
+    n_tensors = walk.number("<Q", "the tensor count")
+    n_fields = walk.number("<Q", "the metadata count")
+    if n_fields * 13 > walk.left():  # a key's length (8), its value type (4), at least a byte of value
+        walk.fail(f"the header claims {n_fields:,} metadata entries, more than the bytes left could hold")
+    for i in range(n_fields):
+        key = walk.string(f"metadata entry {i}'s key")
+        kind = walk.number("<I", f"metadata {key}'s value type")
+        if kind not in _NAMES:
+            walk.refuse(f"metadata {key} has value type {kind}, which GGUF does not have")
+        if kind == _STRING:
+            walk.string(f"metadata {key}")
+        elif kind == _ARRAY:
+            item = walk.number("<I", f"metadata {key}'s item type")
+            if item == _ARRAY:
+                walk.refuse(f"metadata {key} is an array of arrays, which llama.cpp does not read")
+            if item not in _NAMES:
+                walk.refuse(f"metadata {key} is an array of value type {item}, which GGUF does not have")
+            walk.items(item, walk.number("<Q", f"metadata {key}'s item count"), f"metadata {key}")
+        else:
+            walk.items(kind, 1, f"metadata {key}")
+    if n_tensors * 32 > walk.left():  # a name's length, n_dims, one dim, the type, the offset
+        walk.fail(f"the header claims {n_tensors:,} tensors, more than the bytes left could describe")
+    for i in range(n_tensors):
+        name = walk.string(f"tensor {i}'s name")
+        n_dims = walk.number("<I", f"tensor {name}'s n_dims")
+        if n_dims > _MAX_DIMS:
+            walk.refuse(f"tensor {name} has {n_dims:,} dimensions; GGUF (llama.cpp) allows at most {_MAX_DIMS}")
+        walk.items(10, n_dims, f"tensor {name}'s dims")
+        walk.number("<I", f"tensor {name}'s type")
+        walk.number("<Q", f"tensor {name}'s offset")
