@@ -9,7 +9,9 @@ items could fit in what is left: an array's items take at least 1, 2, 4 or 8 byt
 length). The layout is GGUF v2/v3's (llama.cpp's ggml/src/gguf.cpp): magic, version, tensor count and metadata
 count; each metadata entry a key (u64 length, bytes), a value type (u32) and its value (an array: item type, u64
 count, items); each tensor a name, n_dims (u32, at most 4), its dims (u64), a type (u32) and an offset (u64).
-Arrays of arrays are refused as llama.cpp refuses them.
+Arrays of arrays, big-endian files, keys and tensor names longer than GGUF and llama.cpp allow are refused, and
+so are more entries, tensors or array items than any model has (the reader keeps a ~2 KB object for each, whatever
+the bytes: `_MOST_ITEMS`, `_MOST_ENTRIES`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ _NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_KEY = 65_535  # the GGUF spec's longest key, in bytes
+_MAX_NAME = 63  # llama.cpp's longest tensor name (GGML_MAX_NAME, 64 with its terminating zero)
+# The gguf reader keeps a Python object (~2 KB) per metadata entry, array item and tensor, whatever the item's size:
+# bounds far above any model's (Llama 3's ~540,000 vocabulary items in all; Gemma's 262,144 tokens) keep a file of
+# a few megabytes from costing tens of gigabytes
+_MOST_ITEMS = 2**21  # array items, all the metadata's arrays together (Gemma's three arrays: 786,432)
+_MOST_ENTRIES = 2**16  # metadata entries, and tensors
 
 
 class _Walk:
@@ -52,11 +61,14 @@ class _Walk:
         self.at += size
         return value
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, most: int | None = None) -> str:
+        """A string (its u64 length, its bytes), at most `most` bytes long where given; quoted short."""
         n = self.number("<Q", f"{what}'s length")
         if n > self.left():
             self.fail(f"{what} is {n:,} bytes long, more than the {self.left():,} left")
-        text = self.data[self.at:self.at + n].decode("utf-8", "replace")
+        if most is not None and n > most:
+            self.refuse(f"{what} is {n:,} bytes long; GGUF (llama.cpp) allows at most {most:,}")
+        text = self.data[self.at:self.at + min(n, 80)].decode("utf-8", "replace") + ("..." if n > 80 else "")
         self.at += n
         return text
 
@@ -86,14 +98,21 @@ def check_header(path: Path, error: type[Exception]) -> None:
 def _walk(walk: _Walk) -> None:
     walk.number("<I", "the magic")
     version = walk.number("<I", "the version")
+    if version & 0xFFFF == 0 and version:  # 2 or 3 written big-endian
+        raise walk.error(f"{walk.path} is a big-endian GGUF file; llmstep (as llama.cpp) reads little-endian ones")
     if version not in (2, 3):
         return  # the reader names the version it does not read
     n_tensors = walk.number("<Q", "the tensor count")
     n_fields = walk.number("<Q", "the metadata count")
     if n_fields * 13 > walk.left():  # a key's length (8), its value type (4), at least a byte of value
         walk.fail(f"the header claims {n_fields:,} metadata entries, more than the bytes left could hold")
+    for count, what in ((n_fields, "metadata entries"), (n_tensors, "tensors")):
+        if count > _MOST_ENTRIES:
+            walk.refuse(f"the header claims {count:,} {what}; llmstep reads at most {_MOST_ENTRIES:,} (no model has "
+                        f"more, and the gguf reader keeps an object for each)")
+    items = 0  # array items so far
     for i in range(n_fields):
-        key = walk.string(f"metadata entry {i}'s key")
+        key = walk.string(f"metadata entry {i}'s key", _MAX_KEY)
         kind = walk.number("<I", f"metadata {key}'s value type")
         if kind not in _NAMES:
             walk.refuse(f"metadata {key} has value type {kind}, which GGUF does not have")
@@ -105,13 +124,18 @@ def _walk(walk: _Walk) -> None:
                 walk.refuse(f"metadata {key} is an array of arrays, which llama.cpp does not read")
             if item not in _NAMES:
                 walk.refuse(f"metadata {key} is an array of value type {item}, which GGUF does not have")
-            walk.items(item, walk.number("<Q", f"metadata {key}'s item count"), f"metadata {key}")
+            count = walk.number("<Q", f"metadata {key}'s item count")
+            walk.items(item, count, f"metadata {key}")
+            items += count
+            if items > _MOST_ITEMS:
+                walk.refuse(f"metadata {key} brings the metadata's array items to {items:,}; llmstep reads at most "
+                            f"{_MOST_ITEMS:,} (far above any vocabulary: the gguf reader keeps an object for each)")
         else:
             walk.items(kind, 1, f"metadata {key}")
     if n_tensors * 32 > walk.left():  # a name's length, n_dims, one dim, the type, the offset
         walk.fail(f"the header claims {n_tensors:,} tensors, more than the bytes left could describe")
     for i in range(n_tensors):
-        name = walk.string(f"tensor {i}'s name")
+        name = walk.string(f"tensor {i}'s name", _MAX_NAME)
         n_dims = walk.number("<I", f"tensor {name}'s n_dims")
         if n_dims > _MAX_DIMS:
             walk.refuse(f"tensor {name} has {n_dims:,} dimensions; GGUF (llama.cpp) allows at most {_MAX_DIMS}")

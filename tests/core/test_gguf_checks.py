@@ -283,3 +283,53 @@ def test_a_rope_attn_factor_other_than_one_is_refused_as_llama_cpp_would_scale_q
             with pytest.raises(GGUFLoadError, match="llama.rope.scaling.attn_factor is 2.0: llama.cpp scales the "
                                                     "rotated q and k by it"):
                 read_gguf(out)
+
+
+def _header(*fields: bytes, tensors: tuple[bytes, ...] = (), version: int = 3, endian: str = "<") -> bytes:
+    """A GGUF header: magic, version, the counts, then the entries given as bytes."""
+    return (b"GGUF" + struct.pack(f"{endian}IQQ", version, len(tensors), len(fields)) + b"".join(fields)
+            + b"".join(tensors))
+
+
+def _string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def _array(key: bytes, item: int, count: int, items: bytes) -> bytes:
+    return _string(key) + struct.pack("<IIQ", 9, item, count) + items
+
+
+def _check(tmp_path, data: bytes):
+    from llmstep.core.gguf_header import check_header
+
+    (tmp_path / "h.gguf").write_bytes(data)
+    check_header(tmp_path / "h.gguf", GGUFLoadError)
+
+
+def test_the_header_walk_takes_what_gguf_allows(tmp_path):
+    """Empty and bool arrays, empty strings, v2 files, no tensors: nothing refused that the format allows."""
+    for version in (2, 3):
+        _check(tmp_path, _header(_array(b"a.bools", 7, 3, b"\x01\x00\x01"), _array(b"a.empty", 8, 0, b""),
+                                 _string(b"a.text") + struct.pack("<I", 8) + _string(b""),
+                                 _string(b"a.f64") + struct.pack("<Id", 12, 0.5), version=version))
+    name = _string(b"blk.0.attn_q.weight") + struct.pack("<IQQIQ", 2, 64, 64, 0, 0)
+    _check(tmp_path, _header(tensors=(name,)) + b"\0" * 64)
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    (b"GGUF" + struct.pack(">IQQ", 3, 0, 1) + _array(b"k", 0, 2**40, b""), "a big-endian GGUF file"),
+    (_header(_string(b"k" * 70_000) + struct.pack("<IB", 0, 1)), "metadata entry 0's key is 70,000 bytes long; GGUF "
+                                                                   r"\(llama.cpp\) allows at most 65,535"),
+    (_header(tensors=(_string(b"t" * 64) + struct.pack("<IQIQ", 1, 4, 0, 0),)) + b"\0" * 64,
+     r"tensor 0's name is 64 bytes long; GGUF \(llama.cpp\) allows at most 63"),
+    (_header(_array(b"a", 0, 2**20, b"\0" * 2**20), _array(b"b", 0, 2**20 + 1, b"\0" * (2**20 + 1))),
+     "metadata b brings the metadata's array items to 2,097,153; llmstep reads at most 2,097,152"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 2**16 + 1) + b"\0" * 13 * (2**16 + 1),
+     "the header claims 65,537 metadata entries; llmstep reads at most 65,536"),
+])
+def test_the_header_walk_refuses_what_no_model_needs_and_the_reader_would_pay_for(tmp_path, data, match):
+    """A big-endian file (the reader would swap it and walk a lying count), a key or tensor name past GGUF's and
+    llama.cpp's lengths, more array items or entries than any model's vocabulary: refused before the reader, whose
+    object per item cost ~2 KB (a valid 200 KB file of 200,000 bytes in one array took it 440 MiB)."""
+    with pytest.raises(GGUFLoadError, match=match):
+        _check(tmp_path, data)
