@@ -51,7 +51,7 @@ ONLY_DEFAULT = {"n": 1, "best_of": 1, "echo": False, "logprobs": (None, False), 
 IGNORED = {"user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
            "prompt_cache_key": str, "prompt_cache_retention": str, "safety_identifier": str,
            "priority": int, "request_id": str, "cache_salt": str}  # vLLM's: a queue's order, a log's id, a cache's
-_TYPE_NAMES = {str: "a string", dict: "an object", bool: "a boolean", int: "an integer"}
+_TYPE_NAMES = {str: "a string", dict: "an object of strings", bool: "a boolean", int: "an integer"}
 _READ = {"model", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k", "seed",
          "ignore_eos"}
 # Every field an endpoint takes; any other is refused by name (OpenAI's "Unrecognized request argument").
@@ -166,7 +166,8 @@ def _check_fields(body: dict, endpoint: str) -> None:
                            cut(str(name)), "unrecognized_argument")
     for name, kind in IGNORED.items():  # taken unread, but of the type they are
         value = body.get(name)
-        if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+        if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)
+                                  or kind is dict and not all(isinstance(v, str) for v in value.values())):
             raise RequestError(f"{name} must be {_TYPE_NAMES[kind]}, got {shorten(value)}", name, "invalid_type")
 
 
@@ -276,7 +277,8 @@ def parse_chat(body: dict) -> tuple[list[dict], Sampling]:
                        for p in content):
                 raise RequestError(f"{where}.content: llmstep serve reads text parts only", f"{where}.content",
                                    "unsupported_value")
-            extra = [(j, name) for j, p in enumerate(content) for name in p if name not in ("type", "text")]
+            extra = [(j, name) for j, p in enumerate(content) for name in p
+                     if name not in ("type", "text") and p[name] is not None]  # null says nothing, as on a message
             if extra:  # as a message's own unknown fields: named, not passed over
                 part = f"{where}.content[{extra[0][0]}]"
                 raise RequestError(f"{part}.{shorten(extra[0][1])} is not supported by llmstep serve (a text part's "

@@ -198,7 +198,8 @@ def test_a_stop_string_that_is_not_unicode_is_refused_as_a_prompt_so_is():
 
 def test_the_fields_taken_unread_are_of_their_types():
     assert completion(user="u1", store=False, metadata={"k": "v"}, priority=0, service_tier=None)
-    for name, value in [("user", 5), ("store", "yes"), ("metadata", [1]), ("priority", True), ("priority", 1.5),
+    for name, value in [("user", 5), ("store", "yes"), ("metadata", [1]), ("metadata", {"k": 5}), ("priority", True),
+                        ("priority", 1.5),
                         ("parallel_tool_calls", 1), ("request_id", {})]:
         error = refused(**{name: value})
         assert (error.param, error.code) == (name, "invalid_type") and f"{name} must be" in error.message
@@ -209,6 +210,8 @@ def test_a_text_parts_fields_other_than_type_and_text_are_refused_by_name():
         parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                {"type": "text", "text": "b", "bogus": 1}]}]})
     assert caught.value.param == "messages[0].content[1].bogus" and caught.value.code == "unsupported_value"
+    assert parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": None}]}]})[0] == [
+        {"role": "user", "content": "a"}]  # a null field says nothing, as on a message
 
 
 def test_the_held_back_end_is_the_longest_end_that_begins_a_stop_string():
