@@ -69,7 +69,7 @@ class Bandwidth:
     def __init__(self, device: str | torch.device | None = None, nbytes: int | None = None, kind: str = "copy"):
         if kind not in ("copy", "read"):
             raise ValueError(f"kind must be 'copy' or 'read', got {kind!r}")
-        self.device, self.kind = resolve_device(device), kind
+        self.device = resolve_device(device)
         nbytes = 2**30 if nbytes is None else nbytes
         check_bandwidth_bytes(nbytes, self.device, kind)
         n = max(nbytes // 4, 1)  # float32 elements
