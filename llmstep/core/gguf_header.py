@@ -11,7 +11,8 @@ count; each metadata entry a key (u64 length, bytes), a value type (u32) and its
 count, items); each tensor a name, n_dims (u32, at most 4), its dims (u64), a type (u32) and an offset (u64).
 Arrays of arrays, big-endian files, keys and tensor names longer than GGUF and llama.cpp allow are refused, and
 so are more entries, tensors or array items than any model has (the reader keeps a ~2 KB object for each, whatever
-the bytes: `_MOST_ITEMS`, `_MOST_ENTRIES`).
+the bytes: `_MOST_ITEMS`, `_MOST_ENTRIES`). The walk keeps each key's value type: `check_types` holds the keys
+llmstep reads to the types llama.cpp reads them as (`KEY_TYPES`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mmap
 import struct
 from pathlib import Path
 
-__all__ = ["check_header"]
+__all__ = ["check_header", "check_types", "KEY_TYPES", "PER_LAYER"]
 
 # GGUF's value types (gguf.GGUFValueType): their names and the bytes of one fixed-size value
 _NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
@@ -35,6 +36,23 @@ _MAX_NAME = 63  # llama.cpp's longest tensor name (GGML_MAX_NAME, 64 with its te
 # a few megabytes from costing tens of gigabytes
 _MOST_ITEMS = 2**21  # array items, all the metadata's arrays together (Gemma's three arrays: 786,432)
 _MOST_ENTRIES = 2**16  # metadata entries, and tensors
+
+# The metadata read here -> the value type llama.cpp reads it as (its loader refuses any other: "key ... has wrong
+# type"), as llama.cpp's converter writes it; any tokenizer.ggml.*_token_id is a uint32. Where llama.cpp also
+# takes one value per block (an array), the loader's value check names it.
+_U32 = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+        "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
+        "vocab_size", "expert_count")
+_F32 = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor", "rope.scale_linear",
+        "rope.scaling.attn_factor")
+PER_LAYER = ("llama.feed_forward_length", "llama.attention.head_count", "llama.attention.head_count_kv")
+KEY_TYPES = {"general.architecture": "string", **{f"llama.{k}": "uint32" for k in _U32},
+             **{f"llama.{k}": "float32" for k in _F32}, "llama.rope.scaling.type": "string",
+             "tokenizer.ggml.model": "string", "tokenizer.ggml.pre": "string",
+             "tokenizer.ggml.tokens": "array of string", "tokenizer.ggml.merges": "array of string",
+             "tokenizer.ggml.token_type": "array of int32", "tokenizer.ggml.add_bos_token": "bool",
+             "tokenizer.ggml.add_eos_token": "bool", "tokenizer.chat_template": "string",
+             "general.sampling.temp": "float32", "general.sampling.top_p": "float32", "general.sampling.top_k": "int32"}
 
 
 class _Walk:
@@ -88,20 +106,36 @@ class _Walk:
             self.at += n
 
 
-def check_header(path: Path, error: type[Exception]) -> None:
+def check_header(path: Path, error: type[Exception]) -> dict[str, str]:
     """Walk the header of the GGUF file at `path` (its magic already checked), raising `error` for the first count
-    or length the file's bytes cannot hold, named by its key or tensor; nothing is kept."""
+    or length the file's bytes cannot hold, named by its key or tensor. Returns each metadata key's value type as
+    GGUF names it ("uint32", "string", "array of int32", ...); empty for a version the walk does not know."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        _walk(_Walk(data, path, error))
+        return _walk(_Walk(data, path, error))
 
 
-def _walk(walk: _Walk) -> None:
+def check_types(types: dict[str, str], path: Path, error: type[Exception]) -> None:
+    """Refuse metadata llmstep reads (KEY_TYPES) whose value type is not the one llama.cpp reads it as, naming the key:
+    a head count stored as a float, a token id as an int64, token types as floats."""
+    for key, kind in types.items():
+        want = KEY_TYPES.get(key, "uint32" if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") else None)
+        if want is None or kind == want or key in PER_LAYER and kind == f"array of {want}":
+            continue
+        raise error(f"{path}: metadata {key} is {_a(kind)}; llama.cpp reads it as {_a(want)} only (its converter "
+                    "writes it so), and so does llmstep")
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "ai" else f"a {kind}"
+
+
+def _walk(walk: _Walk) -> dict[str, str]:
     walk.number("<I", "the magic")
     version = walk.number("<I", "the version")
     if version & 0xFFFF == 0 and version:  # 2 or 3 written big-endian
         raise walk.error(f"{walk.path} is a big-endian GGUF file; llmstep (as llama.cpp) reads little-endian ones")
     if version not in (2, 3):
-        return  # the reader names the version it does not read
+        return {}  # the reader names the version it does not read
     n_tensors = walk.number("<Q", "the tensor count")
     n_fields = walk.number("<Q", "the metadata count")
     if n_fields * 13 > walk.left():  # a key's length (8), its value type (4), at least a byte of value
@@ -111,6 +145,7 @@ def _walk(walk: _Walk) -> None:
             walk.refuse(f"the header claims {count:,} {what}; llmstep reads at most {_MOST_ENTRIES:,} (no model has "
                         f"more, and the gguf reader keeps an object for each)")
     items = 0  # array items so far
+    types = {}
     for i in range(n_fields):
         key = walk.string(f"metadata entry {i}'s key", _MAX_KEY)
         kind = walk.number("<I", f"metadata {key}'s value type")
@@ -126,12 +161,14 @@ def _walk(walk: _Walk) -> None:
                 walk.refuse(f"metadata {key} is an array of value type {item}, which GGUF does not have")
             count = walk.number("<Q", f"metadata {key}'s item count")
             walk.items(item, count, f"metadata {key}")
+            types[key] = f"array of {_NAMES[item]}"
             items += count
             if items > _MOST_ITEMS:
                 walk.refuse(f"metadata {key} brings the metadata's array items to {items:,}; llmstep reads at most "
                             f"{_MOST_ITEMS:,} (far above any vocabulary: the gguf reader keeps an object for each)")
         else:
             walk.items(kind, 1, f"metadata {key}")
+        types.setdefault(key, _NAMES[kind])
     if n_tensors * 32 > walk.left():  # a name's length, n_dims, one dim, the type, the offset
         walk.fail(f"the header claims {n_tensors:,} tensors, more than the bytes left could describe")
     for i in range(n_tensors):
@@ -142,3 +179,4 @@ def _walk(walk: _Walk) -> None:
         walk.items(10, n_dims, f"tensor {name}'s dims")
         walk.number("<I", f"tensor {name}'s type")
         walk.number("<Q", f"tensor {name}'s offset")
+    return types

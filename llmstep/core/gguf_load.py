@@ -37,7 +37,7 @@ from .config import ConfigError, LlamaConfig, RopeScaling, check_generation_conf
 from .cost import check_fits, checkpoint_bytes
 from .device import resolve_device
 from .gguf import GGUF_NAMES, SAMPLING_KEYS, from_interleaved, qk_rows
-from .gguf_header import check_header
+from .gguf_header import PER_LAYER, check_header, check_types
 from .gguf_rope import llama31_scaling_of
 from .gguf_vocab import GGUFVocabError, build_tokenizer
 from .loader import check_finite, dtype_name, load_dtype, quantized
@@ -53,8 +53,6 @@ MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 KEEPS = ("Q4_0", "Q4_1")  # types keep_quantized holds as llmstep int4, group size 32 (GGUF's block)
 BLOCK = 32
-
-
 class GGUFLoadError(ValueError):
     """A GGUF file llmstep cannot load; the message names the file and the key or tensor."""
 
@@ -119,7 +117,8 @@ def _open(path: Path):
         raise GGUFLoadError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     if size < 24:  # magic, version, tensor count, metadata count
         raise GGUFLoadError(f"{path}: truncated GGUF file ({size} bytes: the header alone takes 24)")
-    check_header(path, GGUFLoadError)  # every count and length against the bytes left, before the reader trusts them
+    # every count and length against the bytes left, and the keys' types, before the reader trusts them
+    check_types(check_header(path, GGUFLoadError), path, GGUFLoadError)
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, ZeroDivisionError) as e:
@@ -192,6 +191,10 @@ def _int(fields: dict, key: str, where: str, default=None) -> int:
     value = fields.get(key, default)
     if value is None:
         raise GGUFLoadError(f"{where}: metadata {key} is missing")
+    if isinstance(value, list) and key in PER_LAYER:  # llama.cpp's form for blocks of different sizes
+        raise GGUFLoadError(f"{where}: metadata {key} gives one value per block "
+                            f"({', '.join(map(str, value[:4]))}{', ...' if len(value) > 4 else ''}); llmstep's blocks "
+                            "are all alike: one number")
     if not is_int(value) or value <= 0:
         raise GGUFLoadError(f"{where}: metadata {key} must be a positive integer, got {value!r}")
     return value

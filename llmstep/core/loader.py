@@ -111,21 +111,23 @@ def read_state(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, slice
     # Read to the CPU unless the device is CUDA and the slicer takes whole tensors; one tensor at a time.
     read_on = str(device) if device.type == "cuda" and slicer.direct else "cpu"
     state: dict[str, torch.Tensor] = {}
-    taken = 0
+    taken, at = 0, path  # at: the file (then the tensor) being read, for an error to name
     try:
         for file, names in by_file.items():
-            with safe_open(path / file, framework="pt", device=read_on) as f:
+            at = path / file
+            with safe_open(at, framework="pt", device=read_on) as f:
                 for name in names:
+                    at = f"{path / file}: tensor {name}"
                     ours, _, kind = expected[name]
                     t = slicer.read(f, name, ours)
                     taken += t.nbytes
                     t = t.to(device=device, dtype=dtype if kind == "float" else t.dtype)  # codes keep their dtype
                     if kind == "float":  # before the model is built
-                        check_finite(t, f"{path / file}: tensor {name}", dtype)
+                        check_finite(t, at, dtype)
                     state[ours] = slicer.place(ours, t)
                     bar.update()
     except (SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: could not read the weights ({e})") from None
+        raise CheckpointError(f"{at}: could not be read ({e})") from None
     finally:
         bar.close()
     return state, taken

@@ -91,6 +91,26 @@ def test_missing_shard_is_named(tiny_checkpoint, tmp_path):
         llmstep.load(out)
 
 
+def test_a_shard_that_fails_as_it_is_read_is_named_with_its_tensor(tiny_checkpoint, tmp_path, monkeypatch):
+    """A shard cut short after the checkpoint was checked (another process writing it): the error names the shard
+    and the tensor being read, not only the directory."""
+    import llmstep.core.loader as loader
+
+    model, tok = llmstep.load(tiny_checkpoint)
+    out = llmstep.save(model, tmp_path / "sharded", tokenizer=tok, max_shard_bytes=50_000)
+    shard = sorted(out.glob("model-*.safetensors"))[-1]
+    fits = loader.check_fits
+
+    def cut_then_fit(*args, **kwargs):  # the headers were checked by now
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+        return fits(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "check_fits", cut_then_fit)
+    with pytest.raises(CheckpointError, match=rf"sharded/{shard.name}(: tensor [\w.]+)?: could not be read \("):
+        llmstep.load(out)
+
+
 def test_validation_happens_before_any_weight_is_read(ckpt, monkeypatch):
     """A bad tensor in the checkpoint is reported without reading (allocating) any tensor."""
     tensors = load_file(ckpt / "model.safetensors")

@@ -6,6 +6,7 @@ rewritten or patched byte by byte with the gguf package's reader and writer."""
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -36,7 +37,8 @@ def no_weight_read(monkeypatch):
 
 
 def rewrite(src, dst, fields: dict | None = None, tensors=lambda name, array, kind: (array, kind)):
-    """Copy the GGUF file `src` to `dst`: metadata `fields` added or replaced (key -> (value, GGUFValueType)),
+    """Copy the GGUF file `src` to `dst`: metadata `fields` added or replaced (key -> (value, GGUFValueType[, an
+    array's item type])),
     every tensor passed through `tensors(name, array, type name) -> (array, type name)` (arrays of F32 files)."""
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(str(dst), "llama")
@@ -45,8 +47,8 @@ def rewrite(src, dst, fields: dict | None = None, tensors=lambda name, array, ki
             continue
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    for key, (value, kind) in (fields or {}).items():
-        w.add_key_value(key, value, kind)
+    for key, (value, kind, *sub) in (fields or {}).items():
+        w.add_key_value(key, value, kind, sub_type=sub[0] if sub else None)
     for t in r.tensors:
         array, kind = tensors(t.name, np.array(t.data), t.tensor_type.name)
         w.add_tensor(t.name, array, raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -333,3 +335,39 @@ def test_the_header_walk_refuses_what_no_model_needs_and_the_reader_would_pay_fo
     object per item cost ~2 KB (a valid 200 KB file of 200,000 bytes in one array took it 440 MiB)."""
     with pytest.raises(GGUFLoadError, match=match):
         _check(tmp_path, data)
+
+
+@pytest.mark.parametrize(("key", "value", "kind", "match"), [
+    ("llama.attention.head_count", 4.0, "FLOAT32", "is a float32; llama.cpp reads it as a uint32 only"),
+    ("llama.block_count", 2, "UINT64", "is a uint64; llama.cpp reads it as a uint32 only"),
+    ("llama.rope.freq_base", 10000.0, "FLOAT64", "is a float64; llama.cpp reads it as a float32 only"),
+    ("tokenizer.ggml.eos_token_id", 2, "INT64", "is an int64; llama.cpp reads it as a uint32 only"),
+    ("tokenizer.ggml.eot_token_id", 2, "INT32", "is an int32; llama.cpp reads it as a uint32 only"),
+    ("tokenizer.ggml.add_bos_token", 1, "UINT8", "is a uint8; llama.cpp reads it as a bool only"),
+    ("tokenizer.ggml.model", 2, "UINT32", "is a uint32; llama.cpp reads it as a string only"),
+])
+def test_metadata_of_another_type_than_llama_cpp_reads_is_refused_by_key(tmp_path, tokenizer, no_weight_read, key,
+                                                                          value, kind, match):
+    """llama.cpp refuses such a file ("key ... has wrong type"); llmstep read the value whatever its type."""
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    out = rewrite(path, tmp_path / "typed.gguf", {key: (value, gguf.GGUFValueType[kind])})
+    with pytest.raises(GGUFLoadError, match=rf"typed.gguf: metadata {re.escape(key)} {match}"):
+        read_gguf(out)
+
+
+def test_token_types_stored_as_floats_are_refused_and_per_block_head_counts_are_named(tmp_path, tokenizer,
+                                                                                       no_weight_read):
+    path = export_gguf(random_llama(), tokenizer, tmp_path / "m.gguf", dtype="f32")
+    types = gguf.GGUFReader(path).fields["tokenizer.ggml.token_type"].contents()
+    floats = rewrite(path, tmp_path / "floats.gguf", {"tokenizer.ggml.token_type": ([float(t) for t in types],
+                                                                                    gguf.GGUFValueType.ARRAY)})
+    with pytest.raises(GGUFLoadError, match="metadata tokenizer.ggml.token_type is an array of float32; llama.cpp "
+                                            "reads it as an array of int32 only"):
+        read_gguf(floats)
+    n_layers = random_llama().config.n_layers
+    heads = random_llama().config.n_heads
+    per_block = rewrite(path, tmp_path / "per_block.gguf", {"llama.attention.head_count": (
+        [heads] * n_layers, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(GGUFLoadError, match=rf"metadata llama.attention.head_count gives one value per block "
+                                            rf"\({heads}, {heads}"):
+        read_gguf(per_block)
