@@ -21,7 +21,8 @@ DTYPE one of float32, bfloat16, int8, int4, int8-a8, int4-a8 (with 8-bit activat
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, int8-a8, or the blocks'
 mode; default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
 cpu_attention.py, the default where it builds, its decode steps in its prefix form; masked, that kernel given the
-mask; sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
+mask; kernel:N, the kernel with its rows' slots split in chunks of N (0: unsplit; default cpu_attention.CHUNK);
+sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
 STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
 `streaming`: stream, nostream; default its rule), ISA the build of the 8-bit activation kernels (kernels/
 cpu_int4a8.py's ISAS; default the best this CPU runs), ~nodot without kernels/cpu_gemm's micro-kernels (~KERNEL_NAME:
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import statistics
 import sys
 import types
@@ -74,10 +76,13 @@ ATTENTION = {"kernel": (cpu_attention.attend, cpu_attention.attend_prefix), "mas
 def attention_of(v: dict):
     """The kernel a variant's one-sequence step attends with (`ATTENTION`; v: `parse_variant`'s parts), registered
     while it compiles and runs (Dynamo guards on it: a step run under another would compile again)."""
-    if v["attention"] in ("kernel", "masked") and not cpu_attention.install():
+    name, _, chunk = v["attention"].partition(":")
+    if name in ("kernel", "masked") and not cpu_attention.install():
         raise SystemExit(f"llmstep's attention kernel did not build here ({cpu_attention.why()}): {v['spec']!r} "
                          f"would run SDPA's")
-    return ATTENTION[v["attention"]]
+    if not chunk:
+        return ATTENTION[name]
+    return tuple(functools.partial(f, chunk=int(chunk)) for f in ATTENTION[name])
 
 
 STREAM = {"": None, "stream": True, "nostream": False}
@@ -139,8 +144,10 @@ def parse_variant(spec: str) -> dict:
         raise ValueError(f"unknown head {lm_head!r}: {', '.join(HEADS)}, or the blocks' {dtype}")
     if fuse not in FUSE:
         raise ValueError(f"unknown !{fuse}: !fuse or !nofuse")
-    if (attention or "kernel") not in ATTENTION:
-        raise ValueError(f"unknown attention {attention!r}: one of {', '.join(ATTENTION)}")
+    name, colon, chunk = (attention or "kernel").partition(":")
+    if name not in ATTENTION or colon and (name != "kernel" or not chunk.isdigit()):
+        raise ValueError(f"unknown attention {attention!r}: one of {', '.join(ATTENTION)}, or kernel:N (its runs "
+                         "split in chunks of N slots; 0: unsplit)")
     if isa and (isa not in cpu_int4a8.ISAS or not dtype.endswith("-a8") and lm_head not in ("int8-a8", "int4-a8")):
         raise ValueError(f"={isa}: the 8-bit activation kernels' build, one of {', '.join(cpu_int4a8.ISAS)}, for a "
                          f"variant with 8-bit activations")

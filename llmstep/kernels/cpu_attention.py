@@ -18,8 +18,14 @@ and each row's arithmetic is what it would be alone (the same bits; tests/kernel
 33, the best of 5 loops of 2,000 calls from Python, the call's overhead in both; scratch, no record). A decode step
 calls its prefix form, `attention_prefix` (`attend_prefix`): every row of batch row b sees slots 0..last[b]
 (`Mask.last`), so no mask is made or read (in a compiled step inductor made the mask again in every layer's kernel);
-the same bits as the masked form given that mask. Written once
-over a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
+the same bits as the masked form given that mask. A run of rows that sees more than `CHUNK` slots is split
+(flash-decoding's split of the keys): up to MOST_CHUNKS chunks of its visible slots, each its own task giving its
+rows' partial softmax (top score, sum of weights, weighted values), combined in chunk order once the tasks are
+done. A decode step has one run a KV head, so SmolLM2's 3 KV heads left one of two threads with two of them (a
+16-thread CPU 13 threads idle). The chunks follow from the slots a row sees, never the thread count: the same bits
+on any machine of an ISA, and a row that sees up to CHUNK slots computes as before. A chunk's softmax runs over the
+slots it sees, not the cache's (before, a row seeing 10 of 4,096 slots took 4,096 exponentials). Written once over
+a float32 vector of W lanes, AVX-512's 16 or AVX2's 8 (the Zen 3 EPYC has no AVX-512), each ISA built as its
 own library; head_dim a multiple of 16. The same function as SDPA
 to within float32 rounding on what a decode step gives it, every row seeing a key and every score finite (a row
 that sees none gives 0, and a NaN score makes its row NaN, as SDPA's do): tests/kernels/test_cpu_attention.py
@@ -51,8 +57,8 @@ from ..core import attention_backend
 from .cpp_build import first_error, isas_here, load_library, why_not
 from .cpu_attention_cpp import SOURCE
 
-__all__ = ["SOURCE", "ISAS", "install", "installed", "why", "attend", "attend_prefix", "build", "isa_here",
-           "runs_here"]
+__all__ = ["SOURCE", "ISAS", "CHUNK", "MOST_CHUNKS", "install", "installed", "why", "attend", "attend_prefix", "build",
+           "isa_here", "runs_here"]
 
 
 # The vector ISAs it is written for, each built as its own library with its own op namespace (llmstep_cpu_ISA, where
@@ -63,16 +69,26 @@ ISAS = {"avx512": ["-O3", "-mavx512f", "-mavx2", "-mfma", "-fopenmp"], "avx2": [
 # what each needs (cpp_build.isas_here): torch's reading of the CPU's vector width (an AVX-512 CPU runs AVX2's build
 # too), and the CPU's features (ATEN_CPU_CAPABILITY can name a capability the CPU lacks)
 _NEEDS = {"avx512": ({"AVX512"}, {"avx512f", "avx2", "fma"}), "avx2": ({"AVX2", "AVX512"}, {"avx2", "fma"})}
+# A run of rows that sees n > CHUNK slots is split in min(MOST_CHUNKS, ceil(n / CHUNK)) chunks of equal size, each
+# its own task (flash-decoding's split of the keys), their partial softmaxes combined in order. By the slots a row
+# sees, never the thread count: the same bits on every machine. On a Zen 4 with the K/V cache cold (as a step finds
+# it; scripts/attention_split.py, results/attention_split_zen4_*_s53.json), 9 query heads over 3 KV heads seeing
+# 2,000 slots: 149.5 -> 128.6 us a call at 2 threads, 208.0 -> 212.1 at one (128-slot chunks: 134.1, 224.7); seeing
+# 230, split in two: 23.1 -> 21.2 us at 2 threads, 30.0 -> 34.0 at one, so a run that sees up to 256 stays whole.
+CHUNK = 256
+MOST_CHUNKS = 8
 _state: dict[str, object] = {}  # "op", "isa": the installed op and its ISA, or "why": what stopped it (once a process)
 _installing = threading.Lock()
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, chunk: int = CHUNK,
+           most: int = MOST_CHUNKS) -> torch.Tensor:
     """q [B, H, R, hd], k/v [B, H, S, hd], mask [B, 1, R, S] (True: visible) -> [B, H, R, hd], SDPA's function:
-    softmax(q k^T / sqrt(hd), masked) v, in float32 inside. Needs `install()` first."""
+    softmax(q k^T / sqrt(hd), masked) v, in float32 inside; a run of rows seeing n > chunk slots split in
+    min(most, ceil(n / chunk)) chunks (chunk 0: none). Needs `install()` first."""
     if "op" not in _state:
         raise RuntimeError(f"llmstep's CPU attention kernel is not installed (install(): {why() or 'not called'})")
-    return _state["op"](q, k, v, mask, q.shape[-1] ** -0.5)
+    return _state["op"](q, k, v, mask, q.shape[-1] ** -0.5, chunk, most)
 
 
 def runs_here() -> tuple[str, ...]:
@@ -86,13 +102,14 @@ def isa_here() -> str | None:
     return next(iter(runs_here()), None)
 
 
-def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor, chunk: int = CHUNK,
+                  most: int = MOST_CHUNKS) -> torch.Tensor:
     """`attend` where every query row of batch row b sees slots 0..last[b] (last int64 [B]: a static decode
     step's `Mask.last`): no mask tensor made or read. The same bits as `attend` with that mask."""
     if "prefix" not in _state:
         raise RuntimeError("llmstep's CPU attention kernel has no attention_prefix here" if "op" in _state else
                            f"llmstep's CPU attention kernel is not installed (install(): {why() or 'not called'})")
-    return _state["prefix"](q, k, v, last, q.shape[-1] ** -0.5)
+    return _state["prefix"](q, k, v, last, q.shape[-1] ** -0.5, chunk, most)
 
 
 def op_name(isa: str) -> str:

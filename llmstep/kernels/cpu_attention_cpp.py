@@ -18,6 +18,7 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -104,13 +105,18 @@ inline vec exp_lanes(vec x) {
   return zero_below(times_pow2(p, n), x, -87.0f);
 }
 
+constexpr int64_t MOST_ROWS = 4;  // query rows taken together at most: their chains and keys fill the registers
+
 // G query rows of one KV head that see the same n slots, listed in seen (a decode step's n_rep stacked query heads)
 // -> their outputs: only those slots read, each key and value widened once for all G rows, KEYS keys at a
 // time (G KEYS chains of multiply-adds in flight, within the 16 vector registers). Each row's arithmetic is that of
 // a row alone: its dot with each key a chain over d, its softmax, its even and odd chains over the values.
+// With part, the slots are one chunk of the rows' slots: each row's partial softmax goes there instead (D + 2
+// floats a row: its top score, the sum of its weights e^(score - top) or NaN for a NaN score, its weighted values),
+// for `combine` to join with the other chunks'.
 template <typename T, int G, int KEYS>
 void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int64_t n, T* out, int64_t S, int64_t D,
-                 float scale, float* rows, float* score) {
+                 float scale, float* rows, float* score, float* part) {
   const int64_t padded = (S + W - 1) / W * W;
   for (int g = 0; g < G; ++g) {
     for (int64_t d = 0; d < D; d += W) store(rows + g * D + d, mul(load(q + g * D + d), splat(scale)));
@@ -146,27 +152,33 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
     for (int g = 0; g < G; ++g) score[g * padded + i] = sum(a[g]);
   }
   vec inverse[G];
-  for (int g = 0; g < G; ++g) {  // each row's weights, e^(score - top), and 1 / their sum
+  const int64_t used = (n + W - 1) / W * W;  // the scores' vectors (not the cache's: a row seeing 10 of 4,096 slots)
+  for (int g = 0; g < G; ++g) {  // each row's weights, e^(score - top), and 1 / their sum (a chunk: their sum)
     float* sc = score + g * padded;
     const float hidden = -std::numeric_limits<float>::infinity();
-    for (int64_t j = n; j < padded; ++j) sc[j] = hidden;  // past the visible ones: weight 0
+    for (int64_t j = n; j < used; ++j) sc[j] = hidden;  // past the visible ones: weight 0
     vec highest = splat(hidden);
     int nans = 0;  // max() passes a NaN on or drops it by its place: a NaN score is looked for apart
-    for (int64_t j = 0; j < padded; j += W) {
+    for (int64_t j = 0; j < used; j += W) {
       const vec s = load(sc + j);
       highest = max(highest, s);
       nans |= nan_lanes(s);
     }
     const vec shift = splat(top(highest));
     vec total = zero();
-    for (int64_t j = 0; j < padded; j += W) {
+    for (int64_t j = 0; j < used; j += W) {
       const vec p = exp_lanes(sub(load(sc + j), shift));
       store(sc + j, p);
       total = add(total, p);
     }
     // a NaN score: the row NaN, as SDPA's softmax makes it; none visible (n = 0, no value summed): the row 0, as
     // SDPA gives for a mask row that shows nothing (1 / a sum of 0 would make it NaN)
-    inverse[g] = nans ? splat(std::numeric_limits<float>::quiet_NaN()) : n == 0 ? zero() : splat(1.0f / sum(total));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    if (part != nullptr) {
+      part[g * (D + 2)] = top(highest);
+      part[g * (D + 2) + 1] = nans ? nan : sum(total);
+    }
+    inverse[g] = nans ? splat(nan) : n == 0 ? zero() : splat(1.0f / sum(total));
   }
   for (int64_t d = 0; d < D; d += W) {  // the weighted sums of the visible values, W columns at a time
     vec even[G], odd[G];
@@ -184,6 +196,10 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
       for (int g = 0; g < G; ++g) even[g] = fmadd(splat(score[g * padded + j]), v0, even[g]);
     }
     for (int g = 0; g < G; ++g) {
+      if (part != nullptr) {
+        store(part + g * (D + 2) + 2 + d, add(even[g], odd[g]));
+        continue;
+      }
       alignas(64) float o[W];
       store(o, mul(add(even[g], odd[g]), inverse[g]));
       for (int c = 0; c < W; ++c) out[g * D + d + c] = static_cast<T>(o[c]);
@@ -191,80 +207,148 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
   }
 }
 
-constexpr int64_t MOST_ROWS = 4;  // query rows taken together at most: their chains and keys fill the registers
+// The outputs of G rows whose slots were taken in nc chunks, from each chunk's partial softmax (`attend_rows`'s part,
+// chunk after chunk): with M the top of the chunks' tops and w_c = e^(top_c - M), out = sum_c w_c o_c / sum_c w_c
+// l_c, summed in chunk order (the same bits on every machine and thread count); a NaN in any chunk makes the row NaN.
+template <typename T>
+void combine(const float* part, int64_t nc, int64_t G, int64_t D, T* out) {
+  const int64_t stride = MOST_ROWS * (D + 2);
+  std::vector<float> w(nc);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = part + g * (D + 2);
+    float highest = -std::numeric_limits<float>::infinity(), total = 0.0f;
+    bool nans = false;
+    for (int64_t c = 0; c < nc; ++c) {
+      highest = std::max(highest, p[c * stride]);
+      nans |= std::isnan(p[c * stride + 1]);
+    }
+    for (int64_t c = 0; c < nc; ++c) {
+      alignas(64) float e[W];
+      store(e, exp_lanes(splat(p[c * stride] - highest)));
+      w[c] = e[0];
+      total += w[c] * p[c * stride + 1];
+    }
+    const vec inverse = splat(nans ? std::numeric_limits<float>::quiet_NaN() : 1.0f / total);
+    for (int64_t d = 0; d < D; d += W) {
+      vec acc = zero();
+      for (int64_t c = 0; c < nc; ++c) acc = fmadd(splat(w[c]), load(p + c * stride + 2 + d), acc);
+      alignas(64) float o[W];
+      store(o, mul(acc, inverse));
+      for (int64_t i = 0; i < W; ++i) out[g * D + d + i] = static_cast<T>(o[i]);
+    }
+  }
+}
 
-// tasks (b h, first row, rows), flattened, shared among the threads by torch's `at::parallel_for`; visible(b, r,
-// seen) lists the slots row r of batch row b sees in seen and returns how many (every row of a task sees the same)
+// A run: g query rows of KV head bh (batch row bh / H) from row r that see the same n slots.
+struct Run {
+  int64_t bh, r, g, n;
+};
+
+// The runs' attention: one task a run, or, where a run sees n > chunk slots (chunk 0: none), a task a chunk of its
+// slots, min(most, ceil(n / chunk)) chunks of equal size (the last smaller); the tasks shared among the threads by
+// torch's `at::parallel_for`, then each split run's chunks combined. The chunks follow from the slots a run sees,
+// not the threads: the same bits on every machine. visible(b, r, first, count, seen) lists the count slots row r of
+// batch row b sees from its first-th on in seen (every row of a run sees the same).
 template <typename T, typename Visible>
-void attend_tasks(const std::vector<int64_t>& tasks, const T* q, const T* k, const T* v, T* out, int64_t H,
-                  int64_t R, int64_t S, int64_t D, float scale, Visible visible) {
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()) / 3, 1, [&](int64_t begin, int64_t end) {
+void attend_runs(const std::vector<Run>& runs, const T* q, const T* k, const T* v, T* out, int64_t H, int64_t R,
+                 int64_t S, int64_t D, float scale, int64_t chunk, int64_t most, Visible visible) {
+  struct Task {
+    int64_t run, first, count, part;  // the run's slots first .. first + count - 1; part: its chunk's (-1: none)
+  };
+  struct Split {
+    int64_t run, part, chunks;  // a run taken in chunks: its first chunk's part, how many
+  };
+  std::vector<Task> tasks;
+  std::vector<Split> split;
+  int64_t parts = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(runs.size()); ++i) {
+    const int64_t n = runs[i].n;
+    const int64_t pieces = chunk <= 0 ? 1 : std::min(most, (n + chunk - 1) / chunk);
+    if (pieces <= 1) {
+      tasks.push_back({i, 0, n, -1});
+      continue;
+    }
+    const int64_t size = (n + pieces - 1) / pieces;
+    split.push_back({i, parts, (n + size - 1) / size});
+    for (int64_t first = 0; first < n; first += size) tasks.push_back({i, first, std::min(size, n - first), parts++});
+  }
+  const int64_t stride = MOST_ROWS * (D + 2);
+  std::unique_ptr<float[]> partial(new float[parts * stride]);  // each written before it is read: left unset
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t padded = (S + W - 1) / W * W;
     std::vector<float> rows(MOST_ROWS * D), score(MOST_ROWS * padded);
     std::vector<int64_t> seen(padded);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = tasks[3 * task], r = tasks[3 * task + 1], g = tasks[3 * task + 2];
-      const int64_t n = visible(bh / H, r, seen.data());
-      const T *qr = q + (bh * R + r) * D, *kh = k + bh * S * D, *vh = v + bh * S * D;
-      T* o = out + (bh * R + r) * D;
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& t = tasks[i];
+      const Run& run = runs[t.run];
+      visible(run.bh / H, run.r, t.first, t.count, seen.data());
+      const int64_t* from = seen.data();
+      const T *qr = q + (run.bh * R + run.r) * D, *kh = k + run.bh * S * D, *vh = v + run.bh * S * D;
+      T* o = out + (run.bh * R + run.r) * D;
+      float* part = t.part < 0 ? nullptr : partial.get() + t.part * stride;
       static_assert(MOST_ROWS == 4, "a case below for each run length");
-      switch (g) {
-        case 1: attend_rows<T, 1, 4>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
-        case 2: attend_rows<T, 2, 4>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
-        case 3: attend_rows<T, 3, 3>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data()); break;
-        default: attend_rows<T, 4, 2>(qr, kh, vh, seen.data(), n, o, S, D, scale, rows.data(), score.data());
+      switch (run.g) {
+        case 1: attend_rows<T, 1, 4>(qr, kh, vh, from, t.count, o, S, D, scale, rows.data(), score.data(), part); break;
+        case 2: attend_rows<T, 2, 4>(qr, kh, vh, from, t.count, o, S, D, scale, rows.data(), score.data(), part); break;
+        case 3: attend_rows<T, 3, 3>(qr, kh, vh, from, t.count, o, S, D, scale, rows.data(), score.data(), part); break;
+        default: attend_rows<T, 4, 2>(qr, kh, vh, from, t.count, o, S, D, scale, rows.data(), score.data(), part);
       }
+    }
+  });
+  // a decode step's few split runs combine here; a prefill's many among the threads
+  at::parallel_for(0, static_cast<int64_t>(split.size()), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Run& run = runs[split[i].run];
+      combine<T>(partial.get() + split[i].part * stride, split[i].chunks, run.g, D, out + (run.bh * R + run.r) * D);
     }
   });
 }
 
 // q [B, H, R, D], k/v [B, H, S, D], mask [B, 1, R, S] (contiguous; D a multiple of 16) -> out [B, H, R, D]: one
-// task a run of up to MOST_ROWS consecutive query rows of one KV head whose mask rows are equal (in a decode step,
-// a KV head's n_rep query heads).
+// run a span of up to MOST_ROWS consecutive query rows of one KV head whose mask rows are equal (in a decode step,
+// a KV head's n_rep query heads); its slots in chunks (`attend_runs`).
 template <typename T>
 void attend(const T* q, const T* k, const T* v, const bool* mask, T* out, int64_t B, int64_t H, int64_t R,
-            int64_t S, int64_t D, float scale) {
+            int64_t S, int64_t D, float scale, int64_t chunk, int64_t most) {
   if (B * H * R == 0) return;  // nothing to attend (a head count of 0 would otherwise list rows)
-  std::vector<int64_t> tasks;  // each head of a batch row runs its rows alike
+  std::vector<Run> runs;  // each head of a batch row runs its rows alike
   for (int64_t b = 0; b < B; ++b) {
-    const size_t first = tasks.size();
+    const size_t first = runs.size();
     for (int64_t r = 0, g; r < R; r += g) {
       const bool* m = mask + (b * R + r) * S;
       for (g = 1; g < MOST_ROWS && r + g < R && std::memcmp(m, m + g * S, S) == 0; ++g) {
       }
-      tasks.insert(tasks.end(), {b * H, r, g});
+      runs.push_back({b * H, r, g, std::count(m, m + S, true)});
     }
-    const size_t last = tasks.size();
+    const size_t last = runs.size();
     for (int64_t h = 1; h < H; ++h) {
-      for (size_t t = first; t < last; t += 3) tasks.insert(tasks.end(), {b * H + h, tasks[t + 1], tasks[t + 2]});
+      for (size_t i = first; i < last; ++i) runs.push_back({b * H + h, runs[i].r, runs[i].g, runs[i].n});
     }
   }
-  attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
-    const bool* m = mask + (b * R + r) * S;
-    int64_t n = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      seen[n] = s;
-      n += m[s];
-    }
-    return n;
-  });
+  attend_runs(runs, q, k, v, out, H, R, S, D, scale, chunk, most,
+              [&](int64_t b, int64_t r, int64_t first, int64_t count, int64_t* seen) {
+                const bool* m = mask + (b * R + r) * S;
+                for (int64_t s = 0, i = -first; i < count && s < S; ++s) {  // i: visible slots so far, less first
+                  if (m[s] && i++ >= 0) seen[i - 1] = s;
+                }
+              });
 }
 
 // The same with every query row of batch row b seeing slots 0..last[b] (a static decode step's, Mask.last): no mask
 // to read or to make, runs of MOST_ROWS rows.
 template <typename T>
 void attend_prefix(const T* q, const T* k, const T* v, const int64_t* last, T* out, int64_t B, int64_t H,
-                   int64_t R, int64_t S, int64_t D, float scale) {
+                   int64_t R, int64_t S, int64_t D, float scale, int64_t chunk, int64_t most) {
   if (B * H * R == 0) return;
-  std::vector<int64_t> tasks;
+  std::vector<Run> runs;
   for (int64_t bh = 0; bh < B * H; ++bh) {
-    for (int64_t r = 0; r < R; r += MOST_ROWS) tasks.insert(tasks.end(), {bh, r, std::min(MOST_ROWS, R - r)});
+    const int64_t b = bh / H, n = last[b] < 0 ? 0 : std::min<int64_t>(last[b], S - 1) + 1;  // S = 0: none
+    for (int64_t r = 0; r < R; r += MOST_ROWS) runs.push_back({bh, r, std::min(MOST_ROWS, R - r), n});
   }
-  attend_tasks(tasks, q, k, v, out, H, R, S, D, scale, [&](int64_t b, int64_t r, int64_t* seen) {
-    const int64_t n = last[b] < 0 ? 0 : std::min<int64_t>(last[b], S - 1) + 1;  // S = 0: none
-    for (int64_t s = 0; s < n; ++s) seen[s] = s;
-    return n;
-  });
+  attend_runs(runs, q, k, v, out, H, R, S, D, scale, chunk, most,
+              [&](int64_t, int64_t, int64_t first, int64_t count, int64_t* seen) {
+                for (int64_t i = 0; i < count; ++i) seen[i] = first + i;
+              });
 }
 
 // q [B, H, R, D], k and v [B, H, S, D] of one dtype, D a multiple of 16: checked, made contiguous
@@ -282,15 +366,17 @@ std::vector<at::Tensor> checked(const char* op, const at::Tensor& q, const at::T
 }
 
 // run(T{}) with T the element type of q (float32 or bf16: `checked`), into a fresh contiguous output
-template <typename Run>
-at::Tensor by_dtype(const at::Tensor& q, Run run) {
+template <typename F>
+at::Tensor by_dtype(const at::Tensor& q, F run) {
   if (q.scalar_type() == at::kFloat) return run(float{});
   return run(c10::BFloat16{});
 }
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                         double scale) {
+                         double scale, int64_t chunk, int64_t most) {
   const auto c = checked("attention", q, k, v);
+  TORCH_CHECK(chunk >= 0 && most >= 1, "LLMSTEP_NS::attention: chunk >= 0 (0: no chunks) and most >= 1, got ",
+              chunk, " and ", most);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
                   mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) == k.size(2),
               "LLMSTEP_NS::attention: mask bool [B, 1, R, S]; got ", mask.scalar_type(), " ", mask.sizes());
@@ -299,14 +385,16 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
     using T = decltype(t);
     auto out = at::empty_like(c[0]);
     attend<T>(c[0].data_ptr<T>(), c[1].data_ptr<T>(), c[2].data_ptr<T>(), mc.data_ptr<bool>(), out.data_ptr<T>(),
-              q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), static_cast<float>(scale));
+              q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), static_cast<float>(scale), chunk, most);
     return out;
   });
 }
 
 at::Tensor attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& last, double scale) {
+                                const at::Tensor& last, double scale, int64_t chunk, int64_t most) {
   const auto c = checked("attention_prefix", q, k, v);
+  TORCH_CHECK(chunk >= 0 && most >= 1, "LLMSTEP_NS::attention_prefix: chunk >= 0 (0: no chunks) and most >= 1, "
+              "got ", chunk, " and ", most);
   TORCH_CHECK(last.scalar_type() == at::kLong && last.dim() == 1 && last.size(0) == q.size(0),
               "LLMSTEP_NS::attention_prefix: last int64 [B]; got ", last.scalar_type(), " ", last.sizes());
   const auto lc = last.contiguous();
@@ -315,21 +403,21 @@ at::Tensor attention_prefix_cpu(const at::Tensor& q, const at::Tensor& k, const 
     auto out = at::empty_like(c[0]);
     attend_prefix<T>(c[0].data_ptr<T>(), c[1].data_ptr<T>(), c[2].data_ptr<T>(), lc.data_ptr<int64_t>(),
                      out.data_ptr<T>(), q.size(0), q.size(1), q.size(2), k.size(2), q.size(3),
-                     static_cast<float>(scale));
+                     static_cast<float>(scale), chunk, most);
     return out;
   });
 }
 
 at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                          double scale) {
+                          double scale, int64_t chunk, int64_t most) {
   return at::empty_like(q, q.options().memory_format(at::MemoryFormat::Contiguous));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(LLMSTEP_NS, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
-  m.def("attention_prefix(Tensor q, Tensor k, Tensor v, Tensor last, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale, int chunk, int most) -> Tensor");
+  m.def("attention_prefix(Tensor q, Tensor k, Tensor v, Tensor last, float scale, int chunk, int most) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) {
   m.impl("attention", &attention_cpu);

@@ -22,29 +22,37 @@ def kernel():
     return cpu_attention.attend
 
 
-@pytest.fixture(scope="module", params=cpu_attention.ISAS)
-def each_kernel(request):
-    """The kernel as each ISA's build computes it, where this CPU runs that ISA (an AVX-512 CPU runs the AVX2 build
-    too, so CI on either CPU kind holds both to the same tests)."""
-    if request.param not in cpu_attention.runs_here():
-        pytest.skip(f"this CPU does not run {request.param} ({torch.backends.cpu.get_cpu_capability()})")
+def built(isa: str):
+    """`isa`'s build (attention, attention_prefix), or a skip that says why not: this CPU does not run it, or no
+    compiler or ninja here (an AVX-512 CPU runs the AVX2 build too, so CI on either CPU kind holds both to the same
+    tests)."""
+    if isa not in cpu_attention.runs_here():
+        pytest.skip(f"this CPU does not run {isa} ({torch.backends.cpu.get_cpu_capability()})")
     try:
-        op = cpu_attention.build(request.param)
-    except Exception as e:  # no compiler or ninja here: as the `kernel` fixture, a skip that says so
-        pytest.skip(f"the {request.param} kernel did not build here: {type(e).__name__}: {str(e)[-300:]}")
-    return lambda q, k, v, mask: op(q, k, v, mask, q.shape[-1] ** -0.5)
+        op = cpu_attention.build(isa)
+    except Exception as e:
+        pytest.skip(f"the {isa} kernel did not build here: {type(e).__name__}: {str(e)[-300:]}")
+    return op, getattr(torch.ops, cpu_attention.op_name(isa).partition("::")[0]).attention_prefix
+
+
+# (chunk, most): each row's slots whole, in up to 3 chunks, in as many chunks of 5 as it has (dozens: far more than a
+# run's tasks would be split in), and as llmstep splits them
+CHUNKS = ((0, 1), (7, 3), (5, 64), (cpu_attention.CHUNK, cpu_attention.MOST_CHUNKS))
+
+
+@pytest.fixture(scope="module", params=[(isa, *split) for isa in cpu_attention.ISAS for split in CHUNKS],
+                ids=lambda p: f"{p[0]}-chunk{p[1]}-most{p[2]}")
+def each_kernel(request):
+    """The kernel as each ISA's build computes it, its rows' slots taken whole and in chunks (`CHUNKS`)."""
+    isa, chunk, most = request.param
+    op, _ = built(isa)
+    return lambda q, k, v, mask: op(q, k, v, mask, q.shape[-1] ** -0.5, chunk, most)
 
 
 @pytest.fixture(scope="module", params=cpu_attention.ISAS)
 def each_isa(request):
     """Each ISA's build as its two ops, (attention, attention_prefix), where this CPU runs that ISA."""
-    if request.param not in cpu_attention.runs_here():
-        pytest.skip(f"this CPU does not run {request.param} ({torch.backends.cpu.get_cpu_capability()})")
-    try:
-        op = cpu_attention.build(request.param)
-    except Exception as e:
-        pytest.skip(f"the {request.param} kernel did not build here: {type(e).__name__}: {str(e)[-300:]}")
-    return op, getattr(torch.ops, cpu_attention.op_name(request.param).partition("::")[0]).attention_prefix
+    return built(request.param)
 
 
 def exact(q, k, v, visible):
@@ -80,8 +88,8 @@ def test_the_kernel_is_masked_attention_in_float32(each_kernel, B, H, R, S, D, d
 def test_the_weights_hold_over_the_whole_range_of_e_to_the_x(each_kernel, spread):
     """With V the identity the output is the weights themselves; q scaled up puts scores far below the row's top, so
     e^x is taken from 0 down past -87 (where float32's e^x leaves its normal range, and the kernel gives 0): each
-    weight within float32's rounding of the float64 softmax of the same float32 scores, those below e^-87 exactly 0,
-    and a row that sees no key 0, as SDPA gives it (it was NaN)."""
+    weight within float32's rounding of the float64 softmax of the same float32 scores, those below e^-87 below
+    float32's normal range (0 in one chunk), and a row that sees no key 0, as SDPA gives it (it was NaN)."""
     g = torch.Generator().manual_seed(int(spread))
     S = D = 64
     q = torch.randn(1, 2, 3, D, generator=g) * spread
@@ -100,7 +108,9 @@ def test_the_weights_hold_over_the_whole_range_of_e_to_the_x(each_kernel, spread
     # the error in its exponent times the weight, plus float32's rounding
     slack = 1e-5 * (q.double().abs() @ k.double().abs().transpose(-2, -1) * D ** -0.5)[:, :, :2] + 1e-5
     assert ((got[:, :, :2] - want).abs() <= slack * want + 1e-7 * want.amax(-1, keepdim=True))[normal].all()
-    assert (got[:, :, :2][x < -87.5] == 0).all() and (x < -87.5).any()
+    # below e^-87: 0 from one chunk; split, a weight is e^(s - top of its chunk) e^(top of its chunk - top), each
+    # factor perhaps normal, their product below float32's normal range (as float32's own e^x gives it)
+    assert (got[:, :, :2][x < -87.5].abs() < 2.0 ** -126).all() and (x < -87.5).any()
     assert (got[:, :, 2] == 0).all()
     sdpa_row = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)[:, :, 2]
     assert (sdpa_row == 0).all()  # SDPA's own result for that row, which the kernel stands in for
@@ -144,10 +154,11 @@ def test_rows_that_see_the_same_slots_are_taken_together_and_each_gives_its_bits
 
 @pytest.mark.parametrize("R", [1, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_isa, R, dtype):
+@pytest.mark.parametrize("split", CHUNKS)
+def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_isa, R, dtype, split):
     """A decode step's form (`attention_prefix`): every row of batch row b sees slots 0..last[b], no mask tensor;
     the same bits as the masked kernel given that mask, last past the cache or before it included (a row that sees
-    nothing: 0, as with a mask that shows nothing, and as SDPA gives it)."""
+    nothing: 0, as with a mask that shows nothing, and as SDPA gives it), its slots whole or in chunks alike."""
     attention, prefix = each_isa
     g = torch.Generator().manual_seed(R)
     S, D = 70, 64
@@ -157,8 +168,8 @@ def test_the_prefix_form_is_the_kernel_with_the_mask_of_slots_up_to_last(each_is
         k, v = (torch.randn(B, 3, S, D, generator=g).to(dtype) for _ in range(2))
         ends = torch.tensor(last)
         visible = (torch.arange(S) <= ends[:, None]).view(B, 1, 1, S).expand(B, 1, R, S).contiguous()
-        got = prefix(q, k, v, ends, D ** -0.5)
-        want = attention(q, k, v, visible, D ** -0.5)
+        got = prefix(q, k, v, ends, D ** -0.5, *split)
+        want = attention(q, k, v, visible, D ** -0.5, *split)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         sdpa_rows = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)[ends < 0]
         assert (got[ends < 0] == 0).all() and (sdpa_rows == 0).all() and not got[ends >= 0].isnan().any()
@@ -218,14 +229,48 @@ def test_bad_arguments_are_named(each_kernel):
 
 
 def test_the_prefix_forms_bad_arguments_are_named(each_isa):
-    _, prefix = each_isa
-    q, k, v, _ = inputs(2, 2, 3, 8, 16, torch.float32)
+    attention, prefix = each_isa
+    q, k, v, visible = inputs(2, 2, 3, 8, 16, torch.float32)
     with pytest.raises(RuntimeError, match=r"last int64 \[B\]"):
-        prefix(q, k, v, torch.tensor([3.0, 4.0]), 0.25)
+        prefix(q, k, v, torch.tensor([3.0, 4.0]), 0.25, 0, 1)
     with pytest.raises(RuntimeError, match=r"last int64 \[B\]"):
-        prefix(q, k, v, torch.tensor([3]), 0.25)  # one for two batch rows
+        prefix(q, k, v, torch.tensor([3]), 0.25, 0, 1)  # one for two batch rows
     with pytest.raises(RuntimeError, match="attention_prefix: q \\[B, H, R, D\\]"):
-        prefix(q, k, v[:, :, :4], torch.tensor([3, 4]), 0.25)
+        prefix(q, k, v[:, :, :4], torch.tensor([3, 4]), 0.25, 0, 1)
+    with pytest.raises(RuntimeError, match=r"attention_prefix: chunk >= 0 \(0: no chunks\) and most >= 1, got -1 "
+                                           "and 8"):
+        prefix(q, k, v, torch.tensor([3, 4]), 0.25, -1, 8)
+    with pytest.raises(RuntimeError, match=r"attention: chunk >= 0 \(0: no chunks\) and most >= 1, got 4 and 0"):
+        attention(q, k, v, visible, 0.25, 4, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_split_in_chunks_give_the_same_bits_on_any_thread_count(each_isa, dtype):
+    """The chunks follow from the slots a row sees, not from the threads: the same bits on 1, 2 and 3 threads, a
+    row seeing up to `chunk` slots the bits of the unsplit kernel, a row seeing more within float32's rounding of
+    the exact value (a decode step's shapes: 9 query heads over 3 KV heads, 230 of 256 slots)."""
+    attention, prefix = each_isa
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 3, 3, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, 3, 256, 64, generator=g).to(dtype) for _ in range(2))
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(prefix(q, k, v, torch.tensor([229]), 0.125, 16, 8))  # 8 chunks of 29 (the last 26)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    visible = (torch.arange(256) <= 229).view(1, 1, 1, 256).expand(1, 1, 3, 256).contiguous()
+    want, probs = exact(q, k, v, visible)
+    rounding = 2 ** -24 if dtype == torch.float32 else 2 ** -8
+    assert ((outs[0].double() - want).abs() <= rounding * want.abs() + 1e-5 * (probs @ v.double().abs())).all()
+    last = torch.tensor([229])
+    assert torch.equal(prefix(q, k, v, last, 0.125, 230, 8), prefix(q, k, v, last, 0.125, 0, 1))  # up to chunk: whole
+    assert torch.equal(prefix(q, k, v, last, 0.125, 16, 1), prefix(q, k, v, last, 0.125, 0, 1))  # most 1: whole
+    if dtype == torch.float32:  # split, the sums are another function's: different bits (else the test shows nothing)
+        assert not torch.equal(outs[0], prefix(q, k, v, last, 0.125, 0, 1))
 
 
 def test_a_failed_build_leaves_sdpa_and_says_why(monkeypatch):

@@ -42,12 +42,24 @@ def test_the_documented_variants_parse(script):
     v = script.parse_variant("int4-a8^int8-a8&nostream=avx2|x=1")  # the 8-bit activation kernels' AVX2 build
     assert (v["lm_head"], v["stream"], v["isa"], v["overrides"]) == ("int8-a8", False, "avx2", {"x": 1})
     assert script.parse_variant("int4^int8-a8=avx512_vnni")["isa"] == "avx512_vnni"  # an int8-a8 head is enough
+    assert script.parse_variant("bfloat16%kernel:0")["attention"] == "kernel:0"  # the attention kernel's runs unsplit
+
+
+def test_an_attention_kernel_with_its_chunk_is_the_kernel_with_that_chunk(script, monkeypatch):
+    from llmstep.kernels import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "install", lambda: True)
+    attend, prefix = script.attention_of(script.parse_variant("bfloat16%kernel:64"))
+    assert (attend.func, attend.keywords, prefix.func, prefix.keywords) == (
+        cpu_attention.attend, {"chunk": 64}, cpu_attention.attend_prefix, {"chunk": 64})
+    assert script.attention_of(script.parse_variant("bfloat16")) == script.ATTENTION["kernel"]
 
 
 @pytest.mark.parametrize("spec, match", [
     ("bf16", "unknown dtype 'bf16'"), ("int8+bogus", "unknown kernel 'bogus'"), ("int8+reduce", "unknown kernel"),
     ("bfloat16+packed", r"\+packed takes a quantised dtype"), ("float32^int8", r"\^int8 takes a quantised dtype"),
     ("int8^int4", "unknown head 'int4'"), ("int8!maybe", "unknown !maybe"), ("int8%bogus", "unknown attention"),
+    ("int8%kernel:x", "unknown attention 'kernel:x'"), ("int8%sdpa:64", "or kernel:N"),
     ("int8&fast", "unknown streaming"), ("float32@bfloat16", "@bfloat16 is what int8 / int4 quantise from"),
     ("bfloat16|max_autotune", "KEY=VALUE"), ("int8=avx2", "=avx2: .* for a variant with 8-bit activations"),
     ("int4-a8=sse2", "=sse2: the 8-bit activation kernels' build, one of avx512_vnni, avx2"),
