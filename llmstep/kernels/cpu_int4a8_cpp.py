@@ -354,14 +354,21 @@ at::Tensor mm_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   return at::empty({x.size(0), w.size(0) * 8}, x.options().dtype(at::kFloat));
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x) {
+// x [M, K] -> its 8-bit codes [M, K] (int8) and each block of 32's step [M, K / 32] (float32), unset
+std::tuple<at::Tensor, at::Tensor> quantized_like(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 32 == 0 &&
               (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "int4a8 quantize: x must be [M, K] float32 or bfloat16 with K a multiple of 32");
+  return {at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kChar)),
+          at::empty({x.size(0), x.size(1) / 32}, x.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_meta(const at::Tensor& x) { return quantized_like(x); }
+
+std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x) {
+  auto [p, d] = quantized_like(x);
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
-  at::Tensor p = at::empty({M, K}, xc.options().dtype(at::kChar));
-  at::Tensor d = at::empty({M, K / 32}, xc.options().dtype(at::kFloat));
   std::vector<float> E(K / 32);
   for (int64_t m = 0; m < M; ++m) {
     int8_t* pm = p.data_ptr<int8_t>() + m * K;
@@ -387,5 +394,6 @@ TORCH_LIBRARY_IMPL(LLMSTEP_NS, CPU, m) {
 TORCH_LIBRARY_IMPL(LLMSTEP_NS, Meta, m) {
   m.impl("mm", &mm_meta);
   m.impl("mm8", &mm8_meta);
+  m.impl("quantize", &quantize_meta);
 }
 """

@@ -38,6 +38,18 @@ def test_the_kernels_codes_and_steps_are_the_references_bit_for_bit(a8_ops, dtyp
         assert p.abs().max() <= 127 and torch.all(d[0, 0] == 0) and torch.all(p[0, :32] == 0)
 
 
+def test_each_op_has_a_meta_kernel_that_gives_its_shapes_and_checks_its_input(a8_ops):
+    """What a trace with fake tensors or on the meta device asks of an op (the CUDA proofs' way): the shapes and
+    dtypes the CPU kernel gives, and the same refusal of a bad input."""
+    x = torch.empty(3, 96, device="meta", dtype=torch.bfloat16)
+    p, d = a8_ops.quantize(x)
+    assert (p.shape, p.dtype, d.shape, d.dtype, p.device.type) == ((3, 96), torch.int8, (3, 3), torch.float32, "meta")
+    with pytest.raises(RuntimeError, match="K a multiple of 32"):
+        a8_ops.quantize(torch.empty(3, 40, device="meta"))
+    y = a8_ops.mm8(x, torch.empty(64, 96, device="meta", dtype=torch.int8), torch.empty(64, device="meta"))
+    assert (y.shape, y.dtype) == ((3, 64), torch.float32)
+
+
 def _layer(N, K, g, dtype, seed):
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
     codes, scales, zeros = quantize_int4(w.to(dtype), g, scale_dtype=dtype)
