@@ -21,7 +21,8 @@ DTYPE one of float32, bfloat16, int8, int4, int8-a8, int4-a8 (with 8-bit activat
 Int8Linear / Int4Linear's kernel, HEAD the LM head's quantisation (QuantConfig.lm_head: int8, int8-a8, or the blocks'
 mode; default float), ATTENTION what a one-sequence step attends with (`ATTENTION`: kernel, llmstep's kernels/
 cpu_attention.py, the default where it builds, its decode steps in its prefix form; masked, that kernel given the
-mask; kernel:N, the kernel with its rows' slots split in chunks of N (0: unsplit; default cpu_attention.CHUNK);
+mask; kernel:N, the kernel splitting a run of rows that sees more than N slots, in at most cpu_attention.MOST_CHUNKS
+chunks (0: never; default cpu_attention.CHUNK);
 sdpa, SDPA's CPU kernel; plain, the plain ops sessions 6-26 compiled),
 STREAM whether the one-row matmuls of llmstep's kernels stream the weights past the caches (kernels/cpu_gemm.py's
 `streaming`: stream, nostream; default its rule), ISA the build of the 8-bit activation kernels (kernels/
@@ -147,7 +148,7 @@ def parse_variant(spec: str) -> dict:
     name, colon, chunk = (attention or "kernel").partition(":")
     if name not in ATTENTION or colon and (name != "kernel" or not chunk.isdigit()):
         raise ValueError(f"unknown attention {attention!r}: one of {', '.join(ATTENTION)}, or kernel:N (its runs "
-                         "split in chunks of N slots; 0: unsplit)")
+                         "split once they see more than N slots; 0: never)")
     if isa and (isa not in cpu_int4a8.ISAS or not dtype.endswith("-a8") and lm_head not in ("int8-a8", "int4-a8")):
         raise ValueError(f"={isa}: the 8-bit activation kernels' build, one of {', '.join(cpu_int4a8.ISAS)}, for a "
                          f"variant with 8-bit activations")

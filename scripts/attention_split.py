@@ -46,6 +46,13 @@ def main(argv: list[str] | None = None) -> None:
                    default=[(0, 1), (cpu_attention.CHUNK, cpu_attention.MOST_CHUNKS)])
     p.add_argument("--out", help="also write the figures here (JSON, atomically)")
     a = p.parse_args(argv)
+    for flag, value, least in (("--slots", a.slots, 1), ("--kv-heads", a.kv_heads, 1), ("--rows", a.rows, 1),
+                               ("--head-dim", a.head_dim, 16), ("--caches", a.caches, 0), ("--rounds", a.rounds, 1),
+                               *(("--threads", t, 1) for t in a.threads)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, got {value}")
+    if not 1 <= a.seen <= a.slots or a.head_dim % 16:
+        p.error(f"--seen must be 1..--slots ({a.slots}), got {a.seen}; --head-dim a multiple of 16, got {a.head_dim}")
     if a.out:
         check_output_path(a.out)
     isa = cpu_attention.isa_here()

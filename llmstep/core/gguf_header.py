@@ -37,22 +37,24 @@ _MAX_NAME = 63  # llama.cpp's longest tensor name (GGML_MAX_NAME, 64 with its te
 _MOST_ITEMS = 2**21  # array items, all the metadata's arrays together (Gemma's three arrays: 786,432)
 _MOST_ENTRIES = 2**16  # metadata entries, and tensors
 
-# The metadata read here -> the value type llama.cpp reads it as (its loader refuses any other: "key ... has wrong
-# type"), as llama.cpp's converter writes it; any tokenizer.ggml.*_token_id is a uint32. Where llama.cpp also
-# takes one value per block (an array), the loader's value check names it.
+# The metadata read here -> the value types llama.cpp reads it as (its loader refuses others: "key ... has wrong
+# type"); any tokenizer.ggml.*_token_id is a uint32. Where llama.cpp also takes one value per block (an array, of
+# int32 as gguf-py writes a list, or uint32), the loader's value check names it. Not here: the general.sampling.*
+# defaults, which llama.cpp reads as text whatever their type.
 _U32 = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
         "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
         "vocab_size", "expert_count")
 _F32 = ("rope.freq_base", "attention.layer_norm_rms_epsilon", "rope.scaling.factor", "rope.scale_linear",
         "rope.scaling.attn_factor")
 PER_LAYER = ("llama.feed_forward_length", "llama.attention.head_count", "llama.attention.head_count_kv")
-KEY_TYPES = {"general.architecture": "string", **{f"llama.{k}": "uint32" for k in _U32},
-             **{f"llama.{k}": "float32" for k in _F32}, "llama.rope.scaling.type": "string",
-             "tokenizer.ggml.model": "string", "tokenizer.ggml.pre": "string",
-             "tokenizer.ggml.tokens": "array of string", "tokenizer.ggml.merges": "array of string",
-             "tokenizer.ggml.token_type": "array of int32", "tokenizer.ggml.add_bos_token": "bool",
-             "tokenizer.ggml.add_eos_token": "bool", "tokenizer.chat_template": "string",
-             "general.sampling.temp": "float32", "general.sampling.top_p": "float32", "general.sampling.top_k": "int32"}
+_INTS = ("array of int32", "array of uint32")  # read as C ints: either
+KEY_TYPES = {"general.architecture": ("string",), **{f"llama.{k}": ("uint32",) for k in _U32},
+             **{f"llama.{k}": ("float32",) for k in _F32}, **{k: ("uint32", *_INTS) for k in PER_LAYER},
+             "llama.rope.scaling.type": ("string",), "tokenizer.ggml.model": ("string",),
+             "tokenizer.ggml.pre": ("string",), "tokenizer.ggml.tokens": ("array of string",),
+             "tokenizer.ggml.merges": ("array of string",), "tokenizer.ggml.token_type": _INTS,
+             "tokenizer.ggml.add_bos_token": ("bool",), "tokenizer.ggml.add_eos_token": ("bool",),
+             "tokenizer.chat_template": ("string",)}
 
 
 class _Walk:
@@ -115,14 +117,14 @@ def check_header(path: Path, error: type[Exception]) -> dict[str, str]:
 
 
 def check_types(types: dict[str, str], path: Path, error: type[Exception]) -> None:
-    """Refuse metadata llmstep reads (KEY_TYPES) whose value type is not the one llama.cpp reads it as, naming the key:
+    """Refuse metadata llmstep reads (KEY_TYPES) whose value type is not one llama.cpp reads it as, naming the key:
     a head count stored as a float, a token id as an int64, token types as floats."""
     for key, kind in types.items():
-        want = KEY_TYPES.get(key, "uint32" if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") else None)
-        if want is None or kind == want or key in PER_LAYER and kind == f"array of {want}":
-            continue
-        raise error(f"{path}: metadata {key} is {_a(kind)}; llama.cpp reads it as {_a(want)} only (its converter "
-                    "writes it so), and so does llmstep")
+        token_id = key.startswith("tokenizer.ggml.") and key.endswith("_token_id")
+        want = KEY_TYPES.get(key, ("uint32",) if token_id else ())
+        if want and kind not in want:
+            raise error(f"{path}: metadata {key} is {_a(kind)}; llama.cpp reads it as {' or '.join(map(_a, want))} "
+                        "only, and so does llmstep")
 
 
 def _a(kind: str) -> str:

@@ -53,6 +53,8 @@ MAGIC = b"GGUF"
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 KEEPS = ("Q4_0", "Q4_1")  # types keep_quantized holds as llmstep int4, group size 32 (GGUF's block)
 BLOCK = 32
+
+
 class GGUFLoadError(ValueError):
     """A GGUF file llmstep cannot load; the message names the file and the key or tensor."""
 

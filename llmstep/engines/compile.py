@@ -205,13 +205,15 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
     digest: list = []  # the weights' name and whether the kernels stream them, decided at the first call
 
     def named_step(*args):
-        """frozen_step with the weights' digest held in torch.compile's cache keys (`cache_key_tag`), and the 8-bit-
+        """frozen_step with the weights' digest and the vector ISA inductor writes for held in torch.compile's cache
+        keys (`cache_key_tag`; inductor's own keys name neither: a cache shared by an AMX Xeon and a Zen 4, a Docker
+        image's, would serve the Xeon's AMX tiles to the Zen 4, an illegal instruction there), and the 8-bit-
         activation kernels' streaming (`int4a8.streaming`, by `streams_weights`' rule) held while it is traced. The
         tag and freezing's flag are process-wide settings: one such call runs at a time, so a step in another thread
         never compiles under this one's."""
         with _NAMING:
-            if not digest:
-                digest.extend((weights_digest(*models), streams_weights(models)))
+            if not digest:  # the CPU's vector ISA too: the code written for an AMX or AVX-512 CPU is not another's
+                digest.extend((f"{weights_digest(*models)}-isa-{_vector_isa() or 'unread'}", streams_weights(models)))
             before = torch.compiler.config.cache_key_tag
             torch.compiler.config.cache_key_tag = "+".join(t for t in (before, digest[0]) if t)
             try:

@@ -112,8 +112,10 @@ constexpr int64_t MOST_ROWS = 4;  // query rows taken together at most: their ch
 // time (G KEYS chains of multiply-adds in flight, within the 16 vector registers). Each row's arithmetic is that of
 // a row alone: its dot with each key a chain over d, its softmax, its even and odd chains over the values.
 // With part, the slots are one chunk of the rows' slots: each row's partial softmax goes there instead (D + 2
-// floats a row: its top score, the sum of its weights e^(score - top) or NaN for a NaN score, its weighted values),
-// for `combine` to join with the other chunks'.
+// floats a row: its top score, the sum of its weights e^(score - top) or NaN for a NaN score, and its values'
+// weighted mean, 0 where every weight is 0), for `combine` to join with the other chunks'. Its weights divided by
+// their sum first, so a chunk's sums stay within its values' range (a chunk of large values, each weighted near 1
+// by its own top, would otherwise overflow where the whole row, weighting them against its top, does not).
 template <typename T, int G, int KEYS>
 void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int64_t n, T* out, int64_t S, int64_t D,
                  float scale, float* rows, float* score, float* part) {
@@ -173,12 +175,16 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
     }
     // a NaN score: the row NaN, as SDPA's softmax makes it; none visible (n = 0, no value summed): the row 0, as
     // SDPA gives for a mask row that shows nothing (1 / a sum of 0 would make it NaN)
-    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float nan = std::numeric_limits<float>::quiet_NaN(), weights = sum(total);
     if (part != nullptr) {
       part[g * (D + 2)] = top(highest);
-      part[g * (D + 2) + 1] = nans ? nan : sum(total);
+      part[g * (D + 2) + 1] = nans ? nan : weights;
     }
-    inverse[g] = nans ? splat(nan) : n == 0 ? zero() : splat(1.0f / sum(total));
+    // (a chunk whose weights are all 0, its scores all -inf: a mean of 0, its weight in `combine` 0)
+    inverse[g] = nans ? splat(nan) : n == 0 || (part != nullptr && weights == 0) ? zero() : splat(1.0f / weights);
+    if (part != nullptr) {  // a chunk's weights divided by their sum before the values: its mean cannot overflow
+      for (int64_t j = 0; j < used; j += W) store(sc + j, mul(load(sc + j), inverse[g]));
+    }
   }
   for (int64_t d = 0; d < D; d += W) {  // the weighted sums of the visible values, W columns at a time
     vec even[G], odd[G];
@@ -208,8 +214,9 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
 }
 
 // The outputs of G rows whose slots were taken in nc chunks, from each chunk's partial softmax (`attend_rows`'s part,
-// chunk after chunk): with M the top of the chunks' tops and w_c = e^(top_c - M), out = sum_c w_c o_c / sum_c w_c
-// l_c, summed in chunk order (the same bits on every machine and thread count); a NaN in any chunk makes the row NaN.
+// chunk after chunk): with M the top of the chunks' tops and a_c = e^(top_c - M) l_c each chunk's share of the
+// weights, out = sum_c a_c m_c / sum_c a_c (m_c its mean), summed in chunk order (the same bits on every machine and
+// thread count); a NaN in any chunk makes the row NaN.
 template <typename T>
 void combine(const float* part, int64_t nc, int64_t G, int64_t D, T* out) {
   const int64_t stride = MOST_ROWS * (D + 2);
@@ -225,8 +232,8 @@ void combine(const float* part, int64_t nc, int64_t G, int64_t D, T* out) {
     for (int64_t c = 0; c < nc; ++c) {
       alignas(64) float e[W];
       store(e, exp_lanes(splat(p[c * stride] - highest)));
-      w[c] = e[0];
-      total += w[c] * p[c * stride + 1];
+      w[c] = e[0] * p[c * stride + 1];
+      total += w[c];
     }
     const vec inverse = splat(nans ? std::numeric_limits<float>::quiet_NaN() : 1.0f / total);
     for (int64_t d = 0; d < D; d += W) {

@@ -92,8 +92,8 @@ def test_missing_shard_is_named(tiny_checkpoint, tmp_path):
 
 
 def test_a_shard_that_fails_as_it_is_read_is_named_with_its_tensor(tiny_checkpoint, tmp_path, monkeypatch):
-    """A shard cut short after the checkpoint was checked (another process writing it): the error names the shard
-    and the tensor being read, not only the directory."""
+    """A shard cut short after the checkpoint was checked (another process writing it) is named; a read that fails
+    inside an open shard names the shard and the tensor, not only the directory."""
     import llmstep.core.loader as loader
 
     model, tok = llmstep.load(tiny_checkpoint)
@@ -107,7 +107,21 @@ def test_a_shard_that_fails_as_it_is_read_is_named_with_its_tensor(tiny_checkpoi
         return fits(*args, **kwargs)
 
     monkeypatch.setattr(loader, "check_fits", cut_then_fit)
-    with pytest.raises(CheckpointError, match=rf"sharded/{shard.name}(: tensor [\w.]+)?: could not be read \("):
+    with pytest.raises(CheckpointError, match=rf"sharded/{shard.name}: could not be read \(Error while deserializ"):
+        llmstep.load(out)  # safetensors refuses the cut file as it opens it
+    monkeypatch.setattr(loader, "check_fits", fits)
+    read = loader.Slicer.read
+
+    def failing(self, file, name, ours):  # a read error inside an open shard (an I/O error, a device's refusal)
+        if name == "model.norm.weight":
+            raise OSError(5, "Input/output error")
+        return read(self, file, name, ours)
+
+    monkeypatch.setattr(loader.Slicer, "read", failing)
+    out = llmstep.save(model, tmp_path / "whole", tokenizer=tok, max_shard_bytes=50_000)  # no shard cut
+    shard = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["model.norm.weight"]
+    with pytest.raises(CheckpointError, match=rf"whole/{shard}: tensor model.norm.weight: could not be read "
+                                              r"\(\[Errno 5\] Input/output error\)"):
         llmstep.load(out)
 
 

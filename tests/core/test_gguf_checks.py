@@ -338,13 +338,15 @@ def test_the_header_walk_refuses_what_no_model_needs_and_the_reader_would_pay_fo
 
 
 @pytest.mark.parametrize(("key", "value", "kind", "match"), [
-    ("llama.attention.head_count", 4.0, "FLOAT32", "is a float32; llama.cpp reads it as a uint32 only"),
+    ("llama.attention.head_count", 4.0, "FLOAT32", "is a float32; llama.cpp reads it as a uint32 or an array of "
+                                                   "int32 or an array of uint32 only"),
     ("llama.block_count", 2, "UINT64", "is a uint64; llama.cpp reads it as a uint32 only"),
     ("llama.rope.freq_base", 10000.0, "FLOAT64", "is a float64; llama.cpp reads it as a float32 only"),
     ("tokenizer.ggml.eos_token_id", 2, "INT64", "is an int64; llama.cpp reads it as a uint32 only"),
     ("tokenizer.ggml.eot_token_id", 2, "INT32", "is an int32; llama.cpp reads it as a uint32 only"),
     ("tokenizer.ggml.add_bos_token", 1, "UINT8", "is a uint8; llama.cpp reads it as a bool only"),
     ("tokenizer.ggml.model", 2, "UINT32", "is a uint32; llama.cpp reads it as a string only"),
+    ("llama.context_length", 2048, "INT32", "is an int32; llama.cpp reads it as a uint32 only"),
 ])
 def test_metadata_of_another_type_than_llama_cpp_reads_is_refused_by_key(tmp_path, tokenizer, no_weight_read, key,
                                                                           value, kind, match):
@@ -362,12 +364,19 @@ def test_token_types_stored_as_floats_are_refused_and_per_block_head_counts_are_
     floats = rewrite(path, tmp_path / "floats.gguf", {"tokenizer.ggml.token_type": ([float(t) for t in types],
                                                                                     gguf.GGUFValueType.ARRAY)})
     with pytest.raises(GGUFLoadError, match="metadata tokenizer.ggml.token_type is an array of float32; llama.cpp "
-                                            "reads it as an array of int32 only"):
+                                            "reads it as an array of int32 or an array of uint32 only"):
         read_gguf(floats)
+    unsigned = rewrite(path, tmp_path / "unsigned.gguf", {"tokenizer.ggml.token_type": (
+        [int(t) for t in types], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)})
+    assert read_gguf(unsigned).tokenizer.vocab_size == read_gguf(path).tokenizer.vocab_size  # llama.cpp: C ints too
+    sampling = rewrite(path, tmp_path / "sampling.gguf", {"general.sampling.top_k": (40, gguf.GGUFValueType.UINT32),
+                                                          "general.sampling.temp": (0.5, gguf.GGUFValueType.FLOAT64)})
+    assert read_gguf(sampling).generation_config["top_k"] == 40  # llama.cpp reads these as text, whatever the type
     n_layers = random_llama().config.n_layers
     heads = random_llama().config.n_heads
-    per_block = rewrite(path, tmp_path / "per_block.gguf", {"llama.attention.head_count": (
-        [heads] * n_layers, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(GGUFLoadError, match=rf"metadata llama.attention.head_count gives one value per block "
-                                            rf"\({heads}, {heads}"):
-        read_gguf(per_block)
+    for item in ("INT32", "UINT32"):  # gguf-py writes a list as int32 (GGUFWriter.add_head_count([...]))
+        per_block = rewrite(path, tmp_path / "per_block.gguf", {"llama.attention.head_count": (
+            [heads] * n_layers, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType[item])})
+        with pytest.raises(GGUFLoadError, match=rf"metadata llama.attention.head_count gives one value per block "
+                                                rf"\({heads}, {heads}"):
+            read_gguf(per_block)

@@ -40,6 +40,30 @@ def test_two_linears_of_the_same_shape_each_compute_with_their_own_weights(tmp_p
             assert close(step(x), torch.nn.functional.linear(x, layer.weight)), seed
 
 
+def test_a_frozen_steps_cache_key_names_the_vector_isa_inductor_writes_for(monkeypatch):
+    """Inductor's FX graph cache names no CPU ISA (its system key is empty on a CPU): without it in the key, a cache
+    shared by an AMX Xeon and a Zen 4 (a Docker image's) would serve the Xeon's AMX code to the Zen 4, wherever this
+    torch caches a frozen graph. The key's tag while the step runs names the weights and the ISA."""
+    from llmstep.core import torch_compat
+    from llmstep.engines import compile as compile_module
+
+    tags, hold = [], torch_compat.holding_freezing
+
+    def recording(compiled):  # the frozen step, its cache key's tag read as it is called
+        return lambda *a: tags.append(torch.compiler.config.cache_key_tag) or hold(compiled)(*a)
+
+    monkeypatch.setattr(torch_compat, "holding_freezing", recording)
+    layer, x = linear(0), torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for isa in ("amx", "avx2"):
+            monkeypatch.setattr(compile_module, "_vector_isa", lambda isa=isa: isa)
+            step = compile_step(layer.forward, CPU, gemm_backends=None, models=[layer])
+            assert close(step(x), torch.nn.functional.linear(x, layer.weight))
+    assert [t.rpartition("+")[2] for t in tags] == [f"{weights_digest(layer)}-isa-amx",
+                                                    f"{weights_digest(layer)}-isa-avx2"]
+    assert torch.compiler.config.cache_key_tag == "" or "isa-" not in torch.compiler.config.cache_key_tag
+
+
 @pytest.mark.tuned_matmuls  # as the engines compile by default: the GEMM template packs the weights
 def test_a_second_model_of_the_same_shapes_decodes_with_its_own_weights(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))

@@ -27,8 +27,14 @@ def test_a_small_run_writes_its_record_and_leaves_the_threads(tmp_path):
     assert record["command"].startswith("python scripts/attention_split.py --slots 64")
 
 
-def test_a_bad_split_is_named(capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--splits", "128:0"], "a split is CHUNK:MOST (0:1 whole, 128:8 llmstep's), got '128:0'"),
+    (["--seen", "300"], "--seen must be 1..--slots (256), got 300"),
+    (["--head-dim", "24"], "--head-dim a multiple of 16, got 24"), (["--threads", "2", "0"], "--threads must be at "
+                                                                     "least 1, got 0")])
+def test_a_bad_argument_is_named_before_anything_is_allocated(capsys, monkeypatch, argv, message):
     script = import_script("attention_split.py")
+    monkeypatch.setattr(script.torch, "randn", lambda *a, **k: pytest.fail("allocated before the check"))
     with pytest.raises(SystemExit):
-        script.main(["--splits", "128:0"])
-    assert "a split is CHUNK:MOST (0:1 whole, 128:8 llmstep's), got '128:0'" in capsys.readouterr().err
+        script.main(argv)
+    assert message in capsys.readouterr().err
