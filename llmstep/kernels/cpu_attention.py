@@ -73,8 +73,8 @@ _NEEDS = {"avx512": ({"AVX512"}, {"avx512f", "avx2", "fma"}), "avx2": ({"AVX2", 
 # its own task (flash-decoding's split of the keys), their partial softmaxes combined in order. By the slots a row
 # sees, never the thread count: the same bits on every machine. On a Zen 4 with the K/V cache cold (as a step finds
 # it; scripts/attention_split.py, results/attention_split_zen4_*_s53.json), 9 query heads over 3 KV heads seeing
-# 2,000 slots: 149.5 -> 128.6 us a call at 2 threads, 208.0 -> 212.1 at one (128-slot chunks: 134.1, 224.7); seeing
-# 230, split in two: 23.1 -> 21.2 us at 2 threads, 30.0 -> 34.0 at one, so a run that sees up to 256 stays whole.
+# 2,000 slots: 134.9 -> 117.6 us a call at 2 threads, 201.6 -> 203.9 at one (128-slot chunks: 116.6, 203.5); seeing
+# 230, split in two: 21.3 -> 19.8 us at 2 threads, 28.4 -> 30.4 at one, so a run that sees up to 256 stays whole.
 CHUNK = 256
 MOST_CHUNKS = 8
 _state: dict[str, object] = {}  # "op", "isa": the installed op and its ISA, or "why": what stopped it (once a process)
