@@ -412,3 +412,18 @@ def test_a_split_row_stays_finite_where_the_whole_one_does(each_isa):
     want, _ = exact(q, k, v, torch.ones(1, 1, 1, S, dtype=torch.bool))
     assert whole.isfinite().all() and split.isfinite().all()
     assert ((split.double() - want).abs() <= 1e-5 * want.abs() + 1e-5).all()
+
+
+@torch.no_grad()
+def test_a_compiled_step_past_chunk_slots_splits_its_attention_and_makes_the_eager_tokens(kernel):
+    """A decode step whose rows see more than CHUNK slots (its attention split, combined in order): the eager
+    float32 model's greedy tokens (SDPA's attention), as at short contexts."""
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=256, dim=96, n_layers=2, n_heads=6, n_kv_heads=2, hidden_dim=256, max_seq_len=512)
+    model = llmstep.Llama(config).float().eval()
+    for layer in model.layers:  # peaked attention: chunks' top scores far apart, as a trained model's are
+        layer.attention.wq.weight.mul_(6.0)
+    ids = torch.randint(0, 256, (cpu_attention.CHUNK + 40,)).tolist()
+    eager = FastDecoder(model, max_len=320, compile=False).generate(ids, 8, temperature=0, stop_ids=()).tokens
+    compiled = FastDecoder(model, max_len=320, compile=True)
+    assert compiled.generate(ids, 8, temperature=0, stop_ids=()).tokens == eager
