@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
                                *(("--threads", t, 1) for t in a.threads)):
         if value < least:
             p.error(f"{flag} must be at least {least}, got {value}")
-    if not 1 <= a.seen <= a.slots or a.head_dim % 16:
-        p.error(f"--seen must be 1..--slots ({a.slots}), got {a.seen}; --head-dim a multiple of 16, got {a.head_dim}")
+    if not 1 <= a.seen <= a.slots:
+        p.error(f"--seen must be 1..--slots ({a.slots}), got {a.seen}")
+    if a.head_dim % 16:
+        p.error(f"--head-dim must be a multiple of 16, got {a.head_dim}")
     if a.out:
         check_output_path(a.out)
     isa = cpu_attention.isa_here()

@@ -212,8 +212,9 @@ def compile_step(fn, device: torch.device, mode: str | None = None, static: Iter
         tag and freezing's flag are process-wide settings: one such call runs at a time, so a step in another thread
         never compiles under this one's."""
         with _NAMING:
-            if not digest:  # the CPU's vector ISA too: the code written for an AMX or AVX-512 CPU is not another's
-                digest.extend((f"{weights_digest(*models)}-isa-{_vector_isa() or 'unread'}", streams_weights(models)))
+            if not digest:  # the CPU's vector ISA too (unread, a name never reused: the step is never found)
+                isa = _vector_isa() or f"unread-{uuid.uuid4().hex}"
+                digest.extend((f"{weights_digest(*models)}-isa-{isa}", streams_weights(models)))
             before = torch.compiler.config.cache_key_tag
             torch.compiler.config.cache_key_tag = "+".join(t for t in (before, digest[0]) if t)
             try:

@@ -20,8 +20,8 @@ calls its prefix form, `attention_prefix` (`attend_prefix`): every row of batch 
 (`Mask.last`), so no mask is made or read (in a compiled step inductor made the mask again in every layer's kernel);
 the same bits as the masked form given that mask. A run of rows that sees more than `CHUNK` slots is split
 (flash-decoding's split of the keys): up to MOST_CHUNKS chunks of its visible slots, each its own task giving its
-rows' partial softmax (top score, sum of weights, weighted values), combined in chunk order once the tasks are
-done. A decode step has one run a KV head, so SmolLM2's 3 KV heads left one of two threads with two of them (a
+rows' partial softmax (top score, sum of weights, the values' weighted mean), combined in chunk order once the
+tasks are done. A decode step has one run a KV head, so SmolLM2's 3 KV heads left one of two threads with two of them (a
 16-thread CPU 13 threads idle). The chunks follow from the slots a row sees, never the thread count: the same bits
 on any machine of an ISA, and a row that sees up to CHUNK slots computes as before. A chunk's softmax runs over the
 slots it sees, not the cache's (before, a row seeing 10 of 4,096 slots took 4,096 exponentials). Written once over

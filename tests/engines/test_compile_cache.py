@@ -40,13 +40,14 @@ def test_two_linears_of_the_same_shape_each_compute_with_their_own_weights(tmp_p
             assert close(step(x), torch.nn.functional.linear(x, layer.weight)), seed
 
 
-def test_a_frozen_steps_cache_key_names_the_vector_isa_inductor_writes_for(monkeypatch):
+def test_a_frozen_steps_cache_key_names_the_vector_isa_inductor_writes_for(tmp_path, monkeypatch):
     """Inductor's FX graph cache names no CPU ISA (its system key is empty on a CPU): without it in the key, a cache
     shared by an AMX Xeon and a Zen 4 (a Docker image's) would serve the Xeon's AMX code to the Zen 4, wherever this
     torch caches a frozen graph. The key's tag while the step runs names the weights and the ISA."""
     from llmstep.core import torch_compat
     from llmstep.engines import compile as compile_module
 
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # not the user's cache
     tags, hold = [], torch_compat.holding_freezing
 
     def recording(compiled):  # the frozen step, its cache key's tag read as it is called
@@ -59,8 +60,13 @@ def test_a_frozen_steps_cache_key_names_the_vector_isa_inductor_writes_for(monke
             monkeypatch.setattr(compile_module, "_vector_isa", lambda isa=isa: isa)
             step = compile_step(layer.forward, CPU, gemm_backends=None, models=[layer])
             assert close(step(x), torch.nn.functional.linear(x, layer.weight))
-    assert [t.rpartition("+")[2] for t in tags] == [f"{weights_digest(layer)}-isa-amx",
-                                                    f"{weights_digest(layer)}-isa-avx2"]
+        monkeypatch.setattr(compile_module, "_vector_isa", lambda: "")  # not read (a torch past the tested range)
+        compile_step(layer.forward, CPU, gemm_backends=None, models=[layer])(x)
+        compile_step(layer.forward, CPU, gemm_backends=None, models=[layer])(x)
+    assert [t.rpartition("+")[2] for t in tags[:2]] == [f"{weights_digest(layer)}-isa-amx",
+                                                        f"{weights_digest(layer)}-isa-avx2"]
+    unread = [t.rpartition("-isa-")[2] for t in tags[2:]]
+    assert all(u.startswith("unread-") for u in unread) and unread[0] != unread[1]  # never another step's
     assert torch.compiler.config.cache_key_tag == "" or "isa-" not in torch.compiler.config.cache_key_tag
 
 

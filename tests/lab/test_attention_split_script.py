@@ -30,11 +30,13 @@ def test_a_small_run_writes_its_record_and_leaves_the_threads(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--splits", "128:0"], "a split is CHUNK:MOST (0:1 whole, 128:8 llmstep's), got '128:0'"),
     (["--seen", "300"], "--seen must be 1..--slots (256), got 300"),
-    (["--head-dim", "24"], "--head-dim a multiple of 16, got 24"), (["--threads", "2", "0"], "--threads must be at "
-                                                                     "least 1, got 0")])
+    (["--head-dim", "24"], "--head-dim must be a multiple of 16, got 24"),
+    (["--threads", "2", "0"], "--threads must be at least 1, got 0")])
 def test_a_bad_argument_is_named_before_anything_is_allocated(capsys, monkeypatch, argv, message):
     script = import_script("attention_split.py")
     monkeypatch.setattr(script.torch, "randn", lambda *a, **k: pytest.fail("allocated before the check"))
+    monkeypatch.setattr(script.cpu_attention, "build", lambda *a, **k: pytest.fail("built before the check"))
     with pytest.raises(SystemExit):
         script.main(argv)
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and err.count("must") + err.count("a split is") == 1  # that one, not the others
