@@ -166,7 +166,8 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
       highest = max(highest, s);
       nans |= nan_lanes(s);
     }
-    const vec shift = splat(top(highest));
+    const float topmost = top(highest);
+    const vec shift = splat(topmost);
     vec total = zero();
     for (int64_t j = 0; j < used; j += W) {
       const vec p = exp_lanes(sub(load(sc + j), shift));
@@ -176,13 +177,11 @@ void attend_rows(const T* q, const T* kh, const T* vh, const int64_t* seen, int6
     // a NaN score: the row NaN, as SDPA's softmax makes it; none visible (n = 0, no value summed): the row 0, as
     // SDPA gives for a mask row that shows nothing (1 / a sum of 0 would make it NaN)
     const float nan = std::numeric_limits<float>::quiet_NaN(), weights = sum(total);
-    if (part != nullptr) {
-      part[g * (D + 2)] = top(highest);
-      part[g * (D + 2) + 1] = nans ? nan : weights;
-    }
     // (a chunk whose weights are all 0, its scores all -inf: a mean of 0, its weight in `combine` 0)
     inverse[g] = nans ? splat(nan) : n == 0 || (part != nullptr && weights == 0) ? zero() : splat(1.0f / weights);
     if (part != nullptr) {  // a chunk's weights divided by their sum before the values: its mean cannot overflow
+      part[g * (D + 2)] = topmost;
+      part[g * (D + 2) + 1] = nans ? nan : weights;
       for (int64_t j = 0; j < used; j += W) store(sc + j, mul(load(sc + j), inverse[g]));
     }
   }
